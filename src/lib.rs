@@ -1,0 +1,1 @@
+//! kvmesh: a peer-to-peer mesh of KV-cache-aware request routers for LLM inference fleets.

@@ -1,1 +1,120 @@
-fn main() {}
+//! Decision time and key hashing throughput.
+//!
+//! Decision: a view of N replicas in one region, each with a summary that holds a shared
+//! 2-block system prompt, one of them also the whole prompt (the warm replica), loads varied.
+//! The keys are computed once outside the timed loop: this measures the decision alone.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvmesh::core::keys::{text_block_keys, BlockKey, Namespace};
+use kvmesh::core::policy::PolicyKind;
+use kvmesh::core::router::{RouteRequest, Router, RouterConfig};
+use kvmesh::core::summary::{ReplicaSummary, SummaryConfig};
+use kvmesh::core::tenants::Tenants;
+use kvmesh::core::view::{ReplicaInfo, View};
+
+fn prompt(tokens: usize) -> Vec<u8> {
+    // ~4 bytes per token; varied bytes so blocks differ.
+    (0..tokens * 4).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+fn view(replicas: usize, keys: &[BlockKey]) -> View {
+    let cfg = SummaryConfig::for_cluster("bench");
+    let mut v = View::new("eu", 64);
+    for i in 0..replicas {
+        let idx = v.upsert(ReplicaInfo {
+            id: format!("replica-{i}"),
+            url: format!("http://10.0.0.{i}:8000"),
+            region: "eu".into(),
+            zone: String::new(),
+            pool: "shared".into(),
+            models: vec!["llama".into()],
+            capacity_tokens: 450_000,
+            prefill_tokens_per_s: 50_000.0,
+            max_in_flight: 256,
+        });
+        let mut s = ReplicaSummary::new(1, 7_000, &cfg).expect("summary");
+        s.insert(&keys[..2.min(keys.len())]);
+        if i == replicas / 2 {
+            s.insert(keys);
+        }
+        // Unrelated content, so filters are realistically full.
+        let other: Vec<BlockKey> = (0..5_000u64)
+            .map(|k| BlockKey(k ^ (i as u64) << 40))
+            .collect();
+        s.insert(&other);
+        v.set_summary(idx, s);
+        v.set_engine_load(
+            idx,
+            (i % 5) as u32,
+            (i % 7) as u32,
+            0.5,
+            (i % 5) as u64 * 2048,
+        );
+    }
+    v
+}
+
+fn decisions(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    for replicas in [8usize, 64, 512] {
+        for tokens in [1_024usize, 8_192, 32_768] {
+            let mut keys = Vec::new();
+            text_block_keys(
+                Namespace::new("llama", None, None, None),
+                &prompt(tokens),
+                256,
+                &mut keys,
+            );
+            let v = view(replicas, &keys);
+            for policy in [PolicyKind::P2cCache, PolicyKind::RoundRobin] {
+                let mut router = Router::new(
+                    RouterConfig {
+                        policy,
+                        ..Default::default()
+                    },
+                    Tenants::default(),
+                );
+                let req = RouteRequest {
+                    model: "llama",
+                    keys: &keys,
+                    prompt_tokens: tokens as u64,
+                    session: None,
+                    tenant: None,
+                    forwarded: false,
+                };
+                let id =
+                    BenchmarkId::new(policy.as_str(), format!("{replicas}r-{}k", tokens / 1024));
+                g.bench_function(id, |b| {
+                    b.iter(|| black_box(router.route(&v, black_box(&req), Duration::ZERO)))
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+fn hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("keys");
+    let text = prompt(32_768);
+    g.throughput(Throughput::Bytes(text.len() as u64));
+    let ns = Namespace::new("llama", None, None, None);
+    let mut out = Vec::with_capacity(1024);
+    g.bench_function("text_block_keys/128KiB", |b| {
+        b.iter(|| {
+            out.clear();
+            text_block_keys(ns, black_box(&text), 256, &mut out);
+            black_box(out.len())
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    targets = decisions, hashing
+}
+criterion_main!(benches);

@@ -1,0 +1,279 @@
+//! Cache model: the home node's picture of one replica's prefix cache, and the source of its
+//! summary.
+//!
+//! Two sources feed it. *Exact*: the engine's KV events say which blocks were stored and removed,
+//! so the set is the engine's truth. *Approximate*: engines without events are modelled from the
+//! requests routed to them — an LRU of block keys bounded by the replica's KV capacity, with a
+//! TTL, which is how the engine itself evicts. Either way the model owns a [`ReplicaSummary`];
+//! since a Bloom filter cannot delete, removed keys pile up as `stale` and, past a threshold, the
+//! model starts a new epoch whose filter is rebuilt from the live set.
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use lru::LruCache;
+
+use super::keys::BlockKey;
+use super::summary::{ReplicaSummary, SummaryConfig, SummaryError};
+
+/// Where a cache model's knowledge comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSource {
+    /// Engine KV events: add/remove/clear, no capacity or TTL of our own.
+    Exact,
+    /// Routed requests: LRU bounded by capacity, with a TTL.
+    Approximate,
+}
+
+/// Settings of a cache model.
+#[derive(Clone, Debug)]
+pub struct CacheModelConfig {
+    /// Blocks the replica can hold (its KV capacity in tokens / tokens per block).
+    pub capacity_blocks: usize,
+    /// Approximate mode: a key not routed again within this long is presumed evicted.
+    /// Default 600 s (engines under load evict sooner through capacity, which the LRU models).
+    pub ttl: Duration,
+    /// Start a new epoch when stale keys exceed this fraction of the filter's capacity.
+    /// Default 0.25: the false-positive rate then stays within about 1.5× the target.
+    pub rebuild_stale_fraction: f64,
+}
+
+impl CacheModelConfig {
+    /// Defaults for a replica holding `capacity_blocks` blocks.
+    pub fn with_capacity(capacity_blocks: usize) -> Self {
+        CacheModelConfig {
+            capacity_blocks,
+            ttl: Duration::from_secs(600),
+            rebuild_stale_fraction: 0.25,
+        }
+    }
+}
+
+/// One replica's cache model.
+#[derive(Debug)]
+pub struct CacheModel {
+    source: CacheSource,
+    cfg: CacheModelConfig,
+    summary_cfg: SummaryConfig,
+    /// Live keys, least recently used first, with the time each was last touched.
+    entries: LruCache<u64, Duration>,
+    summary: ReplicaSummary,
+    /// Keys in the filter that the replica no longer holds.
+    stale: usize,
+}
+
+impl CacheModel {
+    /// An empty model; `epoch` must exceed any epoch peers saw for this replica (use a clock or a
+    /// node generation), so a new home's summary supersedes the old one.
+    pub fn new(
+        source: CacheSource,
+        epoch: u64,
+        cfg: CacheModelConfig,
+        summary_cfg: SummaryConfig,
+    ) -> Result<Self, SummaryError> {
+        let capacity = cfg.capacity_blocks.max(1);
+        let summary = ReplicaSummary::new(epoch, capacity, &summary_cfg)?;
+        let entries = match source {
+            CacheSource::Exact => LruCache::unbounded(),
+            CacheSource::Approximate => {
+                LruCache::new(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN))
+            }
+        };
+        Ok(CacheModel {
+            source,
+            cfg,
+            summary_cfg,
+            entries,
+            summary,
+            stale: 0,
+        })
+    }
+
+    /// Where this model's knowledge comes from.
+    pub fn source(&self) -> CacheSource {
+        self.source
+    }
+
+    /// The summary peers pull.
+    pub fn summary(&self) -> &ReplicaSummary {
+        &self.summary
+    }
+
+    /// Live keys.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no key is live.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Keys still in the filter but no longer held.
+    pub fn stale(&self) -> usize {
+        self.stale
+    }
+
+    /// Whether the model holds `key` right now (exact lookup, not the filter).
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.entries.contains(&key.0)
+    }
+
+    /// Approximate mode: the blocks of a request just routed to the replica. The engine will
+    /// hold them and touch its existing ones, so they all become most recently used.
+    pub fn record_routed(&mut self, keys: &[BlockKey], now: Duration) {
+        self.expire(now);
+        for k in keys {
+            if let Some((old, _)) = self.entries.push(k.0, now) {
+                if old != k.0 {
+                    self.stale += 1;
+                }
+            }
+        }
+        self.summary.insert(keys);
+    }
+
+    /// Exact mode: blocks the engine stored.
+    pub fn store(&mut self, keys: &[BlockKey], now: Duration) {
+        for k in keys {
+            self.entries.put(k.0, now);
+        }
+        self.summary.insert(keys);
+    }
+
+    /// Exact mode: blocks the engine evicted.
+    pub fn remove(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            if self.entries.pop(&k.0).is_some() {
+                self.stale += 1;
+            }
+        }
+    }
+
+    /// The engine dropped everything (or we lost track of it): a new, empty epoch at once.
+    pub fn clear(&mut self) -> Result<(), SummaryError> {
+        self.entries.clear();
+        self.stale = 0;
+        self.summary = ReplicaSummary::new(
+            self.summary.epoch() + 1,
+            self.cfg.capacity_blocks.max(1),
+            &self.summary_cfg,
+        )?;
+        Ok(())
+    }
+
+    /// Approximate mode: drops keys untouched for longer than the TTL.
+    pub fn expire(&mut self, now: Duration) {
+        if self.source != CacheSource::Approximate {
+            return;
+        }
+        while let Some((_, touched)) = self.entries.peek_lru() {
+            if now.saturating_sub(*touched) <= self.cfg.ttl {
+                break;
+            }
+            self.entries.pop_lru();
+            self.stale += 1;
+        }
+    }
+
+    /// Starts a new epoch when evicted keys pile up in the filter, or when more keys went in than
+    /// it was sized for. Returns whether it did. Call it on a timer, not per request.
+    pub fn maybe_rebuild(&mut self, now: Duration) -> Result<bool, SummaryError> {
+        self.expire(now);
+        let capacity = self.summary.capacity_items();
+        let too_stale = self.stale as f64 > self.cfg.rebuild_stale_fraction * capacity as f64;
+        let overfull = self.summary.inserted() > capacity + capacity / 2;
+        if !(too_stale || overfull) {
+            return Ok(false);
+        }
+        // Size the new filter for what is live now, but never below the configured capacity.
+        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
+        let mut next = ReplicaSummary::new(self.summary.epoch() + 1, items, &self.summary_cfg)?;
+        let live: Vec<BlockKey> = self
+            .entries
+            .iter()
+            .rev()
+            .map(|(k, _)| BlockKey(*k))
+            .collect();
+        next.insert(&live);
+        self.summary = next;
+        self.stale = 0;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(source: CacheSource, capacity: usize) -> CacheModel {
+        CacheModel::new(
+            source,
+            10,
+            CacheModelConfig::with_capacity(capacity),
+            SummaryConfig::for_cluster("t"),
+        )
+        .unwrap()
+    }
+
+    fn ks(r: std::ops::Range<u64>) -> Vec<BlockKey> {
+        r.map(BlockKey).collect()
+    }
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn approximate_mode_evicts_least_recently_routed() {
+        let mut m = model(CacheSource::Approximate, 4);
+        m.record_routed(&ks(0..2), S);
+        m.record_routed(&ks(10..12), 2 * S);
+        m.record_routed(&ks(0..2), 3 * S); // touch the first prefix again
+        m.record_routed(&ks(20..22), 4 * S); // evicts 10, 11
+        assert!(m.contains(BlockKey(0)) && m.contains(BlockKey(20)));
+        assert!(!m.contains(BlockKey(10)) && !m.contains(BlockKey(11)));
+        assert_eq!(m.stale(), 2);
+        // The filter still claims 10 until a new epoch sheds it.
+        assert!(m.summary().contains(BlockKey(10)));
+    }
+
+    #[test]
+    fn approximate_mode_expires_by_ttl() {
+        let mut m = model(CacheSource::Approximate, 100);
+        m.record_routed(&ks(0..3), S);
+        m.record_routed(&ks(5..6), 500 * S);
+        m.expire(602 * S);
+        assert_eq!(m.len(), 1);
+        assert!(m.contains(BlockKey(5)));
+    }
+
+    #[test]
+    fn exact_mode_follows_events_and_rebuilds_on_stale() {
+        let mut m = model(CacheSource::Exact, 64);
+        let epoch = m.summary().epoch();
+        m.store(&ks(0..40), S);
+        m.remove(&ks(0..10));
+        assert_eq!(m.stale(), 10);
+        assert!(
+            !m.maybe_rebuild(S).unwrap(),
+            "10 stale of 64 is below the 25% threshold"
+        );
+        m.remove(&ks(10..20));
+        assert!(m.maybe_rebuild(S).unwrap());
+        assert_eq!(m.summary().epoch(), epoch + 1);
+        assert_eq!(m.summary().hit(&ks(20..40)), 20);
+        // Rebuilt from the live set: removed keys are gone (barring a false positive).
+        assert_eq!(m.summary().hit(&ks(0..20)), 0);
+        m.clear().unwrap();
+        assert_eq!(m.summary().epoch(), epoch + 2);
+        assert!(m.is_empty());
+    }
+
+    #[test]
+    fn overfull_filter_starts_a_new_epoch() {
+        let mut m = model(CacheSource::Exact, 64);
+        m.store(&ks(0..100), S);
+        assert!(m.maybe_rebuild(S).unwrap());
+        assert_eq!(m.summary().capacity_items(), 100);
+        assert_eq!(m.summary().hit(&ks(0..100)), 100);
+    }
+}

@@ -1,0 +1,28 @@
+//! The sans-IO routing core: block keys, summaries, cache models, the view and the policies.
+//!
+//! Nothing here does I/O, spawns a task or reads a clock: time is an argument. The live node, the
+//! simulator and the tests all drive this same code, which is what makes a policy's simulated
+//! behaviour the behaviour it has in production.
+//!
+//! Layout:
+//! - [`keys`]: chained block keys over routing text or token ids, seeded by a namespace.
+//! - [`prompt`]: the canonical routing text of a completions or chat body.
+//! - [`summary`]: Bloom-filter summaries with epochs, deltas, snapshots and their wire form.
+//! - [`cache_model`]: a replica's block set (exact from events, or LRU from routed requests).
+//! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
+//! - [`cost`]: the predicted-seconds formula.
+//! - [`policy`]: the policies behind one trait.
+//! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
+//! - [`router`]: one decision, from request and view to route, forward or reject.
+
+pub mod affinity;
+pub mod cache_model;
+pub mod cost;
+pub mod keys;
+pub mod policy;
+pub mod prompt;
+pub mod regions;
+pub mod router;
+pub mod summary;
+pub mod tenants;
+pub mod view;

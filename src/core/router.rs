@@ -1,0 +1,615 @@
+//! The router: one routing decision, from a request and a [`View`] to a [`Decision`].
+//!
+//! Order of work: the eligible set (model, health, the tenant's pools and quotas, the node's
+//! region), then each candidate's hit and predicted cost, then region spill, then the policy.
+//! The router reads the view and never changes it: the driver records the decision
+//! ([`View::record_routed`], [`Tenants::started`]) once the request is really sent.
+
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+use super::affinity;
+use super::cost::CostModel;
+use super::keys::BlockKey;
+use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
+use super::tenants::Tenants;
+use super::view::{Health, ReplicaState, View};
+
+/// Router settings.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// Policy. Default `p2c-cache`.
+    pub policy: PolicyKind,
+    /// RNG seed; equal seeds and inputs give equal decisions. Default 0.
+    pub seed: u64,
+    /// Forward to another region when every local candidate would queue longer than this
+    /// (seconds). Default 10 s.
+    pub spill_after_s: f64,
+    /// The cost formula's parameters.
+    pub cost: CostModel,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            policy: PolicyKind::P2cCache,
+            seed: 0,
+            spill_after_s: 10.0,
+            cost: CostModel::default(),
+        }
+    }
+}
+
+/// What routing needs to know about one request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// Requested model.
+    pub model: &'a str,
+    /// Block keys of the prompt.
+    pub keys: &'a [BlockKey],
+    /// Prompt length in tokens (estimated in text mode).
+    pub prompt_tokens: u64,
+    /// Session or agent-run id, for affinity.
+    pub session: Option<&'a str>,
+    /// Tenant id, for pools and quotas.
+    pub tenant: Option<&'a str>,
+    /// Already forwarded once by another region's node: never forward again.
+    pub forwarded: bool,
+}
+
+/// A decision to send the request to a local replica.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routed {
+    /// The replica's index in the view.
+    pub replica: usize,
+    /// The replica it was weighed against.
+    pub runner_up: Option<usize>,
+    /// Leading blocks believed cached on the chosen replica.
+    pub hit_blocks: u32,
+    /// Predicted seconds to first token there.
+    pub cost_s: f64,
+    /// The policy's reason.
+    pub reason: Reason,
+}
+
+/// Why a request goes to another region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardReason {
+    /// No healthy local replica serves the model.
+    NoLocalReplica,
+    /// Every local candidate is busier than `spill_after_s`.
+    Spill,
+}
+
+/// Why a request cannot be served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// No replica anywhere serves the model (HTTP 404).
+    UnknownModel,
+    /// Replicas exist but none is healthy and reachable (HTTP 503).
+    NoHealthyReplica,
+    /// The tenant is over its quota (HTTP 429).
+    OverQuota,
+}
+
+/// The outcome of routing one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Send to a local replica.
+    Route(Routed),
+    /// Forward to a node of `region` (at most one hop).
+    Forward {
+        /// Target region.
+        region: String,
+        /// Why.
+        reason: ForwardReason,
+    },
+    /// Answer with an error.
+    Reject(RejectReason),
+}
+
+/// Routes requests; owns the policy, the RNG, tenant state and reusable buffers.
+pub struct Router {
+    cfg: RouterConfig,
+    policy: Box<dyn Policy>,
+    rng: SmallRng,
+    /// Tenant policies and in-flight counts.
+    pub tenants: Tenants,
+    candidates: Vec<Candidate>,
+}
+
+impl Router {
+    /// A router with `cfg` and `tenants`.
+    pub fn new(cfg: RouterConfig, tenants: Tenants) -> Self {
+        Router {
+            policy: cfg.policy.build(),
+            rng: SmallRng::seed_from_u64(cfg.seed),
+            tenants,
+            candidates: Vec::new(),
+            cfg,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// Decides where `req` goes, given what `view` says at `now`.
+    pub fn route(&mut self, view: &View, req: &RouteRequest<'_>, now: Duration) -> Decision {
+        let tenant_cfg = self.tenants.config(req.tenant);
+        let pools = &tenant_cfg.pools;
+        let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
+        let serves = |r: &ReplicaState| r.info.models.iter().any(|m| m == req.model);
+
+        let mut model_known = false;
+        let mut quota_blocked = false;
+        let mut cluster_slots = 0u64;
+        let mut local_usable = false;
+        for r in view.replicas() {
+            if !serves(r) {
+                continue;
+            }
+            model_known = true;
+            cluster_slots += r.info.max_in_flight as u64;
+            if r.health == Health::Healthy && r.info.region == view.local_region && allowed_pool(r)
+            {
+                local_usable = true;
+            }
+        }
+        if !model_known {
+            return Decision::Reject(RejectReason::UnknownModel);
+        }
+        if !self.tenants.cluster_allows(req.tenant, cluster_slots) {
+            return Decision::Reject(RejectReason::OverQuota);
+        }
+        if !local_usable {
+            return self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY);
+        }
+
+        // The tenant's first pool (in tier order) that has a usable local replica.
+        let tier_pool: Option<&str> = pools
+            .iter()
+            .find(|p| {
+                view.replicas().iter().enumerate().any(|(i, r)| {
+                    serves(r)
+                        && r.health == Health::Healthy
+                        && r.info.region == view.local_region
+                        && r.info.pool == **p
+                        && self.tenants.replica_allows(req.tenant, i)
+                })
+            })
+            .map(String::as_str);
+
+        let uses_cache = self.policy.uses_cache();
+        let cost = self.cfg.cost;
+        let tpb = view.tokens_per_block as u64;
+        self.candidates.clear();
+        for (i, r) in view.replicas().iter().enumerate() {
+            if !serves(r) || r.health != Health::Healthy || r.info.region != view.local_region {
+                continue;
+            }
+            if let Some(p) = tier_pool {
+                if r.info.pool != p {
+                    continue;
+                }
+            } else if !allowed_pool(r) {
+                continue;
+            }
+            if !self.tenants.replica_allows(req.tenant, i) {
+                quota_blocked = true;
+                continue;
+            }
+            let hit_blocks = if uses_cache {
+                view.hit(i, req.keys, now) as u32
+            } else {
+                0
+            };
+            let queue_s = cost.queue_s(r);
+            let cost_s = queue_s + cost.prefill_s(r, req.prompt_tokens, hit_blocks as u64 * tpb);
+            self.candidates.push(Candidate {
+                replica: i,
+                seed: r.seed,
+                hit_blocks,
+                outstanding: r.load.outstanding(),
+                in_flight: r.load.in_flight,
+                queue_s,
+                cost_s,
+            });
+        }
+        if self.candidates.is_empty() {
+            return if quota_blocked {
+                Decision::Reject(RejectReason::OverQuota)
+            } else {
+                self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY)
+            };
+        }
+
+        // Spill: every local candidate is full or queues too long, and some region is better off.
+        let least_queue = self
+            .candidates
+            .iter()
+            .map(|c| c.queue_s)
+            .fold(f64::INFINITY, f64::min);
+        let all_full = self.candidates.iter().all(|c| {
+            view.replica(c.replica)
+                .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight)
+        });
+        if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
+            let bar = if all_full { f64::INFINITY } else { least_queue };
+            if let Some(region) =
+                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s))
+            {
+                return Decision::Forward {
+                    region,
+                    reason: ForwardReason::Spill,
+                };
+            }
+        }
+
+        if let Some(session) = req.session {
+            if let Some(p) =
+                affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
+            {
+                self.candidates[p].cost_s -= cost.affinity_credit_s;
+            }
+        }
+
+        let pick = self.policy.pick(
+            &PolicyInput {
+                candidates: &self.candidates,
+                keys: req.keys,
+            },
+            &mut self.rng,
+        );
+        let chosen = self.candidates[pick.chosen];
+        let hit_blocks = if uses_cache {
+            chosen.hit_blocks
+        } else {
+            view.hit(chosen.replica, req.keys, now) as u32
+        };
+        Decision::Route(Routed {
+            replica: chosen.replica,
+            runner_up: pick.runner_up.map(|p| self.candidates[p].replica),
+            hit_blocks,
+            cost_s: chosen.cost_s,
+            reason: pick.reason,
+        })
+    }
+
+    fn forward_or_reject(
+        &self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        reason: ForwardReason,
+        bar: f64,
+    ) -> Decision {
+        if !req.forwarded {
+            if let Some(region) = self.nearest_region_under(view, req, bar) {
+                return Decision::Forward { region, reason };
+            }
+        }
+        Decision::Reject(RejectReason::NoHealthyReplica)
+    }
+
+    /// The nearest other region with a healthy, non-full replica of the model in the tenant's
+    /// pools whose queue is under `bar` seconds.
+    fn nearest_region_under(
+        &self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        bar: f64,
+    ) -> Option<String> {
+        let pools = &self.tenants.config(req.tenant).pools;
+        let ok = |r: &ReplicaState| {
+            r.info.region != view.local_region
+                && r.health == Health::Healthy
+                && r.info.models.iter().any(|m| m == req.model)
+                && (pools.is_empty() || pools.contains(&r.info.pool))
+                && r.load.outstanding() < r.info.max_in_flight
+                && self.cfg.cost.queue_s(r) < bar
+        };
+        let regions = view
+            .replicas()
+            .iter()
+            .filter(|r| ok(r))
+            .map(|r| r.info.region.as_str());
+        view.regions
+            .nearest_first(&view.local_region, regions)
+            .first()
+            .map(|s| (*s).to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::core::keys::{text_block_keys, Namespace};
+    use crate::core::summary::{ReplicaSummary, SummaryConfig};
+    use crate::core::tenants::TenantConfig;
+    use crate::core::view::testing::info;
+
+    const NOW: Duration = Duration::from_secs(1000);
+
+    fn router(policy: PolicyKind) -> Router {
+        Router::new(
+            RouterConfig {
+                policy,
+                ..Default::default()
+            },
+            Tenants::default(),
+        )
+    }
+
+    fn req<'a>(keys: &'a [BlockKey]) -> RouteRequest<'a> {
+        RouteRequest {
+            model: "m",
+            keys,
+            prompt_tokens: keys.len() as u64 * 64,
+            session: None,
+            tenant: None,
+            forwarded: false,
+        }
+    }
+
+    fn prompt_keys(text: &str) -> Vec<BlockKey> {
+        let mut k = Vec::new();
+        text_block_keys(
+            Namespace::new("m", None, None, None),
+            text.repeat(64).as_bytes(),
+            256,
+            &mut k,
+        );
+        k
+    }
+
+    fn routed(d: Decision) -> Routed {
+        match d {
+            Decision::Route(r) => r,
+            other => panic!("expected a route, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_prefix_sticks_to_the_replica_that_holds_it() {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys = prompt_keys("shared system prompt ");
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        v.set_summary(2, s);
+        let mut r = router(PolicyKind::P2cCache);
+        for _ in 0..20 {
+            let d = routed(r.route(&v, &req(&keys), NOW));
+            assert_eq!(d.replica, 2);
+            assert_eq!(d.hit_blocks as usize, keys.len());
+            assert!(matches!(d.reason, Reason::LongestHit));
+        }
+    }
+
+    #[test]
+    fn the_overlay_makes_a_burst_stick_before_any_summary() {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys = prompt_keys("new conversation ");
+        let mut r = router(PolicyKind::P2cCache);
+        let first = routed(r.route(&v, &req(&keys), NOW)).replica;
+        v.record_routed(first, &keys, NOW);
+        for _ in 0..10 {
+            let d = routed(r.route(&v, &req(&keys), NOW));
+            assert_eq!(d.replica, first);
+        }
+    }
+
+    #[test]
+    fn unknown_model_unhealthy_fleet_and_cross_region_fallback() {
+        let mut v = View::new("eu", 64);
+        let a = v.upsert(info("eu-0", "eu"));
+        let b = v.upsert(info("us-0", "us"));
+        let mut r = router(PolicyKind::P2cCache);
+        let keys = prompt_keys("x");
+        let mut unknown = req(&keys);
+        unknown.model = "other";
+        assert_eq!(
+            r.route(&v, &unknown, NOW),
+            Decision::Reject(RejectReason::UnknownModel)
+        );
+        v.set_health(a, Health::Unhealthy);
+        assert_eq!(
+            r.route(&v, &req(&keys), NOW),
+            Decision::Forward {
+                region: "us".into(),
+                reason: ForwardReason::NoLocalReplica
+            }
+        );
+        // A request that already hopped is never forwarded again.
+        let hopped = RouteRequest {
+            forwarded: true,
+            ..req(&keys)
+        };
+        assert_eq!(
+            r.route(&v, &hopped, NOW),
+            Decision::Reject(RejectReason::NoHealthyReplica)
+        );
+        v.set_health(b, Health::Draining);
+        assert_eq!(
+            r.route(&v, &req(&keys), NOW),
+            Decision::Reject(RejectReason::NoHealthyReplica)
+        );
+    }
+
+    #[test]
+    fn spill_goes_to_the_nearest_region_with_room() {
+        let mut v = View::new("eu", 64);
+        let a = v.upsert(info("eu-0", "eu"));
+        v.upsert(info("us-0", "us"));
+        v.upsert(info("ap-0", "ap"));
+        v.regions.measured("eu", "us", 90.0);
+        v.regions.measured("eu", "ap", 30.0);
+        let keys = prompt_keys("y");
+        let mut r = router(PolicyKind::P2cCache);
+        assert!(matches!(r.route(&v, &req(&keys), NOW), Decision::Route(_)));
+        // 20 s of queued prefill at eu-0: over the 10 s spill bar.
+        v.set_engine_load(a, 50, 100, 0.9, 1_000_000);
+        assert_eq!(
+            r.route(&v, &req(&keys), NOW),
+            Decision::Forward {
+                region: "ap".into(),
+                reason: ForwardReason::Spill
+            }
+        );
+        // When every other region is busier still, stay home.
+        let (us, ap) = (v.index_of("us-0").unwrap(), v.index_of("ap-0").unwrap());
+        v.set_engine_load(us, 0, 0, 0.0, 5_000_000);
+        v.set_engine_load(ap, 0, 0, 0.0, 5_000_000);
+        assert!(matches!(r.route(&v, &req(&keys), NOW), Decision::Route(_)));
+    }
+
+    #[test]
+    fn tenants_use_their_pools_in_order_and_their_quotas() {
+        let mut v = View::new("eu", 64);
+        let mut dedicated = info("ded-0", "eu");
+        dedicated.pool = "acme".into();
+        let d = v.upsert(dedicated);
+        let s = v.upsert(info("shared-0", "eu"));
+        let acme = TenantConfig {
+            isolated: true,
+            pools: vec!["acme".into(), "shared".into()],
+            max_in_flight_per_replica: Some(1),
+            max_cluster_share: None,
+        };
+        let mut r = Router::new(
+            RouterConfig::default(),
+            Tenants::new(
+                HashMap::from([("acme".to_owned(), acme)]),
+                TenantConfig::default(),
+            ),
+        );
+        let keys = prompt_keys("z");
+        let acme_req = RouteRequest {
+            tenant: Some("acme"),
+            ..req(&keys)
+        };
+        assert_eq!(
+            routed(r.route(&v, &acme_req, NOW)).replica,
+            d,
+            "dedicated pool first"
+        );
+        r.tenants.started("acme", d);
+        assert_eq!(
+            routed(r.route(&v, &acme_req, NOW)).replica,
+            s,
+            "then the shared pool"
+        );
+        r.tenants.started("acme", s);
+        assert_eq!(
+            r.route(&v, &acme_req, NOW),
+            Decision::Reject(RejectReason::OverQuota)
+        );
+        // Another tenant is unaffected and never sees the dedicated pool... unless it has no pools.
+        let other = RouteRequest {
+            tenant: Some("other"),
+            ..req(&keys)
+        };
+        assert!(matches!(r.route(&v, &other, NOW), Decision::Route(_)));
+    }
+
+    #[test]
+    fn a_session_prefers_one_replica_on_every_node() {
+        let mut v = View::new("eu", 64);
+        for i in 0..5 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys: Vec<BlockKey> = Vec::new(); // short prompt: no cache signal at all
+        let session = RouteRequest {
+            session: Some("chat-42"),
+            ..req(&keys)
+        };
+        let mut picks = Vec::new();
+        for seed in 0..3 {
+            let mut r = Router::new(
+                RouterConfig {
+                    seed,
+                    ..Default::default()
+                },
+                Tenants::default(),
+            );
+            let mut counts = [0; 5];
+            for _ in 0..200 {
+                counts[routed(r.route(&v, &session, NOW)).replica] += 1;
+            }
+            picks.push(
+                counts
+                    .iter()
+                    .enumerate()
+                    .max_by_key(|(_, c)| **c)
+                    .map(|(i, _)| i)
+                    .unwrap(),
+            );
+        }
+        assert!(picks.windows(2).all(|w| w[0] == w[1]), "{picks:?}");
+    }
+
+    #[test]
+    fn equal_seeds_give_equal_decisions() {
+        let mut v = View::new("eu", 64);
+        for i in 0..8 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        for kind in PolicyKind::ALL {
+            let run = || {
+                let mut r = router(kind);
+                (0..50)
+                    .map(|i| {
+                        routed(r.route(&v, &req(&prompt_keys(&format!("p{i} "))), NOW)).replica
+                    })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(run(), run(), "{kind}");
+        }
+    }
+
+    proptest! {
+        /// No policy ever returns a replica that is unhealthy, of another model, region or pool.
+        #[test]
+        fn never_routes_to_an_ineligible_replica(
+            specs in proptest::collection::vec((any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), 0u32..50), 1..24),
+            seed in any::<u64>(),
+        ) {
+            let mut v = View::new("eu", 64);
+            for (i, (healthy, model, local, pool, load)) in specs.iter().enumerate() {
+                let mut inf = info(&format!("r{i}"), if *local { "eu" } else { "us" });
+                if !model { inf.models = vec!["other".into()]; }
+                if !pool { inf.pool = "private".into(); }
+                let idx = v.upsert(inf);
+                v.set_health(idx, if *healthy { Health::Healthy } else { Health::Unhealthy });
+                v.set_engine_load(idx, *load, *load, 0.5, *load as u64 * 1000);
+            }
+            let tenant = TenantConfig { pools: vec!["shared".into()], ..Default::default() };
+            let keys = prompt_keys("q");
+            for kind in PolicyKind::ALL {
+                let mut r = Router::new(RouterConfig { policy: kind, seed, ..Default::default() },
+                    Tenants::new(HashMap::new(), tenant.clone()));
+                for _ in 0..4 {
+                    if let Decision::Route(d) = r.route(&v, &RouteRequest { tenant: Some("t"), ..req(&keys) }, NOW) {
+                        let rep = v.replica(d.replica).unwrap();
+                        prop_assert_eq!(rep.health, Health::Healthy);
+                        prop_assert!(rep.info.models.iter().any(|m| m == "m"));
+                        prop_assert_eq!(&rep.info.region, "eu");
+                        prop_assert_eq!(&rep.info.pool, "shared");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! Replica summaries: what a node knows of a replica's prefix cache, in a few bytes per block.
+//!
+//! A summary is a Bloom filter over the block keys a replica holds, versioned by an `epoch` (a new
+//! filter, rebuilt from the exact or LRU set to shed evicted keys) and a `seq` (bumped by every
+//! batch of additions within the epoch). The home node owns the authoritative copy and keeps a
+//! bounded log of additions, so peers can pull a small *delta* (keys added since their seq) instead
+//! of the whole *snapshot* (filter bytes). Bloom filters never forget, so removals only count
+//! towards the next epoch; a stale key costs at most one mis-scored routing decision.
+//!
+//! Every filter in a cluster uses one seed, so filters can be OR-ed and checked by any node.
+
+use std::collections::VecDeque;
+
+use bloomfilter::Bloom;
+use serde::{Deserialize, Serialize};
+
+use super::keys::BlockKey;
+
+/// Upper bound on the encoded size of any summary message a node will decode (16 MiB).
+pub const MAX_SUMMARY_MESSAGE_BYTES: usize = 16 << 20;
+/// Upper bound on the keys of one delta.
+pub const MAX_DELTA_KEYS: usize = 1 << 20;
+/// Smallest filter capacity, so a tiny replica still gets a usable filter.
+const MIN_CAPACITY_ITEMS: usize = 64;
+
+/// How summaries are built; must be equal on every node of a cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SummaryConfig {
+    /// Target false-positive rate at the filter's capacity. Default 0.01.
+    pub fp_rate: f64,
+    /// The cluster-wide Bloom seed. Default: derived from the cluster id.
+    pub seed: [u8; 32],
+    /// Additions kept for deltas; older peers get a snapshot. Default 65,536 keys.
+    pub max_log_keys: usize,
+}
+
+impl SummaryConfig {
+    /// The defaults, with the Bloom seed derived from a cluster id.
+    pub fn for_cluster(cluster_id: &str) -> Self {
+        let mut seed = [0u8; 32];
+        for (i, chunk) in seed.chunks_exact_mut(8).enumerate() {
+            let h = xxhash_rust::xxh3::xxh3_64_with_seed(cluster_id.as_bytes(), i as u64);
+            chunk.copy_from_slice(&h.to_le_bytes());
+        }
+        SummaryConfig {
+            fp_rate: 0.01,
+            seed,
+            max_log_keys: 65_536,
+        }
+    }
+}
+
+/// Errors building or applying a summary. Peers' bytes end here, never in a panic.
+#[derive(Debug, thiserror::Error)]
+pub enum SummaryError {
+    /// The filter could not be created (bad size or rate).
+    #[error("cannot build a Bloom filter for {items} items at fp rate {fp_rate}: {reason}")]
+    Build {
+        items: usize,
+        fp_rate: f64,
+        reason: &'static str,
+    },
+    /// Filter bytes do not parse.
+    #[error("malformed Bloom filter bytes: {0}")]
+    Filter(&'static str),
+    /// A filter built with another seed cannot be checked or merged with ours.
+    #[error("summary filter uses a different cluster seed")]
+    SeedMismatch,
+    /// The message is larger than we accept.
+    #[error("summary message of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    /// A delta carries more keys than we accept.
+    #[error("summary delta with {0} keys exceeds the limit")]
+    TooManyKeys(usize),
+    /// msgpack decoding failed.
+    #[error("malformed summary message: {0}")]
+    Decode(#[from] rmp_serde::decode::Error),
+    /// msgpack encoding failed.
+    #[error("cannot encode summary message: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
+    /// A delta that does not continue this summary (other epoch, or a gap in seq).
+    #[error("delta epoch {delta_epoch} seq {from_seq}..{to_seq} does not apply to epoch {epoch} seq {seq}")]
+    DeltaMismatch {
+        epoch: u64,
+        seq: u64,
+        delta_epoch: u64,
+        from_seq: u64,
+        to_seq: u64,
+    },
+}
+
+/// Keys added between two sequence numbers of one epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SummaryDelta {
+    /// Epoch the keys belong to.
+    pub epoch: u64,
+    /// The receiver's seq this delta continues.
+    pub from_seq: u64,
+    /// The seq after applying it.
+    pub to_seq: u64,
+    /// The added keys.
+    pub keys: Vec<u64>,
+}
+
+/// A whole filter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SummarySnapshot {
+    /// Epoch of the filter.
+    pub epoch: u64,
+    /// Seq of the filter.
+    pub seq: u64,
+    /// Items the filter was sized for.
+    pub capacity_items: u64,
+    /// `bloomfilter` 3 serialization (header with seed, then bits).
+    #[serde(with = "serde_bytes")]
+    pub filter: Vec<u8>,
+}
+
+/// What travels on a summary stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SummaryMessage {
+    /// Keys since the requester's seq.
+    Delta(SummaryDelta),
+    /// The whole filter.
+    Snapshot(SummarySnapshot),
+}
+
+impl SummaryMessage {
+    /// msgpack with field names, so nodes of different versions can read each other.
+    pub fn encode(&self) -> Result<Vec<u8>, SummaryError> {
+        Ok(rmp_serde::to_vec_named(self)?)
+    }
+
+    /// Decodes a peer's bytes, refusing oversized input before parsing it.
+    pub fn decode(bytes: &[u8]) -> Result<Self, SummaryError> {
+        if bytes.len() > MAX_SUMMARY_MESSAGE_BYTES {
+            return Err(SummaryError::TooLarge(bytes.len()));
+        }
+        let msg: SummaryMessage = rmp_serde::from_slice(bytes)?;
+        if let SummaryMessage::Delta(d) = &msg {
+            if d.keys.len() > MAX_DELTA_KEYS {
+                return Err(SummaryError::TooManyKeys(d.keys.len()));
+            }
+        }
+        Ok(msg)
+    }
+}
+
+/// One replica's summary: the filter, its version, and (on the home node) the addition log.
+#[derive(Clone, Debug)]
+pub struct ReplicaSummary {
+    epoch: u64,
+    seq: u64,
+    capacity_items: usize,
+    filter: Bloom<u64>,
+    /// Additions of this epoch as (seq, key), oldest first; trimmed to `max_log_keys`.
+    log: VecDeque<(u64, u64)>,
+    /// Deltas can be served to peers whose seq is at least this.
+    log_floor: u64,
+    /// Distinct keys inserted this epoch (drives the rebuild decision).
+    inserted: usize,
+    max_log_keys: usize,
+}
+
+impl ReplicaSummary {
+    /// An empty summary sized for `capacity_items` keys.
+    pub fn new(
+        epoch: u64,
+        capacity_items: usize,
+        cfg: &SummaryConfig,
+    ) -> Result<Self, SummaryError> {
+        let items = capacity_items.max(MIN_CAPACITY_ITEMS);
+        let filter =
+            Bloom::new_for_fp_rate_with_seed(items, cfg.fp_rate, &cfg.seed).map_err(|reason| {
+                SummaryError::Build {
+                    items,
+                    fp_rate: cfg.fp_rate,
+                    reason,
+                }
+            })?;
+        Ok(ReplicaSummary {
+            epoch,
+            seq: 0,
+            capacity_items: items,
+            filter,
+            log: VecDeque::new(),
+            log_floor: 0,
+            inserted: 0,
+            max_log_keys: cfg.max_log_keys,
+        })
+    }
+
+    /// A follower's copy from a snapshot; its seed must be the cluster's.
+    pub fn from_snapshot(s: &SummarySnapshot, cfg: &SummaryConfig) -> Result<Self, SummaryError> {
+        let filter = Bloom::from_slice(&s.filter).map_err(SummaryError::Filter)?;
+        if filter.seed() != cfg.seed {
+            return Err(SummaryError::SeedMismatch);
+        }
+        Ok(ReplicaSummary {
+            epoch: s.epoch,
+            seq: s.seq,
+            capacity_items: usize::try_from(s.capacity_items).unwrap_or(usize::MAX),
+            filter,
+            log: VecDeque::new(),
+            log_floor: s.seq,
+            inserted: 0,
+            max_log_keys: cfg.max_log_keys,
+        })
+    }
+
+    /// Current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Current sequence number within the epoch.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Items the filter was sized for.
+    pub fn capacity_items(&self) -> usize {
+        self.capacity_items
+    }
+
+    /// Distinct keys inserted this epoch (on the home node).
+    pub fn inserted(&self) -> usize {
+        self.inserted
+    }
+
+    /// Size of the filter's bitmap in bytes.
+    pub fn filter_bytes(&self) -> usize {
+        (self.filter.len() / 8) as usize
+    }
+
+    /// Whether the filter (probably) holds `key`.
+    #[inline]
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.filter.check(&key.0)
+    }
+
+    /// Number of leading `keys` the filter holds, stopping at the first miss.
+    pub fn hit(&self, keys: &[BlockKey]) -> usize {
+        keys.iter().take_while(|k| self.filter.check(&k.0)).count()
+    }
+
+    /// Adds keys as one batch: one seq bump if anything was new. Returns the number of new keys.
+    pub fn insert(&mut self, keys: &[BlockKey]) -> usize {
+        let next = self.seq + 1;
+        let mut added = 0;
+        for k in keys {
+            if !self.filter.check_and_set(&k.0) {
+                added += 1;
+                self.log.push_back((next, k.0));
+            }
+        }
+        if added > 0 {
+            self.seq = next;
+            self.inserted += added;
+            while self.log.len() > self.max_log_keys {
+                if let Some((s, _)) = self.log.pop_front() {
+                    // Entries of seq `s` may be partly gone: only peers past `s` can get a delta.
+                    self.log_floor = self.log_floor.max(s);
+                }
+            }
+        }
+        added
+    }
+
+    /// Keys added after `since` in this epoch, or `None` when the log no longer reaches back that
+    /// far (or `since` is from the future) and the peer needs a snapshot.
+    pub fn delta_since(&self, since: u64) -> Option<SummaryDelta> {
+        if since < self.log_floor || since > self.seq {
+            return None;
+        }
+        let start = self.log.partition_point(|(s, _)| *s <= since);
+        Some(SummaryDelta {
+            epoch: self.epoch,
+            from_seq: since,
+            to_seq: self.seq,
+            keys: self.log.range(start..).map(|(_, k)| *k).collect(),
+        })
+    }
+
+    /// The whole filter.
+    pub fn snapshot(&self) -> SummarySnapshot {
+        SummarySnapshot {
+            epoch: self.epoch,
+            seq: self.seq,
+            capacity_items: self.capacity_items as u64,
+            filter: self.filter.to_bytes(),
+        }
+    }
+
+    /// The answer to a peer at (`epoch`, `seq`): a delta when possible, else a snapshot.
+    pub fn answer(&self, epoch: u64, seq: u64) -> SummaryMessage {
+        if epoch == self.epoch {
+            if let Some(d) = self.delta_since(seq) {
+                return SummaryMessage::Delta(d);
+            }
+        }
+        SummaryMessage::Snapshot(self.snapshot())
+    }
+
+    /// Applies a delta pulled from the home node. Overlapping deltas are fine (inserts are
+    /// idempotent); a gap or another epoch is an error and the caller pulls a snapshot.
+    pub fn apply_delta(&mut self, d: &SummaryDelta) -> Result<(), SummaryError> {
+        if d.epoch != self.epoch || d.from_seq > self.seq {
+            return Err(SummaryError::DeltaMismatch {
+                epoch: self.epoch,
+                seq: self.seq,
+                delta_epoch: d.epoch,
+                from_seq: d.from_seq,
+                to_seq: d.to_seq,
+            });
+        }
+        for k in &d.keys {
+            self.filter.set(k);
+        }
+        self.seq = self.seq.max(d.to_seq);
+        Ok(())
+    }
+
+    /// Applies any summary message; a snapshot replaces the filter.
+    pub fn apply(&mut self, msg: &SummaryMessage, cfg: &SummaryConfig) -> Result<(), SummaryError> {
+        match msg {
+            SummaryMessage::Delta(d) => self.apply_delta(d),
+            SummaryMessage::Snapshot(s) => {
+                *self = ReplicaSummary::from_snapshot(s, cfg)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// A short fingerprint of the filter contents (for gossip and for spotting divergence).
+    pub fn digest(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(self.filter.as_slice())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg() -> SummaryConfig {
+        SummaryConfig::for_cluster("test")
+    }
+
+    fn keys(range: std::ops::Range<u64>) -> Vec<BlockKey> {
+        range
+            .map(|i| BlockKey(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect()
+    }
+
+    #[test]
+    fn hit_counts_leading_keys_only() {
+        let mut s = ReplicaSummary::new(1, 1000, &cfg()).unwrap();
+        let k = keys(0..10);
+        s.insert(&k[..5]);
+        s.insert(&k[6..]);
+        assert_eq!(s.hit(&k), 5);
+        assert_eq!(s.hit(&k[6..]), 4);
+        assert_eq!(s.hit(&[]), 0);
+    }
+
+    #[test]
+    fn follower_catches_up_by_delta_then_snapshot() {
+        let c = SummaryConfig {
+            max_log_keys: 8,
+            ..cfg()
+        };
+        let mut home = ReplicaSummary::new(3, 1000, &c).unwrap();
+        let mut peer = ReplicaSummary::from_snapshot(&home.snapshot(), &c).unwrap();
+        home.insert(&keys(0..4));
+        home.insert(&keys(4..6));
+        let msg = home.answer(peer.epoch(), peer.seq());
+        assert!(matches!(msg, SummaryMessage::Delta(ref d) if d.keys.len() == 6));
+        peer.apply(&SummaryMessage::decode(&msg.encode().unwrap()).unwrap(), &c)
+            .unwrap();
+        assert_eq!(peer.seq(), home.seq());
+        assert_eq!(peer.hit(&keys(0..6)), 6);
+        // The log keeps 8 keys: a peer at seq 2 can no longer get a delta.
+        home.insert(&keys(6..16));
+        assert!(home.delta_since(2).is_none());
+        assert!(matches!(home.answer(3, 2), SummaryMessage::Snapshot(_)));
+        // Another epoch always gets a snapshot.
+        assert!(matches!(
+            home.answer(2, home.seq()),
+            SummaryMessage::Snapshot(_)
+        ));
+        peer.apply(&home.answer(3, 2), &c).unwrap();
+        assert_eq!(peer.digest(), home.digest());
+        // A delta with a gap is refused.
+        let gap = SummaryDelta {
+            epoch: 3,
+            from_seq: 99,
+            to_seq: 100,
+            keys: vec![],
+        };
+        assert!(peer.apply_delta(&gap).is_err());
+    }
+
+    #[test]
+    fn foreign_seed_and_garbage_are_refused() {
+        let other = ReplicaSummary::new(1, 100, &SummaryConfig::for_cluster("other")).unwrap();
+        assert!(matches!(
+            ReplicaSummary::from_snapshot(&other.snapshot(), &cfg()),
+            Err(SummaryError::SeedMismatch)
+        ));
+        let bad = SummarySnapshot {
+            epoch: 1,
+            seq: 1,
+            capacity_items: 1,
+            filter: vec![1, 2, 3],
+        };
+        assert!(ReplicaSummary::from_snapshot(&bad, &cfg()).is_err());
+        assert!(SummaryMessage::decode(&[0xc1, 0xff, 0x00]).is_err());
+        assert!(matches!(
+            SummaryMessage::decode(&vec![0u8; MAX_SUMMARY_MESSAGE_BYTES + 1]),
+            Err(SummaryError::TooLarge(_))
+        ));
+    }
+
+    #[test]
+    fn false_positive_rate_within_one_and_a_half_times_target() {
+        for (items, fp) in [(10_000usize, 0.01), (5_000, 0.05)] {
+            let c = SummaryConfig {
+                fp_rate: fp,
+                ..cfg()
+            };
+            let mut s = ReplicaSummary::new(1, items, &c).unwrap();
+            s.insert(&keys(0..items as u64));
+            let probes = 200_000u64;
+            let fps = keys(1_000_000..1_000_000 + probes)
+                .iter()
+                .filter(|k| s.contains(**k))
+                .count();
+            let rate = fps as f64 / probes as f64;
+            assert!(rate <= fp * 1.5, "measured fp {rate} for target {fp}");
+        }
+    }
+
+    proptest! {
+        /// A summary never forgets a key it was given: no false negatives.
+        #[test]
+        fn no_false_negatives(raw in proptest::collection::vec(any::<u64>(), 0..2000), cap in 1usize..5000) {
+            let mut s = ReplicaSummary::new(1, cap, &cfg()).unwrap();
+            let ks: Vec<BlockKey> = raw.iter().map(|k| BlockKey(*k)).collect();
+            for chunk in ks.chunks(7) { s.insert(chunk); }
+            prop_assert_eq!(s.hit(&ks), ks.len());
+            let copy = ReplicaSummary::from_snapshot(&s.snapshot(), &cfg()).unwrap();
+            prop_assert_eq!(copy.hit(&ks), ks.len());
+        }
+
+        /// Random bytes never panic the decoder.
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = SummaryMessage::decode(&bytes);
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! View: everything a node knows about the fleet, in one synchronous structure the router reads.
+//!
+//! The live node fills it from gossip, scrapes and summary pulls; the simulator fills it from its
+//! virtual world; tests fill it by hand. The router never does I/O: it only reads a `View`.
+//!
+//! Besides replica metadata, load and summaries, the view keeps a per-replica *overlay* of block
+//! keys this node routed a moment ago. The summary from the home node lags by a gossip round or
+//! two; without the overlay, a burst of requests sharing a new prefix would scatter before the
+//! first one's blocks became visible.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::keys::BlockKey;
+use super::regions::RegionMap;
+use super::summary::ReplicaSummary;
+
+/// Static facts about a replica.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicaInfo {
+    /// Stable id, unique in the cluster (e.g. `eu-a-vllm-0`).
+    pub id: String,
+    /// Base URL of its OpenAI-compatible API.
+    pub url: String,
+    /// Region it lives in.
+    pub region: String,
+    /// Zone or rack inside the region ("" when not set).
+    pub zone: String,
+    /// Pool (e.g. `shared`, `dedicated-acme`); tenants map to ordered pools.
+    pub pool: String,
+    /// Models it serves (base models and LoRA adapters).
+    pub models: Vec<String>,
+    /// KV cache capacity in tokens.
+    pub capacity_tokens: u64,
+    /// Predicted prefill speed in tokens per second (config or measurement).
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which the replica counts as full. Default 256.
+    pub max_in_flight: u32,
+}
+
+/// Health as the node sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Takes traffic.
+    Healthy,
+    /// Failed checks or was ejected; takes no traffic until it recovers.
+    Unhealthy,
+    /// Leaving: finishes what it has, takes nothing new.
+    Draining,
+}
+
+/// Load figures; all may be stale by a scrape or gossip interval except `in_flight`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReplicaLoad {
+    /// Requests queued in the engine (`vllm:num_requests_waiting`).
+    pub waiting: u32,
+    /// Requests running in the engine (`vllm:num_requests_running`).
+    pub running: u32,
+    /// KV cache usage, 0..1.
+    pub kv_usage: f32,
+    /// Requests this node has sent to the replica and not seen finish (always fresh).
+    pub in_flight: u32,
+    /// Prompt tokens queued for prefill at the replica, as best known (uncached part).
+    pub queued_prefill_tokens: u64,
+}
+
+impl ReplicaLoad {
+    /// Outstanding requests: the engine's count, or this node's own when that is larger
+    /// (the engine's figure lags; ours is fresh but partial).
+    pub fn outstanding(&self) -> u32 {
+        self.in_flight
+            .max(self.waiting.saturating_add(self.running))
+    }
+}
+
+/// One replica as the node knows it.
+#[derive(Debug)]
+pub struct ReplicaState {
+    /// Static facts.
+    pub info: ReplicaInfo,
+    /// Current health.
+    pub health: Health,
+    /// Latest load.
+    pub load: ReplicaLoad,
+    /// Its cache summary, when this node holds one (replicas of the node's own region).
+    pub summary: Option<ReplicaSummary>,
+    /// Rendezvous seed of its id (affinity, hash rings); computed once.
+    pub seed: u64,
+    /// Keys just routed here by this node, with the time they stop counting.
+    overlay: HashMap<u64, Duration>,
+}
+
+/// Overlay entries kept per replica at most; beyond that the oldest are not tracked (the summary
+/// will carry them soon anyway).
+pub const MAX_OVERLAY_KEYS: usize = 1 << 16;
+
+/// What a node knows.
+#[derive(Debug)]
+pub struct View {
+    /// The node's own region.
+    pub local_region: String,
+    /// Distances between regions.
+    pub regions: RegionMap,
+    /// Prompt tokens per block key (256 bytes of text ≈ 64 tokens; the engine block size in token mode).
+    pub tokens_per_block: u32,
+    /// How long an overlay entry counts. Default 10 s (several gossip intervals).
+    pub overlay_ttl: Duration,
+    replicas: Vec<ReplicaState>,
+    index: HashMap<String, usize>,
+}
+
+impl View {
+    /// An empty view for a node of `local_region`.
+    pub fn new(local_region: impl Into<String>, tokens_per_block: u32) -> Self {
+        View {
+            local_region: local_region.into(),
+            regions: RegionMap::default(),
+            tokens_per_block: tokens_per_block.max(1),
+            overlay_ttl: Duration::from_secs(10),
+            replicas: Vec::new(),
+            index: HashMap::new(),
+        }
+    }
+
+    /// Adds or updates a replica's static facts; returns its index. Indexes are stable for the
+    /// view's lifetime (a removed replica stays, marked unhealthy), so decisions can hold them.
+    pub fn upsert(&mut self, info: ReplicaInfo) -> usize {
+        if let Some(&i) = self.index.get(&info.id) {
+            self.replicas[i].info = info;
+            return i;
+        }
+        let seed = super::affinity::replica_seed(&info.id);
+        let i = self.replicas.len();
+        self.index.insert(info.id.clone(), i);
+        self.replicas.push(ReplicaState {
+            info,
+            health: Health::Healthy,
+            load: ReplicaLoad::default(),
+            summary: None,
+            seed,
+            overlay: HashMap::new(),
+        });
+        i
+    }
+
+    /// Index of a replica by id.
+    pub fn index_of(&self, id: &str) -> Option<usize> {
+        self.index.get(id).copied()
+    }
+
+    /// All replicas, by index.
+    pub fn replicas(&self) -> &[ReplicaState] {
+        &self.replicas
+    }
+
+    /// One replica.
+    pub fn replica(&self, i: usize) -> Option<&ReplicaState> {
+        self.replicas.get(i)
+    }
+
+    /// One replica, mutably (health, load, summary updates).
+    pub fn replica_mut(&mut self, i: usize) -> Option<&mut ReplicaState> {
+        self.replicas.get_mut(i)
+    }
+
+    /// Sets a replica's health.
+    pub fn set_health(&mut self, i: usize, health: Health) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.health = health;
+        }
+    }
+
+    /// Replaces a replica's load figures, keeping this node's own in-flight count.
+    pub fn set_engine_load(
+        &mut self,
+        i: usize,
+        waiting: u32,
+        running: u32,
+        kv_usage: f32,
+        queued_prefill_tokens: u64,
+    ) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.load.waiting = waiting;
+            r.load.running = running;
+            r.load.kv_usage = kv_usage;
+            r.load.queued_prefill_tokens = queued_prefill_tokens;
+        }
+    }
+
+    /// Sets a replica's summary.
+    pub fn set_summary(&mut self, i: usize, summary: ReplicaSummary) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.summary = Some(summary);
+            // Overlay keys the summary now covers are redundant.
+            if let Some(s) = &r.summary {
+                r.overlay.retain(|k, _| !s.contains(BlockKey(*k)));
+            }
+        }
+    }
+
+    /// Records a routing decision: the request's keys join the replica's overlay and it counts as
+    /// in flight until [`View::finished`].
+    pub fn record_routed(&mut self, i: usize, keys: &[BlockKey], now: Duration) {
+        let ttl = self.overlay_ttl;
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.load.in_flight = r.load.in_flight.saturating_add(1);
+            let until = now + ttl;
+            for k in keys {
+                if r.overlay.len() >= MAX_OVERLAY_KEYS && !r.overlay.contains_key(&k.0) {
+                    break;
+                }
+                r.overlay.insert(k.0, until);
+            }
+        }
+    }
+
+    /// A request routed to replica `i` finished (or failed).
+    pub fn finished(&mut self, i: usize) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.load.in_flight = r.load.in_flight.saturating_sub(1);
+        }
+    }
+
+    /// Drops expired overlay entries. Call on a timer.
+    pub fn expire_overlay(&mut self, now: Duration) {
+        for r in &mut self.replicas {
+            r.overlay.retain(|_, until| *until > now);
+        }
+    }
+
+    /// Overlay size of a replica (for metrics and tests).
+    pub fn overlay_len(&self, i: usize) -> usize {
+        self.replicas.get(i).map_or(0, |r| r.overlay.len())
+    }
+
+    /// Leading `keys` that replica `i` holds as far as this node knows: its summary or overlay,
+    /// stopping at the first key found in neither.
+    pub fn hit(&self, i: usize, keys: &[BlockKey], now: Duration) -> usize {
+        let Some(r) = self.replicas.get(i) else {
+            return 0;
+        };
+        keys.iter()
+            .take_while(|k| {
+                r.summary.as_ref().is_some_and(|s| s.contains(**k))
+                    || r.overlay.get(&k.0).is_some_and(|until| *until > now)
+            })
+            .count()
+    }
+}
+
+/// Test helpers shared by the core's tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::ReplicaInfo;
+
+    /// A replica of model `m` in pool `shared`, 50k prefill tokens/s.
+    pub fn info(id: &str, region: &str) -> ReplicaInfo {
+        ReplicaInfo {
+            id: id.into(),
+            url: format!("http://{id}"),
+            region: region.into(),
+            zone: String::new(),
+            pool: "shared".into(),
+            models: vec!["m".into()],
+            capacity_tokens: 450_000,
+            prefill_tokens_per_s: 50_000.0,
+            max_in_flight: 256,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::info;
+    use super::*;
+    use crate::core::summary::SummaryConfig;
+
+    #[test]
+    fn overlay_counts_until_its_ttl_and_summary_takes_over() {
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let keys: Vec<BlockKey> = (1..=4).map(BlockKey).collect();
+        let t0 = Duration::from_secs(100);
+        v.record_routed(i, &keys, t0);
+        assert_eq!(v.hit(i, &keys, t0), 4);
+        assert_eq!(v.replica(i).unwrap().load.in_flight, 1);
+        assert_eq!(
+            v.hit(i, &keys, t0 + Duration::from_secs(11)),
+            0,
+            "overlay expired"
+        );
+        let mut s = ReplicaSummary::new(1, 100, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys[..2]);
+        v.set_summary(i, s);
+        assert_eq!(
+            v.overlay_len(i),
+            2,
+            "keys covered by the summary leave the overlay"
+        );
+        assert_eq!(v.hit(i, &keys, t0), 4, "summary and overlay together");
+        v.expire_overlay(t0 + Duration::from_secs(11));
+        assert_eq!(v.hit(i, &keys, t0), 2);
+        v.finished(i);
+        v.finished(i);
+        assert_eq!(v.replica(i).unwrap().load.in_flight, 0);
+    }
+
+    #[test]
+    fn upsert_keeps_indexes_stable() {
+        let mut v = View::new("eu", 64);
+        let a = v.upsert(info("a", "eu"));
+        let b = v.upsert(info("b", "us"));
+        assert_eq!(v.upsert(info("a", "eu")), a);
+        assert_eq!(v.index_of("b"), Some(b));
+        assert_eq!(v.index_of("zz"), None);
+    }
+}

@@ -1,1 +1,3 @@
 //! kvmesh: a peer-to-peer mesh of KV-cache-aware request routers for LLM inference fleets.
+
+pub mod engine_sim;

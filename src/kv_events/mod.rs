@@ -2,9 +2,10 @@
 //! subscribers) and the replica-side ZMQ publisher with its replay socket.
 
 pub mod msgpack;
-
+pub mod publisher;
 pub mod wire;
 
+pub use publisher::{KvPublisher, KvPublisherConfig, PublisherError};
 pub use wire::{
     decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, WireError,
     END_OF_REPLAY_SEQ,

@@ -2,3 +2,4 @@
 
 pub mod engine_sim;
 pub mod kv_events;
+pub mod replica;

@@ -1,1 +1,42 @@
-fn main() {}
+//! The `kvmesh` command line.
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "KV-cache-aware request routing mesh for LLM fleets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a simulated OpenAI-compatible engine replica.
+    Replica(kvmesh::replica::ReplicaArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // reqwest is built with `rustls-no-provider`; a second install (e.g. by a library) is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Replica(args) => {
+            let config = args.into_config()?;
+            kvmesh::replica::run(config, async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}

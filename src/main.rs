@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run a simulated OpenAI-compatible engine replica.
     Replica(kvmesh::replica::ReplicaArgs),
+    /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
+    Sim(kvmesh::bench::sim_cli::SimArgs),
 }
 
 #[tokio::main]
@@ -30,6 +32,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     match Cli::parse().command {
+        Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
         Command::Replica(args) => {
             let config = args.into_config()?;
             kvmesh::replica::run(config, async {

@@ -138,15 +138,23 @@ pub enum SimError {
 /// Runs the simulation of `trace` under `cfg`.
 pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
     if cfg.nodes == 0 || cfg.replicas == 0 {
-        return Err(SimError::Config("nodes and replicas must be at least 1".into()));
+        return Err(SimError::Config(
+            "nodes and replicas must be at least 1".into(),
+        ));
     }
     if !(cfg.arrival_speedup.is_finite() && cfg.arrival_speedup > 0.0) {
         return Err(SimError::Config("arrival_speedup must be > 0".into()));
     }
-    cfg.engine.validate().map_err(|e| SimError::Config(e.to_string()))?;
+    cfg.engine
+        .validate()
+        .map_err(|e| SimError::Config(e.to_string()))?;
     let trace = &trace[..cfg.max_requests.unwrap_or(trace.len()).min(trace.len())];
     let nodes_n = if cfg.oracle { 1 } else { cfg.nodes };
-    let policy = if cfg.oracle { PolicyKind::CacheArgmin } else { cfg.policy };
+    let policy = if cfg.oracle {
+        PolicyKind::CacheArgmin
+    } else {
+        cfg.policy
+    };
     let tokens_per_block = (cfg.block_bytes / BYTES_PER_TOKEN).max(1) as u32;
     let summary_cfg = SummaryConfig::for_cluster("sim");
     let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
@@ -170,8 +178,15 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
             for info in &infos {
                 view.upsert(info.clone());
             }
-            let rc = RouterConfig { policy, seed: cfg.seed.wrapping_add(n as u64), ..Default::default() };
-            Node { view, router: Router::new(rc, Tenants::default()) }
+            let rc = RouterConfig {
+                policy,
+                seed: cfg.seed.wrapping_add(n as u64),
+                ..Default::default()
+            };
+            Node {
+                view,
+                router: Router::new(rc, Tenants::default()),
+            }
         })
         .collect();
     let capacity_blocks = cfg.engine.kv_capacity_tokens / tokens_per_block as usize;
@@ -186,7 +201,9 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| SimError::Config(e.to_string()))?;
-    let mut engines: Vec<Engine> = (0..cfg.replicas).map(|_| Engine::new(cfg.engine.clone())).collect();
+    let mut engines: Vec<Engine> = (0..cfg.replicas)
+        .map(|_| Engine::new(cfg.engine.clone()))
+        .collect();
     let mut scheduled: Vec<Option<Duration>> = vec![None; cfg.replicas];
     let mut pending_prefill = vec![0u64; cfg.replicas];
 
@@ -246,16 +263,32 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                     continue;
                 };
                 let r = d.replica;
-                let uncached = (prompt.len() as u64).saturating_sub(d.hit_blocks as u64 * tokens_per_block as u64);
+                let uncached = (prompt.len() as u64)
+                    .saturating_sub(d.hit_blocks as u64 * tokens_per_block as u64);
                 node.view.record_routed(r, &keys, now);
                 if let Some(rep) = node.view.replica_mut(r) {
                     rep.load.queued_prefill_tokens += uncached;
                 }
                 models[r].record_routed(&keys, now);
                 pending_prefill[r] += uncached;
-                flights[i] = InFlight { arrival: now, node: n, replica: r, uncached_tokens: uncached };
+                flights[i] = InFlight {
+                    arrival: now,
+                    node: n,
+                    replica: r,
+                    uncached_tokens: uncached,
+                };
                 let max_tokens = u32::try_from(req.output_length.max(1)).unwrap_or(u32::MAX);
-                if engines[r].submit(Request { id: i as u64, prompt, max_tokens }, now).is_err() {
+                if engines[r]
+                    .submit(
+                        Request {
+                            id: i as u64,
+                            prompt,
+                            max_tokens,
+                        },
+                        now,
+                    )
+                    .is_err()
+                {
                     errors += 1;
                     done += 1;
                     nodes[n].view.finished(r);
@@ -272,15 +305,22 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                 scheduled[r] = None;
                 for out in engines[r].advance(now) {
                     match out {
-                        Output::FirstToken { id, cached_tokens: c, prompt_tokens: p } => {
+                        Output::FirstToken {
+                            id,
+                            cached_tokens: c,
+                            prompt_tokens: p,
+                        } => {
                             let f = flights[id as usize];
                             ttft.push((now - f.arrival).as_secs_f64());
                             prompt_tokens += p as u64;
                             cached_tokens += c as u64;
-                            pending_prefill[r] = pending_prefill[r].saturating_sub(f.uncached_tokens);
+                            pending_prefill[r] =
+                                pending_prefill[r].saturating_sub(f.uncached_tokens);
                             if let Some(rep) = nodes[f.node].view.replica_mut(r) {
-                                rep.load.queued_prefill_tokens =
-                                    rep.load.queued_prefill_tokens.saturating_sub(f.uncached_tokens);
+                                rep.load.queued_prefill_tokens = rep
+                                    .load
+                                    .queued_prefill_tokens
+                                    .saturating_sub(f.uncached_tokens);
                             }
                         }
                         Output::Finished { id } => {
@@ -309,9 +349,15 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         }
     }
 
-    let first = trace.first().map_or(0.0, |r| r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
+    let first = trace
+        .first()
+        .map_or(0.0, |r| r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
     Ok(SimReport {
-        policy: if cfg.oracle { "oracle".into() } else { policy.as_str().into() },
+        policy: if cfg.oracle {
+            "oracle".into()
+        } else {
+            policy.as_str().into()
+        },
         nodes: nodes_n,
         replicas: cfg.replicas,
         requests: trace.len(),
@@ -320,7 +366,11 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         latency: Distribution::of(&mut latency),
         prompt_tokens,
         cached_tokens,
-        hit_token_ratio: if prompt_tokens == 0 { 0.0 } else { cached_tokens as f64 / prompt_tokens as f64 },
+        hit_token_ratio: if prompt_tokens == 0 {
+            0.0
+        } else {
+            cached_tokens as f64 / prompt_tokens as f64
+        },
         load_max_over_mean: max_over_mean(&per_replica),
         requests_per_replica: per_replica,
         virtual_seconds: last.as_secs_f64() - first,
@@ -344,10 +394,22 @@ fn schedule(
 }
 
 /// What a gossip round brings a node: every replica's engine load, queued prefill and summary.
-fn refresh(view: &mut View, engines: &[Engine], models: &[CacheModel], pending: &[u64], now: Duration) {
+fn refresh(
+    view: &mut View,
+    engines: &[Engine],
+    models: &[CacheModel],
+    pending: &[u64],
+    now: Duration,
+) {
     for (r, engine) in engines.iter().enumerate() {
         let st = engine.stats();
-        view.set_engine_load(r, st.waiting as u32, st.running as u32, st.kv_usage as f32, pending[r]);
+        view.set_engine_load(
+            r,
+            st.waiting as u32,
+            st.running as u32,
+            st.kv_usage as f32,
+            pending[r],
+        );
         let fresh = models[r].summary();
         let stale = view
             .replica(r)
@@ -367,11 +429,19 @@ mod tests {
     use std::path::Path;
 
     fn conversation() -> Vec<TraceRequest> {
-        trace::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl")).unwrap()
+        trace::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl"),
+        )
+        .unwrap()
     }
 
     fn small(policy: PolicyKind) -> SimConfig {
-        SimConfig { policy, max_requests: Some(600), arrival_speedup: 4.0, ..Default::default() }
+        SimConfig {
+            policy,
+            max_requests: Some(1000),
+            arrival_speedup: 2.0,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -379,10 +449,13 @@ mod tests {
         let t = conversation();
         let a = run(&t, &small(PolicyKind::P2cCache)).unwrap();
         let b = run(&t, &small(PolicyKind::P2cCache)).unwrap();
-        assert_eq!(serde_json::to_string(&a).unwrap(), serde_json::to_string(&b).unwrap());
-        assert_eq!(a.requests, 600);
+        assert_eq!(
+            serde_json::to_string(&a).unwrap(),
+            serde_json::to_string(&b).unwrap()
+        );
+        assert_eq!(a.requests, 1000);
         assert_eq!(a.errors, 0);
-        assert_eq!(a.ttft.count, 600);
+        assert_eq!(a.ttft.count, 1000);
     }
 
     #[test]
@@ -390,14 +463,26 @@ mod tests {
         let t = conversation();
         let p2c = run(&t, &small(PolicyKind::P2cCache)).unwrap();
         let rr = run(&t, &small(PolicyKind::RoundRobin)).unwrap();
-        let oracle = run(&t, &SimConfig { oracle: true, ..small(PolicyKind::P2cCache) }).unwrap();
+        let oracle = run(
+            &t,
+            &SimConfig {
+                oracle: true,
+                ..small(PolicyKind::P2cCache)
+            },
+        )
+        .unwrap();
         assert!(
             p2c.cached_tokens as f64 >= 0.9 * oracle.cached_tokens as f64,
             "p2c-cache {} vs oracle {} hit tokens",
             p2c.cached_tokens,
             oracle.cached_tokens
         );
-        assert!(p2c.ttft.mean < rr.ttft.mean, "mean TTFT p2c-cache {} vs round-robin {}", p2c.ttft.mean, rr.ttft.mean);
+        assert!(
+            p2c.ttft.mean < rr.ttft.mean,
+            "mean TTFT p2c-cache {} vs round-robin {}",
+            p2c.ttft.mean,
+            rr.ttft.mean
+        );
         assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
     }
 }

@@ -26,7 +26,9 @@ impl Distribution {
             return Distribution::default();
         }
         samples.sort_by(f64::total_cmp);
-        let at = |q: f64| samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1];
+        let at = |q: f64| {
+            samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1]
+        };
         Distribution {
             count: samples.len(),
             mean: samples.iter().sum::<f64>() / samples.len() as f64,
@@ -60,7 +62,10 @@ mod tests {
     fn percentiles_by_nearest_rank() {
         let mut s: Vec<f64> = (1..=100).map(f64::from).collect();
         let d = Distribution::of(&mut s);
-        assert_eq!((d.count, d.p50, d.p90, d.p99, d.max), (100, 50.0, 90.0, 99.0, 100.0));
+        assert_eq!(
+            (d.count, d.p50, d.p90, d.p99, d.max),
+            (100, 50.0, 90.0, 99.0, 100.0)
+        );
         assert!((d.mean - 50.5).abs() < 1e-9);
         assert_eq!(Distribution::of(&mut []).count, 0);
         assert_eq!(max_over_mean(&[1, 1, 4]), 2.0);

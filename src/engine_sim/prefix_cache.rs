@@ -7,6 +7,7 @@
 //! them (tail blocks of a request first, so chains shrink from the end), and every store/evict is
 //! reported as an event so the server can publish vLLM-format KV events.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -172,19 +173,28 @@ impl PrefixCache {
         let mut prev = parent;
         for (i, hash) in hashes.iter().copied().enumerate() {
             self.private_blocks = self.private_blocks.saturating_sub(1);
-            if self.blocks.contains_key(&hash) {
-                self.pin(hash);
+            let shared = match self.blocks.entry(hash) {
+                Entry::Occupied(mut entry) => {
+                    let block = entry.get_mut();
+                    if block.refs == 0 {
+                        self.lru.remove(&block.lru_tick);
+                    }
+                    block.refs += 1;
+                    true
+                }
+                Entry::Vacant(entry) => {
+                    entry.insert(Block {
+                        refs: 1,
+                        lru_tick: 0,
+                    });
+                    false
+                }
+            };
+            if shared {
                 if let Some((p, hs, ts)) = run.take() {
                     self.push_stored(p, hs, ts);
                 }
             } else {
-                self.blocks.insert(
-                    hash,
-                    Block {
-                        refs: 1,
-                        lru_tick: 0,
-                    },
-                );
                 let start = (i * self.block_tokens).min(tokens.len());
                 let end = ((i + 1) * self.block_tokens).min(tokens.len());
                 let entry = run.get_or_insert_with(|| (prev, Vec::new(), Vec::new()));

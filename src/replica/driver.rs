@@ -64,6 +64,9 @@ pub async fn run(
             commands.push(cmd);
         }
         let now = start.elapsed();
+        if let Some(due) = engine.next_event_time().filter(|t| *t <= now) {
+            metrics.driver_lag.observe((now - due).as_secs_f64());
+        }
         for cmd in commands {
             match cmd {
                 Command::Submit { req, tx } => {

@@ -43,13 +43,14 @@ async fn main() -> anyhow::Result<()> {
                     .json(&json!({"prompt": prompt, "max_tokens": max_tokens}))
                     .send()
                     .await;
-                match resp {
-                    Ok(r) if r.status().is_success() && r.bytes().await.is_ok() => {
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
-                    _ => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
+                let ok = match resp {
+                    Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
+                    _ => false,
+                };
+                if ok {
+                    done.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
                 }
                 i += 1;
             }

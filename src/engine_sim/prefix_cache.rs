@@ -56,6 +56,8 @@ pub enum CacheEvent {
         /// Hashes of the evicted blocks.
         hashes: Vec<BlockHash>,
     },
+    /// Every cached block was dropped (vLLM's `reset_prefix_cache`).
+    Cleared,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -224,6 +226,18 @@ impl PrefixCache {
         self.private_blocks = self.private_blocks.saturating_sub(private);
     }
 
+    /// Drops every cached block, as vLLM's `reset_prefix_cache` does. Like vLLM it refuses (returns
+    /// false) while any cached block is pinned by a running request.
+    pub fn reset(&mut self) -> bool {
+        if self.lru.len() != self.blocks.len() {
+            return false;
+        }
+        self.blocks.clear();
+        self.lru.clear();
+        self.events.push(CacheEvent::Cleared);
+        true
+    }
+
     /// Events since the last call, oldest first.
     pub fn take_events(&mut self) -> Vec<CacheEvent> {
         std::mem::take(&mut self.events)
@@ -349,6 +363,21 @@ mod tests {
         cache.release(&hashes, 1);
         assert!(cache.allocate(&[], 3));
         assert!(!cache.contains(hashes[0]));
+    }
+
+    #[test]
+    fn reset_refuses_while_pinned_then_clears() {
+        let mut cache = PrefixCache::new(16 * 4, 16);
+        let tokens = toks(0, 32);
+        let hashes = block_hashes(&tokens, 16);
+        assert!(cache.allocate(&[], 2));
+        cache.commit(None, &hashes, &tokens);
+        assert!(!cache.reset());
+        cache.release(&hashes, 0);
+        cache.take_events();
+        assert!(cache.reset());
+        assert_eq!(cache.cached_blocks(), 0);
+        assert_eq!(cache.take_events(), vec![CacheEvent::Cleared]);
     }
 
     #[test]

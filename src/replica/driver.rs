@@ -29,6 +29,8 @@ pub enum Command {
     },
     /// Drop a request (its client left).
     Cancel(u64),
+    /// Clear the prefix cache; replies whether it was cleared.
+    ResetPrefixCache(tokio::sync::oneshot::Sender<bool>),
 }
 
 /// Runs until every command sender is dropped.
@@ -84,6 +86,9 @@ pub async fn run(
                     streams.remove(&id);
                     engine.cancel(id);
                 }
+                Command::ResetPrefixCache(reply) => {
+                    let _ = reply.send(engine.reset_prefix_cache());
+                }
             }
         }
         for output in engine.advance(now) {
@@ -136,6 +141,7 @@ fn to_wire(events: Vec<CacheEvent>, block_size: u32) -> EventBatch {
                 medium: Some("GPU".into()),
                 group_idx: None,
             }),
+            CacheEvent::Cleared => KvEvent::AllBlocksCleared,
         })
         .collect();
     EventBatch {

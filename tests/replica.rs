@@ -249,7 +249,20 @@ async fn rejects_bad_requests_in_openai_shape() {
         )
         .await;
         let big = json!({"prompt": "x".repeat(10_000)}).to_string();
-        expect_error(post("/v1/completions", big).await.unwrap(), 413).await;
+        expect_error(post("/v1/completions", big.clone()).await.unwrap(), 413).await;
+        // Without a Content-Length (chunked), the limit applies while reading.
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big
+            .into_bytes()
+            .chunks(1000)
+            .map(|c| Ok(c.to_vec()))
+            .collect();
+        let resp = c
+            .post(format!("{base}/v1/completions"))
+            .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+            .send()
+            .await
+            .unwrap();
+        expect_error(resp, 413).await;
         // Too long for the model: the engine refuses, the client gets a 400.
         let long: Vec<u32> = vec![7; 200_000];
         let r2 = start(config()).await;

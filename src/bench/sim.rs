@@ -9,9 +9,10 @@
 //!   small); the node's own overlay covers what its stale view has not seen yet;
 //! - clients: each request of the workload arrives at a uniformly random node.
 //!
-//! The oracle baseline is one central router whose view is refreshed before every decision
-//! (exact, instant knowledge of load and of everything routed), picking the lowest predicted cost.
-//! Deterministic for a seed.
+//! The oracle baseline is one central router with exact, instant knowledge: for every arrival it
+//! reads each engine's actual prefix cache and pending prefill, and picks the replica with the
+//! lowest predicted time to first token (same cost formula as the core). No summaries, no
+//! staleness, no false positives. Deterministic for a seed.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -22,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use super::stats::{max_over_mean, Distribution};
-use super::trace::{synthesize_prompt, TraceRequest, BYTES_PER_TOKEN};
+use super::trace::{dequantized_arrivals, synthesize_prompt, TraceRequest, BYTES_PER_TOKEN};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::policy::PolicyKind;
@@ -30,6 +31,7 @@ use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
 use crate::core::tenants::Tenants;
 use crate::core::view::{ReplicaInfo, View};
+use crate::engine_sim::prefix_cache::block_hashes;
 use crate::engine_sim::{tokenize, Engine, EngineConfig, Output, Request};
 
 const MODEL: &str = "sim-llama-8b";
@@ -55,7 +57,10 @@ pub struct SimConfig {
     pub arrival_speedup: f64,
     /// Replay only the first N requests. Default: all.
     pub max_requests: Option<usize>,
-    /// Run the oracle baseline instead (one central node, exact instant view, lowest cost).
+    /// Spread requests that share a quantised trace timestamp over the step
+    /// ([`dequantized_arrivals`]). Default true.
+    pub dequantize: bool,
+    /// Run the oracle baseline instead (one central router reading the engines' true state).
     pub oracle: bool,
 }
 
@@ -71,6 +76,7 @@ impl Default for SimConfig {
             block_bytes: 256,
             arrival_speedup: 1.0,
             max_requests: None,
+            dequantize: true,
             oracle: false,
         }
     }
@@ -213,9 +219,17 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         order += 1;
         heap.push(Reverse((t, order, e)));
     };
-    for (i, r) in trace.iter().enumerate() {
-        let t = Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
-        push(&mut heap, t, Event::Arrival(i));
+    let arrivals: Vec<f64> = if cfg.dequantize {
+        dequantized_arrivals(trace)
+    } else {
+        trace.iter().map(|r| r.timestamp as f64 / 1000.0).collect()
+    };
+    for (i, t) in arrivals.iter().enumerate() {
+        push(
+            &mut heap,
+            Duration::from_secs_f64(t / cfg.arrival_speedup),
+            Event::Arrival(i),
+        );
     }
     if !cfg.oracle {
         for n in 0..nodes_n {
@@ -241,9 +255,6 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
             Event::Arrival(i) => {
                 let req = &trace[i];
                 let n = rng.random_range(0..nodes_n);
-                if cfg.oracle {
-                    refresh(&mut nodes[n].view, &engines, &models, &pending_prefill, now);
-                }
                 synthesize_prompt(req, &mut text);
                 keys.clear();
                 text_block_keys(ns, text.as_bytes(), cfg.block_bytes, &mut keys);
@@ -257,14 +268,17 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                     forwarded: false,
                 };
                 let node = &mut nodes[n];
-                let Decision::Route(d) = node.router.route(&node.view, &rr, now) else {
-                    errors += 1;
-                    done += 1;
-                    continue;
+                let (r, uncached) = if cfg.oracle {
+                    oracle_pick(&engines, &prompt, prefill_rate, &mut rng)
+                } else {
+                    let Decision::Route(d) = node.router.route(&node.view, &rr, now) else {
+                        errors += 1;
+                        done += 1;
+                        continue;
+                    };
+                    let hit_tokens = d.hit_blocks as u64 * tokens_per_block as u64;
+                    (d.replica, (prompt.len() as u64).saturating_sub(hit_tokens))
                 };
-                let r = d.replica;
-                let uncached = (prompt.len() as u64)
-                    .saturating_sub(d.hit_blocks as u64 * tokens_per_block as u64);
                 node.view.record_routed(r, &keys, now);
                 if let Some(rep) = node.view.replica_mut(r) {
                     rep.load.queued_prefill_tokens += uncached;
@@ -375,6 +389,39 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         requests_per_replica: per_replica,
         virtual_seconds: last.as_secs_f64() - first,
     })
+}
+
+/// The oracle's choice: the lowest predicted time to first token from the engines' true state
+/// (random among exact ties). Returns the replica and the uncached prompt tokens there.
+fn oracle_pick(
+    engines: &[Engine],
+    prompt: &[u32],
+    prefill_rate: f64,
+    rng: &mut SmallRng,
+) -> (usize, u64) {
+    let w_load = crate::core::cost::CostModel::default().w_load_s;
+    let hashes = block_hashes(
+        prompt,
+        engines.first().map_or(16, |e| e.config().block_tokens),
+    );
+    let mut best = (f64::INFINITY, 0usize, 0u64);
+    let mut ties = 0u32;
+    for (r, e) in engines.iter().enumerate() {
+        let uncached = prompt.len().saturating_sub(e.cached_prefix_tokens(&hashes)) as u64;
+        let st = e.stats();
+        let cost = (e.pending_prefill_tokens() as u64 + uncached) as f64 / prefill_rate
+            + w_load * (st.running + st.waiting) as f64;
+        if cost < best.0 {
+            best = (cost, r, uncached);
+            ties = 1;
+        } else if cost == best.0 {
+            ties += 1;
+            if rng.random_range(0..ties) == 0 {
+                best = (cost, r, uncached);
+            }
+        }
+    }
+    (best.1, best.2)
 }
 
 /// Pushes the engine's next wake-up unless an earlier one is already queued.

@@ -36,6 +36,10 @@ pub struct SimArgs {
     /// Divide the trace's arrival times by this (2 = twice the rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Spread requests sharing a quantised trace timestamp over the ~3 s step (false: replay the
+    /// bursts as recorded).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub dequantize: bool,
     /// Replay only the first N requests.
     #[arg(long)]
     pub requests: Option<usize>,
@@ -83,6 +87,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
         engine: preset.config(),
         arrival_speedup: args.speedup,
         max_requests: args.requests,
+        dequantize: args.dequantize,
         ..Default::default()
     };
     let mut runs: Vec<(SimConfig, &str)> = policies

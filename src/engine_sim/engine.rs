@@ -294,6 +294,33 @@ impl Engine {
         std::mem::take(&mut self.batches)
     }
 
+    /// Prompt tokens the prefix cache holds right now for a prompt with these block hashes
+    /// (see [`block_hashes`]): what an oracle with exact knowledge would credit.
+    pub fn cached_prefix_tokens(&self, hashes: &[BlockHash]) -> usize {
+        self.cache.match_prefix(hashes) * self.cache.block_tokens()
+    }
+
+    /// Prompt tokens still to prefill before a new request's own prefill could start: the rest of
+    /// every admitted prompt plus the uncached part of every queued one.
+    pub fn pending_prefill_tokens(&self) -> usize {
+        let bs = self.cache.block_tokens();
+        let running: usize = self
+            .running
+            .values()
+            .map(|s| s.prompt.len() - s.prefilled)
+            .sum();
+        let waiting: usize = self
+            .waiting
+            .iter()
+            .map(|(_, s)| {
+                s.prompt
+                    .len()
+                    .saturating_sub(self.cache.match_prefix(&s.hashes) * bs)
+            })
+            .sum();
+        running + waiting
+    }
+
     /// Current gauges and counters.
     pub fn stats(&self) -> EngineStats {
         let blocks = self.cache.capacity_blocks();

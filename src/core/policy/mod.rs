@@ -213,9 +213,10 @@ impl FromStr for PolicyKind {
     }
 }
 
-/// A candidate drawn at random with weight `1 / (1 + outstanding)`, skipping position `exclude`.
-/// `None` only when nothing is left to draw.
-pub(crate) fn draw_toward_low_load(
+/// A candidate drawn at random with weight `1 / (0.01 + cost_s)²`, skipping position `exclude`.
+/// Cheap replicas (idle, or holding part of the prompt) are likely, but never certain, so routers
+/// sharing one stale view do not all draw the same one. `None` only when nothing is left to draw.
+pub(crate) fn draw_toward_low_cost(
     c: &[Candidate],
     exclude: Option<usize>,
     rng: &mut SmallRng,
@@ -224,7 +225,8 @@ pub(crate) fn draw_toward_low_load(
         if Some(i) == exclude {
             0.0
         } else {
-            1.0 / (1.0 + x.outstanding as f64)
+            let c = 0.01 + x.cost_s.max(0.0);
+            1.0 / (c * c)
         }
     };
     let total: f64 = c.iter().enumerate().map(|(i, x)| weight(i, x)).sum();

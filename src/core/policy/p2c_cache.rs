@@ -1,7 +1,8 @@
 //! p2c-cache, the default: two choices with a cache score.
 //!
 //! Candidate A is the replica with the longest hit (random among near-ties); candidate B is a
-//! *different* replica drawn at random, weighted toward low load. The request goes to whichever
+//! *different* replica drawn at random, weighted toward low predicted cost (so toward idle
+//! replicas and those holding part of the prompt). The request goes to whichever
 //! has the lower predicted cost (queued work plus uncached prefill, in seconds). So:
 //! - a warm, idle holder wins (its prefill is short);
 //! - a hot prefix whose holder is swamped spills to B, which then holds the prefix too, and later
@@ -12,7 +13,7 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{draw_toward_low_load, Candidate, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::{draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, PolicyKind, Reason};
 
 /// Two choices with a cache score.
 #[derive(Debug)]
@@ -67,11 +68,11 @@ impl Policy for P2cCache {
         let max_hit = c.iter().map(|x| x.hit_blocks).max().unwrap_or(0);
         let (a, no_hit) = if max_hit == 0 {
             // No cache anywhere: both choices are load-weighted draws.
-            (draw_toward_low_load(c, None, rng).unwrap_or(0), true)
+            (draw_toward_low_cost(c, None, rng).unwrap_or(0), true)
         } else {
             (self.longest_hit(c, max_hit, rng), false)
         };
-        let Some(b) = draw_toward_low_load(c, Some(a), rng) else {
+        let Some(b) = draw_toward_low_cost(c, Some(a), rng) else {
             return Pick {
                 chosen: a,
                 runner_up: None,
@@ -144,8 +145,8 @@ mod tests {
 
     #[test]
     fn after_a_spill_two_holders_share_the_prefix() {
-        // Both hold the prefix now: near-ties, so traffic splits between them.
-        let c = [cand(0, 120, 2), cand(1, 118, 2), cand(2, 0, 0)];
+        // Both hold the prefix now: ties, so traffic splits between them.
+        let c = [cand(0, 120, 2), cand(1, 120, 2), cand(2, 0, 0)];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 1000);
         assert!(h[0] > 300 && h[1] > 300, "{h:?}");
     }

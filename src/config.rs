@@ -356,7 +356,10 @@ impl NodeConfig {
             return Err(invalid("max_body_bytes", "must be at least 1"));
         }
         if self.admin_token.as_deref() == Some("") {
-            return Err(invalid("admin_token", "must not be empty (omit it instead)"));
+            return Err(invalid(
+                "admin_token",
+                "must not be empty (omit it instead)",
+            ));
         }
         for (key, v) in [
             ("session_header", &self.session_header),
@@ -372,7 +375,10 @@ impl NodeConfig {
             ("affinity_credit_s", self.affinity_credit_s),
         ] {
             if !v.is_finite() || v < 0.0 {
-                return Err(invalid(key, format!("must be a finite number ≥ 0, got {v}")));
+                return Err(invalid(
+                    key,
+                    format!("must be a finite number ≥ 0, got {v}"),
+                ));
             }
         }
         for (key, v) in [
@@ -422,7 +428,10 @@ impl NodeConfig {
                 ));
             }
             if r.region.as_deref() == Some("") {
-                return Err(invalid(key("region"), "must not be empty (omit it instead)"));
+                return Err(invalid(
+                    key("region"),
+                    "must not be empty (omit it instead)",
+                ));
             }
             if r.models.iter().any(String::is_empty) {
                 return Err(invalid(key("models"), "model names must not be empty"));
@@ -441,7 +450,10 @@ impl NodeConfig {
             .tenants
             .iter()
             .map(|(n, t)| (format!("tenants.{n}"), t))
-            .chain(std::iter::once(("default_tenant".to_owned(), &self.default_tenant)))
+            .chain(std::iter::once((
+                "default_tenant".to_owned(),
+                &self.default_tenant,
+            )))
         {
             if let Some(s) = t.max_cluster_share {
                 if !(s > 0.0 && s <= 1.0) {
@@ -581,8 +593,8 @@ mod tests {
 
     #[test]
     fn flags_override_the_file() {
-        let mut c = NodeConfig::from_toml("region = \"us\"\n[[replicas]]\nurl = \"http://a:1\"")
-            .unwrap();
+        let mut c =
+            NodeConfig::from_toml("region = \"us\"\n[[replicas]]\nurl = \"http://a:1\"").unwrap();
         let args = ServeArgs {
             region: Some("eu".into()),
             replica: vec!["http://b:2".into(), "http://c:3".into()],
@@ -597,6 +609,10 @@ mod tests {
             policy: Some("nope".into()),
             ..Default::default()
         };
-        assert!(c.apply_args(&bad).unwrap_err().to_string().contains("policy"));
+        assert!(c
+            .apply_args(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("policy"));
     }
 }

@@ -3,13 +3,23 @@
 //! Layout (see ARCHITECTURE.md for the map and each layer's invariants):
 //! - [`core`]: the sans-IO routing core — block keys, summaries, cache model, view, policies,
 //!   regions, affinity, tenants. Synchronous, deterministic, time passed in.
+//! - [`engine_sim`]: the sans-IO engine model (prefix cache, continuous batching, timing) shared
+//!   by the simulated replica and the simulator.
+//! - [`kv_events`]: vLLM's KV-event wire format (msgpack codec, ZMQ publisher with replay).
+//! - [`replica`]: `kvmesh replica`, a simulated OpenAI-compatible engine server.
+//! - [`bench`]: workloads (Mooncake trace), statistics and the discrete-event simulator.
 //! - [`config`]: the node's TOML configuration and CLI flags, validated.
 //! - [`node`]: the core's state behind one lock, as the live node drives it.
 //! - [`replicas`]: health checks, metrics scrapes and the health state machine.
-//! - [`proxy`]: the HTTP front (OpenAI endpoints, streaming, failover, admin, metrics).
+//! - [`proxy`]: `kvmesh serve`, the HTTP front (OpenAI endpoints, streaming, failover, admin,
+//!   metrics).
 
+pub mod bench;
 pub mod config;
 pub mod core;
+pub mod engine_sim;
+pub mod kv_events;
 pub mod node;
 pub mod proxy;
+pub mod replica;
 pub mod replicas;

@@ -1,16 +1,23 @@
 //! The `kvmesh` command line.
 
 use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
 
-#[derive(Parser)]
-#[command(name = "kvmesh", version, about = "KV-cache-aware request router mesh for LLM inference")]
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "KV-cache-aware request routing mesh for LLM fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Subcommand)]
+#[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a simulated OpenAI-compatible engine replica.
+    Replica(kvmesh::replica::ReplicaArgs),
     /// Run a router node.
     Serve(kvmesh::config::ServeArgs),
     /// Print a node's state as a table.
@@ -26,18 +33,25 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // reqwest is built with `rustls-no-provider`; a second install (e.g. by a library) is harmless.
     let _ = rustls::crypto::ring::default_provider().install_default();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
     match Cli::parse().command {
-        Command::Serve(args) => kvmesh::proxy::serve(args).await,
+        Command::Replica(args) => {
+            let config = args.into_config()?;
+            kvmesh::replica::run(config, async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        }
+        Command::Serve(args) => kvmesh::proxy::serve(args).await?,
         Command::Status { node, token } => {
             print!("{}", kvmesh::proxy::status(&node, token.as_deref()).await?);
-            Ok(())
         }
     }
+    Ok(())
 }

@@ -381,7 +381,9 @@ impl Node {
             match rt.cache.maybe_rebuild(now) {
                 Ok(true) => rt.summary_dirty = true,
                 Ok(false) => {}
-                Err(e) => tracing::warn!(replica = %self.endpoints[i].id, error = %e, "summary rebuild failed"),
+                Err(e) => {
+                    tracing::warn!(replica = %self.endpoints[i].id, error = %e, "summary rebuild failed")
+                }
             }
             if rt.summary_dirty {
                 rt.summary_dirty = false;
@@ -479,7 +481,8 @@ fn new_cache_model(
     epoch: u64,
     capacity_tokens: u64,
 ) -> anyhow::Result<CacheModel> {
-    let mut mc = CacheModelConfig::with_capacity(tokens_to_blocks(capacity_tokens, cfg.block_bytes));
+    let mut mc =
+        CacheModelConfig::with_capacity(tokens_to_blocks(capacity_tokens, cfg.block_bytes));
     mc.ttl = Duration::from_secs(cfg.cache_ttl_s);
     Ok(CacheModel::new(
         CacheSource::Approximate,

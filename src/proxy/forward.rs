@@ -30,8 +30,9 @@ thread_local! {
     static TEXT: RefCell<String> = RefCell::new(String::with_capacity(16 * 1024));
 }
 
-/// Response header naming the replica that served the request.
-pub const REPLICA_HEADER: &str = "x-kvmesh-replica";
+/// Response header naming the replica the node sent the request to (distinct from the
+/// simulated replica's own `x-kvmesh-replica`, which a real engine does not send).
+pub const REPLICA_HEADER: &str = "x-kvmesh-routed-to";
 /// Response header with the prefix blocks the node expected the replica to hold.
 pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
 
@@ -147,8 +148,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         .filter(|m| !m.is_empty())
         .ok_or_else(|| ApiError::bad_request("the request has no 'model'", Some("model")))?;
     let tenant = header_str(&parts.headers, &node.cfg.tenant_header);
-    let session =
-        header_str(&parts.headers, &node.cfg.session_header).or(fields.user.as_deref());
+    let session = header_str(&parts.headers, &node.cfg.session_header).or(fields.user.as_deref());
     let ns = Namespace::new(
         model,
         fields.lora_path.as_deref(),
@@ -290,7 +290,10 @@ fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks
     if let Ok(v) = HeaderValue::from_str(&node.endpoints[replica].id) {
         headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
     }
-    headers.insert(HeaderName::from_static(HIT_HEADER), HeaderValue::from(hit_blocks));
+    headers.insert(
+        HeaderName::from_static(HIT_HEADER),
+        HeaderValue::from(hit_blocks),
+    );
     let state = BodyState {
         inner: Box::pin(resp.bytes_stream()),
         ticket,
@@ -317,7 +320,10 @@ fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks
                 st.done = true;
                 let msg = format!("no data from the replica for {:?}", st.idle);
                 st.aborted(&msg);
-                Some((Err(std::io::Error::new(std::io::ErrorKind::TimedOut, msg)), st))
+                Some((
+                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, msg)),
+                    st,
+                ))
             }
         }
     });

@@ -43,7 +43,10 @@ impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("kvmesh_requests_total", "Requests by replica, policy and outcome"),
+            Opts::new(
+                "kvmesh_requests_total",
+                "Requests by replica, policy and outcome",
+            ),
             &["replica", "policy", "outcome"],
         )?;
         let hit_blocks = Histogram::with_opts(
@@ -51,11 +54,16 @@ impl Metrics {
                 "kvmesh_hit_blocks",
                 "Prefix blocks the chosen replica was believed to hold",
             )
-            .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0]),
+            .buckets(vec![
+                0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0,
+            ]),
         )?;
         let decision_seconds = Histogram::with_opts(
-            HistogramOpts::new("kvmesh_decision_seconds", "Time to make one routing decision")
-                .buckets(prometheus::exponential_buckets(1e-6, 2.0, 16)?),
+            HistogramOpts::new(
+                "kvmesh_decision_seconds",
+                "Time to make one routing decision",
+            )
+            .buckets(prometheus::exponential_buckets(1e-6, 2.0, 16)?),
         )?;
         let first_byte_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -66,7 +74,10 @@ impl Metrics {
             &["replica"],
         )?;
         let in_flight = IntGaugeVec::new(
-            Opts::new("kvmesh_in_flight", "Requests open at each replica through this node"),
+            Opts::new(
+                "kvmesh_in_flight",
+                "Requests open at each replica through this node",
+            ),
             &["replica"],
         )?;
         let in_flight_total =
@@ -81,7 +92,10 @@ impl Metrics {
             &["replica"],
         )?;
         let scrape_errors = IntCounterVec::new(
-            Opts::new("kvmesh_scrape_errors_total", "Failed replica /metrics scrapes"),
+            Opts::new(
+                "kvmesh_scrape_errors_total",
+                "Failed replica /metrics scrapes",
+            ),
             &["replica"],
         )?;
         let scrape_skipped_lines = IntCounter::new(

@@ -134,10 +134,7 @@ impl RunningNode {
         match tokio::time::timeout(drain, &mut server).await {
             Ok(_) => true,
             Err(_) => {
-                tracing::warn!(
-                    ?drain,
-                    "drain deadline passed; dropping remaining requests"
-                );
+                tracing::warn!(?drain, "drain deadline passed; dropping remaining requests");
                 server.abort();
                 false
             }
@@ -228,12 +225,14 @@ pub async fn status(node_url: &str, token: Option<&str>) -> anyhow::Result<Strin
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }
-    let resp = req.send().await.with_context(|| format!("cannot reach {node_url}"))?;
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {node_url}"))?;
     let status = resp.status();
     let body = resp.text().await?;
     anyhow::ensure!(status.is_success(), "{node_url} answered {status}: {body}");
-    let state: NodeState =
-        serde_json::from_str(&body).context("unexpected /admin/state answer")?;
+    let state: NodeState = serde_json::from_str(&body).context("unexpected /admin/state answer")?;
     Ok(render_state(&state))
 }
 
@@ -252,7 +251,16 @@ pub fn render_state(s: &NodeState) -> String {
     let _ = writeln!(
         out,
         "{:<24} {:<10} {:>5} {:>5} {:>5} {:>6} {:>10} {:>9} {:>8} {:>8}  models",
-        "replica", "health", "wait", "run", "infl", "kv%", "queued_tok", "epoch.seq", "sum_keys", "overlay"
+        "replica",
+        "health",
+        "wait",
+        "run",
+        "infl",
+        "kv%",
+        "queued_tok",
+        "epoch.seq",
+        "sum_keys",
+        "overlay"
     );
     for r in &s.replicas {
         let health = if r.ejected {

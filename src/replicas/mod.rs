@@ -38,7 +38,10 @@ async fn get_text(node: &Node, url: &str, timeout: Duration) -> anyhow::Result<S
         anyhow::bail!("body over {MAX_SCRAPE_BYTES} bytes");
     }
     let bytes = resp.bytes().await?;
-    anyhow::ensure!(bytes.len() <= MAX_SCRAPE_BYTES, "body over {MAX_SCRAPE_BYTES} bytes");
+    anyhow::ensure!(
+        bytes.len() <= MAX_SCRAPE_BYTES,
+        "body over {MAX_SCRAPE_BYTES} bytes"
+    );
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
@@ -83,7 +86,13 @@ pub async fn check_once(node: &Node, i: usize) {
 pub async fn scrape_once(node: &Node, i: usize) {
     let timeout = Duration::from_millis(node.cfg.scrape.timeout_ms);
     let id = &node.endpoints[i].id;
-    match get_text(node, &format!("{}/metrics", node.endpoints[i].base), timeout).await {
+    match get_text(
+        node,
+        &format!("{}/metrics", node.endpoints[i].base),
+        timeout,
+    )
+    .await
+    {
         Ok(text) => {
             let load = prom::parse_engine_load(&text);
             if load.skipped_lines > 0 {
@@ -100,9 +109,17 @@ pub async fn scrape_once(node: &Node, i: usize) {
     }
 }
 
-/// Runs one check round over every replica concurrently (used at start, before serving).
+/// Runs one check round and one scrape round over every replica concurrently (used at start,
+/// before serving, so the node starts knowing health, models and capacities).
 pub async fn check_all(node: &Arc<Node>) {
-    futures::future::join_all((0..node.endpoints.len()).map(|i| check_once(node, i))).await;
+    let scrape = node.cfg.scrape.interval_ms > 0;
+    futures::future::join_all((0..node.endpoints.len()).map(|i| async move {
+        check_once(node, i).await;
+        if scrape {
+            scrape_once(node, i).await;
+        }
+    }))
+    .await;
 }
 
 /// Spawns the watcher tasks: per replica, health checks and scrapes on their intervals; for the
@@ -110,10 +127,14 @@ pub async fn check_all(node: &Arc<Node>) {
 pub fn spawn_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
     for i in 0..node.endpoints.len() {
         let period = Duration::from_millis(node.cfg.health.interval_ms);
-        spawn_every(node, stop, period, move |n| async move { check_once(&n, i).await });
+        spawn_every(node, stop, period, move |n| async move {
+            check_once(&n, i).await
+        });
         if node.cfg.scrape.interval_ms > 0 {
             let period = Duration::from_millis(node.cfg.scrape.interval_ms);
-            spawn_every(node, stop, period, move |n| async move { scrape_once(&n, i).await });
+            spawn_every(node, stop, period, move |n| async move {
+                scrape_once(&n, i).await
+            });
         }
     }
     let period = Duration::from_millis(node.cfg.summary_interval_ms);

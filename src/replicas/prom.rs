@@ -134,7 +134,9 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
             continue;
         }
         match s.name {
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => add(&mut load.waiting, s.value),
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                add(&mut load.waiting, s.value)
+            }
             "vllm:num_requests_running" | "sglang:num_running_reqs" => {
                 add(&mut load.running, s.value)
             }
@@ -189,7 +191,10 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234 1700000000000
         let l = parse_engine_load(
             "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs 9\nsglang:token_usage{x=\"y\"} 0.75\n",
         );
-        assert_eq!((l.waiting, l.running, l.kv_usage), (Some(4.0), Some(9.0), Some(0.75)));
+        assert_eq!(
+            (l.waiting, l.running, l.kv_usage),
+            (Some(4.0), Some(9.0), Some(0.75))
+        );
         let l = parse_engine_load("vllm:gpu_cache_usage_perc 0.4\n");
         assert_eq!(l.kv_usage, Some(0.4));
     }

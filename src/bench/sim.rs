@@ -1,0 +1,488 @@
+//! `kvmesh sim`: a discrete-event simulation of router nodes and engine replicas in virtual time.
+//!
+//! It drives the *same* code as the live system: every node is a [`View`] + [`Router`] from the
+//! core, every replica an [`Engine`] from the engine model, every home-node cache model a
+//! [`CacheModel`]. What it models instead of running:
+//! - gossip: each node refreshes its view (engine load, summaries, queued prefill) every
+//!   `gossip_interval`, staggered across nodes, so views are stale by up to one interval;
+//! - routed-block reports reach the replica's cache model at once (they are fire-and-forget and
+//!   small); the node's own overlay covers what its stale view has not seen yet;
+//! - clients: each request of the workload arrives at a uniformly random node.
+//!
+//! The oracle baseline is one central router whose view is refreshed before every decision
+//! (exact, instant knowledge of load and of everything routed), picking the lowest predicted cost.
+//! Deterministic for a seed.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::stats::{max_over_mean, Distribution};
+use super::trace::{synthesize_prompt, TraceRequest, BYTES_PER_TOKEN};
+use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+use crate::core::keys::{text_block_keys, BlockKey, Namespace};
+use crate::core::policy::PolicyKind;
+use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
+use crate::core::summary::SummaryConfig;
+use crate::core::tenants::Tenants;
+use crate::core::view::{ReplicaInfo, View};
+use crate::engine_sim::{tokenize, Engine, EngineConfig, Output, Request};
+
+const MODEL: &str = "sim-llama-8b";
+
+/// What to simulate.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Router nodes. Default 3.
+    pub nodes: usize,
+    /// Engine replicas. Default 8.
+    pub replicas: usize,
+    /// Routing policy of every node. Default `p2c-cache`.
+    pub policy: PolicyKind,
+    /// Seed of every random choice. Default 1.
+    pub seed: u64,
+    /// How often a node's view is refreshed. Default 100 ms.
+    pub gossip_interval: Duration,
+    /// The engine model of every replica. Default: 8B on one H100.
+    pub engine: EngineConfig,
+    /// Routing-text block size. Default 256 bytes.
+    pub block_bytes: usize,
+    /// Trace arrival times are divided by this (2.0 = twice the trace's rate). Default 1.
+    pub arrival_speedup: f64,
+    /// Replay only the first N requests. Default: all.
+    pub max_requests: Option<usize>,
+    /// Run the oracle baseline instead (one central node, exact instant view, lowest cost).
+    pub oracle: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            nodes: 3,
+            replicas: 8,
+            policy: PolicyKind::P2cCache,
+            seed: 1,
+            gossip_interval: Duration::from_millis(100),
+            engine: EngineConfig::default(),
+            block_bytes: 256,
+            arrival_speedup: 1.0,
+            max_requests: None,
+            oracle: false,
+        }
+    }
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimReport {
+    /// Policy name (`oracle` for the baseline).
+    pub policy: String,
+    /// Router nodes.
+    pub nodes: usize,
+    /// Replicas.
+    pub replicas: usize,
+    /// Requests replayed.
+    pub requests: usize,
+    /// Requests that could not be routed or submitted.
+    pub errors: usize,
+    /// Time to first token, seconds.
+    pub ttft: Distribution,
+    /// End-to-end latency, seconds.
+    pub latency: Distribution,
+    /// Prompt tokens sent.
+    pub prompt_tokens: u64,
+    /// Prompt tokens the engines served from their prefix caches.
+    pub cached_tokens: u64,
+    /// cached / prompt tokens.
+    pub hit_token_ratio: f64,
+    /// Requests served by each replica.
+    pub requests_per_replica: Vec<u64>,
+    /// Largest replica share over the mean share.
+    pub load_max_over_mean: f64,
+    /// Virtual time from the first arrival to the last completion, seconds.
+    pub virtual_seconds: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrival(usize),
+    EngineWake(usize),
+    Gossip(usize),
+}
+
+struct Node {
+    view: View,
+    router: Router,
+}
+
+#[derive(Clone, Copy, Default)]
+struct InFlight {
+    arrival: Duration,
+    node: usize,
+    replica: usize,
+    uncached_tokens: u64,
+}
+
+/// A simulation that failed to start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Bad configuration.
+    #[error("invalid simulation config: {0}")]
+    Config(String),
+}
+
+/// Runs the simulation of `trace` under `cfg`.
+pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
+    if cfg.nodes == 0 || cfg.replicas == 0 {
+        return Err(SimError::Config(
+            "nodes and replicas must be at least 1".into(),
+        ));
+    }
+    if !(cfg.arrival_speedup.is_finite() && cfg.arrival_speedup > 0.0) {
+        return Err(SimError::Config("arrival_speedup must be > 0".into()));
+    }
+    cfg.engine
+        .validate()
+        .map_err(|e| SimError::Config(e.to_string()))?;
+    let trace = &trace[..cfg.max_requests.unwrap_or(trace.len()).min(trace.len())];
+    let nodes_n = if cfg.oracle { 1 } else { cfg.nodes };
+    let policy = if cfg.oracle {
+        PolicyKind::CacheArgmin
+    } else {
+        cfg.policy
+    };
+    let tokens_per_block = (cfg.block_bytes / BYTES_PER_TOKEN).max(1) as u32;
+    let summary_cfg = SummaryConfig::for_cluster("sim");
+    let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
+
+    let infos: Vec<ReplicaInfo> = (0..cfg.replicas)
+        .map(|i| ReplicaInfo {
+            id: format!("replica-{i}"),
+            url: format!("sim://replica-{i}"),
+            region: "sim".into(),
+            zone: String::new(),
+            pool: "shared".into(),
+            models: vec![MODEL.into()],
+            capacity_tokens: cfg.engine.kv_capacity_tokens as u64,
+            prefill_tokens_per_s: prefill_rate,
+            max_in_flight: cfg.engine.max_num_seqs as u32,
+        })
+        .collect();
+    let mut nodes: Vec<Node> = (0..nodes_n)
+        .map(|n| {
+            let mut view = View::new("sim", tokens_per_block);
+            for info in &infos {
+                view.upsert(info.clone());
+            }
+            let rc = RouterConfig {
+                policy,
+                seed: cfg.seed.wrapping_add(n as u64),
+                ..Default::default()
+            };
+            Node {
+                view,
+                router: Router::new(rc, Tenants::default()),
+            }
+        })
+        .collect();
+    let capacity_blocks = cfg.engine.kv_capacity_tokens / tokens_per_block as usize;
+    let mut models = (0..cfg.replicas)
+        .map(|_| {
+            CacheModel::new(
+                CacheSource::Approximate,
+                1,
+                CacheModelConfig::with_capacity(capacity_blocks),
+                summary_cfg.clone(),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| SimError::Config(e.to_string()))?;
+    let mut engines: Vec<Engine> = (0..cfg.replicas)
+        .map(|_| Engine::new(cfg.engine.clone()))
+        .collect();
+    let mut scheduled: Vec<Option<Duration>> = vec![None; cfg.replicas];
+    let mut pending_prefill = vec![0u64; cfg.replicas];
+
+    let mut heap: BinaryHeap<Reverse<(Duration, u64, Event)>> = BinaryHeap::new();
+    let mut order = 0u64;
+    let mut push = |heap: &mut BinaryHeap<_>, t: Duration, e: Event| {
+        order += 1;
+        heap.push(Reverse((t, order, e)));
+    };
+    for (i, r) in trace.iter().enumerate() {
+        let t = Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
+        push(&mut heap, t, Event::Arrival(i));
+    }
+    if !cfg.oracle {
+        for n in 0..nodes_n {
+            let first = cfg.gossip_interval.mul_f64((n + 1) as f64 / nodes_n as f64);
+            push(&mut heap, first, Event::Gossip(n));
+        }
+    }
+
+    let mut rng = SmallRng::seed_from_u64(cfg.seed);
+    let mut flights = vec![InFlight::default(); trace.len()];
+    let mut ttft = Vec::with_capacity(trace.len());
+    let mut latency = Vec::with_capacity(trace.len());
+    let (mut prompt_tokens, mut cached_tokens, mut errors, mut done) = (0u64, 0u64, 0usize, 0usize);
+    let mut per_replica = vec![0u64; cfg.replicas];
+    let mut text = String::new();
+    let mut keys: Vec<BlockKey> = Vec::new();
+    let ns = Namespace::new(MODEL, None, None, None);
+    let mut last = Duration::ZERO;
+
+    while let Some(Reverse((now, _, ev))) = heap.pop() {
+        last = last.max(now);
+        match ev {
+            Event::Arrival(i) => {
+                let req = &trace[i];
+                let n = rng.random_range(0..nodes_n);
+                if cfg.oracle {
+                    refresh(&mut nodes[n].view, &engines, &models, &pending_prefill, now);
+                }
+                synthesize_prompt(req, &mut text);
+                keys.clear();
+                text_block_keys(ns, text.as_bytes(), cfg.block_bytes, &mut keys);
+                let prompt = tokenize(&text);
+                let rr = RouteRequest {
+                    model: MODEL,
+                    keys: &keys,
+                    prompt_tokens: prompt.len() as u64,
+                    session: None,
+                    tenant: None,
+                    forwarded: false,
+                };
+                let node = &mut nodes[n];
+                let Decision::Route(d) = node.router.route(&node.view, &rr, now) else {
+                    errors += 1;
+                    done += 1;
+                    continue;
+                };
+                let r = d.replica;
+                let uncached = (prompt.len() as u64)
+                    .saturating_sub(d.hit_blocks as u64 * tokens_per_block as u64);
+                node.view.record_routed(r, &keys, now);
+                if let Some(rep) = node.view.replica_mut(r) {
+                    rep.load.queued_prefill_tokens += uncached;
+                }
+                models[r].record_routed(&keys, now);
+                pending_prefill[r] += uncached;
+                flights[i] = InFlight {
+                    arrival: now,
+                    node: n,
+                    replica: r,
+                    uncached_tokens: uncached,
+                };
+                let max_tokens = u32::try_from(req.output_length.max(1)).unwrap_or(u32::MAX);
+                if engines[r]
+                    .submit(
+                        Request {
+                            id: i as u64,
+                            prompt,
+                            max_tokens,
+                        },
+                        now,
+                    )
+                    .is_err()
+                {
+                    errors += 1;
+                    done += 1;
+                    nodes[n].view.finished(r);
+                    pending_prefill[r] = pending_prefill[r].saturating_sub(uncached);
+                    continue;
+                }
+                per_replica[r] += 1;
+                schedule(&mut heap, &mut push, &engines[r], &mut scheduled[r], r);
+            }
+            Event::EngineWake(r) => {
+                if scheduled[r] != Some(now) {
+                    continue; // superseded by an earlier wake
+                }
+                scheduled[r] = None;
+                for out in engines[r].advance(now) {
+                    match out {
+                        Output::FirstToken {
+                            id,
+                            cached_tokens: c,
+                            prompt_tokens: p,
+                        } => {
+                            let f = flights[id as usize];
+                            ttft.push((now - f.arrival).as_secs_f64());
+                            prompt_tokens += p as u64;
+                            cached_tokens += c as u64;
+                            pending_prefill[r] =
+                                pending_prefill[r].saturating_sub(f.uncached_tokens);
+                            if let Some(rep) = nodes[f.node].view.replica_mut(r) {
+                                rep.load.queued_prefill_tokens = rep
+                                    .load
+                                    .queued_prefill_tokens
+                                    .saturating_sub(f.uncached_tokens);
+                            }
+                        }
+                        Output::Finished { id } => {
+                            let f = flights[id as usize];
+                            latency.push((now - f.arrival).as_secs_f64());
+                            nodes[f.node].view.finished(f.replica);
+                            done += 1;
+                        }
+                        Output::Token { .. } => {}
+                    }
+                }
+                schedule(&mut heap, &mut push, &engines[r], &mut scheduled[r], r);
+            }
+            Event::Gossip(n) => {
+                refresh(&mut nodes[n].view, &engines, &models, &pending_prefill, now);
+                if n == 0 {
+                    for m in &mut models {
+                        // A rebuild only fails on an impossible filter size, checked at start.
+                        let _ = m.maybe_rebuild(now);
+                    }
+                }
+                if done < trace.len() {
+                    push(&mut heap, now + cfg.gossip_interval, Event::Gossip(n));
+                }
+            }
+        }
+    }
+
+    let first = trace
+        .first()
+        .map_or(0.0, |r| r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
+    Ok(SimReport {
+        policy: if cfg.oracle {
+            "oracle".into()
+        } else {
+            policy.as_str().into()
+        },
+        nodes: nodes_n,
+        replicas: cfg.replicas,
+        requests: trace.len(),
+        errors,
+        ttft: Distribution::of(&mut ttft),
+        latency: Distribution::of(&mut latency),
+        prompt_tokens,
+        cached_tokens,
+        hit_token_ratio: if prompt_tokens == 0 {
+            0.0
+        } else {
+            cached_tokens as f64 / prompt_tokens as f64
+        },
+        load_max_over_mean: max_over_mean(&per_replica),
+        requests_per_replica: per_replica,
+        virtual_seconds: last.as_secs_f64() - first,
+    })
+}
+
+/// Pushes the engine's next wake-up unless an earlier one is already queued.
+fn schedule(
+    heap: &mut BinaryHeap<Reverse<(Duration, u64, Event)>>,
+    push: &mut impl FnMut(&mut BinaryHeap<Reverse<(Duration, u64, Event)>>, Duration, Event),
+    engine: &Engine,
+    scheduled: &mut Option<Duration>,
+    r: usize,
+) {
+    if let Some(next) = engine.next_event_time() {
+        if scheduled.is_none_or(|s| next < s) {
+            *scheduled = Some(next);
+            push(heap, next, Event::EngineWake(r));
+        }
+    }
+}
+
+/// What a gossip round brings a node: every replica's engine load, queued prefill and summary.
+fn refresh(
+    view: &mut View,
+    engines: &[Engine],
+    models: &[CacheModel],
+    pending: &[u64],
+    now: Duration,
+) {
+    for (r, engine) in engines.iter().enumerate() {
+        let st = engine.stats();
+        view.set_engine_load(
+            r,
+            st.waiting as u32,
+            st.running as u32,
+            st.kv_usage as f32,
+            pending[r],
+        );
+        let fresh = models[r].summary();
+        let stale = view
+            .replica(r)
+            .and_then(|x| x.summary.as_ref())
+            .is_none_or(|s| s.epoch() != fresh.epoch() || s.seq() != fresh.seq());
+        if stale {
+            view.set_summary(r, fresh.clone());
+        }
+    }
+    view.expire_overlay(now);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::trace;
+    use std::path::Path;
+
+    fn conversation() -> Vec<TraceRequest> {
+        trace::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl"),
+        )
+        .unwrap()
+    }
+
+    fn small(policy: PolicyKind) -> SimConfig {
+        SimConfig {
+            policy,
+            max_requests: Some(600),
+            arrival_speedup: 4.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn same_seed_same_report() {
+        let t = conversation();
+        let a = run(&t, &small(PolicyKind::P2cCache)).unwrap();
+        let b = run(&t, &small(PolicyKind::P2cCache)).unwrap();
+        assert_eq!(
+            serde_json::to_string(&a).unwrap(),
+            serde_json::to_string(&b).unwrap()
+        );
+        assert_eq!(a.requests, 600);
+        assert_eq!(a.errors, 0);
+        assert_eq!(a.ttft.count, 600);
+    }
+
+    #[test]
+    fn p2c_cache_near_the_oracle_and_faster_than_round_robin() {
+        let t = conversation();
+        let p2c = run(&t, &small(PolicyKind::P2cCache)).unwrap();
+        let rr = run(&t, &small(PolicyKind::RoundRobin)).unwrap();
+        let oracle = run(
+            &t,
+            &SimConfig {
+                oracle: true,
+                ..small(PolicyKind::P2cCache)
+            },
+        )
+        .unwrap();
+        assert!(
+            p2c.cached_tokens as f64 >= 0.9 * oracle.cached_tokens as f64,
+            "p2c-cache {} vs oracle {} hit tokens",
+            p2c.cached_tokens,
+            oracle.cached_tokens
+        );
+        assert!(
+            p2c.ttft.mean < rr.ttft.mean,
+            "mean TTFT p2c-cache {} vs round-robin {}",
+            p2c.ttft.mean,
+            rr.ttft.mean
+        );
+        assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
+    }
+}

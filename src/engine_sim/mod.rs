@@ -1,0 +1,13 @@
+//! Sans-IO model of an LLM inference engine (vLLM-like), shared by `kvmesh replica` (driven in real
+//! time) and the simulator (driven in virtual time). No clock and no I/O live here: every call takes
+//! "now" as a `Duration` since the engine's start, so the same code is deterministic under test.
+
+pub mod config;
+pub mod engine;
+pub mod prefix_cache;
+pub mod tokens;
+
+pub use config::{EngineConfig, Preset};
+pub use engine::{Engine, EngineStats, Output, Request, SubmitError};
+pub use prefix_cache::{BlockHash, CacheEvent, PrefixCache};
+pub use tokens::{tokenize, TokenId};

@@ -1,0 +1,134 @@
+//! Command-line flags of `kvmesh replica`, layered over an optional TOML config file.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use crate::engine_sim::Preset;
+
+use super::config::{KvEventsConfig, ReplicaConfig};
+
+/// `kvmesh replica` flags. Flags override the `--config` file, which overrides the defaults.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplicaArgs {
+    /// HTTP port (0 = any free port).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Interface to bind.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// TOML file with a `ReplicaConfig` (engine parameters under `[engine]`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Engine preset: 8b-h100 or 70b-tp4 (replaces the file's `[engine]` timing and capacity).
+    #[arg(long)]
+    pub preset: Option<Preset>,
+    /// Run the model this many times faster than real time.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// Replica id for the `x-kvmesh-replica` header (default "replica-<port>").
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Served model name.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Publish vLLM KV events on this ZMQ PUB port.
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// Serve KV event replay on this ZMQ ROUTER port (needs --kv-events-port).
+    #[arg(long, requires = "kv_events_port")]
+    pub kv_replay_port: Option<u16>,
+    /// Topic frame of KV event messages.
+    #[arg(long, requires = "kv_events_port")]
+    pub kv_topic: Option<String>,
+    /// Fault: probability of answering 500.
+    #[arg(long)]
+    pub fault_error_rate: Option<f64>,
+    /// Fault: added latency per request, ms.
+    #[arg(long)]
+    pub fault_latency_ms: Option<u64>,
+    /// Fault: never answer completion requests.
+    #[arg(long)]
+    pub fault_hang: bool,
+    /// Fault: exit the process when request N+1 arrives.
+    #[arg(long)]
+    pub fault_crash_after: Option<u64>,
+    /// Fault: refuse connections from start-up until changed via /admin/faults.
+    #[arg(long)]
+    pub fault_refuse_connections: bool,
+    /// Seed of the fault generator.
+    #[arg(long)]
+    pub fault_seed: Option<u64>,
+}
+
+impl ReplicaArgs {
+    /// Builds the replica configuration.
+    pub fn into_config(self) -> anyhow::Result<ReplicaConfig> {
+        let mut cfg = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str::<ReplicaConfig>(&text)
+                    .with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => ReplicaConfig::default(),
+        };
+        cfg.port = self.port;
+        if let Some(host) = self.host {
+            cfg.host = host;
+        }
+        if let Some(preset) = self.preset {
+            let record = cfg.engine.record_kv_events;
+            cfg.engine = preset.config();
+            cfg.engine.record_kv_events = record;
+            if self.model.is_none() && self.config.is_none() {
+                cfg.model = preset.model_name().into();
+            }
+        }
+        if let Some(scale) = self.time_scale {
+            cfg.engine.time_scale = scale;
+        }
+        cfg.id = self.id.unwrap_or_else(|| {
+            if cfg.id == ReplicaConfig::default().id {
+                format!("replica-{}", self.port)
+            } else {
+                cfg.id.clone()
+            }
+        });
+        if let Some(model) = self.model {
+            cfg.model = model;
+        }
+        if let Some(port) = self.kv_events_port {
+            let kv = cfg.kv_events.get_or_insert_with(KvEventsConfig::default);
+            kv.port = port;
+            kv.replay_port = self.kv_replay_port;
+            if let Some(topic) = self.kv_topic {
+                kv.topic = topic;
+            }
+        }
+        let f = &mut cfg.faults;
+        if let Some(v) = self.fault_error_rate {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&v),
+                "--fault-error-rate must be within 0..1"
+            );
+            f.error_rate = v;
+        }
+        if let Some(v) = self.fault_latency_ms {
+            f.added_latency_ms = v;
+        }
+        f.hang |= self.fault_hang;
+        if self.fault_crash_after.is_some() {
+            f.crash_after = self.fault_crash_after;
+        }
+        if self.fault_refuse_connections {
+            f.refuse_connections_ms = u64::MAX;
+        }
+        if let Some(v) = self.fault_seed {
+            f.seed = v;
+        }
+        cfg.exit_on_crash = true;
+        cfg.engine.validate().context("engine configuration")?;
+        Ok(cfg)
+    }
+}

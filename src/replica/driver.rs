@@ -1,0 +1,143 @@
+//! The real-time driver: one tokio task owns the engine model and runs it against the wall clock,
+//! waking at the engine's next event time (already divided by the time scale) or when a request
+//! arrives. Handlers talk to it by message, so the sans-IO model needs no locking.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::engine_sim::{CacheEvent, Engine, EngineConfig, Output, Request, SubmitError};
+use crate::kv_events::{BlockRemoved, BlockStored, EventBatch, KvEvent, KvPublisher};
+
+use super::metrics::Metrics;
+
+/// What the driver sends a request's handler.
+pub type Update = Result<Output, SubmitError>;
+
+/// Messages to the driver.
+#[derive(Debug)]
+pub enum Command {
+    /// Start a request; updates go to `tx`.
+    Submit {
+        /// The request.
+        req: Request,
+        /// Where its outputs go.
+        tx: mpsc::UnboundedSender<Update>,
+    },
+    /// Drop a request (its client left).
+    Cancel(u64),
+}
+
+/// Runs until every command sender is dropped.
+pub async fn run(
+    cfg: EngineConfig,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    metrics: Metrics,
+    publisher: Option<Arc<KvPublisher>>,
+) {
+    let block_size = cfg.block_tokens as u32;
+    let mut engine = Engine::new(EngineConfig {
+        record_kv_events: publisher.is_some(),
+        ..cfg
+    });
+    let start = Instant::now();
+    let mut streams: HashMap<u64, mpsc::UnboundedSender<Update>> = HashMap::new();
+    loop {
+        let deadline = engine.next_event_time().map(|t| start + t);
+        let mut commands = Vec::new();
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => commands.push(cmd),
+                None => break,
+            },
+            _ = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            commands.push(cmd);
+        }
+        let now = start.elapsed();
+        for cmd in commands {
+            match cmd {
+                Command::Submit { req, tx } => {
+                    let id = req.id;
+                    match engine.submit(req, now) {
+                        Ok(()) => {
+                            streams.insert(id, tx);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
+                    }
+                }
+                Command::Cancel(id) => {
+                    streams.remove(&id);
+                    engine.cancel(id);
+                }
+            }
+        }
+        for output in engine.advance(now) {
+            let (id, last) = match output {
+                Output::FirstToken { id, .. } | Output::Token { id } => (id, false),
+                Output::Finished { id } => (id, true),
+            };
+            let delivered = streams
+                .get(&id)
+                .is_some_and(|tx| tx.send(Ok(output)).is_ok());
+            if last || !delivered {
+                streams.remove(&id);
+                if !delivered && !last {
+                    engine.cancel(id);
+                }
+            }
+        }
+        if let Some(publisher) = &publisher {
+            for batch in engine.take_kv_batches() {
+                publisher.publish(to_wire(batch.events, block_size));
+            }
+        }
+        metrics.update(&engine.stats());
+    }
+}
+
+fn to_wire(events: Vec<CacheEvent>, block_size: u32) -> EventBatch {
+    let ts = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let events = events
+        .into_iter()
+        .map(|e| match e {
+            CacheEvent::Stored {
+                parent,
+                hashes,
+                token_ids,
+            } => KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: parent,
+                token_ids,
+                block_size,
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
+                ..Default::default()
+            }),
+            CacheEvent::Removed { hashes } => KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes,
+                medium: Some("GPU".into()),
+                group_idx: None,
+            }),
+        })
+        .collect();
+    EventBatch {
+        ts,
+        events,
+        data_parallel_rank: Some(0),
+    }
+}

@@ -1,0 +1,380 @@
+//! HTTP handlers: the OpenAI-compatible surface, health/load/metrics probes and the fault admin
+//! endpoint. Requests are handed to the driver task; responses follow the engine model's timing
+//! (headers and the first chunk leave when the first token exists).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::engine_sim::{Output, Request};
+
+use super::driver::{Command, Update};
+use super::faults::{FaultPatch, Faults, Verdict};
+use super::metrics::Metrics;
+use super::openai::{self, ApiError, Kind, Meta, Usage, SSE_DONE};
+
+/// State shared by all handlers of one replica.
+#[derive(Debug)]
+pub struct Shared {
+    /// Replica id for `x-kvmesh-replica`.
+    pub id: String,
+    /// Served model name.
+    pub model: String,
+    /// Longest model length, for `/v1/models`.
+    pub max_model_len: usize,
+    /// Body size limit in bytes.
+    pub max_body_bytes: usize,
+    /// Default `max_tokens`.
+    pub default_max_tokens: u32,
+    /// Channel to the engine driver.
+    pub driver: mpsc::UnboundedSender<Command>,
+    /// Metrics registry.
+    pub metrics: Metrics,
+    /// Fault state.
+    pub faults: Arc<Faults>,
+    /// Notified when fault settings change (wakes the listener).
+    pub faults_changed: Arc<Notify>,
+    /// Set to stop the replica (crash fault).
+    pub stop: watch::Sender<bool>,
+    /// Whether the crash fault exits the process.
+    pub exit_on_crash: bool,
+    /// Request id counter.
+    pub next_id: AtomicU64,
+    /// Completion requests in flight (`/load`).
+    pub in_flight: Arc<AtomicI64>,
+}
+
+/// The replica's routes.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/load", get(load))
+        .route("/metrics", get(metrics))
+        .route("/admin/faults", get(get_faults).post(set_faults))
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "NotFoundError", "no such route")
+        })
+        .with_state(shared)
+}
+
+async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Kind::Completion, headers, body).await
+}
+
+async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, Kind::Chat, headers, body).await
+}
+
+async fn models(State(s): State<Arc<Shared>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": s.model, "object": "model", "created": unix_now(), "owned_by": "vllm",
+        "root": s.model, "parent": null, "max_model_len": s.max_model_len,
+    }]}))
+}
+
+async fn load(State(s): State<Arc<Shared>>) -> Json<Value> {
+    Json(json!({"server_load": s.in_flight.load(Ordering::Relaxed).max(0)}))
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    match s.metrics.render() {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            e.to_string(),
+        )
+        .into_response(),
+    }
+}
+
+async fn get_faults(State(s): State<Arc<Shared>>) -> Json<Value> {
+    Json(json!(s.faults.config()))
+}
+
+async fn set_faults(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<FaultPatch>(&body) {
+        Ok(patch) => {
+            let cfg = s.faults.apply(patch);
+            tracing::info!(?cfg, "fault settings changed");
+            s.faults_changed.notify_waiters();
+            Json(json!(cfg)).into_response()
+        }
+        Err(e) => {
+            ApiError::bad_request(format!("invalid fault settings: {e}"), None).into_response()
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Decrements the in-flight count when the request (or its stream) ends.
+struct InFlight(Arc<AtomicI64>);
+
+impl InFlight {
+    fn new(counter: &Arc<AtomicI64>) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn unavailable(message: &str) -> Response {
+    let mut resp = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailableError",
+        message,
+    )
+    .into_response();
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "RequestEntityTooLarge",
+            format!("request body exceeds {} bytes", s.max_body_bytes),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > s.max_body_bytes) {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(body, s.max_body_bytes)
+        .await
+        .map_err(|e| {
+            let over_limit = std::error::Error::source(&e)
+                .is_some_and(|src| src.is::<http_body_util::LengthLimitError>())
+                || e.to_string().contains("length limit");
+            if over_limit {
+                too_large()
+            } else {
+                ApiError::bad_request(format!("could not read the request body: {e}"), None)
+            }
+        })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}"), None))
+}
+
+async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
+    let started = Instant::now();
+    match s.faults.verdict() {
+        Verdict::Refuse => return unavailable("replica is refusing connections (fault injection)"),
+        Verdict::Crash => {
+            tracing::error!(replica = %s.id, "fault: crashing");
+            if s.exit_on_crash {
+                std::process::exit(70);
+            }
+            let _ = s.stop.send(true);
+            return unavailable("replica crashed (fault injection)");
+        }
+        Verdict::Hang => std::future::pending::<()>().await,
+        Verdict::Error => {
+            return ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                "injected failure (fault injection)",
+            )
+            .into_response()
+        }
+        Verdict::Serve { delay } => {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+    let in_flight = InFlight::new(&s.in_flight);
+    let parsed = match read_body(&s, &headers, body)
+        .await
+        .and_then(|v| match kind {
+            Kind::Completion => openai::parse_completion(&v, s.default_max_tokens),
+            Kind::Chat => openai::parse_chat(&v, s.default_max_tokens),
+        }) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Update>();
+    let req = Request {
+        id,
+        prompt: parsed.prompt,
+        max_tokens: parsed.max_tokens,
+    };
+    if s.driver.send(Command::Submit { req, tx }).is_err() {
+        return unavailable("engine stopped");
+    }
+    // Dropping `rx` (client gone) makes the driver cancel the request at its next output.
+    let (cached, prompt_tokens) = match rx.recv().await {
+        Some(Ok(Output::FirstToken {
+            cached_tokens,
+            prompt_tokens,
+            ..
+        })) => (cached_tokens, prompt_tokens),
+        Some(Ok(other)) => {
+            tracing::error!(?other, "first engine output was not a first token");
+            return unavailable("engine protocol error");
+        }
+        Some(Err(e)) => {
+            return ApiError::bad_request(e.to_string(), Some("prompt")).into_response()
+        }
+        None => return unavailable("engine stopped"),
+    };
+    s.metrics.ttft.observe(started.elapsed().as_secs_f64());
+    let prefix = match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let meta = Meta {
+        id: format!("{prefix}-{}-{id}", s.id),
+        created: unix_now(),
+        model: s.model.clone(),
+        kind,
+    };
+    let max_tokens = parsed.max_tokens;
+    let mut resp = if parsed.stream {
+        stream_response(
+            s.clone(),
+            meta,
+            rx,
+            max_tokens,
+            parsed.include_usage,
+            cached,
+            prompt_tokens,
+            in_flight,
+        )
+    } else {
+        let mut generated = 1;
+        let mut done =
+            max_tokens == 1 && matches!(rx.recv().await, Some(Ok(Output::Finished { .. })));
+        while !done {
+            match rx.recv().await {
+                Some(Ok(Output::Token { .. })) => generated += 1,
+                Some(Ok(Output::Finished { .. })) => done = true,
+                Some(_) => {}
+                None => return unavailable("engine stopped mid-request"),
+            }
+        }
+        drop(in_flight);
+        s.metrics.success.inc();
+        let usage = Usage {
+            prompt: prompt_tokens,
+            cached,
+            completion: generated,
+        };
+        Json(meta.full_response(usage)).into_response()
+    };
+    let h = resp.headers_mut();
+    for (name, value) in [
+        ("x-kvmesh-replica", s.id.clone()),
+        ("x-kvmesh-cached-tokens", cached.to_string()),
+        ("x-kvmesh-prompt-tokens", prompt_tokens.to_string()),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            h.insert(name, v);
+        }
+    }
+    resp
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_response(
+    s: Arc<Shared>,
+    meta: Meta,
+    mut rx: mpsc::UnboundedReceiver<Update>,
+    max_tokens: u32,
+    include_usage: bool,
+    cached: usize,
+    prompt_tokens: usize,
+    in_flight: InFlight,
+) -> Response {
+    let (body_tx, body_rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let _in_flight = in_flight;
+        let mut generated = 0u32;
+        let send = |text: String| {
+            let body_tx = body_tx.clone();
+            async move { body_tx.send(Bytes::from(text)).await.is_ok() }
+        };
+        // The first token already arrived.
+        generated += 1;
+        if !send(meta.token_chunk(0, max_tokens == 1, include_usage)).await {
+            return;
+        }
+        loop {
+            match rx.recv().await {
+                Some(Ok(Output::Token { .. })) => {
+                    generated += 1;
+                    if !send(meta.token_chunk(
+                        generated - 1,
+                        generated >= max_tokens,
+                        include_usage,
+                    ))
+                    .await
+                    {
+                        return;
+                    }
+                }
+                Some(Ok(Output::Finished { .. })) => break,
+                Some(_) => {}
+                // Engine stopped: end the stream without [DONE], as a dying server would.
+                None => return,
+            }
+        }
+        s.metrics.success.inc();
+        if include_usage {
+            let usage = Usage {
+                prompt: prompt_tokens,
+                cached,
+                completion: generated,
+            };
+            if !send(meta.usage_chunk(usage)).await {
+                return;
+            }
+        }
+        send(SSE_DONE.to_string()).await;
+    });
+    let stream = futures::stream::unfold(body_rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
+    });
+    let mut resp = Body::from_stream(stream).into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}

@@ -1,0 +1,129 @@
+//! Prometheus metrics under vLLM's names (`vllm/v1/metrics/loggers.py`), so that a router or a
+//! benchmark scraping a simulated replica needs no special case. Each replica has its own registry,
+//! which lets many replicas share one process in tests.
+
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry, TextEncoder,
+};
+
+use crate::engine_sim::EngineStats;
+
+/// vLLM's TTFT histogram buckets, in seconds.
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// The replica's metrics.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    running: IntGauge,
+    waiting: IntGauge,
+    kv_usage: Gauge,
+    prefix_queries: IntCounter,
+    prefix_hits: IntCounter,
+    /// Time to first token as seen by the HTTP handler, seconds.
+    pub ttft: Histogram,
+    /// Requests that completed normally.
+    pub success: IntCounter,
+}
+
+impl Metrics {
+    /// Registers every metric with the `model_name` label.
+    pub fn new(
+        model: &str,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let label = |o: Opts| {
+            o.const_label("model_name", model)
+                .const_label("engine", "0")
+        };
+        let running = IntGauge::with_opts(label(Opts::new(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+        )))?;
+        let waiting = IntGauge::with_opts(label(Opts::new(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+        )))?;
+        let kv_usage = Gauge::with_opts(label(Opts::new(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+        )))?;
+        let prefix_queries = IntCounter::with_opts(label(Opts::new(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )))?;
+        let prefix_hits = IntCounter::with_opts(label(Opts::new(
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        )))?;
+        let cache_info = Gauge::with_opts(
+            label(Opts::new(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+            ))
+            .const_label("block_size", block_size.to_string())
+            .const_label("num_gpu_blocks", num_blocks.to_string()),
+        )?;
+        cache_info.set(1.0);
+        let ttft_opts = HistogramOpts::new(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+        )
+        .const_label("model_name", model)
+        .const_label("engine", "0")
+        .buckets(TTFT_BUCKETS.to_vec());
+        let ttft = Histogram::with_opts(ttft_opts)?;
+        let success = IntCounter::with_opts(
+            label(Opts::new(
+                "vllm:request_success_total",
+                "Count of successfully processed requests.",
+            ))
+            .const_label("finished_reason", "length"),
+        )?;
+        registry.register(Box::new(running.clone()))?;
+        registry.register(Box::new(waiting.clone()))?;
+        registry.register(Box::new(kv_usage.clone()))?;
+        registry.register(Box::new(prefix_queries.clone()))?;
+        registry.register(Box::new(prefix_hits.clone()))?;
+        registry.register(Box::new(cache_info))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(success.clone()))?;
+        Ok(Self {
+            registry,
+            running,
+            waiting,
+            kv_usage,
+            prefix_queries,
+            prefix_hits,
+            ttft,
+            success,
+        })
+    }
+
+    /// Mirrors the engine's gauges and counters.
+    pub fn update(&self, stats: &EngineStats) {
+        self.running.set(stats.running as i64);
+        self.waiting.set(stats.waiting as i64);
+        self.kv_usage.set(stats.kv_usage);
+        let q = stats
+            .prefix_query_tokens
+            .saturating_sub(self.prefix_queries.get());
+        self.prefix_queries.inc_by(q);
+        let h = stats
+            .prefix_hit_tokens
+            .saturating_sub(self.prefix_hits.get());
+        self.prefix_hits.inc_by(h);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}

@@ -1,0 +1,375 @@
+//! The OpenAI request/response shapes the replica speaks: prompt extraction from completions and
+//! chat requests, deterministic filler output, SSE chunks, and OpenAI-shaped errors. Pure functions,
+//! so the HTTP layer stays thin.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use crate::engine_sim::{tokenize, TokenId};
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// OpenAI error type, e.g. "BadRequestError".
+    pub kind: &'static str,
+    /// The offending parameter, if any.
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "BadRequestError",
+            param,
+        }
+    }
+
+    /// Any status with a message.
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `/v1/completions`
+    Completion,
+    /// `/v1/chat/completions`
+    Chat,
+}
+
+/// What the replica needs from a request body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    /// Endpoint.
+    pub kind: Kind,
+    /// Prompt tokens.
+    pub prompt: Vec<TokenId>,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+    /// SSE streaming requested.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+fn max_tokens(body: &Value, default: u32) -> Result<u32, ApiError> {
+    let v = body
+        .get("max_completion_tokens")
+        .filter(|v| !v.is_null())
+        .or_else(|| body.get("max_tokens").filter(|v| !v.is_null()));
+    match v {
+        None => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| {
+                ApiError::bad_request("max_tokens must be a positive integer", Some("max_tokens"))
+            }),
+    }
+}
+
+fn stream_flags(body: &Value) -> (bool, bool) {
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let usage = body
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    (stream, usage)
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<TokenId>> {
+    items
+        .iter()
+        .map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// Parses a `/v1/completions` body. `prompt` may be a string, a one-element list of strings, a list
+/// of token ids or a one-element list of token-id lists; batched prompts are refused.
+pub fn parse_completion(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiError> {
+    let missing = || {
+        ApiError::bad_request(
+            "'prompt' is required: a string or a list of token ids",
+            Some("prompt"),
+        )
+    };
+    let prompt = match body.get("prompt").ok_or_else(missing)? {
+        Value::String(s) => tokenize(s),
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(s)] => tokenize(s),
+            [Value::Array(ids)] => token_ids(ids).ok_or_else(missing)?,
+            ids if ids.iter().all(Value::is_number) => token_ids(ids).ok_or_else(missing)?,
+            _ => {
+                return Err(ApiError::bad_request(
+                    "batched prompts are not supported by the simulated replica",
+                    Some("prompt"),
+                ))
+            }
+        },
+        _ => return Err(missing()),
+    };
+    let (stream, include_usage) = stream_flags(body);
+    Ok(Parsed {
+        kind: Kind::Completion,
+        prompt,
+        max_tokens: max_tokens(body, default_max_tokens)?,
+        stream,
+        include_usage,
+    })
+}
+
+/// Renders chat messages to the prompt text the replica tokenizes: per message `<|role|>\n`, the
+/// text of its content (string or all text parts), `\n`; then the generation prompt
+/// `<|assistant|>\n`. A stand-in for a chat template that keeps multi-turn prefixes stable.
+pub fn render_chat(messages: &[Value]) -> String {
+    let mut out = String::new();
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
+        out.push_str("<|");
+        out.push_str(role);
+        out.push_str("|>\n");
+        match m.get("content") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    if let Some(text) = part.get("text").and_then(Value::as_str) {
+                        out.push_str(text);
+                    }
+                }
+            }
+            _ => {}
+        }
+        out.push('\n');
+    }
+    out.push_str("<|assistant|>\n");
+    out
+}
+
+/// Parses a `/v1/chat/completions` body.
+pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiError> {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| {
+            ApiError::bad_request("'messages' is required: a non-empty list", Some("messages"))
+        })?;
+    if messages.iter().any(|m| !m.is_object()) {
+        return Err(ApiError::bad_request(
+            "each message must be an object",
+            Some("messages"),
+        ));
+    }
+    let (stream, include_usage) = stream_flags(body);
+    Ok(Parsed {
+        kind: Kind::Chat,
+        prompt: tokenize(&render_chat(messages)),
+        max_tokens: max_tokens(body, default_max_tokens)?,
+        stream,
+        include_usage,
+    })
+}
+
+const WORDS: &[&str] = &[
+    " the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " and", " then",
+    " rests",
+];
+
+/// The text of generated token `i` (0-based): deterministic filler.
+pub fn filler(i: u32) -> &'static str {
+    WORDS[i as usize % WORDS.len()]
+}
+
+/// The whole filler text of `n` tokens.
+pub fn filler_text(n: u32) -> String {
+    (0..n).map(filler).collect()
+}
+
+/// Token accounting of a finished (or finishing) request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Of which served from the prefix cache.
+    pub cached: usize,
+    /// Generated tokens.
+    pub completion: u32,
+}
+
+impl Usage {
+    /// OpenAI's `usage` object.
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion as usize,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        })
+    }
+}
+
+/// Identity of one response.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    /// Response id, e.g. "cmpl-replica-1-7".
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Endpoint.
+    pub kind: Kind,
+}
+
+impl Meta {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.kind, stream) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+        }
+    }
+
+    /// One SSE event carrying generated token `i`; `last` sets `finish_reason`.
+    pub fn token_chunk(&self, i: u32, last: bool, include_usage: bool) -> String {
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": filler(i), "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            }),
+            Kind::Chat => {
+                let delta = if i == 0 {
+                    json!({"role": "assistant", "content": filler(i)})
+                } else {
+                    json!({"content": filler(i)})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut chunk = json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [choice],
+        });
+        if include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        sse(&chunk)
+    }
+
+    /// The final usage-only SSE event of `stream_options.include_usage`.
+    pub fn usage_chunk(&self, usage: Usage) -> String {
+        sse(&json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [], "usage": usage.json(),
+        }))
+    }
+
+    /// The non-streaming response body.
+    pub fn full_response(&self, usage: Usage) -> Value {
+        let text = filler_text(usage.completion);
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": "length", "stop_reason": null,
+            }),
+            Kind::Chat => json!({
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": null, "finish_reason": "length",
+            }),
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created,
+            "model": self.model, "choices": [choice], "usage": usage.json(),
+        })
+    }
+}
+
+fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// The SSE terminator.
+pub const SSE_DONE: &str = "data: [DONE]\n\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_prompt_forms() {
+        let p = parse_completion(&json!({"prompt": "abcdefgh"}), 16).unwrap();
+        assert_eq!(p.prompt.len(), 2);
+        assert_eq!(p.max_tokens, 16);
+        let p = parse_completion(
+            &json!({"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}),
+            16,
+        )
+        .unwrap();
+        assert_eq!((p.prompt, p.max_tokens, p.stream), (vec![1, 2, 3], 4, true));
+        let p = parse_completion(&json!({"prompt": [[5, 6]]}), 16).unwrap();
+        assert_eq!(p.prompt, vec![5, 6]);
+        assert!(parse_completion(&json!({}), 16).is_err());
+        assert!(parse_completion(&json!({"prompt": ["a", "b"]}), 16).is_err());
+        assert!(parse_completion(&json!({"prompt": "x", "max_tokens": 0}), 16).is_err());
+        assert!(parse_completion(&json!({"prompt": [-1]}), 16).is_err());
+    }
+
+    #[test]
+    fn chat_renders_roles_and_all_text_parts() {
+        let body = json!({"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "image_url"}, {"type": "text", "text": "there"}]},
+        ], "stream_options": {"include_usage": true}});
+        let msgs = body["messages"].as_array().unwrap();
+        assert_eq!(
+            render_chat(msgs),
+            "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
+        );
+        let p = parse_chat(&body, 16).unwrap();
+        assert!(p.include_usage);
+        assert!(parse_chat(&json!({"messages": []}), 16).is_err());
+        assert!(parse_chat(&json!({"prompt": "x"}), 16).is_err());
+    }
+
+    #[test]
+    fn error_shape() {
+        let e = ApiError::bad_request("nope", Some("prompt")).body();
+        assert_eq!(e["error"]["type"], "BadRequestError");
+        assert_eq!(e["error"]["param"], "prompt");
+        assert_eq!(e["error"]["code"], 400);
+    }
+}

@@ -158,6 +158,10 @@ enum Fake {
     Stream,
     /// Answers 500.
     Fail,
+    /// Sends no headers for 10 s.
+    Hang,
+    /// Sends the first chunk, then nothing for 10 s.
+    StallAfterFirst,
 }
 
 /// A fake OpenAI upstream with vLLM-named metrics; counts completion requests.
@@ -174,11 +178,19 @@ async fn fake_upstream(mode: Fake) -> (SocketAddr, Arc<AtomicUsize>) {
                     "{\"error\":{\"message\":\"boom\"}}",
                 )
                     .into_response(),
-                Fake::Stream => {
+                Fake::Hang => {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    "late".into_response()
+                }
+                Fake::Stream | Fake::StallAfterFirst => {
+                    let gap = match mode {
+                        Fake::StallAfterFirst => Duration::from_secs(10),
+                        _ => CHUNK_GAP,
+                    };
                     let s = futures::stream::iter(SSE_CHUNKS.iter().enumerate()).then(
-                        |(i, c)| async move {
+                        move |(i, c)| async move {
                             if i > 0 {
-                                tokio::time::sleep(CHUNK_GAP).await;
+                                tokio::time::sleep(gap).await;
                             }
                             Ok::<_, std::io::Error>(bytes::Bytes::from_static(c.as_bytes()))
                         },
@@ -601,6 +613,138 @@ async fn shutdown_drains_a_stream_in_flight() {
         assert!(drained.await.unwrap(), "drain did not finish in time");
         // No longer accepting.
         assert!(c.get(format!("http://{addr}/health")).send().await.is_err());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn timeouts_retry_before_the_first_byte_and_never_after() {
+    bounded(async {
+        let (hang, hang_hits) = fake_upstream(Fake::Hang).await;
+        let (good, good_hits) = fake_upstream(Fake::Stream).await;
+        let mut cfg = node_config(&[format!("http://{hang}"), format!("http://{good}")]);
+        cfg.timeouts.first_byte_ms = 300;
+        cfg.policy = "round-robin".into();
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        for _ in 0..2 {
+            let resp = c
+                .post(url(&node, "/v1/completions"))
+                .json(&json!({"model":"fake-model","prompt":"hi","stream":true}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()[ROUTED], "r1");
+            assert_eq!(resp.text().await.unwrap(), SSE_CHUNKS.concat());
+        }
+        // Round-robin sent requests to the hanging replica first; each timed out and moved on.
+        let hung = hang_hits.load(Ordering::SeqCst);
+        assert!((1..=2).contains(&hung), "{hung}");
+        assert_eq!(good_hits.load(Ordering::SeqCst), 2);
+        let metrics = c
+            .get(url(&node, "/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains(&format!("kvmesh_retries_total {hung}")),
+            "{metrics}"
+        );
+        node.shutdown().await;
+
+        // A stream that started and then went silent is cut, not retried.
+        let (stall, stall_hits) = fake_upstream(Fake::StallAfterFirst).await;
+        let (good, good_hits) = fake_upstream(Fake::Stream).await;
+        let mut cfg = node_config(&[format!("http://{stall}"), format!("http://{good}")]);
+        cfg.timeouts.idle_ms = 300;
+        cfg.policy = "round-robin".into();
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut cut = 0;
+        for _ in 0..2 {
+            let resp = c
+                .post(url(&node, "/v1/completions"))
+                .json(&json!({"model":"fake-model","prompt":"hi","stream":true}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            let stalled = resp.headers()[ROUTED] == "r0";
+            let mut stream = resp.bytes_stream();
+            let mut got = Vec::new();
+            let mut failed = false;
+            while let Some(chunk) = stream.next().await {
+                match chunk {
+                    Ok(b) => got.extend_from_slice(&b),
+                    Err(_) => {
+                        failed = true;
+                        break;
+                    }
+                }
+            }
+            if stalled {
+                cut += 1;
+                assert!(
+                    failed,
+                    "a silent stream must end in an error, not a clean end"
+                );
+                assert_eq!(got, SSE_CHUNKS[0].as_bytes());
+            } else {
+                assert_eq!(got, SSE_CHUNKS.concat().as_bytes());
+            }
+        }
+        assert_eq!(cut, 1);
+        assert_eq!(stall_hits.load(Ordering::SeqCst), 1);
+        assert_eq!(good_hits.load(Ordering::SeqCst), 1);
+        let metrics = c
+            .get(url(&node, "/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(metrics.contains("kvmesh_retries_total 0"), "{metrics}");
+        assert!(
+            metrics.contains("outcome=\"stream_aborted\",policy=\"round-robin\",replica=\"r0\"} 1"),
+            "{metrics}"
+        );
+        node.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tenants_over_quota_get_429() {
+    bounded(async {
+        let (addr, _) = fake_upstream(Fake::Stream).await;
+        let mut cfg = node_config(&[format!("http://{addr}")]);
+        cfg.tenants = NodeConfig::from_toml("[tenants.acme]\nmax_in_flight_per_replica = 1\n")
+            .unwrap()
+            .tenants;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        let send = |tenant: &'static str| {
+            c.post(url(&node, "/v1/completions"))
+                .header("x-tenant-id", tenant)
+                .json(&json!({"model":"fake-model","prompt":"hi","stream":true}))
+                .send()
+        };
+        let open = send("acme").await.unwrap();
+        assert_eq!(open.status(), 200);
+        let over = send("acme").await.unwrap();
+        assert_eq!(over.status(), 429);
+        let v: Value = over.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_error");
+        // Another tenant is unaffected; acme gets its slot back when its stream ends.
+        assert_eq!(send("other").await.unwrap().status(), 200);
+        open.text().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(send("acme").await.unwrap().status(), 200);
+        node.shutdown().await;
     })
     .await;
 }

@@ -24,7 +24,8 @@ pub struct Metrics {
     pub first_byte_seconds: HistogramVec,
     /// `kvmesh_in_flight{replica}`: requests this node has open at each replica.
     pub in_flight: IntGaugeVec,
-    /// `kvmesh_in_flight_total`: requests open at the node (including ones not yet routed).
+    /// `kvmesh_in_flight_total`: requests at the node still waiting for response headers (being
+    /// read, routed, sent or retried); streaming bodies are counted per replica in `in_flight`.
     pub in_flight_total: IntGauge,
     /// `kvmesh_replica_healthy{replica}`: 1 healthy, 0 not.
     pub replica_healthy: IntGaugeVec,
@@ -80,8 +81,10 @@ impl Metrics {
             ),
             &["replica"],
         )?;
-        let in_flight_total =
-            IntGauge::new("kvmesh_in_flight_total", "Requests open at this node")?;
+        let in_flight_total = IntGauge::new(
+            "kvmesh_in_flight_total",
+            "Requests at this node waiting for response headers",
+        )?;
         let replica_healthy = IntGaugeVec::new(
             Opts::new("kvmesh_replica_healthy", "1 when the replica takes traffic"),
             &["replica"],

@@ -69,9 +69,15 @@ async fn run(
 async fn main() -> anyhow::Result<()> {
     kvmesh::proxy::install_crypto_provider();
     let app = axum::Router::new()
-        .route("/v1/completions", post(|| async { ([("content-type", "application/json")], BODY) }))
+        .route(
+            "/v1/completions",
+            post(|| async { ([("content-type", "application/json")], BODY) }),
+        )
         .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { "vllm:num_requests_running 0\n" }));
+        .route(
+            "/metrics",
+            get(|| async { "vllm:num_requests_running 0\n" }),
+        );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let upstream = listener.local_addr()?;
     tokio::spawn(async move { axum::serve(listener, app).await });

@@ -105,6 +105,8 @@ pub struct NodeConfig {
     pub drain_s: u64,
     /// The replicas this node routes to (static registry).
     pub replicas: Vec<ReplicaConfig>,
+    /// DNS sources of replicas, re-resolved on their records' TTL. Default none.
+    pub dns: Vec<DnsConfig>,
     /// Per-tenant policies, by tenant id.
     pub tenants: HashMap<String, TenantConfig>,
     /// Policy for tenants not listed (and requests without a tenant).
@@ -137,6 +139,7 @@ impl Default for NodeConfig {
             scrape: ScrapeConfig::default(),
             drain_s: 30,
             replicas: Vec::new(),
+            dns: Vec::new(),
             tenants: HashMap::new(),
             default_tenant: TenantConfig::default(),
         }
@@ -276,6 +279,94 @@ fn default_prefill_rate() -> f64 {
 }
 fn default_max_in_flight() -> u32 {
     256
+}
+
+/// Which records a DNS source reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DnsRecord {
+    /// SRV records: each gives a target host and a port; targets resolve through A/AAAA.
+    Srv,
+    /// A/AAAA records of `name`; every address with the configured `port`.
+    A,
+}
+
+/// Replicas found in DNS. Every address found becomes a replica with id `ip:port`; replicas
+/// that disappear from the answer stop taking new requests (draining).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsConfig {
+    /// Name to resolve, e.g. `_http._tcp.vllm.ns.svc.cluster.local.` (required).
+    pub name: String,
+    /// `srv` or `a`. Default `srv`.
+    #[serde(default = "default_dns_record")]
+    pub record: DnsRecord,
+    /// Port of every address (required for `a`, ignored for `srv`).
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// URL scheme of the replicas. Default `http`.
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    /// DNS server (`ip:port`). Default: the system's resolv.conf.
+    #[serde(default)]
+    pub nameserver: Option<SocketAddr>,
+    /// Shortest time between resolutions (ms), whatever the TTL. Default 1,000.
+    #[serde(default = "default_min_refresh_ms")]
+    pub min_refresh_ms: u64,
+    /// Longest time between resolutions (ms), whatever the TTL. Default 60,000.
+    #[serde(default = "default_max_refresh_ms")]
+    pub max_refresh_ms: u64,
+    /// Region of the replicas. Default: the node's region.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Zone or rack. Default empty.
+    #[serde(default)]
+    pub zone: String,
+    /// Pool. Default `shared`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Models they serve. Default: discovered from each replica's `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV capacity in tokens. Default: scraped, else 450,000.
+    #[serde(default)]
+    pub capacity_tokens: Option<u64>,
+    /// Prefill speed in tokens/s. Default 50,000.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which a replica counts as full. Default 256.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+}
+
+fn default_dns_record() -> DnsRecord {
+    DnsRecord::Srv
+}
+fn default_scheme() -> String {
+    "http".into()
+}
+fn default_min_refresh_ms() -> u64 {
+    1_000
+}
+fn default_max_refresh_ms() -> u64 {
+    60_000
+}
+
+impl DnsConfig {
+    /// The replica at `addr` found through this source.
+    pub fn replica(&self, addr: SocketAddr) -> ReplicaConfig {
+        ReplicaConfig {
+            url: format!("{}://{addr}", self.scheme),
+            id: Some(addr.to_string()),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pool: self.pool.clone(),
+            models: self.models.clone(),
+            capacity_tokens: self.capacity_tokens,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            max_in_flight: self.max_in_flight,
+        }
+    }
 }
 
 /// KV capacity assumed for a replica until configured or scraped (tokens).
@@ -446,6 +537,42 @@ impl NodeConfig {
                 return Err(invalid(key("max_in_flight"), "must be at least 1"));
             }
         }
+        for (n, d) in self.dns.iter().enumerate() {
+            let key = |f: &str| format!("dns[{n}].{f}");
+            if d.name.is_empty() {
+                return Err(invalid(key("name"), "must not be empty"));
+            }
+            if d.record == DnsRecord::A && d.port.is_none() {
+                return Err(invalid(key("port"), "required when record = \"a\""));
+            }
+            if !matches!(d.scheme.as_str(), "http" | "https") {
+                return Err(invalid(key("scheme"), "must be http or https"));
+            }
+            if d.min_refresh_ms == 0 {
+                return Err(invalid(key("min_refresh_ms"), "must be at least 1"));
+            }
+            if d.max_refresh_ms < d.min_refresh_ms {
+                return Err(invalid(
+                    key("max_refresh_ms"),
+                    "must be at least min_refresh_ms",
+                ));
+            }
+            if d.region.as_deref() == Some("") {
+                return Err(invalid(
+                    key("region"),
+                    "must not be empty (omit it instead)",
+                ));
+            }
+            if d.capacity_tokens == Some(0) {
+                return Err(invalid(key("capacity_tokens"), "must be at least 1"));
+            }
+            if !d.prefill_tokens_per_s.is_finite() || d.prefill_tokens_per_s <= 0.0 {
+                return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
+            }
+            if d.max_in_flight == 0 {
+                return Err(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+        }
         for (name, t) in self
             .tenants
             .iter()
@@ -498,10 +625,10 @@ impl NodeConfig {
             None => NodeConfig::default(),
         };
         cfg.apply_args(args)?;
-        if cfg.replicas.is_empty() {
+        if cfg.replicas.is_empty() && cfg.dns.is_empty() {
             return Err(invalid(
                 "replicas",
-                "no replica configured (use [[replicas]] in the config or --replica URL)",
+                "no replica configured (use [[replicas]] or [[dns]] in the config, or --replica URL)",
             ));
         }
         Ok(cfg)
@@ -578,6 +705,8 @@ mod tests {
                 "tenants.acme.max_cluster_share",
             ),
             ("listen = \"nowhere\"", "listen"),
+            ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
+            ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");

@@ -12,12 +12,12 @@
 //! and a finished response all release exactly once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::config::{NodeConfig, DEFAULT_CAPACITY_TOKENS};
+use crate::config::{NodeConfig, ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
@@ -46,6 +46,19 @@ pub struct ReplicaRuntime {
     pub capacity_configured: bool,
     /// Latest scrape, if any succeeded.
     pub engine: Option<EngineLoad>,
+    /// Left the registry (DNS no longer lists it): takes no new requests.
+    pub removed: bool,
+}
+
+impl ReplicaRuntime {
+    /// Health for routing: draining once removed, else what checks and ejection say.
+    pub fn effective_health(&self) -> Health {
+        if self.removed {
+            Health::Draining
+        } else {
+            self.health.health()
+        }
+    }
 }
 
 /// Everything routing reads and writes, behind the node's one lock.
@@ -58,13 +71,13 @@ pub struct Core {
     pub replicas: Vec<ReplicaRuntime>,
 }
 
-/// One replica's address, fixed for the node's life (static registry).
+/// One replica's address; cheap to clone so the request path can hold it without a lock.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     /// Replica id.
-    pub id: String,
+    pub id: Arc<str>,
     /// Base URL without a trailing slash.
-    pub base: String,
+    pub base: Arc<str>,
 }
 
 /// The shared state of a running node.
@@ -73,8 +86,8 @@ pub struct Node {
     pub cfg: NodeConfig,
     /// The routing policy.
     pub policy: PolicyKind,
-    /// Replica endpoints, by view index.
-    pub endpoints: Vec<Endpoint>,
+    /// Replica endpoints, by view index (append-only, like the view).
+    endpoints: RwLock<Vec<Endpoint>>,
     /// HTTP client for replicas (pooled connections).
     pub client: reqwest::Client,
     /// Metric handles.
@@ -84,6 +97,7 @@ pub struct Node {
     tenant_cfgs: HashMap<String, TenantConfig>,
     default_tenant: TenantConfig,
     summary_cfg: SummaryConfig,
+    epoch_base: u64,
 }
 
 fn tokens_to_blocks(tokens: u64, block_bytes: usize) -> usize {
@@ -93,7 +107,7 @@ fn tokens_to_blocks(tokens: u64, block_bytes: usize) -> usize {
 }
 
 impl Node {
-    /// Builds the node's state from a validated config.
+    /// Builds the node's state from a validated config, with the static replicas registered.
     pub fn new(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
         cfg.validate()?;
         let policy = cfg.policy_kind()?;
@@ -107,37 +121,6 @@ impl Node {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(1);
-        let mut endpoints = Vec::with_capacity(cfg.replicas.len());
-        let mut replicas = Vec::with_capacity(cfg.replicas.len());
-        for r in &cfg.replicas {
-            let id = r.effective_id();
-            let capacity = r.capacity_tokens.unwrap_or(DEFAULT_CAPACITY_TOKENS);
-            let i = view.upsert(ReplicaInfo {
-                id: id.clone(),
-                url: r.url.clone(),
-                region: r.region.clone().unwrap_or_else(|| cfg.region.clone()),
-                zone: r.zone.clone(),
-                pool: r.pool.clone(),
-                models: r.models.clone(),
-                capacity_tokens: capacity,
-                prefill_tokens_per_s: r.prefill_tokens_per_s,
-                max_in_flight: r.max_in_flight,
-            });
-            debug_assert_eq!(i, endpoints.len());
-            endpoints.push(Endpoint {
-                id,
-                base: r.url.trim_end_matches('/').to_owned(),
-            });
-            replicas.push(ReplicaRuntime {
-                cache: new_cache_model(&cfg, &summary_cfg, epoch_base, capacity)?,
-                summary_dirty: false,
-                health: HealthTracker::new(),
-                pending_prefill_tokens: 0,
-                models_configured: !r.models.is_empty(),
-                capacity_configured: r.capacity_tokens.is_some(),
-                engine: None,
-            });
-        }
         let router = Router::new(
             RouterConfig {
                 policy,
@@ -155,27 +138,141 @@ impl Node {
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(90))
             .build()?;
-        let metrics = Metrics::new()?;
-        for e in &endpoints {
-            metrics.replica_healthy.with_label_values(&[&e.id]).set(1);
-            metrics.in_flight.with_label_values(&[&e.id]).set(0);
-        }
-        Ok(Arc::new(Node {
+        let node = Arc::new(Node {
             policy,
-            endpoints,
+            endpoints: RwLock::new(Vec::with_capacity(cfg.replicas.len())),
             client,
-            metrics,
+            metrics: Metrics::new()?,
             core: Mutex::new(Core {
                 view,
                 router,
-                replicas,
+                replicas: Vec::with_capacity(cfg.replicas.len()),
             }),
             start: Instant::now(),
             tenant_cfgs: cfg.tenants.clone(),
             default_tenant: cfg.default_tenant.clone(),
             summary_cfg,
+            epoch_base,
             cfg,
-        }))
+        });
+        for r in &node.cfg.replicas {
+            node.add_replica(r)?;
+        }
+        Ok(node)
+    }
+
+    /// Registers a replica, or updates one with the same id (a removed one comes back).
+    /// Returns its index and whether it is new to this node.
+    pub fn add_replica(&self, r: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
+        let id = r.effective_id();
+        let capacity = r.capacity_tokens.unwrap_or(DEFAULT_CAPACITY_TOKENS);
+        // The endpoint list is appended under its own lock while the core lock is held, so the
+        // two always have the same length.
+        let mut core = self.lock();
+        let core = &mut *core;
+        let info = ReplicaInfo {
+            id: id.clone(),
+            url: r.url.clone(),
+            region: r.region.clone().unwrap_or_else(|| self.cfg.region.clone()),
+            zone: r.zone.clone(),
+            pool: r.pool.clone(),
+            models: r.models.clone(),
+            capacity_tokens: capacity,
+            prefill_tokens_per_s: r.prefill_tokens_per_s,
+            max_in_flight: r.max_in_flight,
+        };
+        if let Some(i) = core.view.index_of(&id) {
+            // Keep what was learned (discovered models, scraped capacity) unless configured.
+            let rt = &mut core.replicas[i];
+            let mut info = info;
+            if let Some(old) = core.view.replica(i) {
+                if !rt.models_configured {
+                    info.models = old.info.models.clone();
+                }
+                if !rt.capacity_configured {
+                    info.capacity_tokens = old.info.capacity_tokens;
+                }
+            }
+            core.view.upsert(info);
+            let back = std::mem::take(&mut rt.removed);
+            core.view.set_health(i, rt.effective_health());
+            if back {
+                tracing::info!(replica = %id, "replica back in the registry");
+            }
+            return Ok((i, false));
+        }
+        let i = core.view.upsert(info);
+        let cache = new_cache_model(&self.cfg, &self.summary_cfg, self.epoch_base, capacity)?;
+        core.replicas.push(ReplicaRuntime {
+            cache,
+            summary_dirty: false,
+            health: HealthTracker::new(),
+            pending_prefill_tokens: 0,
+            models_configured: !r.models.is_empty(),
+            capacity_configured: r.capacity_tokens.is_some(),
+            engine: None,
+            removed: false,
+        });
+        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+        endpoints.push(Endpoint {
+            id: Arc::from(id.as_str()),
+            base: Arc::from(r.url.trim_end_matches('/')),
+        });
+        debug_assert_eq!(endpoints.len(), core.replicas.len());
+        drop(endpoints);
+        self.metrics
+            .replica_healthy
+            .with_label_values(&[&id])
+            .set(1);
+        self.metrics.in_flight.with_label_values(&[&id]).set(0);
+        tracing::info!(replica = %id, url = %r.url, "replica registered");
+        Ok((i, true))
+    }
+
+    /// Takes a replica out of the registry: it gets no new requests (requests in flight finish).
+    /// Its index stays valid; [`Node::add_replica`] with the same id brings it back.
+    pub fn remove_replica(&self, i: usize) {
+        let mut core = self.lock();
+        if let Some(rt) = core.replicas.get_mut(i) {
+            if !rt.removed {
+                rt.removed = true;
+                core.view.set_health(i, Health::Draining);
+                drop(core);
+                if let Some(ep) = self.endpoint(i) {
+                    tracing::info!(replica = %ep.id, "replica left the registry");
+                    self.metrics
+                        .replica_healthy
+                        .with_label_values(&[&ep.id])
+                        .set(0);
+                }
+            }
+        }
+    }
+
+    /// Whether replica `i` is out of the registry.
+    pub fn is_removed(&self, i: usize) -> bool {
+        self.lock().replicas.get(i).is_none_or(|rt| rt.removed)
+    }
+
+    /// Replica `i`'s address.
+    pub fn endpoint(&self, i: usize) -> Option<Endpoint> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(i)
+            .cloned()
+    }
+
+    /// Replicas ever registered (indexes `0..n`).
+    pub fn replica_count(&self) -> usize {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    fn id_of(&self, i: usize) -> Arc<str> {
+        self.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id)
     }
 
     /// Time for the core: since the node started, monotonic.
@@ -240,13 +337,18 @@ impl Node {
                 if let Some(t) = req.tenant {
                     core.router.tenants.started(t, i);
                 }
+                let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
+                    id: Arc::from("?"),
+                    base: Arc::from(""),
+                });
                 self.metrics
                     .in_flight
-                    .with_label_values(&[&self.endpoints[i].id])
+                    .with_label_values(&[&endpoint.id])
                     .inc();
                 Some(Ticket {
                     node: Arc::clone(self),
                     replica: i,
+                    endpoint,
                     tenant: req.tenant.map(str::to_owned),
                     pending_tokens: uncached,
                 })
@@ -278,17 +380,17 @@ impl Node {
             return;
         };
         if rt.health.request_failed(now, &self.cfg.health) {
-            let health = rt.health.health();
+            let health = rt.effective_health();
             core.view.set_health(i, health);
             drop(core);
-            tracing::warn!(replica = %self.endpoints[i].id, "ejected after consecutive failures");
+            tracing::warn!(replica = %self.id_of(i), "ejected after consecutive failures");
             self.metrics
                 .ejections
-                .with_label_values(&[&self.endpoints[i].id])
+                .with_label_values(&[&self.id_of(i)])
                 .inc();
             self.metrics
                 .replica_healthy
-                .with_label_values(&[&self.endpoints[i].id])
+                .with_label_values(&[&self.id_of(i)])
                 .set(0);
         }
     }
@@ -299,9 +401,9 @@ impl Node {
         let Some(rt) = core.replicas.get_mut(i) else {
             return;
         };
-        let before = rt.health.health();
+        let before = rt.effective_health();
         rt.health.active_result(ok, &self.cfg.health);
-        let health = rt.health.health();
+        let health = rt.effective_health();
         let models_configured = rt.models_configured;
         core.view.set_health(i, health);
         if let (Some(models), false) = (models, models_configured) {
@@ -315,11 +417,11 @@ impl Node {
         }
         drop(core);
         if before != health {
-            tracing::info!(replica = %self.endpoints[i].id, ?health, "health changed");
+            tracing::info!(replica = %self.id_of(i), ?health, "health changed");
         }
         self.metrics
             .replica_healthy
-            .with_label_values(&[&self.endpoints[i].id])
+            .with_label_values(&[&self.id_of(i)])
             .set((health == Health::Healthy) as i64);
     }
 
@@ -363,7 +465,7 @@ impl Node {
                     info.capacity_tokens = cap;
                     core.view.upsert(info);
                 }
-                tracing::info!(replica = %self.endpoints[i].id, capacity_tokens = cap, "capacity from metrics");
+                tracing::info!(replica = %self.id_of(i), capacity_tokens = cap, "capacity from metrics");
             }
         }
         Ok(())
@@ -382,7 +484,7 @@ impl Node {
                 Ok(true) => rt.summary_dirty = true,
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(replica = %self.endpoints[i].id, error = %e, "summary rebuild failed")
+                    tracing::warn!(replica = %self.id_of(i), error = %e, "summary rebuild failed")
                 }
             }
             if rt.summary_dirty {
@@ -390,17 +492,17 @@ impl Node {
                 core.view.set_summary(i, rt.cache.summary().clone());
             }
             if rt.health.tick(now, &self.cfg.health) {
-                core.view.set_health(i, rt.health.health());
+                core.view.set_health(i, rt.effective_health());
                 reopened.push(i);
             }
         }
         drop(guard);
         for i in reopened {
-            tracing::info!(replica = %self.endpoints[i].id, "ejection over, half-open");
+            tracing::info!(replica = %self.id_of(i), "ejection over, half-open");
             let healthy = self.lock().view.replica(i).map(|r| r.health) == Some(Health::Healthy);
             self.metrics
                 .replica_healthy
-                .with_label_values(&[&self.endpoints[i].id])
+                .with_label_values(&[&self.id_of(i)])
                 .set(healthy as i64);
         }
     }
@@ -496,6 +598,7 @@ fn new_cache_model(
 pub struct Ticket {
     node: Arc<Node>,
     replica: usize,
+    endpoint: Endpoint,
     tenant: Option<String>,
     pending_tokens: u64,
 }
@@ -504,6 +607,11 @@ impl Ticket {
     /// The replica's view index.
     pub fn replica(&self) -> usize {
         self.replica
+    }
+
+    /// The replica's address.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
     }
 
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
@@ -540,7 +648,7 @@ impl Drop for Ticket {
         self.node
             .metrics
             .in_flight
-            .with_label_values(&[&self.node.endpoints[self.replica].id])
+            .with_label_values(&[&self.endpoint.id])
             .dec();
     }
 }

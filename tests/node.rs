@@ -748,3 +748,129 @@ async fn tenants_over_quota_get_429() {
     })
     .await;
 }
+
+/// A minimal authoritative DNS server on loopback UDP: SRV answers from `srv` (target, port),
+/// A answers 127.0.0.1 for any other name, TTL 1 s. Enough for the resolver, nothing more.
+async fn fake_dns(srv: Arc<std::sync::Mutex<Vec<(String, u16)>>>) -> SocketAddr {
+    fn put_name(out: &mut Vec<u8>, name: &str) {
+        for label in name.trim_end_matches('.').split('.') {
+            out.push(label.len() as u8);
+            out.extend_from_slice(label.as_bytes());
+        }
+        out.push(0);
+    }
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        loop {
+            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
+                return;
+            };
+            let q = &buf[..n];
+            if n < 12 {
+                continue;
+            }
+            // Question: labels, then type and class.
+            let mut p = 12;
+            while p < n && q[p] != 0 {
+                p += q[p] as usize + 1;
+            }
+            let qend = p + 5;
+            if qend > n {
+                continue;
+            }
+            let qtype = u16::from_be_bytes([q[p + 1], q[p + 2]]);
+            let mut answers: Vec<Vec<u8>> = Vec::new();
+            let rr = |kind: u16, rdata: Vec<u8>| {
+                let mut a = vec![0xc0, 0x0c]; // name: pointer to the question
+                a.extend_from_slice(&kind.to_be_bytes());
+                a.extend_from_slice(&1u16.to_be_bytes());
+                a.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
+                a.extend_from_slice(&(rdata.len() as u16).to_be_bytes());
+                a.extend_from_slice(&rdata);
+                a
+            };
+            match qtype {
+                33 => {
+                    for (target, port) in srv.lock().unwrap().iter() {
+                        let mut rd = vec![0, 10, 0, 10];
+                        rd.extend_from_slice(&port.to_be_bytes());
+                        put_name(&mut rd, target);
+                        answers.push(rr(33, rd));
+                    }
+                }
+                1 => answers.push(rr(1, vec![127, 0, 0, 1])),
+                _ => {}
+            }
+            let mut resp = Vec::with_capacity(512);
+            resp.extend_from_slice(&q[..2]); // id
+            resp.extend_from_slice(&[0x85, 0x80]); // response, authoritative, RD, RA, NOERROR
+            resp.extend_from_slice(&1u16.to_be_bytes());
+            resp.extend_from_slice(&(answers.len() as u16).to_be_bytes());
+            resp.extend_from_slice(&[0, 0, 0, 0]);
+            resp.extend_from_slice(&q[12..qend]);
+            for a in answers {
+                resp.extend_from_slice(&a);
+            }
+            let _ = sock.send_to(&resp, peer).await;
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn dns_srv_registers_replicas_and_drains_departed_ones() {
+    bounded(async {
+        let reps = replicas(2).await;
+        let srv = Arc::new(std::sync::Mutex::new(vec![
+            ("r0.sim.test.".to_owned(), reps[0].addr.port()),
+            ("r1.sim.test.".to_owned(), reps[1].addr.port()),
+        ]));
+        let dns = fake_dns(srv.clone()).await;
+        let mut cfg = node_config(&[]);
+        cfg.dns = NodeConfig::from_toml(&format!(
+            "[[dns]]\nname = \"_http._tcp.sim.test.\"\nnameserver = \"{dns}\"\nmin_refresh_ms = 100\n"
+        ))
+        .unwrap()
+        .dns;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        let ids: Vec<String> = reps.iter().map(|r| r.addr.to_string()).collect();
+        let state: Value = c.get(url(&node, "/admin/state")).send().await.unwrap().json().await.unwrap();
+        let mut found: Vec<&str> = state["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["health"] == "healthy" && r["models"][0] == MODEL)
+            .map(|r| r["id"].as_str().unwrap())
+            .collect();
+        found.sort();
+        let mut want: Vec<&str> = ids.iter().map(String::as_str).collect();
+        want.sort();
+        assert_eq!(found, want, "{state}");
+
+        // r0 leaves DNS: within a TTL or two it drains and gets nothing new.
+        srv.lock().unwrap().remove(0);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let state: Value = c.get(url(&node, "/admin/state")).send().await.unwrap().json().await.unwrap();
+            let r0 = state["replicas"].as_array().unwrap().iter().find(|r| r["id"] == ids[0]).unwrap().clone();
+            if r0["health"] == "draining" {
+                break;
+            }
+            assert!(Instant::now() < deadline, "r0 never drained: {state}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for i in 0..6 {
+            let (status, r) = complete(&c, &node, &text(&format!("d{i}"), 600)).await;
+            assert_eq!(status, 200);
+            assert_eq!(r, ids[1]);
+        }
+        node.shutdown().await;
+        for r in reps {
+            r.shutdown().await;
+        }
+    })
+    .await;
+}

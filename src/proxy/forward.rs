@@ -211,7 +211,8 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             _ => break,
         };
         let i = routed.replica;
-        let replica_id = &node.endpoints[i].id;
+        let endpoint = ticket.endpoint().clone();
+        let replica_id: &str = &endpoint.id;
         if attempt > 0 {
             node.metrics.retries.inc();
         }
@@ -219,7 +220,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             replica = %replica_id, hit_blocks = routed.hit_blocks, reason = routed.reason.as_str(),
             attempt, "routed"
         );
-        let url = format!("{}{}", node.endpoints[i].base, path);
+        let url = format!("{}{}", endpoint.base, path);
         let send = node
             .client
             .post(url)
@@ -286,8 +287,7 @@ fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks
             headers.append(k.clone(), v.clone());
         }
     }
-    let replica = ticket.replica();
-    if let Ok(v) = HeaderValue::from_str(&node.endpoints[replica].id) {
+    if let Ok(v) = HeaderValue::from_str(&ticket.endpoint().id) {
         headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
     }
     headers.insert(
@@ -347,7 +347,7 @@ struct BodyState {
 impl BodyState {
     fn aborted(&self, why: &str) {
         let i = self.ticket.replica();
-        let id = &self.node.endpoints[i].id;
+        let id: &str = &self.ticket.endpoint().id;
         tracing::warn!(replica = %id, error = %why, "response stream aborted");
         self.node
             .metrics

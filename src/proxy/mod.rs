@@ -153,14 +153,21 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     install_crypto_provider();
     let listen = cfg.listen;
     let node = Node::new(cfg)?;
+    // Resolve DNS sources once, so the node starts with their replicas.
+    let mut dns = Vec::with_capacity(node.cfg.dns.len());
+    for d in &node.cfg.dns {
+        let mut source = crate::replicas::dns::DnsSource::new(d.clone())?;
+        let (_, next) = source.sync(&node).await;
+        dns.push((source, next));
+    }
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
-    crate::replicas::check_all(&node).await;
+    crate::replicas::check_all(&node, 0..node.replica_count()).await;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);
-    crate::replicas::spawn_watchers(&node, &stop_rx);
+    crate::replicas::spawn_watchers(&node, &stop_rx, dns);
     let mut graceful = stop_rx.clone();
     let server = tokio::spawn(
         axum::serve(listener, app(Arc::clone(&node)))
@@ -169,7 +176,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
             })
             .into_future(),
     );
-    tracing::info!(%addr, replicas = node.endpoints.len(), policy = node.policy.as_str(), "node listening");
+    tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
     Ok(RunningNode {
         addr,
         node,

@@ -5,6 +5,7 @@
 //! load. The registry is the static list from the config; each replica gets one watcher task.
 //! DNS discovery is not implemented yet.
 
+pub mod dns;
 pub mod health;
 pub mod prom;
 
@@ -47,8 +48,14 @@ async fn get_text(node: &Node, url: &str, timeout: Duration) -> anyhow::Result<S
 
 /// One active check of replica `i`: `/health`, then `/v1/models` if its models are unknown.
 pub async fn check_once(node: &Node, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    if node.is_removed(i) {
+        return;
+    }
     let timeout = Duration::from_millis(node.cfg.health.timeout_ms);
-    let base = &node.endpoints[i].base;
+    let base = &ep.base;
     let ok = match node
         .client
         .get(format!("{base}/health"))
@@ -58,7 +65,7 @@ pub async fn check_once(node: &Node, i: usize) {
     {
         Ok(r) => r.status().is_success(),
         Err(e) => {
-            tracing::debug!(replica = %node.endpoints[i].id, error = %e, "health check failed");
+            tracing::debug!(replica = %ep.id, error = %e, "health check failed");
             false
         }
     };
@@ -67,12 +74,12 @@ pub async fn check_once(node: &Node, i: usize) {
             Ok(text) => match serde_json::from_str::<ModelList>(&text) {
                 Ok(list) => Some(list.data.into_iter().map(|m| m.id).collect()),
                 Err(e) => {
-                    tracing::warn!(replica = %node.endpoints[i].id, error = %e, "bad /v1/models");
+                    tracing::warn!(replica = %ep.id, error = %e, "bad /v1/models");
                     None
                 }
             },
             Err(e) => {
-                tracing::warn!(replica = %node.endpoints[i].id, error = %e, "cannot list models");
+                tracing::warn!(replica = %ep.id, error = %e, "cannot list models");
                 None
             }
         }
@@ -84,15 +91,15 @@ pub async fn check_once(node: &Node, i: usize) {
 
 /// One scrape of replica `i`'s `/metrics`.
 pub async fn scrape_once(node: &Node, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    if node.is_removed(i) {
+        return;
+    }
     let timeout = Duration::from_millis(node.cfg.scrape.timeout_ms);
-    let id = &node.endpoints[i].id;
-    match get_text(
-        node,
-        &format!("{}/metrics", node.endpoints[i].base),
-        timeout,
-    )
-    .await
-    {
+    let id: &str = &ep.id;
+    match get_text(node, &format!("{}/metrics", ep.base), timeout).await {
         Ok(text) => {
             let load = prom::parse_engine_load(&text);
             if load.skipped_lines > 0 {
@@ -109,11 +116,11 @@ pub async fn scrape_once(node: &Node, i: usize) {
     }
 }
 
-/// Runs one check round and one scrape round over every replica concurrently (used at start,
-/// before serving, so the node starts knowing health, models and capacities).
-pub async fn check_all(node: &Arc<Node>) {
+/// Runs one check round and one scrape round over `replicas` concurrently (used before serving
+/// and when DNS adds replicas, so routing starts knowing health, models and capacities).
+pub async fn check_all(node: &Arc<Node>, replicas: impl Iterator<Item = usize>) {
     let scrape = node.cfg.scrape.interval_ms > 0;
-    futures::future::join_all((0..node.endpoints.len()).map(|i| async move {
+    futures::future::join_all(replicas.map(|i| async move {
         check_once(node, i).await;
         if scrape {
             scrape_once(node, i).await;
@@ -122,23 +129,37 @@ pub async fn check_all(node: &Arc<Node>) {
     .await;
 }
 
-/// Spawns the watcher tasks: per replica, health checks and scrapes on their intervals; for the
-/// node, the summary/overlay/ejection upkeep. All stop when `stop` turns true.
-pub fn spawn_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
-    for i in 0..node.endpoints.len() {
-        let period = Duration::from_millis(node.cfg.health.interval_ms);
+/// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, until
+/// `stop` turns true.
+pub fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    let period = Duration::from_millis(node.cfg.health.interval_ms);
+    spawn_every(node, stop, period, move |n| async move {
+        check_once(&n, i).await
+    });
+    if node.cfg.scrape.interval_ms > 0 {
+        let period = Duration::from_millis(node.cfg.scrape.interval_ms);
         spawn_every(node, stop, period, move |n| async move {
-            check_once(&n, i).await
+            scrape_once(&n, i).await
         });
-        if node.cfg.scrape.interval_ms > 0 {
-            let period = Duration::from_millis(node.cfg.scrape.interval_ms);
-            spawn_every(node, stop, period, move |n| async move {
-                scrape_once(&n, i).await
-            });
-        }
+    }
+}
+
+/// Spawns every watcher: per registered replica, health checks and scrapes; for the node, the
+/// summary/overlay/ejection upkeep; per DNS source, the resolver loop. All stop when `stop`
+/// turns true.
+pub fn spawn_watchers(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    dns: Vec<(dns::DnsSource, Duration)>,
+) {
+    for i in 0..node.replica_count() {
+        spawn_replica_watchers(node, stop, i);
     }
     let period = Duration::from_millis(node.cfg.summary_interval_ms);
     spawn_every(node, stop, period, |n| async move { n.tick() });
+    for (source, next) in dns {
+        tokio::spawn(dns::run(Arc::clone(node), source, next, stop.clone()));
+    }
 }
 
 fn spawn_every<F, Fut>(node: &Arc<Node>, stop: &watch::Receiver<bool>, period: Duration, f: F)

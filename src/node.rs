@@ -308,12 +308,12 @@ impl Node {
         let core = &mut *guard;
         // Excluded replicas are hidden by marking them unhealthy for this one decision; the lock
         // makes the change invisible to anyone else, and it is undone before the lock is released.
-        let mut saved = [Health::Healthy; 8];
-        let exclude = &exclude[..exclude.len().min(saved.len())];
-        for (s, &i) in saved.iter_mut().zip(exclude) {
-            if let Some(r) = core.view.replica(i) {
-                *s = r.health;
-            }
+        // (No allocation on the common path: an empty Vec does not allocate.)
+        let saved: Vec<Health> = exclude
+            .iter()
+            .map(|&i| core.view.replica(i).map_or(Health::Unhealthy, |r| r.health))
+            .collect();
+        for &i in exclude {
             core.view.set_health(i, Health::Unhealthy);
         }
         let decision = core.router.route(&core.view, req, now);
@@ -516,13 +516,14 @@ impl Node {
             .any(|r| r.health == Health::Healthy && !r.info.models.is_empty())
     }
 
-    /// The union of every replica's models, sorted.
+    /// The union of the models of every replica still in the registry, sorted.
     pub fn models(&self) -> Vec<String> {
         let core = self.lock();
         let mut models: Vec<String> = core
             .view
             .replicas()
             .iter()
+            .filter(|r| r.health != Health::Draining)
             .flat_map(|r| r.info.models.iter().cloned())
             .collect();
         drop(core);

@@ -46,9 +46,20 @@ pub async fn chat_completions(State(node): State<Arc<Node>>, req: Request) -> Re
     handle(node, "/v1/chat/completions", req).await
 }
 
+/// Counts a request in `kvmesh_in_flight_total` until dropped, which also covers a client that
+/// disconnects while the node waits for the replica (the handler future is then dropped).
+struct Pending(prometheus::IntGauge);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
     node.metrics.in_flight_total.inc();
-    let resp = match proxy(&node, path, req).await {
+    let _pending = Pending(node.metrics.in_flight_total.clone());
+    match proxy(&node, path, req).await {
         Ok(r) => r,
         Err(e) => {
             let outcome = match e.status {
@@ -65,9 +76,7 @@ async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
                 .inc();
             e.into_response()
         }
-    };
-    node.metrics.in_flight_total.dec();
-    resp
+    }
 }
 
 async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {

@@ -29,6 +29,8 @@ enum Command {
         #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
         token: Option<String>,
     },
+    /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
+    Sim(kvmesh::bench::sim_cli::SimArgs),
 }
 
 #[tokio::main]
@@ -41,6 +43,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     match Cli::parse().command {
+        Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
         Command::Replica(args) => {
             let config = args.into_config()?;
             kvmesh::replica::run(config, async {

@@ -122,6 +122,7 @@ async fn streams_and_a_cache_hit_cuts_ttft_by_the_modelled_factor() {
         let modelled_warm = model.step_ms(&[(2048, 6144)], 0, 0);
         let modelled = modelled_cold / modelled_warm;
         let measured = cold.as_secs_f64() / warm.as_secs_f64();
+        eprintln!("cold {cold:?} warm {warm:?} ratio {measured:.2} modelled {modelled:.2}");
         assert!(
             measured > modelled * 0.6 && measured < modelled * 1.4,
             "cold {cold:?} warm {warm:?}: measured ratio {measured:.2}, modelled {modelled:.2}"
@@ -248,7 +249,20 @@ async fn rejects_bad_requests_in_openai_shape() {
         )
         .await;
         let big = json!({"prompt": "x".repeat(10_000)}).to_string();
-        expect_error(post("/v1/completions", big).await.unwrap(), 413).await;
+        expect_error(post("/v1/completions", big.clone()).await.unwrap(), 413).await;
+        // Without a Content-Length (chunked), the limit applies while reading.
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big
+            .into_bytes()
+            .chunks(1000)
+            .map(|c| Ok(c.to_vec()))
+            .collect();
+        let resp = c
+            .post(format!("{base}/v1/completions"))
+            .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+            .send()
+            .await
+            .unwrap();
+        expect_error(resp, 413).await;
         // Too long for the model: the engine refuses, the client gets a 400.
         let long: Vec<u32> = vec![7; 200_000];
         let r2 = start(config()).await;
@@ -408,6 +422,30 @@ async fn kv_events_stream_decodes_to_the_engine_blocks() {
         assert_eq!(stored.parent_block_hash, None);
         assert_eq!(stored.token_ids, tokens[..96]);
         assert_eq!(stored.block_hashes, block_hashes(&tokens, 16));
+
+        // vLLM's /reset_prefix_cache publishes AllBlocksCleared as the next batch.
+        let resp = c
+            .post(format!("{}/reset_prefix_cache", r.base_url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let frames = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .into_vec();
+        assert_eq!(u64::from_be_bytes(frames[1][..].try_into().unwrap()), 1);
+        assert_eq!(
+            decode_batch(&frames[2]).unwrap().events,
+            vec![KvEvent::AllBlocksCleared]
+        );
+        let (_, h, _) = stream_completion(&c, &r.base_url(), &prompt, 1).await;
+        assert_eq!(
+            header_usize(&h, "x-kvmesh-cached-tokens"),
+            0,
+            "cache was cleared"
+        );
         r.shutdown().await;
     })
     .await;

@@ -2,5 +2,6 @@
 //! simulator that replays workloads through the routing core and the engine model.
 
 pub mod sim;
+pub mod sim_cli;
 pub mod stats;
 pub mod trace;

@@ -438,8 +438,8 @@ mod tests {
     fn small(policy: PolicyKind) -> SimConfig {
         SimConfig {
             policy,
-            max_requests: Some(600),
-            arrival_speedup: 4.0,
+            max_requests: Some(1000),
+            arrival_speedup: 2.0,
             ..Default::default()
         }
     }
@@ -453,9 +453,9 @@ mod tests {
             serde_json::to_string(&a).unwrap(),
             serde_json::to_string(&b).unwrap()
         );
-        assert_eq!(a.requests, 600);
+        assert_eq!(a.requests, 1000);
         assert_eq!(a.errors, 0);
-        assert_eq!(a.ttft.count, 600);
+        assert_eq!(a.ttft.count, 1000);
     }
 
     #[test]

@@ -241,6 +241,24 @@ impl Engine {
         }
     }
 
+    /// Drops every unpinned cached block (vLLM's `/reset_prefix_cache`); false, changing nothing,
+    /// while requests are running. The `AllBlocksCleared` event goes out with the next KV batch.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.running.is_empty() || !self.cache.reset() {
+            return false;
+        }
+        if self.cfg.record_kv_events {
+            let at = self.step.as_ref().map_or(Duration::ZERO, |s| s.end);
+            self.batches.push(KvBatch {
+                at,
+                events: self.cache.take_events(),
+            });
+        } else {
+            self.cache.take_events();
+        }
+        true
+    }
+
     /// When [`Engine::advance`] next has something to do: the end of the current step, or the start
     /// of the next one. `None` when idle with nothing queued.
     pub fn next_event_time(&self) -> Option<Duration> {

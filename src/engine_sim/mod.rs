@@ -8,6 +8,6 @@ pub mod prefix_cache;
 pub mod tokens;
 
 pub use config::{EngineConfig, Preset};
-pub use engine::{Engine, EngineStats, Output, Request, SubmitError};
-pub use prefix_cache::{BlockHash, CacheEvent, PrefixCache};
-pub use tokens::{tokenize, TokenId};
+pub use engine::{Engine, EngineStats, KvBatch, Output, Request, SubmitError};
+pub use prefix_cache::{block_hashes, BlockHash, CacheEvent, PrefixCache};
+pub use tokens::{count_tokens, tokenize, TokenId};

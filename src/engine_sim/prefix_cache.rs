@@ -7,6 +7,7 @@
 //! them (tail blocks of a request first, so chains shrink from the end), and every store/evict is
 //! reported as an event so the server can publish vLLM-format KV events.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -55,6 +56,8 @@ pub enum CacheEvent {
         /// Hashes of the evicted blocks.
         hashes: Vec<BlockHash>,
     },
+    /// Every cached block was dropped (vLLM's `reset_prefix_cache`).
+    Cleared,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -174,19 +177,28 @@ impl PrefixCache {
         let mut prev = parent;
         for (i, hash) in hashes.iter().copied().enumerate() {
             self.private_blocks = self.private_blocks.saturating_sub(1);
-            if self.blocks.contains_key(&hash) {
-                self.pin(hash);
+            let shared = match self.blocks.entry(hash) {
+                Entry::Occupied(mut entry) => {
+                    let block = entry.get_mut();
+                    if block.refs == 0 {
+                        self.lru.remove(&block.lru_tick);
+                    }
+                    block.refs += 1;
+                    true
+                }
+                Entry::Vacant(entry) => {
+                    entry.insert(Block {
+                        refs: 1,
+                        lru_tick: 0,
+                    });
+                    false
+                }
+            };
+            if shared {
                 if let Some((p, hs, ts)) = run.take() {
                     self.push_stored(p, hs, ts);
                 }
             } else {
-                self.blocks.insert(
-                    hash,
-                    Block {
-                        refs: 1,
-                        lru_tick: 0,
-                    },
-                );
                 let start = (i * self.block_tokens).min(tokens.len());
                 let end = ((i + 1) * self.block_tokens).min(tokens.len());
                 let entry = run.get_or_insert_with(|| (prev, Vec::new(), Vec::new()));
@@ -214,6 +226,18 @@ impl PrefixCache {
             }
         }
         self.private_blocks = self.private_blocks.saturating_sub(private);
+    }
+
+    /// Drops every cached block, as vLLM's `reset_prefix_cache` does. Like vLLM it refuses (returns
+    /// false) while any cached block is pinned by a running request.
+    pub fn reset(&mut self) -> bool {
+        if self.lru.len() != self.blocks.len() {
+            return false;
+        }
+        self.blocks.clear();
+        self.lru.clear();
+        self.events.push(CacheEvent::Cleared);
+        true
     }
 
     /// Events since the last call, oldest first.
@@ -341,6 +365,21 @@ mod tests {
         cache.release(&hashes, 1);
         assert!(cache.allocate(&[], 3));
         assert!(!cache.contains(hashes[0]));
+    }
+
+    #[test]
+    fn reset_refuses_while_pinned_then_clears() {
+        let mut cache = PrefixCache::new(16 * 4, 16);
+        let tokens = toks(0, 32);
+        let hashes = block_hashes(&tokens, 16);
+        assert!(cache.allocate(&[], 2));
+        cache.commit(None, &hashes, &tokens);
+        assert!(!cache.reset());
+        cache.release(&hashes, 0);
+        cache.take_events();
+        assert!(cache.reset());
+        assert_eq!(cache.cached_blocks(), 0);
+        assert_eq!(cache.take_events(), vec![CacheEvent::Cleared]);
     }
 
     #[test]

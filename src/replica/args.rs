@@ -132,3 +132,67 @@ impl ReplicaArgs {
         Ok(cfg)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: ReplicaArgs,
+    }
+
+    fn parse(argv: &[&str]) -> anyhow::Result<ReplicaConfig> {
+        let mut full = vec!["kvmesh"];
+        full.extend_from_slice(argv);
+        Wrapper::try_parse_from(full)?.args.into_config()
+    }
+
+    #[test]
+    fn flags_override_file_and_presets_apply() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("replica.toml");
+        std::fs::write(
+            &file,
+            "id = \"from-file\"\nmodel = \"m\"\n[engine]\nkv_capacity_tokens = 1600\ntime_scale = 3.0\n[faults]\nerror_rate = 0.1\n",
+        )
+        .unwrap();
+        let cfg = parse(&[
+            "--port",
+            "0",
+            "--config",
+            file.to_str().unwrap(),
+            "--time-scale",
+            "20",
+        ])
+        .unwrap();
+        assert_eq!(cfg.id, "from-file");
+        assert_eq!(cfg.model, "m");
+        assert_eq!(cfg.engine.kv_capacity_tokens, 1600);
+        assert_eq!(cfg.engine.time_scale, 20.0);
+        assert_eq!(cfg.faults.error_rate, 0.1);
+        let cfg = parse(&[
+            "--preset",
+            "70b-tp4",
+            "--kv-events-port",
+            "5557",
+            "--kv-replay-port",
+            "5558",
+            "--fault-hang",
+        ])
+        .unwrap();
+        assert_eq!(cfg.engine.step_overhead_ms, 18.0);
+        assert_eq!(cfg.model, "sim-llama-70b");
+        assert_eq!(cfg.id, "replica-8000");
+        let kv = cfg.kv_events.unwrap();
+        assert_eq!((kv.port, kv.replay_port), (5557, Some(5558)));
+        assert!(cfg.faults.hang);
+        assert!(parse(&["--time-scale", "0"]).is_err());
+        assert!(parse(&["--preset", "nope"]).is_err());
+        assert!(parse(&["--kv-replay-port", "1"]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

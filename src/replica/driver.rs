@@ -29,6 +29,8 @@ pub enum Command {
     },
     /// Drop a request (its client left).
     Cancel(u64),
+    /// Clear the prefix cache; replies whether it was cleared.
+    ResetPrefixCache(tokio::sync::oneshot::Sender<bool>),
 }
 
 /// Runs until every command sender is dropped.
@@ -64,6 +66,9 @@ pub async fn run(
             commands.push(cmd);
         }
         let now = start.elapsed();
+        if let Some(due) = engine.next_event_time().filter(|t| *t <= now) {
+            metrics.driver_lag.observe((now - due).as_secs_f64());
+        }
         for cmd in commands {
             match cmd {
                 Command::Submit { req, tx } => {
@@ -80,6 +85,9 @@ pub async fn run(
                 Command::Cancel(id) => {
                     streams.remove(&id);
                     engine.cancel(id);
+                }
+                Command::ResetPrefixCache(reply) => {
+                    let _ = reply.send(engine.reset_prefix_cache());
                 }
             }
         }
@@ -133,6 +141,7 @@ fn to_wire(events: Vec<CacheEvent>, block_size: u32) -> EventBatch {
                 medium: Some("GPU".into()),
                 group_idx: None,
             }),
+            CacheEvent::Cleared => KvEvent::AllBlocksCleared,
         })
         .collect();
     EventBatch {

@@ -64,6 +64,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/load", get(load))
         .route("/metrics", get(metrics))
         .route("/admin/faults", get(get_faults).post(set_faults))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "NotFoundError", "no such route")
         })
@@ -102,6 +103,19 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             e.to_string(),
         )
         .into_response(),
+    }
+}
+
+async fn reset_prefix_cache(State(s): State<Arc<Shared>>) -> Response {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if s.driver.send(Command::ResetPrefixCache(tx)).is_err() {
+        return unavailable("engine stopped");
+    }
+    match rx.await {
+        Ok(true) => StatusCode::OK.into_response(),
+        Ok(false) => ApiError::bad_request("the prefix cache is in use by running requests", None)
+            .into_response(),
+        Err(_) => unavailable("engine stopped"),
     }
 }
 

@@ -27,6 +27,9 @@ pub struct Metrics {
     pub ttft: Histogram,
     /// Requests that completed normally.
     pub success: IntCounter,
+    /// How late the driver ran engine steps versus the model's schedule, seconds: the instrument's
+    /// own fidelity (large values mean the replica process, not the model, is the bottleneck).
+    pub driver_lag: Histogram,
 }
 
 impl Metrics {
@@ -85,6 +88,17 @@ impl Metrics {
             ))
             .const_label("finished_reason", "length"),
         )?;
+        let driver_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh:replica_driver_lag_seconds",
+                "Delay between an engine event's modelled time and when the driver processed it.",
+            )
+            .const_label("model_name", model)
+            .buckets(vec![
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0,
+            ]),
+        )?;
+        registry.register(Box::new(driver_lag.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(waiting.clone()))?;
         registry.register(Box::new(kv_usage.clone()))?;
@@ -102,6 +116,7 @@ impl Metrics {
             prefix_hits,
             ttft,
             success,
+            driver_lag,
         })
     }
 

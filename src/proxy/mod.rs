@@ -265,7 +265,7 @@ pub fn render_state(s: &NodeState) -> String {
         "infl",
         "kv%",
         "queued_tok",
-        "epoch.seq",
+        "sum_seq",
         "sum_keys",
         "overlay"
     );
@@ -285,7 +285,7 @@ pub fn render_state(s: &NodeState) -> String {
             r.in_flight,
             r.kv_usage * 100.0,
             r.queued_prefill_tokens,
-            format!("{}.{}", r.summary_epoch % 1000, r.summary_seq),
+            r.summary_seq,
             r.summary_keys,
             r.overlay_keys,
             r.models.join(",")

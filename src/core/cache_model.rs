@@ -120,10 +120,12 @@ impl CacheModel {
     }
 
     /// Approximate mode: the blocks of a request just routed to the replica. The engine will
-    /// hold them and touch its existing ones, so they all become most recently used.
+    /// hold them and touch its existing ones, so they all become most recently used — the first
+    /// block most of all: engines evict the tails of chains first, which keeps the cache
+    /// prefix-closed, so the keys are touched from last to first.
     pub fn record_routed(&mut self, keys: &[BlockKey], now: Duration) {
         self.expire(now);
-        for k in keys {
+        for k in keys.iter().rev() {
             if let Some((old, _)) = self.entries.push(k.0, now) {
                 if old != k.0 {
                     self.stale += 1;
@@ -234,6 +236,15 @@ mod tests {
         assert_eq!(m.stale(), 2);
         // The filter still claims 10 until a new epoch sheds it.
         assert!(m.summary().contains(BlockKey(10)));
+    }
+
+    #[test]
+    fn approximate_mode_evicts_chain_tails_first() {
+        let mut m = model(CacheSource::Approximate, 4);
+        m.record_routed(&ks(0..3), S);
+        m.record_routed(&ks(10..12), 2 * S); // evicts the tail of the first chain, not its head
+        assert!(m.contains(BlockKey(0)) && m.contains(BlockKey(1)));
+        assert!(!m.contains(BlockKey(2)));
     }
 
     #[test]

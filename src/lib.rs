@@ -8,9 +8,18 @@
 //! - [`kv_events`]: vLLM's KV-event wire format (msgpack codec, ZMQ publisher with replay).
 //! - [`replica`]: `kvmesh replica`, a simulated OpenAI-compatible engine server.
 //! - [`bench`]: workloads (Mooncake trace), statistics and the discrete-event simulator.
+//! - [`config`]: the node's TOML configuration and CLI flags, validated.
+//! - [`node`]: the core's state behind one lock, as the live node drives it.
+//! - [`replicas`]: health checks, metrics scrapes and the health state machine.
+//! - [`proxy`]: `kvmesh serve`, the HTTP front (OpenAI endpoints, streaming, failover, admin,
+//!   metrics).
 
 pub mod bench;
+pub mod config;
 pub mod core;
 pub mod engine_sim;
 pub mod kv_events;
+pub mod node;
+pub mod proxy;
 pub mod replica;
+pub mod replicas;

@@ -18,6 +18,17 @@ struct Cli {
 enum Command {
     /// Run a simulated OpenAI-compatible engine replica.
     Replica(kvmesh::replica::ReplicaArgs),
+    /// Run a router node.
+    Serve(kvmesh::config::ServeArgs),
+    /// Print a node's state as a table.
+    Status {
+        /// The node's base URL, e.g. http://127.0.0.1:8080.
+        #[arg(long)]
+        node: String,
+        /// Bearer token for /admin/*.
+        #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
+        token: Option<String>,
+    },
     /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
     Sim(kvmesh::bench::sim_cli::SimArgs),
 }
@@ -39,6 +50,10 @@ async fn main() -> anyhow::Result<()> {
                 let _ = tokio::signal::ctrl_c().await;
             })
             .await?;
+        }
+        Command::Serve(args) => kvmesh::proxy::serve(args).await?,
+        Command::Status { node, token } => {
+            print!("{}", kvmesh::proxy::status(&node, token.as_deref()).await?);
         }
     }
     Ok(())

@@ -170,6 +170,8 @@ impl PrefixCache {
     /// Moves freshly computed full blocks from a request's private allocation into the cache,
     /// pinned for that request. `tokens` holds exactly the blocks' tokens. A block another request
     /// cached meanwhile is shared instead, and the duplicate private block freed.
+    // The entry API cannot be used: the hit branch calls `self.pin`, which borrows `self`.
+    #[allow(clippy::map_entry)]
     pub fn commit(&mut self, parent: Option<BlockHash>, hashes: &[BlockHash], tokens: &[TokenId]) {
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>, Vec<TokenId>)> = None;
         let mut prev = parent;

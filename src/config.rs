@@ -1,0 +1,747 @@
+//! Node configuration: a TOML file, with CLI flags for the common case layered on top.
+//!
+//! Exists so that a node either starts fully and correctly configured or not at all: unknown keys
+//! are refused (`deny_unknown_fields`), every value is validated, and every error names the key it
+//! is about. Durations are plain integers with their unit in the key name (`_ms`, `_s`) so a
+//! config file reads unambiguously without a duration grammar.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::core::policy::PolicyKind;
+use crate::core::tenants::TenantConfig;
+
+/// A configuration that cannot be used, naming the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed, has an unknown key or a value of the wrong type (the message names
+    /// the key).
+    #[error("invalid config{}: {message}", origin.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
+    Parse {
+        /// The file, when read from one.
+        origin: Option<PathBuf>,
+        /// The parser's message, which names the key.
+        message: String,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid config: {key}: {message}")]
+    Invalid {
+        /// The dotted key, e.g. `replicas[1].url`.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// Everything a node needs. Every field has a default, so an empty file plus `--replica` flags is
+/// a working configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    /// Address the HTTP front listens on. Default `127.0.0.1:8080`.
+    pub listen: SocketAddr,
+    /// The node's region. Default `default`.
+    pub region: String,
+    /// The node's zone or rack. Default empty.
+    pub zone: String,
+    /// Cluster id; seeds the Bloom filters (must match across a cluster). Default `kvmesh`.
+    pub cluster_id: String,
+    /// Routing policy name. Default `p2c-cache`.
+    pub policy: String,
+    /// Router RNG seed. Default 0.
+    pub seed: u64,
+    /// Routing-text block size in bytes (about 4 bytes per token). Default 256.
+    pub block_bytes: usize,
+    /// Largest accepted request body in bytes; larger gets 413. Default 32 MiB.
+    pub max_body_bytes: usize,
+    /// Bearer token required by `/admin/*`; none means the admin API is open. Default none.
+    pub admin_token: Option<String>,
+    /// Header carrying the session id for affinity (the body's `user` is the fallback). Default
+    /// `x-session-id`.
+    pub session_header: String,
+    /// Header carrying the tenant id. Default `x-tenant-id`.
+    pub tenant_header: String,
+    /// Forward to another region when every local queue exceeds this (seconds). Default 10.
+    pub spill_after_s: f64,
+    /// Seconds one outstanding request adds to a replica's predicted wait. Default 0.005.
+    pub w_load_s: f64,
+    /// Seconds credited to a session's preferred replica. Default 0.05.
+    pub affinity_credit_s: f64,
+    /// How long a just-routed key counts in the overlay (seconds). Default 10.
+    pub overlay_ttl_s: u64,
+    /// Approximate cache model: a block not routed again within this long is presumed evicted
+    /// (seconds). Default 600.
+    pub cache_ttl_s: u64,
+    /// How often changed cache summaries are copied into the view (ms). Default 100.
+    pub summary_interval_ms: u64,
+    /// Upstream timeouts.
+    pub timeouts: TimeoutConfig,
+    /// Failover.
+    pub retry: RetryConfig,
+    /// Active health checks and passive outlier ejection.
+    pub health: HealthConfig,
+    /// Load scraping from the replicas' `/metrics`.
+    pub scrape: ScrapeConfig,
+    /// How long shutdown waits for in-flight requests (seconds). Default 30.
+    pub drain_s: u64,
+    /// The replicas this node routes to (static registry).
+    pub replicas: Vec<ReplicaConfig>,
+    /// DNS sources of replicas, re-resolved on their records' TTL. Default none.
+    pub dns: Vec<DnsConfig>,
+    /// Per-tenant policies, by tenant id.
+    pub tenants: HashMap<String, TenantConfig>,
+    /// Policy for tenants not listed (and requests without a tenant).
+    pub default_tenant: TenantConfig,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            region: "default".into(),
+            zone: String::new(),
+            cluster_id: "kvmesh".into(),
+            policy: PolicyKind::P2cCache.as_str().into(),
+            seed: 0,
+            block_bytes: crate::core::keys::DEFAULT_BLOCK_BYTES,
+            max_body_bytes: 32 << 20,
+            admin_token: None,
+            session_header: "x-session-id".into(),
+            tenant_header: "x-tenant-id".into(),
+            spill_after_s: 10.0,
+            w_load_s: 0.005,
+            affinity_credit_s: 0.05,
+            overlay_ttl_s: 10,
+            cache_ttl_s: 600,
+            summary_interval_ms: 100,
+            timeouts: TimeoutConfig::default(),
+            retry: RetryConfig::default(),
+            health: HealthConfig::default(),
+            scrape: ScrapeConfig::default(),
+            drain_s: 30,
+            replicas: Vec::new(),
+            dns: Vec::new(),
+            tenants: HashMap::new(),
+            default_tenant: TenantConfig::default(),
+        }
+    }
+}
+
+/// Upstream timeouts, all in milliseconds.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutConfig {
+    /// TCP connect to a replica. Default 2,000.
+    pub connect_ms: u64,
+    /// From sending the request to the response headers (a non-streaming completion sends them
+    /// only when done, hence the long default). Default 300,000.
+    pub first_byte_ms: u64,
+    /// Longest silence inside a response body before the stream is cut. Default 60,000.
+    pub idle_ms: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig {
+            connect_ms: 2_000,
+            first_byte_ms: 300_000,
+            idle_ms: 60_000,
+        }
+    }
+}
+
+/// Failover of requests whose replica failed before the client saw a byte.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Attempts per request, the first included. Default 3.
+    pub max_attempts: u32,
+    /// No new attempt starts this long (ms) after the request arrived. Default 30,000.
+    pub budget_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_attempts: 3,
+            budget_ms: 30_000,
+        }
+    }
+}
+
+/// Health checking.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Interval of active `GET /health` checks (ms). Default 1,000.
+    pub interval_ms: u64,
+    /// Timeout of one check (ms). Default 1,000.
+    pub timeout_ms: u64,
+    /// Consecutive failed checks before a replica is marked unhealthy. Default 2.
+    pub unhealthy_after: u32,
+    /// Consecutive request failures (connect error, timeout, 5xx) that eject a replica. Default 3.
+    pub eject_after_failures: u32,
+    /// First ejection's length (ms); doubles on each re-ejection after a failed half-open try.
+    /// Default 5,000.
+    pub eject_backoff_ms: u64,
+    /// Longest ejection (ms). Default 60,000.
+    pub max_eject_backoff_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+            unhealthy_after: 2,
+            eject_after_failures: 3,
+            eject_backoff_ms: 5_000,
+            max_eject_backoff_ms: 60_000,
+        }
+    }
+}
+
+/// Load scraping.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScrapeConfig {
+    /// Interval of `GET /metrics` scrapes (ms); 0 disables scraping. Default 1,000.
+    pub interval_ms: u64,
+    /// Timeout of one scrape (ms). Default 1,000.
+    pub timeout_ms: u64,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+        }
+    }
+}
+
+/// One replica of the static registry.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// Base URL of its OpenAI-compatible API, e.g. `http://10.0.0.5:8000` (required).
+    pub url: String,
+    /// Stable id. Default: the URL's `host:port`.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Region. Default: the node's region.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Zone or rack. Default empty.
+    #[serde(default)]
+    pub zone: String,
+    /// Pool. Default `shared`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Models it serves. Default: discovered from its `/v1/models` by the health checks.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV capacity in tokens. Default: from `vllm:cache_config_info` when scraped, else 450,000.
+    #[serde(default)]
+    pub capacity_tokens: Option<u64>,
+    /// Prefill speed in tokens/s for the cost model. Default 50,000 (8B model on one H100).
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which it counts as full. Default 256.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+}
+
+fn default_pool() -> String {
+    "shared".into()
+}
+fn default_prefill_rate() -> f64 {
+    50_000.0
+}
+fn default_max_in_flight() -> u32 {
+    256
+}
+
+/// Which records a DNS source reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DnsRecord {
+    /// SRV records: each gives a target host and a port; targets resolve through A/AAAA.
+    Srv,
+    /// A/AAAA records of `name`; every address with the configured `port`.
+    A,
+}
+
+/// Replicas found in DNS. Every address found becomes a replica with id `ip:port`; replicas
+/// that disappear from the answer stop taking new requests (draining).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsConfig {
+    /// Name to resolve, e.g. `_http._tcp.vllm.ns.svc.cluster.local.` (required).
+    pub name: String,
+    /// `srv` or `a`. Default `srv`.
+    #[serde(default = "default_dns_record")]
+    pub record: DnsRecord,
+    /// Port of every address (required for `a`, ignored for `srv`).
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// URL scheme of the replicas. Default `http`.
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    /// DNS server (`ip:port`). Default: the system's resolv.conf.
+    #[serde(default)]
+    pub nameserver: Option<SocketAddr>,
+    /// Shortest time between resolutions (ms), whatever the TTL. Default 1,000.
+    #[serde(default = "default_min_refresh_ms")]
+    pub min_refresh_ms: u64,
+    /// Longest time between resolutions (ms), whatever the TTL. Default 60,000.
+    #[serde(default = "default_max_refresh_ms")]
+    pub max_refresh_ms: u64,
+    /// Region of the replicas. Default: the node's region.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Zone or rack. Default empty.
+    #[serde(default)]
+    pub zone: String,
+    /// Pool. Default `shared`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Models they serve. Default: discovered from each replica's `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV capacity in tokens. Default: scraped, else 450,000.
+    #[serde(default)]
+    pub capacity_tokens: Option<u64>,
+    /// Prefill speed in tokens/s. Default 50,000.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which a replica counts as full. Default 256.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+}
+
+fn default_dns_record() -> DnsRecord {
+    DnsRecord::Srv
+}
+fn default_scheme() -> String {
+    "http".into()
+}
+fn default_min_refresh_ms() -> u64 {
+    1_000
+}
+fn default_max_refresh_ms() -> u64 {
+    60_000
+}
+
+impl DnsConfig {
+    /// The replica at `addr` found through this source.
+    pub fn replica(&self, addr: SocketAddr) -> ReplicaConfig {
+        ReplicaConfig {
+            url: format!("{}://{addr}", self.scheme),
+            id: Some(addr.to_string()),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pool: self.pool.clone(),
+            models: self.models.clone(),
+            capacity_tokens: self.capacity_tokens,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            max_in_flight: self.max_in_flight,
+        }
+    }
+}
+
+/// KV capacity assumed for a replica until configured or scraped (tokens).
+pub const DEFAULT_CAPACITY_TOKENS: u64 = 450_000;
+
+impl ReplicaConfig {
+    /// A replica with every default, at `url`.
+    pub fn from_url(url: impl Into<String>) -> Self {
+        ReplicaConfig {
+            url: url.into(),
+            id: None,
+            region: None,
+            zone: String::new(),
+            pool: default_pool(),
+            models: Vec::new(),
+            capacity_tokens: None,
+            prefill_tokens_per_s: default_prefill_rate(),
+            max_in_flight: default_max_in_flight(),
+        }
+    }
+
+    /// The id: configured, or the URL's authority.
+    pub fn effective_id(&self) -> String {
+        if let Some(id) = &self.id {
+            return id.clone();
+        }
+        reqwest::Url::parse(&self.url)
+            .ok()
+            .and_then(|u| {
+                u.host_str()
+                    .map(|h| format!("{h}:{}", u.port_or_known_default().unwrap_or(80)))
+            })
+            .unwrap_or_else(|| self.url.clone())
+    }
+}
+
+impl NodeConfig {
+    /// Parses TOML text (unknown keys refused) and validates it.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text, None)
+    }
+
+    /// Reads, parses and validates a config file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, Some(path.to_owned()))
+    }
+
+    fn parse(text: &str, origin: Option<PathBuf>) -> Result<Self, ConfigError> {
+        let cfg: NodeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin,
+            message: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The routing policy.
+    pub fn policy_kind(&self) -> Result<PolicyKind, ConfigError> {
+        self.policy
+            .parse()
+            .map_err(|e: crate::core::policy::UnknownPolicy| invalid("policy", e.to_string()))
+    }
+
+    /// Checks every value; the first problem found is returned, naming its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.policy_kind()?;
+        if self.region.is_empty() {
+            return Err(invalid("region", "must not be empty"));
+        }
+        if self.block_bytes == 0 {
+            return Err(invalid("block_bytes", "must be at least 1"));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(invalid("max_body_bytes", "must be at least 1"));
+        }
+        if self.admin_token.as_deref() == Some("") {
+            return Err(invalid(
+                "admin_token",
+                "must not be empty (omit it instead)",
+            ));
+        }
+        for (key, v) in [
+            ("session_header", &self.session_header),
+            ("tenant_header", &self.tenant_header),
+        ] {
+            if axum::http::HeaderName::from_bytes(v.as_bytes()).is_err() {
+                return Err(invalid(key, format!("'{v}' is not a valid header name")));
+            }
+        }
+        for (key, v) in [
+            ("spill_after_s", self.spill_after_s),
+            ("w_load_s", self.w_load_s),
+            ("affinity_credit_s", self.affinity_credit_s),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(invalid(
+                    key,
+                    format!("must be a finite number ≥ 0, got {v}"),
+                ));
+            }
+        }
+        for (key, v) in [
+            ("summary_interval_ms", self.summary_interval_ms),
+            ("timeouts.connect_ms", self.timeouts.connect_ms),
+            ("timeouts.first_byte_ms", self.timeouts.first_byte_ms),
+            ("timeouts.idle_ms", self.timeouts.idle_ms),
+            ("health.interval_ms", self.health.interval_ms),
+            ("health.timeout_ms", self.health.timeout_ms),
+            ("health.eject_backoff_ms", self.health.eject_backoff_ms),
+            ("scrape.timeout_ms", self.scrape.timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        if self.retry.max_attempts == 0 {
+            return Err(invalid("retry.max_attempts", "must be at least 1"));
+        }
+        if self.health.unhealthy_after == 0 {
+            return Err(invalid("health.unhealthy_after", "must be at least 1"));
+        }
+        if self.health.eject_after_failures == 0 {
+            return Err(invalid("health.eject_after_failures", "must be at least 1"));
+        }
+        if self.health.max_eject_backoff_ms < self.health.eject_backoff_ms {
+            return Err(invalid(
+                "health.max_eject_backoff_ms",
+                "must be at least health.eject_backoff_ms",
+            ));
+        }
+        let mut ids = std::collections::HashSet::new();
+        for (n, r) in self.replicas.iter().enumerate() {
+            let key = |f: &str| format!("replicas[{n}].{f}");
+            let url = reqwest::Url::parse(&r.url)
+                .map_err(|e| invalid(key("url"), format!("'{}': {e}", r.url)))?;
+            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                return Err(invalid(
+                    key("url"),
+                    format!("'{}' must be an http(s) URL with a host", r.url),
+                ));
+            }
+            if !ids.insert(r.effective_id()) {
+                return Err(invalid(
+                    key("id"),
+                    format!("duplicate replica id '{}'", r.effective_id()),
+                ));
+            }
+            if r.region.as_deref() == Some("") {
+                return Err(invalid(
+                    key("region"),
+                    "must not be empty (omit it instead)",
+                ));
+            }
+            if r.models.iter().any(String::is_empty) {
+                return Err(invalid(key("models"), "model names must not be empty"));
+            }
+            if r.capacity_tokens == Some(0) {
+                return Err(invalid(key("capacity_tokens"), "must be at least 1"));
+            }
+            if !r.prefill_tokens_per_s.is_finite() || r.prefill_tokens_per_s <= 0.0 {
+                return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
+            }
+            if r.max_in_flight == 0 {
+                return Err(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+        }
+        for (n, d) in self.dns.iter().enumerate() {
+            let key = |f: &str| format!("dns[{n}].{f}");
+            if d.name.is_empty() {
+                return Err(invalid(key("name"), "must not be empty"));
+            }
+            if d.record == DnsRecord::A && d.port.is_none() {
+                return Err(invalid(key("port"), "required when record = \"a\""));
+            }
+            if !matches!(d.scheme.as_str(), "http" | "https") {
+                return Err(invalid(key("scheme"), "must be http or https"));
+            }
+            if d.min_refresh_ms == 0 {
+                return Err(invalid(key("min_refresh_ms"), "must be at least 1"));
+            }
+            if d.max_refresh_ms < d.min_refresh_ms {
+                return Err(invalid(
+                    key("max_refresh_ms"),
+                    "must be at least min_refresh_ms",
+                ));
+            }
+            if d.region.as_deref() == Some("") {
+                return Err(invalid(
+                    key("region"),
+                    "must not be empty (omit it instead)",
+                ));
+            }
+            if d.capacity_tokens == Some(0) {
+                return Err(invalid(key("capacity_tokens"), "must be at least 1"));
+            }
+            if !d.prefill_tokens_per_s.is_finite() || d.prefill_tokens_per_s <= 0.0 {
+                return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
+            }
+            if d.max_in_flight == 0 {
+                return Err(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+        }
+        for (name, t) in self
+            .tenants
+            .iter()
+            .map(|(n, t)| (format!("tenants.{n}"), t))
+            .chain(std::iter::once((
+                "default_tenant".to_owned(),
+                &self.default_tenant,
+            )))
+        {
+            if let Some(s) = t.max_cluster_share {
+                if !(s > 0.0 && s <= 1.0) {
+                    return Err(invalid(
+                        format!("{name}.max_cluster_share"),
+                        "must be in (0, 1]",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies CLI flags over this config, then validates the result.
+    pub fn apply_args(&mut self, args: &ServeArgs) -> Result<(), ConfigError> {
+        if let Some(l) = args.listen {
+            self.listen = l;
+        }
+        if let Some(r) = &args.region {
+            self.region = r.clone();
+        }
+        if let Some(p) = &args.policy {
+            self.policy = p.clone();
+        }
+        if let Some(s) = args.seed {
+            self.seed = s;
+        }
+        if let Some(t) = &args.admin_token {
+            self.admin_token = Some(t.clone());
+        }
+        if !args.replica.is_empty() {
+            // Flags replace the file's list: mixing the two would be surprising.
+            self.replicas = args.replica.iter().map(ReplicaConfig::from_url).collect();
+        }
+        self.validate()
+    }
+
+    /// Builds the configuration from the CLI: the file (if any), then the flags.
+    pub fn from_args(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let mut cfg = match &args.config {
+            Some(path) => NodeConfig::from_file(path)?,
+            None => NodeConfig::default(),
+        };
+        cfg.apply_args(args)?;
+        if cfg.replicas.is_empty() && cfg.dns.is_empty() {
+            return Err(invalid(
+                "replicas",
+                "no replica configured (use [[replicas]] or [[dns]] in the config, or --replica URL)",
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// `timeouts.connect_ms` as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.timeouts.connect_ms)
+    }
+}
+
+/// `kvmesh serve` flags; each overrides the config file's value.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML config file (see config/node.toml).
+    #[arg(long, short = 'c')]
+    pub config: Option<PathBuf>,
+    /// Listen address, e.g. 127.0.0.1:8080.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Replica base URL; repeat for several. Replaces the config file's replicas.
+    #[arg(long = "replica", value_name = "URL")]
+    pub replica: Vec<String>,
+    /// The node's region.
+    #[arg(long)]
+    pub region: Option<String>,
+    /// Routing policy (p2c-cache, cache-argmin, sglang-threshold, chwbl, p2c, least-load,
+    /// round-robin, random).
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Router RNG seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Bearer token for /admin/*.
+    #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_is_valid_with_defaults() {
+        let c = NodeConfig::from_toml("").unwrap();
+        assert_eq!(c.block_bytes, 256);
+        assert_eq!(c.policy_kind().unwrap(), PolicyKind::P2cCache);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = NodeConfig::from_toml("listen = \"127.0.0.1:1\"\nbogus_key = 1\n").unwrap_err();
+        assert!(e.to_string().contains("bogus_key"), "{e}");
+        let e = NodeConfig::from_toml("[timeouts]\nconect_ms = 5\n").unwrap_err();
+        assert!(e.to_string().contains("conect_ms"), "{e}");
+        let e = NodeConfig::from_toml("[[replicas]]\nurl = \"http://a:1\"\nmodel = [\"m\"]\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("model"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (toml, key) in [
+            ("policy = \"fastest\"", "policy"),
+            ("block_bytes = 0", "block_bytes"),
+            ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+            ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",
+                "replicas[1].id",
+            ),
+            (
+                "[tenants.acme]\nmax_cluster_share = 2.0",
+                "tenants.acme.max_cluster_share",
+            ),
+            ("listen = \"nowhere\"", "listen"),
+            ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
+            ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+
+    #[test]
+    fn the_shipped_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/node.toml");
+        let c = NodeConfig::from_file(&path).unwrap();
+        assert_eq!(c.replicas.len(), 2);
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let mut c =
+            NodeConfig::from_toml("region = \"us\"\n[[replicas]]\nurl = \"http://a:1\"").unwrap();
+        let args = ServeArgs {
+            region: Some("eu".into()),
+            replica: vec!["http://b:2".into(), "http://c:3".into()],
+            policy: Some("round-robin".into()),
+            ..Default::default()
+        };
+        c.apply_args(&args).unwrap();
+        assert_eq!(c.region, "eu");
+        assert_eq!(c.replicas.len(), 2);
+        assert_eq!(c.replicas[0].effective_id(), "b:2");
+        let bad = ServeArgs {
+            policy: Some("nope".into()),
+            ..Default::default()
+        };
+        assert!(c
+            .apply_args(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("policy"));
+    }
+}

@@ -1,0 +1,168 @@
+//! Errors the node itself answers with, in OpenAI's JSON shape.
+//!
+//! Exists so every client library sees errors it already knows how to read:
+//! `{"error":{"message","type","param","code"}}` with the matching HTTP status.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// An error response.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// OpenAI error type (`invalid_request_error`, `server_error`, ...).
+    pub kind: &'static str,
+    /// The request field at fault, if any.
+    pub param: Option<&'static str>,
+    /// Machine-readable code.
+    pub code: &'static str,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after_s: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Body<'a>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: &'a str,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        ApiError {
+            status,
+            message,
+            kind,
+            param: None,
+            code,
+            retry_after_s: None,
+        }
+    }
+
+    /// 400: the body is not valid JSON or lacks a required field.
+    pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError {
+            param,
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request",
+                message.into(),
+            )
+        }
+    }
+
+    /// 413: the body exceeds the configured limit.
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds the limit of {limit} bytes"),
+        )
+    }
+
+    /// 404: no replica serves the model.
+    pub fn unknown_model(model: &str) -> Self {
+        ApiError {
+            param: Some("model"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model '{model}' does not exist or no replica serves it"),
+            )
+        }
+    }
+
+    /// 503 with `Retry-After`: the node cannot serve now.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            retry_after_s: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "no_healthy_replica",
+                message.into(),
+            )
+        }
+    }
+
+    /// 429: the tenant is over its quota.
+    pub fn over_quota() -> Self {
+        ApiError {
+            retry_after_s: Some(1),
+            ..Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "tenant_over_quota",
+                "the tenant has too many requests in flight".into(),
+            )
+        }
+    }
+
+    /// 502: every attempt failed at the replica.
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "upstream_error",
+            message.into(),
+        )
+    }
+
+    /// 401: the admin token is missing or wrong.
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_token",
+            "a valid bearer token is required".into(),
+        )
+    }
+
+    /// 500: the node itself failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "internal_error",
+            message.into(),
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::to_vec(&Envelope {
+            error: Body {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param,
+                code: self.code,
+            },
+        })
+        .unwrap_or_else(|_| b"{\"error\":{\"message\":\"error\"}}".to_vec());
+        let mut resp = (self.status, body).into_response();
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(s) = self.retry_after_s {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}

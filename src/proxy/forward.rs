@@ -1,0 +1,368 @@
+//! The request path: read and parse the body once, route, send the original bytes to the chosen
+//! replica, fail over while nothing has reached the client, and stream the answer back unbuffered.
+//!
+//! Exists to keep the data plane's rules in one place: the body is forwarded byte for byte (the
+//! node only reads the fields routing needs); a replica that fails before answering (connect
+//! error, first-byte timeout, 5xx) is retried elsewhere within an attempt and time budget; once
+//! response headers go to the client the request is committed and never retried; a silent stream
+//! is cut after the idle timeout.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+
+use super::error::ApiError;
+use crate::core::keys::{text_block_keys, BlockKey, Namespace};
+use crate::core::prompt::RoutingFields;
+use crate::core::router::{Decision, RejectReason, RouteRequest};
+use crate::node::{Node, Ticket};
+
+thread_local! {
+    /// Routing text buffer, reused by every request handled on this thread (rendering is
+    /// synchronous, so no request holds it across an await).
+    static TEXT: RefCell<String> = RefCell::new(String::with_capacity(16 * 1024));
+}
+
+/// Response header naming the replica the node sent the request to (distinct from the
+/// simulated replica's own `x-kvmesh-replica`, which a real engine does not send).
+pub const REPLICA_HEADER: &str = "x-kvmesh-routed-to";
+/// Response header with the prefix blocks the node expected the replica to hold.
+pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
+
+/// `POST /v1/completions`.
+pub async fn completions(State(node): State<Arc<Node>>, req: Request) -> Response {
+    handle(node, "/v1/completions", req).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(node): State<Arc<Node>>, req: Request) -> Response {
+    handle(node, "/v1/chat/completions", req).await
+}
+
+/// Counts a request in `kvmesh_in_flight_total` until dropped, which also covers a client that
+/// disconnects while the node waits for the replica (the handler future is then dropped).
+struct Pending(prometheus::IntGauge);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
+    node.metrics.in_flight_total.inc();
+    let _pending = Pending(node.metrics.in_flight_total.clone());
+    match proxy(&node, path, req).await {
+        Ok(r) => r,
+        Err(e) => {
+            let outcome = match e.status {
+                StatusCode::NOT_FOUND => "unknown_model",
+                StatusCode::TOO_MANY_REQUESTS => "over_quota",
+                StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+                StatusCode::BAD_GATEWAY => "failed",
+                s if s.is_client_error() => "bad_request",
+                _ => "error",
+            };
+            node.metrics
+                .requests
+                .with_label_values(&["", node.policy.as_str(), outcome])
+                .inc();
+            e.into_response()
+        }
+    }
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0) as usize);
+    while let Some(chunk) = stream.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::bad_request(format!("cannot read body: {e}"), None))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(ApiError::too_large(limit));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+}
+
+/// Hop-by-hop headers and ones the HTTP client sets itself.
+fn is_hop_header(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "host"
+            | "content-length"
+            | "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
+fn forwardable(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (k, v) in headers {
+        if !is_hop_header(k) {
+            out.append(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+fn is_failure(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}
+
+async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, &parts.headers, node.cfg.max_body_bytes).await?;
+    let fields = RoutingFields::parse(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}"), None))?;
+    let model = fields
+        .model
+        .as_deref()
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| ApiError::bad_request("the request has no 'model'", Some("model")))?;
+    let tenant = header_str(&parts.headers, &node.cfg.tenant_header);
+    let session = header_str(&parts.headers, &node.cfg.session_header).or(fields.user.as_deref());
+    let ns = Namespace::new(
+        model,
+        fields.lora_path.as_deref(),
+        fields.cache_salt.as_deref(),
+        tenant.filter(|_| node.tenant_isolated(tenant)),
+    );
+    let mut keys: Vec<BlockKey> = Vec::new();
+    let prompt_tokens = TEXT.with(|text| {
+        let mut text = text.borrow_mut();
+        let rendered = fields.render(&mut text);
+        if rendered.is_ok() {
+            text_block_keys(ns, text.as_bytes(), node.cfg.block_bytes, &mut keys);
+        }
+        let tokens = text.len() as u64 / 4;
+        // A huge prompt should not pin its buffer on this thread forever.
+        if text.capacity() > 1 << 20 {
+            *text = String::with_capacity(16 * 1024);
+        }
+        rendered.map(|()| tokens)
+    });
+    let prompt_tokens = prompt_tokens.map_err(|e| ApiError::bad_request(e.to_string(), None))?;
+    let route_req = RouteRequest {
+        model,
+        keys: &keys,
+        prompt_tokens,
+        session,
+        tenant,
+        forwarded: false,
+    };
+    let headers = forwardable(&parts.headers);
+    let budget = Duration::from_millis(node.cfg.retry.budget_ms);
+    let policy = node.policy.as_str();
+
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last_error: Option<ApiError> = None;
+    let mut last_failed_response: Option<(reqwest::Response, Ticket, u32)> = None;
+    for attempt in 0..node.cfg.retry.max_attempts {
+        if attempt > 0 && started.elapsed() >= budget {
+            break;
+        }
+        let (decision, ticket) = node.route(&route_req, &tried);
+        let (routed, ticket) = match (decision, ticket) {
+            (Decision::Route(d), Some(t)) => (d, t),
+            (Decision::Reject(RejectReason::UnknownModel), _) => {
+                return Err(ApiError::unknown_model(model))
+            }
+            (Decision::Reject(RejectReason::OverQuota), _) => return Err(ApiError::over_quota()),
+            (Decision::Forward { region, .. }, _) if attempt == 0 => {
+                return Err(ApiError::unavailable(format!(
+                    "no replica of this node can serve model '{model}' now; region '{region}' could, \
+                     but forwarding between nodes needs the mesh, which this node does not run"
+                )))
+            }
+            _ if attempt == 0 => {
+                return Err(ApiError::unavailable(format!(
+                    "no healthy replica serves model '{model}'"
+                )))
+            }
+            // A retry found no other candidate: answer with what the last attempt got.
+            _ => break,
+        };
+        let i = routed.replica;
+        let endpoint = ticket.endpoint().clone();
+        let replica_id: &str = &endpoint.id;
+        if attempt > 0 {
+            node.metrics.retries.inc();
+        }
+        tracing::debug!(
+            replica = %replica_id, hit_blocks = routed.hit_blocks, reason = routed.reason.as_str(),
+            attempt, "routed"
+        );
+        let url = format!("{}{}", endpoint.base, path);
+        let send = node
+            .client
+            .post(url)
+            .headers(headers.clone())
+            .body(body.clone())
+            .send();
+        let sent_at = Instant::now();
+        let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
+        let error = match tokio::time::timeout(first_byte, send).await {
+            Ok(Ok(resp)) if !is_failure(resp.status()) => {
+                node.metrics
+                    .first_byte_seconds
+                    .with_label_values(&[replica_id])
+                    .observe(sent_at.elapsed().as_secs_f64());
+                node.request_succeeded(i);
+                let outcome = if resp.status().is_success() {
+                    "ok"
+                } else {
+                    "client_error"
+                };
+                node.metrics
+                    .requests
+                    .with_label_values(&[replica_id, policy, outcome])
+                    .inc();
+                return Ok(respond(node, resp, ticket, routed.hit_blocks));
+            }
+            Ok(Ok(resp)) => {
+                let msg = format!("replica {replica_id} answered {}", resp.status());
+                last_failed_response = Some((resp, ticket, routed.hit_blocks));
+                msg
+            }
+            Ok(Err(e)) => {
+                drop(ticket);
+                format!("replica {replica_id} failed: {e}")
+            }
+            Err(_) => {
+                drop(ticket);
+                format!("replica {replica_id} sent nothing within {first_byte:?}")
+            }
+        };
+        tracing::warn!(replica = %replica_id, attempt, error = %error, "attempt failed");
+        node.metrics
+            .requests
+            .with_label_values(&[replica_id, policy, "failed"])
+            .inc();
+        node.request_failed(i);
+        tried.push(i);
+        last_error = Some(ApiError::bad_gateway(error));
+    }
+    // Every attempt failed. A replica's own error answer is more useful to the client than ours.
+    if let Some((resp, ticket, hit)) = last_failed_response {
+        return Ok(respond(node, resp, ticket, hit));
+    }
+    Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
+}
+
+/// Streams a replica's response to the client as it arrives, holding the request's ticket until
+/// the body ends (or the client goes away).
+fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks: u32) -> Response {
+    let status = resp.status();
+    let mut headers = HeaderMap::with_capacity(resp.headers().len() + 2);
+    for (k, v) in resp.headers() {
+        if !is_hop_header(k) || k == header::CONTENT_LENGTH {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&ticket.endpoint().id) {
+        headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
+    }
+    headers.insert(
+        HeaderName::from_static(HIT_HEADER),
+        HeaderValue::from(hit_blocks),
+    );
+    let state = BodyState {
+        inner: Box::pin(resp.bytes_stream()),
+        ticket,
+        idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
+        node: Arc::clone(node),
+        done: false,
+    };
+    let stream = futures::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        match tokio::time::timeout(st.idle, st.inner.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                st.ticket.first_byte();
+                Some((Ok(chunk), st))
+            }
+            Ok(Some(Err(e))) => {
+                st.done = true;
+                st.aborted(&e.to_string());
+                Some((Err(std::io::Error::other(e)), st))
+            }
+            Ok(None) => None,
+            Err(_) => {
+                st.done = true;
+                let msg = format!("no data from the replica for {:?}", st.idle);
+                st.aborted(&msg);
+                Some((
+                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, msg)),
+                    st,
+                ))
+            }
+        }
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}
+
+type ByteStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send + 'static>>;
+
+struct BodyState {
+    inner: ByteStream,
+    ticket: Ticket,
+    idle: Duration,
+    node: Arc<Node>,
+    done: bool,
+}
+
+impl BodyState {
+    fn aborted(&self, why: &str) {
+        let i = self.ticket.replica();
+        let id: &str = &self.ticket.endpoint().id;
+        tracing::warn!(replica = %id, error = %why, "response stream aborted");
+        self.node
+            .metrics
+            .requests
+            .with_label_values(&[id, self.node.policy.as_str(), "stream_aborted"])
+            .inc();
+        self.node.request_failed(i);
+    }
+}

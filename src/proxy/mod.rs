@@ -1,0 +1,295 @@
+//! The HTTP front of a node: OpenAI endpoints, health, metrics, admin — and starting/stopping it.
+//!
+//! Exists so there is one way to run a node, used alike by `kvmesh serve`, the integration tests
+//! and the demo: [`spawn`] builds the node from a [`NodeConfig`], runs one health round so the
+//! node starts knowing which replicas are up, binds, and returns a [`RunningNode`] whose
+//! [`RunningNode::shutdown`] stops accepting and drains in-flight requests up to a deadline.
+
+pub mod error;
+pub mod forward;
+pub mod metrics;
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::{NodeConfig, ServeArgs};
+use crate::node::{Node, NodeState};
+use error::ApiError;
+
+/// The node's HTTP routes.
+pub fn app(node: Arc<Node>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", post(forward::completions))
+        .route("/v1/chat/completions", post(forward::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/admin/state", get(admin_state))
+        .fallback(not_found)
+        .with_state(node)
+}
+
+async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: "not_found",
+        retry_after_s: None,
+    }
+}
+
+async fn models(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let data: Vec<serde_json::Value> = node
+        .models()
+        .into_iter()
+        .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvmesh"}))
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data}))
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn ready(State(node): State<Arc<Node>>) -> Response {
+    if node.ready() {
+        Json(serde_json::json!({"status": "ready"})).into_response()
+    } else {
+        ApiError::unavailable("no healthy replica with known models").into_response()
+    }
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> Response {
+    match node.metrics.render() {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => ApiError::internal(format!("cannot render metrics: {e}")).into_response(),
+    }
+}
+
+/// Constant-time comparison, so the token cannot be guessed byte by byte from response times.
+fn token_matches(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+async fn admin_state(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+) -> Result<Json<NodeState>, ApiError> {
+    if let Some(expected) = &node.cfg.admin_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !token_matches(given.as_bytes(), expected.as_bytes()) {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    Ok(Json(node.state()))
+}
+
+/// A node running in this process.
+pub struct RunningNode {
+    /// The address it listens on (the real port when configured with port 0).
+    pub addr: SocketAddr,
+    /// The node's shared state (for tests and embedding).
+    pub node: Arc<Node>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningNode {
+    /// Stops accepting, waits for in-flight requests up to the configured drain deadline, stops
+    /// the watcher tasks. Returns whether the drain finished in time.
+    pub async fn shutdown(self) -> bool {
+        let drain = Duration::from_secs(self.node.cfg.drain_s);
+        let _ = self.stop.send(true);
+        let mut server = self.server;
+        match tokio::time::timeout(drain, &mut server).await {
+            Ok(_) => true,
+            Err(_) => {
+                tracing::warn!(?drain, "drain deadline passed; dropping remaining requests");
+                server.abort();
+                false
+            }
+        }
+    }
+}
+
+/// Installs the ring crypto provider for rustls (reqwest is built without one); a provider
+/// already installed is fine.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Starts a node: state, one health round, the listener, the watcher tasks.
+pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
+    install_crypto_provider();
+    let listen = cfg.listen;
+    let node = Node::new(cfg)?;
+    // Resolve DNS sources once, so the node starts with their replicas.
+    let mut dns = Vec::with_capacity(node.cfg.dns.len());
+    for d in &node.cfg.dns {
+        let mut source = crate::replicas::dns::DnsSource::new(d.clone())?;
+        let (_, next) = source.sync(&node).await;
+        dns.push((source, next));
+    }
+    // Start knowing which replicas are up and what they serve, bounded by the check timeout.
+    crate::replicas::check_all(&node, 0..node.replica_count()).await;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let (stop, stop_rx) = watch::channel(false);
+    crate::replicas::spawn_watchers(&node, &stop_rx, dns);
+    let mut graceful = stop_rx.clone();
+    let server = tokio::spawn(
+        axum::serve(listener, app(Arc::clone(&node)))
+            .with_graceful_shutdown(async move {
+                crate::replicas::stopped(&mut graceful).await;
+            })
+            .into_future(),
+    );
+    tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
+    Ok(RunningNode {
+        addr,
+        node,
+        stop,
+        server,
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch SIGTERM");
+                    std::future::pending::<()>().await
+                }
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = NodeConfig::from_args(&args)?;
+    let running = spawn(cfg).await?;
+    println!("kvmesh node listening on http://{}", running.addr);
+    shutdown_signal().await;
+    tracing::info!("shutting down: draining in-flight requests");
+    running.shutdown().await;
+    Ok(())
+}
+
+/// `kvmesh status`: fetches `/admin/state` from a node and renders it as a table.
+pub async fn status(node_url: &str, token: Option<&str>) -> anyhow::Result<String> {
+    install_crypto_provider();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let mut req = client.get(format!("{}/admin/state", node_url.trim_end_matches('/')));
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {node_url}"))?;
+    let status = resp.status();
+    let body = resp.text().await?;
+    anyhow::ensure!(status.is_success(), "{node_url} answered {status}: {body}");
+    let state: NodeState = serde_json::from_str(&body).context("unexpected /admin/state answer")?;
+    Ok(render_state(&state))
+}
+
+/// The table `kvmesh status` prints.
+pub fn render_state(s: &NodeState) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "region {}  policy {}  uptime {:.0}s  replicas {}",
+        s.region,
+        s.policy,
+        s.uptime_s,
+        s.replicas.len()
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:<10} {:>5} {:>5} {:>5} {:>6} {:>10} {:>9} {:>8} {:>8}  models",
+        "replica",
+        "health",
+        "wait",
+        "run",
+        "infl",
+        "kv%",
+        "queued_tok",
+        "sum_seq",
+        "sum_keys",
+        "overlay"
+    );
+    for r in &s.replicas {
+        let health = if r.ejected {
+            format!("{}*", r.health)
+        } else {
+            r.health.clone()
+        };
+        let _ = writeln!(
+            out,
+            "{:<24} {:<10} {:>5} {:>5} {:>5} {:>6.1} {:>10} {:>9} {:>8} {:>8}  {}",
+            r.id,
+            health,
+            r.waiting,
+            r.running,
+            r.in_flight,
+            r.kv_usage * 100.0,
+            r.queued_prefill_tokens,
+            r.summary_seq,
+            r.summary_keys,
+            r.overlay_keys,
+            r.models.join(",")
+        );
+    }
+    out
+}

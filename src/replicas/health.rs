@@ -1,0 +1,168 @@
+//! A replica's health as one small state machine: active checks plus passive outlier ejection.
+//!
+//! Exists so the rules (when to eject, how long, when to try again) live in one synchronous,
+//! testable place instead of being spread across the health task and the request path. Time is
+//! passed in, like the routing core.
+//!
+//! Rules: `unhealthy_after` consecutive failed `/health` checks mark the replica down until a
+//! check passes. Independently, `eject_after_failures` consecutive failed requests eject it for a
+//! backoff; when the backoff ends it is *half-open*: it takes traffic again, but a single failure
+//! re-ejects it for twice as long (up to the maximum), while a success clears the record.
+
+use std::time::Duration;
+
+use crate::config::HealthConfig;
+use crate::core::view::Health;
+
+/// Health bookkeeping for one replica.
+#[derive(Clone, Debug)]
+pub struct HealthTracker {
+    active_failures: u32,
+    active_ok: bool,
+    checked: bool,
+    request_failures: u32,
+    ejections: u32,
+    ejected_until: Option<Duration>,
+}
+
+impl HealthTracker {
+    /// A replica not yet checked: it takes traffic until a check says otherwise.
+    pub fn new() -> Self {
+        HealthTracker {
+            active_failures: 0,
+            active_ok: true,
+            checked: false,
+            request_failures: 0,
+            ejections: 0,
+            ejected_until: None,
+        }
+    }
+
+    /// The health routing should use.
+    pub fn health(&self) -> Health {
+        if self.active_ok && self.ejected_until.is_none() {
+            Health::Healthy
+        } else {
+            Health::Unhealthy
+        }
+    }
+
+    /// Whether at least one active check has completed.
+    pub fn checked(&self) -> bool {
+        self.checked
+    }
+
+    /// Whether the replica is ejected by outlier detection right now.
+    pub fn ejected(&self) -> bool {
+        self.ejected_until.is_some()
+    }
+
+    /// Consecutive failed requests.
+    pub fn request_failures(&self) -> u32 {
+        self.request_failures
+    }
+
+    /// Result of one active `/health` check.
+    pub fn active_result(&mut self, ok: bool, cfg: &HealthConfig) {
+        self.checked = true;
+        if ok {
+            self.active_failures = 0;
+            self.active_ok = true;
+        } else {
+            self.active_failures = self.active_failures.saturating_add(1);
+            if self.active_failures >= cfg.unhealthy_after {
+                self.active_ok = false;
+            }
+        }
+    }
+
+    /// A request to the replica succeeded.
+    pub fn request_succeeded(&mut self) {
+        self.request_failures = 0;
+        self.ejections = 0;
+    }
+
+    /// A request failed (connect error, timeout, 5xx). Returns whether this ejected the replica.
+    pub fn request_failed(&mut self, now: Duration, cfg: &HealthConfig) -> bool {
+        if self.ejected_until.is_some() {
+            return false;
+        }
+        self.request_failures = self.request_failures.saturating_add(1);
+        if self.request_failures < cfg.eject_after_failures {
+            return false;
+        }
+        let backoff = cfg
+            .eject_backoff_ms
+            .saturating_mul(1u64 << self.ejections.min(20))
+            .min(cfg.max_eject_backoff_ms);
+        self.ejections = self.ejections.saturating_add(1);
+        self.ejected_until = Some(now + Duration::from_millis(backoff));
+        true
+    }
+
+    /// Ends an ejection whose backoff has passed (half-open). Returns whether it did.
+    pub fn tick(&mut self, now: Duration, cfg: &HealthConfig) -> bool {
+        match self.ejected_until {
+            Some(until) if until <= now => {
+                self.ejected_until = None;
+                // Half-open: one more failure re-ejects.
+                self.request_failures = cfg.eject_after_failures.saturating_sub(1);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Default for HealthTracker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn active_checks_need_consecutive_failures() {
+        let cfg = HealthConfig::default();
+        let mut h = HealthTracker::new();
+        h.active_result(false, &cfg);
+        assert_eq!(h.health(), Health::Healthy);
+        h.active_result(false, &cfg);
+        assert_eq!(h.health(), Health::Unhealthy);
+        h.active_result(true, &cfg);
+        assert_eq!(h.health(), Health::Healthy);
+    }
+
+    #[test]
+    fn ejection_backs_off_and_half_opens() {
+        let cfg = HealthConfig::default(); // 3 failures, 5 s, max 60 s
+        let mut h = HealthTracker::new();
+        assert!(!h.request_failed(ms(0), &cfg));
+        assert!(!h.request_failed(ms(1), &cfg));
+        assert!(h.request_failed(ms(2), &cfg));
+        assert_eq!(h.health(), Health::Unhealthy);
+        // Passing active checks do not end an ejection early.
+        h.active_result(true, &cfg);
+        assert!(!h.tick(ms(4_000), &cfg));
+        assert_eq!(h.health(), Health::Unhealthy);
+        assert!(h.tick(ms(5_002), &cfg));
+        assert_eq!(h.health(), Health::Healthy);
+        // Half-open: one failure re-ejects, for twice as long.
+        assert!(h.request_failed(ms(5_100), &cfg));
+        assert!(!h.tick(ms(5_100 + 9_999), &cfg));
+        assert!(h.tick(ms(5_100 + 10_000), &cfg));
+        // A success clears the record: three failures needed again, base backoff.
+        h.request_succeeded();
+        assert!(!h.request_failed(ms(20_000), &cfg));
+        assert!(!h.request_failed(ms(20_001), &cfg));
+        assert!(h.request_failed(ms(20_002), &cfg));
+        assert!(h.tick(ms(25_002), &cfg));
+    }
+}

@@ -1,0 +1,218 @@
+//! A small Prometheus text-format reader for the load figures engines export.
+//!
+//! Exists because the node needs four or five gauges from each replica every second and nothing
+//! else: a full exposition-format parser would be more code to trust than this. Lines it cannot
+//! read are skipped and counted — a replica's output must never crash or stall a node.
+
+/// Load figures read from one scrape; `None` where the engine exported nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineLoad {
+    /// Requests waiting (`vllm:num_requests_waiting`, `sglang:num_queue_reqs`), summed over
+    /// engines/ranks.
+    pub waiting: Option<f64>,
+    /// Requests running (`vllm:num_requests_running`, `sglang:num_running_reqs`), summed.
+    pub running: Option<f64>,
+    /// KV usage 0..1 (`vllm:kv_cache_usage_perc` or its older `vllm:gpu_cache_usage_perc`,
+    /// `sglang:token_usage`); the largest over engines.
+    pub kv_usage: Option<f64>,
+    /// KV capacity in tokens: `num_gpu_blocks × block_size` from `vllm:cache_config_info`.
+    pub capacity_tokens: Option<u64>,
+    /// Lines that could not be parsed.
+    pub skipped_lines: u64,
+}
+
+/// One sample: metric name, the raw label block (without braces) and the value.
+#[derive(Debug, PartialEq)]
+pub struct Sample<'a> {
+    /// Metric name.
+    pub name: &'a str,
+    /// Label text between the braces ("" when none).
+    pub labels: &'a str,
+    /// Value.
+    pub value: f64,
+}
+
+/// Parses one exposition line. `Ok(None)` for blank and comment lines, `Err(())` for garbage.
+#[allow(clippy::result_unit_err)]
+pub fn parse_line(line: &str) -> Result<Option<Sample<'_>>, ()> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return Ok(None);
+    }
+    let (name, labels, rest) = match line.find(['{', ' ', '\t']) {
+        Some(p) if line.as_bytes()[p] == b'{' => {
+            let close = label_end(&line[p + 1..]).ok_or(())? + p + 1;
+            (&line[..p], &line[p + 1..close], &line[close + 1..])
+        }
+        Some(p) => (&line[..p], "", &line[p..]),
+        None => return Err(()),
+    };
+    if name.is_empty() {
+        return Err(());
+    }
+    // The value, optionally followed by a timestamp.
+    let value_text = rest.split_whitespace().next().ok_or(())?;
+    let value = match value_text {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse::<f64>().map_err(|_| ())?,
+    };
+    Ok(Some(Sample {
+        name,
+        labels,
+        value,
+    }))
+}
+
+/// Index of the closing brace of a label block, skipping quoted values (which may hold braces).
+fn label_end(s: &str) -> Option<usize> {
+    let mut in_quotes = false;
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_quotes => escaped = true,
+            '"' => in_quotes = !in_quotes,
+            '}' if !in_quotes => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The value of label `key` in a raw label block.
+pub fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        rest = rest.trim_start_matches([',', ' ']);
+        let eq = rest.find('=')?;
+        let k = rest[..eq].trim();
+        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let end = quoted_end(after)?;
+        if k == key {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+}
+
+fn quoted_end(s: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+fn add(slot: &mut Option<f64>, v: f64) {
+    *slot = Some(slot.unwrap_or(0.0) + v);
+}
+
+fn max(slot: &mut Option<f64>, v: f64) {
+    *slot = Some(slot.map_or(v, |s| s.max(v)));
+}
+
+/// Reads the load figures of a vLLM or SGLang `/metrics` body.
+pub fn parse_engine_load(text: &str) -> EngineLoad {
+    let mut load = EngineLoad::default();
+    let mut legacy_usage = None;
+    for line in text.lines() {
+        let s = match parse_line(line) {
+            Ok(Some(s)) => s,
+            Ok(None) => continue,
+            Err(()) => {
+                load.skipped_lines += 1;
+                continue;
+            }
+        };
+        if !s.value.is_finite() {
+            continue;
+        }
+        match s.name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                add(&mut load.waiting, s.value)
+            }
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                add(&mut load.running, s.value)
+            }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => max(&mut load.kv_usage, s.value),
+            "vllm:gpu_cache_usage_perc" => max(&mut legacy_usage, s.value),
+            "vllm:cache_config_info" => {
+                let blocks = label(s.labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
+                let size = label(s.labels, "block_size").and_then(|v| v.parse::<u64>().ok());
+                if let (Some(b), Some(z)) = (blocks, size) {
+                    let cap = b.saturating_mul(z);
+                    if cap > 0 {
+                        load.capacity_tokens = Some(load.capacity_tokens.unwrap_or(0) + cap);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if load.kv_usage.is_none() {
+        load.kv_usage = legacy_usage;
+    }
+    load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="28000",prefix_caching_hash_algo="sha{256}"} 1.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234 1700000000000
+"#;
+
+    #[test]
+    fn reads_vllm_names() {
+        let l = parse_engine_load(VLLM);
+        assert_eq!(l.running, Some(5.0));
+        assert_eq!(l.waiting, Some(7.0));
+        assert_eq!(l.kv_usage, Some(0.5));
+        assert_eq!(l.capacity_tokens, Some(448_000));
+        assert_eq!(l.skipped_lines, 0);
+    }
+
+    #[test]
+    fn reads_sglang_names_and_legacy_vllm_usage() {
+        let l = parse_engine_load(
+            "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs 9\nsglang:token_usage{x=\"y\"} 0.75\n",
+        );
+        assert_eq!(
+            (l.waiting, l.running, l.kv_usage),
+            (Some(4.0), Some(9.0), Some(0.75))
+        );
+        let l = parse_engine_load("vllm:gpu_cache_usage_perc 0.4\n");
+        assert_eq!(l.kv_usage, Some(0.4));
+    }
+
+    #[test]
+    fn garbage_is_skipped_and_counted() {
+        let l = parse_engine_load(
+            "vllm:num_requests_waiting{a=\"1\" 3\nnovalue\nvllm:num_requests_running abc\n{x=\"1\"} 2\nvllm:num_requests_running 1\n\u{0}\u{ffff}\n",
+        );
+        assert_eq!(l.running, Some(1.0));
+        assert_eq!(l.waiting, None);
+        assert_eq!(l.skipped_lines, 5);
+    }
+
+    #[test]
+    fn labels_with_escapes() {
+        assert_eq!(label(r#"a="x\"}",b="2""#, "b"), Some("2"));
+        assert_eq!(label(r#"a="1""#, "c"), None);
+        assert_eq!(label(r#"a=1"#, "a"), None);
+    }
+}

@@ -361,9 +361,10 @@ impl NodeIdentity {
     /// check peers will make), so a bad pairing fails at startup, not at the first handshake.
     pub fn verify_chain(&self) -> Result<(), CertError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider)
-            .build()
-            .map_err(|e| CertError::Verifier(e.to_string()))?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider)
+                .build()
+                .map_err(|e| CertError::Verifier(e.to_string()))?;
         let chain = self.chain()?;
         verifier.verify_client_cert(&chain[0], &chain[1..], UnixTime::now())?;
         Ok(())

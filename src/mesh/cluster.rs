@@ -413,16 +413,18 @@ impl Mesh {
             return;
         }
         let mut batches = self.reports.lock().unwrap_or_else(|e| e.into_inner());
-        let batch = batches
-            .entry((home, replica_id.to_owned()))
-            .or_default();
+        let batch = batches.entry((home, replica_id.to_owned())).or_default();
         // A home that cannot keep up must not grow our memory: cap what waits per replica.
         let room = (4 * MAX_REPORT_KEYS).saturating_sub(batch.len());
         batch.extend(keys.iter().take(room));
     }
 
     /// Sends one block report now (fire-and-forget).
-    pub fn send_block_report(&self, home: SocketAddr, report: &BlockReport) -> Result<(), SyncError> {
+    pub fn send_block_report(
+        &self,
+        home: SocketAddr,
+        report: &BlockReport,
+    ) -> Result<(), SyncError> {
         self.transport.send_report(home, report)
     }
 
@@ -495,9 +497,11 @@ fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
     };
     let mut out = Vec::new();
     for (id, state) in c.node_states() {
-        let node = state
-            .get(KEY_NODE)
-            .and_then(|v| NodeRecord::decode(v).map_err(|e| count_err("node", id, &e)).ok());
+        let node = state.get(KEY_NODE).and_then(|v| {
+            NodeRecord::decode(v)
+                .map_err(|e| count_err("node", id, &e))
+                .ok()
+        });
         let mut replicas = BTreeMap::new();
         for (key, v) in state.iter_prefix(REPLICA_PREFIX) {
             let Some(rid) = key.strip_prefix(REPLICA_PREFIX) else {
@@ -512,11 +516,19 @@ fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
         }
         let inflight = state
             .get(KEY_INFLIGHT)
-            .and_then(|v| InflightRecord::decode(v).map_err(|e| count_err("inflight", id, &e)).ok())
+            .and_then(|v| {
+                InflightRecord::decode(v)
+                    .map_err(|e| count_err("inflight", id, &e))
+                    .ok()
+            })
             .unwrap_or_default();
         let rtt = state
             .get(KEY_RTT)
-            .and_then(|v| RttRecord::decode(v).map_err(|e| count_err("rtt", id, &e)).ok())
+            .and_then(|v| {
+                RttRecord::decode(v)
+                    .map_err(|e| count_err("rtt", id, &e))
+                    .ok()
+            })
             .unwrap_or_default();
         out.push(Member {
             node_id: id.node_id.to_string(),
@@ -550,7 +562,10 @@ pub fn home_in(live: &[Member], replica_id: &str, region: &str) -> Option<(Strin
         .iter()
         .filter(|m| m.node_id == id)
         .max_by_key(|m| m.generation)?;
-    Some((m.node_id.clone(), m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr)))
+    Some((
+        m.node_id.clone(),
+        m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr),
+    ))
 }
 
 /// Replicas of `region` published by `live` members; see [`Mesh::replicas_in_region`].
@@ -627,7 +642,11 @@ async fn rtt_loop(
     }
 }
 
-async fn report_loop(reports: Arc<Mutex<ReportBatches>>, transport: QuicTransport, every: Duration) {
+async fn report_loop(
+    reports: Arc<Mutex<ReportBatches>>,
+    transport: QuicTransport,
+    every: Duration,
+) {
     let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
     loop {
         tick.tick().await;

@@ -12,7 +12,10 @@ use crate::core::affinity;
 
 /// The home of `replica_id` among `nodes` (node ids of the replica's region that are live), or
 /// `None` when there is none. Independent of the order of `nodes` and of duplicates.
-pub fn home_node<'a>(replica_id: &str, nodes: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+pub fn home_node<'a>(
+    replica_id: &str,
+    nodes: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let mut ids: Vec<&str> = nodes.into_iter().collect();
     // Sorted and deduplicated so a (vanishingly rare) score tie resolves the same on every node.
     ids.sort_unstable();

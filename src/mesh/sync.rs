@@ -92,7 +92,10 @@ impl SummaryRequest {
     /// Decodes a peer's request (bounded).
     pub fn decode(bytes: &[u8]) -> Result<Self, SyncError> {
         if bytes.len() > MAX_REQUEST_BYTES {
-            return Err(SyncError::Malformed(format!("request of {} bytes", bytes.len())));
+            return Err(SyncError::Malformed(format!(
+                "request of {} bytes",
+                bytes.len()
+            )));
         }
         let r: SummaryRequest =
             rmp_serde::from_slice(bytes).map_err(|e| SyncError::Malformed(e.to_string()))?;
@@ -126,7 +129,10 @@ impl BlockReport {
     /// Decodes a peer's report (bounded).
     pub fn decode(bytes: &[u8]) -> Result<Self, SyncError> {
         if bytes.len() > MAX_REPORT_BYTES {
-            return Err(SyncError::Malformed(format!("report of {} bytes", bytes.len())));
+            return Err(SyncError::Malformed(format!(
+                "report of {} bytes",
+                bytes.len()
+            )));
         }
         let r: BlockReport =
             rmp_serde::from_slice(bytes).map_err(|e| SyncError::Malformed(e.to_string()))?;
@@ -239,18 +245,27 @@ mod tests {
         let (resp, _) = answer(Some(&h), &unknown.encode().unwrap());
         assert!(matches!(
             parse_response(&resp),
-            Err(SyncError::Refused { status: RESP_UNKNOWN, .. })
+            Err(SyncError::Refused {
+                status: RESP_UNKNOWN,
+                ..
+            })
         ));
         let (resp, bad) = answer(Some(&h), b"\xc1garbage");
         assert!(bad);
         assert!(matches!(
             parse_response(&resp),
-            Err(SyncError::Refused { status: RESP_BAD_REQUEST, .. })
+            Err(SyncError::Refused {
+                status: RESP_BAD_REQUEST,
+                ..
+            })
         ));
         let (resp, _) = answer(None, &req.encode().unwrap());
         assert!(matches!(
             parse_response(&resp),
-            Err(SyncError::Refused { status: RESP_NO_HANDLER, .. })
+            Err(SyncError::Refused {
+                status: RESP_NO_HANDLER,
+                ..
+            })
         ));
         assert!(parse_response(&[]).is_err());
         assert!(parse_response(&[RESP_OK, 0xc1]).is_err());

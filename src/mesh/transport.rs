@@ -299,9 +299,8 @@ impl QuicTransport {
             source,
         };
         let socket = std::net::UdpSocket::bind(listen).map_err(bind_err)?;
-        let runtime = quinn::default_runtime().ok_or_else(|| {
-            bind_err(std::io::Error::other("no async runtime for quinn"))
-        })?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| bind_err(std::io::Error::other("no async runtime for quinn")))?;
         let mut endpoint = quinn::Endpoint::new(
             quinn::EndpointConfig::default(),
             Some(configs.server),
@@ -446,7 +445,10 @@ impl Inner {
     }
 
     /// The connection to `peer`, dialing (once at a time per peer) when there is none.
-    async fn connection(self: &Arc<Self>, peer: SocketAddr) -> Result<quinn::Connection, TransportError> {
+    async fn connection(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+    ) -> Result<quinn::Connection, TransportError> {
         if let Some(c) = self.cached(peer) {
             return Ok(c);
         }
@@ -456,13 +458,13 @@ impl Inner {
             return Ok(c);
         }
         let result = async {
-            let connecting = self
-                .endpoint
-                .connect(peer, CLUSTER_SAN)
-                .map_err(|e| TransportError::Connect {
-                    peer,
-                    reason: e.to_string(),
-                })?;
+            let connecting =
+                self.endpoint
+                    .connect(peer, CLUSTER_SAN)
+                    .map_err(|e| TransportError::Connect {
+                        peer,
+                        reason: e.to_string(),
+                    })?;
             match timeout(self.cfg.connect_timeout, connecting).await {
                 Err(_) => Err(TransportError::Timeout {
                     peer,
@@ -636,9 +638,7 @@ async fn accept_loop(inner: Arc<Inner>) {
                     {
                         let mut conns = lock(&inner.conns);
                         // Keep a live dialed connection if there is one; both get served.
-                        let keep = conns
-                            .get(&peer)
-                            .is_some_and(|c| c.close_reason().is_none());
+                        let keep = conns.get(&peer).is_some_and(|c| c.close_reason().is_none());
                         if !keep {
                             conns.insert(peer, conn.clone());
                         }
@@ -869,6 +869,9 @@ impl Socket for GossipSocket {
     }
 
     async fn recv(&mut self) -> anyhow::Result<(SocketAddr, ChitchatMessage)> {
-        self.rx.recv().await.ok_or_else(|| TransportError::Closed.into())
+        self.rx
+            .recv()
+            .await
+            .ok_or_else(|| TransportError::Closed.into())
     }
 }

@@ -566,3 +566,77 @@ async fn partition_heals_and_state_converges() {
     })
     .await;
 }
+
+/// A one-record DNS server: answers every SRV query with `localhost.:<port>` for each port.
+async fn fake_srv_server(ports: Vec<u16>) -> SocketAddr {
+    use hickory_resolver::proto::op::{Message, OpCode};
+    use hickory_resolver::proto::rr::rdata::SRV;
+    use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+            let Ok(q) = Message::from_vec(&buf[..n]) else {
+                continue;
+            };
+            let mut resp = Message::response(q.metadata.id, OpCode::Query);
+            resp.metadata.recursion_desired = q.metadata.recursion_desired;
+            resp.metadata.recursion_available = true;
+            for query in &q.queries {
+                resp.add_query(query.clone());
+                if query.query_type() == RecordType::SRV {
+                    for (i, p) in ports.iter().enumerate() {
+                        let target = Name::from_ascii("localhost.").unwrap();
+                        let srv = SRV::new(i as u16, 0, *p, target);
+                        resp.add_answer(Record::from_rdata(
+                            query.name().clone(),
+                            60,
+                            RData::SRV(srv),
+                        ));
+                    }
+                }
+            }
+            let _ = sock.send_to(&resp.to_vec().unwrap(), from).await;
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srv_seed_discovery_joins_the_cluster() {
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        let a = start(&ca, "a", "eu", &[]).await;
+        let dns = fake_srv_server(vec![a.addr().port()]).await;
+        let mut cfg = MeshConfig::new(
+            "b",
+            "eu",
+            "127.0.0.1:0".parse().unwrap(),
+            CLUSTER,
+            ca.issue("b").unwrap(),
+        );
+        cfg.seeds = vec!["srv:_kvmesh._udp.mesh.test.".into()];
+        cfg.dns_server = Some(dns);
+        cfg.gossip_interval = GOSSIP;
+        let b = Mesh::start(cfg).await.unwrap();
+        let changes = b.watch_changes().await.unwrap();
+        for m in [&a, &b] {
+            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b"]))
+                .await
+                .expect("SRV-discovered seed did not join");
+        }
+        // The watch reports the joined member without polling `members()`.
+        wait_for(Duration::from_secs(2), || {
+            let seen = changes.borrow().keys().any(|id| &*id.node_id == "a");
+            async move { seen }
+        })
+        .await
+        .expect("watch never showed node a");
+        assert!(changes.has_changed().is_ok());
+        for m in [a, b] {
+            m.shutdown().await;
+        }
+    })
+    .await;
+}

@@ -24,6 +24,7 @@ use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
     KEY_NODE, KEY_RTT, REPLICA_PREFIX,
 };
+use super::seeds::{self, SeedResolver};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, SyncError, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
 
@@ -42,8 +43,11 @@ pub struct MeshConfig {
     pub listen_addr: SocketAddr,
     /// Address peers dial; default: the bound address (set it when binding 0.0.0.0).
     pub advertise_addr: Option<SocketAddr>,
-    /// Seeds as `ip:port` or `host:port` (chitchat re-resolves names every 60 s).
+    /// Seeds as `ip:port`, `host:port` (chitchat re-resolves names every 60 s) or
+    /// `srv:<name>` (DNS SRV, resolved at start; see `seeds`).
     pub seeds: Vec<String>,
+    /// DNS server for `srv:` seeds; default: the system resolver.
+    pub dns_server: Option<SocketAddr>,
     /// Cluster id: nodes of other clusters are refused by chitchat.
     pub cluster_id: String,
     /// Gossip round interval. Default 100 ms.
@@ -81,6 +85,7 @@ impl MeshConfig {
             listen_addr,
             advertise_addr: None,
             seeds: Vec::new(),
+            dns_server: None,
             cluster_id: cluster_id.into(),
             gossip_interval: Duration::from_millis(100),
             failure_detection: Duration::from_secs(2),
@@ -219,6 +224,16 @@ impl Mesh {
             )));
         }
         cfg.identity.verify_chain()?;
+        let seed_nodes = if seeds::has_srv(&cfg.seeds) {
+            let resolver = match cfg.dns_server {
+                Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
+                None => SeedResolver::system(),
+            }
+            .map_err(|e| MeshError::Config(e.to_string()))?;
+            resolver.expand(&cfg.seeds).await
+        } else {
+            cfg.seeds.clone()
+        };
         let quic = cfg.identity.quic_configs(cfg.transport.idle_timeout)?;
         let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
         let bound = transport.local_addr();
@@ -239,13 +254,19 @@ impl Mesh {
             cluster_id: cfg.cluster_id.clone(),
             gossip_interval: cfg.gossip_interval,
             listen_addr: bound,
-            seed_nodes: cfg.seeds.clone(),
+            seed_nodes,
             failure_detector_config: failure_detector(&cfg),
             marked_for_deletion_grace_period: cfg.dead_node_grace_period,
             catchup_callback: None,
             extra_liveness_predicate: None,
         };
-        let initial = vec![(KEY_NODE.to_owned(), node.encode()?)];
+        let initial = match node.encode() {
+            Ok(v) => vec![(KEY_NODE.to_owned(), v)],
+            Err(e) => {
+                transport.close();
+                return Err(e.into());
+            }
+        };
         let handle = match spawn_chitchat(config, initial, &transport).await {
             Ok(h) => h,
             Err(e) => {
@@ -357,6 +378,16 @@ impl Mesh {
         };
         let errors = &self.schema_errors;
         h.with_chitchat(|c| members_of(c, errors)).await
+    }
+
+    /// A watch that fires when a node joins or leaves or publishes anything (not on bare
+    /// heartbeats); recomputed once per gossip round. The node can await `changed()` instead of
+    /// polling [`Mesh::members`]. `None` after shutdown.
+    pub async fn watch_changes(
+        &self,
+    ) -> Option<tokio::sync::watch::Receiver<BTreeMap<ChitchatId, chitchat::NodeState>>> {
+        let h = self.chitchat()?;
+        Some(h.with_chitchat(|c| c.live_nodes_watcher()).await)
     }
 
     /// The live members (this node included).

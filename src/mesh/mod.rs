@@ -11,6 +11,7 @@
 //!   partition injection.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
 //! - [`home`]: which node is home for a replica (rendezvous over live nodes of its region).
+//! - [`seeds`]: `srv:<name>` seeds through DNS SRV (hickory).
 //! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
 //! - [`cluster`]: [`Mesh`], the handle the node holds.
 
@@ -18,6 +19,7 @@ pub mod certs;
 pub mod cluster;
 pub mod home;
 pub mod schema;
+pub mod seeds;
 pub mod sync;
 pub mod transport;
 

@@ -14,7 +14,7 @@ use kvmesh::core::summary::{ReplicaSummary, SummaryConfig, SummaryMessage};
 use kvmesh::mesh::certs::{ClusterCa, CLUSTER_SAN};
 use kvmesh::mesh::cluster::home_in;
 use kvmesh::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
-use kvmesh::mesh::sync::{RESP_BAD_REQUEST, RESP_OK};
+use kvmesh::mesh::sync::{needs_pull, RESP_BAD_REQUEST, RESP_OK};
 use kvmesh::mesh::transport::{KIND_BLOCK_REPORT, KIND_GOSSIP, KIND_SUMMARY_REQUEST};
 use kvmesh::mesh::{BlockReport, Mesh, MeshConfig, MeshError, MeshHandler, SummaryRequest};
 
@@ -266,6 +266,7 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
         assert_eq!(copy.digest(), entry.record.summary.digest);
 
         // b routes a new prefix to r1 and reports its blocks to the home.
+        let t_report = Instant::now();
         let routed = keys(1000..1040);
         b.report_blocks(
             a.addr(),
@@ -279,8 +280,20 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
         .expect("block report never arrived");
         assert_eq!(home.reports.lock().unwrap()[0].0, b.addr());
         assert_eq!(home.reports.lock().unwrap()[0].1.keys.len(), 40);
+        let t_home = t_report.elapsed();
 
-        // A delta brings b's copy to the home's digest.
+        // The home publishes the new version (a node does this every gossip round); b sees it
+        // by gossip, and a delta brings b's copy to the home's digest.
+        a.publish_replica("r1", &record("eu", home.version()))
+            .await
+            .unwrap();
+        wait_for(Duration::from_secs(3), || async {
+            b.replicas_in_region("eu").await.iter().any(|e| {
+                e.id == "r1" && needs_pull(Some((copy.epoch(), copy.seq())), &e.record.summary)
+            })
+        })
+        .await
+        .expect("new summary version never gossiped");
         let delta = b
             .fetch_summary(a.addr(), "r1", copy.epoch(), copy.seq())
             .await
@@ -292,6 +305,11 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
         copy.apply(&delta, &cfg).unwrap();
         assert_eq!(copy.digest(), home.version().digest);
         assert_eq!(copy.hit(&routed), 40);
+        println!(
+            "new prefix: report reached the home after {t_home:?}; visible in b's copy after {:?} \
+             (report batch 50 ms + gossip 100 ms + pull)",
+            t_report.elapsed()
+        );
 
         // A new epoch at the home: b's next pull is a snapshot, applied to the same digest.
         {

@@ -166,7 +166,8 @@ pub struct ReplicaEntry {
 pub struct MeshStats {
     /// The transport's counters.
     pub transport: StatsSnapshot,
-    /// Gossiped values that did not decode (skipped).
+    /// Gossiped values that did not decode (skipped), counted each time they are read, so a
+    /// steadily rising figure means a peer keeps publishing a bad value.
     pub schema_errors: u64,
 }
 

@@ -144,6 +144,16 @@ impl BlockReport {
     }
 }
 
+/// Whether a node holding `local` (its copy's epoch and seq, `None` without a copy) should pull
+/// the summary the home advertises as `remote`. A newer epoch always pulls (a snapshot); an older
+/// advertised epoch never does (the gossip is stale, the home has moved on).
+pub fn needs_pull(local: Option<(u64, u64)>, remote: &super::schema::SummaryVersion) -> bool {
+    match local {
+        None => true,
+        Some((epoch, seq)) => (remote.epoch, remote.seq) > (epoch, seq),
+    }
+}
+
 fn check_id(id: &str) -> Result<(), SyncError> {
     if id.is_empty() || id.len() > MAX_REPLICA_ID_BYTES {
         return Err(SyncError::Invalid(format!("replica id {id:?}")));
@@ -269,6 +279,21 @@ mod tests {
         ));
         assert!(parse_response(&[]).is_err());
         assert!(parse_response(&[RESP_OK, 0xc1]).is_err());
+    }
+
+    #[test]
+    fn pulls_only_newer_versions() {
+        use crate::mesh::schema::SummaryVersion;
+        let v = |epoch, seq| SummaryVersion {
+            epoch,
+            seq,
+            digest: 0,
+        };
+        assert!(needs_pull(None, &v(0, 0)));
+        assert!(needs_pull(Some((5, 3)), &v(5, 4)));
+        assert!(needs_pull(Some((5, 3)), &v(6, 0)));
+        assert!(!needs_pull(Some((5, 3)), &v(5, 3)));
+        assert!(!needs_pull(Some((5, 3)), &v(4, 99)));
     }
 
     #[test]

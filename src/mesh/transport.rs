@@ -573,6 +573,13 @@ async fn peer_sender(inner: Arc<Inner>, peer: SocketAddr, mut rx: mpsc::Receiver
                 // Remove ourselves under the lock only if nothing raced in meanwhile.
                 if rx.is_empty() {
                     senders.remove(&peer);
+                    drop(senders);
+                    // Forget the dial lock too unless a dial is in flight, so peer churn does
+                    // not grow the map.
+                    let mut locks = lock(&inner.dial_locks);
+                    if locks.get(&peer).is_some_and(|l| Arc::strong_count(l) == 1) {
+                        locks.remove(&peer);
+                    }
                     return;
                 }
                 continue;

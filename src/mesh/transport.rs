@@ -882,3 +882,35 @@ impl Socket for GossipSocket {
             .ok_or_else(|| TransportError::Closed.into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn warn_gate_lets_one_warning_through_per_period() {
+        let g = WarnGate::new();
+        assert!(g.allow());
+        assert!(!g.allow());
+        assert!(!g.allow());
+    }
+
+    proptest! {
+        /// chitchat's decoder is what stands between a peer's gossip stream and the node: random
+        /// bytes, including a valid envelope header followed by garbage, must never panic it.
+        #[test]
+        fn chitchat_decoder_never_panics(tail in proptest::collection::vec(any::<u8>(), 0..2048), header in any::<bool>()) {
+            let mut bytes = Vec::new();
+            if header {
+                // A real Syn's first bytes, so decoding gets past the envelope.
+                let syn = ChitchatMessage::BadCluster;
+                syn.serialize(&mut bytes);
+                bytes.truncate(bytes.len().min(3));
+            }
+            bytes.extend_from_slice(&tail);
+            let mut buf = bytes.as_slice();
+            let _ = ChitchatMessage::deserialize(&mut buf);
+        }
+    }
+}

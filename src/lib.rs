@@ -6,6 +6,7 @@
 //! - [`engine_sim`]: the sans-IO engine model (prefix cache, continuous batching, timing) shared
 //!   by the simulated replica and the simulator.
 //! - [`kv_events`]: vLLM's KV-event wire format (msgpack codec, ZMQ publisher with replay).
+//! - [`mesh`]: chitchat gossip over QUIC with mTLS, the state schema, home nodes, summary sync.
 //! - [`replica`]: `kvmesh replica`, a simulated OpenAI-compatible engine server.
 //! - [`bench`]: workloads (Mooncake trace), statistics and the discrete-event simulator.
 //! - [`config`]: the node's TOML configuration and CLI flags, validated.
@@ -19,6 +20,7 @@ pub mod config;
 pub mod core;
 pub mod engine_sim;
 pub mod kv_events;
+pub mod mesh;
 pub mod node;
 pub mod proxy;
 pub mod replica;

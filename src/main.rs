@@ -31,6 +31,28 @@ enum Command {
     },
     /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
     Sim(kvmesh::bench::sim_cli::SimArgs),
+    /// Make a cluster CA and node certificates for mesh mTLS (quick start).
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum CertsCommand {
+    /// Create a cluster CA (`ca.pem`, `ca.key`) in a directory.
+    Init {
+        /// Directory for the CA files (created if missing).
+        #[arg(long)]
+        dir: std::path::PathBuf,
+    },
+    /// Issue a node certificate (`<name>.pem`, `<name>.key`) signed by the CA in a directory.
+    Issue {
+        /// Directory holding `ca.pem` and `ca.key`.
+        #[arg(long)]
+        dir: std::path::PathBuf,
+        /// Node name (certificate CN and file name).
+        #[arg(long)]
+        name: String,
+    },
 }
 
 #[tokio::main]
@@ -44,6 +66,14 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
+        Command::Certs(CertsCommand::Init { dir }) => {
+            let (cert, key) = kvmesh::mesh::certs::init_dir(&dir)?;
+            println!("wrote {} and {}", cert.display(), key.display());
+        }
+        Command::Certs(CertsCommand::Issue { dir, name }) => {
+            let (cert, key) = kvmesh::mesh::certs::issue_in_dir(&dir, &name)?;
+            println!("wrote {} and {}", cert.display(), key.display());
+        }
         Command::Replica(args) => {
             let config = args.into_config()?;
             kvmesh::replica::run(config, async {

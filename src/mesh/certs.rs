@@ -1,0 +1,473 @@
+//! Cluster certificates: a CA, node certificates, and the rustls/quinn configurations built from
+//! them.
+//!
+//! Every QUIC connection in the mesh is mutual TLS against one cluster CA, so a process without a
+//! certificate from that CA can neither join gossip nor pull summaries. chitchat only hands the
+//! transport a `SocketAddr` to dial, never a name, so every node certificate carries one
+//! cluster-wide DNS SAN ([`CLUSTER_SAN`]) and clients verify that name; the node's own name goes in
+//! the subject CN for operators.
+//!
+//! `kvmesh certs init` / `kvmesh certs issue` write PEM files for a quick start; production
+//! deployments may bring certificates from their own PKI as long as they carry the SAN.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+
+/// The DNS name in every node certificate, and the name every client verifies.
+pub const CLUSTER_SAN: &str = "kvmesh.mesh.internal";
+/// The ALPN protocol of mesh connections; bumped when the stream formats change incompatibly.
+pub const ALPN: &[u8] = b"kvmesh/1";
+/// Common name of CAs made by [`ClusterCa::generate`]; `issue` rebuilds the issuer from it.
+const CA_COMMON_NAME: &str = "kvmesh cluster CA";
+/// File names inside a certificate directory.
+const CA_CERT_FILE: &str = "ca.pem";
+const CA_KEY_FILE: &str = "ca.key";
+
+/// Errors making, reading or using certificates.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    /// rcgen refused to build or sign.
+    #[error("certificate generation failed: {0}")]
+    Generate(#[from] rcgen::Error),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// PEM input did not contain what was expected.
+    #[error("{what}: {reason}")]
+    Pem {
+        /// Which input.
+        what: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// rustls refused the configuration (bad key, bad chain, ...).
+    #[error("TLS configuration: {0}")]
+    Tls(#[from] rustls::Error),
+    /// The client verifier could not be built (e.g. empty root store).
+    #[error("client verifier: {0}")]
+    Verifier(String),
+    /// quinn refused the rustls configuration.
+    #[error("QUIC crypto configuration: {0}")]
+    Quic(String),
+    /// A file exists and would be overwritten.
+    #[error("{0} already exists (refusing to overwrite)")]
+    Exists(PathBuf),
+    /// A node name that cannot be a file name or a CN.
+    #[error("invalid node name {0:?}: use 1-64 of [A-Za-z0-9._-]")]
+    BadName(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CertError + '_ {
+    move |source| CertError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The parameters of a kvmesh CA. `issue` rebuilds the issuer from these plus the CA key, which
+/// avoids parsing the CA certificate (rcgen's parser is an extra dependency); the chain is then
+/// verified with rustls before any file is written, so a mismatch cannot go unnoticed.
+fn ca_params() -> Result<CertificateParams, CertError> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, CA_COMMON_NAME);
+    p.distinguished_name = dn;
+    // Ten years: a quick-start CA should not expire under a running cluster.
+    p.not_before = rcgen::date_time_ymd(2024, 1, 1);
+    p.not_after = rcgen::date_time_ymd(2035, 1, 1);
+    Ok(p)
+}
+
+fn check_name(name: &str) -> Result<(), CertError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(CertError::BadName(name.to_owned()))
+    }
+}
+
+/// A cluster CA held in memory (PEM certificate and key).
+#[derive(Clone)]
+pub struct ClusterCa {
+    /// The CA certificate, PEM.
+    pub cert_pem: String,
+    key_pem: String,
+}
+
+impl std::fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterCa").finish_non_exhaustive()
+    }
+}
+
+impl ClusterCa {
+    /// A new self-signed CA.
+    pub fn generate() -> Result<Self, CertError> {
+        let key = KeyPair::generate()?;
+        let cert = ca_params()?.self_signed(&key)?;
+        Ok(ClusterCa {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// A CA from its PEM certificate and key (as written by [`ClusterCa::write`]).
+    pub fn from_pem(cert_pem: String, key_pem: String) -> Result<Self, CertError> {
+        // Parse both now so a bad file fails here, not at the first `issue`.
+        CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|e| CertError::Pem {
+            what: "CA certificate".into(),
+            reason: e.to_string(),
+        })?;
+        KeyPair::from_pem(&key_pem)?;
+        Ok(ClusterCa { cert_pem, key_pem })
+    }
+
+    /// Reads `ca.pem` and `ca.key` from `dir`.
+    pub fn load(dir: &Path) -> Result<Self, CertError> {
+        let cert = dir.join(CA_CERT_FILE);
+        let key = dir.join(CA_KEY_FILE);
+        ClusterCa::from_pem(
+            fs::read_to_string(&cert).map_err(io_err(&cert))?,
+            fs::read_to_string(&key).map_err(io_err(&key))?,
+        )
+    }
+
+    /// Writes `ca.pem` and `ca.key` (mode 0600) into `dir`, creating it; refuses to overwrite.
+    pub fn write(&self, dir: &Path) -> Result<(PathBuf, PathBuf), CertError> {
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let cert = dir.join(CA_CERT_FILE);
+        let key = dir.join(CA_KEY_FILE);
+        write_new(&cert, &self.cert_pem, false)?;
+        write_new(&key, &self.key_pem, true)?;
+        Ok((cert, key))
+    }
+
+    /// A certificate for node `name` (CN = name, SAN = [`CLUSTER_SAN`], server + client auth),
+    /// verified against this CA before it is returned.
+    pub fn issue(&self, name: &str) -> Result<NodeIdentity, CertError> {
+        check_name(name)?;
+        let ca_key = KeyPair::from_pem(&self.key_pem)?;
+        let issuer = Issuer::new(ca_params()?, ca_key);
+        let mut p = CertificateParams::new(vec![CLUSTER_SAN.to_owned()])?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, name);
+        p.distinguished_name = dn;
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        p.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        p.use_authority_key_identifier_extension = true;
+        p.not_before = rcgen::date_time_ymd(2024, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2035, 1, 1);
+        let key = KeyPair::generate()?;
+        let cert = p.signed_by(&key, &issuer)?;
+        let id = NodeIdentity {
+            ca_pem: self.cert_pem.clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        };
+        id.verify_chain()?;
+        Ok(id)
+    }
+}
+
+fn write_new(path: &Path, contents: &str, secret: bool) -> Result<(), CertError> {
+    use std::io::Write;
+    let mut opts = fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    #[cfg(not(unix))]
+    let _ = secret;
+    let mut f = opts.open(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            CertError::Exists(path.to_owned())
+        } else {
+            CertError::Io {
+                path: path.to_owned(),
+                source: e,
+            }
+        }
+    })?;
+    f.write_all(contents.as_bytes()).map_err(io_err(path))
+}
+
+/// `kvmesh certs init`: a new CA in `dir`. Returns the paths written.
+pub fn init_dir(dir: &Path) -> Result<(PathBuf, PathBuf), CertError> {
+    // Check both files first so a half-initialised directory is never produced.
+    for f in [CA_CERT_FILE, CA_KEY_FILE] {
+        if dir.join(f).exists() {
+            return Err(CertError::Exists(dir.join(f)));
+        }
+    }
+    ClusterCa::generate()?.write(dir)
+}
+
+/// `kvmesh certs issue`: a certificate for `name` signed by the CA in `dir`, written as
+/// `<name>.pem` and `<name>.key`. Returns the paths written.
+pub fn issue_in_dir(dir: &Path, name: &str) -> Result<(PathBuf, PathBuf), CertError> {
+    check_name(name)?;
+    let ca = ClusterCa::load(dir)?;
+    let id = ca.issue(name)?;
+    let cert = dir.join(format!("{name}.pem"));
+    let key = dir.join(format!("{name}.key"));
+    for p in [&cert, &key] {
+        if p.exists() {
+            return Err(CertError::Exists(p.clone()));
+        }
+    }
+    write_new(&cert, &id.cert_pem, false)?;
+    write_new(&key, &id.key_pem, true)?;
+    Ok((cert, key))
+}
+
+/// What a node needs for mTLS: the cluster CA, its certificate and its key (all PEM).
+#[derive(Clone)]
+pub struct NodeIdentity {
+    /// The cluster CA certificate(s) to trust, PEM.
+    pub ca_pem: String,
+    /// This node's certificate chain, PEM (leaf first).
+    pub cert_pem: String,
+    key_pem: String,
+}
+
+impl std::fmt::Debug for NodeIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeIdentity").finish_non_exhaustive()
+    }
+}
+
+/// The client and server sides of a node's QUIC crypto, ready for one `quinn::Endpoint`.
+#[derive(Clone)]
+pub struct QuicConfigs {
+    /// Accepts peers whose certificate chains to the cluster CA.
+    pub server: quinn::ServerConfig,
+    /// Dials peers, presenting this node's certificate and verifying [`CLUSTER_SAN`].
+    pub client: quinn::ClientConfig,
+}
+
+impl std::fmt::Debug for QuicConfigs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicConfigs").finish_non_exhaustive()
+    }
+}
+
+impl NodeIdentity {
+    /// An identity from PEM strings.
+    pub fn from_pem(ca_pem: String, cert_pem: String, key_pem: String) -> Self {
+        NodeIdentity {
+            ca_pem,
+            cert_pem,
+            key_pem,
+        }
+    }
+
+    /// Reads the CA certificate, node certificate and node key from files.
+    pub fn load(ca: &Path, cert: &Path, key: &Path) -> Result<Self, CertError> {
+        Ok(NodeIdentity {
+            ca_pem: fs::read_to_string(ca).map_err(io_err(ca))?,
+            cert_pem: fs::read_to_string(cert).map_err(io_err(cert))?,
+            key_pem: fs::read_to_string(key).map_err(io_err(key))?,
+        })
+    }
+
+    /// Reads `ca.pem`, `<name>.pem` and `<name>.key` from a directory made by `kvmesh certs`.
+    pub fn load_dir(dir: &Path, name: &str) -> Result<Self, CertError> {
+        check_name(name)?;
+        NodeIdentity::load(
+            &dir.join(CA_CERT_FILE),
+            &dir.join(format!("{name}.pem")),
+            &dir.join(format!("{name}.key")),
+        )
+    }
+
+    fn roots(&self) -> Result<RootCertStore, CertError> {
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
+            let c = c.map_err(|e| CertError::Pem {
+                what: "CA certificate".into(),
+                reason: e.to_string(),
+            })?;
+            roots.add(c)?;
+        }
+        if roots.is_empty() {
+            return Err(CertError::Pem {
+                what: "CA certificate".into(),
+                reason: "no certificate found".into(),
+            });
+        }
+        Ok(roots)
+    }
+
+    fn chain(&self) -> Result<Vec<CertificateDer<'static>>, CertError> {
+        let chain = CertificateDer::pem_slice_iter(self.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| CertError::Pem {
+                what: "node certificate".into(),
+                reason: e.to_string(),
+            })?;
+        if chain.is_empty() {
+            return Err(CertError::Pem {
+                what: "node certificate".into(),
+                reason: "no certificate found".into(),
+            });
+        }
+        Ok(chain)
+    }
+
+    fn key(&self) -> Result<PrivateKeyDer<'static>, CertError> {
+        PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes()).map_err(|e| CertError::Pem {
+            what: "node key".into(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Checks that the node certificate chains to the CA as a client certificate (the same
+    /// check peers will make), so a bad pairing fails at startup, not at the first handshake.
+    pub fn verify_chain(&self) -> Result<(), CertError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider)
+                .build()
+                .map_err(|e| CertError::Verifier(e.to_string()))?;
+        let chain = self.chain()?;
+        verifier.verify_client_cert(&chain[0], &chain[1..], UnixTime::now())?;
+        Ok(())
+    }
+
+    /// rustls server and client configurations: TLS 1.3 only, ring provider, client certificates
+    /// required and verified against the CA, ALPN [`ALPN`].
+    pub fn rustls_configs(
+        &self,
+    ) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = Arc::new(self.roots()?);
+        let chain = self.chain()?;
+        let key = self.key()?;
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| CertError::Verifier(e.to_string()))?;
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain.clone(), key.clone_key())?;
+        let mut client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)?;
+        server.alpn_protocols = vec![ALPN.to_vec()];
+        client.alpn_protocols = vec![ALPN.to_vec()];
+        Ok((server, client))
+    }
+
+    /// quinn configurations over [`NodeIdentity::rustls_configs`], with `idle_timeout` and a
+    /// keep-alive of a third of it (keep-alives also keep RTT samples fresh).
+    pub fn quic_configs(&self, idle_timeout: Duration) -> Result<QuicConfigs, CertError> {
+        use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+        let (s, c) = self.rustls_configs()?;
+        let mut tc = quinn::TransportConfig::default();
+        let idle = quinn::IdleTimeout::try_from(idle_timeout)
+            .map_err(|e| CertError::Quic(e.to_string()))?;
+        tc.max_idle_timeout(Some(idle))
+            .keep_alive_interval(Some(idle_timeout / 3));
+        let tc = Arc::new(tc);
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(
+            QuicServerConfig::try_from(s).map_err(|e| CertError::Quic(e.to_string()))?,
+        ));
+        server.transport_config(tc.clone());
+        let mut client = quinn::ClientConfig::new(Arc::new(
+            QuicClientConfig::try_from(c).map_err(|e| CertError::Quic(e.to_string()))?,
+        ));
+        client.transport_config(tc);
+        Ok(QuicConfigs { server, client })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issued_certificates_chain_to_their_ca_only() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue("node-a").unwrap();
+        id.verify_chain().unwrap();
+        id.rustls_configs().unwrap();
+        let other = ClusterCa::generate().unwrap();
+        let foreign = NodeIdentity::from_pem(
+            ca.cert_pem.clone(),
+            other.issue("x").unwrap().cert_pem,
+            other.issue("x").unwrap().key_pem,
+        );
+        assert!(foreign.verify_chain().is_err());
+        assert!(matches!(ca.issue("../etc"), Err(CertError::BadName(_))));
+        assert!(matches!(ca.issue(""), Err(CertError::BadName(_))));
+    }
+
+    #[test]
+    fn init_and_issue_write_files_and_refuse_overwrite() {
+        let dir = std::env::temp_dir().join(format!(
+            "kvmesh-certs-test-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        init_dir(&dir).unwrap();
+        assert!(matches!(init_dir(&dir), Err(CertError::Exists(_))));
+        issue_in_dir(&dir, "node-a").unwrap();
+        assert!(matches!(
+            issue_in_dir(&dir, "node-a"),
+            Err(CertError::Exists(_))
+        ));
+        let id = NodeIdentity::load_dir(&dir, "node-a").unwrap();
+        id.verify_chain().unwrap();
+        id.quic_configs(Duration::from_secs(10)).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(dir.join("node-a.key"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0);
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

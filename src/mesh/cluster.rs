@@ -1,0 +1,698 @@
+//! `Mesh`: one node's membership in the cluster — chitchat over the QUIC transport, the state
+//! schema, home-node assignment, summary sync and block reports behind one handle.
+//!
+//! The node (`kvmesh serve`) starts a `Mesh`, publishes its replicas' records when it is their
+//! home, reads every member's records to fill its routing `View`, pulls summary bodies from
+//! homes, and reports routed blocks. Everything here is I/O plumbing; decisions stay in the core.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::core::regions::RegionMap;
+use crate::core::summary::SummaryMessage;
+
+use super::certs::{CertError, NodeIdentity};
+use super::home;
+use super::schema::{
+    self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
+    KEY_NODE, KEY_RTT, REPLICA_PREFIX,
+};
+use super::seeds::{self, SeedResolver};
+use super::sync::{BlockReport, MeshHandler, SummaryRequest, SyncError, MAX_REPORT_KEYS};
+use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
+
+/// Settings of a mesh node.
+#[derive(Clone, Debug)]
+pub struct MeshConfig {
+    /// Unique node id (stable across restarts; the generation tells restarts apart).
+    pub node_id: String,
+    /// The node's region.
+    pub region: String,
+    /// Zone or rack ("" when not set).
+    pub zone: String,
+    /// Base URL of the node's HTTP front, published for cross-region forwarding.
+    pub http_url: String,
+    /// UDP address to bind (port 0 picks one).
+    pub listen_addr: SocketAddr,
+    /// Address peers dial; default: the bound address (set it when binding 0.0.0.0).
+    pub advertise_addr: Option<SocketAddr>,
+    /// Seeds as `ip:port`, `host:port` (chitchat re-resolves names every 60 s) or
+    /// `srv:<name>` (DNS SRV, resolved at start; see `seeds`).
+    pub seeds: Vec<String>,
+    /// DNS server for `srv:` seeds; default: the system resolver.
+    pub dns_server: Option<SocketAddr>,
+    /// Cluster id: nodes of other clusters are refused by chitchat.
+    pub cluster_id: String,
+    /// Gossip round interval. Default 100 ms.
+    pub gossip_interval: Duration,
+    /// Silence after which a node is declared dead. Default 2 s (the phi threshold is derived
+    /// from it and the gossip interval).
+    pub failure_detection: Duration,
+    /// How long a dead node's state is kept before it is forgotten. Default 10 min.
+    pub dead_node_grace_period: Duration,
+    /// How often RTTs to other regions are published. Default 2 s.
+    pub rtt_interval: Duration,
+    /// How long block reports are batched before being sent. Default 50 ms (half a gossip
+    /// round: a routed prefix reaches its home well before the next summary pull).
+    pub report_flush_interval: Duration,
+    /// Certificates for mTLS.
+    pub identity: NodeIdentity,
+    /// Transport tuning.
+    pub transport: TransportConfig,
+}
+
+impl MeshConfig {
+    /// A configuration with the defaults.
+    pub fn new(
+        node_id: impl Into<String>,
+        region: impl Into<String>,
+        listen_addr: SocketAddr,
+        cluster_id: impl Into<String>,
+        identity: NodeIdentity,
+    ) -> Self {
+        MeshConfig {
+            node_id: node_id.into(),
+            region: region.into(),
+            zone: String::new(),
+            http_url: String::new(),
+            listen_addr,
+            advertise_addr: None,
+            seeds: Vec::new(),
+            dns_server: None,
+            cluster_id: cluster_id.into(),
+            gossip_interval: Duration::from_millis(100),
+            failure_detection: Duration::from_secs(2),
+            dead_node_grace_period: Duration::from_secs(600),
+            rtt_interval: Duration::from_secs(2),
+            report_flush_interval: Duration::from_millis(50),
+            identity,
+            transport: TransportConfig::default(),
+        }
+    }
+}
+
+/// Errors of the mesh.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    /// Certificates could not be loaded or used.
+    #[error(transparent)]
+    Certs(#[from] CertError),
+    /// The transport could not start.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A value could not be published.
+    #[error(transparent)]
+    Schema(#[from] SchemaError),
+    /// chitchat could not start.
+    #[error("gossip: {0}")]
+    Gossip(String),
+    /// A configuration value is out of range.
+    #[error("invalid mesh configuration: {0}")]
+    Config(String),
+}
+
+/// One member of the cluster as this node sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Member {
+    /// Node id.
+    pub node_id: String,
+    /// Generation (start time in ms).
+    pub generation: u64,
+    /// Gossip (and QUIC) address.
+    pub gossip_addr: SocketAddr,
+    /// Whether the failure detector counts it live (this node always is).
+    pub live: bool,
+    /// Whether this is the local node.
+    pub is_self: bool,
+    /// Its `node` record; `None` until gossiped, or when malformed.
+    pub node: Option<NodeRecord>,
+    /// The replica records it publishes (as home), by replica id.
+    pub replicas: BTreeMap<String, ReplicaRecord>,
+    /// Its in-flight counts.
+    pub inflight: InflightRecord,
+    /// Its measured RTTs by region.
+    pub rtt: RttRecord,
+}
+
+impl Member {
+    /// The member's region, when its node record is known.
+    pub fn region(&self) -> Option<&str> {
+        self.node.as_ref().map(|n| n.region.as_str())
+    }
+}
+
+/// A replica as gossiped, with who published it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicaEntry {
+    /// Replica id.
+    pub id: String,
+    /// Node id of the publisher (normally its home).
+    pub publisher: String,
+    /// QUIC address of the publisher (where to pull the summary).
+    pub publisher_addr: SocketAddr,
+    /// The record.
+    pub record: ReplicaRecord,
+}
+
+/// Counters of the mesh.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshStats {
+    /// The transport's counters.
+    pub transport: StatsSnapshot,
+    /// Gossiped values that did not decode (skipped), counted each time they are read, so a
+    /// steadily rising figure means a peer keeps publishing a bad value.
+    pub schema_errors: u64,
+}
+
+type ReportBatches = HashMap<(SocketAddr, String), Vec<u64>>;
+
+/// A running mesh node. Dropping it stops gossip and closes the endpoint.
+pub struct Mesh {
+    handle: Option<ChitchatHandle>,
+    transport: QuicTransport,
+    self_id: ChitchatId,
+    node: NodeRecord,
+    schema_errors: Arc<AtomicU64>,
+    reports: Arc<Mutex<ReportBatches>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("node_id", &self.self_id.node_id)
+            .field("addr", &self.self_id.gossip_advertise_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The failure detector for `cfg`. chitchat 0.11's phi is `silence / mean heartbeat interval`,
+/// and heartbeats arrive about once per gossip round, so a threshold of
+/// `failure_detection / gossip_interval` declares a node dead after about `failure_detection`.
+fn failure_detector(cfg: &MeshConfig) -> FailureDetectorConfig {
+    let rounds = cfg.failure_detection.as_secs_f64() / cfg.gossip_interval.as_secs_f64();
+    FailureDetectorConfig {
+        phi_threshold: rounds.max(2.0),
+        sampling_window_size: 1000,
+        // Longer silences are outages, not samples of the normal interval.
+        max_interval: cfg.failure_detection,
+        initial_interval: cfg.gossip_interval,
+        dead_node_grace_period: cfg.dead_node_grace_period,
+    }
+}
+
+impl Mesh {
+    /// Binds the QUIC endpoint, starts gossip and publishes this node's `node` record.
+    pub async fn start(cfg: MeshConfig) -> Result<Mesh, MeshError> {
+        if cfg.gossip_interval.is_zero() || cfg.failure_detection <= cfg.gossip_interval {
+            return Err(MeshError::Config(format!(
+                "failure_detection ({:?}) must exceed gossip_interval ({:?}) > 0",
+                cfg.failure_detection, cfg.gossip_interval
+            )));
+        }
+        cfg.identity.verify_chain()?;
+        let seed_nodes = if seeds::has_srv(&cfg.seeds) {
+            let resolver = match cfg.dns_server {
+                Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
+                None => SeedResolver::system(),
+            }
+            .map_err(|e| MeshError::Config(e.to_string()))?;
+            resolver.expand(&cfg.seeds).await
+        } else {
+            cfg.seeds.clone()
+        };
+        let quic = cfg.identity.quic_configs(cfg.transport.idle_timeout)?;
+        let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
+        let bound = transport.local_addr();
+        let advertise = cfg.advertise_addr.unwrap_or(bound);
+        let generation = now_ms();
+        let node = NodeRecord {
+            schema: schema::SCHEMA_VERSION,
+            region: cfg.region.clone(),
+            zone: cfg.zone.clone(),
+            http_url: cfg.http_url.clone(),
+            quic_addr: advertise,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            generation,
+        };
+        let self_id = ChitchatId::new(cfg.node_id.clone(), generation, advertise);
+        let config = ChitchatConfig {
+            chitchat_id: self_id.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            gossip_interval: cfg.gossip_interval,
+            listen_addr: bound,
+            seed_nodes,
+            failure_detector_config: failure_detector(&cfg),
+            marked_for_deletion_grace_period: cfg.dead_node_grace_period,
+            catchup_callback: None,
+            extra_liveness_predicate: None,
+        };
+        let initial = match node.encode() {
+            Ok(v) => vec![(KEY_NODE.to_owned(), v)],
+            Err(e) => {
+                transport.close();
+                return Err(e.into());
+            }
+        };
+        let handle = match spawn_chitchat(config, initial, &transport).await {
+            Ok(h) => h,
+            Err(e) => {
+                transport.close();
+                return Err(MeshError::Gossip(e.to_string()));
+            }
+        };
+        info!(node_id = %cfg.node_id, addr = %advertise, region = %cfg.region, "mesh started");
+        let schema_errors = Arc::new(AtomicU64::new(0));
+        let reports = Arc::new(Mutex::new(ReportBatches::new()));
+        let tasks = vec![
+            tokio::spawn(rtt_loop(
+                handle.chitchat(),
+                transport.clone(),
+                cfg.rtt_interval,
+                schema_errors.clone(),
+            )),
+            tokio::spawn(report_loop(
+                reports.clone(),
+                transport.clone(),
+                cfg.report_flush_interval,
+            )),
+        ];
+        Ok(Mesh {
+            handle: Some(handle),
+            transport,
+            self_id,
+            node,
+            schema_errors,
+            reports,
+            tasks,
+        })
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.self_id.node_id
+    }
+
+    /// This node's gossip and QUIC address.
+    pub fn addr(&self) -> SocketAddr {
+        self.self_id.gossip_advertise_addr
+    }
+
+    /// This node's `node` record.
+    pub fn node_record(&self) -> &NodeRecord {
+        &self.node
+    }
+
+    /// The transport (RTTs, counters, fault injection).
+    pub fn transport(&self) -> &QuicTransport {
+        &self.transport
+    }
+
+    /// Counters for metrics.
+    pub fn stats(&self) -> MeshStats {
+        MeshStats {
+            transport: self.transport.stats().snapshot(),
+            schema_errors: self.schema_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    fn chitchat(&self) -> Option<&ChitchatHandle> {
+        self.handle.as_ref()
+    }
+
+    async fn set(&self, key: String, value: String) {
+        if let Some(h) = self.chitchat() {
+            h.with_chitchat(|c| c.self_node_state().set(key.clone(), value.clone()))
+                .await;
+        }
+    }
+
+    /// Publishes (or updates) the record of a replica this node is home for. Errors, without
+    /// publishing, when the id or the encoded record is too large.
+    pub async fn publish_replica(&self, id: &str, record: &ReplicaRecord) -> Result<(), MeshError> {
+        let key = schema::replica_key(id)?;
+        let value = record.encode()?;
+        self.set(key, value).await;
+        Ok(())
+    }
+
+    /// Withdraws a replica record (this node stopped being its home, or the replica is gone).
+    pub async fn unpublish_replica(&self, id: &str) -> Result<(), MeshError> {
+        let key = schema::replica_key(id)?;
+        if let Some(h) = self.chitchat() {
+            h.with_chitchat(|c| {
+                let s = c.self_node_state();
+                if s.get(&key).is_some() {
+                    s.delete(&key);
+                }
+            })
+            .await;
+        }
+        Ok(())
+    }
+
+    /// Publishes this node's in-flight counts (build it with [`InflightRecord::fit`]).
+    pub async fn publish_inflight(&self, record: &InflightRecord) -> Result<(), MeshError> {
+        let value = record.encode()?;
+        self.set(KEY_INFLIGHT.to_owned(), value).await;
+        Ok(())
+    }
+
+    /// Every member this node knows, live or dead, this node included, ordered by node id.
+    pub async fn members(&self) -> Vec<Member> {
+        let Some(h) = self.chitchat() else {
+            return Vec::new();
+        };
+        let errors = &self.schema_errors;
+        h.with_chitchat(|c| members_of(c, errors)).await
+    }
+
+    /// A watch that fires when a node joins or leaves or publishes anything (not on bare
+    /// heartbeats); recomputed once per gossip round. The node can await `changed()` instead of
+    /// polling [`Mesh::members`]. `None` after shutdown.
+    pub async fn watch_changes(
+        &self,
+    ) -> Option<tokio::sync::watch::Receiver<BTreeMap<ChitchatId, chitchat::NodeState>>> {
+        let h = self.chitchat()?;
+        Some(h.with_chitchat(|c| c.live_nodes_watcher()).await)
+    }
+
+    /// The live members (this node included).
+    pub async fn live_nodes(&self) -> Vec<Member> {
+        let mut m = self.members().await;
+        m.retain(|m| m.live);
+        m
+    }
+
+    /// Replicas of `region` published by live members. When two live members publish the same
+    /// replica (a home handover in progress), the current rendezvous home wins.
+    pub async fn replicas_in_region(&self, region: &str) -> Vec<ReplicaEntry> {
+        replicas_in_region(&self.live_nodes().await, region)
+    }
+
+    /// The home node (id, QUIC address) of `replica_id` of `region` among live members.
+    pub async fn home_of(&self, replica_id: &str, region: &str) -> Option<(String, SocketAddr)> {
+        home_in(&self.live_nodes().await, replica_id, region)
+    }
+
+    /// Whether this node is the home of `replica_id` of `region`.
+    pub async fn is_home(&self, replica_id: &str, region: &str) -> bool {
+        self.home_of(replica_id, region)
+            .await
+            .is_some_and(|(id, _)| *id == *self.self_id.node_id)
+    }
+
+    /// Installs the handler that answers summary requests and receives block reports.
+    pub fn set_handler(&self, handler: Arc<dyn MeshHandler>) {
+        self.transport.set_handler(handler);
+    }
+
+    /// Pulls the summary of `replica_id` from `peer` (its QUIC address), given the version this
+    /// node holds (`epoch` 0 when none): a delta when the peer can serve one, else a snapshot.
+    pub async fn fetch_summary(
+        &self,
+        peer: SocketAddr,
+        replica_id: &str,
+        epoch: u64,
+        seq: u64,
+    ) -> Result<SummaryMessage, SyncError> {
+        let req = SummaryRequest {
+            replica_id: replica_id.to_owned(),
+            epoch,
+            seq,
+        };
+        self.transport.fetch_summary(peer, &req).await
+    }
+
+    /// Queues block keys routed to `replica_id` for its home at `home`; batched and sent every
+    /// `report_flush_interval`, fire-and-forget.
+    pub fn report_blocks(&self, home: SocketAddr, replica_id: &str, keys: &[u64]) {
+        if keys.is_empty() || schema::replica_key(replica_id).is_err() {
+            return;
+        }
+        let mut batches = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        let batch = batches.entry((home, replica_id.to_owned())).or_default();
+        // A home that cannot keep up must not grow our memory: cap what waits per replica.
+        let room = (4 * MAX_REPORT_KEYS).saturating_sub(batch.len());
+        batch.extend(keys.iter().take(room));
+    }
+
+    /// Sends one block report now (fire-and-forget).
+    pub fn send_block_report(
+        &self,
+        home: SocketAddr,
+        report: &BlockReport,
+    ) -> Result<(), SyncError> {
+        self.transport.send_report(home, report)
+    }
+
+    /// Smoothed RTT to each peer with a live connection, by QUIC address.
+    pub fn peer_rtts(&self) -> HashMap<SocketAddr, Duration> {
+        self.transport.rtts()
+    }
+
+    /// This node's RTT to each region it has a connection to: the nearest live node's.
+    pub async fn region_rtts(&self) -> BTreeMap<String, Duration> {
+        region_rtts(&self.live_nodes().await, &self.transport.rtts())
+    }
+
+    /// Distances between regions from every live member's published RTTs (a pair measured by
+    /// several nodes takes the smallest figure), ready for the router.
+    pub async fn region_map(&self) -> RegionMap {
+        let live = self.live_nodes().await;
+        let mut best: HashMap<(String, String), f64> = HashMap::new();
+        for m in &live {
+            let Some(from) = m.region() else { continue };
+            for (to, ms) in &m.rtt.ms {
+                let key = (from.to_owned(), to.clone());
+                let v = best.entry(key).or_insert(f64::INFINITY);
+                *v = v.min(f64::from(*ms));
+            }
+        }
+        let mut map = RegionMap::default();
+        for ((a, b), ms) in best {
+            map.measured(&a, &b, ms);
+        }
+        map
+    }
+
+    /// Stops gossip (peers see this node go silent and declare it dead) and closes the endpoint.
+    pub async fn shutdown(mut self) {
+        self.stop().await;
+    }
+
+    async fn stop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        if let Some(h) = self.handle.take() {
+            if let Err(e) = h.shutdown().await {
+                debug!(error = %e, "gossip loop ended with an error");
+            }
+        }
+        self.transport.close();
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+        self.transport.close();
+    }
+}
+
+fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
+    let self_id = c.self_chitchat_id().clone();
+    let live: std::collections::HashSet<&ChitchatId> = c.live_nodes().collect();
+    let count_err = |what: &str, id: &ChitchatId, e: &SchemaError| {
+        errors.fetch_add(1, Ordering::Relaxed);
+        debug!(node = %id.node_id, "skipping malformed {what}: {e}");
+    };
+    let mut out = Vec::new();
+    for (id, state) in c.node_states() {
+        let node = state.get(KEY_NODE).and_then(|v| {
+            NodeRecord::decode(v)
+                .map_err(|e| count_err("node", id, &e))
+                .ok()
+        });
+        let mut replicas = BTreeMap::new();
+        for (key, v) in state.iter_prefix(REPLICA_PREFIX) {
+            let Some(rid) = key.strip_prefix(REPLICA_PREFIX) else {
+                continue;
+            };
+            match ReplicaRecord::decode(&v.value) {
+                Ok(r) => {
+                    replicas.insert(rid.to_owned(), r);
+                }
+                Err(e) => count_err("replica", id, &e),
+            }
+        }
+        let inflight = state
+            .get(KEY_INFLIGHT)
+            .and_then(|v| {
+                InflightRecord::decode(v)
+                    .map_err(|e| count_err("inflight", id, &e))
+                    .ok()
+            })
+            .unwrap_or_default();
+        let rtt = state
+            .get(KEY_RTT)
+            .and_then(|v| {
+                RttRecord::decode(v)
+                    .map_err(|e| count_err("rtt", id, &e))
+                    .ok()
+            })
+            .unwrap_or_default();
+        out.push(Member {
+            node_id: id.node_id.to_string(),
+            generation: id.generation_id,
+            gossip_addr: id.gossip_advertise_addr,
+            live: live.contains(id),
+            is_self: *id == self_id,
+            node,
+            replicas,
+            inflight,
+            rtt,
+        });
+    }
+    out.sort_by(|a, b| {
+        a.node_id
+            .cmp(&b.node_id)
+            .then_with(|| a.generation.cmp(&b.generation))
+    });
+    out
+}
+
+/// The home (id, address) of a replica among `live` members of `region`.
+pub fn home_in(live: &[Member], replica_id: &str, region: &str) -> Option<(String, SocketAddr)> {
+    let in_region: Vec<&Member> = live
+        .iter()
+        .filter(|m| m.live && m.region() == Some(region))
+        .collect();
+    let id = home::home_node(replica_id, in_region.iter().map(|m| m.node_id.as_str()))?;
+    // A restarted node may briefly appear twice; the newest generation is the one answering.
+    let m = in_region
+        .iter()
+        .filter(|m| m.node_id == id)
+        .max_by_key(|m| m.generation)?;
+    Some((
+        m.node_id.clone(),
+        m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr),
+    ))
+}
+
+/// Replicas of `region` published by `live` members; see [`Mesh::replicas_in_region`].
+pub fn replicas_in_region(live: &[Member], region: &str) -> Vec<ReplicaEntry> {
+    let mut by_id: BTreeMap<String, Vec<ReplicaEntry>> = BTreeMap::new();
+    for m in live.iter().filter(|m| m.live) {
+        let addr = m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr);
+        for (id, r) in m.replicas.iter().filter(|(_, r)| r.region == region) {
+            by_id.entry(id.clone()).or_default().push(ReplicaEntry {
+                id: id.clone(),
+                publisher: m.node_id.clone(),
+                publisher_addr: addr,
+                record: r.clone(),
+            });
+        }
+    }
+    by_id
+        .into_iter()
+        .filter_map(|(id, mut entries)| {
+            if entries.len() > 1 {
+                if let Some((home, _)) = home_in(live, &id, region) {
+                    if let Some(i) = entries.iter().position(|e| e.publisher == home) {
+                        return Some(entries.swap_remove(i));
+                    }
+                }
+                // No publisher is the home: take the newest summary.
+                entries.sort_by_key(|e| (e.record.summary.epoch, e.record.summary.seq));
+            }
+            entries.pop()
+        })
+        .collect()
+}
+
+fn region_rtts(
+    live: &[Member],
+    rtts: &HashMap<SocketAddr, Duration>,
+) -> BTreeMap<String, Duration> {
+    let mut out: BTreeMap<String, Duration> = BTreeMap::new();
+    for m in live.iter().filter(|m| !m.is_self) {
+        let (Some(node), Some(rtt)) = (&m.node, rtts.get(&m.gossip_addr)) else {
+            continue;
+        };
+        let e = out.entry(node.region.clone()).or_insert(*rtt);
+        *e = (*e).min(*rtt);
+    }
+    out
+}
+
+async fn rtt_loop(
+    chitchat: Arc<tokio::sync::Mutex<chitchat::Chitchat>>,
+    transport: QuicTransport,
+    every: Duration,
+    errors: Arc<AtomicU64>,
+) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    loop {
+        tick.tick().await;
+        let rtts = transport.rtts();
+        let mut c = chitchat.lock().await;
+        let live: Vec<Member> = members_of(&c, &errors)
+            .into_iter()
+            .filter(|m| m.live)
+            .collect();
+        let rec = RttRecord {
+            ms: region_rtts(&live, &rtts)
+                .into_iter()
+                .map(|(r, d)| (r, d.as_secs_f32() * 1000.0))
+                .collect(),
+        };
+        match rec.encode() {
+            Ok(v) => c.self_node_state().set(KEY_RTT, v),
+            Err(e) => warn!(error = %e, "RTT record not published"),
+        }
+    }
+}
+
+async fn report_loop(
+    reports: Arc<Mutex<ReportBatches>>,
+    transport: QuicTransport,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+    loop {
+        tick.tick().await;
+        let batches = std::mem::take(&mut *reports.lock().unwrap_or_else(|e| e.into_inner()));
+        for ((home, replica_id), keys) in batches {
+            for chunk in keys.chunks(MAX_REPORT_KEYS) {
+                let report = BlockReport {
+                    replica_id: replica_id.clone(),
+                    keys: chunk.to_vec(),
+                };
+                if let Err(e) = transport.send_report(home, &report) {
+                    debug!(error = %e, "block report not sent");
+                }
+            }
+        }
+    }
+}

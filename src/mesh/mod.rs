@@ -1,0 +1,27 @@
+//! The mesh: how nodes find each other, share small state and pull summary bodies.
+//!
+//! Membership, failure detection and small per-node state go through chitchat (`=0.11.2`, the
+//! last version whose messages an out-of-tree transport can serialize) over a QUIC transport
+//! with mutual TLS against a cluster CA. Summary bodies and routed-block reports travel on
+//! QUIC streams of the same endpoint. Nothing here decides anything: the node feeds what the
+//! mesh learns into the core's `View`.
+//!
+//! - [`certs`]: cluster CA and node certificates; rustls/quinn configurations (mTLS, TLS 1.3).
+//! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
+//!   partition injection.
+//! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
+//! - [`home`]: which node is home for a replica (rendezvous over live nodes of its region).
+//! - [`seeds`]: `srv:<name>` seeds through DNS SRV (hickory).
+//! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
+//! - [`cluster`]: [`Mesh`], the handle the node holds.
+
+pub mod certs;
+pub mod cluster;
+pub mod home;
+pub mod schema;
+pub mod seeds;
+pub mod sync;
+pub mod transport;
+
+pub use cluster::{Member, Mesh, MeshConfig, MeshError, MeshStats, ReplicaEntry};
+pub use sync::{BlockReport, MeshHandler, SummaryRequest, SyncError};

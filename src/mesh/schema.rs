@@ -1,0 +1,460 @@
+//! The gossip state schema: which keys a node publishes in chitchat and how their values are
+//! encoded.
+//!
+//! chitchat replicates string key-values. A value that does not fit one gossip message silently
+//! blocks every later update of its node, forever, while the node still looks alive; so every
+//! value here is small, and the encoder *refuses* anything over [`MAX_VALUE_BYTES`] instead of
+//! letting it through. Big things (summary bodies) travel over QUIC streams (see `sync`), and
+//! gossip carries only their version.
+//!
+//! Values are msgpack with field names (`rmp_serde::to_vec_named`), then base64 (chitchat values
+//! are UTF-8 strings). Named fields make the schema evolvable: a newer node may add fields (older
+//! ones ignore them) and every field added after version 1 must be `#[serde(default)]`.
+//!
+//! | key | published by | value | notes |
+//! |---|---|---|---|
+//! | `node` | every node | [`NodeRecord`]: `schema`, `region`, `zone`, `http_url`, `quic_addr`, `version`, `generation` | written once at start |
+//! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`} | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
+//! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
+//! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
+//!
+//! Every decoder returns an error on malformed input (bad base64, bad msgpack, missing fields,
+//! oversized strings) and never panics.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use base64::Engine as _;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
+
+/// Version of this schema, carried in [`NodeRecord::schema`].
+pub const SCHEMA_VERSION: u32 = 1;
+/// Largest encoded value (the base64 string chitchat carries), in bytes.
+pub const MAX_VALUE_BYTES: usize = 1024;
+/// Largest replica id, so `replica:<id>` keys stay small too.
+pub const MAX_REPLICA_ID_BYTES: usize = 128;
+/// Key of the node record.
+pub const KEY_NODE: &str = "node";
+/// Prefix of replica records.
+pub const REPLICA_PREFIX: &str = "replica:";
+/// Key of the in-flight record.
+pub const KEY_INFLIGHT: &str = "inflight";
+/// Key of the RTT record.
+pub const KEY_RTT: &str = "rtt";
+
+/// Errors encoding or decoding a gossip value.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    /// The encoded value would exceed [`MAX_VALUE_BYTES`]; it was not published.
+    #[error("{what} value of {len} bytes exceeds the {MAX_VALUE_BYTES}-byte gossip limit")]
+    TooLarge {
+        /// Which record.
+        what: &'static str,
+        /// Encoded length.
+        len: usize,
+    },
+    /// A replica id that is empty or longer than [`MAX_REPLICA_ID_BYTES`].
+    #[error("invalid replica id {0:?} (1..={MAX_REPLICA_ID_BYTES} bytes)")]
+    BadReplicaId(String),
+    /// msgpack encoding failed.
+    #[error("encode {what}: {source}")]
+    Encode {
+        /// Which record.
+        what: &'static str,
+        /// The cause.
+        source: rmp_serde::encode::Error,
+    },
+    /// Not base64.
+    #[error("decode {what}: bad base64: {source}")]
+    Base64 {
+        /// Which record.
+        what: &'static str,
+        /// The cause.
+        source: base64::DecodeError,
+    },
+    /// Not the expected msgpack.
+    #[error("decode {what}: {source}")]
+    Decode {
+        /// Which record.
+        what: &'static str,
+        /// The cause.
+        source: rmp_serde::decode::Error,
+    },
+}
+
+fn encode<T: Serialize>(what: &'static str, v: &T) -> Result<String, SchemaError> {
+    let bytes =
+        rmp_serde::to_vec_named(v).map_err(|source| SchemaError::Encode { what, source })?;
+    // Check the length before allocating the string: base64 grows by 4/3, rounded up.
+    let len = bytes.len().div_ceil(3) * 4;
+    if len > MAX_VALUE_BYTES {
+        return Err(SchemaError::TooLarge { what, len });
+    }
+    Ok(base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+fn decode<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T, SchemaError> {
+    // A peer's oversized value is refused before any parsing, like ours would have been.
+    if s.len() > MAX_VALUE_BYTES {
+        return Err(SchemaError::TooLarge { what, len: s.len() });
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|source| SchemaError::Base64 { what, source })?;
+    rmp_serde::from_slice(&bytes).map_err(|source| SchemaError::Decode { what, source })
+}
+
+/// The `node` record: who a node is and where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// Schema version the node writes ([`SCHEMA_VERSION`]).
+    pub schema: u32,
+    /// Region of the node.
+    pub region: String,
+    /// Zone or rack ("" when not set).
+    pub zone: String,
+    /// Base URL of the node's HTTP front (where requests may be forwarded).
+    pub http_url: String,
+    /// QUIC address for summary sync and block reports (the gossip address: one endpoint).
+    pub quic_addr: SocketAddr,
+    /// kvmesh version of the node.
+    pub version: String,
+    /// Generation (start time in ms); a restarted node has a larger one.
+    pub generation: u64,
+}
+
+impl NodeRecord {
+    /// Encodes for gossip; errors when over the limit.
+    pub fn encode(&self) -> Result<String, SchemaError> {
+        encode("node", self)
+    }
+    /// Decodes a peer's value.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        decode("node", s)
+    }
+}
+
+/// Health on the wire (the core's [`Health`] is not serde on purpose: the core has no wire).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WireHealth {
+    /// Takes traffic.
+    Healthy,
+    /// Takes no traffic.
+    Unhealthy,
+    /// Finishing, takes nothing new.
+    Draining,
+}
+
+impl From<Health> for WireHealth {
+    fn from(h: Health) -> Self {
+        match h {
+            Health::Healthy => WireHealth::Healthy,
+            Health::Unhealthy => WireHealth::Unhealthy,
+            Health::Draining => WireHealth::Draining,
+        }
+    }
+}
+
+impl From<WireHealth> for Health {
+    fn from(h: WireHealth) -> Self {
+        match h {
+            WireHealth::Healthy => Health::Healthy,
+            WireHealth::Unhealthy => Health::Unhealthy,
+            WireHealth::Draining => Health::Draining,
+        }
+    }
+}
+
+/// Engine load as scraped by the home node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WireLoad {
+    /// Requests queued in the engine.
+    pub waiting: u32,
+    /// Requests running in the engine.
+    pub running: u32,
+    /// KV cache usage, 0..1.
+    pub kv_usage: f32,
+    /// Prompt tokens queued for prefill.
+    pub queued_prefill_tokens: u64,
+}
+
+impl WireLoad {
+    /// The core's load with this node's own in-flight count.
+    pub fn to_load(&self, in_flight: u32) -> ReplicaLoad {
+        ReplicaLoad {
+            waiting: self.waiting,
+            running: self.running,
+            kv_usage: self.kv_usage,
+            in_flight,
+            queued_prefill_tokens: self.queued_prefill_tokens,
+        }
+    }
+}
+
+impl From<&ReplicaLoad> for WireLoad {
+    fn from(l: &ReplicaLoad) -> Self {
+        WireLoad {
+            waiting: l.waiting,
+            running: l.running,
+            kv_usage: l.kv_usage,
+            queued_prefill_tokens: l.queued_prefill_tokens,
+        }
+    }
+}
+
+/// Which summary the home node holds: peers pull when `(epoch, seq)` is newer than theirs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SummaryVersion {
+    /// Summary epoch.
+    pub epoch: u64,
+    /// Sequence number within the epoch.
+    pub seq: u64,
+    /// `ReplicaSummary::digest` of the home's filter, to spot divergence.
+    pub digest: u64,
+}
+
+/// A `replica:<id>` record, published by the replica's home node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    /// Base URL of the replica's OpenAI-compatible API.
+    pub url: String,
+    /// Region.
+    pub region: String,
+    /// Zone or rack.
+    pub zone: String,
+    /// Pool.
+    pub pool: String,
+    /// Models served.
+    pub models: Vec<String>,
+    /// KV capacity in tokens.
+    pub capacity_tokens: u64,
+    /// Predicted prefill tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which it counts as full.
+    pub max_in_flight: u32,
+    /// Health as the home node sees it.
+    pub health: WireHealth,
+    /// Load as the home node scraped it.
+    pub load: WireLoad,
+    /// Summary version held by the home node.
+    pub summary: SummaryVersion,
+}
+
+impl ReplicaRecord {
+    /// A record from the core's types.
+    pub fn new(
+        info: &ReplicaInfo,
+        health: Health,
+        load: &ReplicaLoad,
+        summary: SummaryVersion,
+    ) -> Self {
+        ReplicaRecord {
+            url: info.url.clone(),
+            region: info.region.clone(),
+            zone: info.zone.clone(),
+            pool: info.pool.clone(),
+            models: info.models.clone(),
+            capacity_tokens: info.capacity_tokens,
+            prefill_tokens_per_s: info.prefill_tokens_per_s,
+            max_in_flight: info.max_in_flight,
+            health: health.into(),
+            load: load.into(),
+            summary,
+        }
+    }
+
+    /// The core's static facts for replica `id`.
+    pub fn info(&self, id: &str) -> ReplicaInfo {
+        ReplicaInfo {
+            id: id.to_owned(),
+            url: self.url.clone(),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pool: self.pool.clone(),
+            models: self.models.clone(),
+            capacity_tokens: self.capacity_tokens,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            max_in_flight: self.max_in_flight,
+        }
+    }
+
+    /// Encodes for gossip; errors when over the limit (e.g. hundreds of LoRA adapters).
+    pub fn encode(&self) -> Result<String, SchemaError> {
+        encode("replica", self)
+    }
+    /// Decodes a peer's value.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        decode("replica", s)
+    }
+}
+
+/// The gossip key of replica `id`; errors on ids that are empty or too long.
+pub fn replica_key(id: &str) -> Result<String, SchemaError> {
+    if id.is_empty() || id.len() > MAX_REPLICA_ID_BYTES {
+        return Err(SchemaError::BadReplicaId(id.to_owned()));
+    }
+    Ok(format!("{REPLICA_PREFIX}{id}"))
+}
+
+/// The `inflight` record: this node's in-flight requests per replica.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InflightRecord {
+    /// Replica id → in-flight requests (non-zero only).
+    pub counts: BTreeMap<String, u32>,
+}
+
+impl InflightRecord {
+    /// A record of the non-zero `counts` that fits [`MAX_VALUE_BYTES`]: when all do not fit,
+    /// the largest counts are kept (they are the ones that change other nodes' decisions).
+    pub fn fit(counts: impl IntoIterator<Item = (String, u32)>) -> Self {
+        let mut all: Vec<(String, u32)> = counts.into_iter().filter(|(_, c)| *c > 0).collect();
+        // Largest first, ties by id so every run keeps the same ones.
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let mut rec = InflightRecord::default();
+        for (id, c) in all {
+            rec.counts.insert(id.clone(), c);
+            if rec.encode().is_err() {
+                rec.counts.remove(&id);
+                break;
+            }
+        }
+        rec
+    }
+
+    /// Encodes for gossip; errors when over the limit.
+    pub fn encode(&self) -> Result<String, SchemaError> {
+        encode("inflight", self)
+    }
+    /// Decodes a peer's value.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        decode("inflight", s)
+    }
+}
+
+/// The `rtt` record: this node's measured RTT to each region.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RttRecord {
+    /// Region → RTT in milliseconds (to the nearest live node of that region).
+    pub ms: BTreeMap<String, f32>,
+}
+
+impl RttRecord {
+    /// Encodes for gossip; errors when over the limit.
+    pub fn encode(&self) -> Result<String, SchemaError> {
+        encode("rtt", self)
+    }
+    /// Decodes a peer's value.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        decode("rtt", s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn record() -> ReplicaRecord {
+        ReplicaRecord {
+            url: "http://10.0.0.1:8000".into(),
+            region: "eu".into(),
+            zone: "eu-a".into(),
+            pool: "shared".into(),
+            models: vec!["llama-3-8b".into()],
+            capacity_tokens: 500_000,
+            prefill_tokens_per_s: 12_000.0,
+            max_in_flight: 256,
+            health: WireHealth::Healthy,
+            load: WireLoad {
+                waiting: 3,
+                running: 17,
+                kv_usage: 0.4,
+                queued_prefill_tokens: 9000,
+            },
+            summary: SummaryVersion {
+                epoch: 1_700_000_000_000,
+                seq: 42,
+                digest: u64::MAX,
+            },
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_stay_small() {
+        let r = record();
+        let s = r.encode().unwrap();
+        assert!(s.len() < 400, "replica record is {} bytes", s.len());
+        assert_eq!(ReplicaRecord::decode(&s).unwrap(), r);
+        let n = NodeRecord {
+            schema: SCHEMA_VERSION,
+            region: "eu".into(),
+            zone: "".into(),
+            http_url: "http://127.0.0.1:8080".into(),
+            quic_addr: "127.0.0.1:7946".parse().unwrap(),
+            version: "0.1.0".into(),
+            generation: 1,
+        };
+        assert_eq!(NodeRecord::decode(&n.encode().unwrap()).unwrap(), n);
+        let info = r.info("r1");
+        let back = ReplicaRecord::new(&info, Health::Healthy, &r.load.to_load(0), r.summary);
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn oversized_values_are_refused() {
+        let mut r = record();
+        r.models = (0..200).map(|i| format!("lora-adapter-{i}")).collect();
+        assert!(matches!(r.encode(), Err(SchemaError::TooLarge { .. })));
+        assert!(matches!(
+            ReplicaRecord::decode(&"A".repeat(MAX_VALUE_BYTES + 4)),
+            Err(SchemaError::TooLarge { .. })
+        ));
+        assert!(replica_key(&"x".repeat(MAX_REPLICA_ID_BYTES + 1)).is_err());
+        assert!(replica_key("").is_err());
+        assert_eq!(replica_key("r1").unwrap(), "replica:r1");
+    }
+
+    #[test]
+    fn inflight_fit_keeps_the_largest_counts() {
+        let counts = (0..500).map(|i| (format!("replica-{i:04}"), i as u32));
+        let rec = InflightRecord::fit(counts);
+        assert!(rec.encode().is_ok());
+        assert!(rec.counts.len() > 10 && rec.counts.len() < 500);
+        assert!(!rec.counts.contains_key("replica-0000"));
+        assert!(rec.counts.contains_key("replica-0499"));
+        let min_kept = rec.counts.values().min().copied().unwrap();
+        assert!(min_kept > 400);
+    }
+
+    #[test]
+    fn malformed_values_are_errors() {
+        assert!(matches!(
+            NodeRecord::decode("not base64!"),
+            Err(SchemaError::Base64 { .. })
+        ));
+        assert!(matches!(
+            NodeRecord::decode("AAAA"),
+            Err(SchemaError::Decode { .. })
+        ));
+        // A valid record of another type is not a node record.
+        let rtt = RttRecord::default().encode().unwrap();
+        assert!(NodeRecord::decode(&rtt).is_err());
+    }
+
+    proptest! {
+        /// No string a peer gossips can panic a decoder.
+        #[test]
+        fn decoders_never_panic(s in ".{0,1200}", bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let _ = ReplicaRecord::decode(&s);
+            let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+            let _ = ReplicaRecord::decode(&b64);
+            let _ = NodeRecord::decode(&b64);
+            let _ = InflightRecord::decode(&b64);
+            let _ = RttRecord::decode(&b64);
+        }
+    }
+}

@@ -180,7 +180,9 @@ pub async fn replay(
         return Err(ReplayError::Invalid("speedup must be > 0".into()));
     }
     if cfg.concurrency == 0 {
-        return Err(ReplayError::Invalid("concurrency must be at least 1".into()));
+        return Err(ReplayError::Invalid(
+            "concurrency must be at least 1".into(),
+        ));
     }
     crate::proxy::install_crypto_provider();
     let client = reqwest::Client::builder()
@@ -198,7 +200,10 @@ pub async fn replay(
         Some(m) => m.clone(),
         None => discover_model(&client, &targets[0]).await?,
     };
-    let n = cfg.max_requests.unwrap_or(workload.len()).min(workload.len());
+    let n = cfg
+        .max_requests
+        .unwrap_or(workload.len())
+        .min(workload.len());
     let work: Arc<[WorkloadRequest]> = workload[..n].into();
     let mut rng = SmallRng::seed_from_u64(cfg.seed);
     let choice: Vec<usize> = (0..n).map(|_| rng.random_range(0..targets.len())).collect();
@@ -206,7 +211,10 @@ pub async fn replay(
 
     let shared = Arc::new(Shared {
         client,
-        targets: targets.iter().map(|t| format!("{t}/v1/completions")).collect(),
+        targets: targets
+            .iter()
+            .map(|t| format!("{t}/v1/completions"))
+            .collect(),
         model: model.clone(),
         timeout: cfg.request_timeout,
         done: AtomicUsize::new(0),
@@ -214,9 +222,14 @@ pub async fn replay(
     });
     let slots = Arc::new(Semaphore::new(cfg.concurrency));
     let start = Instant::now();
-    let progress = cfg
-        .progress
-        .then(|| tokio::spawn(progress_line(cfg.label.clone(), n, Arc::clone(&shared), start)));
+    let progress = cfg.progress.then(|| {
+        tokio::spawn(progress_line(
+            cfg.label.clone(),
+            n,
+            Arc::clone(&shared),
+            start,
+        ))
+    });
     let t0 = work.first().map_or(0.0, |r| r.at_s);
     let mut tasks = JoinSet::new();
     for (i, &target) in choice.iter().enumerate() {
@@ -476,7 +489,10 @@ async fn exchange(
 /// Position and separator length of the first event end (`\n\n` or `\r\n\r\n`).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),

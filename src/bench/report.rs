@@ -79,24 +79,29 @@ pub struct BenchReport {
 pub fn summarize(run: &RunResult) -> BenchReport {
     let scale = run.time_scale;
     let ok: Vec<_> = run.records.iter().filter(|r| r.error.is_none()).collect();
-    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).map(|t| t * scale).collect();
+    let mut ttft: Vec<f64> = ok
+        .iter()
+        .filter_map(|r| r.ttft_s)
+        .map(|t| t * scale)
+        .collect();
     let mut latency: Vec<f64> = ok.iter().map(|r| r.latency_s * scale).collect();
     let prompt_tokens: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let output_tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
     let (cached_tokens, hit_source, hit_ratio) =
         if !ok.is_empty() && ok.iter().all(|r| r.cached_tokens.is_some()) {
             let c: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
-            (c, HitSource::Responses, ratio(c as f64, prompt_tokens as f64))
+            (
+                c,
+                HitSource::Responses,
+                ratio(c as f64, prompt_tokens as f64),
+            )
         } else if let Some(m) = run.metrics {
             (m.hits as u64, HitSource::Metrics, ratio(m.hits, m.queries))
         } else {
             (0, HitSource::None, 0.0)
         };
-    let mut shares: BTreeMap<String, (u64, u64)> = run
-        .replicas
-        .iter()
-        .map(|id| (id.clone(), (0, 0)))
-        .collect();
+    let mut shares: BTreeMap<String, (u64, u64)> =
+        run.replicas.iter().map(|id| (id.clone(), (0, 0))).collect();
     for r in &ok {
         let id = r.replica.clone().unwrap_or_else(|| "?".into());
         let e = shares.entry(id).or_default();
@@ -184,9 +189,7 @@ pub fn markdown(reports: &[BenchReport]) -> String {
         s.push_str(&format!("- {}: {}\n", r.label, counts.join(", ")));
     }
     if reports.iter().any(|r| r.time_scale != 1.0) {
-        s.push_str(
-            "\nTimes are model seconds: wall time × the simulated replicas' time scale.\n",
-        );
+        s.push_str("\nTimes are model seconds: wall time × the simulated replicas' time scale.\n");
     }
     s
 }
@@ -221,7 +224,13 @@ pub fn write_all(dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<PathBuf>>
 
 fn file_safe(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -299,7 +308,10 @@ pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<(
     let n = reports.len().max(1);
     let labels: Vec<String> = reports.iter().map(|r| r.label.clone()).collect();
     let mut chart = ChartBuilder::on(&root)
-        .caption("prefix-cache hit tokens / prompt tokens", ("sans-serif", 20))
+        .caption(
+            "prefix-cache hit tokens / prompt tokens",
+            ("sans-serif", 20),
+        )
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(50)
@@ -344,7 +356,11 @@ pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<(
 /// Requests started per replica per time bin (model seconds), one line per replica.
 pub fn replica_load_chart(path: &Path, run: &RunResult) -> anyhow::Result<()> {
     let report = summarize(run);
-    let ids: Vec<String> = report.per_replica.iter().map(|s| s.replica.clone()).collect();
+    let ids: Vec<String> = report
+        .per_replica
+        .iter()
+        .map(|s| s.replica.clone())
+        .collect();
     let end = run
         .records
         .iter()
@@ -361,15 +377,7 @@ pub fn replica_load_chart(path: &Path, run: &RunResult) -> anyhow::Result<()> {
             counts[k][b] += 1;
         }
     }
-    let y_max = counts
-        .iter()
-        .flatten()
-        .copied()
-        .max()
-        .unwrap_or(0)
-        .max(1) as f64
-        * 1.1
-        / width;
+    let y_max = counts.iter().flatten().copied().max().unwrap_or(0).max(1) as f64 * 1.1 / width;
     let root = SVGBackend::new(path, (800, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -466,7 +474,11 @@ mod tests {
         // The idle replica c counts: shares 2, 1, 0 over mean 1.
         assert_eq!(s.per_replica.len(), 3);
         assert!((s.requests_max_over_mean - 2.0).abs() < 1e-9);
-        assert!((s.ttft.max - 0.3).abs() < 1e-9, "scaled by 10: {}", s.ttft.max);
+        assert!(
+            (s.ttft.max - 0.3).abs() < 1e-9,
+            "scaled by 10: {}",
+            s.ttft.max
+        );
         assert!((s.throughput_rps - 3.0 / 20.0).abs() < 1e-9);
         let md = markdown(&[s]);
         assert!(md.contains("| p2c-cache | 4 | 1 |"), "{md}");
@@ -482,7 +494,10 @@ mod tests {
     #[test]
     fn charts_are_written_as_svg() {
         let dir = std::env::temp_dir().join(format!("kvmesh-report-{}", std::process::id()));
-        let runs = vec![run(vec![rec(0, "a", Some(1), false), rec(1, "b", Some(2), false)])];
+        let runs = vec![run(vec![
+            rec(0, "a", Some(1), false),
+            rec(1, "b", Some(2), false),
+        ])];
         let files = write_all(&dir, &runs).unwrap();
         assert_eq!(files.len(), 5);
         for f in &files {

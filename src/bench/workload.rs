@@ -410,9 +410,21 @@ pub fn system_prompt(
         let Some(pair) = order.pop() else { break };
         let group = (pair / p.prompts_per_group) as u64;
         let mut segments = Vec::new();
-        push_text(&mut segments, FAMILY_SYSTEM, group, u64::MAX, p.system_tokens);
+        push_text(
+            &mut segments,
+            FAMILY_SYSTEM,
+            group,
+            u64::MAX,
+            p.system_tokens,
+        );
         let question = tokens_in(&mut rng, p.question_tokens);
-        push_text(&mut segments, FAMILY_SYSTEM, group, (pass << 32) | pair as u64, question);
+        push_text(
+            &mut segments,
+            FAMILY_SYSTEM,
+            group,
+            (pass << 32) | pair as u64,
+            question,
+        );
         out.push(WorkloadRequest {
             at_s: arrivals.next(&mut rng),
             segments,
@@ -506,7 +518,13 @@ pub fn chat(p: &ChatParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, Wor
             );
         }
         let user = tokens_in(&mut rng, p.user_tokens);
-        push_text(&mut s.segments, FAMILY_CHAT, s.id, u64::from(s.turn) << 1, user);
+        push_text(
+            &mut s.segments,
+            FAMILY_CHAT,
+            s.id,
+            u64::from(s.turn) << 1,
+            user,
+        );
         let output = tokens_in(&mut rng, p.answer_tokens);
         out.push(WorkloadRequest {
             at_s: arrivals.next(&mut rng),
@@ -701,16 +719,20 @@ pub fn agent(p: &AgentParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, W
             last_output: 0,
         }
     };
-    let mut open: Vec<Thread> = (0..p.concurrent_runs)
-        .map(|_| open_run(&mut rng))
-        .collect();
+    let mut open: Vec<Thread> = (0..p.concurrent_runs).map(|_| open_run(&mut rng)).collect();
     let mut out = Vec::with_capacity(gen.requests);
     while out.len() < gen.requests {
         let k = rng.random_range(0..open.len());
         let run = &mut open[k];
         if run.turn > 0 {
             let step = u64::from(run.turn);
-            push_text(&mut run.segments, FAMILY_AGENT, run.id, step << 1 | 1, run.last_output);
+            push_text(
+                &mut run.segments,
+                FAMILY_AGENT,
+                run.id,
+                step << 1 | 1,
+                run.last_output,
+            );
             let obs = tokens_in(&mut rng, p.observation_tokens);
             push_text(&mut run.segments, FAMILY_AGENT, run.id, step << 1, obs);
         }
@@ -769,7 +791,9 @@ impl ZipfParams {
     /// `hot_weight`.
     pub fn weights(&self) -> Vec<f64> {
         let others = self.prefixes.saturating_sub(1);
-        let raw: Vec<f64> = (1..=others).map(|k| (k as f64).powf(-self.zipf_s)).collect();
+        let raw: Vec<f64> = (1..=others)
+            .map(|k| (k as f64).powf(-self.zipf_s))
+            .collect();
         let mean = raw.iter().sum::<f64>() / others.max(1) as f64;
         std::iter::once(self.hot_weight)
             .chain(raw.into_iter().map(|w| w / mean))
@@ -800,7 +824,13 @@ pub fn zipf(p: &ZipfParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, Wor
     for i in 0..gen.requests {
         let prefix = popularity.draw(&mut rng) as u64;
         let mut segments = Vec::new();
-        push_text(&mut segments, FAMILY_ZIPF, prefix, u64::MAX, p.prefix_tokens);
+        push_text(
+            &mut segments,
+            FAMILY_ZIPF,
+            prefix,
+            u64::MAX,
+            p.prefix_tokens,
+        );
         let suffix = tokens_in(&mut rng, p.suffix_tokens);
         push_text(&mut segments, FAMILY_ZIPF, prefix, i as u64, suffix);
         out.push(WorkloadRequest {
@@ -865,7 +895,13 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
     for i in 0..gen.requests {
         let mut segments = Vec::new();
         let tenant = if rng.random_bool(p.big_share) {
-            push_text(&mut segments, FAMILY_TENANTS, u64::MAX, 0, p.big_system_tokens);
+            push_text(
+                &mut segments,
+                FAMILY_TENANTS,
+                u64::MAX,
+                0,
+                p.big_system_tokens,
+            );
             "big".to_owned()
         } else {
             let t = rng.random_range(0..p.small_tenants) as u64;
@@ -1050,15 +1086,24 @@ mod tests {
                 assert!(r.segments.len() > prev.segments.len() + 1);
                 assert_eq!(&r.segments[..prev.segments.len()], &prev.segments[..]);
                 // The answer of the previous turn has its output length.
-                assert_eq!(r.segments[prev.segments.len()].1, prev.output_tokens.min(512));
+                assert_eq!(
+                    r.segments[prev.segments.len()].1,
+                    prev.output_tokens.min(512)
+                );
                 extended += 1;
             }
             last.insert(s, r);
         }
         assert!(extended > 400, "{extended}");
         // All sessions share the system prompt, and nothing more across sessions.
-        let a = reqs.iter().find(|r| r.session.as_deref() == Some("chat-0")).unwrap();
-        let b = reqs.iter().find(|r| r.session.as_deref() == Some("chat-1")).unwrap();
+        let a = reqs
+            .iter()
+            .find(|r| r.session.as_deref() == Some("chat-0"))
+            .unwrap();
+        let b = reqs
+            .iter()
+            .find(|r| r.session.as_deref() == Some("chat-1"))
+            .unwrap();
         assert_eq!(leading_common(a, b), 1);
     }
 
@@ -1175,8 +1220,18 @@ mod tests {
             "trace:/x/y.jsonl".parse::<WorkloadKind>().unwrap(),
             WorkloadKind::Trace(Some("/x/y.jsonl".into()))
         );
-        assert_eq!("trace".parse::<WorkloadKind>().unwrap(), WorkloadKind::Trace(None));
+        assert_eq!(
+            "trace".parse::<WorkloadKind>().unwrap(),
+            WorkloadKind::Trace(None)
+        );
         assert!("nope".parse::<WorkloadKind>().is_err());
-        assert!(chat(&ChatParams::default(), &GenParams { rate: 0.0, ..gen(1) }).is_err());
+        assert!(chat(
+            &ChatParams::default(),
+            &GenParams {
+                rate: 0.0,
+                ..gen(1)
+            }
+        )
+        .is_err());
     }
 }

@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// Divide the workload's arrival times by this.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// `--url`/`--compare` runs: multiply measured times by this in reports (set it to the
+    /// replicas' `--time-scale` to read model seconds from simulated replicas).
+    #[arg(long, default_value_t = 1.0)]
+    pub report_scale: f64,
     /// Most requests in flight at once.
     #[arg(long, default_value_t = 512)]
     pub concurrency: usize,
@@ -79,8 +83,13 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         metrics_urls: args.metrics_url.clone(),
         request_timeout: Duration::from_secs(args.timeout_s),
         progress: !args.quiet,
+        time_scale: args.report_scale,
         ..ReplayConfig::default()
     };
+    anyhow::ensure!(
+        args.report_scale.is_finite() && args.report_scale > 0.0,
+        "--report-scale must be > 0"
+    );
     eprintln!(
         "kvmesh bench: {} ({} requests, ideal hit ratio {:.3})",
         args.workload.workload,

@@ -194,9 +194,9 @@ impl GenParams {
     }
 }
 
-/// Builds a workload. For the trace, `gen.rate` and `gen.seed` are ignored (the trace has its own
-/// arrivals, dequantised) and `gen.requests` caps the length when given as `Some` through
-/// [`from_trace`]; here the whole trace is returned and the caller cuts it.
+/// Builds a workload with the families' default parameters. For the trace, `gen` is ignored:
+/// the whole trace is returned with dequantised arrivals (use [`WorkloadArgs::load`] to cut or
+/// retime it).
 pub fn build(kind: &WorkloadKind, gen: &GenParams) -> Result<Workload, WorkloadError> {
     let requests = match kind {
         WorkloadKind::Trace(path) => {
@@ -1209,6 +1209,29 @@ mod tests {
         assert_eq!(a, b, "same text as the trace's own synthesis");
         // Request 2 reuses block 0 only: 512 of 1700 tokens.
         assert!((ideal_hit_ratio(&w) - 512.0 / 1700.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn trace_args_cut_and_retime_the_trace() {
+        let args = WorkloadArgs {
+            workload: WorkloadKind::Trace(None),
+            rate: Some(10.0),
+            requests: Some(500),
+            seed: 1,
+            dequantize: true,
+        };
+        let w = args.load().unwrap();
+        assert_eq!(w.requests.len(), 500);
+        let span = w.requests[499].at_s - w.requests[0].at_s;
+        assert!((499.0 / span - 10.0).abs() < 1e-6, "rate {}", 499.0 / span);
+        assert_eq!(w.requests[0].at_s, 0.0);
+        let synthetic = WorkloadArgs {
+            workload: WorkloadKind::Zipf,
+            rate: None,
+            requests: Some(50),
+            ..args
+        };
+        assert_eq!(synthetic.load().unwrap().requests.len(), 50);
     }
 
     #[test]

@@ -254,6 +254,7 @@ struct LoopState {
     last_stats: StatsSnapshot,
     last_schema_errors: u64,
     last_inflight: Option<InflightRecord>,
+    joined: bool,
 }
 
 async fn sync_loop(
@@ -275,6 +276,7 @@ async fn sync_loop(
         last_stats: StatsSnapshot::default(),
         last_schema_errors: 0,
         last_inflight: None,
+        joined: false,
     };
     loop {
         let changed = async {
@@ -310,6 +312,28 @@ async fn sync_once(
     let live: Vec<Member> = members.iter().filter(|m| m.live).cloned().collect();
     metrics.live_members.set(live.len() as i64);
     node.set_mesh_members(&members);
+    let stats = mesh.stats();
+    metrics.add_stats(
+        &st.last_stats,
+        &stats.transport,
+        (st.last_schema_errors, stats.schema_errors),
+    );
+    st.last_stats = stats.transport;
+    st.last_schema_errors = stats.schema_errors;
+
+    // First gossip round: a seedless node is the first of its cluster; otherwise some peer
+    // answered and every live peer's node record arrived. Until then (or the warm-up timeout)
+    // the node claims no homes: alone, it would claim every replica and publish records that
+    // the real homes must then supersede.
+    let timed_out = st.started.elapsed() >= Duration::from_millis(section.warmup_timeout_ms);
+    if !st.joined {
+        st.joined = section.seeds.is_empty()
+            || (live.len() > 1 && live.iter().all(|m| m.node.is_some()))
+            || timed_out;
+        if !st.joined {
+            return;
+        }
+    }
 
     // One entry per replica of every region anyone publishes.
     let regions: BTreeSet<String> = live
@@ -394,30 +418,14 @@ async fn sync_once(
         }
     }
 
-    let stats = mesh.stats();
-    metrics.add_stats(
-        &st.last_stats,
-        &stats.transport,
-        (st.last_schema_errors, stats.schema_errors),
-    );
-    st.last_stats = stats.transport;
-    st.last_schema_errors = stats.schema_errors;
-
-    if !node.mesh_warm() {
-        // First gossip round: a seedless node is the first of its cluster; otherwise some peer
-        // answered and every live peer's node record arrived.
-        let first_round = section.seeds.is_empty()
-            || (live.len() > 1 && live.iter().all(|m| m.node.is_some()));
-        let timed_out = st.started.elapsed() >= Duration::from_millis(section.warmup_timeout_ms);
-        if (first_round && plan.behind == 0) || timed_out {
-            node.set_mesh_warm();
-            tracing::info!(
-                elapsed_ms = st.started.elapsed().as_millis() as u64,
-                timed_out,
-                behind = plan.behind,
-                "node warm"
-            );
-        }
+    if !node.mesh_warm() && (plan.behind == 0 || timed_out) {
+        node.set_mesh_warm();
+        tracing::info!(
+            elapsed_ms = st.started.elapsed().as_millis() as u64,
+            timed_out,
+            behind = plan.behind,
+            "node warm"
+        );
     }
 }
 

@@ -286,7 +286,10 @@ impl Node {
                 live: m.live,
                 generation: m.generation,
                 is_self: m.is_self,
-                http_url: m.node.as_ref().map_or(String::new(), |n| n.http_url.clone()),
+                http_url: m
+                    .node
+                    .as_ref()
+                    .map_or(String::new(), |n| n.http_url.clone()),
                 replicas_published: m.replicas.len(),
             })
             .collect();

@@ -280,18 +280,23 @@ async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another
         .await
         .expect("the home recorded the prefix");
         let target = home_version(home, &chosen).unwrap();
-        // …and B's view (a pulled copy, or B's own model when B is home).
+        // …and the view of a node that is neither A nor the home: a copy pulled from the home.
+        let observer = if home_version(&b, &chosen).is_some() {
+            &c
+        } else {
+            &b
+        };
         let visible = wait_for(Duration::from_secs(5), || {
-            view_version(&b, &chosen).is_some_and(|v| v >= target)
+            view_version(observer, &chosen).is_some_and(|v| v >= target)
         })
         .await
-        .expect("B's view catches up with the home");
+        .expect("the observer's view catches up with the home");
         println!(
-            "prefix at home after {seen:?}; visible at B {:?} after routing",
+            "prefix at home after {seen:?}; visible at a third node {:?} after routing",
             sent.elapsed().min(seen + visible)
         );
         {
-            let core = b.node.lock();
+            let core = observer.node.lock();
             let i = core.view.index_of(&chosen).unwrap();
             assert_eq!(
                 core.view.overlay_len(i),
@@ -299,17 +304,27 @@ async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another
                 "B never routed it: the hit can only come from the summary"
             );
         }
-        let (status, h) = complete(&http, b.addr, &prompt, &[]).await;
+        let (status, h) = complete(&http, observer.addr, &prompt, &[]).await;
         assert_eq!(status, 200);
-        assert_eq!(header(&h, ROUTED), chosen, "B prefers the replica A warmed");
+        assert_eq!(
+            header(&h, ROUTED),
+            chosen,
+            "the observer prefers the replica A warmed"
+        );
         let hit: u32 = header(&h, HIT).parse().unwrap();
-        assert!(hit >= 30, "B expected the cached prefix: hit {hit}");
+        assert!(
+            hit >= 30,
+            "the observer expected the cached prefix: hit {hit}"
+        );
 
         // `kvmesh status` shows the mesh.
         let table = proxy::status(&format!("http://{}", b.addr), None)
             .await
             .unwrap();
-        assert!(table.contains("member") && table.contains("(this node)"), "{table}");
+        assert!(
+            table.contains("member") && table.contains("(this node)"),
+            "{table}"
+        );
         assert!(table.contains(&chosen));
         let metrics = http
             .get(format!("http://{}/metrics", b.addr))
@@ -465,7 +480,14 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
         let dir = certs();
         let ra = replica("ra0").await;
         let rb = replica("rb0").await;
-        let a1 = mesh_node(dir.path(), "a1", "a", &[], &[(ra.id.clone(), ra.base_url())]).await;
+        let a1 = mesh_node(
+            dir.path(),
+            "a1",
+            "a",
+            &[],
+            &[(ra.id.clone(), ra.base_url())],
+        )
+        .await;
         let b1 = mesh_node(
             dir.path(),
             "b1",
@@ -501,16 +523,12 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
         assert_eq!(header(&h, "x-kvmesh-hop"), "1", "b1 saw the hop header");
         assert_eq!(header(&h, ROUTED), "rb0");
         let forwards = |n: &RunningNode| -> u64 {
-            n.node
-                .mesh_slot()
-                .metrics
-                .get()
-                .map_or(0, |m| {
-                    ["a", "b"]
-                        .iter()
-                        .map(|r| m.forwards.with_label_values(&[r, "ok"]).get())
-                        .sum()
-                })
+            n.node.mesh_slot().metrics.get().map_or(0, |m| {
+                ["a", "b"]
+                    .iter()
+                    .map(|r| m.forwards.with_label_values(&[r, "ok"]).get())
+                    .sum()
+            })
         };
         assert_eq!(forwards(&a1), 1);
         assert_eq!(forwards(&b1), 0, "exactly one hop");
@@ -604,9 +622,12 @@ async fn separate_processes_form_a_mesh_and_serve() {
             if i > 0 {
                 cmd.arg("--mesh-seed").arg(format!("127.0.0.1:{quic1}"));
             }
-            children
-                .0
-                .push(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+            children.0.push(
+                cmd.stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            );
             http_addrs.push(format!("127.0.0.1:{http_port}"));
         }
         let http = client();

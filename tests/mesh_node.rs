@@ -588,6 +588,16 @@ async fn separate_processes_form_a_mesh_and_serve() {
             kvmesh::mesh::certs::issue_in_dir(dir.path(), n).unwrap();
         }
         let bin = env!("CARGO_BIN_EXE_kvmesh");
+        // Worktrees sharing one CARGO_TARGET_DIR overwrite each other's `target/debug/kvmesh`;
+        // say so plainly instead of failing later on an unknown flag.
+        let help = Command::new(bin).args(["serve", "--help"]).output().unwrap();
+        assert!(
+            String::from_utf8_lossy(&help.stdout).contains("--mesh-listen"),
+            "{bin} is not this tree's build (another build in a shared target dir replaced it); rebuild and rerun"
+        );
+        let log = |name: &str| {
+            Stdio::from(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
+        };
         let mut children = Children(Vec::new());
         let mut replica_urls = Vec::new();
         for i in 0..2 {
@@ -624,7 +634,7 @@ async fn separate_processes_form_a_mesh_and_serve() {
             }
             children.0.push(
                 cmd.stdout(Stdio::null())
-                    .stderr(Stdio::null())
+                    .stderr(log(name))
                     .spawn()
                     .unwrap(),
             );
@@ -642,10 +652,13 @@ async fn separate_processes_form_a_mesh_and_serve() {
                 if ready {
                     break;
                 }
-                assert!(
-                    t0.elapsed() < Duration::from_secs(25),
-                    "node {addr} never became ready"
-                );
+                if t0.elapsed() > Duration::from_secs(25) {
+                    for n in ["n1", "n2"] {
+                        let text = std::fs::read_to_string(dir.path().join(format!("{n}.log")));
+                        println!("--- {n} ---\n{}", text.unwrap_or_default());
+                    }
+                    panic!("node {addr} never became ready");
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }

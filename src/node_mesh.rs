@@ -427,10 +427,17 @@ impl Node {
                 rt.mesh.remote_health = None;
                 rt.mesh.pulled = None;
                 let s = rt.cache.summary();
+                // The digest hashes the whole filter: reuse it while the version is unchanged.
+                let digest = match &rt.mesh.published {
+                    Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => {
+                        p.summary.digest
+                    }
+                    _ => s.digest(),
+                };
                 let version = SummaryVersion {
                     epoch: s.epoch(),
                     seq: s.seq(),
-                    digest: s.digest(),
+                    digest,
                 };
                 let record = ReplicaRecord::new(&info, rt.effective_health(), &load, version);
                 if rt.mesh.published.as_ref() != Some(&record) {

@@ -198,6 +198,10 @@ impl MeshSection {
         cfg.seeds = self.seeds.clone();
         cfg.gossip_interval = self.gossip_interval();
         cfg.failure_detection = Duration::from_millis(self.failure_detection_ms);
+        // Reports wait at most a quarter round (50 ms at most), so a prefix routed at a follower
+        // reaches its home well within the round that publishes it.
+        cfg.report_flush_interval = (self.gossip_interval() / 4)
+            .clamp(Duration::from_millis(5), Duration::from_millis(50));
         Ok(cfg)
     }
 

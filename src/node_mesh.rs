@@ -443,7 +443,13 @@ impl Node {
                 if rt.mesh.published.as_ref() != Some(&record) {
                     if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
                         rt.mesh.updated_at = Some(now);
+                        // The home's own view gets the new summary now, with its record, not at
+                        // the next upkeep tick: that tick was the slowest step of visibility.
+                        rt.summary_dirty = false;
+                        let copy = rt.cache.summary().clone();
+                        core.view.set_summary(i, copy);
                     }
+                    let rt = &mut core.replicas[i];
                     rt.mesh.published = Some(record.clone());
                     plan.publish.push((info.id.clone(), record));
                 }

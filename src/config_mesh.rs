@@ -200,8 +200,8 @@ impl MeshSection {
         cfg.failure_detection = Duration::from_millis(self.failure_detection_ms);
         // Reports wait at most a quarter round (50 ms at most), so a prefix routed at a follower
         // reaches its home well within the round that publishes it.
-        cfg.report_flush_interval = (self.gossip_interval() / 4)
-            .clamp(Duration::from_millis(5), Duration::from_millis(50));
+        cfg.report_flush_interval =
+            (self.gossip_interval() / 4).clamp(Duration::from_millis(5), Duration::from_millis(50));
         Ok(cfg)
     }
 
@@ -213,7 +213,32 @@ impl MeshSection {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::NodeConfig;
+    use crate::config::{NodeConfig, ServeArgs};
+
+    #[test]
+    fn mesh_flags_make_a_mesh_node() {
+        let args = ServeArgs {
+            node_id: Some("n2".into()),
+            mesh_listen: Some("127.0.0.1:7001".parse().unwrap()),
+            seeds: vec!["127.0.0.1:7000".into()],
+            certs_dir: Some("/etc/kvmesh/certs".into()),
+            ..Default::default()
+        };
+        // No replicas needed: a mesh node learns them from its peers.
+        let c = NodeConfig::from_args(&args).unwrap();
+        let m = c.mesh.unwrap();
+        assert_eq!(m.node_id, "n2");
+        assert_eq!(m.listen.port(), 7001);
+        assert_eq!(m.seeds, vec!["127.0.0.1:7000".to_owned()]);
+        let e = NodeConfig::from_args(&ServeArgs {
+            node_id: Some("n2".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("mesh.certs_dir"), "{e}");
+        let single = NodeConfig::from_args(&ServeArgs::default()).unwrap_err();
+        assert!(single.to_string().contains("replicas"), "{single}");
+    }
 
     #[test]
     fn mesh_table_is_checked_and_named() {

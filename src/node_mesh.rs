@@ -715,3 +715,165 @@ pub struct ReplicaMeshJson {
     /// Seconds since the summary last changed by a pull or a publish.
     pub summary_age_s: Option<f64>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MeshSection, NodeConfig};
+    use crate::core::summary::SummaryConfig;
+    use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
+
+    fn member(id: &str, port: u16, is_self: bool) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: format!("http://{id}:8080"),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: BTreeMap::new(),
+            inflight: InflightRecord::default(),
+            rtt: Default::default(),
+        }
+    }
+
+    #[test]
+    fn homes_publish_followers_pull_and_apply() {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = (0..8)
+            .map(|i| ReplicaConfig {
+                id: Some(format!("r{i}")),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        let node = Node::new(cfg.clone()).unwrap();
+        let live = vec![member("a", 7000, true), member("b", 7001, false)];
+        let plan = node.apply_membership("a", &live, &BTreeMap::new());
+        let mine: Vec<String> = (0..8)
+            .map(|i| format!("r{i}"))
+            .filter(|id| home_in(&live, id, "eu").unwrap().0 == "a")
+            .collect();
+        assert!(!mine.is_empty() && mine.len() < 8, "homes spread: {mine:?}");
+        let published: Vec<String> = plan.publish.iter().map(|(id, _)| id.clone()).collect();
+        assert_eq!(published, mine);
+        assert!(plan.pulls.is_empty(), "nothing advertised yet");
+        // A second round with nothing new publishes nothing.
+        assert!(node
+            .apply_membership("a", &live, &BTreeMap::new())
+            .publish
+            .is_empty());
+
+        // b publishes one of its replicas with a summary: a pulls it once, from b.
+        let theirs = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| !mine.contains(id))
+            .unwrap();
+        let scfg = SummaryConfig::for_cluster(&cfg.cluster_id);
+        let mut s = ReplicaSummary::new(5, 1000, &scfg).unwrap();
+        s.insert(&[BlockKey(11), BlockKey(12)]);
+        let i = node.lock().view.index_of(&theirs).unwrap();
+        let info = node.lock().view.replica(i).unwrap().info.clone();
+        let mut rec = ReplicaRecord::new(
+            &info,
+            Health::Unhealthy,
+            &Default::default(),
+            SummaryVersion {
+                epoch: 5,
+                seq: s.seq(),
+                digest: s.digest(),
+            },
+        );
+        rec.load.waiting = 7;
+        let entry = ReplicaEntry {
+            id: theirs.clone(),
+            publisher: "b".into(),
+            publisher_addr: live[1].gossip_addr,
+            record: rec.clone(),
+        };
+        let records = BTreeMap::from([(theirs.clone(), entry)]);
+        let plan = node.apply_membership("a", &live, &records);
+        assert_eq!(plan.behind, 1);
+        assert_eq!(
+            plan.pulls,
+            vec![Pull {
+                index: i,
+                id: theirs.clone(),
+                from: live[1].gossip_addr,
+                epoch: 0,
+                seq: 0
+            }]
+        );
+        {
+            let core = node.lock();
+            let r = core.view.replica(i).unwrap();
+            assert_eq!(r.health, Health::Unhealthy, "the home's health counts");
+            assert_eq!(r.load.waiting, 7, "the home's load counts");
+            assert_eq!(
+                core.replicas[i].mesh.report_target(),
+                Some(live[1].gossip_addr)
+            );
+        }
+        // In flight: no second pull.
+        assert!(node.apply_membership("a", &live, &records).pulls.is_empty());
+        let kind = node
+            .apply_pulled(i, &SummaryMessage::Snapshot(s.snapshot()))
+            .unwrap();
+        assert_eq!(kind, PullKind::Snapshot);
+        let keys = [BlockKey(11), BlockKey(12)];
+        assert_eq!(node.lock().view.hit(i, &keys, Duration::ZERO), 2);
+        // Up to date now.
+        let plan = node.apply_membership("a", &live, &records);
+        assert_eq!((plan.behind, plan.pulls.len()), (0, 0));
+        // A delta from the same epoch applies on top.
+        s.insert(&[BlockKey(13)]);
+        let delta = s.answer(5, 1);
+        assert!(matches!(delta, SummaryMessage::Delta(_)));
+        assert_eq!(node.apply_pulled(i, &delta).unwrap(), PullKind::Delta);
+        let keys = [BlockKey(11), BlockKey(12), BlockKey(13)];
+        assert_eq!(node.lock().view.hit(i, &keys, Duration::ZERO), 3);
+        assert_eq!(rec.health, WireHealth::Unhealthy);
+
+        // b dies: a becomes home of everything, with an epoch above b's.
+        let alone = vec![live[0].clone()];
+        let plan = node.apply_membership("a", &alone, &BTreeMap::new());
+        assert_eq!(plan.publish.len(), 8 - mine.len());
+        let (_, r) = plan.publish.iter().find(|(id, _)| *id == theirs).unwrap();
+        assert!(r.summary.epoch > 5);
+    }
+
+    #[test]
+    fn worst_health_wins() {
+        assert_eq!(worst(Health::Healthy, None), Health::Healthy);
+        assert_eq!(
+            worst(Health::Healthy, Some(Health::Unhealthy)),
+            Health::Unhealthy
+        );
+        assert_eq!(
+            worst(Health::Unhealthy, Some(Health::Healthy)),
+            Health::Unhealthy
+        );
+        assert_eq!(
+            worst(Health::Healthy, Some(Health::Draining)),
+            Health::Draining
+        );
+    }
+}

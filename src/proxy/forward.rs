@@ -217,7 +217,9 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 return Err(ApiError::unknown_model(model))
             }
             (Decision::Reject(RejectReason::OverQuota), _) => return Err(ApiError::over_quota()),
-            (Decision::Forward { region, reason }, _) if attempt == 0 && node.in_mesh() => {
+            // Also after local attempts failed: nothing reached the client yet, and another
+            // region beats an error.
+            (Decision::Forward { region, reason }, _) if node.in_mesh() => {
                 return mesh_glue::forward(node, &region, reason, path, &headers, body.clone())
                     .await;
             }

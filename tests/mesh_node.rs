@@ -66,7 +66,10 @@ async fn mesh_node(
     seeds: &[SocketAddr],
     replicas: &[(String, String)],
 ) -> RunningNode {
-    kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
+    // A restarted node keeps its certificate.
+    if !certs.join(format!("{name}.pem")).exists() {
+        kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
+    }
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         region: region.into(),
@@ -378,6 +381,7 @@ async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
             .collect();
         assert!(!moved.is_empty());
         let dead = nodes.remove(victim);
+        let old_generation = dead.node.state().mesh.unwrap().generation;
         let survivors: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
 
         // Traffic through the survivors all along.
@@ -430,6 +434,35 @@ async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
         println!("{ok} requests served on the survivors, {failed} failed");
         assert!(ok > 10);
         assert_eq!(failed, 0);
+
+        // The dead node comes back: a new generation, warm from its peers before it is ready,
+        // and home again of the replicas the rendezvous hash gives it.
+        let name = ["a", "b", "c"][victim];
+        let list: Vec<(String, String)> =
+            reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
+        let back = mesh_node(dir.path(), name, "eu", &[mesh_addr(&nodes[0])], &list).await;
+        let t0 = Instant::now();
+        let t = wait_for(Duration::from_secs(10), || {
+            converged(&[&nodes[0], &nodes[1], &back], &["a", "b", "c"], 4)
+        })
+        .await
+        .expect("the restarted node rejoins");
+        println!("restarted node converged and warm {:?} after start", t0.elapsed().min(t));
+        let state = back.node.state().mesh.unwrap();
+        assert!(state.generation > old_generation);
+        assert!(state.warm);
+        for (id, home) in homes(&back) {
+            if home != name {
+                let peer = nodes.iter().find(|n| home_version(n, &id).is_some()).unwrap();
+                let (epoch, _) = home_version(peer, &id).unwrap();
+                assert_eq!(
+                    view_version(&back, &id).map(|v| v.0),
+                    Some(epoch),
+                    "{id}: pulled from its home {home}"
+                );
+            }
+        }
+        nodes.push(back);
         for n in nodes {
             n.shutdown().await;
         }

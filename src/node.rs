@@ -65,6 +65,13 @@ impl ReplicaRuntime {
             mesh::worst(self.health.health(), self.mesh.remote_health)
         }
     }
+
+    /// Prompt tokens believed queued for prefill there: this node's own, plus what the home
+    /// publishes when another node is home.
+    pub fn queued_estimate(&self) -> u64 {
+        self.pending_prefill_tokens
+            .saturating_add(self.mesh.remote_queued)
+    }
 }
 
 /// Everything routing reads and writes, behind the node's one lock.
@@ -342,7 +349,7 @@ impl Node {
                 rt.summary_dirty = true;
                 report = Some((i, rt.mesh.report_target()));
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
-                let pending = rt.pending_prefill_tokens;
+                let pending = rt.queued_estimate();
                 if let Some(r) = core.view.replica_mut(i) {
                     r.load.queued_prefill_tokens = pending;
                 }
@@ -651,7 +658,7 @@ impl Ticket {
 fn release_pending(core: &mut Core, i: usize, tokens: u64) {
     if let Some(rt) = core.replicas.get_mut(i) {
         rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_sub(tokens);
-        let pending = rt.pending_prefill_tokens;
+        let pending = rt.queued_estimate();
         if let Some(r) = core.view.replica_mut(i) {
             r.load.queued_prefill_tokens = pending;
         }

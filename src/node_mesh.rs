@@ -67,6 +67,8 @@ pub struct ReplicaMesh {
     pub home_addr: Option<SocketAddr>,
     /// Health the home publishes, when another node is home.
     pub remote_health: Option<Health>,
+    /// Prompt tokens the home publishes as queued there (0 when this node is home).
+    pub remote_queued: u64,
     /// Learned from gossip only (not in this node's config or DNS).
     pub learned: bool,
     /// Version of the view's summary copy pulled from the home (followers).
@@ -86,6 +88,7 @@ impl Default for ReplicaMesh {
             home_id: None,
             home_addr: None,
             remote_health: None,
+            remote_queued: 0,
             learned: false,
             pulled: None,
             pulling: false,
@@ -425,6 +428,7 @@ impl Node {
                 rt.mesh.home_id = Some(self_id.to_owned());
                 rt.mesh.home_addr = None;
                 rt.mesh.remote_health = None;
+                rt.mesh.remote_queued = 0;
                 rt.mesh.pulled = None;
                 let s = rt.cache.summary();
                 // The digest hashes the whole filter: reuse it while the version is unchanged.
@@ -473,7 +477,8 @@ impl Node {
                     Some(e) => {
                         let rec = &e.record;
                         rt.mesh.remote_health = Some(rec.health.into());
-                        let pending = rt.pending_prefill_tokens;
+                        rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
+                        let queued = rt.queued_estimate();
                         let learned = rt.mesh.learned;
                         if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
                             plan.behind += 1;
@@ -500,13 +505,14 @@ impl Node {
                             rec.load.waiting,
                             rec.load.running,
                             rec.load.kv_usage.clamp(0.0, 1.0),
-                            rec.load.queued_prefill_tokens.saturating_add(pending),
+                            queued,
                         );
                     }
                     None => {
                         // Nobody publishes it: a replica known only from gossip has no one
                         // vouching for it any more; a configured one keeps its own checks.
                         rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+                        rt.mesh.remote_queued = 0;
                     }
                 }
             }

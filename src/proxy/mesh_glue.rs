@@ -254,7 +254,8 @@ struct LoopState {
     last_stats: StatsSnapshot,
     last_schema_errors: u64,
     last_inflight: Option<InflightRecord>,
-    joined: bool,
+    /// When the first gossip round completed.
+    joined: Option<Instant>,
 }
 
 async fn sync_loop(
@@ -276,7 +277,7 @@ async fn sync_loop(
         last_stats: StatsSnapshot::default(),
         last_schema_errors: 0,
         last_inflight: None,
-        joined: false,
+        joined: None,
     };
     loop {
         let changed = async {
@@ -326,13 +327,14 @@ async fn sync_once(
     // the node claims no homes: alone, it would claim every replica and publish records that
     // the real homes must then supersede.
     let timed_out = st.started.elapsed() >= Duration::from_millis(section.warmup_timeout_ms);
-    if !st.joined {
-        st.joined = section.seeds.is_empty()
+    if st.joined.is_none() {
+        let joined = section.seeds.is_empty()
             || (live.len() > 1 && live.iter().all(|m| m.node.is_some()))
             || timed_out;
-        if !st.joined {
+        if !joined {
             return;
         }
+        st.joined = Some(Instant::now());
     }
 
     // One entry per replica of every region anyone publishes.
@@ -418,7 +420,12 @@ async fn sync_once(
         }
     }
 
-    if !node.mesh_warm() && (plan.behind == 0 || timed_out) {
+    // A peer's keys may arrive over several gossip messages, its node record first: "nothing
+    // to pull" counts only after two full rounds of gossip since joining.
+    let settled = st
+        .joined
+        .is_some_and(|t| t.elapsed() >= 2 * section.gossip_interval());
+    if !node.mesh_warm() && ((settled && plan.behind == 0) || timed_out) {
         node.set_mesh_warm();
         tracing::info!(
             elapsed_ms = st.started.elapsed().as_millis() as u64,

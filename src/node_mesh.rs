@@ -567,6 +567,28 @@ impl Node {
         Ok(kind)
     }
 
+    /// A record could not be published (e.g. over the size limit): forget it, so the homes
+    /// marker does not count it and the next round tries again.
+    pub fn publish_failed(&self, id: &str) {
+        let mut core = self.lock();
+        if let Some(i) = core.view.index_of(id) {
+            if let Some(rt) = core.replicas.get_mut(i) {
+                rt.mesh.published = None;
+            }
+        }
+    }
+
+    /// Replica records this node publishes now.
+    pub fn published_count(&self) -> u32 {
+        let n = self
+            .lock()
+            .replicas
+            .iter()
+            .filter(|rt| rt.mesh.published.is_some())
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// A pull of replica `i` failed: allow the next round to try again.
     pub fn pull_failed(&self, i: usize) {
         if let Some(rt) = self.lock().replicas.get_mut(i) {
@@ -749,6 +771,7 @@ mod tests {
             replicas: BTreeMap::new(),
             inflight: InflightRecord::default(),
             rtt: Default::default(),
+            homes: None,
         }
     }
 

@@ -26,7 +26,7 @@ use tokio::task::JoinHandle;
 use super::error::ApiError;
 use crate::core::router::ForwardReason;
 use crate::mesh::cluster::replicas_in_region;
-use crate::mesh::schema::InflightRecord;
+use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::StatsSnapshot;
 use crate::mesh::{Member, Mesh};
 use crate::node::mesh::PullKind;
@@ -256,6 +256,10 @@ struct LoopState {
     last_inflight: Option<InflightRecord>,
     /// When the first gossip round completed.
     joined: Option<Instant>,
+    /// Writes of the homes marker so far.
+    homes_round: u64,
+    /// Replicas whose record could not be published (warned once).
+    unpublishable: BTreeSet<String>,
 }
 
 async fn sync_loop(
@@ -278,6 +282,8 @@ async fn sync_loop(
         last_schema_errors: 0,
         last_inflight: None,
         joined: None,
+        homes_round: 0,
+        unpublishable: BTreeSet::new(),
     };
     loop {
         let changed = async {
@@ -367,13 +373,32 @@ async fn sync_once(
 
     let plan = node.apply_membership(mesh.node_id(), &live, &records);
     for (id, record) in &plan.publish {
-        if let Err(e) = mesh.publish_replica(id, record).await {
-            tracing::warn!(replica = %id, error = %e, "replica record not published");
+        match mesh.publish_replica(id, record).await {
+            Ok(()) => {
+                st.unpublishable.remove(id);
+            }
+            Err(e) => {
+                // Retried every round; logged once per replica until it works.
+                if st.unpublishable.insert(id.clone()) {
+                    tracing::warn!(replica = %id, error = %e, "replica record not published");
+                }
+                node.publish_failed(id);
+            }
         }
     }
     for id in &plan.unpublish {
         if let Err(e) = mesh.unpublish_replica(id).await {
             tracing::warn!(replica = %id, error = %e, "replica record not withdrawn");
+        }
+    }
+    if !plan.publish.is_empty() || !plan.unpublish.is_empty() || st.homes_round == 0 {
+        st.homes_round += 1;
+        let marker = HomesRecord {
+            count: node.published_count(),
+            round: st.homes_round,
+        };
+        if let Err(e) = mesh.publish_homes(&marker).await {
+            tracing::warn!(error = %e, "homes marker not published");
         }
     }
     for pull in plan.pulls {
@@ -420,12 +445,14 @@ async fn sync_once(
         }
     }
 
-    // A peer's keys may arrive over several gossip messages, its node record first: "nothing
-    // to pull" counts only after two full rounds of gossip since joining.
-    let settled = st
-        .joined
-        .is_some_and(|t| t.elapsed() >= 2 * section.gossip_interval());
-    if !node.mesh_warm() && ((settled && plan.behind == 0) || timed_out) {
+    // A peer's keys may arrive over several gossip messages: "nothing to pull" counts only once
+    // this node holds every record each live peer says it publishes (its homes marker, written
+    // after its records, arrives after them).
+    let caught_up = live.iter().filter(|m| !m.is_self).all(|m| {
+        m.homes
+            .is_some_and(|h| h.count as usize == m.replicas.len())
+    });
+    if !node.mesh_warm() && ((caught_up && plan.behind == 0) || timed_out) {
         node.set_mesh_warm();
         tracing::info!(
             elapsed_ms = st.started.elapsed().as_millis() as u64,

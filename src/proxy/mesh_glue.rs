@@ -260,6 +260,9 @@ struct LoopState {
     homes_round: u64,
     /// Replicas whose record could not be published (warned once).
     unpublishable: BTreeSet<String>,
+    /// Live members (id, generation) at the last round, and since when they are unchanged.
+    live_ids: Vec<(String, u64)>,
+    live_since: Instant,
 }
 
 async fn sync_loop(
@@ -284,6 +287,8 @@ async fn sync_loop(
         joined: None,
         homes_round: 0,
         unpublishable: BTreeSet::new(),
+        live_ids: Vec::new(),
+        live_since: Instant::now(),
     };
     loop {
         let changed = async {
@@ -448,11 +453,22 @@ async fn sync_once(
     // A peer's keys may arrive over several gossip messages: "nothing to pull" counts only once
     // this node holds every record each live peer says it publishes (its homes marker, written
     // after its records, arrives after them).
+    // And peers this node heard of through others count as live only once their heartbeats
+    // reach it, a round or two later: the live set must also have been stable for 3 rounds.
     let caught_up = live.iter().filter(|m| !m.is_self).all(|m| {
         m.homes
             .is_some_and(|h| h.count as usize == m.replicas.len())
     });
-    if !node.mesh_warm() && ((caught_up && plan.behind == 0) || timed_out) {
+    let ids: Vec<(String, u64)> = live
+        .iter()
+        .map(|m| (m.node_id.clone(), m.generation))
+        .collect();
+    if ids != st.live_ids {
+        st.live_ids = ids;
+        st.live_since = Instant::now();
+    }
+    let stable = st.live_since.elapsed() >= 3 * section.gossip_interval();
+    if !node.mesh_warm() && ((stable && caught_up && plan.behind == 0) || timed_out) {
         node.set_mesh_warm();
         tracing::info!(
             elapsed_ms = st.started.elapsed().as_millis() as u64,

@@ -15,6 +15,10 @@ use serde::Deserialize;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 
+#[path = "config_mesh.rs"]
+pub mod mesh;
+pub use mesh::{DistanceConfig, MeshSection};
+
 /// A configuration that cannot be used, naming the key at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -111,6 +115,8 @@ pub struct NodeConfig {
     pub tenants: HashMap<String, TenantConfig>,
     /// Policy for tenants not listed (and requests without a tenant).
     pub default_tenant: TenantConfig,
+    /// Mesh membership (`[mesh]`); none means a single node. Default none.
+    pub mesh: Option<MeshSection>,
 }
 
 impl Default for NodeConfig {
@@ -142,6 +148,7 @@ impl Default for NodeConfig {
             dns: Vec::new(),
             tenants: HashMap::new(),
             default_tenant: TenantConfig::default(),
+            mesh: None,
         }
     }
 }
@@ -591,6 +598,9 @@ impl NodeConfig {
                 }
             }
         }
+        if let Some(m) = &self.mesh {
+            m.validate()?;
+        }
         Ok(())
     }
 
@@ -615,6 +625,26 @@ impl NodeConfig {
             // Flags replace the file's list: mixing the two would be surprising.
             self.replicas = args.replica.iter().map(ReplicaConfig::from_url).collect();
         }
+        let mesh_flags = args.mesh_listen.is_some()
+            || !args.seeds.is_empty()
+            || args.certs_dir.is_some()
+            || args.node_id.is_some();
+        if mesh_flags {
+            let m = self.mesh.get_or_insert_with(MeshSection::default);
+            if let Some(l) = args.mesh_listen {
+                m.listen = l;
+            }
+            if !args.seeds.is_empty() {
+                m.seeds = args.seeds.clone();
+            }
+            if let Some(d) = &args.certs_dir {
+                m.certs_dir = Some(d.clone());
+                (m.ca, m.cert, m.key) = (None, None, None);
+            }
+            if let Some(id) = &args.node_id {
+                m.node_id = id.clone();
+            }
+        }
         self.validate()
     }
 
@@ -625,7 +655,8 @@ impl NodeConfig {
             None => NodeConfig::default(),
         };
         cfg.apply_args(args)?;
-        if cfg.replicas.is_empty() && cfg.dns.is_empty() {
+        // A mesh node may learn every replica from its peers' gossip.
+        if cfg.replicas.is_empty() && cfg.dns.is_empty() && cfg.mesh.is_none() {
             return Err(invalid(
                 "replicas",
                 "no replica configured (use [[replicas]] or [[dns]] in the config, or --replica URL)",
@@ -665,6 +696,20 @@ pub struct ServeArgs {
     /// Bearer token for /admin/*.
     #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
+    /// Join the mesh: UDP address of this node's QUIC endpoint (sets `mesh.listen`).
+    #[arg(long, value_name = "ADDR")]
+    pub mesh_listen: Option<SocketAddr>,
+    /// Mesh seed (`ip:port`, `host:port` or `srv:<name>`); repeat for several. Replaces
+    /// `mesh.seeds`.
+    #[arg(long = "mesh-seed", value_name = "ADDR")]
+    pub seeds: Vec<String>,
+    /// Directory made by `kvmesh certs` (sets `mesh.certs_dir`; the certificate name is the node
+    /// id unless `mesh.cert_name` says otherwise).
+    #[arg(long, value_name = "DIR")]
+    pub certs_dir: Option<PathBuf>,
+    /// This node's mesh id (sets `mesh.node_id`).
+    #[arg(long)]
+    pub node_id: Option<String>,
 }
 
 #[cfg(test)]

@@ -29,6 +29,9 @@ use crate::proxy::metrics::Metrics;
 use crate::replicas::health::HealthTracker;
 use crate::replicas::prom::EngineLoad;
 
+#[path = "node_mesh.rs"]
+pub mod mesh;
+
 /// Driver-side state of one replica, indexed like the view.
 #[derive(Debug)]
 pub struct ReplicaRuntime {
@@ -48,16 +51,26 @@ pub struct ReplicaRuntime {
     pub engine: Option<EngineLoad>,
     /// Left the registry (DNS no longer lists it): takes no new requests.
     pub removed: bool,
+    /// Mesh role and sync state (home or follower); a single node is home of everything.
+    pub mesh: mesh::ReplicaMesh,
 }
 
 impl ReplicaRuntime {
-    /// Health for routing: draining once removed, else what checks and ejection say.
+    /// Health for routing: draining once removed, else what checks and ejection say, made worse
+    /// by what the replica's home node publishes when another node is its home.
     pub fn effective_health(&self) -> Health {
         if self.removed {
             Health::Draining
         } else {
-            self.health.health()
+            mesh::worst(self.health.health(), self.mesh.remote_health)
         }
+    }
+
+    /// Prompt tokens believed queued for prefill there: this node's own, plus what the home
+    /// publishes when another node is home.
+    pub fn queued_estimate(&self) -> u64 {
+        self.pending_prefill_tokens
+            .saturating_add(self.mesh.remote_queued)
     }
 }
 
@@ -98,6 +111,8 @@ pub struct Node {
     default_tenant: TenantConfig,
     summary_cfg: SummaryConfig,
     epoch_base: u64,
+    /// Mesh membership, when the node runs one (see `node_mesh.rs`).
+    mesh: mesh::NodeMesh,
 }
 
 fn tokens_to_blocks(tokens: u64, block_bytes: usize) -> usize {
@@ -153,6 +168,7 @@ impl Node {
             default_tenant: cfg.default_tenant.clone(),
             summary_cfg,
             epoch_base,
+            mesh: mesh::NodeMesh::default(),
             cfg,
         });
         for r in &node.cfg.replicas {
@@ -212,6 +228,7 @@ impl Node {
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,
             removed: false,
+            mesh: mesh::ReplicaMesh::default(),
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
         endpoints.push(Endpoint {
@@ -320,6 +337,7 @@ impl Node {
         for (s, &i) in saved.iter().zip(exclude) {
             core.view.set_health(i, *s);
         }
+        let mut report = None;
         let ticket = match &decision {
             Decision::Route(d) => {
                 let i = d.replica;
@@ -329,8 +347,9 @@ impl Node {
                 let rt = &mut core.replicas[i];
                 rt.cache.record_routed(req.keys, now);
                 rt.summary_dirty = true;
+                report = Some((i, rt.mesh.report_target()));
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
-                let pending = rt.pending_prefill_tokens;
+                let pending = rt.queued_estimate();
                 if let Some(r) = core.view.replica_mut(i) {
                     r.load.queued_prefill_tokens = pending;
                 }
@@ -356,6 +375,9 @@ impl Node {
             _ => None,
         };
         drop(guard);
+        if let Some((i, target)) = report {
+            self.after_route(i, target, req.keys);
+        }
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -487,7 +509,8 @@ impl Node {
                     tracing::warn!(replica = %self.id_of(i), error = %e, "summary rebuild failed")
                 }
             }
-            if rt.summary_dirty {
+            // A follower's view copy is the one pulled from the home, not this node's model.
+            if rt.summary_dirty && rt.mesh.home {
                 rt.summary_dirty = false;
                 core.view.set_summary(i, rt.cache.summary().clone());
             }
@@ -507,13 +530,16 @@ impl Node {
         }
     }
 
-    /// Whether some replica is healthy and has known models (the node can serve).
+    /// Whether some replica is healthy and has known models (the node can serve) and, in a
+    /// mesh, the node is warm (see `node_mesh.rs`).
     pub fn ready(&self) -> bool {
-        self.lock()
-            .view
-            .replicas()
-            .iter()
-            .any(|r| r.health == Health::Healthy && !r.info.models.is_empty())
+        self.mesh_ready()
+            && self
+                .lock()
+                .view
+                .replicas()
+                .iter()
+                .any(|r| r.health == Health::Healthy && !r.info.models.is_empty())
     }
 
     /// The union of the models of every replica still in the registry, sorted.
@@ -569,11 +595,13 @@ impl Node {
                 overlay_keys: core.view.overlay_len(i),
             })
             .collect();
+        drop(core);
         NodeState {
-            region: core.view.local_region.clone(),
+            region: self.cfg.region.clone(),
             policy: self.policy.as_str().to_owned(),
             uptime_s: self.now().as_secs_f64(),
             replicas,
+            mesh: self.mesh_state(),
         }
     }
 }
@@ -630,7 +658,7 @@ impl Ticket {
 fn release_pending(core: &mut Core, i: usize, tokens: u64) {
     if let Some(rt) = core.replicas.get_mut(i) {
         rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_sub(tokens);
-        let pending = rt.pending_prefill_tokens;
+        let pending = rt.queued_estimate();
         if let Some(r) = core.view.replica_mut(i) {
             r.load.queued_prefill_tokens = pending;
         }
@@ -665,6 +693,9 @@ pub struct NodeState {
     pub uptime_s: f64,
     /// Every replica.
     pub replicas: Vec<ReplicaStateJson>,
+    /// Members, homes and summary versions, when the node runs a mesh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh: Option<mesh::MeshStateJson>,
 }
 
 /// One replica in `/admin/state`.

@@ -217,6 +217,25 @@ impl CacheModel {
         self.stale = 0;
         Ok(true)
     }
+
+    /// Starts a new epoch of at least `min_epoch`, rebuilt from the live set. A node that becomes
+    /// a replica's home calls it so its summary supersedes whatever the previous home published
+    /// (peers only pull newer versions) while keeping what this node itself routed there.
+    pub fn restart_epoch(&mut self, min_epoch: u64) -> Result<(), SummaryError> {
+        let epoch = min_epoch.max(self.summary.epoch() + 1);
+        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
+        let mut next = ReplicaSummary::new(epoch, items, &self.summary_cfg)?;
+        let live: Vec<BlockKey> = self
+            .entries
+            .iter()
+            .rev()
+            .map(|(k, _)| BlockKey(*k))
+            .collect();
+        next.insert(&live);
+        self.summary = next;
+        self.stale = 0;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -238,6 +257,18 @@ mod tests {
     }
 
     const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn restart_epoch_supersedes_and_keeps_live_keys() {
+        let mut m = model(CacheSource::Approximate, 16);
+        m.record_routed(&ks(0..4), S);
+        let before = m.summary().epoch();
+        m.restart_epoch(before + 100).unwrap();
+        assert_eq!(m.summary().epoch(), before + 100);
+        assert_eq!(m.summary().hit(&ks(0..4)), 4);
+        m.restart_epoch(0).unwrap();
+        assert_eq!(m.summary().epoch(), before + 101, "never goes back");
+    }
 
     #[test]
     fn approximate_mode_evicts_least_recently_routed() {

@@ -24,6 +24,7 @@ use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
     KEY_NODE, KEY_RTT, REPLICA_PREFIX,
 };
+use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, SyncError, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
@@ -139,6 +140,8 @@ pub struct Member {
     pub inflight: InflightRecord,
     /// Its measured RTTs by region.
     pub rtt: RttRecord,
+    /// Its homes marker, once it published one.
+    pub homes: Option<HomesRecord>,
 }
 
 impl Member {
@@ -365,6 +368,13 @@ impl Mesh {
         Ok(())
     }
 
+    /// Publishes the homes marker; call it after publishing or withdrawing replica records.
+    pub async fn publish_homes(&self, record: &HomesRecord) -> Result<(), MeshError> {
+        let value = record.encode()?;
+        self.set(KEY_HOMES.to_owned(), value).await;
+        Ok(())
+    }
+
     /// Publishes this node's in-flight counts (build it with [`InflightRecord::fit`]).
     pub async fn publish_inflight(&self, record: &InflightRecord) -> Result<(), MeshError> {
         let value = record.encode()?;
@@ -562,6 +572,11 @@ fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
                     .ok()
             })
             .unwrap_or_default();
+        let homes = state.get(KEY_HOMES).and_then(|v| {
+            HomesRecord::decode(v)
+                .map_err(|e| count_err("homes", id, &e))
+                .ok()
+        });
         out.push(Member {
             node_id: id.node_id.to_string(),
             generation: id.generation_id,
@@ -572,6 +587,7 @@ fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
             replicas,
             inflight,
             rtt,
+            homes,
         });
     }
     out.sort_by(|a, b| {

@@ -17,6 +17,7 @@
 //! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`} | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
 //! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
 //! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
+//! | `homes` | every node, after each round that changed its replica records | [`HomesRecord`]: `count` (replica records it publishes), `round` | chitchat delivers a node's keys in version order, so a peer holding `homes` holds every replica record written before it: `count` equal to the records received = caught up |
 //!
 //! Every decoder returns an error on malformed input (bad base64, bad msgpack, missing fields,
 //! oversized strings) and never panics.
@@ -44,6 +45,8 @@ pub const REPLICA_PREFIX: &str = "replica:";
 pub const KEY_INFLIGHT: &str = "inflight";
 /// Key of the RTT record.
 pub const KEY_RTT: &str = "rtt";
+/// Key of the homes marker.
+pub const KEY_HOMES: &str = "homes";
 
 /// Errors encoding or decoding a gossip value.
 #[derive(Debug, thiserror::Error)]
@@ -332,6 +335,26 @@ impl InflightRecord {
     /// Decodes a peer's value.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
         decode("inflight", s)
+    }
+}
+
+/// The `homes` record: how many `replica:<id>` records the node publishes, written after them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HomesRecord {
+    /// Replica records the node publishes.
+    pub count: u32,
+    /// Bumped on every write, so the marker's gossip version always follows the records'.
+    pub round: u64,
+}
+
+impl HomesRecord {
+    /// Encodes for gossip.
+    pub fn encode(&self) -> Result<String, SchemaError> {
+        encode("homes", self)
+    }
+    /// Decodes a peer's value.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        decode("homes", s)
     }
 }
 

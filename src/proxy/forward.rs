@@ -19,6 +19,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
 use super::error::ApiError;
+use super::mesh_glue;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};
@@ -59,8 +60,18 @@ impl Drop for Pending {
 async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
     node.metrics.in_flight_total.inc();
     let _pending = Pending(node.metrics.in_flight_total.clone());
+    let hop = req.headers().contains_key(mesh_glue::HOP_HEADER);
     match proxy(&node, path, req).await {
-        Ok(r) => r,
+        Ok(mut r) => {
+            // Echoed so the client (and tests) can see the request crossed regions.
+            if hop {
+                r.headers_mut().insert(
+                    HeaderName::from_static(mesh_glue::HOP_HEADER),
+                    HeaderValue::from_static("1"),
+                );
+            }
+            r
+        }
         Err(e) => {
             let outcome = match e.status {
                 StatusCode::NOT_FOUND => "unknown_model",
@@ -185,7 +196,8 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         prompt_tokens,
         session,
         tenant,
-        forwarded: false,
+        // A request another node forwarded is served here or refused, never forwarded again.
+        forwarded: parts.headers.contains_key(mesh_glue::HOP_HEADER),
     };
     let headers = forwardable(&parts.headers);
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
@@ -205,6 +217,12 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 return Err(ApiError::unknown_model(model))
             }
             (Decision::Reject(RejectReason::OverQuota), _) => return Err(ApiError::over_quota()),
+            // Also after local attempts failed: nothing reached the client yet, and another
+            // region beats an error.
+            (Decision::Forward { region, reason }, _) if node.in_mesh() => {
+                return mesh_glue::forward(node, &region, reason, path, &headers, body.clone())
+                    .await;
+            }
             (Decision::Forward { region, .. }, _) if attempt == 0 => {
                 return Err(ApiError::unavailable(format!(
                     "no replica of this node can serve model '{model}' now; region '{region}' could, \

@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod forward;
+pub mod mesh_glue;
 pub mod metrics;
 
 use std::future::IntoFuture;
@@ -122,6 +123,7 @@ pub struct RunningNode {
     pub node: Arc<Node>,
     stop: watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
+    mesh: Option<mesh_glue::MeshRuntime>,
 }
 
 impl RunningNode {
@@ -131,14 +133,30 @@ impl RunningNode {
         let drain = Duration::from_secs(self.node.cfg.drain_s);
         let _ = self.stop.send(true);
         let mut server = self.server;
-        match tokio::time::timeout(drain, &mut server).await {
+        let drained = match tokio::time::timeout(drain, &mut server).await {
             Ok(_) => true,
             Err(_) => {
                 tracing::warn!(?drain, "drain deadline passed; dropping remaining requests");
                 server.abort();
                 false
             }
+        };
+        // Leave the mesh after draining, so forwarded requests in flight could still finish.
+        if let Some(mesh) = self.mesh {
+            mesh.shutdown(&self.node).await;
         }
+        drained
+    }
+
+    /// Stops at once, like a crash: the mesh goes silent and the listener closes without
+    /// draining (tests of node death).
+    pub async fn kill(self) {
+        let _ = self.stop.send(true);
+        if let Some(mesh) = self.mesh {
+            mesh.shutdown(&self.node).await;
+        }
+        self.server.abort();
+        let _ = self.server.await;
     }
 }
 
@@ -167,6 +185,9 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);
+    // The mesh starts once the HTTP address is known (peers forward to it); until it is warm
+    // `/ready` says no, while requests are already served from what the node knows.
+    let mesh = mesh_glue::start(&node, addr, stop_rx.clone()).await?;
     crate::replicas::spawn_watchers(&node, &stop_rx, dns);
     let mut graceful = stop_rx.clone();
     let server = tokio::spawn(
@@ -182,6 +203,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         node,
         stop,
         server,
+        mesh,
     })
 }
 
@@ -290,6 +312,52 @@ pub fn render_state(s: &NodeState) -> String {
             r.overlay_keys,
             r.models.join(",")
         );
+    }
+    if let Some(m) = &s.mesh {
+        let _ = writeln!(
+            out,
+            "\nmesh node {} gen {} quic {} {}",
+            m.node_id,
+            m.generation,
+            m.quic_addr,
+            if m.warm { "warm" } else { "warming" }
+        );
+        let _ = writeln!(
+            out,
+            "{:<20} {:<12} {:<5} {:>15} {:>7}  http",
+            "member", "region", "live", "generation", "homes"
+        );
+        for n in &m.members {
+            let _ = writeln!(
+                out,
+                "{:<20} {:<12} {:<5} {:>15} {:>7}  {}{}",
+                n.node_id,
+                n.region,
+                if n.live { "yes" } else { "no" },
+                n.generation,
+                n.replicas_published,
+                n.http_url,
+                if n.is_self { "  (this node)" } else { "" }
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{:<24} {:<12} {:<20} {:>15} {:>9} {:>8}",
+            "replica", "region", "home", "sum_epoch", "sum_seq", "age_s"
+        );
+        for r in &m.replicas {
+            let _ = writeln!(
+                out,
+                "{:<24} {:<12} {:<20} {:>15} {:>9} {:>8}",
+                r.id,
+                r.region,
+                if r.home.is_empty() { "-" } else { &r.home },
+                r.summary_epoch,
+                r.summary_seq,
+                r.summary_age_s
+                    .map_or_else(|| "-".to_owned(), |a| format!("{a:.1}"))
+            );
+        }
     }
     out
 }

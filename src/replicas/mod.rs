@@ -51,7 +51,8 @@ pub async fn check_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
-    if node.is_removed(i) {
+    // In a mesh, followers leave most checks to the replica's home (see `node_mesh.rs`).
+    if node.is_removed(i) || !node.should_check(i) {
         return;
     }
     let timeout = Duration::from_millis(node.cfg.health.timeout_ms);
@@ -94,7 +95,7 @@ pub async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
-    if node.is_removed(i) {
+    if node.is_removed(i) || !node.should_scrape(i) {
         return;
     }
     let timeout = Duration::from_millis(node.cfg.scrape.timeout_ms);

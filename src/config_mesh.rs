@@ -1,0 +1,272 @@
+//! The `[mesh]` table of the node configuration: how a node joins the mesh.
+//!
+//! Kept apart from `config.rs` so the single-node configuration stays readable and mesh settings
+//! evolve in one place. No `[mesh]` table (and no mesh flag) means a single node, exactly as
+//! before. There is no plaintext option: a mesh node always needs a cluster CA and its own
+//! certificate (`kvmesh certs init|issue`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{invalid, ConfigError};
+use crate::mesh::certs::NodeIdentity;
+use crate::mesh::MeshConfig;
+
+/// `[mesh]`: membership, gossip and certificates.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MeshSection {
+    /// Unique, stable node id (required; `--node-id`). Restarts keep it; the mesh tells runs
+    /// apart by generation.
+    pub node_id: String,
+    /// UDP address of the QUIC endpoint (gossip, summary sync, block reports). Default
+    /// `127.0.0.1:7946`.
+    pub listen: SocketAddr,
+    /// Address peers dial, when `listen` is a wildcard or behind NAT. Default: the bound address.
+    pub advertise: Option<SocketAddr>,
+    /// Base URL other nodes forward requests to. Default `http://<listen of the HTTP front>`
+    /// (its bound address when the port is 0).
+    pub http_url: Option<String>,
+    /// Seeds: `ip:port`, `host:port` or `srv:<name>` (DNS SRV). Default none (first node).
+    pub seeds: Vec<String>,
+    /// Gossip cluster id; nodes of other clusters are refused. Default: the top-level
+    /// `cluster_id`.
+    pub cluster_id: Option<String>,
+    /// Directory made by `kvmesh certs` (`ca.pem`, `<cert_name>.pem`, `<cert_name>.key`).
+    /// Either this or all of `ca`, `cert` and `key`. Default none.
+    pub certs_dir: Option<PathBuf>,
+    /// Certificate name in `certs_dir`. Default: `node_id`.
+    pub cert_name: Option<String>,
+    /// Cluster CA certificate (PEM), instead of `certs_dir`. Default none.
+    pub ca: Option<PathBuf>,
+    /// This node's certificate (PEM), instead of `certs_dir`. Default none.
+    pub cert: Option<PathBuf>,
+    /// This node's private key (PEM), instead of `certs_dir`. Default none.
+    pub key: Option<PathBuf>,
+    /// Gossip round interval (ms); also how often the node refreshes its view from gossip.
+    /// Default 100.
+    pub gossip_interval_ms: u64,
+    /// Silence after which a node is declared dead (ms); must exceed the gossip interval.
+    /// Default 2,000.
+    pub failure_detection_ms: u64,
+    /// Longest wait at start for peers' summaries before `/ready` says ready anyway (ms).
+    /// Default 5,000.
+    pub warmup_timeout_ms: u64,
+    /// Region distances pinned by configuration (they beat measured RTTs). Default none.
+    pub distance: Vec<DistanceConfig>,
+}
+
+impl Default for MeshSection {
+    fn default() -> Self {
+        MeshSection {
+            node_id: String::new(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 7946)),
+            advertise: None,
+            http_url: None,
+            seeds: Vec::new(),
+            cluster_id: None,
+            certs_dir: None,
+            cert_name: None,
+            ca: None,
+            cert: None,
+            key: None,
+            gossip_interval_ms: 100,
+            failure_detection_ms: 2_000,
+            warmup_timeout_ms: 5_000,
+            distance: Vec::new(),
+        }
+    }
+}
+
+/// `[[mesh.distance]]`: the distance between two regions, in ms of round trip.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistanceConfig {
+    /// One region (required).
+    pub a: String,
+    /// The other region (required).
+    pub b: String,
+    /// Distance in ms (required, finite, ≥ 0).
+    pub ms: f64,
+}
+
+impl MeshSection {
+    /// Checks every value, naming the key at fault.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.node_id.is_empty() {
+            return Err(invalid("mesh.node_id", "required (or --node-id)"));
+        }
+        if self.node_id.len() > 128 {
+            return Err(invalid("mesh.node_id", "at most 128 bytes"));
+        }
+        if self.gossip_interval_ms == 0 {
+            return Err(invalid("mesh.gossip_interval_ms", "must be at least 1"));
+        }
+        if self.failure_detection_ms <= self.gossip_interval_ms {
+            return Err(invalid(
+                "mesh.failure_detection_ms",
+                "must exceed mesh.gossip_interval_ms",
+            ));
+        }
+        if self.cluster_id.as_deref() == Some("") {
+            return Err(invalid(
+                "mesh.cluster_id",
+                "must not be empty (omit it instead)",
+            ));
+        }
+        if let Some(u) = &self.http_url {
+            let ok = reqwest::Url::parse(u)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some());
+            if !ok {
+                return Err(invalid(
+                    "mesh.http_url",
+                    format!("'{u}' must be an http(s) URL with a host"),
+                ));
+            }
+        }
+        let paths = [&self.ca, &self.cert, &self.key];
+        let given = paths.iter().filter(|p| p.is_some()).count();
+        match (&self.certs_dir, given) {
+            (Some(_), 0) | (None, 3) => {}
+            (Some(_), _) => {
+                return Err(invalid(
+                    "mesh.certs_dir",
+                    "give either certs_dir or ca + cert + key, not both",
+                ))
+            }
+            (None, _) => {
+                return Err(invalid(
+                    "mesh.certs_dir",
+                    "required (or all of mesh.ca, mesh.cert, mesh.key): a mesh node needs \
+                     certificates (`kvmesh certs init --dir D`, `kvmesh certs issue --dir D --name N`)",
+                ))
+            }
+        }
+        for (n, d) in self.distance.iter().enumerate() {
+            if d.a.is_empty() || d.b.is_empty() {
+                return Err(invalid(
+                    format!("mesh.distance[{n}]"),
+                    "a and b must be region names",
+                ));
+            }
+            if !d.ms.is_finite() || d.ms < 0.0 {
+                return Err(invalid(
+                    format!("mesh.distance[{n}].ms"),
+                    "must be a finite number ≥ 0",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the certificates.
+    pub fn identity(&self) -> anyhow::Result<NodeIdentity> {
+        Ok(match (&self.certs_dir, &self.ca, &self.cert, &self.key) {
+            (Some(dir), _, _, _) => {
+                let name = self.cert_name.as_deref().unwrap_or(&self.node_id);
+                NodeIdentity::load_dir(dir, name)?
+            }
+            (None, Some(ca), Some(cert), Some(key)) => NodeIdentity::load(ca, cert, key)?,
+            _ => anyhow::bail!("mesh: no certificates configured"),
+        })
+    }
+
+    /// The mesh library's configuration for a node of `region`/`zone` whose HTTP front is at
+    /// `http_url` (used when `http_url` is not configured).
+    pub fn mesh_config(
+        &self,
+        region: &str,
+        zone: &str,
+        default_cluster_id: &str,
+        http_url: String,
+    ) -> anyhow::Result<MeshConfig> {
+        let mut cfg = MeshConfig::new(
+            self.node_id.clone(),
+            region,
+            self.listen,
+            self.cluster_id
+                .clone()
+                .unwrap_or_else(|| default_cluster_id.to_owned()),
+            self.identity()?,
+        );
+        cfg.zone = zone.to_owned();
+        cfg.http_url = self.http_url.clone().unwrap_or(http_url);
+        cfg.advertise_addr = self.advertise;
+        cfg.seeds = self.seeds.clone();
+        cfg.gossip_interval = self.gossip_interval();
+        cfg.failure_detection = Duration::from_millis(self.failure_detection_ms);
+        // Reports wait at most a quarter round (50 ms at most), so a prefix routed at a follower
+        // reaches its home well within the round that publishes it.
+        cfg.report_flush_interval =
+            (self.gossip_interval() / 4).clamp(Duration::from_millis(5), Duration::from_millis(50));
+        Ok(cfg)
+    }
+
+    /// `gossip_interval_ms` as a duration.
+    pub fn gossip_interval(&self) -> Duration {
+        Duration::from_millis(self.gossip_interval_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{NodeConfig, ServeArgs};
+
+    #[test]
+    fn mesh_flags_make_a_mesh_node() {
+        let args = ServeArgs {
+            node_id: Some("n2".into()),
+            mesh_listen: Some("127.0.0.1:7001".parse().unwrap()),
+            seeds: vec!["127.0.0.1:7000".into()],
+            certs_dir: Some("/etc/kvmesh/certs".into()),
+            ..Default::default()
+        };
+        // No replicas needed: a mesh node learns them from its peers.
+        let c = NodeConfig::from_args(&args).unwrap();
+        let m = c.mesh.unwrap();
+        assert_eq!(m.node_id, "n2");
+        assert_eq!(m.listen.port(), 7001);
+        assert_eq!(m.seeds, vec!["127.0.0.1:7000".to_owned()]);
+        let e = NodeConfig::from_args(&ServeArgs {
+            node_id: Some("n2".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("mesh.certs_dir"), "{e}");
+        let single = NodeConfig::from_args(&ServeArgs::default()).unwrap_err();
+        assert!(single.to_string().contains("replicas"), "{single}");
+    }
+
+    #[test]
+    fn mesh_table_is_checked_and_named() {
+        let ok = "[mesh]\nnode_id = \"n1\"\ncerts_dir = \"/tmp/x\"\nseeds = [\"127.0.0.1:7000\"]\n\
+                  [[mesh.distance]]\na = \"eu\"\nb = \"us\"\nms = 80.0\n";
+        let c = NodeConfig::from_toml(ok).unwrap();
+        let m = c.mesh.unwrap();
+        assert_eq!(m.gossip_interval_ms, 100);
+        assert_eq!(m.distance[0].ms, 80.0);
+        for (toml, key) in [
+            ("[mesh]\ncerts_dir = \"/x\"", "mesh.node_id"),
+            ("[mesh]\nnode_id = \"n\"", "mesh.certs_dir"),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nca = \"/ca\"",
+                "mesh.certs_dir",
+            ),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nfailure_detection_ms = 50",
+                "mesh.failure_detection_ms",
+            ),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\n[[mesh.distance]]\na = \"x\"\nb = \"y\"\nms = -1.0",
+                "mesh.distance[0].ms",
+            ),
+            ("[mesh]\nnode_id = \"n\"\nplaintext = true", "plaintext"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+}

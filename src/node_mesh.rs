@@ -1,0 +1,908 @@
+//! The node's side of the mesh: home and follower roles per replica, applying what gossip says
+//! to the routing view, answering peers' summary requests and taking their block reports.
+//!
+//! Exists as a child module of `node` (it needs the core behind the node's lock) but in its own
+//! file, so the single-node code stays as it was and the mesh can be read in one place. All of
+//! it is synchronous and short under the lock; the async loop that calls it (gossip reads,
+//! publishing, pulls, forwarding) is `proxy::mesh_glue`.
+//!
+//! Roles, per replica:
+//! - **home** (this node wins the rendezvous hash over the live nodes of the replica's region, or
+//!   the node runs alone): scrapes the replica's `/metrics`, keeps the authoritative approximate
+//!   `CacheModel` fed by its own routes and by peers' block reports, copies its summary into the
+//!   view, and publishes the `replica:<id>` record.
+//! - **follower**: the view's summary is the copy pulled from the home; health and engine load come
+//!   from the home's record (made worse, never better, by this node's own passive ejection and —
+//!   for replicas in its static config — its own cheap `/health` checks); routed blocks are
+//!   reported to the home; the node's own in-flight counts stay its own.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use super::Node;
+use crate::config::ReplicaConfig;
+use crate::core::keys::BlockKey;
+use crate::core::regions::RegionMap;
+use crate::core::summary::{ReplicaSummary, SummaryMessage};
+use crate::core::view::Health;
+use crate::mesh::cluster::home_in;
+use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
+use crate::mesh::sync::needs_pull;
+use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
+
+/// The worse of two healths (`None` adds nothing).
+pub fn worst(local: Health, remote: Option<Health>) -> Health {
+    let rank = |h: Health| match h {
+        Health::Healthy => 0,
+        Health::Draining => 1,
+        Health::Unhealthy => 2,
+    };
+    match remote {
+        Some(r) if rank(r) > rank(local) => r,
+        _ => local,
+    }
+}
+
+/// Wall-clock milliseconds (summary epochs are wall-clock based so a new home supersedes).
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(1)
+}
+
+/// One replica's mesh state.
+#[derive(Debug)]
+pub struct ReplicaMesh {
+    /// This node is the replica's home (always, without a mesh).
+    pub home: bool,
+    /// The home's node id, when another node is home.
+    pub home_id: Option<String>,
+    /// The home's QUIC address (where block reports go), when another node is home.
+    pub home_addr: Option<SocketAddr>,
+    /// Health the home publishes, when another node is home.
+    pub remote_health: Option<Health>,
+    /// Prompt tokens the home publishes as queued there (0 when this node is home).
+    pub remote_queued: u64,
+    /// Learned from gossip only (not in this node's config or DNS).
+    pub learned: bool,
+    /// Version of the view's summary copy pulled from the home (followers).
+    pub pulled: Option<(u64, u64)>,
+    /// A pull is in flight.
+    pub pulling: bool,
+    /// When the view's summary last changed by a pull or a publish (core time).
+    pub updated_at: Option<Duration>,
+    /// The record last published (home), to publish only on change.
+    pub published: Option<ReplicaRecord>,
+}
+
+impl Default for ReplicaMesh {
+    fn default() -> Self {
+        ReplicaMesh {
+            home: true,
+            home_id: None,
+            home_addr: None,
+            remote_health: None,
+            remote_queued: 0,
+            learned: false,
+            pulled: None,
+            pulling: false,
+            updated_at: None,
+            published: None,
+        }
+    }
+}
+
+impl ReplicaMesh {
+    /// Where this node reports blocks it routes to the replica: the home's address when another
+    /// node is home, else nowhere.
+    pub fn report_target(&self) -> Option<SocketAddr> {
+        if self.home {
+            None
+        } else {
+            self.home_addr
+        }
+    }
+}
+
+/// A live node that may take forwarded requests.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peer {
+    /// Node id.
+    pub node_id: String,
+    /// Region.
+    pub region: String,
+    /// Base URL of its HTTP front.
+    pub http_url: String,
+    /// QUIC address (RTT lookups).
+    pub quic_addr: SocketAddr,
+}
+
+#[derive(Default)]
+struct Status {
+    warm: bool,
+    members: Vec<MemberJson>,
+    peers: Vec<Peer>,
+}
+
+/// The node's mesh slot: the running mesh (if any) and what the sync loop last learned.
+#[derive(Default)]
+pub struct NodeMesh {
+    mesh: RwLock<Option<Arc<Mesh>>>,
+    status: Mutex<Status>,
+    /// Woken when a summary this node is home for changed, so it is published without waiting
+    /// for the next gossip interval.
+    pub changed: Notify,
+    /// Mesh metrics, once the mesh started.
+    pub metrics: std::sync::OnceLock<crate::proxy::mesh_glue::MeshMetrics>,
+}
+
+/// A summary pull the sync loop should make.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pull {
+    /// View index.
+    pub index: usize,
+    /// Replica id.
+    pub id: String,
+    /// Publisher's QUIC address.
+    pub from: SocketAddr,
+    /// Version held (0, 0 without a copy).
+    pub epoch: u64,
+    /// Sequence held.
+    pub seq: u64,
+}
+
+/// What one membership round asks the async side to do.
+#[derive(Debug, Default)]
+pub struct MeshPlan {
+    /// Records to publish (home, changed).
+    pub publish: Vec<(String, ReplicaRecord)>,
+    /// Records to withdraw (no longer home).
+    pub unpublish: Vec<String>,
+    /// Summary pulls to start.
+    pub pulls: Vec<Pull>,
+    /// Replicas of the node's region whose home advertises a newer summary than the view holds.
+    pub behind: usize,
+}
+
+/// Kind of an applied pull (for metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullKind {
+    /// Keys since the held seq.
+    Delta,
+    /// The whole filter.
+    Snapshot,
+    /// Dropped: this node became home meanwhile.
+    Ignored,
+}
+
+impl PullKind {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullKind::Delta => "delta",
+            PullKind::Snapshot => "snapshot",
+            PullKind::Ignored => "ignored",
+        }
+    }
+}
+
+impl Node {
+    /// Whether the configuration asks for a mesh.
+    pub fn in_mesh(&self) -> bool {
+        self.cfg.mesh.is_some()
+    }
+
+    /// The running mesh, once attached.
+    pub fn mesh(&self) -> Option<Arc<Mesh>> {
+        self.mesh
+            .mesh
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Attaches a started mesh and installs this node as its handler.
+    pub fn attach_mesh(self: &Arc<Self>, mesh: Arc<Mesh>) {
+        mesh.set_handler(Arc::new(Handler(Arc::downgrade(self))));
+        *self.mesh.mesh.write().unwrap_or_else(|p| p.into_inner()) = Some(mesh);
+    }
+
+    /// Detaches the mesh (shutdown); the caller stops it.
+    pub fn detach_mesh(&self) -> Option<Arc<Mesh>> {
+        self.mesh
+            .mesh
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// The mesh slot (the sync loop's wake-up).
+    pub fn mesh_slot(&self) -> &NodeMesh {
+        &self.mesh
+    }
+
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.mesh.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether active `/health` checks of replica `i` run here: on its home, and for replicas
+    /// this node has from its own config or DNS (a cheap GET that lets it see a dead replica
+    /// before the home's record says so). Replicas learned only from gossip are checked by
+    /// their home alone.
+    pub fn should_check(&self, i: usize) -> bool {
+        self.lock()
+            .replicas
+            .get(i)
+            .is_some_and(|rt| rt.mesh.home || !rt.mesh.learned)
+    }
+
+    /// Whether `/metrics` scrapes of replica `i` run here: on its home only (followers read the
+    /// load from the home's record).
+    pub fn should_scrape(&self, i: usize) -> bool {
+        self.lock().replicas.get(i).is_some_and(|rt| rt.mesh.home)
+    }
+
+    /// After a route: tell the home (batched by the mesh), or wake the publisher when home.
+    pub(super) fn after_route(&self, i: usize, target: Option<SocketAddr>, keys: &[BlockKey]) {
+        let Some(mesh) = self.mesh() else {
+            return;
+        };
+        match target {
+            Some(home) => {
+                let id = self.id_of(i);
+                let raw: Vec<u64> = keys.iter().map(|k| k.0).collect();
+                mesh.report_blocks(home, &id, &raw);
+            }
+            None => self.mesh.changed.notify_one(),
+        }
+    }
+
+    /// Ready as far as the mesh goes: no mesh, or warm (first gossip round done and the region's
+    /// summaries pulled, or the warm-up timeout passed).
+    pub(super) fn mesh_ready(&self) -> bool {
+        !self.in_mesh() || self.status().warm
+    }
+
+    /// Whether the node is warm (always true without a mesh).
+    pub fn mesh_warm(&self) -> bool {
+        self.mesh_ready()
+    }
+
+    /// Marks the node warm.
+    pub fn set_mesh_warm(&self) {
+        self.status().warm = true;
+    }
+
+    /// Records the members and forwarding peers the sync loop last saw.
+    pub fn set_mesh_members(&self, members: &[Member]) {
+        let json = members
+            .iter()
+            .map(|m| MemberJson {
+                node_id: m.node_id.clone(),
+                region: m.region().unwrap_or("").to_owned(),
+                live: m.live,
+                generation: m.generation,
+                is_self: m.is_self,
+                http_url: m
+                    .node
+                    .as_ref()
+                    .map_or(String::new(), |n| n.http_url.clone()),
+                replicas_published: m.replicas.len(),
+            })
+            .collect();
+        let peers = members
+            .iter()
+            .filter(|m| m.live && !m.is_self)
+            .filter_map(|m| {
+                let n = m.node.as_ref()?;
+                (!n.http_url.is_empty()).then(|| Peer {
+                    node_id: m.node_id.clone(),
+                    region: n.region.clone(),
+                    http_url: n.http_url.trim_end_matches('/').to_owned(),
+                    quic_addr: n.quic_addr,
+                })
+            })
+            .collect();
+        let mut st = self.status();
+        st.members = json;
+        st.peers = peers;
+    }
+
+    /// Live peers of `region` that take forwarded requests.
+    pub fn peers_in(&self, region: &str) -> Vec<Peer> {
+        self.status()
+            .peers
+            .iter()
+            .filter(|p| p.region == region)
+            .cloned()
+            .collect()
+    }
+
+    /// Replaces the view's region distances.
+    pub fn set_regions(&self, map: RegionMap) {
+        self.lock().view.regions = map;
+    }
+
+    /// Adds a replica known only from a peer's record. Returns its index and whether it is new.
+    pub fn learn_replica(&self, e: &ReplicaEntry) -> anyhow::Result<(usize, bool)> {
+        if let Some(i) = self.lock().view.index_of(&e.id) {
+            return Ok((i, false));
+        }
+        let r = &e.record;
+        let spec = ReplicaConfig {
+            url: r.url.clone(),
+            id: Some(e.id.clone()),
+            region: Some(r.region.clone()),
+            zone: r.zone.clone(),
+            pool: r.pool.clone(),
+            models: r.models.clone(),
+            capacity_tokens: Some(r.capacity_tokens.max(1)),
+            prefill_tokens_per_s: if r.prefill_tokens_per_s.is_finite()
+                && r.prefill_tokens_per_s > 0.0
+            {
+                r.prefill_tokens_per_s
+            } else {
+                50_000.0
+            },
+            max_in_flight: r.max_in_flight.max(1),
+        };
+        let url = reqwest::Url::parse(&spec.url)?;
+        anyhow::ensure!(
+            matches!(url.scheme(), "http" | "https"),
+            "replica {} has a non-http URL",
+            e.id
+        );
+        let (i, new) = self.add_replica(&spec)?;
+        let mut core = self.lock();
+        if let Some(rt) = core.replicas.get_mut(i) {
+            if new {
+                // Its home decides; until this node is home it is a follower.
+                rt.mesh.learned = true;
+                rt.mesh.home = false;
+            }
+        }
+        Ok((i, new))
+    }
+
+    /// One membership round, under the lock: decide homes, fold records into the view, and say
+    /// what to publish, withdraw and pull. `records` holds one entry per replica id (the
+    /// publisher preferred by `replicas_in_region`).
+    pub fn apply_membership(
+        &self,
+        self_id: &str,
+        live: &[Member],
+        records: &BTreeMap<String, ReplicaEntry>,
+    ) -> MeshPlan {
+        let now = self.now();
+        let wall = now_ms();
+        let mut plan = MeshPlan::default();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let local = core.view.local_region.clone();
+        for i in 0..core.replicas.len() {
+            let Some(r) = core.view.replica(i) else {
+                continue;
+            };
+            let info = r.info.clone();
+            let load = r.load;
+            let rt = &mut core.replicas[i];
+            if rt.removed {
+                if rt.mesh.published.take().is_some() {
+                    plan.unpublish.push(info.id.clone());
+                }
+                continue;
+            }
+            let home = home_in(live, &info.id, &info.region);
+            let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
+            if me_home {
+                let mut restart = None;
+                if !rt.mesh.home {
+                    // Gained: supersede the previous home's epoch, keep what this node routed.
+                    let pulled = rt.mesh.pulled.map_or(0, |(e, _)| e + 1);
+                    restart = Some(wall.max(pulled));
+                    tracing::info!(replica = %info.id, "became home");
+                }
+                let ours = rt.cache.summary().epoch();
+                let theirs = live
+                    .iter()
+                    .filter(|m| !m.is_self)
+                    .filter_map(|m| m.replicas.get(&info.id))
+                    .map(|r| r.summary.epoch)
+                    .max();
+                if let Some(t) = theirs.filter(|t| *t >= ours) {
+                    restart = Some(restart.unwrap_or(0).max(t + 1));
+                }
+                if let Some(epoch) = restart {
+                    if let Err(e) = rt.cache.restart_epoch(epoch) {
+                        tracing::warn!(replica = %info.id, error = %e, "cannot start a new epoch");
+                    }
+                    rt.summary_dirty = true;
+                }
+                rt.mesh.home = true;
+                rt.mesh.home_id = Some(self_id.to_owned());
+                rt.mesh.home_addr = None;
+                rt.mesh.remote_health = None;
+                rt.mesh.remote_queued = 0;
+                rt.mesh.pulled = None;
+                let s = rt.cache.summary();
+                // The digest hashes the whole filter: reuse it while the version is unchanged.
+                let digest = match &rt.mesh.published {
+                    Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => {
+                        p.summary.digest
+                    }
+                    _ => s.digest(),
+                };
+                let version = SummaryVersion {
+                    epoch: s.epoch(),
+                    seq: s.seq(),
+                    digest,
+                };
+                let record = ReplicaRecord::new(&info, rt.effective_health(), &load, version);
+                if rt.mesh.published.as_ref() != Some(&record) {
+                    if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
+                        rt.mesh.updated_at = Some(now);
+                        // The home's own view gets the new summary now, with its record, not at
+                        // the next upkeep tick: that tick was the slowest step of visibility.
+                        rt.summary_dirty = false;
+                        let copy = rt.cache.summary().clone();
+                        core.view.set_summary(i, copy);
+                    }
+                    let rt = &mut core.replicas[i];
+                    rt.mesh.published = Some(record.clone());
+                    plan.publish.push((info.id.clone(), record));
+                }
+            } else {
+                if rt.mesh.home {
+                    if rt.mesh.published.take().is_some() {
+                        plan.unpublish.push(info.id.clone());
+                        tracing::info!(replica = %info.id, "no longer home");
+                    }
+                    // The view's copy was this node's own model; the home's replaces it.
+                    rt.mesh.pulled = None;
+                    if let Some(r) = core.view.replica_mut(i) {
+                        r.summary = None;
+                    }
+                }
+                let rt = &mut core.replicas[i];
+                rt.mesh.home = false;
+                rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
+                rt.mesh.home_addr = home.map(|(_, a)| a);
+                match records.get(&info.id) {
+                    Some(e) => {
+                        let rec = &e.record;
+                        rt.mesh.remote_health = Some(rec.health.into());
+                        rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
+                        let queued = rt.queued_estimate();
+                        let learned = rt.mesh.learned;
+                        if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
+                            plan.behind += 1;
+                            if !rt.mesh.pulling {
+                                rt.mesh.pulling = true;
+                                let (epoch, seq) = rt.mesh.pulled.unwrap_or((0, 0));
+                                plan.pulls.push(Pull {
+                                    index: i,
+                                    id: info.id.clone(),
+                                    from: e.publisher_addr,
+                                    epoch,
+                                    seq,
+                                });
+                            }
+                        }
+                        if learned {
+                            let fresh = rec.info(&info.id);
+                            if fresh != info {
+                                core.view.upsert(fresh);
+                            }
+                        }
+                        core.view.set_engine_load(
+                            i,
+                            rec.load.waiting,
+                            rec.load.running,
+                            rec.load.kv_usage.clamp(0.0, 1.0),
+                            queued,
+                        );
+                    }
+                    None => {
+                        // Nobody publishes it: a replica known only from gossip has no one
+                        // vouching for it any more; a configured one keeps its own checks.
+                        rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+                        rt.mesh.remote_queued = 0;
+                    }
+                }
+            }
+            let h = core.replicas[i].effective_health();
+            core.view.set_health(i, h);
+        }
+        plan
+    }
+
+    /// Applies a pulled summary to replica `i`'s view copy.
+    pub fn apply_pulled(&self, i: usize, msg: &SummaryMessage) -> anyhow::Result<PullKind> {
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let Some(rt) = core.replicas.get_mut(i) else {
+            anyhow::bail!("no replica {i}");
+        };
+        rt.mesh.pulling = false;
+        if rt.mesh.home {
+            return Ok(PullKind::Ignored);
+        }
+        let Some(r) = core.view.replica_mut(i) else {
+            anyhow::bail!("no replica {i}");
+        };
+        let (summary, kind) = match msg {
+            SummaryMessage::Delta(d) => {
+                let held = if rt.mesh.pulled.is_some() {
+                    r.summary.take()
+                } else {
+                    None
+                };
+                let Some(mut s) = held else {
+                    rt.mesh.pulled = None;
+                    anyhow::bail!("a delta without a copy to apply it to");
+                };
+                if let Err(e) = s.apply_delta(d) {
+                    // Keep the copy for routing; ask for a snapshot next time.
+                    r.summary = Some(s);
+                    rt.mesh.pulled = None;
+                    return Err(e.into());
+                }
+                (s, PullKind::Delta)
+            }
+            SummaryMessage::Snapshot(snap) => (
+                ReplicaSummary::from_snapshot(snap, &self.summary_cfg)?,
+                PullKind::Snapshot,
+            ),
+        };
+        rt.mesh.pulled = Some((summary.epoch(), summary.seq()));
+        rt.mesh.updated_at = Some(now);
+        core.view.set_summary(i, summary);
+        Ok(kind)
+    }
+
+    /// A record could not be published (e.g. over the size limit): forget it, so the homes
+    /// marker does not count it and the next round tries again.
+    pub fn publish_failed(&self, id: &str) {
+        let mut core = self.lock();
+        if let Some(i) = core.view.index_of(id) {
+            if let Some(rt) = core.replicas.get_mut(i) {
+                rt.mesh.published = None;
+            }
+        }
+    }
+
+    /// Replica records this node publishes now.
+    pub fn published_count(&self) -> u32 {
+        let n = self
+            .lock()
+            .replicas
+            .iter()
+            .filter(|rt| rt.mesh.published.is_some())
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// A pull of replica `i` failed: allow the next round to try again.
+    pub fn pull_failed(&self, i: usize) {
+        if let Some(rt) = self.lock().replicas.get_mut(i) {
+            rt.mesh.pulling = false;
+        }
+    }
+
+    /// This node's in-flight counts for gossip.
+    pub fn inflight_record(&self) -> InflightRecord {
+        let core = self.lock();
+        InflightRecord::fit(
+            core.view
+                .replicas()
+                .iter()
+                .map(|r| (r.info.id.clone(), r.load.in_flight)),
+        )
+    }
+
+    /// The `mesh` section of `/admin/state`.
+    pub fn mesh_state(&self) -> Option<MeshStateJson> {
+        let mesh = self.mesh()?;
+        let (warm, members) = {
+            let st = self.status();
+            (st.warm, st.members.clone())
+        };
+        let now = self.now();
+        let core = self.lock();
+        let replicas = core
+            .view
+            .replicas()
+            .iter()
+            .zip(&core.replicas)
+            .map(|(r, rt)| ReplicaMeshJson {
+                id: r.info.id.clone(),
+                region: r.info.region.clone(),
+                home: if rt.mesh.home {
+                    mesh.node_id().to_owned()
+                } else {
+                    rt.mesh.home_id.clone().unwrap_or_default()
+                },
+                learned: rt.mesh.learned,
+                summary_epoch: r.summary.as_ref().map_or(0, |s| s.epoch()),
+                summary_seq: r.summary.as_ref().map_or(0, |s| s.seq()),
+                summary_age_s: rt
+                    .mesh
+                    .updated_at
+                    .map(|t| now.saturating_sub(t).as_secs_f64()),
+            })
+            .collect();
+        Some(MeshStateJson {
+            node_id: mesh.node_id().to_owned(),
+            generation: mesh.node_record().generation,
+            quic_addr: mesh.addr().to_string(),
+            warm,
+            members,
+            replicas,
+        })
+    }
+}
+
+/// Answers peers' summary requests and takes their block reports.
+struct Handler(Weak<Node>);
+
+impl MeshHandler for Handler {
+    fn summary(&self, req: &SummaryRequest) -> Option<SummaryMessage> {
+        let node = self.0.upgrade()?;
+        let core = node.lock();
+        let i = core.view.index_of(&req.replica_id)?;
+        let rt = core.replicas.get(i)?;
+        // Only the home's summary is authoritative; a follower's copy has no addition log.
+        rt.mesh
+            .home
+            .then(|| rt.cache.summary().answer(req.epoch, req.seq))
+    }
+
+    fn block_report(&self, from: SocketAddr, report: BlockReport) {
+        let Some(node) = self.0.upgrade() else {
+            return;
+        };
+        let now = node.now();
+        let keys: Vec<BlockKey> = report.keys.iter().copied().map(BlockKey).collect();
+        let mut core = node.lock();
+        let Some(i) = core.view.index_of(&report.replica_id) else {
+            tracing::debug!(%from, replica = %report.replica_id, "block report for an unknown replica");
+            return;
+        };
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return;
+        };
+        // Recorded even when not home (any more): the model is this node's if it becomes home.
+        rt.cache.record_routed(&keys, now);
+        rt.summary_dirty = true;
+        let home = rt.mesh.home;
+        drop(core);
+        if home {
+            node.mesh.changed.notify_one();
+        }
+    }
+}
+
+/// `mesh` in `/admin/state`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MeshStateJson {
+    /// This node's id.
+    pub node_id: String,
+    /// This node's generation (start time, ms).
+    pub generation: u64,
+    /// This node's QUIC address.
+    pub quic_addr: String,
+    /// Warm: first gossip round done and the region's summaries pulled (or warm-up timed out).
+    pub warm: bool,
+    /// Every member known, live or dead.
+    pub members: Vec<MemberJson>,
+    /// Homes and summary versions per replica.
+    pub replicas: Vec<ReplicaMeshJson>,
+}
+
+/// One member in `/admin/state`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MemberJson {
+    /// Node id.
+    pub node_id: String,
+    /// Region ("" until its node record arrives).
+    pub region: String,
+    /// Counted live by the failure detector.
+    pub live: bool,
+    /// Generation (start time, ms).
+    pub generation: u64,
+    /// This node.
+    pub is_self: bool,
+    /// Its HTTP front.
+    pub http_url: String,
+    /// Replica records it publishes (as home).
+    pub replicas_published: usize,
+}
+
+/// One replica's mesh view in `/admin/state`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReplicaMeshJson {
+    /// Replica id.
+    pub id: String,
+    /// Region.
+    pub region: String,
+    /// Home node id ("" when unknown).
+    pub home: String,
+    /// Known only from gossip.
+    pub learned: bool,
+    /// Epoch of the view's summary.
+    pub summary_epoch: u64,
+    /// Seq of the view's summary.
+    pub summary_seq: u64,
+    /// Seconds since the summary last changed by a pull or a publish.
+    pub summary_age_s: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MeshSection, NodeConfig};
+    use crate::core::summary::SummaryConfig;
+    use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
+
+    fn member(id: &str, port: u16, is_self: bool) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: format!("http://{id}:8080"),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: BTreeMap::new(),
+            inflight: InflightRecord::default(),
+            rtt: Default::default(),
+            homes: None,
+        }
+    }
+
+    #[test]
+    fn homes_publish_followers_pull_and_apply() {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = (0..8)
+            .map(|i| ReplicaConfig {
+                id: Some(format!("r{i}")),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        let node = Node::new(cfg.clone()).unwrap();
+        let live = vec![member("a", 7000, true), member("b", 7001, false)];
+        let plan = node.apply_membership("a", &live, &BTreeMap::new());
+        let mine: Vec<String> = (0..8)
+            .map(|i| format!("r{i}"))
+            .filter(|id| home_in(&live, id, "eu").unwrap().0 == "a")
+            .collect();
+        assert!(!mine.is_empty() && mine.len() < 8, "homes spread: {mine:?}");
+        let published: Vec<String> = plan.publish.iter().map(|(id, _)| id.clone()).collect();
+        assert_eq!(published, mine);
+        assert!(plan.pulls.is_empty(), "nothing advertised yet");
+        // A second round with nothing new publishes nothing.
+        assert!(node
+            .apply_membership("a", &live, &BTreeMap::new())
+            .publish
+            .is_empty());
+
+        // b publishes one of its replicas with a summary: a pulls it once, from b.
+        let theirs = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| !mine.contains(id))
+            .unwrap();
+        let scfg = SummaryConfig::for_cluster(&cfg.cluster_id);
+        let mut s = ReplicaSummary::new(5, 1000, &scfg).unwrap();
+        s.insert(&[BlockKey(11), BlockKey(12)]);
+        let i = node.lock().view.index_of(&theirs).unwrap();
+        let info = node.lock().view.replica(i).unwrap().info.clone();
+        let mut rec = ReplicaRecord::new(
+            &info,
+            Health::Unhealthy,
+            &Default::default(),
+            SummaryVersion {
+                epoch: 5,
+                seq: s.seq(),
+                digest: s.digest(),
+            },
+        );
+        rec.load.waiting = 7;
+        let entry = ReplicaEntry {
+            id: theirs.clone(),
+            publisher: "b".into(),
+            publisher_addr: live[1].gossip_addr,
+            record: rec.clone(),
+        };
+        let records = BTreeMap::from([(theirs.clone(), entry)]);
+        let plan = node.apply_membership("a", &live, &records);
+        assert_eq!(plan.behind, 1);
+        assert_eq!(
+            plan.pulls,
+            vec![Pull {
+                index: i,
+                id: theirs.clone(),
+                from: live[1].gossip_addr,
+                epoch: 0,
+                seq: 0
+            }]
+        );
+        {
+            let core = node.lock();
+            let r = core.view.replica(i).unwrap();
+            assert_eq!(r.health, Health::Unhealthy, "the home's health counts");
+            assert_eq!(r.load.waiting, 7, "the home's load counts");
+            assert_eq!(
+                core.replicas[i].mesh.report_target(),
+                Some(live[1].gossip_addr)
+            );
+        }
+        // In flight: no second pull.
+        assert!(node.apply_membership("a", &live, &records).pulls.is_empty());
+        let kind = node
+            .apply_pulled(i, &SummaryMessage::Snapshot(s.snapshot()))
+            .unwrap();
+        assert_eq!(kind, PullKind::Snapshot);
+        let keys = [BlockKey(11), BlockKey(12)];
+        assert_eq!(node.lock().view.hit(i, &keys, Duration::ZERO), 2);
+        // Up to date now.
+        let plan = node.apply_membership("a", &live, &records);
+        assert_eq!((plan.behind, plan.pulls.len()), (0, 0));
+        // A delta from the same epoch applies on top.
+        s.insert(&[BlockKey(13)]);
+        let delta = s.answer(5, 1);
+        assert!(matches!(delta, SummaryMessage::Delta(_)));
+        assert_eq!(node.apply_pulled(i, &delta).unwrap(), PullKind::Delta);
+        let keys = [BlockKey(11), BlockKey(12), BlockKey(13)];
+        assert_eq!(node.lock().view.hit(i, &keys, Duration::ZERO), 3);
+        assert_eq!(rec.health, WireHealth::Unhealthy);
+
+        // b dies: a becomes home of everything, with an epoch above b's.
+        let alone = vec![live[0].clone()];
+        let plan = node.apply_membership("a", &alone, &BTreeMap::new());
+        assert_eq!(plan.publish.len(), 8 - mine.len());
+        let (_, r) = plan.publish.iter().find(|(id, _)| *id == theirs).unwrap();
+        assert!(r.summary.epoch > 5);
+    }
+
+    #[test]
+    fn worst_health_wins() {
+        assert_eq!(worst(Health::Healthy, None), Health::Healthy);
+        assert_eq!(
+            worst(Health::Healthy, Some(Health::Unhealthy)),
+            Health::Unhealthy
+        );
+        assert_eq!(
+            worst(Health::Unhealthy, Some(Health::Healthy)),
+            Health::Unhealthy
+        );
+        assert_eq!(
+            worst(Health::Healthy, Some(Health::Draining)),
+            Health::Draining
+        );
+    }
+}

@@ -1,0 +1,589 @@
+//! The async side of a mesh node: start the mesh, run the sync loop, forward requests to other
+//! regions.
+//!
+//! Exists to keep the I/O of the mesh out of the request path and out of `node.rs`: one loop per
+//! node reads gossip (every gossip interval, on any gossip change, and when a summary this node
+//! is home for changed), hands it to the synchronous `Node::apply_membership`, then publishes,
+//! withdraws and pulls what that decided, publishes in-flight counts, refreshes region distances
+//! and metrics, and decides when the node is warm. Forwarding a request to another region is
+//! plain HTTP to a live node of that region with the hop header, streamed back unbuffered.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::StreamExt;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
+use rand::seq::SliceRandom;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::error::ApiError;
+use crate::core::router::ForwardReason;
+use crate::mesh::cluster::replicas_in_region;
+use crate::mesh::schema::{HomesRecord, InflightRecord};
+use crate::mesh::transport::StatsSnapshot;
+use crate::mesh::{Member, Mesh};
+use crate::node::mesh::PullKind;
+use crate::node::Node;
+
+/// Request header marking a request another node already forwarded (its value is the hop
+/// count, always 1). A request carrying it is never forwarded again.
+pub const HOP_HEADER: &str = "x-kvmesh-hop";
+/// Response header naming the node a request was forwarded to.
+pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
+
+/// Mesh metrics, registered in the node's registry.
+#[derive(Clone)]
+pub struct MeshMetrics {
+    /// `kvmesh_mesh_gossip_messages_total{direction}`.
+    pub gossip_messages: IntCounterVec,
+    /// `kvmesh_mesh_gossip_bytes_total{direction}`.
+    pub gossip_bytes: IntCounterVec,
+    /// `kvmesh_mesh_sync_served_total`: summary requests answered.
+    pub sync_served: IntCounter,
+    /// `kvmesh_mesh_sync_bytes_sent_total`: bytes of summary responses sent.
+    pub sync_bytes_sent: IntCounter,
+    /// `kvmesh_mesh_sync_bytes_received_total`: bytes of summaries pulled (encoded size).
+    pub sync_bytes_received: IntCounter,
+    /// `kvmesh_mesh_block_reports_total{direction}`.
+    pub reports: IntCounterVec,
+    /// `kvmesh_mesh_dropped_total{reason}`: malformed/oversized input, undecodable gossip
+    /// values, blocked or undeliverable messages, failed dials and handshakes.
+    pub dropped: IntCounterVec,
+    /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
+    pub pulls: IntCounterVec,
+    /// `kvmesh_forwards_total{region,outcome}`: ok, retry (a node failed, next tried),
+    /// unavailable (every node failed or none live).
+    pub forwards: IntCounterVec,
+    /// `kvmesh_mesh_live_members`: live members, this node included.
+    pub live_members: IntGauge,
+}
+
+impl MeshMetrics {
+    fn new(registry: &prometheus::Registry) -> Result<Self, prometheus::Error> {
+        let vec = |name: &str, help: &str, label: &str| {
+            IntCounterVec::new(Opts::new(name, help), &[label])
+        };
+        let m = MeshMetrics {
+            gossip_messages: vec(
+                "kvmesh_mesh_gossip_messages_total",
+                "Gossip messages by direction",
+                "direction",
+            )?,
+            gossip_bytes: vec(
+                "kvmesh_mesh_gossip_bytes_total",
+                "Gossip bytes by direction",
+                "direction",
+            )?,
+            sync_served: IntCounter::new(
+                "kvmesh_mesh_sync_served_total",
+                "Summary requests answered",
+            )?,
+            sync_bytes_sent: IntCounter::new(
+                "kvmesh_mesh_sync_bytes_sent_total",
+                "Bytes of summary responses sent",
+            )?,
+            sync_bytes_received: IntCounter::new(
+                "kvmesh_mesh_sync_bytes_received_total",
+                "Bytes of summaries pulled",
+            )?,
+            reports: vec(
+                "kvmesh_mesh_block_reports_total",
+                "Routed-block reports by direction",
+                "direction",
+            )?,
+            dropped: vec(
+                "kvmesh_mesh_dropped_total",
+                "Mesh input or output dropped, by reason",
+                "reason",
+            )?,
+            pulls: vec(
+                "kvmesh_mesh_summary_pulls_total",
+                "Summary pulls by kind",
+                "kind",
+            )?,
+            forwards: IntCounterVec::new(
+                Opts::new(
+                    "kvmesh_forwards_total",
+                    "Requests forwarded to another region",
+                ),
+                &["region", "outcome"],
+            )?,
+            live_members: IntGauge::new("kvmesh_mesh_live_members", "Live mesh members")?,
+        };
+        registry.register(Box::new(m.gossip_messages.clone()))?;
+        registry.register(Box::new(m.gossip_bytes.clone()))?;
+        registry.register(Box::new(m.sync_served.clone()))?;
+        registry.register(Box::new(m.sync_bytes_sent.clone()))?;
+        registry.register(Box::new(m.sync_bytes_received.clone()))?;
+        registry.register(Box::new(m.reports.clone()))?;
+        registry.register(Box::new(m.dropped.clone()))?;
+        registry.register(Box::new(m.pulls.clone()))?;
+        registry.register(Box::new(m.forwards.clone()))?;
+        registry.register(Box::new(m.live_members.clone()))?;
+        Ok(m)
+    }
+
+    /// Adds what the transport counted since `prev`.
+    fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        let by = |v: &IntCounterVec, l: &str, n: u64| {
+            if n > 0 {
+                v.with_label_values(&[l]).inc_by(n);
+            }
+        };
+        by(
+            &self.gossip_messages,
+            "sent",
+            d(prev.gossip_sent, now.gossip_sent),
+        );
+        by(
+            &self.gossip_messages,
+            "received",
+            d(prev.gossip_received, now.gossip_received),
+        );
+        by(
+            &self.gossip_bytes,
+            "sent",
+            d(prev.gossip_bytes_sent, now.gossip_bytes_sent),
+        );
+        by(
+            &self.gossip_bytes,
+            "received",
+            d(prev.gossip_bytes_received, now.gossip_bytes_received),
+        );
+        self.sync_served
+            .inc_by(d(prev.sync_served, now.sync_served));
+        self.sync_bytes_sent
+            .inc_by(d(prev.sync_bytes_sent, now.sync_bytes_sent));
+        by(
+            &self.reports,
+            "sent",
+            d(prev.reports_sent, now.reports_sent),
+        );
+        by(
+            &self.reports,
+            "received",
+            d(prev.reports_received, now.reports_received),
+        );
+        by(&self.dropped, "malformed", d(prev.malformed, now.malformed));
+        by(&self.dropped, "oversized", d(prev.oversized, now.oversized));
+        by(&self.dropped, "blocked", d(prev.blocked, now.blocked));
+        by(
+            &self.dropped,
+            "send_dropped",
+            d(prev.send_dropped, now.send_dropped),
+        );
+        by(
+            &self.dropped,
+            "connect_failure",
+            d(prev.connect_failures, now.connect_failures),
+        );
+        by(
+            &self.dropped,
+            "handshake_failure",
+            d(prev.handshake_failures, now.handshake_failures),
+        );
+        by(&self.dropped, "bad_gossip_value", d(schema.0, schema.1));
+    }
+}
+
+/// The running mesh side of a node.
+pub struct MeshRuntime {
+    /// Metrics.
+    pub metrics: MeshMetrics,
+    task: JoinHandle<()>,
+}
+
+impl MeshRuntime {
+    /// Stops the loop and the mesh (peers see this node go silent).
+    pub async fn shutdown(self, node: &Node) {
+        self.task.abort();
+        let _ = self.task.await;
+        if let Some(mesh) = node.detach_mesh() {
+            // Close the endpoint at once even if a pull task still holds the handle.
+            mesh.transport().close();
+            if let Ok(mesh) = Arc::try_unwrap(mesh) {
+                mesh.shutdown().await;
+            }
+        }
+    }
+}
+
+/// Starts the mesh for `node` (whose HTTP front is bound at `http_addr`) and its sync loop.
+pub async fn start(
+    node: &Arc<Node>,
+    http_addr: SocketAddr,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<Option<MeshRuntime>> {
+    let Some(section) = node.cfg.mesh.clone() else {
+        return Ok(None);
+    };
+    let cfg = section.mesh_config(
+        &node.cfg.region,
+        &node.cfg.zone,
+        &node.cfg.cluster_id,
+        format!("http://{http_addr}"),
+    )?;
+    if section.http_url.is_none() && http_addr.ip().is_unspecified() {
+        tracing::warn!(%http_addr, "mesh.http_url not set and the HTTP front listens on a wildcard: peers cannot forward here; set mesh.http_url");
+    }
+    let mesh = Arc::new(Mesh::start(cfg).await?);
+    node.attach_mesh(Arc::clone(&mesh));
+    let metrics = MeshMetrics::new(&node.metrics.registry)?;
+    // A node is started once; a second start would have failed registering the metrics above.
+    let _ = node.mesh_slot().metrics.set(metrics.clone());
+    let task = tokio::spawn(sync_loop(
+        Arc::clone(node),
+        mesh,
+        section,
+        metrics.clone(),
+        stop,
+    ));
+    Ok(Some(MeshRuntime { metrics, task }))
+}
+
+struct LoopState {
+    started: Instant,
+    last_stats: StatsSnapshot,
+    last_schema_errors: u64,
+    last_inflight: Option<InflightRecord>,
+    /// When the first gossip round completed.
+    joined: Option<Instant>,
+    /// Writes of the homes marker so far.
+    homes_round: u64,
+    /// Replicas whose record could not be published (warned once).
+    unpublishable: BTreeSet<String>,
+    /// Live members (id, generation) at the last round, and since when they are unchanged.
+    live_ids: Vec<(String, u64)>,
+    live_since: Instant,
+}
+
+async fn sync_loop(
+    node: Arc<Node>,
+    mesh: Arc<Mesh>,
+    section: crate::config::MeshSection,
+    metrics: MeshMetrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = section.gossip_interval();
+    // Bursts of changes (a busy home, many peers publishing) coalesce to at most one round per
+    // fifth of an interval.
+    let spacing = interval / 5;
+    let mut changes = mesh.watch_changes().await;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut st = LoopState {
+        started: Instant::now(),
+        last_stats: StatsSnapshot::default(),
+        last_schema_errors: 0,
+        last_inflight: None,
+        joined: None,
+        homes_round: 0,
+        unpublishable: BTreeSet::new(),
+        live_ids: Vec::new(),
+        live_since: Instant::now(),
+    };
+    loop {
+        let changed = async {
+            match changes.as_mut() {
+                Some(rx) => {
+                    if rx.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = changed => {}
+            _ = node.mesh_slot().changed.notified() => {}
+            _ = crate::replicas::stopped(&mut stop) => return,
+        }
+        sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
+        tokio::time::sleep(spacing).await;
+    }
+}
+
+async fn sync_once(
+    node: &Arc<Node>,
+    mesh: &Arc<Mesh>,
+    section: &crate::config::MeshSection,
+    metrics: &MeshMetrics,
+    st: &mut LoopState,
+    stop: &watch::Receiver<bool>,
+) {
+    let members = mesh.members().await;
+    let live: Vec<Member> = members.iter().filter(|m| m.live).cloned().collect();
+    metrics.live_members.set(live.len() as i64);
+    node.set_mesh_members(&members);
+    let stats = mesh.stats();
+    metrics.add_stats(
+        &st.last_stats,
+        &stats.transport,
+        (st.last_schema_errors, stats.schema_errors),
+    );
+    st.last_stats = stats.transport;
+    st.last_schema_errors = stats.schema_errors;
+
+    // First gossip round: a seedless node is the first of its cluster; otherwise some peer
+    // answered and every live peer's node record arrived. Until then (or the warm-up timeout)
+    // the node claims no homes: alone, it would claim every replica and publish records that
+    // the real homes must then supersede.
+    let timed_out = st.started.elapsed() >= Duration::from_millis(section.warmup_timeout_ms);
+    if st.joined.is_none() {
+        let joined = section.seeds.is_empty()
+            || (live.len() > 1 && live.iter().all(|m| m.node.is_some()))
+            || timed_out;
+        if !joined {
+            return;
+        }
+        st.joined = Some(Instant::now());
+    }
+
+    // One entry per replica of every region anyone publishes.
+    let regions: BTreeSet<String> = live
+        .iter()
+        .flat_map(|m| m.replicas.values().map(|r| r.region.clone()))
+        .collect();
+    let mut records = BTreeMap::new();
+    for region in &regions {
+        for e in replicas_in_region(&live, region) {
+            records.insert(e.id.clone(), e);
+        }
+    }
+    for e in records.values() {
+        match node.learn_replica(e) {
+            Ok((i, true)) => {
+                tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
+                crate::replicas::spawn_replica_watchers(node, stop, i);
+            }
+            Ok(_) => {}
+            Err(err) => tracing::debug!(replica = %e.id, error = %err, "replica record not usable"),
+        }
+    }
+
+    let mut map = mesh.region_map().await;
+    for d in &section.distance {
+        map.configure(&d.a, &d.b, d.ms);
+    }
+    node.set_regions(map);
+
+    let plan = node.apply_membership(mesh.node_id(), &live, &records);
+    for (id, record) in &plan.publish {
+        match mesh.publish_replica(id, record).await {
+            Ok(()) => {
+                st.unpublishable.remove(id);
+            }
+            Err(e) => {
+                // Retried every round; logged once per replica until it works.
+                if st.unpublishable.insert(id.clone()) {
+                    tracing::warn!(replica = %id, error = %e, "replica record not published");
+                }
+                node.publish_failed(id);
+            }
+        }
+    }
+    for id in &plan.unpublish {
+        if let Err(e) = mesh.unpublish_replica(id).await {
+            tracing::warn!(replica = %id, error = %e, "replica record not withdrawn");
+        }
+    }
+    if !plan.publish.is_empty() || !plan.unpublish.is_empty() || st.homes_round == 0 {
+        st.homes_round += 1;
+        let marker = HomesRecord {
+            count: node.published_count(),
+            round: st.homes_round,
+        };
+        if let Err(e) = mesh.publish_homes(&marker).await {
+            tracing::warn!(error = %e, "homes marker not published");
+        }
+    }
+    for pull in plan.pulls {
+        let node = Arc::clone(node);
+        let mesh = Arc::clone(mesh);
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            match mesh
+                .fetch_summary(pull.from, &pull.id, pull.epoch, pull.seq)
+                .await
+            {
+                Ok(msg) => {
+                    if let Ok(bytes) = msg.encode() {
+                        metrics.sync_bytes_received.inc_by(bytes.len() as u64);
+                    }
+                    match node.apply_pulled(pull.index, &msg) {
+                        Ok(kind) => {
+                            metrics.pulls.with_label_values(&[kind.as_str()]).inc();
+                            if kind != PullKind::Ignored {
+                                // Readiness and status may change now, not a round later.
+                                node.mesh_slot().changed.notify_one();
+                            }
+                        }
+                        Err(e) => {
+                            metrics.pulls.with_label_values(&["error"]).inc();
+                            tracing::debug!(replica = %pull.id, error = %e, "pulled summary not applied");
+                        }
+                    }
+                }
+                Err(e) => {
+                    node.pull_failed(pull.index);
+                    metrics.pulls.with_label_values(&["error"]).inc();
+                    tracing::debug!(replica = %pull.id, peer = %pull.from, error = %e, "summary pull failed");
+                }
+            }
+        });
+    }
+
+    let inflight = node.inflight_record();
+    if st.last_inflight.as_ref() != Some(&inflight) {
+        match mesh.publish_inflight(&inflight).await {
+            Ok(()) => st.last_inflight = Some(inflight),
+            Err(e) => tracing::warn!(error = %e, "in-flight record not published"),
+        }
+    }
+
+    // A peer's keys may arrive over several gossip messages: "nothing to pull" counts only once
+    // this node holds every record each live peer says it publishes (its homes marker, written
+    // after its records, arrives after them).
+    // And peers this node heard of through others count as live only once their heartbeats
+    // reach it, a round or two later: the live set must also have been stable for 3 rounds.
+    let caught_up = live.iter().filter(|m| !m.is_self).all(|m| {
+        m.homes
+            .is_some_and(|h| h.count as usize == m.replicas.len())
+    });
+    let ids: Vec<(String, u64)> = live
+        .iter()
+        .map(|m| (m.node_id.clone(), m.generation))
+        .collect();
+    if ids != st.live_ids {
+        st.live_ids = ids;
+        st.live_since = Instant::now();
+    }
+    let stable = st.live_since.elapsed() >= 3 * section.gossip_interval();
+    if !node.mesh_warm() && ((stable && caught_up && plan.behind == 0) || timed_out) {
+        node.set_mesh_warm();
+        tracing::info!(
+            elapsed_ms = st.started.elapsed().as_millis() as u64,
+            timed_out,
+            behind = plan.behind,
+            "node warm"
+        );
+    }
+}
+
+fn is_failure(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}
+
+/// Forwards a request the router sent to `region`: to a live node there (lowest RTT first, the
+/// rest shuffled), with the hop header; a node that fails before answering (connect error,
+/// timeout, 5xx) gives way to the next; the answer streams back unbuffered.
+pub async fn forward(
+    node: &Arc<Node>,
+    region: &str,
+    reason: ForwardReason,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let metrics = node.mesh_slot().metrics.get();
+    let count = |outcome: &str| {
+        if let Some(m) = metrics {
+            m.forwards.with_label_values(&[region, outcome]).inc();
+        }
+    };
+    let mut peers = node.peers_in(region);
+    let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
+    peers.shuffle(&mut rand::rng());
+    // Stable sort: measured peers nearest first, unmeasured ones after in random order.
+    peers.sort_by(|a, b| {
+        let ra = rtts.get(&a.quic_addr).copied().unwrap_or(Duration::MAX);
+        let rb = rtts.get(&b.quic_addr).copied().unwrap_or(Duration::MAX);
+        ra.cmp(&rb)
+    });
+    let mut headers = headers.clone();
+    headers.insert(
+        HeaderName::from_static(HOP_HEADER),
+        HeaderValue::from_static("1"),
+    );
+    let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
+    let mut last = String::from("no live node there");
+    for peer in &peers {
+        let send = node
+            .client
+            .post(format!("{}{path}", peer.http_url))
+            .headers(headers.clone())
+            .body(body.clone())
+            .send();
+        match tokio::time::timeout(first_byte, send).await {
+            Ok(Ok(resp)) if !is_failure(resp.status()) => {
+                tracing::debug!(%region, peer = %peer.node_id, ?reason, "forwarded");
+                count("ok");
+                return Ok(stream_back(node, resp, &peer.node_id));
+            }
+            Ok(Ok(resp)) => last = format!("node {} answered {}", peer.node_id, resp.status()),
+            Ok(Err(e)) => last = format!("node {} failed: {e}", peer.node_id),
+            Err(_) => last = format!("node {} sent nothing within {first_byte:?}", peer.node_id),
+        }
+        tracing::warn!(%region, peer = %peer.node_id, error = %last, "forward attempt failed");
+        count("retry");
+    }
+    count("unavailable");
+    Err(ApiError::unavailable(format!(
+        "no local replica can serve this request and forwarding to region '{region}' failed: {last}"
+    )))
+}
+
+/// Streams another node's answer back, cutting it after the idle timeout.
+fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str) -> Response {
+    let status = resp.status();
+    let mut headers = HeaderMap::with_capacity(resp.headers().len() + 1);
+    for (k, v) in resp.headers() {
+        if !matches!(
+            k.as_str(),
+            "connection" | "keep-alive" | "transfer-encoding" | "te" | "trailer" | "upgrade"
+        ) {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(peer) {
+        headers.insert(HeaderName::from_static(FORWARDED_TO_HEADER), v);
+    }
+    let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
+    let inner = Box::pin(resp.bytes_stream());
+    let stream = futures::stream::unfold((inner, false), move |(mut inner, done)| async move {
+        if done {
+            return None;
+        }
+        match tokio::time::timeout(idle, inner.next()).await {
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), (inner, false))),
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e)), (inner, true))),
+            Ok(None) => None,
+            Err(_) => Some((
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no data from the forwarded node",
+                )),
+                (inner, true),
+            )),
+        }
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}

@@ -1,0 +1,732 @@
+//! `kvmesh serve` as a mesh node: several nodes on loopback (real QUIC with mTLS, real HTTP) in
+//! front of simulated replicas, in-process, and once as separate processes.
+//!
+//! Every test is bounded by `tokio::time::timeout`. Figures (propagation, home handover) are
+//! printed; run with `cargo test --test mesh_node -- --nocapture` to see them.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::NodeState;
+use kvmesh::proxy::{self, RunningNode};
+use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
+use serde_json::json;
+
+const ROUTED: &str = "x-kvmesh-routed-to";
+const HIT: &str = "x-kvmesh-hit-blocks";
+const MODEL: &str = "sim-llama-8b";
+const FAILURE_DETECTION_MS: u64 = 1_000;
+
+async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+fn client() -> reqwest::Client {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    proxy::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+/// A cluster CA in a fresh temporary directory; node certificates are issued on demand.
+fn certs() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    kvmesh::mesh::certs::init_dir(dir.path()).unwrap();
+    dir
+}
+
+async fn replica(id: &str) -> ReplicaHandle {
+    let mut cfg = ReplicaConfig {
+        id: id.into(),
+        exit_on_crash: false,
+        ..ReplicaConfig::default()
+    };
+    cfg.engine.time_scale = 50.0;
+    replica::spawn(cfg).await.unwrap()
+}
+
+/// A mesh node `name` of `region` with `replicas` (id, url), seeded with `seeds`.
+async fn mesh_node(
+    certs: &Path,
+    name: &str,
+    region: &str,
+    seeds: &[SocketAddr],
+    replicas: &[(String, String)],
+) -> RunningNode {
+    // A restarted node keeps its certificate.
+    if !certs.join(format!("{name}.pem")).exists() {
+        kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
+    }
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        region: region.into(),
+        cluster_id: "mesh-node-test".into(),
+        drain_s: 2,
+        ..NodeConfig::default()
+    };
+    cfg.health.interval_ms = 100;
+    cfg.health.timeout_ms = 500;
+    cfg.scrape.interval_ms = 100;
+    cfg.timeouts.first_byte_ms = 5_000;
+    cfg.timeouts.connect_ms = 500;
+    cfg.replicas = replicas
+        .iter()
+        .map(|(id, url)| NodeReplica {
+            id: Some(id.clone()),
+            ..NodeReplica::from_url(url.clone())
+        })
+        .collect();
+    cfg.mesh = Some(MeshSection {
+        node_id: name.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        seeds: seeds.iter().map(|s| s.to_string()).collect(),
+        certs_dir: Some(certs.to_owned()),
+        gossip_interval_ms: 100,
+        failure_detection_ms: FAILURE_DETECTION_MS,
+        warmup_timeout_ms: 5_000,
+        ..MeshSection::default()
+    });
+    proxy::spawn(cfg).await.unwrap()
+}
+
+fn mesh_addr(n: &RunningNode) -> SocketAddr {
+    n.node.mesh().unwrap().addr()
+}
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
+async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if cond() {
+            return Some(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// Homes of every replica as `n` sees them (replica id → home node id, "" when unknown).
+fn homes(n: &RunningNode) -> Vec<(String, String)> {
+    let s: NodeState = n.node.state();
+    s.mesh
+        .unwrap()
+        .replicas
+        .into_iter()
+        .map(|r| (r.id, r.home))
+        .collect()
+}
+
+fn live_members(n: &RunningNode) -> Vec<String> {
+    n.node
+        .state()
+        .mesh
+        .unwrap()
+        .members
+        .into_iter()
+        .filter(|m| m.live)
+        .map(|m| m.node_id)
+        .collect()
+}
+
+/// Whether every node sees `expect` live members, agrees on every replica's home (one of
+/// `expect`) and holds a record for each (their records were published and gossiped).
+fn converged(nodes: &[&RunningNode], expect: &[&str], replicas: usize) -> bool {
+    let first = homes(nodes[0]);
+    nodes.iter().all(|n| {
+        let mut live = live_members(n);
+        live.sort();
+        let h = homes(n);
+        live == expect
+            && h.len() == replicas
+            && h == first
+            && h.iter().all(|(_, home)| expect.contains(&home.as_str()))
+            && n.node.mesh_warm()
+    }) && {
+        // Every replica published by its home: the homes' own records.
+        let published: usize = nodes
+            .iter()
+            .map(|n| {
+                n.node
+                    .state()
+                    .mesh
+                    .unwrap()
+                    .members
+                    .iter()
+                    .find(|m| m.is_self)
+                    .map_or(0, |m| m.replicas_published)
+            })
+            .sum();
+        published == replicas
+    }
+}
+
+async fn complete(
+    c: &reqwest::Client,
+    node: SocketAddr,
+    prompt: &str,
+    extra: &[(&str, &str)],
+) -> (u16, reqwest::header::HeaderMap) {
+    let mut req = c
+        .post(format!("http://{node}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}));
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let _ = resp.bytes().await.unwrap();
+    (status, headers)
+}
+
+fn header(h: &reqwest::header::HeaderMap, name: &str) -> String {
+    h.get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+/// `n` distinct prompt bytes starting with `seed`.
+fn text(seed: &str, n: usize) -> String {
+    let mut s = String::new();
+    let mut i = 0;
+    while s.len() < n {
+        s.push_str(&format!("{seed}-{i:06} "));
+        i += 1;
+    }
+    s.truncate(n);
+    s
+}
+
+/// The version of replica `id`'s summary in `n`'s view.
+fn view_version(n: &RunningNode, id: &str) -> Option<(u64, u64)> {
+    let core = n.node.lock();
+    let i = core.view.index_of(id)?;
+    let s = core.view.replica(i)?.summary.as_ref()?;
+    Some((s.epoch(), s.seq()))
+}
+
+/// The version of the home's authoritative model of replica `id`, if `n` is its home.
+fn home_version(n: &RunningNode, id: &str) -> Option<(u64, u64)> {
+    let core = n.node.lock();
+    let i = core.view.index_of(id)?;
+    let rt = &core.replicas[i];
+    rt.mesh
+        .home
+        .then(|| (rt.cache.summary().epoch(), rt.cache.summary().seq()))
+}
+
+async fn three_nodes(
+    dir: &Path,
+    reps: &[ReplicaHandle],
+) -> (RunningNode, RunningNode, RunningNode) {
+    let list: Vec<(String, String)> = reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
+    let a = mesh_node(dir, "a", "eu", &[], &list).await;
+    let seed = [mesh_addr(&a)];
+    let b = mesh_node(dir, "b", "eu", &seed, &list).await;
+    let c = mesh_node(dir, "c", "eu", &seed, &list).await;
+    (a, b, c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another() {
+    bounded(30, async {
+        let dir = certs();
+        let mut reps = Vec::new();
+        for i in 0..3 {
+            reps.push(replica(&format!("r{i}")).await);
+        }
+        let (a, b, c) = three_nodes(dir.path(), &reps).await;
+        let t = wait_for(Duration::from_secs(10), || {
+            converged(&[&a, &b, &c], &["a", "b", "c"], 3)
+        })
+        .await
+        .expect("3 nodes converge");
+        println!("3 nodes + 3 replicas converged in {t:?}");
+        let http = client();
+        for n in [&a, &b, &c] {
+            let r = http
+                .get(format!("http://{}/ready", n.addr))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "ready once warm");
+        }
+
+        // A long prefix through A…
+        let prompt = text("shared-system-prompt", 8192);
+        let (status, h) = complete(&http, a.addr, &prompt, &[]).await;
+        assert_eq!(status, 200);
+        let chosen = header(&h, ROUTED);
+        assert!(!chosen.is_empty());
+        let sent = Instant::now();
+        // …reaches the home's model (directly or by A's block report)…
+        let home = [&a, &b, &c]
+            .into_iter()
+            .find(|n| home_version(n, &chosen).is_some())
+            .expect("the replica has a home");
+        let seen = wait_for(Duration::from_secs(5), || {
+            home_version(home, &chosen).is_some_and(|(_, seq)| seq > 0)
+        })
+        .await
+        .expect("the home recorded the prefix");
+        let target = home_version(home, &chosen).unwrap();
+        // …and the view of a node that is neither A nor the home: a copy pulled from the home.
+        let observer = if home_version(&b, &chosen).is_some() {
+            &c
+        } else {
+            &b
+        };
+        let visible = wait_for(Duration::from_secs(5), || {
+            view_version(observer, &chosen).is_some_and(|v| v >= target)
+        })
+        .await
+        .expect("the observer's view catches up with the home");
+        println!(
+            "prefix at home after {seen:?}; visible at a third node {:?} after routing",
+            sent.elapsed().min(seen + visible)
+        );
+        {
+            let core = observer.node.lock();
+            let i = core.view.index_of(&chosen).unwrap();
+            assert_eq!(
+                core.view.overlay_len(i),
+                0,
+                "B never routed it: the hit can only come from the summary"
+            );
+        }
+        let (status, h) = complete(&http, observer.addr, &prompt, &[]).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            header(&h, ROUTED),
+            chosen,
+            "the observer prefers the replica A warmed"
+        );
+        let hit: u32 = header(&h, HIT).parse().unwrap();
+        assert!(
+            hit >= 30,
+            "the observer expected the cached prefix: hit {hit}"
+        );
+
+        // `kvmesh status` shows the mesh.
+        let table = proxy::status(&format!("http://{}", b.addr), None)
+            .await
+            .unwrap();
+        assert!(
+            table.contains("member") && table.contains("(this node)"),
+            "{table}"
+        );
+        assert!(table.contains(&chosen));
+        let metrics = http
+            .get(format!("http://{}/metrics", b.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(metrics.contains("kvmesh_mesh_gossip_bytes_total{direction=\"sent\"}"));
+        assert!(metrics.contains("kvmesh_mesh_live_members 3"));
+
+        for n in [a, b, c] {
+            n.shutdown().await;
+        }
+        for r in reps {
+            r.shutdown().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
+    bounded(40, async {
+        let dir = certs();
+        let mut reps = Vec::new();
+        for i in 0..4 {
+            reps.push(replica(&format!("r{i}")).await);
+        }
+        let (a, b, c) = three_nodes(dir.path(), &reps).await;
+        wait_for(Duration::from_secs(10), || {
+            converged(&[&a, &b, &c], &["a", "b", "c"], 4)
+        })
+        .await
+        .expect("3 nodes converge");
+
+        // Kill the node that is home of the most replicas.
+        let h = homes(&a);
+        let mut nodes = vec![a, b, c];
+        let victim = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, n)| h.iter().filter(|(_, home)| home == *n).count())
+            .map(|(i, _)| i)
+            .unwrap();
+        let moved: Vec<String> = h
+            .iter()
+            .filter(|(_, home)| *home == ["a", "b", "c"][victim])
+            .map(|(r, _)| r.clone())
+            .collect();
+        assert!(!moved.is_empty());
+        let dead = nodes.remove(victim);
+        let old_generation = dead.node.state().mesh.unwrap().generation;
+        let survivors: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
+
+        // Traffic through the survivors all along.
+        let http = client();
+        let ok = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let load = {
+            let (http, ok, failed) = (http.clone(), ok.clone(), failed.clone());
+            tokio::spawn(async move {
+                let mut k = 0usize;
+                while !*stop_rx.borrow() {
+                    let prompt = text(&format!("p{}", k % 7), 2048);
+                    let (status, _) = complete(&http, survivors[k % 2], &prompt, &[]).await;
+                    if status == 200 {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    k += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let killed = Instant::now();
+        dead.kill().await;
+        let names: Vec<&str> = ["a", "b", "c"]
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != victim)
+            .map(|(_, n)| n)
+            .collect();
+        let t = wait_for(Duration::from_secs(10), || {
+            converged(&[&nodes[0], &nodes[1]], &names, 4)
+        })
+        .await
+        .expect("homes move to the survivors");
+        println!(
+            "replicas {moved:?} moved home {:?} after the kill (failure detection {FAILURE_DETECTION_MS} ms)",
+            killed.elapsed().min(t)
+        );
+        assert!(
+            t <= Duration::from_millis(FAILURE_DETECTION_MS * 3),
+            "homes moved in {t:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = stop_tx.send(true);
+        load.await.unwrap();
+        let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+        println!("{ok} requests served on the survivors, {failed} failed");
+        assert!(ok > 10);
+        assert_eq!(failed, 0);
+
+        // The dead node comes back: a new generation, warm from its peers before it is ready,
+        // and home again of the replicas the rendezvous hash gives it.
+        let name = ["a", "b", "c"][victim];
+        let list: Vec<(String, String)> =
+            reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
+        let back = mesh_node(dir.path(), name, "eu", &[mesh_addr(&nodes[0])], &list).await;
+        let t0 = Instant::now();
+        let t = wait_for(Duration::from_secs(10), || {
+            converged(&[&nodes[0], &nodes[1], &back], &["a", "b", "c"], 4)
+        })
+        .await
+        .expect("the restarted node rejoins");
+        println!("restarted node converged and warm {:?} after start", t0.elapsed().min(t));
+        let state = back.node.state().mesh.unwrap();
+        assert!(state.generation > old_generation);
+        assert!(state.warm);
+        for (id, home) in homes(&back) {
+            if home != name {
+                let peer = nodes.iter().find(|n| home_version(n, &id).is_some()).unwrap();
+                let (epoch, _) = home_version(peer, &id).unwrap();
+                assert_eq!(
+                    view_version(&back, &id).map(|v| v.0),
+                    Some(epoch),
+                    "{id}: pulled from its home {home}"
+                );
+            }
+        }
+        nodes.push(back);
+        for n in nodes {
+            n.shutdown().await;
+        }
+        for r in reps {
+            r.shutdown().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_a_foreign_certificate_is_never_listed() {
+    bounded(20, async {
+        let dir = certs();
+        let other = certs();
+        let r = replica("r0").await;
+        let list = vec![(r.id.clone(), r.base_url())];
+        let a = mesh_node(dir.path(), "a", "eu", &[], &list).await;
+        let b = mesh_node(dir.path(), "b", "eu", &[mesh_addr(&a)], &list).await;
+        let x = mesh_node(other.path(), "intruder", "eu", &[mesh_addr(&a)], &list).await;
+        wait_for(Duration::from_secs(5), || live_members(&b).len() == 2)
+            .await
+            .expect("a and b meet");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for n in [&a, &b] {
+            let members = n.node.state().mesh.unwrap().members;
+            assert!(
+                members.iter().all(|m| m.node_id != "intruder"),
+                "{members:?}"
+            );
+        }
+        assert_eq!(live_members(&x), vec!["intruder".to_owned()]);
+        assert!(
+            a.node.mesh().unwrap().stats().transport.handshake_failures > 0,
+            "the intruder's handshakes were refused"
+        );
+        for n in [a, b, x] {
+            n.shutdown().await;
+        }
+        r.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
+    bounded(30, async {
+        let dir = certs();
+        let ra = replica("ra0").await;
+        let rb = replica("rb0").await;
+        let a1 = mesh_node(
+            dir.path(),
+            "a1",
+            "a",
+            &[],
+            &[(ra.id.clone(), ra.base_url())],
+        )
+        .await;
+        let b1 = mesh_node(
+            dir.path(),
+            "b1",
+            "b",
+            &[mesh_addr(&a1)],
+            &[(rb.id.clone(), rb.base_url())],
+        )
+        .await;
+        // a1 learns rb0 from b1's record (it is not in a1's config) and sees it healthy.
+        wait_for(Duration::from_secs(10), || {
+            let s = a1.node.state();
+            s.replicas
+                .iter()
+                .any(|r| r.id == "rb0" && r.health == "healthy" && !r.models.is_empty())
+        })
+        .await
+        .expect("a1 learns region b's replica");
+        ra.shutdown().await;
+        let http = client();
+        // At once, before a1's checks notice: the attempt on ra0 fails, the retry goes to b.
+        let (status, h) = complete(&http, a1.addr, &text("right-away", 1024), &[]).await;
+        assert_eq!(status, 200);
+        assert_eq!(header(&h, ROUTED), "rb0");
+        wait_for(Duration::from_secs(5), || {
+            a1.node
+                .state()
+                .replicas
+                .iter()
+                .any(|r| r.id == "ra0" && r.health == "unhealthy")
+        })
+        .await
+        .expect("a1 sees its replica down");
+
+        let (status, h) = complete(&http, a1.addr, &text("cross-region", 1024), &[]).await;
+        assert_eq!(status, 200);
+        assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "b1");
+        assert_eq!(header(&h, "x-kvmesh-hop"), "1", "b1 saw the hop header");
+        assert_eq!(header(&h, ROUTED), "rb0");
+        let forwards = |n: &RunningNode| -> u64 {
+            n.node.mesh_slot().metrics.get().map_or(0, |m| {
+                ["a", "b"]
+                    .iter()
+                    .map(|r| m.forwards.with_label_values(&[r, "ok"]).get())
+                    .sum()
+            })
+        };
+        assert_eq!(forwards(&a1), 2);
+        assert_eq!(forwards(&b1), 0, "exactly one hop");
+
+        // A request that already hopped is never forwarded again.
+        let (status, _) = complete(
+            &http,
+            a1.addr,
+            &text("cross-region", 1024),
+            &[("x-kvmesh-hop", "1")],
+        )
+        .await;
+        assert_eq!(status, 503);
+        assert_eq!(forwards(&a1), 2);
+
+        for n in [a1, b1] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+    })
+    .await;
+}
+
+/// Child processes killed on drop, whatever the test's outcome.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_processes_form_a_mesh_and_serve() {
+    bounded(40, async {
+        let dir = certs();
+        for n in ["n1", "n2"] {
+            kvmesh::mesh::certs::issue_in_dir(dir.path(), n).unwrap();
+        }
+        let bin = env!("CARGO_BIN_EXE_kvmesh");
+        // Worktrees sharing one CARGO_TARGET_DIR overwrite each other's `target/debug/kvmesh`;
+        // say so plainly instead of failing later on an unknown flag.
+        let help = Command::new(bin).args(["serve", "--help"]).output().unwrap();
+        assert!(
+            String::from_utf8_lossy(&help.stdout).contains("--mesh-listen"),
+            "{bin} is not this tree's build (another build in a shared target dir replaced it); rebuild and rerun"
+        );
+        let log = |name: &str| {
+            Stdio::from(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
+        };
+        let mut children = Children(Vec::new());
+        let mut replica_urls = Vec::new();
+        for i in 0..2 {
+            let port = free_tcp_port();
+            children.0.push(
+                Command::new(bin)
+                    .args(["replica", "--port", &port.to_string(), "--id"])
+                    .arg(format!("p{i}"))
+                    .args(["--time-scale", "50"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            );
+            replica_urls.push(format!("http://127.0.0.1:{port}"));
+        }
+        let quic1 = free_udp_port();
+        let mut http_addrs = Vec::new();
+        for (i, name) in ["n1", "n2"].into_iter().enumerate() {
+            let http_port = free_tcp_port();
+            let quic = if i == 0 { quic1 } else { free_udp_port() };
+            let mut cmd = Command::new(bin);
+            cmd.args(["serve", "--listen"])
+                .arg(format!("127.0.0.1:{http_port}"))
+                .args(["--region", "eu", "--node-id", name, "--certs-dir"])
+                .arg(dir.path())
+                .arg("--mesh-listen")
+                .arg(format!("127.0.0.1:{quic}"));
+            for u in &replica_urls {
+                cmd.args(["--replica", u]);
+            }
+            if i > 0 {
+                cmd.arg("--mesh-seed").arg(format!("127.0.0.1:{quic1}"));
+            }
+            children.0.push(
+                cmd.stdout(Stdio::null())
+                    .stderr(log(name))
+                    .spawn()
+                    .unwrap(),
+            );
+            http_addrs.push(format!("127.0.0.1:{http_port}"));
+        }
+        let http = client();
+        for addr in &http_addrs {
+            let t0 = Instant::now();
+            loop {
+                let ready = http
+                    .get(format!("http://{addr}/ready"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200);
+                if ready {
+                    break;
+                }
+                if t0.elapsed() > Duration::from_secs(25) {
+                    for n in ["n1", "n2"] {
+                        let text = std::fs::read_to_string(dir.path().join(format!("{n}.log")));
+                        println!("--- {n} ---\n{}", text.unwrap_or_default());
+                    }
+                    panic!("node {addr} never became ready");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        // Both nodes list each other.
+        let t0 = Instant::now();
+        loop {
+            let s: NodeState = http
+                .get(format!("http://{}/admin/state", http_addrs[1]))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let live = s.mesh.unwrap().members.iter().filter(|m| m.live).count();
+            if live == 2 {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "nodes never met");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (status, h) = complete(
+            &http,
+            http_addrs[1].parse().unwrap(),
+            &text("process", 1024),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert!(header(&h, ROUTED).starts_with("127.0.0.1:"));
+        drop(children);
+    })
+    .await;
+}

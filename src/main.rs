@@ -34,6 +34,8 @@ enum Command {
     /// Replay a workload against OpenAI-compatible endpoints (or in-process fleets per policy)
     /// and report TTFT, latency, hit ratio and load balance.
     Bench(kvmesh::bench::bench_cli::BenchArgs),
+    /// A two-region mesh on loopback replaying the conversation trace: p2c-cache vs round-robin.
+    Demo(kvmesh::bench::demo::DemoArgs),
     /// Make a cluster CA and node certificates for mesh mTLS (quick start).
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -70,6 +72,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
         Command::Bench(args) => kvmesh::bench::bench_cli::main(args).await?,
+        Command::Demo(args) => kvmesh::bench::demo::main(args).await?,
         Command::Certs(CertsCommand::Init { dir }) => {
             let (cert, key) = kvmesh::mesh::certs::init_dir(&dir)?;
             println!("wrote {} and {}", cert.display(), key.display());

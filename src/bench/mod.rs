@@ -3,6 +3,7 @@
 //! and `kvmesh bench`, which replays them over HTTP against live endpoints and reports.
 
 pub mod bench_cli;
+pub mod demo;
 pub mod replay;
 pub mod report;
 pub mod sim;

@@ -14,6 +14,8 @@ use serde::Deserialize;
 
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
+use crate::replicas::kv_events::KvEventsSource;
+use crate::tokenize::TokenizerConfig;
 
 /// A configuration that cannot be used, naming the key at fault.
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +113,9 @@ pub struct NodeConfig {
     pub tenants: HashMap<String, TenantConfig>,
     /// Policy for tenants not listed (and requests without a tenant).
     pub default_tenant: TenantConfig,
+    /// Token mode: the model's tokenizer and chat template, so request keys match the keys of
+    /// engine KV events. Default none (text mode).
+    pub tokenizer: Option<TokenizerConfig>,
 }
 
 impl Default for NodeConfig {
@@ -142,6 +147,7 @@ impl Default for NodeConfig {
             dns: Vec::new(),
             tenants: HashMap::new(),
             default_tenant: TenantConfig::default(),
+            tokenizer: None,
         }
     }
 }
@@ -269,6 +275,10 @@ pub struct ReplicaConfig {
     /// In-flight requests above which it counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// The engine's KV-event endpoints; when set, the replica's cache model follows its events
+    /// while the stream is up. Default none (approximate model only).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSource>,
 }
 
 fn default_pool() -> String {
@@ -365,6 +375,7 @@ impl DnsConfig {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            kv_events: None,
         }
     }
 }
@@ -385,6 +396,7 @@ impl ReplicaConfig {
             capacity_tokens: None,
             prefill_tokens_per_s: default_prefill_rate(),
             max_in_flight: default_max_in_flight(),
+            kv_events: None,
         }
     }
 
@@ -535,6 +547,15 @@ impl NodeConfig {
             }
             if r.max_in_flight == 0 {
                 return Err(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+            if let Some(kv) = &r.kv_events {
+                kv.validate()
+                    .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
+            }
+        }
+        if let Some(t) = &self.tokenizer {
+            if t.block_size == Some(0) {
+                return Err(invalid("tokenizer.block_size", "must be at least 1"));
             }
         }
         for (n, d) in self.dns.iter().enumerate() {

@@ -11,7 +11,10 @@
 //! - [`bench`]: workloads (Mooncake trace), statistics and the discrete-event simulator.
 //! - [`config`]: the node's TOML configuration and CLI flags, validated.
 //! - [`node`]: the core's state behind one lock, as the live node drives it.
-//! - [`replicas`]: health checks, metrics scrapes and the health state machine.
+//! - [`replicas`]: health checks, metrics scrapes, the health state machine and the KV-event
+//!   subscribers that make a replica's cache model exact.
+//! - [`tokenize`]: token mode — the model's chat template and tokenizer, so request keys match
+//!   engine event keys.
 //! - [`proxy`]: `kvmesh serve`, the HTTP front (OpenAI endpoints, streaming, failover, admin,
 //!   metrics).
 
@@ -25,3 +28,4 @@ pub mod node;
 pub mod proxy;
 pub mod replica;
 pub mod replicas;
+pub mod tokenize;

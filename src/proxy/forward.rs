@@ -165,7 +165,17 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         tenant.filter(|_| node.tenant_isolated(tenant)),
     );
     let mut keys: Vec<BlockKey> = Vec::new();
-    let prompt_tokens = TEXT.with(|text| {
+    // Token mode (keys that match engine KV events) when configured; text mode otherwise.
+    let token_prompt = crate::tokenize::route_keys(
+        node,
+        &body,
+        model,
+        fields.lora_path.as_deref(),
+        fields.cache_salt.as_deref(),
+        tenant.filter(|_| node.tenant_isolated(tenant)),
+        &mut keys,
+    );
+    let prompt_tokens = token_prompt.map(Ok).unwrap_or_else(|| TEXT.with(|text| {
         let mut text = text.borrow_mut();
         let rendered = fields.render(&mut text);
         if rendered.is_ok() {
@@ -177,7 +187,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             *text = String::with_capacity(16 * 1024);
         }
         rendered.map(|()| tokens)
-    });
+    }));
     let prompt_tokens = prompt_tokens.map_err(|e| ApiError::bad_request(e.to_string(), None))?;
     let route_req = RouteRequest {
         model,

@@ -1,0 +1,214 @@
+//! A node subscribed to a simulated replica's KV events (ZMQ on loopback): its cache model for
+//! the replica holds exactly the blocks the replica stored, loses the ones it evicted, recovers
+//! history published before the node started (replay from 0), and falls back to the
+//! approximate model when the stream goes away.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh::config::{NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::core::cache_model::CacheSource;
+use kvmesh::core::keys::{token_block_keys, BlockKey};
+use kvmesh::engine_sim::tokens::tokenize;
+use kvmesh::node::Node;
+use kvmesh::proxy::{self, RunningNode};
+use kvmesh::replica::{self, KvEventsConfig, ReplicaConfig, ReplicaHandle};
+use kvmesh::replicas::kv_events::KvEventsSource;
+use kvmesh::tokenize::token_namespace;
+use serde_json::json;
+
+const LIMIT: Duration = Duration::from_secs(30);
+const MODEL: &str = "sim-llama-8b";
+/// The simulated engine's block: 16 tokens of 4 bytes.
+const BLOCK_TOKENS: usize = 16;
+const BLOCK_BYTES: usize = BLOCK_TOKENS * 4;
+
+async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+/// A replica publishing KV events (with replay), holding `capacity_blocks` blocks.
+async fn replica_with_events(capacity_blocks: usize) -> ReplicaHandle {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let mut cfg = ReplicaConfig {
+        id: "r0".into(),
+        exit_on_crash: false,
+        kv_events: Some(KvEventsConfig::default()),
+        ..ReplicaConfig::default()
+    };
+    cfg.engine.time_scale = 50.0;
+    cfg.engine.kv_capacity_tokens = capacity_blocks * BLOCK_TOKENS;
+    cfg.engine.max_model_len = capacity_blocks * BLOCK_TOKENS;
+    replica::spawn(cfg).await.unwrap()
+}
+
+async fn node_for(r: &ReplicaHandle) -> RunningNode {
+    proxy::install_crypto_provider();
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        drain_s: 2,
+        ..NodeConfig::default()
+    };
+    cfg.health.interval_ms = 100;
+    cfg.scrape.interval_ms = 100;
+    cfg.timeouts.connect_ms = 500;
+    cfg.replicas = vec![NodeReplica {
+        id: Some("r0".into()),
+        kv_events: Some(KvEventsSource {
+            endpoint: format!("tcp://127.0.0.1:{}", r.kv_events_port.unwrap()),
+            replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+            topic: String::new(),
+            dp_ranks: 1,
+        }),
+        ..NodeReplica::from_url(r.base_url())
+    }];
+    proxy::spawn(cfg).await.unwrap()
+}
+
+/// A prompt of exactly `blocks` full blocks, distinct per `seed`.
+fn prompt(seed: &str, blocks: usize) -> String {
+    let mut s = String::new();
+    let mut i = 0;
+    while s.len() < blocks * BLOCK_BYTES {
+        s.push_str(&format!("{seed}-{i:05} "));
+        i += 1;
+    }
+    s.truncate(blocks * BLOCK_BYTES);
+    s
+}
+
+/// The keys of the blocks the simulated replica stores for `prompt`, computed from its token
+/// blocks the way the node must compute them from events.
+fn expected_keys(prompt: &str) -> Vec<BlockKey> {
+    let mut keys = Vec::new();
+    token_block_keys(
+        token_namespace(None, None, None),
+        &tokenize(prompt),
+        BLOCK_TOKENS,
+        &mut keys,
+    );
+    keys
+}
+
+async fn complete_direct(url: &str, prompt: &str) {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+}
+
+async fn complete(node: &RunningNode, prompt: &str) {
+    complete_direct(&format!("http://{}", node.addr), prompt).await;
+}
+
+fn source(node: &Arc<Node>) -> CacheSource {
+    node.lock().replicas[0].cache.source()
+}
+
+/// Polls `f` every 20 ms until it holds.
+async fn until(mut f: impl FnMut() -> bool) {
+    while !f() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn held(node: &Arc<Node>, keys: &[BlockKey]) -> usize {
+    let core = node.lock();
+    keys.iter()
+        .filter(|k| core.replicas[0].cache.contains(**k))
+        .count()
+}
+
+#[tokio::test]
+async fn exact_model_holds_what_the_replica_stored_and_drops_evictions() {
+    bounded(async {
+        let r = replica_with_events(32).await;
+        let node = node_for(&r).await;
+        until(|| source(&node.node) == CacheSource::Exact).await;
+
+        let a = prompt("alpha", 10);
+        complete(&node, &a).await;
+        let ka = expected_keys(&a);
+        assert_eq!(ka.len(), 10);
+        until(|| held(&node.node, &ka) == ka.len()).await;
+        // Exactly those blocks: nothing routed-but-guessed, nothing else.
+        assert_eq!(node.node.lock().replicas[0].cache.len(), ka.len());
+
+        // Three more 12-block prompts overflow the 32-block cache: the oldest blocks go.
+        let mut all: HashSet<BlockKey> = ka.iter().copied().collect();
+        let mut last = Vec::new();
+        for seed in ["beta", "gamma", "delta"] {
+            let p = prompt(seed, 12);
+            complete(&node, &p).await;
+            last = expected_keys(&p);
+            all.extend(&last);
+        }
+        until(|| held(&node.node, &last) == last.len()).await;
+        until(|| held(&node.node, &ka) < ka.len()).await;
+        let core = node.node.lock();
+        let model = &core.replicas[0].cache;
+        assert!(model.len() <= 32, "{} blocks in a 32-block cache", model.len());
+        assert!(all.len() > 32);
+        let live = all.iter().filter(|k| model.contains(**k)).count();
+        assert_eq!(live, model.len(), "the model holds a block nobody stored");
+        drop(core);
+
+        node.shutdown().await;
+        r.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn history_before_the_node_started_is_replayed() {
+    bounded(async {
+        let r = replica_with_events(256).await;
+        let p = prompt("early", 8);
+        complete_direct(&r.base_url(), &p).await;
+        // Let the replica publish the batch before the node exists (no subscriber yet).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let node = node_for(&r).await;
+        let keys = expected_keys(&p);
+        until(|| source(&node.node) == CacheSource::Exact && held(&node.node, &keys) == keys.len())
+            .await;
+        assert_eq!(node.node.lock().replicas[0].cache.len(), keys.len());
+        node.shutdown().await;
+        r.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_lost_stream_falls_back_to_the_approximate_model() {
+    bounded(async {
+        let r = replica_with_events(256).await;
+        let node = node_for(&r).await;
+        until(|| source(&node.node) == CacheSource::Exact).await;
+        let p = prompt("kept", 4);
+        complete(&node, &p).await;
+        let keys = expected_keys(&p);
+        until(|| held(&node.node, &keys) == keys.len()).await;
+        r.shutdown().await;
+        until(|| source(&node.node) == CacheSource::Approximate).await;
+        // Seeded with the last exact set, so routing keeps what it knew.
+        assert_eq!(held(&node.node, &keys), keys.len());
+        let metrics = node.node.metrics.render().unwrap();
+        assert!(
+            metrics.contains("kvmesh_cache_source_switches_total{replica=\"r0\",to=\"approximate\"} 1"),
+            "{metrics}"
+        );
+        node.shutdown().await;
+    })
+    .await;
+}

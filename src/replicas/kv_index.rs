@@ -334,6 +334,7 @@ fn root_namespace(e: &BlockStored) -> Option<Namespace> {
 mod tests {
     use super::*;
     use crate::core::keys::token_block_keys;
+    use std::collections::HashSet;
 
     fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> KvEvent {
         KvEvent::BlockStored(BlockStored {
@@ -497,6 +498,99 @@ mod tests {
         idx.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), &mut ops);
         assert_eq!(ops, vec![Op::Clear]);
         assert!(idx.is_empty());
+    }
+
+    /// The first message a real vLLM 0.32 (CPU build) published, as real-engines.md shows it:
+    /// the bytes up to the third token id are verbatim; the rest of the 32 ids are not in the
+    /// reference, so ids of the same widths stand in (27 three-byte, 3 one-byte: 276 bytes in all,
+    /// the captured length).
+    fn real_vllm_message() -> (Vec<u8>, Vec<u32>) {
+        const CAPTURED: &str = "93cb41dac3068f2aae29918ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf18db6067965a9383b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc0020cd01eccd026a";
+        let mut bytes: Vec<u8> = (0..CAPTURED.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&CAPTURED[i..i + 2], 16).unwrap())
+            .collect();
+        let mut tokens = vec![492u32, 618];
+        for i in 0..30u32 {
+            let t = if i % 10 == 9 { 32 + i } else { 300 + i };
+            tokens.push(t);
+            crate::kv_events::msgpack::write_int(&mut bytes, t as i128);
+        }
+        for (k, v) in [
+            ("block_size", Value::Int(32)),
+            ("lora_id", Value::Nil),
+            ("medium", Value::Str("GPU".into())),
+            ("lora_name", Value::Nil),
+            ("extra_keys", Value::Array(vec![Value::Nil])),
+            ("group_idx", Value::Int(0)),
+            ("kv_cache_spec_kind", Value::Str("full_attention".into())),
+        ] {
+            crate::kv_events::msgpack::write_str(&mut bytes, k);
+            crate::kv_events::msgpack::write_value(&mut bytes, &v);
+        }
+        crate::kv_events::msgpack::write_int(&mut bytes, 0);
+        (bytes, tokens)
+    }
+
+    #[test]
+    fn a_real_vllm_message_decodes_re_encodes_and_indexes() {
+        let (bytes, tokens) = real_vllm_message();
+        assert_eq!(bytes.len(), 276);
+        let batch = crate::kv_events::decode_batch(&bytes).unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        assert!((batch.ts - 1_795_955_260.67).abs() < 0.01);
+        let KvEvent::BlockStored(e) = &batch.events[0] else {
+            panic!("{batch:?}")
+        };
+        assert_eq!(e.block_hashes, vec![1_791_131_274_830_320_515]);
+        assert_eq!((e.block_size, e.group_idx), (32, Some(0)));
+        // Our encoder writes the same bytes (field order and widths as msgspec).
+        assert_eq!(crate::kv_events::encode_batch(&batch), bytes);
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        idx.apply(0, &batch, &mut ops);
+        assert_eq!(ops, vec![Op::Store(expected(&tokens, 32))]);
+    }
+
+    proptest::proptest! {
+        /// Random bytes through decode + index never panic.
+        #[test]
+        fn random_payloads_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            if let Ok(batch) = crate::kv_events::decode_batch(&bytes) {
+                let mut idx = EventIndex::new(1);
+                idx.apply(0, &batch, &mut Vec::new());
+            }
+        }
+
+        /// Whatever the events (small hash space, so parents, duplicates and unknown removals
+        /// happen), replaying the emitted operations on a plain set gives the index's key set.
+        #[test]
+        fn operations_track_the_index_exactly(
+            events in proptest::collection::vec((0u8..4, 0usize..2, 0u64..6, 0u64..6, 0u32..3, 0u8..2), 1..60)
+        ) {
+            let mut idx = EventIndex::new(2);
+            let mut model: HashSet<BlockKey> = HashSet::new();
+            for (kind, rank, h, parent, tok, medium) in events {
+                let medium = if medium == 0 { "GPU" } else { "CPU" };
+                let event = match kind {
+                    0 => stored(vec![h], None, vec![tok, tok], 2),
+                    1 => stored(vec![h, h + 10], Some(parent), vec![tok, 1, 2, tok], 2),
+                    2 => removed(vec![h, parent], medium),
+                    _ => KvEvent::AllBlocksCleared,
+                };
+                let mut ops = Vec::new();
+                idx.apply(rank, &batch(vec![event]), &mut ops);
+                for op in ops {
+                    match op {
+                        Op::Store(k) => model.extend(k),
+                        Op::Remove(k) => for x in k { model.remove(&x); },
+                        Op::Clear => model.clear(),
+                    }
+                }
+                let want: HashSet<BlockKey> = idx.keys().into_iter().collect();
+                proptest::prop_assert_eq!(&model, &want);
+            }
+        }
     }
 
     #[test]

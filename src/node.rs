@@ -484,7 +484,10 @@ impl Node {
         };
         rt.engine = Some(load);
         if let (Some(bs), Some(tm)) = (load.block_size, self.tokenizer.as_ref()) {
-            if let Some(bs) = u32::try_from(bs).ok().and_then(|bs| tm.learn_block_size(bs)) {
+            if let Some(bs) = u32::try_from(bs)
+                .ok()
+                .and_then(|bs| tm.learn_block_size(bs))
+            {
                 tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from metrics");
                 core.view.tokens_per_block = bs;
             }

@@ -156,13 +156,18 @@ async fn exact_model_holds_what_the_replica_stored_and_drops_evictions() {
         }
         until(|| held(&node.node, &last) == last.len()).await;
         until(|| held(&node.node, &ka) < ka.len()).await;
-        let core = node.node.lock();
-        let model = &core.replicas[0].cache;
-        assert!(model.len() <= 32, "{} blocks in a 32-block cache", model.len());
-        assert!(all.len() > 32);
-        let live = all.iter().filter(|k| model.contains(**k)).count();
-        assert_eq!(live, model.len(), "the model holds a block nobody stored");
-        drop(core);
+        {
+            let core = node.node.lock();
+            let model = &core.replicas[0].cache;
+            assert!(
+                model.len() <= 32,
+                "{} blocks in a 32-block cache",
+                model.len()
+            );
+            assert!(all.len() > 32);
+            let live = all.iter().filter(|k| model.contains(**k)).count();
+            assert_eq!(live, model.len(), "the model holds a block nobody stored");
+        }
 
         node.shutdown().await;
         r.shutdown().await;
@@ -205,7 +210,9 @@ async fn a_lost_stream_falls_back_to_the_approximate_model() {
         assert_eq!(held(&node.node, &keys), keys.len());
         let metrics = node.node.metrics.render().unwrap();
         assert!(
-            metrics.contains("kvmesh_cache_source_switches_total{replica=\"r0\",to=\"approximate\"} 1"),
+            metrics.contains(
+                "kvmesh_cache_source_switches_total{replica=\"r0\",to=\"approximate\"} 1"
+            ),
             "{metrics}"
         );
         node.shutdown().await;

@@ -231,7 +231,10 @@ pub fn set_exact(node: &Node, i: usize, exact: bool, keys: &[BlockKey]) -> anyho
         tracing::warn!(replica = %id, blocks = keys.len(), "KV event stream down: back to the approximate cache model");
     }
     node.kv_metrics.switches.with_label_values(&[&id, to]).inc();
-    node.kv_metrics.up.with_label_values(&[&id]).set(exact as i64);
+    node.kv_metrics
+        .up
+        .with_label_values(&[&id])
+        .set(exact as i64);
     Ok(())
 }
 
@@ -388,7 +391,12 @@ struct Rank {
 }
 
 /// Subscribes to replica `i`'s KV events until `stop` turns true.
-pub async fn run(node: Arc<Node>, i: usize, source: KvEventsSource, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    node: Arc<Node>,
+    i: usize,
+    source: KvEventsSource,
+    mut stop: watch::Receiver<bool>,
+) {
     let id = node.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
     let endpoints = match source.rank_endpoints() {
         Ok(e) => e,
@@ -402,7 +410,12 @@ pub async fn run(node: Arc<Node>, i: usize, source: KvEventsSource, mut stop: wa
     let mut readers = Vec::with_capacity(endpoints.len());
     for (r, (sub, replay_ep)) in endpoints.into_iter().enumerate() {
         tracing::info!(replica = %id, rank = r, endpoint = %sub, replay = ?replay_ep, "subscribing to KV events");
-        readers.push(tokio::spawn(sub_reader(sub, source.topic.clone(), r, tx.clone())));
+        readers.push(tokio::spawn(sub_reader(
+            sub,
+            source.topic.clone(),
+            r,
+            tx.clone(),
+        )));
         ranks.push(Rank {
             tracker: SeqTracker::new(replay_ep.is_some()),
             replay_endpoint: replay_ep,
@@ -475,7 +488,9 @@ impl EventLoop {
                 self.malformed(why);
                 Vec::new()
             }
-            Input::Replayed(id, seq, payload) if id == r.replay_id => r.tracker.replayed(seq, payload),
+            Input::Replayed(id, seq, payload) if id == r.replay_id => {
+                r.tracker.replayed(seq, payload)
+            }
             Input::ReplayDone(id) if id == r.replay_id => r.tracker.replay_done(),
             Input::ReplayFailed(id, e) if id == r.replay_id => {
                 tracing::warn!(replica = %self.id, rank, error = %e, "KV event replay failed");
@@ -595,7 +610,9 @@ impl EventLoop {
         if up != self.exact {
             match set_exact(&self.node, self.i, up, &self.index.keys()) {
                 Ok(()) => self.exact = up,
-                Err(e) => tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model"),
+                Err(e) => {
+                    tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model")
+                }
             }
         }
     }

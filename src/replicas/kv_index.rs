@@ -382,7 +382,12 @@ mod tests {
         );
         idx.apply(
             0,
-            &batch(vec![stored(vec![13, 14], Some(12), tokens[16..].to_vec(), 8)]),
+            &batch(vec![stored(
+                vec![13, 14],
+                Some(12),
+                tokens[16..].to_vec(),
+                8,
+            )]),
             &mut ops,
         );
         let want = expected(&tokens, 8);
@@ -480,7 +485,11 @@ mod tests {
         let want = expected(&tokens, 4);
         let mut idx = EventIndex::new(2);
         let mut ops = Vec::new();
-        idx.apply(0, &batch(vec![stored(vec![1], None, tokens.clone(), 4)]), &mut ops);
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![1], None, tokens.clone(), 4)]),
+            &mut ops,
+        );
         // Offloaded to CPU: same engine hash, another tier.
         let mut cpu = stored(vec![1], None, tokens.clone(), 4);
         if let KvEvent::BlockStored(e) = &mut cpu {
@@ -488,7 +497,11 @@ mod tests {
         }
         idx.apply(0, &batch(vec![cpu]), &mut ops);
         // Rank 1 stores the same content under its own hash.
-        idx.apply(1, &batch(vec![stored(vec![9], None, tokens.clone(), 4)]), &mut ops);
+        idx.apply(
+            1,
+            &batch(vec![stored(vec![9], None, tokens.clone(), 4)]),
+            &mut ops,
+        );
         assert_eq!(ops, vec![Op::Store(want.clone())]);
         assert_eq!(idx.tier_counts(), (2, 1, 0));
         ops.clear();
@@ -597,8 +610,16 @@ mod tests {
     fn clearing_one_rank_removes_only_its_keys() {
         let mut idx = EventIndex::new(2);
         let mut ops = Vec::new();
-        idx.apply(0, &batch(vec![stored(vec![1], None, vec![1, 1], 2)]), &mut ops);
-        idx.apply(1, &batch(vec![stored(vec![2], None, vec![2, 2], 2)]), &mut ops);
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![1], None, vec![1, 1], 2)]),
+            &mut ops,
+        );
+        idx.apply(
+            1,
+            &batch(vec![stored(vec![2], None, vec![2, 2], 2)]),
+            &mut ops,
+        );
         ops.clear();
         idx.clear_rank(0, &mut ops);
         assert_eq!(ops, vec![Op::Remove(expected(&[1, 1], 2))]);

@@ -159,7 +159,10 @@ impl SeqTracker {
             self.begin_replay(expect, VecDeque::from([(seq, payload)]))
         } else {
             self.expect = Some(seq.wrapping_add(1));
-            vec![Action::Clear(ClearReason::Gap), Action::Apply { seq, payload }]
+            vec![
+                Action::Clear(ClearReason::Gap),
+                Action::Apply { seq, payload },
+            ]
         }
     }
 

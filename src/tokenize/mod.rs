@@ -23,7 +23,11 @@ use crate::core::keys::{token_block_keys, BlockKey, Namespace};
 
 /// The namespace of a token-mode key chain: LoRA adapter, cache salt and, for an isolated
 /// tenant, the tenant id. Used alike for requests and for the chain roots of engine events.
-pub fn token_namespace(lora: Option<&str>, cache_salt: Option<&str>, tenant: Option<&str>) -> Namespace {
+pub fn token_namespace(
+    lora: Option<&str>,
+    cache_salt: Option<&str>,
+    tenant: Option<&str>,
+) -> Namespace {
     Namespace::new("", lora, cache_salt, tenant)
 }
 
@@ -146,12 +150,15 @@ impl ChatTemplate {
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         // Templates call raise_exception() to reject conversations they cannot format.
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template_owned("chat", source)
             .map_err(|e| load_error(path, e))?;
         Ok(ChatTemplate {
@@ -186,7 +193,9 @@ impl ChatTemplate {
             ctx.insert("tools".into(), tools.clone());
         }
         template
-            .render(minijinja::Value::from(minijinja::value::Serde(Json::Object(ctx))))
+            .render(minijinja::Value::from(minijinja::value::Serde(
+                Json::Object(ctx),
+            )))
             .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 }
@@ -369,8 +378,24 @@ pub(crate) mod tests {
     /// A word-level tokenizer over a tiny vocabulary, in the `tokenizer.json` format.
     pub(crate) fn write_test_tokenizer(dir: &Path) -> (PathBuf, PathBuf) {
         let words = [
-            "[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "hello", "world",
-            "you", "are", "helpful", "the", "cat", "sat", "on", "mat", ".", "a",
+            "[UNK]",
+            "<s>",
+            "</s>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|system|>",
+            "hello",
+            "world",
+            "you",
+            "are",
+            "helpful",
+            "the",
+            "cat",
+            "sat",
+            "on",
+            "mat",
+            ".",
+            "a",
         ];
         let vocab: serde_json::Map<String, Json> = words
             .iter()
@@ -470,7 +495,11 @@ pub(crate) mod tests {
         ));
         // No block size yet: keys cannot be made.
         assert!(m
-            .request_keys(b"{\"prompt\":\"a\"}", token_namespace(None, None, None), &mut Vec::new())
+            .request_keys(
+                b"{\"prompt\":\"a\"}",
+                token_namespace(None, None, None),
+                &mut Vec::new()
+            )
             .is_err());
         assert_eq!(m.learn_block_size(32), Some(32));
         assert_eq!(m.learn_block_size(32), None);
@@ -487,7 +516,10 @@ pub(crate) mod tests {
             Err(TokenizeError::Unsupported(_))
         ));
         let bad = br#"{"messages":[{"role":"user","content":7}]}"#;
-        assert!(matches!(m.request_tokens(bad), Err(TokenizeError::Template(_))));
+        assert!(matches!(
+            m.request_tokens(bad),
+            Err(TokenizeError::Template(_))
+        ));
     }
 
     #[test]

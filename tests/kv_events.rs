@@ -219,3 +219,75 @@ async fn a_lost_stream_falls_back_to_the_approximate_model() {
     })
     .await;
 }
+
+/// A word-level `tokenizer.json`: word `wN` has id N.
+fn write_word_tokenizer(dir: &std::path::Path) -> std::path::PathBuf {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..64)
+        .map(|i| (format!("w{i}"), json!(i)))
+        .chain(std::iter::once(("[UNK]".to_owned(), json!(64))))
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    path
+}
+
+#[tokio::test]
+async fn token_mode_keys_requests_by_the_models_token_ids() {
+    bounded(async {
+        let dir = std::env::temp_dir().join(format!("kvmesh-kv-events-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = replica_with_events(256).await;
+        let mut cfg = NodeConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            drain_s: 2,
+            tokenizer: Some(kvmesh::tokenize::TokenizerConfig {
+                path: write_word_tokenizer(&dir),
+                chat_template_config: None,
+                block_size: Some(2),
+                models: vec![MODEL.into()],
+            }),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = vec![NodeReplica {
+            id: Some("r0".into()),
+            ..NodeReplica::from_url(r.base_url())
+        }];
+        proxy::install_crypto_provider();
+        let node = proxy::spawn(cfg).await.unwrap();
+        assert_eq!(node.node.lock().view.tokens_per_block, 2);
+        complete(&node, "w5 w6 w7 w8 w9").await;
+        let mut want = Vec::new();
+        token_block_keys(
+            token_namespace(None, None, None),
+            &[5, 6, 7, 8, 9],
+            2,
+            &mut want,
+        );
+        assert_eq!(want.len(), 2);
+        // No events configured: the approximate model records the routed token keys.
+        assert_eq!(held(&node.node, &want), 2);
+        assert_eq!(node.node.lock().replicas[0].cache.len(), 2);
+        // A model the tokenizer is not for falls back to text keys, counted.
+        let resp = reqwest::Client::new()
+            .post(format!("http://{}/v1/completions", node.addr))
+            .json(&json!({"model": "other", "prompt": "w1 w2"}))
+            .send()
+            .await
+            .unwrap();
+        resp.bytes().await.unwrap();
+        let metrics = node.node.metrics.render().unwrap();
+        assert!(
+            metrics.contains("kvmesh_token_mode_fallbacks_total{reason=\"other_model\"} 1"),
+            "{metrics}"
+        );
+        node.shutdown().await;
+        r.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    })
+    .await;
+}

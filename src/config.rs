@@ -735,6 +735,31 @@ mod tests {
     }
 
     #[test]
+    fn kv_events_and_tokenizer_parse_and_are_checked() {
+        let c = NodeConfig::from_toml(
+            "[tokenizer]\npath = \"/m/tokenizer.json\"\nblock_size = 32\n[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:5557\", replay = \"tcp://a:5558\", dp_ranks = 2 }\n",
+        )
+        .unwrap();
+        let kv = c.replicas[0].kv_events.as_ref().unwrap();
+        assert_eq!((kv.dp_ranks, kv.topic.as_str()), (2, ""));
+        assert_eq!(c.tokenizer.as_ref().unwrap().block_size, Some(32));
+        for (toml, key) in [
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://*:5557\" }",
+                "replicas[0].kv_events.endpoint",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:1\", dp_ranks = 0 }",
+                "replicas[0].kv_events.dp_ranks",
+            ),
+            ("[tokenizer]\npath = \"t\"\nblock_size = 0", "tokenizer.block_size"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+
+    #[test]
     fn the_shipped_example_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/node.toml");
         let c = NodeConfig::from_file(&path).unwrap();

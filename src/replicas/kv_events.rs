@@ -33,7 +33,8 @@ use crate::core::keys::BlockKey;
 use crate::kv_events::{decode_batch, END_OF_REPLAY_SEQ};
 use crate::node::Node;
 
-/// How long a replay may take before it is abandoned (and the replica cleared).
+/// Longest silence of a replay (connecting, or between two replies) before it is abandoned and
+/// the replica cleared. Per message rather than in total, so a long ring replays in full.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait between SUB connection attempts.
 const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(5);
@@ -350,14 +351,25 @@ async fn sub_reader(endpoint: String, topic: String, rank: usize, tx: Tx) {
 
 /// One replay exchange on a fresh DEALER: `["", from]` → `["", seq, payload]`… `["", ff×8, ""]`.
 async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
+    let timed_out = |_| "timed out".to_owned();
     let exchange = async {
         let mut dealer = DealerSocket::new();
-        dealer.connect(&endpoint).await.map_err(|e| e.to_string())?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(&endpoint))
+            .await
+            .map_err(timed_out)?
+            .map_err(|e| e.to_string())?;
         let request = vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())];
         let request = ZmqMessage::try_from(request).map_err(|_| "empty request".to_owned())?;
-        dealer.send(request).await.map_err(|e| e.to_string())?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(request))
+            .await
+            .map_err(timed_out)?
+            .map_err(|e| e.to_string())?;
         loop {
-            let frames = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+            let frames = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+                .await
+                .map_err(timed_out)?
+                .map_err(|e| e.to_string())?
+                .into_vec();
             // ["", seq, payload], tolerating a missing delimiter or a topic frame before seq.
             let body: Vec<&Bytes> = frames.iter().skip_while(|f| f.is_empty()).collect();
             let (seq, payload) = match body.as_slice() {
@@ -374,10 +386,9 @@ async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
             }
         }
     };
-    let input = match tokio::time::timeout(REPLAY_TIMEOUT, exchange).await {
-        Ok(Ok(())) => Input::ReplayDone(id),
-        Ok(Err(e)) => Input::ReplayFailed(id, e),
-        Err(_) => Input::ReplayFailed(id, "timed out".into()),
+    let input = match exchange.await {
+        Ok(()) => Input::ReplayDone(id),
+        Err(e) => Input::ReplayFailed(id, e),
     };
     send(&tx, rank, input).await;
 }

@@ -13,7 +13,9 @@
 #
 # Usage: scripts/vllm-cpu-e2e.sh [path/to/kvmesh]   (default: $CARGO_TARGET_DIR/debug/kvmesh)
 # Env: WORK (default /tmp/kvmesh-vllm-e2e), NUM_BLOCKS per engine (default 160 = 5,120 tokens,
-# small so that duplicated prefixes evict each other), N_GROUPS (6), PER_GROUP (6), CONCURRENCY (2).
+# small so that duplicated prefixes evict each other), N_GROUPS (6), PER_GROUP (6), CONCURRENCY (2),
+# PREFIX_WORDS (300 words ≈ 1,000 tokens per shared system prompt: the six fit in the two caches
+# when each prefix stays on one engine, not when every engine sees all six).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-${CARGO_TARGET_DIR:-target}/debug/kvmesh}
@@ -22,6 +24,7 @@ NUM_BLOCKS=${NUM_BLOCKS:-160}
 N_GROUPS=${N_GROUPS:-6}
 PER_GROUP=${PER_GROUP:-6}
 CONCURRENCY=${CONCURRENCY:-2}
+PREFIX_WORDS=${PREFIX_WORDS:-300}
 VENV=$WORK/venv
 PY=$VENV/bin/python
 MODEL_DIR=$WORK/tiny-llama
@@ -153,6 +156,7 @@ cat > "$WORK/drive.py" <<'EOF'
 CONCURRENCY at a time, streamed. Prints client TTFT and vLLM's prefix-cache deltas."""
 import json, random, re, statistics, sys, threading, time, urllib.request
 node, run, groups, per_group, conc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+PREFIX_WORDS = int(sys.argv[6])
 engines = ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
 names = ["prefix_cache_hits_total", "prefix_cache_queries_total",
          "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count"]
@@ -171,10 +175,10 @@ words = "alpha beta gamma delta router cache block prefix engine token latency q
 def text(seed, n):
     r = random.Random(seed)
     return " ".join(r.choice(words) + str(r.randrange(1000)) for _ in range(n))
-prefixes = [text(f"{run}-sys-{g}", 700) for g in range(groups)]
+prefixes = [text(f"{run}-sys-{g}", PREFIX_WORDS) for g in range(groups)]
 jobs = [(g, q) for g in range(groups) for q in range(per_group)]
 rng.shuffle(jobs)
-ttfts, lock, routed = [], threading.Lock(), {}
+ttfts, lock, routed, predicted = [], threading.Lock(), {}, [0]
 
 def one(g, q):
     body = {"model": "tiny-llama", "max_tokens": 4, "stream": True, "messages": [
@@ -185,6 +189,7 @@ def one(g, q):
     t0 = time.time()
     with urllib.request.urlopen(req, timeout=600) as resp:
         who = resp.headers.get("x-kvmesh-routed-to", "?")
+        hit_blocks = int(resp.headers.get("x-kvmesh-hit-blocks", "0"))
         for line in resp:
             if line.startswith(b"data:"):
                 ttft = time.time() - t0
@@ -193,6 +198,7 @@ def one(g, q):
     with lock:
         ttfts.append(ttft)
         routed.setdefault(g, set()).add(who)
+        predicted[0] += hit_blocks * 32
 
 before = scrape()
 queue = list(jobs)
@@ -217,7 +223,8 @@ spread = sum(len(v) for v in routed.values()) / len(routed)
 print(f"RESULT run={run} requests={len(jobs)} wall_s={wall:.1f} vllm_prefix_hit_rate={hit:.3f} "
       f"(hits {d['prefix_cache_hits_total']:.0f} / queries {d['prefix_cache_queries_total']:.0f} tokens) "
       f"ttft_client_p50_ms={statistics.median(ttfts)*1000:.0f} ttft_client_mean_ms={statistics.mean(ttfts)*1000:.0f} "
-      f"ttft_vllm_mean_ms={vllm_ttft*1000:.0f} engines_per_prefix={spread:.2f}")
+      f"ttft_vllm_mean_ms={vllm_ttft*1000:.0f} engines_per_prefix={spread:.2f} "
+      f"kvmesh_predicted_hit_tokens={predicted[0]}")
 EOF
 
 for POLICY in round-robin p2c-cache; do
@@ -237,11 +244,12 @@ for POLICY in round-robin p2c-cache; do
     sleep 0.2
   done
   echo "exact cache models: $n of 2"
-  "$PY" "$WORK/drive.py" "http://127.0.0.1:$NODE_PORT" "$POLICY" "$N_GROUPS" "$PER_GROUP" "$CONCURRENCY"
+  "$PY" "$WORK/drive.py" "http://127.0.0.1:$NODE_PORT" "$POLICY" "$N_GROUPS" "$PER_GROUP" "$CONCURRENCY" "$PREFIX_WORDS"
   curl -sf "http://127.0.0.1:$NODE_PORT/admin/state" | "$PY" -c '
 import json, sys
 for r in json.load(sys.stdin)["replicas"]:
-    print(f"  kvmesh view of {r[\"id\"]}: {r[\"cache_source\"]} model, {r[\"cache_keys\"]} blocks (engine cache holds at most '"$NUM_BLOCKS"')")'
+    print("  kvmesh view of %s: %s model, %d blocks (engine cache holds at most %s)"
+          % (r["id"], r["cache_source"], r["cache_keys"], sys.argv[1]))' "$NUM_BLOCKS" || true
   curl -sf "http://127.0.0.1:$NODE_PORT/metrics" | grep -E '^kvmesh_(kv_events_(up|clears_total|malformed_total|skipped_total)|exact_blocks|token_mode_fallbacks_total|cache_source_switches_total)' | sed 's/^/  /' || true
   kill "$NODE_PID" 2>/dev/null || true
   wait "$NODE_PID" 2>/dev/null || true

@@ -8,7 +8,8 @@
 //! - [`kv_events`]: vLLM's KV-event wire format (msgpack codec, ZMQ publisher with replay).
 //! - [`mesh`]: chitchat gossip over QUIC with mTLS, the state schema, home nodes, summary sync.
 //! - [`replica`]: `kvmesh replica`, a simulated OpenAI-compatible engine server.
-//! - [`bench`]: workloads (Mooncake trace), statistics and the discrete-event simulator.
+//! - [`bench`]: workloads (Mooncake trace, synthetic families), the discrete-event simulator,
+//!   and `kvmesh bench`'s HTTP replay, reports and charts.
 //! - [`config`]: the node's TOML configuration and CLI flags, validated.
 //! - [`node`]: the core's state behind one lock, as the live node drives it.
 //! - [`replicas`]: health checks, metrics scrapes, the health state machine and the KV-event

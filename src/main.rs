@@ -31,6 +31,9 @@ enum Command {
     },
     /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
     Sim(kvmesh::bench::sim_cli::SimArgs),
+    /// Replay a workload against OpenAI-compatible endpoints (or in-process fleets per policy)
+    /// and report TTFT, latency, hit ratio and load balance.
+    Bench(kvmesh::bench::bench_cli::BenchArgs),
     /// Make a cluster CA and node certificates for mesh mTLS (quick start).
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -66,6 +69,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
+        Command::Bench(args) => kvmesh::bench::bench_cli::main(args).await?,
         Command::Certs(CertsCommand::Init { dir }) => {
             let (cert, key) = kvmesh::mesh::certs::init_dir(&dir)?;
             println!("wrote {} and {}", cert.display(), key.display());

@@ -23,7 +23,8 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use super::stats::{max_over_mean, Distribution};
-use super::trace::{dequantized_arrivals, synthesize_prompt, TraceRequest, BYTES_PER_TOKEN};
+use super::trace::BYTES_PER_TOKEN;
+use super::workload::WorkloadRequest;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::policy::PolicyKind;
@@ -53,13 +54,10 @@ pub struct SimConfig {
     pub engine: EngineConfig,
     /// Routing-text block size. Default 256 bytes.
     pub block_bytes: usize,
-    /// Trace arrival times are divided by this (2.0 = twice the trace's rate). Default 1.
+    /// Workload arrival times are divided by this (2.0 = twice the workload's rate). Default 1.
     pub arrival_speedup: f64,
     /// Replay only the first N requests. Default: all.
     pub max_requests: Option<usize>,
-    /// Spread requests that share a quantised trace timestamp over the step
-    /// ([`dequantized_arrivals`]). Default true.
-    pub dequantize: bool,
     /// Run the oracle baseline instead (one central router reading the engines' true state).
     pub oracle: bool,
 }
@@ -76,7 +74,6 @@ impl Default for SimConfig {
             block_bytes: 256,
             arrival_speedup: 1.0,
             max_requests: None,
-            dequantize: true,
             oracle: false,
         }
     }
@@ -141,8 +138,9 @@ pub enum SimError {
     Config(String),
 }
 
-/// Runs the simulation of `trace` under `cfg`.
-pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
+/// Runs the simulation of `workload` under `cfg`. Sessions and tenants of the workload reach the
+/// router as they would through the headers.
+pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
     if cfg.nodes == 0 || cfg.replicas == 0 {
         return Err(SimError::Config(
             "nodes and replicas must be at least 1".into(),
@@ -154,7 +152,10 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
     cfg.engine
         .validate()
         .map_err(|e| SimError::Config(e.to_string()))?;
-    let trace = &trace[..cfg.max_requests.unwrap_or(trace.len()).min(trace.len())];
+    let reqs = &workload[..cfg
+        .max_requests
+        .unwrap_or(workload.len())
+        .min(workload.len())];
     let nodes_n = if cfg.oracle { 1 } else { cfg.nodes };
     let policy = if cfg.oracle {
         PolicyKind::CacheArgmin
@@ -219,15 +220,10 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         order += 1;
         heap.push(Reverse((t, order, e)));
     };
-    let arrivals: Vec<f64> = if cfg.dequantize {
-        dequantized_arrivals(trace)
-    } else {
-        trace.iter().map(|r| r.timestamp as f64 / 1000.0).collect()
-    };
-    for (i, t) in arrivals.iter().enumerate() {
+    for (i, r) in reqs.iter().enumerate() {
         push(
             &mut heap,
-            Duration::from_secs_f64(t / cfg.arrival_speedup),
+            Duration::from_secs_f64(r.at_s.max(0.0) / cfg.arrival_speedup),
             Event::Arrival(i),
         );
     }
@@ -239,9 +235,9 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
     }
 
     let mut rng = SmallRng::seed_from_u64(cfg.seed);
-    let mut flights = vec![InFlight::default(); trace.len()];
-    let mut ttft = Vec::with_capacity(trace.len());
-    let mut latency = Vec::with_capacity(trace.len());
+    let mut flights = vec![InFlight::default(); reqs.len()];
+    let mut ttft = Vec::with_capacity(reqs.len());
+    let mut latency = Vec::with_capacity(reqs.len());
     let (mut prompt_tokens, mut cached_tokens, mut errors, mut done) = (0u64, 0u64, 0usize, 0usize);
     let mut per_replica = vec![0u64; cfg.replicas];
     let mut text = String::new();
@@ -253,9 +249,9 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         last = last.max(now);
         match ev {
             Event::Arrival(i) => {
-                let req = &trace[i];
+                let req = &reqs[i];
                 let n = rng.random_range(0..nodes_n);
-                synthesize_prompt(req, &mut text);
+                req.write_prompt(&mut text);
                 keys.clear();
                 text_block_keys(ns, text.as_bytes(), cfg.block_bytes, &mut keys);
                 let prompt = tokenize(&text);
@@ -263,8 +259,8 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                     model: MODEL,
                     keys: &keys,
                     prompt_tokens: prompt.len() as u64,
-                    session: None,
-                    tenant: None,
+                    session: req.session.as_deref(),
+                    tenant: req.tenant.as_deref(),
                     forwarded: false,
                 };
                 let node = &mut nodes[n];
@@ -291,7 +287,7 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                     replica: r,
                     uncached_tokens: uncached,
                 };
-                let max_tokens = u32::try_from(req.output_length.max(1)).unwrap_or(u32::MAX);
+                let max_tokens = req.output_tokens.max(1);
                 if engines[r]
                     .submit(
                         Request {
@@ -356,16 +352,16 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
                         let _ = m.maybe_rebuild(now);
                     }
                 }
-                if done < trace.len() {
+                if done < reqs.len() {
                     push(&mut heap, now + cfg.gossip_interval, Event::Gossip(n));
                 }
             }
         }
     }
 
-    let first = trace
+    let first = reqs
         .first()
-        .map_or(0.0, |r| r.timestamp as f64 / 1000.0 / cfg.arrival_speedup);
+        .map_or(0.0, |r| r.at_s.max(0.0) / cfg.arrival_speedup);
     Ok(SimReport {
         policy: if cfg.oracle {
             "oracle".into()
@@ -374,7 +370,7 @@ pub fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimErro
         },
         nodes: nodes_n,
         replicas: cfg.replicas,
-        requests: trace.len(),
+        requests: reqs.len(),
         errors,
         ttft: Distribution::of(&mut ttft),
         latency: Distribution::of(&mut latency),
@@ -472,14 +468,17 @@ fn refresh(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::trace;
+    use crate::bench::{trace, workload};
     use std::path::Path;
 
-    fn conversation() -> Vec<TraceRequest> {
-        trace::load(
-            &Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl"),
+    fn conversation() -> Vec<WorkloadRequest> {
+        workload::from_trace(
+            &trace::load(
+                &Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl"),
+            )
+            .unwrap(),
+            true,
         )
-        .unwrap()
     }
 
     fn small(policy: PolicyKind) -> SimConfig {

@@ -1,5 +1,6 @@
-//! `kvmesh sim` on the command line: run several policies (and the oracle) on one workload and
-//! print one table; write the reports as JSON and Markdown.
+//! `kvmesh sim` on the command line: run several policies (and the oracle) on one workload (the
+//! trace or a synthetic family, see [`super::workload`]) and print one table; write the reports
+//! as JSON and Markdown.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -8,14 +9,17 @@ use anyhow::Context;
 use clap::Args;
 
 use super::sim::{run, SimConfig, SimReport};
-use super::trace;
+use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::Preset;
 
 /// Arguments of `kvmesh sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Mooncake-format JSONL trace. Default: the conversation trace shipped in `data/traces/`.
+    /// The workload (trace or synthetic family) and its rate, size and seed.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// Mooncake-format JSONL trace (same as `--workload trace:PATH`).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Policies to compare (comma-separated). Default: every policy.
@@ -33,22 +37,12 @@ pub struct SimArgs {
     /// Gossip interval in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub gossip_ms: u64,
-    /// Divide the trace's arrival times by this (2 = twice the rate).
+    /// Divide the workload's arrival times by this (2 = twice the rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// Spread requests sharing a quantised trace timestamp over the ~3 s step (false: replay the
-    /// bursts as recorded).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub dequantize: bool,
-    /// Replay only the first N requests.
-    #[arg(long)]
-    pub requests: Option<usize>,
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
-    /// Seed.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
     /// Directory for `sim-report.json` and `sim-report.md`.
     #[arg(long, default_value = "kvmesh-out")]
     pub out: PathBuf,
@@ -66,14 +60,13 @@ pub fn default_trace() -> PathBuf {
 }
 
 /// Runs `kvmesh sim`.
-pub fn main(args: SimArgs) -> anyhow::Result<()> {
-    let path = args.trace.clone().unwrap_or_else(default_trace);
-    let workload = trace::load(&path)?;
-    let preset = match args.preset.as_str() {
-        "8b-h100" => Preset::Llama8bH100,
-        "70b-tp4" => Preset::Llama70bTp4,
-        other => anyhow::bail!("unknown preset '{other}' (expected 8b-h100 or 70b-tp4)"),
-    };
+pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
+    if let Some(path) = args.trace.take() {
+        args.workload.workload = WorkloadKind::Trace(Some(path));
+    }
+    let loaded = args.workload.load()?;
+    let workload = loaded.requests;
+    let preset = parse_preset(&args.preset)?;
     let policies = if args.policy.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
@@ -82,12 +75,10 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
     let base = SimConfig {
         nodes: args.nodes,
         replicas: args.replicas,
-        seed: args.seed,
+        seed: args.workload.seed,
         gossip_interval: Duration::from_millis(args.gossip_ms),
         engine: preset.config(),
         arrival_speedup: args.speedup,
-        max_requests: args.requests,
-        dequantize: args.dequantize,
         ..Default::default()
     };
     let mut runs: Vec<(SimConfig, &str)> = policies
@@ -111,12 +102,11 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
             "",
         ));
     }
-    let ideal = trace::ideal_hit_ratio(
-        &workload[..args.requests.unwrap_or(workload.len()).min(workload.len())],
-    );
+    let ideal = workload::ideal_hit_ratio(&workload);
     eprintln!(
-        "kvmesh sim: {} on {} nodes x {} replicas ({}), gossip {} ms, speedup {}x",
-        path.display(),
+        "kvmesh sim: {} ({} requests) on {} nodes x {} replicas ({}), gossip {} ms, speedup {}x",
+        args.workload.workload,
+        workload.len(),
         base.nodes,
         base.replicas,
         args.preset,
@@ -145,8 +135,17 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The engine preset named on the command line (`8b-h100` or `70b-tp4`).
+pub fn parse_preset(name: &str) -> anyhow::Result<Preset> {
+    match name {
+        "8b-h100" => Ok(Preset::Llama8bH100),
+        "70b-tp4" => Ok(Preset::Llama70bTp4),
+        other => anyhow::bail!("unknown preset '{other}' (expected 8b-h100 or 70b-tp4)"),
+    }
+}
+
 /// One Markdown table of the runs.
-pub fn markdown(reports: &[SimReport], ideal_block_ratio: f64) -> String {
+pub fn markdown(reports: &[SimReport], ideal_token_ratio: f64) -> String {
     let mut s = String::from(
         "| policy | requests | errors | TTFT mean (s) | p50 | p90 | p99 | latency mean (s) | hit tokens | hit ratio | load max/mean |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
@@ -166,6 +165,6 @@ pub fn markdown(reports: &[SimReport], ideal_block_ratio: f64) -> String {
             r.load_max_over_mean
         ));
     }
-    s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, blocks): {ideal_block_ratio:.3}\n"));
+    s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, tokens): {ideal_token_ratio:.3}\n"));
     s
 }

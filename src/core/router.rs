@@ -15,7 +15,7 @@ use super::cost::CostModel;
 use super::keys::BlockKey;
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::tenants::Tenants;
-use super::view::{Health, ReplicaState, View};
+use super::view::{Health, HitScratch, ReplicaState, View};
 
 /// Router settings.
 #[derive(Clone, Debug)]
@@ -118,6 +118,7 @@ pub struct Router {
     /// Tenant policies and in-flight counts.
     pub tenants: Tenants,
     candidates: Vec<Candidate>,
+    scratch: HitScratch,
 }
 
 impl Router {
@@ -128,6 +129,7 @@ impl Router {
             rng: SmallRng::seed_from_u64(cfg.seed),
             tenants,
             candidates: Vec::new(),
+            scratch: HitScratch::default(),
             cfg,
         }
     }
@@ -187,6 +189,7 @@ impl Router {
         let cost = self.cfg.cost;
         let tpb = view.tokens_per_block as u64;
         self.candidates.clear();
+        self.scratch.reset(req.keys.len());
         for (i, r) in view.replicas().iter().enumerate() {
             if !serves(r) || r.health != Health::Healthy || r.info.region != view.local_region {
                 continue;
@@ -203,7 +206,7 @@ impl Router {
                 continue;
             }
             let hit_blocks = if uses_cache {
-                view.hit(i, req.keys, now) as u32
+                view.hit_with(i, req.keys, now, &mut self.scratch) as u32
             } else {
                 0
             };
@@ -268,7 +271,7 @@ impl Router {
         let hit_blocks = if uses_cache {
             chosen.hit_blocks
         } else {
-            view.hit(chosen.replica, req.keys, now) as u32
+            view.hit_with(chosen.replica, req.keys, now, &mut self.scratch) as u32
         };
         Decision::Route(Routed {
             replica: chosen.replica,

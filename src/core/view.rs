@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use super::keys::BlockKey;
 use super::regions::RegionMap;
-use super::summary::ReplicaSummary;
+use super::summary::{KeyHasher, KeyHashes, ReplicaSummary};
 
 /// Static facts about a replica.
 #[derive(Clone, Debug, PartialEq)]
@@ -243,13 +243,33 @@ impl View {
     /// true end overestimates the hit (probability ≈ fp_rate × log2(hit) per replica), where a
     /// linear scan would overestimate by one block with probability fp_rate.
     pub fn hit(&self, i: usize, keys: &[BlockKey], now: Duration) -> usize {
+        let mut scratch = HitScratch::default();
+        scratch.reset(keys.len());
+        self.hit_with(i, keys, now, &mut scratch)
+    }
+
+    /// [`View::hit`] with the keys' filter hashes memoised in `scratch` across the replicas of
+    /// one decision (call [`HitScratch::reset`] once per request). The router's hot path.
+    pub fn hit_with(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        now: Duration,
+        scratch: &mut HitScratch,
+    ) -> usize {
         let Some(r) = self.replicas.get(i) else {
             return 0;
         };
-        let held = |j: usize| {
+        if scratch.memo.len() < keys.len() {
+            scratch.reset(keys.len());
+        }
+        let mut held = |j: usize| {
             let k = keys[j];
-            r.summary.as_ref().is_some_and(|s| s.contains(k))
-                || r.overlay.get(&k.0).is_some_and(|until| *until > now)
+            let in_summary = r.summary.as_ref().is_some_and(|s| {
+                let h = scratch.hashes(s, j, k);
+                s.contains_hashed(h)
+            });
+            in_summary || r.overlay.get(&k.0).is_some_and(|until| *until > now)
         };
         if keys.is_empty() || !held(0) {
             return 0;
@@ -279,6 +299,45 @@ impl View {
     }
 }
 
+/// Filter hashes of one request's keys, computed at most once per key and decision.
+#[derive(Debug, Default)]
+pub struct HitScratch {
+    hasher: Option<KeyHasher>,
+    memo: Vec<Option<KeyHashes>>,
+}
+
+impl HitScratch {
+    /// Forgets the previous request's hashes; `n` = the new request's key count.
+    pub fn reset(&mut self, n: usize) {
+        self.memo.clear();
+        self.memo.resize(n, None);
+    }
+
+    /// The hashes of key `j` (`k`) for `summary`'s seed.
+    #[inline]
+    fn hashes(&mut self, summary: &ReplicaSummary, j: usize, k: BlockKey) -> KeyHashes {
+        if self
+            .hasher
+            .as_ref()
+            .is_none_or(|h| h.seed_id() != summary.seed_id())
+        {
+            // Only on the first decision (or a seed change, which config forbids).
+            self.hasher = Some(summary.key_hasher());
+            self.memo.iter_mut().for_each(|m| *m = None);
+        }
+        if let Some(h) = self.memo[j] {
+            return h;
+        }
+        let h = match &self.hasher {
+            Some(hasher) => hasher.hash(k),
+            None => summary.key_hasher().hash(k),
+        };
+        self.memo[j] = Some(h);
+        h
+    }
+}
+
+/// Test helpers shared by the core's tests.
 #[cfg(test)]
 pub(crate) mod testing {
     use super::ReplicaInfo;

@@ -1,0 +1,155 @@
+//! `kvmesh bench` on the command line: build a workload, replay it against URLs (one run), each
+//! of `--compare` URL sets (one run each), or an in-process fleet per policy
+//! (`--compare-policies`), print one table and write the reports and charts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+
+use super::replay::{self, FleetConfig, ReplayConfig, RunResult};
+use super::report;
+use super::workload::WorkloadArgs;
+use crate::core::policy::PolicyKind;
+
+/// Arguments of `kvmesh bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The workload (trace or synthetic family) and its rate, size and seed.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// Base URL(s) to replay against, comma-separated; requests are spread over them uniformly
+    /// at random (as a mesh's clients do). Example: http://127.0.0.1:8080
+    #[arg(long, value_delimiter = ',')]
+    pub url: Vec<String>,
+    /// Several runs in one invocation, one per URL (use `a+b` to spread one run over two URLs).
+    #[arg(long, value_delimiter = ',')]
+    pub compare: Vec<String>,
+    /// Start an in-process fleet (simulated replicas + kvmesh nodes) per policy and compare
+    /// them, e.g. `p2c-cache,round-robin`.
+    #[arg(long, value_delimiter = ',')]
+    pub compare_policies: Vec<PolicyKind>,
+    /// Fleet: simulated replicas per run.
+    #[arg(long, default_value_t = 4)]
+    pub replicas: usize,
+    /// Fleet: kvmesh nodes per run (independent, each knowing every replica).
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// Fleet: replicas run this many times faster than real time; arrivals are sped up to match
+    /// and reported times are model seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub time_scale: f64,
+    /// Fleet: engine preset, `8b-h100` or `70b-tp4`.
+    #[arg(long, default_value = "8b-h100")]
+    pub preset: String,
+    /// Divide the workload's arrival times by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// `--url`/`--compare` runs: multiply measured times by this in reports (set it to the
+    /// replicas' `--time-scale` to read model seconds from simulated replicas).
+    #[arg(long, default_value_t = 1.0)]
+    pub report_scale: f64,
+    /// Most requests in flight at once.
+    #[arg(long, default_value_t = 512)]
+    pub concurrency: usize,
+    /// Model name. Default: the first model the (first) target lists in /v1/models.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Prometheus endpoints (replicas) to read prefix-cache counter deltas from, for engines
+    /// that do not report cached tokens per response. Comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub metrics_url: Vec<String>,
+    /// Bound on one request, seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+    /// No progress line.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Directory for bench-report.json, bench-report.md and the SVG charts.
+    #[arg(long, default_value = "kvmesh-out")]
+    pub out: PathBuf,
+}
+
+/// Runs `kvmesh bench`.
+pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
+    let workload = args.workload.load()?;
+    anyhow::ensure!(!workload.requests.is_empty(), "the workload is empty");
+    let base = ReplayConfig {
+        model: args.model.clone(),
+        speedup: args.speedup,
+        concurrency: args.concurrency,
+        seed: args.workload.seed,
+        metrics_urls: args.metrics_url.clone(),
+        request_timeout: Duration::from_secs(args.timeout_s),
+        progress: !args.quiet,
+        time_scale: args.report_scale,
+        ..ReplayConfig::default()
+    };
+    anyhow::ensure!(
+        args.report_scale.is_finite() && args.report_scale > 0.0,
+        "--report-scale must be > 0"
+    );
+    eprintln!(
+        "kvmesh bench: {} ({} requests, ideal hit ratio {:.3})",
+        args.workload.workload,
+        workload.requests.len(),
+        super::workload::ideal_hit_ratio(&workload.requests)
+    );
+    let modes = [
+        !args.url.is_empty(),
+        !args.compare.is_empty(),
+        !args.compare_policies.is_empty(),
+    ];
+    anyhow::ensure!(
+        modes.iter().filter(|m| **m).count() == 1,
+        "give exactly one of --url, --compare or --compare-policies"
+    );
+    let runs: Vec<RunResult> = if !args.compare_policies.is_empty() {
+        let mut engine = super::sim_cli::parse_preset(&args.preset)?.config();
+        engine.time_scale = args.time_scale;
+        let fleet = FleetConfig {
+            replicas: args.replicas,
+            nodes: args.nodes,
+            time_scale: args.time_scale,
+            engine,
+            ..FleetConfig::default()
+        };
+        replay::run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base)
+            .await?
+    } else {
+        let sets: Vec<Vec<String>> = if args.url.is_empty() {
+            args.compare
+                .iter()
+                .map(|c| c.split('+').map(str::to_owned).collect())
+                .collect()
+        } else {
+            vec![args.url.clone()]
+        };
+        let mut runs = Vec::with_capacity(sets.len());
+        for targets in sets {
+            let cfg = ReplayConfig {
+                label: targets.join("+"),
+                targets,
+                ..base.clone()
+            };
+            let run = replay::replay(&workload.requests, &cfg)
+                .await
+                .with_context(|| format!("replaying against {}", cfg.label))?;
+            runs.push(run);
+        }
+        runs
+    };
+    let reports: Vec<_> = runs.iter().map(report::summarize).collect();
+    println!("{}", report::markdown(&reports));
+    let files = report::write_all(&args.out, &runs)?;
+    eprintln!(
+        "wrote {}",
+        files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,701 @@
+//! `kvmesh bench`'s engine: replays a [`WorkloadRequest`] list over HTTP against one or several
+//! OpenAI-compatible base URLs and records what each request saw.
+//!
+//! It exists apart from the CLI so the demo (and tests) can replay against fleets they started
+//! themselves: [`replay`] for any URLs, [`run_fleet`] / [`run_fleet_comparison`] for an
+//! in-process fleet (simulated replicas + one or more kvmesh nodes per policy).
+//!
+//! Measurement, per request: streaming `/v1/completions` (`stream: true`,
+//! `stream_options.include_usage`); TTFT = first SSE `data:` event, latency = end of stream, both
+//! from the moment the request was sent (after the concurrency cap let it go); output tokens from
+//! the usage chunk (else the number of content chunks); serving replica from
+//! `x-kvmesh-replica` (else `x-kvmesh-routed-to`); cached prompt tokens from
+//! `x-kvmesh-cached-tokens`, else `usage.prompt_tokens_details.cached_tokens`. For engines with
+//! neither, the run also scrapes `--metrics-url`s before and after and reports the deltas of
+//! `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` summed over them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use super::workload::WorkloadRequest;
+use crate::config::{NodeConfig, ReplicaConfig as NodeReplica};
+use crate::core::policy::PolicyKind;
+use crate::engine_sim::EngineConfig;
+
+/// Header naming the replica that served a completion (set by simulated replicas).
+pub const REPLICA_HEADER: &str = "x-kvmesh-replica";
+/// Header a kvmesh node sets to the replica it routed to (fallback for engines without
+/// [`REPLICA_HEADER`]).
+pub const ROUTED_HEADER: &str = crate::proxy::forward::REPLICA_HEADER;
+/// Header carrying the prompt tokens served from the prefix cache.
+pub const CACHED_HEADER: &str = "x-kvmesh-cached-tokens";
+/// Session header sent with requests that belong to a session or agent run.
+pub const SESSION_HEADER: &str = "x-session-id";
+/// Tenant header sent with requests that name a tenant.
+pub const TENANT_HEADER: &str = "x-tenant-id";
+
+/// How to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayConfig {
+    /// Base URLs (`http://host:port`); each request goes to one drawn uniformly at random.
+    pub targets: Vec<String>,
+    /// Model name; `None` = the first model `GET /v1/models` of the first target lists.
+    pub model: Option<String>,
+    /// Workload arrival times are divided by this. Default 1.
+    pub speedup: f64,
+    /// Most requests in flight at once; later arrivals wait for a slot. Default 512.
+    pub concurrency: usize,
+    /// Replay only the first N requests. Default: all.
+    pub max_requests: Option<usize>,
+    /// Seed of the target draw. Default 1.
+    pub seed: u64,
+    /// Prometheus endpoints to scrape before and after for prefix-cache counters. Default none.
+    pub metrics_urls: Vec<String>,
+    /// Bound on one request, headers to end of stream. Default 600 s.
+    pub request_timeout: Duration,
+    /// Print a progress line to stderr every 2 s. Default true.
+    pub progress: bool,
+    /// Name of the run in reports. Default "run".
+    pub label: String,
+    /// Measured durations are multiplied by this in reports (the time scale of simulated
+    /// replicas, so figures are in model seconds). Default 1.
+    pub time_scale: f64,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            targets: Vec::new(),
+            model: None,
+            speedup: 1.0,
+            concurrency: 512,
+            max_requests: None,
+            seed: 1,
+            metrics_urls: Vec::new(),
+            request_timeout: Duration::from_secs(600),
+            progress: true,
+            label: "run".into(),
+            time_scale: 1.0,
+        }
+    }
+}
+
+/// What one request saw. Durations are wall seconds (not yet scaled).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// Index in the workload.
+    pub index: usize,
+    /// Index of the target URL it was sent to.
+    pub target: usize,
+    /// When it was sent, seconds since the run started.
+    pub sent_s: f64,
+    /// HTTP status (0 when no response arrived).
+    pub status: u16,
+    /// Time to the first SSE data event.
+    pub ttft_s: Option<f64>,
+    /// Time to the end of the stream (or the failure).
+    pub latency_s: f64,
+    /// Prompt tokens (from the usage chunk, else the workload's count).
+    pub prompt_tokens: u64,
+    /// Output tokens (usage chunk, else content chunks counted).
+    pub output_tokens: u64,
+    /// Prompt tokens served from the prefix cache, when the endpoint says.
+    pub cached_tokens: Option<u64>,
+    /// The replica that served it, when the endpoint says.
+    pub replica: Option<String>,
+    /// Why it failed; `None` = success.
+    pub error: Option<String>,
+}
+
+/// Prefix-cache counter deltas scraped from `/metrics` endpoints.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MetricsDelta {
+    /// Δ `vllm:prefix_cache_hits_total` (tokens), summed over endpoints.
+    pub hits: f64,
+    /// Δ `vllm:prefix_cache_queries_total` (tokens), summed over endpoints.
+    pub queries: f64,
+}
+
+/// One replay's raw results.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    /// Name of the run.
+    pub label: String,
+    /// The target URLs.
+    pub targets: Vec<String>,
+    /// The model requested.
+    pub model: String,
+    /// Per request, in workload order.
+    pub records: Vec<RequestRecord>,
+    /// Wall seconds from the first send to the last completion.
+    pub wall_s: f64,
+    /// Multiply durations by this for model seconds.
+    pub time_scale: f64,
+    /// Replica ids known to exist (a fleet's), so idle replicas count in load shares; empty =
+    /// those seen in responses.
+    pub replicas: Vec<String>,
+    /// Prefix-cache counter deltas, when metrics URLs were given and answered.
+    pub metrics: Option<MetricsDelta>,
+}
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Nothing to send to.
+    #[error("no target URL given")]
+    NoTargets,
+    /// Bad parameter.
+    #[error("invalid replay parameter: {0}")]
+    Invalid(String),
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// The model could not be discovered.
+    #[error("discovering the model from {url}/v1/models: {reason}")]
+    Models {
+        /// The target asked.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Replays `workload` against `cfg.targets` and returns every request's record.
+pub async fn replay(
+    workload: &[WorkloadRequest],
+    cfg: &ReplayConfig,
+) -> Result<RunResult, ReplayError> {
+    if cfg.targets.is_empty() {
+        return Err(ReplayError::NoTargets);
+    }
+    if !(cfg.speedup.is_finite() && cfg.speedup > 0.0) {
+        return Err(ReplayError::Invalid("speedup must be > 0".into()));
+    }
+    if cfg.concurrency == 0 {
+        return Err(ReplayError::Invalid(
+            "concurrency must be at least 1".into(),
+        ));
+    }
+    crate::proxy::install_crypto_provider();
+    let client = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(cfg.concurrency)
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .map_err(ReplayError::Client)?;
+    let targets: Vec<String> = cfg
+        .targets
+        .iter()
+        .map(|t| t.trim_end_matches('/').to_owned())
+        .collect();
+    let model = match &cfg.model {
+        Some(m) => m.clone(),
+        None => discover_model(&client, &targets[0]).await?,
+    };
+    let n = cfg
+        .max_requests
+        .unwrap_or(workload.len())
+        .min(workload.len());
+    let work: Arc<[WorkloadRequest]> = workload[..n].into();
+    let mut rng = SmallRng::seed_from_u64(cfg.seed);
+    let choice: Vec<usize> = (0..n).map(|_| rng.random_range(0..targets.len())).collect();
+    let before = scrape_all(&client, &cfg.metrics_urls).await;
+
+    let shared = Arc::new(Shared {
+        client,
+        targets: targets
+            .iter()
+            .map(|t| format!("{t}/v1/completions"))
+            .collect(),
+        model: model.clone(),
+        timeout: cfg.request_timeout,
+        done: AtomicUsize::new(0),
+        failed: AtomicUsize::new(0),
+    });
+    let slots = Arc::new(Semaphore::new(cfg.concurrency));
+    let start = Instant::now();
+    let progress = cfg.progress.then(|| {
+        tokio::spawn(progress_line(
+            cfg.label.clone(),
+            n,
+            Arc::clone(&shared),
+            start,
+        ))
+    });
+    let t0 = work.first().map_or(0.0, |r| r.at_s);
+    let mut tasks = JoinSet::new();
+    for (i, &target) in choice.iter().enumerate() {
+        let due = ((work[i].at_s - t0).max(0.0)) / cfg.speedup;
+        tokio::time::sleep_until((start + Duration::from_secs_f64(due)).into()).await;
+        // A closed semaphore cannot happen (never closed); treat it as "no cap" to stay total.
+        let permit = Arc::clone(&slots).acquire_owned().await.ok();
+        let shared = Arc::clone(&shared);
+        let work = Arc::clone(&work);
+        tasks.spawn(async move {
+            let rec = send(&shared, &work[i], i, target, start).await;
+            drop(permit);
+            shared.done.fetch_add(1, Ordering::Relaxed);
+            if rec.error.is_some() {
+                shared.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            rec
+        });
+    }
+    let mut records = Vec::with_capacity(n);
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(rec) => records.push(rec),
+            Err(e) => tracing::error!(error = %e, "replay task failed"),
+        }
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    if let Some(p) = progress {
+        p.abort();
+    }
+    records.sort_by_key(|r| r.index);
+    let after = scrape_all(&shared.client, &cfg.metrics_urls).await;
+    let metrics = match (before, after) {
+        (Some(b), Some(a)) => Some(MetricsDelta {
+            hits: (a.hits - b.hits).max(0.0),
+            queries: (a.queries - b.queries).max(0.0),
+        }),
+        _ => None,
+    };
+    if cfg.progress {
+        let failed = records.iter().filter(|r| r.error.is_some()).count();
+        eprintln!(
+            "[{}] {} requests in {:.1} s, {} failed",
+            cfg.label,
+            records.len(),
+            wall_s,
+            failed
+        );
+    }
+    Ok(RunResult {
+        label: cfg.label.clone(),
+        targets,
+        model,
+        records,
+        wall_s,
+        time_scale: cfg.time_scale,
+        replicas: Vec::new(),
+        metrics,
+    })
+}
+
+struct Shared {
+    client: reqwest::Client,
+    /// Completions URL per target, built once.
+    targets: Vec<String>,
+    model: String,
+    timeout: Duration,
+    done: AtomicUsize,
+    failed: AtomicUsize,
+}
+
+async fn progress_line(label: String, total: usize, shared: Arc<Shared>, start: Instant) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let done = shared.done.load(Ordering::Relaxed);
+        let failed = shared.failed.load(Ordering::Relaxed);
+        let t = start.elapsed().as_secs_f64();
+        eprintln!(
+            "[{label}] {done}/{total} done ({:.0}%), {failed} failed, {:.1} req/s, {t:.0} s",
+            100.0 * done as f64 / total.max(1) as f64,
+            done as f64 / t.max(1e-9)
+        );
+    }
+}
+
+async fn discover_model(client: &reqwest::Client, base: &str) -> Result<String, ReplayError> {
+    let fail = |reason: String| ReplayError::Models {
+        url: base.to_owned(),
+        reason,
+    };
+    let resp = client
+        .get(format!("{base}/v1/models"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    if !resp.status().is_success() {
+        return Err(fail(format!("status {}", resp.status())));
+    }
+    let v: serde_json::Value = resp.json().await.map_err(|e| fail(e.to_string()))?;
+    v.get("data")
+        .and_then(|d| d.get(0))
+        .and_then(|m| m.get("id"))
+        .and_then(|id| id.as_str())
+        .map(str::to_owned)
+        .ok_or_else(|| fail("no model listed".into()))
+}
+
+/// The parts of a streamed chunk the bench reads.
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<serde::de::IgnoredAny>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// Sends one request and reads its stream to the end.
+async fn send(
+    shared: &Shared,
+    req: &WorkloadRequest,
+    index: usize,
+    target: usize,
+    start: Instant,
+) -> RequestRecord {
+    let mut prompt = String::with_capacity(req.prompt_tokens() as usize * 4);
+    req.write_prompt(&mut prompt);
+    let body = serde_json::json!({
+        "model": shared.model,
+        "prompt": prompt,
+        "max_tokens": req.output_tokens.max(1),
+        // vLLM / SGLang extension: generate exactly max_tokens, as the workload says.
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let sent = Instant::now();
+    let mut rec = RequestRecord {
+        index,
+        target,
+        sent_s: sent.duration_since(start).as_secs_f64(),
+        prompt_tokens: req.prompt_tokens(),
+        ..RequestRecord::default()
+    };
+    let mut http = shared.client.post(&shared.targets[target]).json(&body);
+    if let Some(s) = &req.session {
+        http = http.header(SESSION_HEADER, s);
+    }
+    if let Some(t) = &req.tenant {
+        http = http.header(TENANT_HEADER, t);
+    }
+    let outcome = tokio::time::timeout(shared.timeout, exchange(http, sent, &mut rec)).await;
+    rec.latency_s = sent.elapsed().as_secs_f64();
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => rec.error = Some(e),
+        Err(_) => rec.error = Some(format!("timed out after {:?}", shared.timeout)),
+    }
+    rec
+}
+
+fn header_str<'a>(h: &'a reqwest::header::HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The request/response exchange; fills `rec` as data arrives.
+async fn exchange(
+    http: reqwest::RequestBuilder,
+    sent: Instant,
+    rec: &mut RequestRecord,
+) -> Result<(), String> {
+    let resp = http.send().await.map_err(|e| format!("send: {e}"))?;
+    rec.status = resp.status().as_u16();
+    let h = resp.headers();
+    rec.replica = header_str(h, REPLICA_HEADER)
+        .or_else(|| header_str(h, ROUTED_HEADER))
+        .map(str::to_owned);
+    rec.cached_tokens = header_str(h, CACHED_HEADER).and_then(|v| v.parse().ok());
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        let cut: String = text.chars().take(200).collect();
+        return Err(format!("status {status}: {cut}"));
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::with_capacity(1024);
+    let mut content_chunks = 0u64;
+    let mut usage_tokens = None;
+    let mut done = false;
+    while let Some(piece) = stream.next().await {
+        let piece = piece.map_err(|e| format!("stream: {e}"))?;
+        buf.extend_from_slice(&piece);
+        // Events end with a blank line; handle every complete one in the buffer.
+        while let Some(end) = find_event_end(&buf) {
+            let (event_len, sep_len) = end;
+            for line in buf[..event_len].split(|&b| b == b'\n') {
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                let Some(data) = line.strip_prefix(b"data:") else {
+                    continue;
+                };
+                let data = data.strip_prefix(b" ").unwrap_or(data);
+                if rec.ttft_s.is_none() {
+                    rec.ttft_s = Some(sent.elapsed().as_secs_f64());
+                }
+                if data == b"[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let chunk: Chunk = serde_json::from_slice(data)
+                    .map_err(|e| format!("malformed stream chunk: {e}"))?;
+                if let Some(err) = chunk.error {
+                    return Err(format!("error in stream: {err}"));
+                }
+                if !chunk.choices.is_empty() {
+                    content_chunks += 1;
+                }
+                if let Some(u) = chunk.usage {
+                    usage_tokens = u.completion_tokens.or(usage_tokens);
+                    if let Some(p) = u.prompt_tokens {
+                        rec.prompt_tokens = p;
+                    }
+                    if rec.cached_tokens.is_none() {
+                        rec.cached_tokens = u.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                    }
+                }
+            }
+            buf.drain(..event_len + sep_len);
+        }
+    }
+    rec.output_tokens = usage_tokens.unwrap_or(content_chunks);
+    if !done {
+        return Err("stream ended without [DONE]".into());
+    }
+    Ok(())
+}
+
+/// Position and separator length of the first event end (`\n\n` or `\r\n\r\n`).
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Sums the prefix-cache counters over `urls`; `None` if there are none or any failed.
+async fn scrape_all(client: &reqwest::Client, urls: &[String]) -> Option<MetricsDelta> {
+    if urls.is_empty() {
+        return None;
+    }
+    let mut sum = MetricsDelta::default();
+    for url in urls {
+        let url = if url.trim_end_matches('/').ends_with("/metrics") {
+            url.clone()
+        } else {
+            format!("{}/metrics", url.trim_end_matches('/'))
+        };
+        let text = match client
+            .get(&url)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.text().await.ok()?,
+            Ok(r) => {
+                tracing::warn!(%url, status = %r.status(), "metrics scrape failed");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(%url, error = %e, "metrics scrape failed");
+                return None;
+            }
+        };
+        let d = prefix_counters(&text);
+        sum.hits += d.hits;
+        sum.queries += d.queries;
+    }
+    Some(sum)
+}
+
+/// The prefix-cache counters in one Prometheus exposition, summed over label sets.
+pub fn prefix_counters(text: &str) -> MetricsDelta {
+    let mut d = MetricsDelta::default();
+    for line in text.lines() {
+        if let Ok(Some(s)) = crate::replicas::prom::parse_line(line) {
+            match s.name {
+                "vllm:prefix_cache_hits_total" => d.hits += s.value,
+                "vllm:prefix_cache_queries_total" => d.queries += s.value,
+                _ => {}
+            }
+        }
+    }
+    d
+}
+
+/// An in-process fleet: simulated replicas behind kvmesh nodes (independent, not meshed).
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// Simulated replicas. Default 4.
+    pub replicas: usize,
+    /// kvmesh nodes per run, each knowing every replica; clients spread over them. Default 1.
+    pub nodes: usize,
+    /// Replicas run this many times faster than real time, and arrivals are sped up by the same
+    /// factor, so the fleet sees the workload's load; reports are in model seconds. Default 10.
+    pub time_scale: f64,
+    /// Engine model of every replica (its `time_scale` is overridden). Default 8B on one H100.
+    pub engine: EngineConfig,
+    /// Model name served. Default "sim-llama-8b".
+    pub model: String,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            replicas: 4,
+            nodes: 1,
+            time_scale: 10.0,
+            engine: EngineConfig::default(),
+            model: "sim-llama-8b".into(),
+        }
+    }
+}
+
+/// Starts a fresh fleet (cold caches) for `policy`, replays `workload` through its nodes and
+/// stops it. `replay.targets`, `model`, `speedup` (multiplied by the time scale), `time_scale`
+/// and `label` (when left "run") are set from the fleet.
+pub async fn run_fleet(
+    workload: &[WorkloadRequest],
+    policy: PolicyKind,
+    fleet: &FleetConfig,
+    replay_cfg: &ReplayConfig,
+) -> anyhow::Result<RunResult> {
+    anyhow::ensure!(
+        fleet.replicas > 0 && fleet.nodes > 0,
+        "a fleet needs at least one replica and one node"
+    );
+    anyhow::ensure!(
+        fleet.time_scale.is_finite() && fleet.time_scale > 0.0,
+        "time_scale must be > 0"
+    );
+    let mut replicas = Vec::with_capacity(fleet.replicas);
+    let mut nodes = Vec::with_capacity(fleet.nodes);
+    let result = async {
+        for i in 0..fleet.replicas {
+            let mut cfg = crate::replica::ReplicaConfig {
+                id: format!("replica-{i}"),
+                model: fleet.model.clone(),
+                engine: fleet.engine.clone(),
+                exit_on_crash: false,
+                ..Default::default()
+            };
+            cfg.engine.time_scale = fleet.time_scale;
+            replicas.push(crate::replica::spawn(cfg).await?);
+        }
+        let prefill_rate = 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
+        for n in 0..fleet.nodes {
+            let mut cfg = NodeConfig {
+                listen: ([127, 0, 0, 1], 0).into(),
+                policy: policy.as_str().into(),
+                seed: replay_cfg.seed.wrapping_add(n as u64),
+                drain_s: 5,
+                ..NodeConfig::default()
+            };
+            cfg.health.interval_ms = 200;
+            cfg.scrape.interval_ms = 100;
+            cfg.replicas = replicas
+                .iter()
+                .map(|r| NodeReplica {
+                    id: Some(r.id.clone()),
+                    models: vec![fleet.model.clone()],
+                    capacity_tokens: Some(fleet.engine.kv_capacity_tokens as u64),
+                    // Model-time rate: the node's cost model then works in model seconds, like
+                    // its w_load and spill thresholds.
+                    prefill_tokens_per_s: prefill_rate,
+                    ..NodeReplica::from_url(r.base_url())
+                })
+                .collect();
+            nodes.push(crate::proxy::spawn(cfg).await?);
+        }
+        let label = if replay_cfg.label == ReplayConfig::default().label {
+            policy.as_str().to_owned()
+        } else {
+            replay_cfg.label.clone()
+        };
+        let cfg = ReplayConfig {
+            targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),
+            model: Some(fleet.model.clone()),
+            speedup: replay_cfg.speedup * fleet.time_scale,
+            time_scale: fleet.time_scale,
+            label,
+            ..replay_cfg.clone()
+        };
+        let mut run = replay(workload, &cfg).await?;
+        run.replicas = replicas.iter().map(|r| r.id.clone()).collect();
+        anyhow::Ok(run)
+    }
+    .await;
+    for n in nodes {
+        n.shutdown().await;
+    }
+    for r in replicas {
+        r.shutdown().await;
+    }
+    result
+}
+
+/// Runs [`run_fleet`] once per policy, each on a fresh fleet, in order. What `kvmesh bench
+/// --compare-policies` and the demo call.
+pub async fn run_fleet_comparison(
+    workload: &[WorkloadRequest],
+    policies: &[PolicyKind],
+    fleet: &FleetConfig,
+    replay_cfg: &ReplayConfig,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut runs = Vec::with_capacity(policies.len());
+    for &p in policies {
+        tracing::info!(policy = p.as_str(), "starting fleet run");
+        runs.push(run_fleet(workload, p, fleet, replay_cfg).await?);
+    }
+    Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_ends_are_found_for_both_newline_styles() {
+        assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some((7, 2)));
+        assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some((7, 4)));
+        assert_eq!(find_event_end(b"data: x\n"), None);
+    }
+
+    #[test]
+    fn prefix_counters_sum_label_sets_and_skip_the_rest() {
+        let text = "# HELP x\nvllm:prefix_cache_hits_total{model_name=\"a\"} 10\nvllm:prefix_cache_hits_total{model_name=\"b\"} 5\nvllm:prefix_cache_queries_total 40\nother 3\ngarbage{\n";
+        assert_eq!(
+            prefix_counters(text),
+            MetricsDelta {
+                hits: 15.0,
+                queries: 40.0
+            }
+        );
+    }
+}

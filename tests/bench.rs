@@ -1,0 +1,172 @@
+//! End-to-end tests of `kvmesh bench`'s replay on loopback: in-process simulated replicas, an
+//! in-process node, a small prefix-sharing workload at a high time scale.
+
+use std::future::Future;
+use std::time::Duration;
+
+use kvmesh::bench::replay::{self, FleetConfig, ReplayConfig};
+use kvmesh::bench::report;
+use kvmesh::bench::workload::{self, GenParams, SystemPromptParams};
+use kvmesh::core::policy::PolicyKind;
+use kvmesh::replica::{self, ReplicaConfig};
+
+const LIMIT: Duration = Duration::from_secs(40);
+
+async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+/// 40 requests: 2 system prompts of 2,048 tokens × 20 questions, 20 req/s.
+fn shared_prefix_workload() -> Vec<workload::WorkloadRequest> {
+    let p = SystemPromptParams {
+        groups: 2,
+        prompts_per_group: 20,
+        output_tokens: (8, 16),
+        ..SystemPromptParams::default()
+    };
+    workload::system_prompt(
+        &p,
+        &GenParams {
+            rate: 20.0,
+            requests: 40,
+            seed: 3,
+        },
+    )
+    .unwrap()
+}
+
+fn quiet(cfg: ReplayConfig) -> ReplayConfig {
+    ReplayConfig {
+        progress: false,
+        request_timeout: Duration::from_secs(20),
+        ..cfg
+    }
+}
+
+#[tokio::test]
+async fn a_fleet_run_reports_every_request_hits_and_shares() {
+    bounded(async {
+        let work = shared_prefix_workload();
+        let fleet = FleetConfig {
+            replicas: 2,
+            nodes: 1,
+            time_scale: 50.0,
+            ..FleetConfig::default()
+        };
+        let run = replay::run_fleet(
+            &work,
+            PolicyKind::P2cCache,
+            &fleet,
+            &quiet(ReplayConfig::default()),
+        )
+        .await
+        .unwrap();
+        assert_eq!(run.label, "p2c-cache");
+        assert_eq!(run.records.len(), 40);
+        let failures: Vec<_> = run.records.iter().filter_map(|r| r.error.clone()).collect();
+        assert!(failures.is_empty(), "{failures:?}");
+        assert!(run
+            .records
+            .iter()
+            .all(|r| r.status == 200 && r.ttft_s.is_some() && r.output_tokens >= 8));
+
+        let s = report::summarize(&run);
+        assert_eq!((s.requests, s.errors), (40, 0));
+        assert_eq!(s.hit_source, report::HitSource::Responses);
+        assert!(
+            s.cached_tokens > 0,
+            "no hit tokens on a shared-prefix workload"
+        );
+        assert!(s.hit_token_ratio > 0.3, "hit ratio {}", s.hit_token_ratio);
+        assert_eq!(s.per_replica.len(), 2, "{:?}", s.per_replica);
+        assert_eq!(
+            s.per_replica.iter().map(|x| x.requests).sum::<u64>(),
+            40,
+            "per-replica counts sum to the total"
+        );
+        assert!(s.ttft.mean > 0.0 && s.latency.mean >= s.ttft.mean);
+        assert_eq!(s.time_scale, 50.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn replay_spreads_over_urls_and_reads_metrics_deltas() {
+    bounded(async {
+        let mut reps = Vec::new();
+        for i in 0..2 {
+            let mut cfg = ReplicaConfig {
+                id: format!("r{i}"),
+                exit_on_crash: false,
+                ..ReplicaConfig::default()
+            };
+            cfg.engine.time_scale = 50.0;
+            reps.push(replica::spawn(cfg).await.unwrap());
+        }
+        let urls: Vec<String> = reps.iter().map(|r| r.base_url()).collect();
+        let work = shared_prefix_workload();
+        let run = replay::replay(
+            &work,
+            &quiet(ReplayConfig {
+                targets: urls.clone(),
+                speedup: 50.0,
+                metrics_urls: urls.clone(),
+                ..ReplayConfig::default()
+            }),
+        )
+        .await
+        .unwrap();
+        // The model was discovered from /v1/models.
+        assert_eq!(run.model, "sim-llama-8b");
+        assert!(run.records.iter().all(|r| r.error.is_none()));
+        for t in 0..2 {
+            let n = run.records.iter().filter(|r| r.target == t).count();
+            assert!(n >= 8, "target {t} got {n} of 40");
+        }
+        // Straight to replicas, the serving replica is the target.
+        for r in &run.records {
+            assert_eq!(
+                r.replica.as_deref(),
+                Some(format!("r{}", r.target).as_str())
+            );
+        }
+        // Metrics deltas agree with the per-response figures.
+        let m = run.metrics.expect("metrics scraped");
+        let prompt: u64 = run.records.iter().map(|r| r.prompt_tokens).sum();
+        let cached: u64 = run.records.iter().filter_map(|r| r.cached_tokens).sum();
+        assert!(m.queries > 0.0 && m.hits > 0.0, "{m:?}");
+        assert!(
+            (m.queries - prompt as f64).abs() / (prompt as f64) < 0.05,
+            "{m:?} vs {prompt}"
+        );
+        assert!(
+            (m.hits - cached as f64).abs() / (cached as f64) < 0.1,
+            "{m:?} vs {cached}"
+        );
+
+        // Errors are reported, not hidden: a closed port fails every request.
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let bad = replay::replay(
+            &work[..3],
+            &quiet(ReplayConfig {
+                targets: vec![format!("http://{closed}")],
+                model: Some("sim-llama-8b".into()),
+                speedup: 50.0,
+                ..ReplayConfig::default()
+            }),
+        )
+        .await
+        .unwrap();
+        let s = report::summarize(&bad);
+        assert_eq!(s.errors, 3, "{:?}", bad.records);
+        for r in reps {
+            r.shutdown().await;
+        }
+    })
+    .await;
+}

@@ -263,6 +263,23 @@ pub fn apply_ops(node: &Node, i: usize, ops: &[Op]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Blocks another node reports having routed to replica `i` (mesh block reports): learned by an
+/// approximate model, ignored by an exact one — reports are guesses, events are the engine's
+/// truth. Returns whether the model took them.
+pub fn record_report(node: &Node, i: usize, keys: &[BlockKey]) -> bool {
+    let now = node.now();
+    let mut core = node.lock();
+    let Some(rt) = core.replicas.get_mut(i) else {
+        return false;
+    };
+    if rt.cache.source() != CacheSource::Approximate {
+        return false;
+    }
+    rt.cache.record_routed(keys, now);
+    rt.summary_dirty = true;
+    true
+}
+
 /// What the socket tasks tell a replica's event loop.
 #[derive(Debug)]
 enum Input {

@@ -298,3 +298,108 @@ async fn token_mode_keys_requests_by_the_models_token_ids() {
     })
     .await;
 }
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Bytes captured from a real vLLM 0.32 (CPU build, block size 32, 40-block cache): three
+/// completions with token-id prompts of 20 full blocks each, the third evicting the first; then a
+/// DEALER replay from 0. See `source` in the file.
+#[test]
+fn captured_real_vllm_events_index_to_the_prompts_keys() {
+    use kvmesh::kv_events::{decode_batch, KvEvent};
+    use kvmesh::replicas::kv_index::{EventIndex, Op};
+    let data: serde_json::Value =
+        serde_json::from_str(include_str!("data/vllm-0.32-kv-events.json")).unwrap();
+    let prompts: Vec<Vec<u32>> = serde_json::from_value(data["prompts"].clone()).unwrap();
+    let live = data["live"].as_array().unwrap();
+    assert_eq!(live.len(), 3);
+    let mut index = EventIndex::new(1);
+    let mut model: HashSet<BlockKey> = HashSet::new();
+    let mut removed = 0;
+    for (seq, msg) in live.iter().enumerate() {
+        let frames: Vec<Vec<u8>> = msg
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| unhex(f.as_str().unwrap()))
+            .collect();
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[0], b"kv-events");
+        assert_eq!(frames[1], (seq as u64).to_be_bytes());
+        let batch = decode_batch(&frames[2]).unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        for e in &batch.events {
+            match e {
+                KvEvent::BlockStored(s) => {
+                    assert_eq!(s.block_size, 32);
+                    assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+                    // The stored tokens are the prompt's full blocks, in order.
+                    assert_eq!(s.token_ids, prompts[seq][..s.token_ids.len()]);
+                }
+                KvEvent::BlockRemoved(r) => removed += r.block_hashes.len(),
+                _ => {}
+            }
+        }
+        let mut ops = Vec::new();
+        index.apply(0, &batch, &mut ops);
+        for op in ops {
+            match op {
+                Op::Store(k) => model.extend(k),
+                Op::Remove(k) => k.iter().for_each(|x| {
+                    model.remove(x);
+                }),
+                Op::Clear => model.clear(),
+            }
+        }
+        // After each request the model holds every block of its prompt, keyed as token mode
+        // keys a request for the same ids.
+        let keys = expected_keys_tokens(&prompts[seq], 32);
+        assert_eq!(keys.len(), 20);
+        assert!(keys.iter().all(|k| model.contains(k)), "request {seq}");
+    }
+    let stats = index.stats();
+    assert_eq!((stats.unknown_parent, stats.unknown_removed), (0, 0));
+    assert!(removed > 0, "the third prompt evicted blocks");
+    assert!(
+        model.len() <= 40,
+        "{} blocks in a 40-block cache",
+        model.len()
+    );
+    let first = expected_keys_tokens(&prompts[0], 32);
+    assert!(first.iter().any(|k| !model.contains(k)));
+    // The replay answered the same batches, then the end marker.
+    let replay = data["replay"].as_array().unwrap();
+    for (seq, msg) in replay.iter().enumerate() {
+        let frames: Vec<Vec<u8>> = msg
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| unhex(f.as_str().unwrap()))
+            .collect();
+        // vLLM 0.32 replays ["", topic, seq, payload] and ends with ["", "", ff×8, ""].
+        assert_eq!(frames.len(), 4);
+        assert!(frames[0].is_empty());
+        if seq == live.len() {
+            assert_eq!(frames[2], [0xff; 8]);
+        } else {
+            assert_eq!(frames[1], b"kv-events");
+            assert_eq!(frames[2], (seq as u64).to_be_bytes());
+            assert_eq!(
+                frames[3],
+                unhex(live[seq][2].as_str().unwrap()),
+                "replayed payload {seq}"
+            );
+        }
+    }
+}
+
+fn expected_keys_tokens(tokens: &[u32], block: usize) -> Vec<BlockKey> {
+    let mut keys = Vec::new();
+    token_block_keys(token_namespace(None, None, None), tokens, block, &mut keys);
+    keys
+}

@@ -387,19 +387,13 @@ async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
                 .map_err(timed_out)?
                 .map_err(|e| e.to_string())?
                 .into_vec();
-            // ["", seq, payload], tolerating a missing delimiter or a topic frame before seq.
-            let body: Vec<&Bytes> = frames.iter().skip_while(|f| f.is_empty()).collect();
-            let (seq, payload) = match body.as_slice() {
-                [seq] if seq.as_ref() == END_OF_REPLAY_SEQ => return Ok(()),
-                [seq, _] | [_, seq, _] if seq.as_ref() == END_OF_REPLAY_SEQ => return Ok(()),
-                [seq, payload] | [_, seq, payload] => match seq_of(seq) {
-                    Some(s) => (s, (*payload).clone()),
-                    None => return Err("bad sequence frame in replay".to_owned()),
-                },
-                _ => return Err(format!("replay reply of {} frames", frames.len())),
-            };
-            if !send(&tx, rank, Input::Replayed(id, seq, payload)).await {
-                return Ok(());
+            match parse_replay_reply(frames)? {
+                None => return Ok(()),
+                Some((seq, payload)) => {
+                    if !send(&tx, rank, Input::Replayed(id, seq, payload)).await {
+                        return Ok(());
+                    }
+                }
             }
         }
     };
@@ -408,6 +402,27 @@ async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
         Err(e) => Input::ReplayFailed(id, e),
     };
     send(&tx, rank, input).await;
+}
+
+/// One reply of a replay as a DEALER sees it: `Some((seq, payload))`, or `None` for the end
+/// marker. Accepts `["", seq, payload]` (the upstream publisher's documented form) and
+/// `["", topic, seq, payload]` (what vLLM 0.32 actually sends, captured in
+/// `tests/data/vllm-0.32-kv-events.json`, end marker `["", "", ff×8, ""]`).
+fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
+    if frames.first().is_some_and(|f| f.is_empty()) {
+        frames.remove(0);
+    }
+    let (seq, payload) = match frames.as_slice() {
+        [seq, payload] | [_, seq, payload] => (seq, payload),
+        _ => return Err(format!("replay reply of {} frames", frames.len())),
+    };
+    if seq.as_ref() == END_OF_REPLAY_SEQ {
+        return Ok(None);
+    }
+    match seq_of(seq) {
+        Some(s) => Ok(Some((s, payload.clone()))),
+        None => Err("bad sequence frame in replay".to_owned()),
+    }
 }
 
 struct Rank {
@@ -668,6 +683,33 @@ pub fn spawn_for(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replay_replies_with_and_without_topic() {
+        let b = |s: &[u8]| Bytes::copy_from_slice(s);
+        let seq = 7u64.to_be_bytes();
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(b"kv-events"), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        // An empty topic is a frame too.
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(b""), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        for end in [
+            vec![b(b""), b(&END_OF_REPLAY_SEQ), b(b"")],
+            vec![b(b""), b(b""), b(&END_OF_REPLAY_SEQ), b(b"")],
+        ] {
+            assert_eq!(parse_replay_reply(end).unwrap(), None);
+        }
+        assert!(parse_replay_reply(vec![b(b""), b(b"short"), b(b"p")]).is_err());
+        assert!(parse_replay_reply(vec![b(b"")]).is_err());
+    }
 
     #[test]
     fn endpoints_offset_by_rank() {

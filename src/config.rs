@@ -14,6 +14,8 @@ use serde::Deserialize;
 
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
+use crate::replicas::kv_events::KvEventsSource;
+use crate::tokenize::TokenizerConfig;
 
 #[path = "config_mesh.rs"]
 pub mod mesh;
@@ -117,6 +119,9 @@ pub struct NodeConfig {
     pub default_tenant: TenantConfig,
     /// Mesh membership (`[mesh]`); none means a single node. Default none.
     pub mesh: Option<MeshSection>,
+    /// Token mode: the model's tokenizer and chat template, so request keys match the keys of
+    /// engine KV events. Default none (text mode).
+    pub tokenizer: Option<TokenizerConfig>,
 }
 
 impl Default for NodeConfig {
@@ -149,6 +154,7 @@ impl Default for NodeConfig {
             tenants: HashMap::new(),
             default_tenant: TenantConfig::default(),
             mesh: None,
+            tokenizer: None,
         }
     }
 }
@@ -276,6 +282,10 @@ pub struct ReplicaConfig {
     /// In-flight requests above which it counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// The engine's KV-event endpoints; when set, the replica's cache model follows its events
+    /// while the stream is up. Default none (approximate model only).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSource>,
 }
 
 fn default_pool() -> String {
@@ -372,6 +382,7 @@ impl DnsConfig {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            kv_events: None,
         }
     }
 }
@@ -392,6 +403,7 @@ impl ReplicaConfig {
             capacity_tokens: None,
             prefill_tokens_per_s: default_prefill_rate(),
             max_in_flight: default_max_in_flight(),
+            kv_events: None,
         }
     }
 
@@ -542,6 +554,15 @@ impl NodeConfig {
             }
             if r.max_in_flight == 0 {
                 return Err(invalid(key("max_in_flight"), "must be at least 1"));
+            }
+            if let Some(kv) = &r.kv_events {
+                kv.validate()
+                    .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
+            }
+        }
+        if let Some(t) = &self.tokenizer {
+            if t.block_size == Some(0) {
+                return Err(invalid("tokenizer.block_size", "must be at least 1"));
             }
         }
         for (n, d) in self.dns.iter().enumerate() {
@@ -752,6 +773,31 @@ mod tests {
             ("listen = \"nowhere\"", "listen"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+
+    #[test]
+    fn kv_events_and_tokenizer_parse_and_are_checked() {
+        let c = NodeConfig::from_toml(
+            "[tokenizer]\npath = \"/m/tokenizer.json\"\nblock_size = 32\n[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:5557\", replay = \"tcp://a:5558\", dp_ranks = 2 }\n",
+        )
+        .unwrap();
+        let kv = c.replicas[0].kv_events.as_ref().unwrap();
+        assert_eq!((kv.dp_ranks, kv.topic.as_str()), (2, ""));
+        assert_eq!(c.tokenizer.as_ref().unwrap().block_size, Some(32));
+        for (toml, key) in [
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://*:5557\" }",
+                "replicas[0].kv_events.endpoint",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:1\", dp_ranks = 0 }",
+                "replicas[0].kv_events.dp_ranks",
+            ),
+            ("[tokenizer]\npath = \"t\"\nblock_size = 0", "tokenizer.block_size"),
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");

@@ -12,7 +12,10 @@
 //!   and `kvmesh bench`'s HTTP replay, reports and charts.
 //! - [`config`]: the node's TOML configuration and CLI flags, validated.
 //! - [`node`]: the core's state behind one lock, as the live node drives it.
-//! - [`replicas`]: health checks, metrics scrapes and the health state machine.
+//! - [`replicas`]: health checks, metrics scrapes, the health state machine and the KV-event
+//!   subscribers that make a replica's cache model exact.
+//! - [`tokenize`]: token mode — the model's chat template and tokenizer, so request keys match
+//!   engine event keys.
 //! - [`proxy`]: `kvmesh serve`, the HTTP front (OpenAI endpoints, streaming, failover, admin,
 //!   metrics).
 
@@ -26,3 +29,4 @@ pub mod node;
 pub mod proxy;
 pub mod replica;
 pub mod replicas;
+pub mod tokenize;

@@ -27,7 +27,9 @@ use crate::core::tenants::{TenantConfig, Tenants};
 use crate::core::view::{Health, ReplicaInfo, View};
 use crate::proxy::metrics::Metrics;
 use crate::replicas::health::HealthTracker;
+use crate::replicas::kv_events::KvMetrics;
 use crate::replicas::prom::EngineLoad;
+use crate::tokenize::TokenMode;
 
 #[path = "node_mesh.rs"]
 pub mod mesh;
@@ -35,7 +37,8 @@ pub mod mesh;
 /// Driver-side state of one replica, indexed like the view.
 #[derive(Debug)]
 pub struct ReplicaRuntime {
-    /// Approximate cache model fed by this node's routed requests.
+    /// The replica's cache model: approximate (fed by this node's routed requests) or, while
+    /// its KV-event stream is up, exact (fed by the events; see `replicas::kv_events`).
     pub cache: CacheModel,
     /// The cache model changed since its summary was last copied into the view.
     pub summary_dirty: bool,
@@ -105,6 +108,10 @@ pub struct Node {
     pub client: reqwest::Client,
     /// Metric handles.
     pub metrics: Metrics,
+    /// KV-event and token-mode metric handles (registered in `metrics.registry`).
+    pub kv_metrics: KvMetrics,
+    /// Token mode (`[tokenizer]`), when configured and loaded; `None` means text mode.
+    pub tokenizer: Option<TokenMode>,
     core: Mutex<Core>,
     start: Instant,
     tenant_cfgs: HashMap<String, TenantConfig>,
@@ -115,10 +122,26 @@ pub struct Node {
     mesh: mesh::NodeMesh,
 }
 
-fn tokens_to_blocks(tokens: u64, block_bytes: usize) -> usize {
-    // Text mode: a block of `block_bytes` bytes is about block_bytes / 4 tokens.
-    let tokens_per_block = (block_bytes as u64 / 4).max(1);
-    (tokens / tokens_per_block).max(1) as usize
+fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
+    (tokens / u64::from(tokens_per_block.max(1))).max(1) as usize
+}
+
+/// Token mode if configured and loadable; otherwise text mode, with the reason logged.
+fn load_token_mode(cfg: &NodeConfig) -> Option<TokenMode> {
+    let Some(tc) = &cfg.tokenizer else {
+        tracing::info!("no [tokenizer] configured: routing keys from request text");
+        return None;
+    };
+    match TokenMode::load(tc) {
+        Ok(tm) => {
+            tracing::info!(tokenizer = %tc.path.display(), block_size = ?tm.block_size(), "token mode");
+            Some(tm)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot load the tokenizer: routing keys from request text");
+            None
+        }
+    }
 }
 
 impl Node {
@@ -126,7 +149,13 @@ impl Node {
     pub fn new(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
         cfg.validate()?;
         let policy = cfg.policy_kind()?;
-        let tokens_per_block = (cfg.block_bytes / 4).max(1) as u32;
+        let tokenizer = load_token_mode(&cfg);
+        // Text mode: a block of `block_bytes` bytes is about block_bytes / 4 tokens; token mode:
+        // the engine's block size once known.
+        let tokens_per_block = tokenizer
+            .as_ref()
+            .and_then(TokenMode::block_size)
+            .unwrap_or((cfg.block_bytes / 4).max(1) as u32);
         let mut view = View::new(cfg.region.clone(), tokens_per_block);
         view.overlay_ttl = Duration::from_secs(cfg.overlay_ttl_s);
         let summary_cfg = SummaryConfig::for_cluster(&cfg.cluster_id);
@@ -153,11 +182,15 @@ impl Node {
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(90))
             .build()?;
+        let metrics = Metrics::new()?;
+        let kv_metrics = KvMetrics::new(&metrics.registry)?;
         let node = Arc::new(Node {
             policy,
             endpoints: RwLock::new(Vec::with_capacity(cfg.replicas.len())),
             client,
-            metrics: Metrics::new()?,
+            metrics,
+            kv_metrics,
+            tokenizer,
             core: Mutex::new(Core {
                 view,
                 router,
@@ -218,7 +251,12 @@ impl Node {
             return Ok((i, false));
         }
         let i = core.view.upsert(info);
-        let cache = new_cache_model(&self.cfg, &self.summary_cfg, self.epoch_base, capacity)?;
+        let cache = self.cache_model(
+            CacheSource::Approximate,
+            self.epoch_base,
+            capacity,
+            core.view.tokens_per_block,
+        )?;
         core.replicas.push(ReplicaRuntime {
             cache,
             summary_dirty: false,
@@ -345,8 +383,11 @@ impl Node {
                 let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
                 let uncached = req.prompt_tokens.saturating_sub(cached);
                 let rt = &mut core.replicas[i];
-                rt.cache.record_routed(req.keys, now);
-                rt.summary_dirty = true;
+                // An exact (KV-event) model is the engine's truth: guesses stay out of it.
+                if rt.cache.source() == CacheSource::Approximate {
+                    rt.cache.record_routed(req.keys, now);
+                    rt.summary_dirty = true;
+                }
                 report = Some((i, rt.mesh.report_target()));
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
                 let pending = rt.queued_estimate();
@@ -464,6 +505,15 @@ impl Node {
             return Ok(());
         };
         rt.engine = Some(load);
+        if let (Some(bs), Some(tm)) = (load.block_size, self.tokenizer.as_ref()) {
+            if let Some(bs) = u32::try_from(bs)
+                .ok()
+                .and_then(|bs| tm.learn_block_size(bs))
+            {
+                tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from metrics");
+                core.view.tokens_per_block = bs;
+            }
+        }
         let pending = rt.pending_prefill_tokens;
         let to_u32 = |v: Option<f64>| v.map_or(0, |v| v.clamp(0.0, u32::MAX as f64) as u32);
         core.view.set_engine_load(
@@ -478,10 +528,18 @@ impl Node {
             if cap != known {
                 // The cache model is sized by capacity at creation: start a new, correctly sized
                 // one. This happens once, at the first scrape of a replica without a configured
-                // capacity, so little routing history is lost.
-                let epoch = rt.cache.summary().epoch() + 1;
-                rt.cache = new_cache_model(&self.cfg, &self.summary_cfg, epoch, cap)?;
-                rt.summary_dirty = true;
+                // capacity, so little routing history is lost. An exact model has no capacity of
+                // its own (the filter resizes itself on rebuild), so it is kept.
+                if rt.cache.source() == CacheSource::Approximate {
+                    let epoch = rt.cache.summary().epoch() + 1;
+                    rt.cache = self.cache_model(
+                        CacheSource::Approximate,
+                        epoch,
+                        cap,
+                        core.view.tokens_per_block,
+                    )?;
+                    rt.summary_dirty = true;
+                }
                 if let Some(r) = core.view.replica(i) {
                     let mut info = r.info.clone();
                     info.capacity_tokens = cap;
@@ -588,6 +646,11 @@ impl Node {
                 in_flight: r.load.in_flight,
                 queued_prefill_tokens: r.load.queued_prefill_tokens,
                 cache_keys: rt.cache.len(),
+                cache_source: match rt.cache.source() {
+                    CacheSource::Exact => "exact",
+                    CacheSource::Approximate => "approximate",
+                }
+                .to_owned(),
                 summary_epoch: r.summary.as_ref().map_or(0, |s| s.epoch()),
                 summary_seq: r.summary.as_ref().map_or(0, |s| s.seq()),
                 summary_keys: r.summary.as_ref().map_or(0, |s| s.inserted()),
@@ -606,21 +669,25 @@ impl Node {
     }
 }
 
-fn new_cache_model(
-    cfg: &NodeConfig,
-    summary_cfg: &SummaryConfig,
-    epoch: u64,
-    capacity_tokens: u64,
-) -> anyhow::Result<CacheModel> {
-    let mut mc =
-        CacheModelConfig::with_capacity(tokens_to_blocks(capacity_tokens, cfg.block_bytes));
-    mc.ttl = Duration::from_secs(cfg.cache_ttl_s);
-    Ok(CacheModel::new(
-        CacheSource::Approximate,
-        epoch,
-        mc,
-        summary_cfg.clone(),
-    )?)
+impl Node {
+    /// A new, empty cache model for a replica of `capacity_tokens`, summary epoch `epoch`.
+    pub(crate) fn cache_model(
+        &self,
+        source: CacheSource,
+        epoch: u64,
+        capacity_tokens: u64,
+        tokens_per_block: u32,
+    ) -> anyhow::Result<CacheModel> {
+        let mut mc =
+            CacheModelConfig::with_capacity(tokens_to_blocks(capacity_tokens, tokens_per_block));
+        mc.ttl = Duration::from_secs(self.cfg.cache_ttl_s);
+        Ok(CacheModel::new(
+            source,
+            epoch,
+            mc,
+            self.summary_cfg.clone(),
+        )?)
+    }
 }
 
 /// Releases a routed request's accounting when dropped.
@@ -729,8 +796,11 @@ pub struct ReplicaStateJson {
     pub in_flight: u32,
     /// This node's estimate of prompt tokens waiting for prefill there.
     pub queued_prefill_tokens: u64,
-    /// Keys live in the approximate cache model.
+    /// Keys live in the cache model.
     pub cache_keys: usize,
+    /// `exact` (follows the engine's KV events) or `approximate` (from routed requests).
+    #[serde(default)]
+    pub cache_source: String,
     /// Summary epoch in the view.
     pub summary_epoch: u64,
     /// Summary sequence in the view.

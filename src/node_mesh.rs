@@ -26,6 +26,7 @@ use tokio::sync::Notify;
 
 use super::Node;
 use crate::config::ReplicaConfig;
+use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
@@ -351,6 +352,8 @@ impl Node {
                 50_000.0
             },
             max_in_flight: r.max_in_flight.max(1),
+            // The home subscribes to the engine's events; a learner only reads the summary.
+            kv_events: None,
         };
         let url = reqwest::Url::parse(&spec.url)?;
         anyhow::ensure!(
@@ -679,6 +682,10 @@ impl MeshHandler for Handler {
             return;
         };
         // Recorded even when not home (any more): the model is this node's if it becomes home.
+        // An exact model (the engine's KV events) is truth: a peer's guesses stay out of it.
+        if rt.cache.source() != CacheSource::Approximate {
+            return;
+        }
         rt.cache.record_routed(&keys, now);
         rt.summary_dirty = true;
         let home = rt.mesh.home;

@@ -176,18 +176,30 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         tenant.filter(|_| node.tenant_isolated(tenant)),
     );
     let mut keys: Vec<BlockKey> = Vec::new();
-    let prompt_tokens = TEXT.with(|text| {
-        let mut text = text.borrow_mut();
-        let rendered = fields.render(&mut text);
-        if rendered.is_ok() {
-            text_block_keys(ns, text.as_bytes(), node.cfg.block_bytes, &mut keys);
-        }
-        let tokens = text.len() as u64 / 4;
-        // A huge prompt should not pin its buffer on this thread forever.
-        if text.capacity() > 1 << 20 {
-            *text = String::with_capacity(16 * 1024);
-        }
-        rendered.map(|()| tokens)
+    // Token mode (keys that match engine KV events) when configured; text mode otherwise.
+    let token_prompt = crate::tokenize::route_keys(
+        node,
+        &body,
+        model,
+        fields.lora_path.as_deref(),
+        fields.cache_salt.as_deref(),
+        tenant.filter(|_| node.tenant_isolated(tenant)),
+        &mut keys,
+    );
+    let prompt_tokens = token_prompt.map(Ok).unwrap_or_else(|| {
+        TEXT.with(|text| {
+            let mut text = text.borrow_mut();
+            let rendered = fields.render(&mut text);
+            if rendered.is_ok() {
+                text_block_keys(ns, text.as_bytes(), node.cfg.block_bytes, &mut keys);
+            }
+            let tokens = text.len() as u64 / 4;
+            // A huge prompt should not pin its buffer on this thread forever.
+            if text.capacity() > 1 << 20 {
+                *text = String::with_capacity(16 * 1024);
+            }
+            rendered.map(|()| tokens)
+        })
     });
     let prompt_tokens = prompt_tokens.map_err(|e| ApiError::bad_request(e.to_string(), None))?;
     let route_req = RouteRequest {

@@ -2,11 +2,14 @@
 //!
 //! Exists to turn replicas' own HTTP surfaces into the routing core's inputs: active `/health`
 //! checks (and `/v1/models` discovery) become health and model lists, `/metrics` scrapes become
-//! load. The registry is the static list from the config; each replica gets one watcher task.
-//! DNS discovery is not implemented yet.
+//! load, and (`kv_events`) an engine's KV events become an exact cache model. The registry is
+//! the static list from the config plus DNS sources; each replica gets its watcher tasks.
 
 pub mod dns;
 pub mod health;
+pub mod kv_events;
+pub mod kv_index;
+pub mod kv_stream;
 pub mod prom;
 
 use std::sync::Arc;
@@ -130,9 +133,10 @@ pub async fn check_all(node: &Arc<Node>, replicas: impl Iterator<Item = usize>) 
     .await;
 }
 
-/// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, until
-/// `stop` turns true.
+/// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, and
+/// its KV-event subscriber if configured, until `stop` turns true.
 pub fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    kv_events::spawn_for(node, stop, i);
     let period = Duration::from_millis(node.cfg.health.interval_ms);
     spawn_every(node, stop, period, move |n| async move {
         check_once(&n, i).await

@@ -17,6 +17,8 @@ pub struct EngineLoad {
     pub kv_usage: Option<f64>,
     /// KV capacity in tokens: `num_gpu_blocks × block_size` from `vllm:cache_config_info`.
     pub capacity_tokens: Option<u64>,
+    /// Tokens per KV block: `block_size` of `vllm:cache_config_info` (token mode needs it).
+    pub block_size: Option<u64>,
     /// Lines that could not be parsed.
     pub skipped_lines: u64,
 }
@@ -145,6 +147,9 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
             "vllm:cache_config_info" => {
                 let blocks = label(s.labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
                 let size = label(s.labels, "block_size").and_then(|v| v.parse::<u64>().ok());
+                if let Some(z) = size.filter(|z| *z > 0) {
+                    load.block_size = Some(z);
+                }
                 if let (Some(b), Some(z)) = (blocks, size) {
                     let cap = b.saturating_mul(z);
                     if cap > 0 {
@@ -183,6 +188,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234 1700000000000
         assert_eq!(l.waiting, Some(7.0));
         assert_eq!(l.kv_usage, Some(0.5));
         assert_eq!(l.capacity_tokens, Some(448_000));
+        assert_eq!(l.block_size, Some(16));
         assert_eq!(l.skipped_lines, 0);
     }
 

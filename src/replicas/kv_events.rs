@@ -1,0 +1,751 @@
+//! Engine truth: a replica's KV events, subscribed over ZMQ, feed its cache model exactly.
+//!
+//! Exists so the home node knows what each engine caches, evictions included, instead of
+//! guessing from the requests it routed. Per replica and data-parallel rank (port + rank), a SUB
+//! socket receives vLLM's 3-frame messages; a [`SeqTracker`] orders them (replaying gaps through
+//! a DEALER on the replay port, clearing when history is lost or the publisher restarted); an
+//! [`EventIndex`] turns them into our own token-chain keys; the node applies the resulting store /
+//! remove / clear operations to the replica's cache model in [`CacheSource::Exact`] mode.
+//!
+//! **The switch.** While every rank's stream is connected and synced, the replica's cache model
+//! is exact and routed requests no longer touch it (`Node::route` only records routed requests
+//! in approximate models). When a stream disconnects the node falls back at once to a new
+//! approximate model seeded with the last exact key set (so routing keeps its knowledge and
+//! learns from routed requests again), and back to a new exact model from the index when the
+//! stream is up again. Each switch starts a new summary epoch (peers then pull a snapshot), is
+//! logged, and counted in `kvmesh_cache_source_switches_total{replica,to}`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::kv_index::{EventIndex, Op};
+use super::kv_stream::{Action, SeqTracker};
+use crate::core::cache_model::CacheSource;
+use crate::core::keys::BlockKey;
+use crate::kv_events::{decode_batch, END_OF_REPLAY_SEQ};
+use crate::node::Node;
+
+/// Longest silence of a replay (connecting, or between two replies) before it is abandoned and
+/// the replica cleared. Per message rather than in total, so a long ring replays in full.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait between SUB connection attempts.
+const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(5);
+/// At most one warning per replica per this long about malformed messages.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// `kv_events = { ... }` of a replica in the node config: where its engine publishes KV events.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSource {
+    /// The engine's PUB endpoint, `tcp://host:port` (vLLM `endpoint`, default port 5557); the
+    /// node connects to it (required).
+    pub endpoint: String,
+    /// The engine's ROUTER replay endpoint, `tcp://host:port` (vLLM `replay_endpoint`). Default
+    /// none: gaps then clear the replica's blocks instead of being replayed.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// Topic prefix to subscribe to. Default "" (every topic; vLLM's default topic is "").
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks; rank r publishes on port + r (and replays on replay port + r).
+    /// Default 1.
+    #[serde(default = "one_rank")]
+    pub dp_ranks: u16,
+}
+
+fn one_rank() -> u16 {
+    1
+}
+
+/// `tcp://host:port` split into host and port.
+fn split_endpoint(endpoint: &str) -> Result<(&str, u16), String> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("'{endpoint}' must be tcp://host:port"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| format!("'{endpoint}' has no port"))?;
+    if host.is_empty() || host.contains('*') {
+        return Err(format!("'{endpoint}' needs a host to connect to"));
+    }
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| format!("'{endpoint}' has a bad port"))?;
+    Ok((host, port))
+}
+
+fn offset(endpoint: &str, rank: u16) -> Result<String, String> {
+    let (host, port) = split_endpoint(endpoint)?;
+    let port = port
+        .checked_add(rank)
+        .ok_or_else(|| format!("'{endpoint}' + rank {rank} overflows the port"))?;
+    Ok(format!("tcp://{host}:{port}"))
+}
+
+impl KvEventsSource {
+    /// Checks the endpoints and rank count; the message names the field at fault.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.dp_ranks == 0 {
+            return Err(("dp_ranks", "must be at least 1".into()));
+        }
+        let last = self.dp_ranks - 1;
+        offset(&self.endpoint, last).map_err(|e| ("endpoint", e))?;
+        if let Some(r) = &self.replay {
+            offset(r, last).map_err(|e| ("replay", e))?;
+        }
+        Ok(())
+    }
+
+    /// Per rank: the PUB endpoint and the replay endpoint, if any.
+    pub fn rank_endpoints(&self) -> Result<Vec<(String, Option<String>)>, String> {
+        (0..self.dp_ranks.max(1))
+            .map(|r| {
+                Ok((
+                    offset(&self.endpoint, r)?,
+                    self.replay.as_deref().map(|e| offset(e, r)).transpose()?,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// The node's KV-event and token-mode metrics, registered in its registry.
+#[derive(Clone)]
+pub struct KvMetrics {
+    /// `kvmesh_kv_events_batches_total{replica}`: batches applied.
+    pub batches: IntCounterVec,
+    /// `kvmesh_kv_events_malformed_total{replica}`: messages dropped (bad frames or payload).
+    pub malformed: IntCounterVec,
+    /// `kvmesh_kv_events_clears_total{replica,reason}`: stream resets (gap, history lost,
+    /// restart, engine's AllBlocksCleared).
+    pub clears: IntCounterVec,
+    /// `kvmesh_kv_events_skipped_total{replica,reason}`: events or hashes the index skipped.
+    pub skipped: IntCounterVec,
+    /// `kvmesh_kv_events_up{replica}`: 1 while the replica's cache model follows its events.
+    pub up: IntGaugeVec,
+    /// `kvmesh_exact_blocks{replica}`: blocks the replica holds according to its events.
+    pub exact_blocks: IntGaugeVec,
+    /// `kvmesh_cache_source_switches_total{replica,to}`: exact ↔ approximate switches.
+    pub switches: IntCounterVec,
+    /// `kvmesh_token_mode_fallbacks_total{reason}`: requests routed by text keys although a
+    /// tokenizer is configured.
+    pub token_fallbacks: IntCounterVec,
+}
+
+impl KvMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok::<_, prometheus::Error>(c)
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["replica"])?;
+            registry.register(Box::new(g.clone()))?;
+            Ok::<_, prometheus::Error>(g)
+        };
+        Ok(KvMetrics {
+            batches: counter(
+                "kvmesh_kv_events_batches_total",
+                "KV event batches applied",
+                &["replica"],
+            )?,
+            malformed: counter(
+                "kvmesh_kv_events_malformed_total",
+                "KV event messages dropped as malformed",
+                &["replica"],
+            )?,
+            clears: counter(
+                "kvmesh_kv_events_clears_total",
+                "Replica block sets cleared, by reason",
+                &["replica", "reason"],
+            )?,
+            skipped: counter(
+                "kvmesh_kv_events_skipped_total",
+                "KV events or hashes skipped, by reason",
+                &["replica", "reason"],
+            )?,
+            up: gauge(
+                "kvmesh_kv_events_up",
+                "1 while the replica's cache model follows its KV events",
+            )?,
+            exact_blocks: gauge(
+                "kvmesh_exact_blocks",
+                "Blocks the replica holds according to its KV events",
+            )?,
+            switches: counter(
+                "kvmesh_cache_source_switches_total",
+                "Cache model switches between exact (events) and approximate",
+                &["replica", "to"],
+            )?,
+            token_fallbacks: counter(
+                "kvmesh_token_mode_fallbacks_total",
+                "Requests keyed by text although token mode is configured, by reason",
+                &["reason"],
+            )?,
+        })
+    }
+}
+
+/// Switches replica `i`'s cache model between exact (events up) and approximate (events down),
+/// seeding the new model with `keys`, the last exact set. No-op when already in that mode.
+pub fn set_exact(node: &Node, i: usize, exact: bool, keys: &[BlockKey]) -> anyhow::Result<()> {
+    let now = node.now();
+    let mut guard = node.lock();
+    let core = &mut *guard;
+    let Some(rt) = core.replicas.get_mut(i) else {
+        return Ok(());
+    };
+    let want = if exact {
+        CacheSource::Exact
+    } else {
+        CacheSource::Approximate
+    };
+    if rt.cache.source() == want {
+        return Ok(());
+    }
+    let capacity = core.view.replica(i).map_or(0, |r| r.info.capacity_tokens);
+    let epoch = rt.cache.summary().epoch() + 1;
+    let mut model = node.cache_model(want, epoch, capacity, core.view.tokens_per_block)?;
+    if exact {
+        model.store(keys, now);
+    } else {
+        model.record_routed(keys, now);
+    }
+    rt.cache = model;
+    rt.summary_dirty = true;
+    drop(guard);
+    let id = node.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
+    let to = if exact { "exact" } else { "approximate" };
+    if exact {
+        tracing::info!(replica = %id, blocks = keys.len(), "KV event stream up: cache model follows the engine");
+    } else {
+        tracing::warn!(replica = %id, blocks = keys.len(), "KV event stream down: back to the approximate cache model");
+    }
+    node.kv_metrics.switches.with_label_values(&[&id, to]).inc();
+    node.kv_metrics
+        .up
+        .with_label_values(&[&id])
+        .set(exact as i64);
+    Ok(())
+}
+
+/// Applies the index's operations to replica `i`'s cache model, if it is in exact mode.
+pub fn apply_ops(node: &Node, i: usize, ops: &[Op]) -> anyhow::Result<()> {
+    if ops.is_empty() {
+        return Ok(());
+    }
+    let now = node.now();
+    let mut core = node.lock();
+    let Some(rt) = core.replicas.get_mut(i) else {
+        return Ok(());
+    };
+    if rt.cache.source() != CacheSource::Exact {
+        return Ok(());
+    }
+    for op in ops {
+        match op {
+            Op::Store(keys) => rt.cache.store(keys, now),
+            Op::Remove(keys) => rt.cache.remove(keys),
+            Op::Clear => rt.cache.clear()?,
+        }
+    }
+    rt.summary_dirty = true;
+    Ok(())
+}
+
+/// Blocks another node reports having routed to replica `i` (mesh block reports): learned by an
+/// approximate model, ignored by an exact one — reports are guesses, events are the engine's
+/// truth. Returns whether the model took them.
+pub fn record_report(node: &Node, i: usize, keys: &[BlockKey]) -> bool {
+    let now = node.now();
+    let mut core = node.lock();
+    let Some(rt) = core.replicas.get_mut(i) else {
+        return false;
+    };
+    if rt.cache.source() != CacheSource::Approximate {
+        return false;
+    }
+    rt.cache.record_routed(keys, now);
+    rt.summary_dirty = true;
+    true
+}
+
+/// What the socket tasks tell a replica's event loop.
+#[derive(Debug)]
+enum Input {
+    Connected,
+    Disconnected,
+    Live(u64, Bytes),
+    /// A message of the wrong shape (frame count, sequence width).
+    Bad(&'static str),
+    Replayed(u64, u64, Bytes),
+    ReplayDone(u64),
+    ReplayFailed(u64, String),
+}
+
+type Tx = mpsc::Sender<(usize, Input)>;
+
+fn seq_of(frame: &[u8]) -> Option<u64> {
+    <[u8; 8]>::try_from(frame).ok().map(u64::from_be_bytes)
+}
+
+async fn send(tx: &Tx, rank: usize, input: Input) -> bool {
+    tx.send((rank, input)).await.is_ok()
+}
+
+/// Keeps a SUB socket connected to `endpoint` and forwards what it receives.
+async fn sub_reader(endpoint: String, topic: String, rank: usize, tx: Tx) {
+    let mut backoff = Duration::from_millis(50);
+    let (mut sub, mut monitor) = loop {
+        let mut sub = SubSocket::new();
+        let monitor = sub.monitor();
+        match sub.connect(&endpoint).await {
+            Ok(()) => break (sub, monitor),
+            Err(e) => {
+                tracing::debug!(%endpoint, error = %e, "KV event SUB connect failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_CONNECT_BACKOFF);
+                if tx.is_closed() {
+                    return;
+                }
+            }
+        }
+    };
+    if let Err(e) = sub.subscribe(&topic).await {
+        tracing::warn!(%endpoint, error = %e, "KV event subscribe failed");
+        return;
+    }
+    if !send(&tx, rank, Input::Connected).await {
+        return;
+    }
+    loop {
+        tokio::select! {
+            msg = sub.recv() => {
+                let input = match msg {
+                    Ok(m) => {
+                        let mut frames = m.into_vec();
+                        match (frames.len(), frames.get(1).and_then(|f| seq_of(f))) {
+                            (3, Some(seq)) => Input::Live(seq, frames.swap_remove(2)),
+                            (3, None) => Input::Bad("sequence frame is not 8 bytes"),
+                            _ => Input::Bad("not 3 frames"),
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(%endpoint, error = %e, "KV event receive failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                if !send(&tx, rank, input).await {
+                    return;
+                }
+            }
+            ev = monitor.next() => {
+                let input = match ev {
+                    Some(SocketEvent::Connected(..)) => Input::Connected,
+                    Some(SocketEvent::Disconnected(_)) => Input::Disconnected,
+                    Some(_) => continue,
+                    None => return,
+                };
+                if !send(&tx, rank, input).await {
+                    return;
+                }
+            }
+            _ = tx.closed() => return,
+        }
+    }
+}
+
+/// One replay exchange on a fresh DEALER: `["", from]` → `["", seq, payload]`… `["", ff×8, ""]`.
+async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
+    let timed_out = |_| "timed out".to_owned();
+    let exchange = async {
+        let mut dealer = DealerSocket::new();
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(&endpoint))
+            .await
+            .map_err(timed_out)?
+            .map_err(|e| e.to_string())?;
+        let request = vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())];
+        let request = ZmqMessage::try_from(request).map_err(|_| "empty request".to_owned())?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(request))
+            .await
+            .map_err(timed_out)?
+            .map_err(|e| e.to_string())?;
+        loop {
+            let frames = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+                .await
+                .map_err(timed_out)?
+                .map_err(|e| e.to_string())?
+                .into_vec();
+            match parse_replay_reply(frames)? {
+                None => return Ok(()),
+                Some((seq, payload)) => {
+                    if !send(&tx, rank, Input::Replayed(id, seq, payload)).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    };
+    let input = match exchange.await {
+        Ok(()) => Input::ReplayDone(id),
+        Err(e) => Input::ReplayFailed(id, e),
+    };
+    send(&tx, rank, input).await;
+}
+
+/// One reply of a replay as a DEALER sees it: `Some((seq, payload))`, or `None` for the end
+/// marker. Accepts `["", seq, payload]` (the upstream publisher's documented form) and
+/// `["", topic, seq, payload]` (what vLLM 0.32 actually sends, captured in
+/// `tests/data/vllm-0.32-kv-events.json`, end marker `["", "", ff×8, ""]`).
+fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
+    if frames.first().is_some_and(|f| f.is_empty()) {
+        frames.remove(0);
+    }
+    let (seq, payload) = match frames.as_slice() {
+        [seq, payload] | [_, seq, payload] => (seq, payload),
+        _ => return Err(format!("replay reply of {} frames", frames.len())),
+    };
+    if seq.as_ref() == END_OF_REPLAY_SEQ {
+        return Ok(None);
+    }
+    match seq_of(seq) {
+        Some(s) => Ok(Some((s, payload.clone()))),
+        None => Err("bad sequence frame in replay".to_owned()),
+    }
+}
+
+struct Rank {
+    tracker: SeqTracker,
+    replay_endpoint: Option<String>,
+    connected: bool,
+    /// The current replay's id; replies of older ones are ignored.
+    replay_id: u64,
+}
+
+/// Subscribes to replica `i`'s KV events until `stop` turns true.
+pub async fn run(
+    node: Arc<Node>,
+    i: usize,
+    source: KvEventsSource,
+    mut stop: watch::Receiver<bool>,
+) {
+    let id = node.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
+    let endpoints = match source.rank_endpoints() {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(replica = %id, error = %e, "bad kv_events endpoints");
+            return;
+        }
+    };
+    let (tx, mut rx) = mpsc::channel::<(usize, Input)>(1024);
+    let mut ranks = Vec::with_capacity(endpoints.len());
+    let mut readers = Vec::with_capacity(endpoints.len());
+    for (r, (sub, replay_ep)) in endpoints.into_iter().enumerate() {
+        tracing::info!(replica = %id, rank = r, endpoint = %sub, replay = ?replay_ep, "subscribing to KV events");
+        readers.push(tokio::spawn(sub_reader(
+            sub,
+            source.topic.clone(),
+            r,
+            tx.clone(),
+        )));
+        ranks.push(Rank {
+            tracker: SeqTracker::new(replay_ep.is_some()),
+            replay_endpoint: replay_ep,
+            connected: false,
+            replay_id: 0,
+        });
+    }
+    let mut lp = EventLoop {
+        node: Arc::clone(&node),
+        i,
+        id: Arc::clone(&id),
+        index: EventIndex::new(ranks.len()),
+        ranks,
+        tx,
+        next_replay: 1,
+        exact: false,
+        last_warn: None,
+        reported: Default::default(),
+    };
+    node.kv_metrics.up.with_label_values(&[&id]).set(0);
+    loop {
+        tokio::select! {
+            msg = rx.recv() => match msg {
+                Some((rank, input)) => lp.input(rank, input),
+                None => break,
+            },
+            _ = super::stopped(&mut stop) => break,
+        }
+    }
+    for r in readers {
+        r.abort();
+    }
+}
+
+struct EventLoop {
+    node: Arc<Node>,
+    i: usize,
+    id: Arc<str>,
+    index: EventIndex,
+    ranks: Vec<Rank>,
+    tx: Tx,
+    next_replay: u64,
+    exact: bool,
+    last_warn: Option<Instant>,
+    /// Index counters already added to the metrics.
+    reported: HashMap<&'static str, u64>,
+}
+
+impl EventLoop {
+    fn input(&mut self, rank: usize, input: Input) {
+        let Some(r) = self.ranks.get_mut(rank) else {
+            return;
+        };
+        let actions = match input {
+            Input::Connected => {
+                if r.connected {
+                    return;
+                }
+                r.connected = true;
+                // Fresh connection: fetch what was published before (startup) or while we were
+                // away (reconnect).
+                r.tracker.start()
+            }
+            Input::Disconnected => {
+                r.connected = false;
+                Vec::new()
+            }
+            Input::Live(seq, payload) => r.tracker.live(seq, payload),
+            Input::Bad(why) => {
+                self.malformed(why);
+                Vec::new()
+            }
+            Input::Replayed(id, seq, payload) if id == r.replay_id => {
+                r.tracker.replayed(seq, payload)
+            }
+            Input::ReplayDone(id) if id == r.replay_id => r.tracker.replay_done(),
+            Input::ReplayFailed(id, e) if id == r.replay_id => {
+                tracing::warn!(replica = %self.id, rank, error = %e, "KV event replay failed");
+                r.tracker.replay_failed()
+            }
+            Input::Replayed(..) | Input::ReplayDone(_) | Input::ReplayFailed(..) => Vec::new(),
+        };
+        let mut ops = Vec::new();
+        for action in actions {
+            match action {
+                Action::Apply { payload, .. } => match decode_batch(&payload) {
+                    Ok(batch) => {
+                        self.index.apply(rank, &batch, &mut ops);
+                        self.node
+                            .kv_metrics
+                            .batches
+                            .with_label_values(&[&self.id])
+                            .inc();
+                        if batch
+                            .events
+                            .iter()
+                            .any(|e| matches!(e, crate::kv_events::KvEvent::AllBlocksCleared))
+                        {
+                            self.count_clear("all_blocks_cleared");
+                        }
+                    }
+                    Err(e) => self.malformed_payload(&e),
+                },
+                Action::Clear(reason) => {
+                    tracing::info!(replica = %self.id, rank, reason = reason.as_str(), "clearing the replica's event-fed blocks");
+                    self.count_clear(reason.as_str());
+                    self.index.clear_rank(rank, &mut ops);
+                }
+                Action::RequestReplay { from } => self.request_replay(rank, from),
+            }
+        }
+        self.after(ops);
+    }
+
+    fn request_replay(&mut self, rank: usize, from: u64) {
+        let Some(r) = self.ranks.get_mut(rank) else {
+            return;
+        };
+        let Some(endpoint) = r.replay_endpoint.clone() else {
+            return;
+        };
+        let id = self.next_replay;
+        self.next_replay += 1;
+        r.replay_id = id;
+        tracing::debug!(replica = %self.id, rank, from, "requesting KV event replay");
+        tokio::spawn(replay(endpoint, rank, id, from, self.tx.clone()));
+    }
+
+    fn count_clear(&self, reason: &str) {
+        self.node
+            .kv_metrics
+            .clears
+            .with_label_values(&[&self.id, reason])
+            .inc();
+    }
+
+    fn malformed(&mut self, why: &str) {
+        self.node
+            .kv_metrics
+            .malformed
+            .with_label_values(&[&self.id])
+            .inc();
+        let now = Instant::now();
+        if self.last_warn.is_none_or(|t| now - t >= WARN_EVERY) {
+            self.last_warn = Some(now);
+            tracing::warn!(replica = %self.id, problem = why, "dropping malformed KV event message (further ones counted, not logged, for 10 s)");
+        }
+    }
+
+    fn malformed_payload(&mut self, e: &crate::kv_events::WireError) {
+        let text = e.to_string();
+        self.malformed(&text);
+    }
+
+    /// Carries the operations to the node, follows the engine's block size, updates metrics and
+    /// the exact/approximate switch.
+    fn after(&mut self, ops: Vec<Op>) {
+        if let Err(e) = apply_ops(&self.node, self.i, &ops) {
+            tracing::warn!(replica = %self.id, error = %e, "cannot apply KV events");
+        }
+        if let (Some(bs), Some(tm)) = (self.index.block_size(), self.node.tokenizer.as_ref()) {
+            if let Some(bs) = tm.learn_block_size(bs) {
+                tracing::info!(replica = %self.id, block_size = bs, "token-mode block size from KV events");
+                self.node.lock().view.tokens_per_block = bs;
+            }
+        }
+        let m = &self.node.kv_metrics;
+        m.exact_blocks
+            .with_label_values(&[&self.id])
+            .set(self.index.len() as i64);
+        let s = self.index.stats();
+        for (reason, total) in [
+            ("unknown_parent", s.unknown_parent),
+            ("unknown_removed", s.unknown_removed),
+            ("other_group", s.other_group),
+            ("unsupported", s.unsupported),
+            ("malformed_event", s.malformed),
+            ("over_capacity", s.over_capacity),
+        ] {
+            let seen = self.reported.entry(reason).or_insert(0);
+            if total > *seen {
+                m.skipped
+                    .with_label_values(&[&self.id, reason])
+                    .inc_by(total - *seen);
+                *seen = total;
+            }
+        }
+        let up = self
+            .ranks
+            .iter()
+            .all(|r| r.connected && !r.tracker.replaying());
+        if up != self.exact {
+            match set_exact(&self.node, self.i, up, &self.index.keys()) {
+                Ok(()) => self.exact = up,
+                Err(e) => {
+                    tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model")
+                }
+            }
+        }
+    }
+}
+
+/// Starts the KV-event subscriber of replica `i` if its config has `kv_events`.
+pub fn spawn_for(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    let source = node
+        .cfg
+        .replicas
+        .iter()
+        .find(|r| r.effective_id() == *ep.id)
+        .and_then(|r| r.kv_events.clone());
+    if let Some(source) = source {
+        if node.tokenizer.is_none() {
+            tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
+        }
+        tokio::spawn(run(Arc::clone(node), i, source, stop.clone()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_replies_with_and_without_topic() {
+        let b = |s: &[u8]| Bytes::copy_from_slice(s);
+        let seq = 7u64.to_be_bytes();
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(b"kv-events"), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        // An empty topic is a frame too.
+        assert_eq!(
+            parse_replay_reply(vec![b(b""), b(b""), b(&seq), b(b"p")]).unwrap(),
+            Some((7, b(b"p")))
+        );
+        for end in [
+            vec![b(b""), b(&END_OF_REPLAY_SEQ), b(b"")],
+            vec![b(b""), b(b""), b(&END_OF_REPLAY_SEQ), b(b"")],
+        ] {
+            assert_eq!(parse_replay_reply(end).unwrap(), None);
+        }
+        assert!(parse_replay_reply(vec![b(b""), b(b"short"), b(b"p")]).is_err());
+        assert!(parse_replay_reply(vec![b(b"")]).is_err());
+    }
+
+    #[test]
+    fn endpoints_offset_by_rank() {
+        let s = KvEventsSource {
+            endpoint: "tcp://10.0.0.1:5557".into(),
+            replay: Some("tcp://10.0.0.1:5558".into()),
+            topic: String::new(),
+            dp_ranks: 2,
+        };
+        s.validate().unwrap();
+        assert_eq!(
+            s.rank_endpoints().unwrap(),
+            vec![
+                (
+                    "tcp://10.0.0.1:5557".to_owned(),
+                    Some("tcp://10.0.0.1:5558".to_owned())
+                ),
+                (
+                    "tcp://10.0.0.1:5558".to_owned(),
+                    Some("tcp://10.0.0.1:5559".to_owned())
+                ),
+            ]
+        );
+        for (bad, field) in [
+            ("tcp://*:5557", "endpoint"),
+            ("http://a:1", "endpoint"),
+            ("tcp://a", "endpoint"),
+            ("tcp://a:65535", "endpoint"),
+        ] {
+            let s = KvEventsSource {
+                endpoint: bad.into(),
+                replay: None,
+                topic: String::new(),
+                dp_ranks: 2,
+            };
+            assert_eq!(s.validate().unwrap_err().0, field, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,628 @@
+//! Turns one replica's decoded KV events into our own block keys (engines.md §7, §8.1).
+//!
+//! Exists because the engine's block hash cannot be reproduced by a router (it depends on the
+//! hash algorithm, `PYTHONHASHSEED` and pickling), so kvmesh never uses it as a key: a key is
+//! computed from the event's token ids with the same chain as token-mode requests,
+//! `K_i = chain_tokens(K_{i-1}, tokens_i)`, seeded by the parent's key or, for a chain root, by the
+//! namespace of its LoRA name and cache salt. The engine hash is kept only as a per-rank id, to
+//! resolve removals and parent links.
+//!
+//! A replica with several data-parallel ranks is several engines behind one address: a key is
+//! held while any rank holds it in any tier, so the index counts holders and reports a key as
+//! removed only when the last one lets go. Sans-IO: [`EventIndex::apply`] returns the cache-model
+//! operations ([`Op`]) for the node to carry out under its lock.
+
+use std::collections::HashMap;
+
+use crate::core::keys::{chain_tokens, BlockKey, Namespace};
+use crate::kv_events::msgpack::Value;
+use crate::kv_events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use crate::tokenize::token_namespace;
+
+/// Most blocks tracked per rank; stores beyond it are skipped (and counted), which bounds the
+/// memory a misbehaving engine can make the node spend. 4M blocks is 64M tokens at block size 16.
+pub const MAX_BLOCKS_PER_RANK: usize = 1 << 22;
+
+/// A storage tier, from the event's `medium`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// `"GPU"` or absent: the engine's block pool.
+    Gpu,
+    /// `"CPU"`: host-memory offload.
+    Cpu,
+    /// Anything else (`"DISK"`, `"SSD"`, connector names): slower storage.
+    Disk,
+}
+
+impl Tier {
+    /// The tier of an event's `medium` field.
+    pub fn from_medium(medium: Option<&str>) -> Tier {
+        match medium {
+            None => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("gpu") => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("cpu") => Tier::Cpu,
+            Some(_) => Tier::Disk,
+        }
+    }
+
+    fn bit(self) -> u8 {
+        match self {
+            Tier::Gpu => 1,
+            Tier::Cpu => 2,
+            Tier::Disk => 4,
+        }
+    }
+}
+
+/// A change to the replica's exact cache model, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Keys now held.
+    Store(Vec<BlockKey>),
+    /// Keys no longer held by any rank.
+    Remove(Vec<BlockKey>),
+    /// Nothing is held any more: start a new, empty epoch.
+    Clear,
+}
+
+/// Counters of what the index skipped, for metrics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Blocks stored (newly held by a rank).
+    pub stored: u64,
+    /// Blocks removed (no longer held by a rank).
+    pub removed: u64,
+    /// `BlockStored` events skipped because their parent hash was unknown (joined mid-chain).
+    pub unknown_parent: u64,
+    /// `BlockRemoved` hashes that were not known (normal after joining mid-stream).
+    pub unknown_removed: u64,
+    /// Events of another KV-cache group than 0 / full attention (hybrid models).
+    pub other_group: u64,
+    /// Events with multimodal or prompt-embedding extra keys, which token ids cannot describe.
+    pub unsupported: u64,
+    /// Events whose token ids do not match `block_hashes × block_size`.
+    pub malformed: u64,
+    /// Stores skipped at [`MAX_BLOCKS_PER_RANK`].
+    pub over_capacity: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    key: u64,
+    tiers: u8,
+}
+
+/// The engine-hash → key map of one replica, over its data-parallel ranks.
+#[derive(Debug, Default)]
+pub struct EventIndex {
+    ranks: Vec<HashMap<u64, Entry>>,
+    /// Per key, how many (rank, engine hash) entries hold it.
+    holders: HashMap<u64, u32>,
+    /// Tokens per block of the last `BlockStored` seen.
+    block_size: Option<u32>,
+    stats: IndexStats,
+}
+
+impl EventIndex {
+    /// An empty index for a replica with `dp_ranks` ranks (at least 1).
+    pub fn new(dp_ranks: usize) -> Self {
+        EventIndex {
+            ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Keys held by some rank.
+    pub fn len(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.holders.is_empty()
+    }
+
+    /// Whether `key` is held by some rank.
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.holders.contains_key(&key.0)
+    }
+
+    /// Every key held, in no particular order (to seed a new cache model).
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.holders.keys().map(|k| BlockKey(*k)).collect()
+    }
+
+    /// Blocks held per tier, summed over ranks: `(gpu, cpu, disk)`.
+    pub fn tier_counts(&self) -> (usize, usize, usize) {
+        let mut c = (0, 0, 0);
+        for e in self.ranks.iter().flat_map(HashMap::values) {
+            c.0 += usize::from(e.tiers & Tier::Gpu.bit() != 0);
+            c.1 += usize::from(e.tiers & Tier::Cpu.bit() != 0);
+            c.2 += usize::from(e.tiers & Tier::Disk.bit() != 0);
+        }
+        c
+    }
+
+    /// Tokens per block the engine reported last.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// What was skipped so far.
+    pub fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    /// Applies one batch from `rank`, appending the cache-model operations to `ops`.
+    pub fn apply(&mut self, rank: usize, batch: &EventBatch, ops: &mut Vec<Op>) {
+        if rank >= self.ranks.len() {
+            self.ranks.resize_with(rank + 1, HashMap::new);
+        }
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored(e) => self.stored(rank, e, ops),
+                KvEvent::BlockRemoved(e) => self.removed(rank, e, ops),
+                KvEvent::AllBlocksCleared => self.clear_rank(rank, ops),
+                KvEvent::Unknown(_) => {}
+            }
+        }
+    }
+
+    /// Forgets everything `rank` held (its stream was reset).
+    pub fn clear_rank(&mut self, rank: usize, ops: &mut Vec<Op>) {
+        let Some(blocks) = self.ranks.get_mut(rank) else {
+            return;
+        };
+        let mut gone = Vec::new();
+        for (_, e) in blocks.drain() {
+            if release(&mut self.holders, e.key) {
+                gone.push(BlockKey(e.key));
+            }
+        }
+        self.stats.removed += gone.len() as u64;
+        if self.holders.is_empty() {
+            ops.push(Op::Clear);
+        } else if !gone.is_empty() {
+            ops.push(Op::Remove(gone));
+        }
+    }
+
+    fn stored(&mut self, rank: usize, e: &BlockStored, ops: &mut Vec<Op>) {
+        if !main_group(e.group_idx, e.kv_cache_spec_kind.as_deref()) {
+            self.stats.other_group += 1;
+            return;
+        }
+        let n = e.block_hashes.len();
+        let bs = e.block_size as usize;
+        if n == 0 || bs == 0 || e.token_ids.len() != n * bs {
+            self.stats.malformed += 1;
+            return;
+        }
+        self.block_size = Some(e.block_size);
+        let tier = Tier::from_medium(e.medium.as_deref());
+        let blocks = &mut self.ranks[rank];
+        let mut prev = match e.parent_block_hash {
+            Some(parent) => match blocks.get(&parent) {
+                Some(p) => p.key,
+                None => {
+                    self.stats.unknown_parent += 1;
+                    return;
+                }
+            },
+            None => match root_namespace(e) {
+                Some(ns) => ns.seed(),
+                None => {
+                    self.stats.unsupported += 1;
+                    return;
+                }
+            },
+        };
+        let mut new = Vec::with_capacity(n);
+        for (hash, tokens) in e.block_hashes.iter().zip(e.token_ids.chunks_exact(bs)) {
+            let key = chain_tokens(prev, tokens);
+            prev = key;
+            match blocks.get_mut(hash) {
+                Some(entry) => entry.tiers |= tier.bit(),
+                None => {
+                    if blocks.len() >= MAX_BLOCKS_PER_RANK {
+                        self.stats.over_capacity += 1;
+                        continue;
+                    }
+                    blocks.insert(
+                        *hash,
+                        Entry {
+                            key,
+                            tiers: tier.bit(),
+                        },
+                    );
+                    self.stats.stored += 1;
+                    let count = self.holders.entry(key).or_insert(0);
+                    *count += 1;
+                    if *count == 1 {
+                        new.push(BlockKey(key));
+                    }
+                }
+            }
+        }
+        if !new.is_empty() {
+            ops.push(Op::Store(new));
+        }
+    }
+
+    fn removed(&mut self, rank: usize, e: &BlockRemoved, ops: &mut Vec<Op>) {
+        if e.group_idx.is_some_and(|g| g != 0) {
+            self.stats.other_group += 1;
+            return;
+        }
+        let bit = Tier::from_medium(e.medium.as_deref()).bit();
+        let blocks = &mut self.ranks[rank];
+        let mut gone = Vec::new();
+        for hash in &e.block_hashes {
+            let Some(entry) = blocks.get_mut(hash) else {
+                self.stats.unknown_removed += 1;
+                continue;
+            };
+            entry.tiers &= !bit;
+            if entry.tiers != 0 {
+                // Still held in another tier (e.g. offloaded to CPU before the GPU copy went).
+                continue;
+            }
+            let key = entry.key;
+            blocks.remove(hash);
+            self.stats.removed += 1;
+            if release(&mut self.holders, key) {
+                gone.push(BlockKey(key));
+            }
+        }
+        if !gone.is_empty() {
+            ops.push(Op::Remove(gone));
+        }
+    }
+}
+
+/// Drops one holder of `key`; true when it was the last.
+fn release(holders: &mut HashMap<u64, u32>, key: u64) -> bool {
+    match holders.get_mut(&key) {
+        Some(c) if *c > 1 => {
+            *c -= 1;
+            false
+        }
+        Some(_) => {
+            holders.remove(&key);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Only group 0 / full attention is indexed: sliding-window and Mamba groups of hybrid models
+/// hold other content under the same tokens (Dynamo filters the same way).
+fn main_group(group_idx: Option<u32>, kind: Option<&str>) -> bool {
+    group_idx.is_none_or(|g| g == 0) && kind.is_none_or(|k| k == "full_attention")
+}
+
+/// The namespace of a chain root: its LoRA name and the cache salt among block 0's extra keys
+/// (vLLM puts the LoRA name first, then the salt, only in the block starting at token 0).
+/// `None` when block 0 has extra keys token ids cannot describe (multimodal items, prompt
+/// embeddings).
+fn root_namespace(e: &BlockStored) -> Option<Namespace> {
+    let lora = e.lora_name.as_deref().filter(|l| !l.is_empty());
+    let first = match &e.extra_keys {
+        None | Some(Value::Nil) => None,
+        Some(Value::Array(per_block)) => per_block.first(),
+        Some(_) => return None,
+    };
+    let mut salt = None;
+    match first {
+        None | Some(Value::Nil) => {}
+        Some(Value::Array(items)) => {
+            let mut lora_seen = false;
+            for item in items {
+                match item {
+                    Value::Str(s) if !lora_seen && Some(s.as_str()) == lora => lora_seen = true,
+                    Value::Str(s) if salt.is_none() => salt = Some(s.as_str()),
+                    _ => return None,
+                }
+            }
+        }
+        Some(_) => return None,
+    }
+    Some(token_namespace(lora, salt, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::keys::token_block_keys;
+    use std::collections::HashSet;
+
+    fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size: bs,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })
+    }
+
+    fn removed(hashes: Vec<u64>, medium: &str) -> KvEvent {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes,
+            medium: Some(medium.into()),
+            group_idx: None,
+        })
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+        }
+    }
+
+    fn expected(tokens: &[u32], bs: usize) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        token_block_keys(token_namespace(None, None, None), tokens, bs, &mut out);
+        out
+    }
+
+    #[test]
+    fn keys_match_token_mode_request_keys_across_split_events() {
+        let tokens: Vec<u32> = (100..132).collect();
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        // One chain in two events: the second links to the first through the engine hash.
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![11, 12], None, tokens[..16].to_vec(), 8)]),
+            &mut ops,
+        );
+        idx.apply(
+            0,
+            &batch(vec![stored(
+                vec![13, 14],
+                Some(12),
+                tokens[16..].to_vec(),
+                8,
+            )]),
+            &mut ops,
+        );
+        let want = expected(&tokens, 8);
+        assert_eq!(
+            ops,
+            vec![Op::Store(want[..2].to_vec()), Op::Store(want[2..].to_vec())]
+        );
+        assert_eq!(idx.block_size(), Some(8));
+        // Removing the tail removes exactly its key.
+        ops.clear();
+        idx.apply(0, &batch(vec![removed(vec![14], "GPU")]), &mut ops);
+        assert_eq!(ops, vec![Op::Remove(vec![want[3]])]);
+        assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn namespace_from_lora_and_salt_in_block_zero() {
+        let tokens: Vec<u32> = (0..4).collect();
+        let mut e = BlockStored {
+            block_hashes: vec![1],
+            token_ids: tokens.clone(),
+            block_size: 4,
+            lora_name: Some("ad".into()),
+            extra_keys: Some(Value::Array(vec![Value::Array(vec![
+                Value::Str("ad".into()),
+                Value::Str("salt-1".into()),
+            ])])),
+            ..Default::default()
+        };
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        idx.apply(0, &batch(vec![KvEvent::BlockStored(e.clone())]), &mut ops);
+        let mut want = Vec::new();
+        token_block_keys(
+            token_namespace(Some("ad"), Some("salt-1"), None),
+            &tokens,
+            4,
+            &mut want,
+        );
+        assert_eq!(ops, vec![Op::Store(want.clone())]);
+        assert_ne!(want, expected(&tokens, 4), "salt changes the key");
+        // Multimodal extra keys cannot be reproduced from tokens: skipped.
+        e.block_hashes = vec![2];
+        e.extra_keys = Some(Value::Array(vec![Value::Array(vec![Value::Array(vec![
+            Value::Str("img".into()),
+            Value::Int(0),
+        ])])]));
+        ops.clear();
+        idx.apply(0, &batch(vec![KvEvent::BlockStored(e)]), &mut ops);
+        assert!(ops.is_empty());
+        assert_eq!(idx.stats().unsupported, 1);
+    }
+
+    #[test]
+    fn unknown_parent_other_groups_and_bad_lengths_are_skipped_and_counted() {
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        let mut sliding = BlockStored {
+            block_hashes: vec![5],
+            token_ids: vec![1, 2],
+            block_size: 2,
+            group_idx: Some(1),
+            ..Default::default()
+        };
+        idx.apply(
+            0,
+            &batch(vec![
+                stored(vec![1], Some(99), vec![1, 2], 2),
+                stored(vec![2, 3], None, vec![1, 2, 3], 2),
+                stored(vec![4], None, vec![1, 2], 0),
+                KvEvent::BlockStored(sliding.clone()),
+                removed(vec![77], "GPU"),
+            ]),
+            &mut ops,
+        );
+        sliding.group_idx = Some(0);
+        sliding.kv_cache_spec_kind = Some("sliding_window".into());
+        idx.apply(0, &batch(vec![KvEvent::BlockStored(sliding)]), &mut ops);
+        assert!(ops.is_empty());
+        let s = idx.stats();
+        assert_eq!(
+            (
+                s.unknown_parent,
+                s.malformed,
+                s.other_group,
+                s.unknown_removed
+            ),
+            (1, 2, 2, 1)
+        );
+    }
+
+    #[test]
+    fn tiers_and_ranks_hold_a_key_until_the_last_copy_goes() {
+        let tokens = vec![1, 2, 3, 4];
+        let want = expected(&tokens, 4);
+        let mut idx = EventIndex::new(2);
+        let mut ops = Vec::new();
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![1], None, tokens.clone(), 4)]),
+            &mut ops,
+        );
+        // Offloaded to CPU: same engine hash, another tier.
+        let mut cpu = stored(vec![1], None, tokens.clone(), 4);
+        if let KvEvent::BlockStored(e) = &mut cpu {
+            e.medium = Some("CPU".into());
+        }
+        idx.apply(0, &batch(vec![cpu]), &mut ops);
+        // Rank 1 stores the same content under its own hash.
+        idx.apply(
+            1,
+            &batch(vec![stored(vec![9], None, tokens.clone(), 4)]),
+            &mut ops,
+        );
+        assert_eq!(ops, vec![Op::Store(want.clone())]);
+        assert_eq!(idx.tier_counts(), (2, 1, 0));
+        ops.clear();
+        idx.apply(0, &batch(vec![removed(vec![1], "GPU")]), &mut ops);
+        idx.apply(0, &batch(vec![removed(vec![1], "CPU")]), &mut ops);
+        assert!(ops.is_empty(), "rank 1 still holds it");
+        idx.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), &mut ops);
+        assert_eq!(ops, vec![Op::Clear]);
+        assert!(idx.is_empty());
+    }
+
+    /// The first message a real vLLM 0.32 (CPU build) published, as real-engines.md shows it:
+    /// the bytes up to the third token id are verbatim; the rest of the 32 ids are not in the
+    /// reference, so ids of the same widths stand in (27 three-byte, 3 one-byte: 276 bytes in all,
+    /// the captured length).
+    fn real_vllm_message() -> (Vec<u8>, Vec<u32>) {
+        const CAPTURED: &str = "93cb41dac3068f2aae29918ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf18db6067965a9383b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc0020cd01eccd026a";
+        let mut bytes: Vec<u8> = (0..CAPTURED.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&CAPTURED[i..i + 2], 16).unwrap())
+            .collect();
+        let mut tokens = vec![492u32, 618];
+        for i in 0..30u32 {
+            let t = if i % 10 == 9 { 32 + i } else { 300 + i };
+            tokens.push(t);
+            crate::kv_events::msgpack::write_int(&mut bytes, t as i128);
+        }
+        for (k, v) in [
+            ("block_size", Value::Int(32)),
+            ("lora_id", Value::Nil),
+            ("medium", Value::Str("GPU".into())),
+            ("lora_name", Value::Nil),
+            ("extra_keys", Value::Array(vec![Value::Nil])),
+            ("group_idx", Value::Int(0)),
+            ("kv_cache_spec_kind", Value::Str("full_attention".into())),
+        ] {
+            crate::kv_events::msgpack::write_str(&mut bytes, k);
+            crate::kv_events::msgpack::write_value(&mut bytes, &v);
+        }
+        crate::kv_events::msgpack::write_int(&mut bytes, 0);
+        (bytes, tokens)
+    }
+
+    #[test]
+    fn a_real_vllm_message_decodes_re_encodes_and_indexes() {
+        let (bytes, tokens) = real_vllm_message();
+        assert_eq!(bytes.len(), 276);
+        let batch = crate::kv_events::decode_batch(&bytes).unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        assert!((batch.ts - 1_795_955_260.67).abs() < 0.01);
+        let KvEvent::BlockStored(e) = &batch.events[0] else {
+            panic!("{batch:?}")
+        };
+        assert_eq!(e.block_hashes, vec![1_791_131_274_830_320_515]);
+        assert_eq!((e.block_size, e.group_idx), (32, Some(0)));
+        // Our encoder writes the same bytes (field order and widths as msgspec).
+        assert_eq!(crate::kv_events::encode_batch(&batch), bytes);
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        idx.apply(0, &batch, &mut ops);
+        assert_eq!(ops, vec![Op::Store(expected(&tokens, 32))]);
+    }
+
+    proptest::proptest! {
+        /// Random bytes through decode + index never panic.
+        #[test]
+        fn random_payloads_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            if let Ok(batch) = crate::kv_events::decode_batch(&bytes) {
+                let mut idx = EventIndex::new(1);
+                idx.apply(0, &batch, &mut Vec::new());
+            }
+        }
+
+        /// Whatever the events (small hash space, so parents, duplicates and unknown removals
+        /// happen), replaying the emitted operations on a plain set gives the index's key set.
+        #[test]
+        fn operations_track_the_index_exactly(
+            events in proptest::collection::vec((0u8..4, 0usize..2, 0u64..6, 0u64..6, 0u32..3, 0u8..2), 1..60)
+        ) {
+            let mut idx = EventIndex::new(2);
+            let mut model: HashSet<BlockKey> = HashSet::new();
+            for (kind, rank, h, parent, tok, medium) in events {
+                let medium = if medium == 0 { "GPU" } else { "CPU" };
+                let event = match kind {
+                    0 => stored(vec![h], None, vec![tok, tok], 2),
+                    1 => stored(vec![h, h + 10], Some(parent), vec![tok, 1, 2, tok], 2),
+                    2 => removed(vec![h, parent], medium),
+                    _ => KvEvent::AllBlocksCleared,
+                };
+                let mut ops = Vec::new();
+                idx.apply(rank, &batch(vec![event]), &mut ops);
+                for op in ops {
+                    match op {
+                        Op::Store(k) => model.extend(k),
+                        Op::Remove(k) => for x in k { model.remove(&x); },
+                        Op::Clear => model.clear(),
+                    }
+                }
+                let want: HashSet<BlockKey> = idx.keys().into_iter().collect();
+                proptest::prop_assert_eq!(&model, &want);
+            }
+        }
+    }
+
+    #[test]
+    fn clearing_one_rank_removes_only_its_keys() {
+        let mut idx = EventIndex::new(2);
+        let mut ops = Vec::new();
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![1], None, vec![1, 1], 2)]),
+            &mut ops,
+        );
+        idx.apply(
+            1,
+            &batch(vec![stored(vec![2], None, vec![2, 2], 2)]),
+            &mut ops,
+        );
+        ops.clear();
+        idx.clear_rank(0, &mut ops);
+        assert_eq!(ops, vec![Op::Remove(expected(&[1, 1], 2))]);
+        assert!(idx.contains(expected(&[2, 2], 2)[0]));
+    }
+}

@@ -64,12 +64,18 @@ enum CertsCommand {
 async fn main() -> anyhow::Result<()> {
     // reqwest is built with `rustls-no-provider`; a second install (e.g. by a library) is harmless.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    // The instruments print their own progress and tables; the servers log at info.
+    let default_level = match cli.command {
+        Command::Demo(_) | Command::Sim(_) | Command::Bench(_) => "warn",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
         )
         .init();
-    match Cli::parse().command {
+    match cli.command {
         Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
         Command::Bench(args) => kvmesh::bench::bench_cli::main(args).await?,
         Command::Demo(args) => kvmesh::bench::demo::main(args).await?,

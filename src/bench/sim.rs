@@ -347,11 +347,6 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
             Event::Gossip(n) => {
                 refresh(&mut nodes[n].view, &engines, &models, &pending_prefill, now);
                 if n == 0 {
-                    // What the home node learns from each replica's `kv_cache_usage_perc`.
-                    for (m, e) in models.iter_mut().zip(&engines) {
-                        let free = 1.0 - e.stats().kv_usage.clamp(0.0, 1.0);
-                        m.set_free_capacity((free * capacity_blocks as f64) as usize);
-                    }
                     for m in &mut models {
                         // A rebuild only fails on an impossible filter size, checked at start.
                         let _ = m.maybe_rebuild(now);

@@ -164,21 +164,6 @@ impl CacheModel {
         Ok(())
     }
 
-    /// Approximate mode: the blocks the replica can keep for reuse right now. An engine's KV
-    /// cache also holds the running requests' own blocks; when those fill it, cached prefixes are
-    /// evicted to make room, so the LRU must shrink with them (and grow back as they finish).
-    /// Never above the configured capacity.
-    pub fn set_free_capacity(&mut self, blocks: usize) {
-        if self.source != CacheSource::Approximate {
-            return;
-        }
-        let cap = blocks.clamp(1, self.cfg.capacity_blocks.max(1));
-        let before = self.entries.len();
-        self.entries
-            .resize(NonZeroUsize::new(cap).unwrap_or(NonZeroUsize::MIN));
-        self.stale += before - self.entries.len();
-    }
-
     /// Approximate mode: drops keys untouched for longer than the TTL.
     pub fn expire(&mut self, now: Duration) {
         if self.source != CacheSource::Approximate {
@@ -291,20 +276,6 @@ mod tests {
         m.record_routed(&ks(10..12), 2 * S); // evicts the tail of the first chain, not its head
         assert!(m.contains(BlockKey(0)) && m.contains(BlockKey(1)));
         assert!(!m.contains(BlockKey(2)));
-    }
-
-    #[test]
-    fn busy_kv_shrinks_what_the_model_keeps() {
-        let mut m = model(CacheSource::Approximate, 8);
-        m.record_routed(&ks(0..4), S);
-        m.record_routed(&ks(10..14), 2 * S);
-        m.set_free_capacity(4); // running requests took half the KV: the older chain goes
-        assert_eq!(m.len(), 4);
-        assert!(m.contains(BlockKey(10)) && !m.contains(BlockKey(0)));
-        assert_eq!(m.stale(), 4);
-        m.set_free_capacity(100); // clamped to the configured capacity
-        m.record_routed(&ks(20..28), 3 * S);
-        assert_eq!(m.len(), 8);
     }
 
     #[test]

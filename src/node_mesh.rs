@@ -168,6 +168,9 @@ pub struct MeshPlan {
     pub pulls: Vec<Pull>,
     /// Replicas of the node's region whose home advertises a newer summary than the view holds.
     pub behind: usize,
+    /// Handovers: (replica id, new home's address, this node's live keys for it), sent as block
+    /// reports so the new home's model starts with what the old home knew.
+    pub handover: Vec<(String, SocketAddr, Vec<u64>)>,
 }
 
 /// Kind of an applied pull (for metrics).
@@ -459,17 +462,24 @@ impl Node {
                 }
             } else {
                 if rt.mesh.home {
-                    if rt.mesh.published.take().is_some() {
-                        plan.unpublish.push(info.id.clone());
-                        tracing::info!(replica = %info.id, "no longer home");
-                    }
-                    // The view's copy was this node's own model; the home's replaces it.
+                    tracing::info!(replica = %info.id, "no longer home");
+                    // The view keeps this node's own copy until the new home's replaces it.
                     rt.mesh.pulled = None;
-                    if let Some(r) = core.view.replica_mut(i) {
-                        r.summary = None;
+                }
+                // The record stays up until the new home publishes its own: a new home that
+                // knows the replica only from gossip learns it from this record, and peers
+                // never see the replica vanish. Then this node's keys go to the new home.
+                let taken_over = home.as_ref().is_some_and(|(h, _)| {
+                    live.iter()
+                        .any(|m| m.node_id == *h && m.replicas.contains_key(&info.id))
+                });
+                if taken_over && rt.mesh.published.take().is_some() {
+                    plan.unpublish.push(info.id.clone());
+                    if let Some((_, addr)) = &home {
+                        let keys = rt.cache.live_keys().into_iter().map(|k| k.0).collect();
+                        plan.handover.push((info.id.clone(), *addr, keys));
                     }
                 }
-                let rt = &mut core.replicas[i];
                 rt.mesh.home = false;
                 rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
                 rt.mesh.home_addr = home.map(|(_, a)| a);
@@ -480,7 +490,10 @@ impl Node {
                         rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
                         let queued = rt.queued_estimate();
                         let learned = rt.mesh.learned;
-                        if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
+                        // This node's own record, during a handover: nothing to pull.
+                        let own = e.publisher == self_id;
+                        if info.region == local && !own && needs_pull(rt.mesh.pulled, &rec.summary)
+                        {
                             plan.behind += 1;
                             if !rt.mesh.pulling {
                                 rt.mesh.pulling = true;
@@ -658,9 +671,9 @@ impl MeshHandler for Handler {
         let core = node.lock();
         let i = core.view.index_of(&req.replica_id)?;
         let rt = core.replicas.get(i)?;
-        // Only the home's summary is authoritative; a follower's copy has no addition log.
-        rt.mesh
-            .home
+        // Only the home's model is authoritative (or the old home's, while it still publishes
+        // during a handover); a follower's copy has no addition log.
+        (rt.mesh.home || rt.mesh.published.is_some())
             .then(|| rt.cache.summary().answer(req.epoch, req.seq))
     }
 
@@ -887,6 +900,29 @@ mod tests {
         assert_eq!(plan.publish.len(), 8 - mine.len());
         let (_, r) = plan.publish.iter().find(|(id, _)| *id == theirs).unwrap();
         assert!(r.summary.epoch > 5);
+        node.lock().replicas[i]
+            .cache
+            .record_routed(&[BlockKey(99)], Duration::ZERO);
+
+        // b comes back: a keeps publishing b's replicas until b publishes them (a new home may
+        // know them only from a's records), then withdraws and hands its keys over.
+        let plan = node.apply_membership("a", &live, &BTreeMap::new());
+        assert!(plan.unpublish.is_empty() && plan.handover.is_empty());
+        assert_eq!(
+            node.lock().replicas[i].mesh.report_target(),
+            Some(live[1].gossip_addr)
+        );
+        let mut taken = live.clone();
+        taken[1].replicas.insert(theirs.clone(), rec.clone());
+        let plan = node.apply_membership("a", &taken, &records);
+        assert!(plan.unpublish.contains(&theirs));
+        let (id, to, keys) = plan
+            .handover
+            .iter()
+            .find(|(id, _, _)| *id == theirs)
+            .unwrap();
+        assert_eq!((id, *to), (&theirs, live[1].gossip_addr));
+        assert_eq!(keys, &vec![99]);
     }
 
     #[test]

@@ -396,6 +396,10 @@ async fn sync_once(
             tracing::warn!(replica = %id, error = %e, "replica record not withdrawn");
         }
     }
+    for (id, home, keys) in &plan.handover {
+        tracing::info!(replica = %id, %home, keys = keys.len(), "handing over to the new home");
+        mesh.report_blocks(*home, id, keys);
+    }
     if !plan.publish.is_empty() || !plan.unpublish.is_empty() || st.homes_round == 0 {
         st.homes_round += 1;
         let marker = HomesRecord {

@@ -433,20 +433,8 @@ impl Node {
                 rt.mesh.remote_health = None;
                 rt.mesh.remote_queued = 0;
                 rt.mesh.pulled = None;
-                let s = rt.cache.summary();
-                // The digest hashes the whole filter: reuse it while the version is unchanged.
-                let digest = match &rt.mesh.published {
-                    Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => {
-                        p.summary.digest
-                    }
-                    _ => s.digest(),
-                };
-                let version = SummaryVersion {
-                    epoch: s.epoch(),
-                    seq: s.seq(),
-                    digest,
-                };
-                let record = ReplicaRecord::new(&info, rt.effective_health(), &load, version);
+                let record = own_record(rt, &info, &load);
+                let version = record.summary;
                 if rt.mesh.published.as_ref() != Some(&record) {
                     if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
                         rt.mesh.updated_at = Some(now);
@@ -483,17 +471,29 @@ impl Node {
                 rt.mesh.home = false;
                 rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
                 rt.mesh.home_addr = home.map(|(_, a)| a);
-                match records.get(&info.id) {
+                // A replica in this node's own config that no live peer publishes (its home
+                // may not know it: configs differ): publish a stand-in record from this node's
+                // own model so the home learns it, until the home takes over as above.
+                let others_publish = live
+                    .iter()
+                    .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
+                if !others_publish && !rt.mesh.learned && info.region == local {
+                    rt.mesh.remote_health = None;
+                    rt.mesh.remote_queued = 0;
+                    let record = own_record(rt, &info, &load);
+                    if rt.mesh.published.as_ref() != Some(&record) {
+                        rt.mesh.published = Some(record.clone());
+                        plan.publish.push((info.id.clone(), record));
+                    }
+                }
+                match records.get(&info.id).filter(|e| e.publisher != self_id) {
                     Some(e) => {
                         let rec = &e.record;
                         rt.mesh.remote_health = Some(rec.health.into());
                         rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
                         let queued = rt.queued_estimate();
                         let learned = rt.mesh.learned;
-                        // This node's own record, during a handover: nothing to pull.
-                        let own = e.publisher == self_id;
-                        if info.region == local && !own && needs_pull(rt.mesh.pulled, &rec.summary)
-                        {
+                        if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
                             plan.behind += 1;
                             if !rt.mesh.pulling {
                                 rt.mesh.pulling = true;
@@ -522,8 +522,9 @@ impl Node {
                         );
                     }
                     None => {
-                        // Nobody publishes it: a replica known only from gossip has no one
-                        // vouching for it any more; a configured one keeps its own checks.
+                        // Nobody else publishes it: a replica known only from gossip has no one
+                        // vouching for it any more; a configured one keeps its own checks (this
+                        // node's own record, if any, only echoes them).
                         rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
                         rt.mesh.remote_queued = 0;
                     }
@@ -660,6 +661,26 @@ impl Node {
             replicas,
         })
     }
+}
+
+/// The record this node publishes for a replica, from its own model, health and load.
+fn own_record(
+    rt: &super::ReplicaRuntime,
+    info: &crate::core::view::ReplicaInfo,
+    load: &crate::core::view::ReplicaLoad,
+) -> ReplicaRecord {
+    let s = rt.cache.summary();
+    // The digest hashes the whole filter: reuse it while the version is unchanged.
+    let digest = match &rt.mesh.published {
+        Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => p.summary.digest,
+        _ => s.digest(),
+    };
+    let version = SummaryVersion {
+        epoch: s.epoch(),
+        seq: s.seq(),
+        digest,
+    };
+    ReplicaRecord::new(info, rt.effective_health(), load, version)
 }
 
 /// Answers peers' summary requests and takes their block reports.
@@ -815,8 +836,15 @@ mod tests {
             .filter(|id| home_in(&live, id, "eu").unwrap().0 == "a")
             .collect();
         assert!(!mine.is_empty() && mine.len() < 8, "homes spread: {mine:?}");
+        // Its own replicas as home; b's too, as a stand-in, since b publishes none of them (b
+        // may not have them in its config: it learns them from these records).
         let published: Vec<String> = plan.publish.iter().map(|(id, _)| id.clone()).collect();
-        assert_eq!(published, mine);
+        assert_eq!(published.len(), 8);
+        for id in &published {
+            let core = node.lock();
+            let rt = &core.replicas[core.view.index_of(id).unwrap()];
+            assert_eq!(rt.mesh.home, mine.contains(id), "{id}");
+        }
         assert!(plan.pulls.is_empty(), "nothing advertised yet");
         // A second round with nothing new publishes nothing.
         assert!(node

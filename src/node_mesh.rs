@@ -169,6 +169,9 @@ pub struct MeshPlan {
     pub pulls: Vec<Pull>,
     /// Replicas of the node's region whose home advertises a newer summary than the view holds.
     pub behind: usize,
+    /// Handovers: (replica id, new home's address, this node's live keys for it), sent as block
+    /// reports so the new home's model starts with what the old home knew.
+    pub handover: Vec<(String, SocketAddr, Vec<u64>)>,
 }
 
 /// Kind of an applied pull (for metrics).
@@ -433,20 +436,8 @@ impl Node {
                 rt.mesh.remote_health = None;
                 rt.mesh.remote_queued = 0;
                 rt.mesh.pulled = None;
-                let s = rt.cache.summary();
-                // The digest hashes the whole filter: reuse it while the version is unchanged.
-                let digest = match &rt.mesh.published {
-                    Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => {
-                        p.summary.digest
-                    }
-                    _ => s.digest(),
-                };
-                let version = SummaryVersion {
-                    epoch: s.epoch(),
-                    seq: s.seq(),
-                    digest,
-                };
-                let record = ReplicaRecord::new(&info, rt.effective_health(), &load, version);
+                let record = own_record(rt, &info, &load);
+                let version = record.summary;
                 if rt.mesh.published.as_ref() != Some(&record) {
                     if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
                         rt.mesh.updated_at = Some(now);
@@ -462,21 +453,43 @@ impl Node {
                 }
             } else {
                 if rt.mesh.home {
-                    if rt.mesh.published.take().is_some() {
-                        plan.unpublish.push(info.id.clone());
-                        tracing::info!(replica = %info.id, "no longer home");
-                    }
-                    // The view's copy was this node's own model; the home's replaces it.
+                    tracing::info!(replica = %info.id, "no longer home");
+                    // The view keeps this node's own copy until the new home's replaces it.
                     rt.mesh.pulled = None;
-                    if let Some(r) = core.view.replica_mut(i) {
-                        r.summary = None;
+                }
+                // The record stays up until the new home publishes its own: a new home that
+                // knows the replica only from gossip learns it from this record, and peers
+                // never see the replica vanish. Then this node's keys go to the new home.
+                let taken_over = home.as_ref().is_some_and(|(h, _)| {
+                    live.iter()
+                        .any(|m| m.node_id == *h && m.replicas.contains_key(&info.id))
+                });
+                if taken_over && rt.mesh.published.take().is_some() {
+                    plan.unpublish.push(info.id.clone());
+                    if let Some((_, addr)) = &home {
+                        let keys = rt.cache.live_keys().into_iter().map(|k| k.0).collect();
+                        plan.handover.push((info.id.clone(), *addr, keys));
                     }
                 }
-                let rt = &mut core.replicas[i];
                 rt.mesh.home = false;
                 rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
                 rt.mesh.home_addr = home.map(|(_, a)| a);
-                match records.get(&info.id) {
+                // A replica in this node's own config that no live peer publishes (its home
+                // may not know it: configs differ): publish a stand-in record from this node's
+                // own model so the home learns it, until the home takes over as above.
+                let others_publish = live
+                    .iter()
+                    .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
+                if !others_publish && !rt.mesh.learned && info.region == local {
+                    rt.mesh.remote_health = None;
+                    rt.mesh.remote_queued = 0;
+                    let record = own_record(rt, &info, &load);
+                    if rt.mesh.published.as_ref() != Some(&record) {
+                        rt.mesh.published = Some(record.clone());
+                        plan.publish.push((info.id.clone(), record));
+                    }
+                }
+                match records.get(&info.id).filter(|e| e.publisher != self_id) {
                     Some(e) => {
                         let rec = &e.record;
                         rt.mesh.remote_health = Some(rec.health.into());
@@ -512,8 +525,9 @@ impl Node {
                         );
                     }
                     None => {
-                        // Nobody publishes it: a replica known only from gossip has no one
-                        // vouching for it any more; a configured one keeps its own checks.
+                        // Nobody else publishes it: a replica known only from gossip has no one
+                        // vouching for it any more; a configured one keeps its own checks (this
+                        // node's own record, if any, only echoes them).
                         rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
                         rt.mesh.remote_queued = 0;
                     }
@@ -652,6 +666,26 @@ impl Node {
     }
 }
 
+/// The record this node publishes for a replica, from its own model, health and load.
+fn own_record(
+    rt: &super::ReplicaRuntime,
+    info: &crate::core::view::ReplicaInfo,
+    load: &crate::core::view::ReplicaLoad,
+) -> ReplicaRecord {
+    let s = rt.cache.summary();
+    // The digest hashes the whole filter: reuse it while the version is unchanged.
+    let digest = match &rt.mesh.published {
+        Some(p) if (p.summary.epoch, p.summary.seq) == (s.epoch(), s.seq()) => p.summary.digest,
+        _ => s.digest(),
+    };
+    let version = SummaryVersion {
+        epoch: s.epoch(),
+        seq: s.seq(),
+        digest,
+    };
+    ReplicaRecord::new(info, rt.effective_health(), load, version)
+}
+
 /// Answers peers' summary requests and takes their block reports.
 struct Handler(Weak<Node>);
 
@@ -661,9 +695,9 @@ impl MeshHandler for Handler {
         let core = node.lock();
         let i = core.view.index_of(&req.replica_id)?;
         let rt = core.replicas.get(i)?;
-        // Only the home's summary is authoritative; a follower's copy has no addition log.
-        rt.mesh
-            .home
+        // Only the home's model is authoritative (or the old home's, while it still publishes
+        // during a handover); a follower's copy has no addition log.
+        (rt.mesh.home || rt.mesh.published.is_some())
             .then(|| rt.cache.summary().answer(req.epoch, req.seq))
     }
 
@@ -809,8 +843,15 @@ mod tests {
             .filter(|id| home_in(&live, id, "eu").unwrap().0 == "a")
             .collect();
         assert!(!mine.is_empty() && mine.len() < 8, "homes spread: {mine:?}");
+        // Its own replicas as home; b's too, as a stand-in, since b publishes none of them (b
+        // may not have them in its config: it learns them from these records).
         let published: Vec<String> = plan.publish.iter().map(|(id, _)| id.clone()).collect();
-        assert_eq!(published, mine);
+        assert_eq!(published.len(), 8);
+        for id in &published {
+            let core = node.lock();
+            let rt = &core.replicas[core.view.index_of(id).unwrap()];
+            assert_eq!(rt.mesh.home, mine.contains(id), "{id}");
+        }
         assert!(plan.pulls.is_empty(), "nothing advertised yet");
         // A second round with nothing new publishes nothing.
         assert!(node
@@ -894,6 +935,29 @@ mod tests {
         assert_eq!(plan.publish.len(), 8 - mine.len());
         let (_, r) = plan.publish.iter().find(|(id, _)| *id == theirs).unwrap();
         assert!(r.summary.epoch > 5);
+        node.lock().replicas[i]
+            .cache
+            .record_routed(&[BlockKey(99)], Duration::ZERO);
+
+        // b comes back: a keeps publishing b's replicas until b publishes them (a new home may
+        // know them only from a's records), then withdraws and hands its keys over.
+        let plan = node.apply_membership("a", &live, &BTreeMap::new());
+        assert!(plan.unpublish.is_empty() && plan.handover.is_empty());
+        assert_eq!(
+            node.lock().replicas[i].mesh.report_target(),
+            Some(live[1].gossip_addr)
+        );
+        let mut taken = live.clone();
+        taken[1].replicas.insert(theirs.clone(), rec.clone());
+        let plan = node.apply_membership("a", &taken, &records);
+        assert!(plan.unpublish.contains(&theirs));
+        let (id, to, keys) = plan
+            .handover
+            .iter()
+            .find(|(id, _, _)| *id == theirs)
+            .unwrap();
+        assert_eq!((id, *to), (&theirs, live[1].gossip_addr));
+        assert_eq!(keys, &vec![99]);
     }
 
     #[test]

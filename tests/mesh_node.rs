@@ -66,6 +66,18 @@ async fn mesh_node(
     seeds: &[SocketAddr],
     replicas: &[(String, String)],
 ) -> RunningNode {
+    mesh_node_with(certs, name, region, seeds, replicas, None).await
+}
+
+/// [`mesh_node`] advertising `http_url` to peers instead of its real address.
+async fn mesh_node_with(
+    certs: &Path,
+    name: &str,
+    region: &str,
+    seeds: &[SocketAddr],
+    replicas: &[(String, String)],
+    http_url: Option<String>,
+) -> RunningNode {
     // A restarted node keeps its certificate.
     if !certs.join(format!("{name}.pem")).exists() {
         kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
@@ -97,6 +109,7 @@ async fn mesh_node(
         gossip_interval_ms: 100,
         failure_detection_ms: FAILURE_DETECTION_MS,
         warmup_timeout_ms: 5_000,
+        http_url,
         ..MeshSection::default()
     });
     proxy::spawn(cfg).await.unwrap()
@@ -582,6 +595,58 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
         assert_eq!(forwards(&a1), 2);
 
         for n in [a1, b1] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
+    bounded(30, async {
+        let dir = certs();
+        let rb = replica("rb0").await;
+        let list = [(rb.id.clone(), rb.base_url())];
+        // A node of region a without replicas: every request goes to region b.
+        let a1 = mesh_node(dir.path(), "a1", "a", &[], &[]).await;
+        let seed = [mesh_addr(&a1)];
+        // b1 advertises an HTTP address where nothing listens; b2 is fine.
+        let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let b1 = mesh_node_with(
+            dir.path(),
+            "b1",
+            "b",
+            &seed,
+            &list,
+            Some(format!("http://127.0.0.1:{dead_port}")),
+        )
+        .await;
+        let b2 = mesh_node(dir.path(), "b2", "b", &seed, &list).await;
+        wait_for(Duration::from_secs(10), || {
+            a1.node.ready() && live_members(&a1).len() == 3
+        })
+        .await
+        .expect("a1 learns region b");
+        let http = client();
+        for k in 0..16 {
+            let (status, h) = complete(&http, a1.addr, &text(&format!("fo{k}"), 1024), &[]).await;
+            assert_eq!(status, 200, "request {k}");
+            assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "b2");
+        }
+        let m = a1.node.mesh_slot().metrics.get().unwrap();
+        let ok = m.forwards.with_label_values(&["b", "ok"]).get();
+        let retried = m.forwards.with_label_values(&["b", "retry"]).get();
+        println!("16 forwards: {ok} ok, {retried} after a failed node");
+        assert_eq!(ok, 16);
+        // Equally near nodes are tried in random order: b1 came first some of the time
+        // (all 16 on b2 first has probability 2^-16).
+        assert!(retried > 0);
+        for n in [a1, b1, b2] {
             n.shutdown().await;
         }
         rb.shutdown().await;

@@ -203,6 +203,16 @@ impl CacheModel {
         Ok(true)
     }
 
+    /// The live keys, least recently used first (what a handover to a new home sends, so the
+    /// most recent end up most recent there too).
+    pub fn live_keys(&self) -> Vec<BlockKey> {
+        self.entries
+            .iter()
+            .rev()
+            .map(|(k, _)| BlockKey(*k))
+            .collect()
+    }
+
     /// Starts a new epoch of at least `min_epoch`, rebuilt from the live set. A node that becomes
     /// a replica's home calls it so its summary supersedes whatever the previous home published
     /// (peers only pull newer versions) while keeping what this node itself routed there.

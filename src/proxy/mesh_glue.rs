@@ -35,6 +35,9 @@ use crate::node::Node;
 /// Request header marking a request another node already forwarded (its value is the hop
 /// count, always 1). A request carrying it is never forwarded again.
 pub const HOP_HEADER: &str = "x-kvmesh-hop";
+/// Peers whose RTTs differ by less than this many ms count as equally near when forwarding.
+const FORWARD_RTT_STEP_MS: u128 = 5;
+
 /// Response header naming the node a request was forwarded to.
 pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
 
@@ -396,6 +399,10 @@ async fn sync_once(
             tracing::warn!(replica = %id, error = %e, "replica record not withdrawn");
         }
     }
+    for (id, home, keys) in &plan.handover {
+        tracing::info!(replica = %id, %home, keys = keys.len(), "handing over to the new home");
+        mesh.report_blocks(*home, id, keys);
+    }
     if !plan.publish.is_empty() || !plan.unpublish.is_empty() || st.homes_round == 0 {
         st.homes_round += 1;
         let marker = HomesRecord {
@@ -406,15 +413,21 @@ async fn sync_once(
             tracing::warn!(error = %e, "homes marker not published");
         }
     }
+    // A pull stuck on a half-dead connection must not hold the replica's copy back for the
+    // transport's whole sync timeout: give up after ten rounds (1–5 s) and let a later round retry.
+    let pull_timeout =
+        (section.gossip_interval() * 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
     for pull in plan.pulls {
         let node = Arc::clone(node);
         let mesh = Arc::clone(mesh);
         let metrics = metrics.clone();
         tokio::spawn(async move {
-            match mesh
-                .fetch_summary(pull.from, &pull.id, pull.epoch, pull.seq)
-                .await
-            {
+            let fetch = mesh.fetch_summary(pull.from, &pull.id, pull.epoch, pull.seq);
+            let fetched = match tokio::time::timeout(pull_timeout, fetch).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {pull_timeout:?}")),
+            };
+            match fetched {
                 Ok(msg) => {
                     if let Ok(bytes) = msg.encode() {
                         metrics.sync_bytes_received.inc_by(bytes.len() as u64);
@@ -509,12 +522,13 @@ pub async fn forward(
     let mut peers = node.peers_in(region);
     let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
     peers.shuffle(&mut rand::rng());
-    // Stable sort: measured peers nearest first, unmeasured ones after in random order.
-    peers.sort_by(|a, b| {
-        let ra = rtts.get(&a.quic_addr).copied().unwrap_or(Duration::MAX);
-        let rb = rtts.get(&b.quic_addr).copied().unwrap_or(Duration::MAX);
-        ra.cmp(&rb)
-    });
+    // Stable sort on RTT in 5 ms steps: nodes about as near as each other share the forwarded
+    // load at random (one "nearest" node would take it all); unmeasured nodes come last.
+    let step = |p: &crate::node::mesh::Peer| {
+        rtts.get(&p.quic_addr)
+            .map_or(u128::MAX, |d| d.as_millis() / FORWARD_RTT_STEP_MS)
+    };
+    peers.sort_by_key(|p| step(p));
     let mut headers = headers.clone();
     headers.insert(
         HeaderName::from_static(HOP_HEADER),

@@ -1,13 +1,18 @@
 //! round-robin: rotate through the eligible replicas. The baseline every router ships.
+//!
+//! Each router starts its rotation at a random (seeded) offset: many nodes all starting at
+//! replica 0 would send their first requests to the same few replicas.
 
 use rand::rngs::SmallRng;
+use rand::Rng;
 
 use super::{Pick, Policy, PolicyInput, PolicyKind, Reason};
 
 /// Rotates through the candidates in view order.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
-    next: usize,
+    /// Next position; drawn from the router's RNG on the first pick.
+    next: Option<usize>,
 }
 
 impl Policy for RoundRobin {
@@ -17,9 +22,11 @@ impl Policy for RoundRobin {
     fn uses_cache(&self) -> bool {
         false
     }
-    fn pick(&mut self, input: &PolicyInput<'_>, _rng: &mut SmallRng) -> Pick {
-        let chosen = self.next % input.candidates.len();
-        self.next = self.next.wrapping_add(1);
+    fn pick(&mut self, input: &PolicyInput<'_>, rng: &mut SmallRng) -> Pick {
+        let n = input.candidates.len();
+        let next = *self.next.get_or_insert_with(|| rng.random_range(0..n));
+        let chosen = next % n;
+        self.next = Some(next.wrapping_add(1));
         Pick {
             chosen,
             runner_up: None,

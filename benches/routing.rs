@@ -84,6 +84,7 @@ fn decisions(c: &mut Criterion) {
                     session: None,
                     tenant: None,
                     forwarded: false,
+                    exclude: &[],
                 };
                 let id =
                     BenchmarkId::new(policy.as_str(), format!("{replicas}r-{}k", tokens / 1024));

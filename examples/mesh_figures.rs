@@ -106,8 +106,9 @@ fn route(node: &Arc<Node>, keys: &[BlockKey]) -> Option<usize> {
         session: None,
         tenant: None,
         forwarded: false,
+        exclude: &[],
     };
-    match node.route(&req, &[]) {
+    match node.route(&req) {
         (Decision::Route(d), _ticket) => Some(d.replica),
         _ => None,
     }

@@ -349,32 +349,15 @@ impl Node {
             .isolated
     }
 
-    /// Routes `req`, never to a replica in `exclude` (replicas this request already failed on).
-    /// On a route, records it (overlay, cache model, in-flight, tenant, queued prefill) and
-    /// returns the [`Ticket`] that releases it.
-    pub fn route(
-        self: &Arc<Self>,
-        req: &RouteRequest<'_>,
-        exclude: &[usize],
-    ) -> (Decision, Option<Ticket>) {
+    /// Routes `req` (never to a replica in `req.exclude`, those it already failed on). On a
+    /// route, records it (overlay, cache model, in-flight, tenant, queued prefill) and returns
+    /// the [`Ticket`] that releases it.
+    pub fn route(self: &Arc<Self>, req: &RouteRequest<'_>) -> (Decision, Option<Ticket>) {
         let started = Instant::now();
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
-        // Excluded replicas are hidden by marking them unhealthy for this one decision; the lock
-        // makes the change invisible to anyone else, and it is undone before the lock is released.
-        // (No allocation on the common path: an empty Vec does not allocate.)
-        let saved: Vec<Health> = exclude
-            .iter()
-            .map(|&i| core.view.replica(i).map_or(Health::Unhealthy, |r| r.health))
-            .collect();
-        for &i in exclude {
-            core.view.set_health(i, Health::Unhealthy);
-        }
         let decision = core.router.route(&core.view, req, now);
-        for (s, &i) in saved.iter().zip(exclude) {
-            core.view.set_health(i, *s);
-        }
         let mut report = None;
         let ticket = match &decision {
             Decision::Route(d) => {

@@ -262,6 +262,7 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
                     session: req.session.as_deref(),
                     tenant: req.tenant.as_deref(),
                     forwarded: false,
+                    exclude: &[],
                 };
                 let node = &mut nodes[n];
                 let (r, uncached) = if cfg.oracle {

@@ -57,6 +57,8 @@ pub struct RouteRequest<'a> {
     pub tenant: Option<&'a str>,
     /// Already forwarded once by another region's node: never forward again.
     pub forwarded: bool,
+    /// View indexes of replicas this request already failed on (failover): not candidates.
+    pub exclude: &'a [usize],
 }
 
 /// A decision to send the request to a local replica.
@@ -150,13 +152,16 @@ impl Router {
         let mut quota_blocked = false;
         let mut cluster_slots = 0u64;
         let mut local_usable = false;
-        for r in view.replicas() {
+        for (i, r) in view.replicas().iter().enumerate() {
             if !serves(r) {
                 continue;
             }
             model_known = true;
             cluster_slots += r.info.max_in_flight as u64;
-            if r.health == Health::Healthy && r.info.region == view.local_region && allowed_pool(r)
+            if r.health == Health::Healthy
+                && r.info.region == view.local_region
+                && allowed_pool(r)
+                && !req.exclude.contains(&i)
             {
                 local_usable = true;
             }
@@ -180,6 +185,7 @@ impl Router {
                         && r.health == Health::Healthy
                         && r.info.region == view.local_region
                         && r.info.pool == **p
+                        && !req.exclude.contains(&i)
                         && self.tenants.replica_allows(req.tenant, i)
                 })
             })
@@ -191,7 +197,11 @@ impl Router {
         self.candidates.clear();
         self.scratch.reset(req.keys.len());
         for (i, r) in view.replicas().iter().enumerate() {
-            if !serves(r) || r.health != Health::Healthy || r.info.region != view.local_region {
+            if !serves(r)
+                || r.health != Health::Healthy
+                || r.info.region != view.local_region
+                || req.exclude.contains(&i)
+            {
                 continue;
             }
             if let Some(p) = tier_pool {
@@ -358,6 +368,7 @@ mod tests {
             session: None,
             tenant: None,
             forwarded: false,
+            exclude: &[],
         }
     }
 
@@ -449,6 +460,49 @@ mod tests {
             r.route(&v, &req(&keys), NOW),
             Decision::Reject(RejectReason::NoHealthyReplica)
         );
+    }
+
+    #[test]
+    fn failover_excludes_replicas_already_tried() {
+        let mut v = View::new("eu", 64);
+        let a = v.upsert(info("eu-0", "eu"));
+        let b = v.upsert(info("eu-1", "eu"));
+        v.upsert(info("us-0", "us"));
+        let keys = prompt_keys("retry");
+        let mut r = router(PolicyKind::P2cCache);
+        let tried = [a];
+        for _ in 0..20 {
+            assert_eq!(
+                routed(r.route(
+                    &v,
+                    &RouteRequest {
+                        exclude: &tried,
+                        ..req(&keys)
+                    },
+                    NOW
+                ))
+                .replica,
+                b
+            );
+        }
+        // Every local replica tried: the request goes to the nearest other region.
+        let all = [a, b];
+        assert_eq!(
+            r.route(
+                &v,
+                &RouteRequest {
+                    exclude: &all,
+                    ..req(&keys)
+                },
+                NOW
+            ),
+            Decision::Forward {
+                region: "us".into(),
+                reason: ForwardReason::NoLocalReplica
+            }
+        );
+        // Exclusion is per request: the view itself is untouched.
+        assert_eq!(v.replica(a).unwrap().health, Health::Healthy);
     }
 
     #[test]

@@ -210,6 +210,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         tenant,
         // A request another node forwarded is served here or refused, never forwarded again.
         forwarded: parts.headers.contains_key(mesh_glue::HOP_HEADER),
+        exclude: &[],
     };
     let headers = forwardable(&parts.headers);
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
@@ -222,7 +223,10 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         if attempt > 0 && started.elapsed() >= budget {
             break;
         }
-        let (decision, ticket) = node.route(&route_req, &tried);
+        let (decision, ticket) = node.route(&RouteRequest {
+            exclude: &tried,
+            ..route_req
+        });
         let (routed, ticket) = match (decision, ticket) {
             (Decision::Route(d), Some(t)) => (d, t),
             (Decision::Reject(RejectReason::UnknownModel), _) => {

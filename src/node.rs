@@ -455,7 +455,7 @@ impl Node {
         if let (Some(models), false) = (models, models_configured) {
             if let Some(r) = core.view.replica(i) {
                 if r.info.models != models {
-                    let mut info = r.info.clone();
+                    let mut info = (*r.info).clone();
                     info.models = models;
                     core.view.upsert(info);
                 }
@@ -524,7 +524,7 @@ impl Node {
                     rt.summary_dirty = true;
                 }
                 if let Some(r) = core.view.replica(i) {
-                    let mut info = r.info.clone();
+                    let mut info = (*r.info).clone();
                     info.capacity_tokens = cap;
                     core.view.upsert(info);
                 }

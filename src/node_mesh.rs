@@ -512,7 +512,7 @@ impl Node {
                         }
                         if learned {
                             let fresh = rec.info(&info.id);
-                            if fresh != info {
+                            if fresh != *info {
                                 core.view.upsert(fresh);
                             }
                         }
@@ -561,13 +561,15 @@ impl Node {
                 } else {
                     None
                 };
-                let Some(mut s) = held else {
+                let Some(held) = held else {
                     rt.mesh.pulled = None;
                     anyhow::bail!("a delta without a copy to apply it to");
                 };
+                // The live node is the only holder, so this does not copy.
+                let mut s = Arc::unwrap_or_clone(held);
                 if let Err(e) = s.apply_delta(d) {
                     // Keep the copy for routing; ask for a snapshot next time.
-                    r.summary = Some(s);
+                    r.summary = Some(Arc::new(s));
                     rt.mesh.pulled = None;
                     return Err(e.into());
                 }

@@ -8,6 +8,8 @@ pub mod replay;
 pub mod report;
 pub mod sim;
 pub mod sim_cli;
+pub mod sim_config;
+pub mod sim_gossip;
 pub mod stats;
 pub mod trace;
 pub mod workload;

@@ -3,25 +3,34 @@
 //! It drives the *same* code as the live system: every node is a [`View`] + [`Router`] from the
 //! core, every replica an [`Engine`] from the engine model, every home-node cache model a
 //! [`CacheModel`]. What it models instead of running:
-//! - gossip: each node refreshes its view (engine load, summaries, queued prefill) every
-//!   `gossip_interval`, staggered across nodes, so views are stale by up to one interval;
-//! - routed-block reports reach the replica's cache model at once (they are fire-and-forget and
-//!   small); the node's own overlay covers what its stale view has not seen yet;
-//! - clients: each request of the workload arrives at a uniformly random node.
+//! - gossip: loads and summaries reach each node late, by its round phase plus the rounds a
+//!   push-pull epidemic with the configured fan-out takes to reach it (see [`super::sim_gossip`]);
+//! - routed-block reports reach the replica's home cache model at once (they are fire-and-forget
+//!   and small); the node's own overlay covers what its stale view has not seen yet;
+//! - regions: nodes and replicas are dealt to `regions` regions in turn, regions lie on a line
+//!   `region_rtt` apart; a node holds summaries of its own region's replicas only, routes there,
+//!   and forwards (one hop, one round trip more) when the core says so;
+//! - clients: each request of the workload arrives at a uniformly random live node;
+//! - node failures: a failed node takes no more requests; requests it was proxying are lost
+//!   (errors); the replicas it was home for keep their last published load and summary until the
+//!   others detect the failure (`failure_detection`), then a new home (rendezvous over the
+//!   region's live nodes) starts a fresh cache model in a new epoch.
 //!
 //! The oracle baseline is one central router with exact, instant knowledge: for every arrival it
 //! reads each engine's actual prefix cache and pending prefill, and picks the replica with the
-//! lowest predicted time to first token (same cost formula as the core). No summaries, no
-//! staleness, no false positives. Deterministic for a seed.
+//! lowest predicted time to first token (same cost formula as the core, plus the round trip to
+//! the replica's region). No summaries, no staleness, no false positives. Deterministic for a seed.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
 
+pub use super::sim_config::{NodeFailure, SimConfig, SimError, SimReport};
+use super::sim_gossip::{epidemic_hops, NodeLag, Published};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
@@ -29,97 +38,55 @@ use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
-use crate::core::summary::SummaryConfig;
+use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::Tenants;
 use crate::core::view::{ReplicaInfo, View};
 use crate::engine_sim::prefix_cache::block_hashes;
-use crate::engine_sim::{tokenize, Engine, EngineConfig, Output, Request};
+use crate::engine_sim::{tokenize, Engine, Output, Request};
+use crate::mesh::home::home_node;
 
 const MODEL: &str = "sim-llama-8b";
 
-/// What to simulate.
-#[derive(Clone, Debug)]
-pub struct SimConfig {
-    /// Router nodes. Default 3.
-    pub nodes: usize,
-    /// Engine replicas. Default 8.
-    pub replicas: usize,
-    /// Routing policy of every node. Default `p2c-cache`.
-    pub policy: PolicyKind,
-    /// Seed of every random choice. Default 1.
-    pub seed: u64,
-    /// How often a node's view is refreshed. Default 100 ms.
-    pub gossip_interval: Duration,
-    /// The engine model of every replica. Default: 8B on one H100.
-    pub engine: EngineConfig,
-    /// Routing-text block size. Default 256 bytes.
-    pub block_bytes: usize,
-    /// Workload arrival times are divided by this (2.0 = twice the workload's rate). Default 1.
-    pub arrival_speedup: f64,
-    /// Replay only the first N requests. Default: all.
-    pub max_requests: Option<usize>,
-    /// Run the oracle baseline instead (one central router reading the engines' true state).
-    pub oracle: bool,
-}
+/// Load publications per gossip interval (home nodes scrape more often than chitchat rounds).
+const LOAD_PUBLICATIONS_PER_INTERVAL: u32 = 4;
 
-impl Default for SimConfig {
-    fn default() -> Self {
-        SimConfig {
-            nodes: 3,
-            replicas: 8,
-            policy: PolicyKind::P2cCache,
-            seed: 1,
-            gossip_interval: Duration::from_millis(100),
-            engine: EngineConfig::default(),
-            block_bytes: 256,
-            arrival_speedup: 1.0,
-            max_requests: None,
-            oracle: false,
-        }
-    }
-}
-
-/// What a run measured.
-#[derive(Clone, Debug, Serialize)]
-pub struct SimReport {
-    /// Policy name (`oracle` for the baseline).
-    pub policy: String,
-    /// Router nodes.
-    pub nodes: usize,
-    /// Replicas.
-    pub replicas: usize,
-    /// Requests replayed.
-    pub requests: usize,
-    /// Requests that could not be routed or submitted.
-    pub errors: usize,
-    /// Time to first token, seconds.
-    pub ttft: Distribution,
-    /// End-to-end latency, seconds.
-    pub latency: Distribution,
-    /// Prompt tokens sent.
-    pub prompt_tokens: u64,
-    /// Prompt tokens the engines served from their prefix caches.
-    pub cached_tokens: u64,
-    /// cached / prompt tokens.
-    pub hit_token_ratio: f64,
-    /// Requests served by each replica.
-    pub requests_per_replica: Vec<u64>,
-    /// Largest replica share over the mean share.
-    pub load_max_over_mean: f64,
-    /// Virtual time from the first arrival to the last completion, seconds.
-    pub virtual_seconds: f64,
-}
+/// Push-pull epidemics run to measure how many rounds news takes to reach a node.
+const EPIDEMIC_TRIALS: usize = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival(usize),
     EngineWake(usize),
-    Gossip(usize),
+    /// The fleet's loads (and every `LOAD_PUBLICATIONS_PER_INTERVAL`-th time, summaries) are
+    /// published; the counter says which publication this is.
+    Publish(u64),
+    NodeDown(usize),
+    /// The failure of this node is detected: its replicas get new homes.
+    Rehome(usize),
 }
 
+/// One replica's load as its home publishes it.
+#[derive(Clone, Copy, Debug, Default)]
+struct LoadSample {
+    waiting: u32,
+    running: u32,
+    kv_usage: f32,
+    queued_prefill_tokens: u64,
+}
+
+/// A router node: where it lives, how late it hears, and (unless in oracle mode) its view.
 struct Node {
+    region: usize,
+    lag: NodeLag,
+    live: bool,
+    routing: Option<NodeRouting>,
+}
+
+struct NodeRouting {
     view: View,
     router: Router,
+    /// Publication time of the loads the view holds.
+    synced: Option<Duration>,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -128,342 +95,634 @@ struct InFlight {
     node: usize,
     replica: usize,
     uncached_tokens: u64,
+    /// Round trips added on the way (cross-region forward or replica).
+    extra: Duration,
+    /// Submitted to an engine and not finished.
+    active: bool,
+    /// Its node failed while it ran: the client lost it.
+    lost: bool,
 }
 
-/// A simulation that failed to start.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// Bad configuration.
-    #[error("invalid simulation config: {0}")]
-    Config(String),
-}
+type Queue = BinaryHeap<Reverse<(Duration, u64, Event)>>;
 
 /// Runs the simulation of `workload` under `cfg`. Sessions and tenants of the workload reach the
 /// router as they would through the headers.
 pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
-    if cfg.nodes == 0 || cfg.replicas == 0 {
-        return Err(SimError::Config(
-            "nodes and replicas must be at least 1".into(),
-        ));
-    }
-    if !(cfg.arrival_speedup.is_finite() && cfg.arrival_speedup > 0.0) {
-        return Err(SimError::Config("arrival_speedup must be > 0".into()));
-    }
-    cfg.engine
-        .validate()
-        .map_err(|e| SimError::Config(e.to_string()))?;
+    cfg.validate()?;
     let reqs = &workload[..cfg
         .max_requests
         .unwrap_or(workload.len())
         .min(workload.len())];
-    let nodes_n = if cfg.oracle { 1 } else { cfg.nodes };
-    let policy = if cfg.oracle {
-        PolicyKind::CacheArgmin
-    } else {
-        cfg.policy
-    };
-    let tokens_per_block = (cfg.block_bytes / BYTES_PER_TOKEN).max(1) as u32;
-    let summary_cfg = SummaryConfig::for_cluster("sim");
-    let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
-
-    let infos: Vec<ReplicaInfo> = (0..cfg.replicas)
-        .map(|i| ReplicaInfo {
-            id: format!("replica-{i}"),
-            url: format!("sim://replica-{i}"),
-            region: "sim".into(),
-            zone: String::new(),
-            pool: "shared".into(),
-            models: vec![MODEL.into()],
-            capacity_tokens: cfg.engine.kv_capacity_tokens as u64,
-            prefill_tokens_per_s: prefill_rate,
-            max_in_flight: cfg.engine.max_num_seqs as u32,
-        })
-        .collect();
-    let mut nodes: Vec<Node> = (0..nodes_n)
-        .map(|n| {
-            let mut view = View::new("sim", tokens_per_block);
-            for info in &infos {
-                view.upsert(info.clone());
-            }
-            let rc = RouterConfig {
-                policy,
-                seed: cfg.seed.wrapping_add(n as u64),
-                ..Default::default()
-            };
-            Node {
-                view,
-                router: Router::new(rc, Tenants::default()),
-            }
-        })
-        .collect();
-    let capacity_blocks = cfg.engine.kv_capacity_tokens / tokens_per_block as usize;
-    let mut models = (0..cfg.replicas)
-        .map(|_| {
-            CacheModel::new(
-                CacheSource::Approximate,
-                1,
-                CacheModelConfig::with_capacity(capacity_blocks),
-                summary_cfg.clone(),
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| SimError::Config(e.to_string()))?;
-    let mut engines: Vec<Engine> = (0..cfg.replicas)
-        .map(|_| Engine::new(cfg.engine.clone()))
-        .collect();
-    let mut scheduled: Vec<Option<Duration>> = vec![None; cfg.replicas];
-    let mut pending_prefill = vec![0u64; cfg.replicas];
-
-    let mut heap: BinaryHeap<Reverse<(Duration, u64, Event)>> = BinaryHeap::new();
-    let mut order = 0u64;
-    let mut push = |heap: &mut BinaryHeap<_>, t: Duration, e: Event| {
-        order += 1;
-        heap.push(Reverse((t, order, e)));
-    };
+    let mut sim = Sim::new(reqs, cfg)?;
+    let first = reqs.first().map_or(Duration::ZERO, |r| sim.arrival_time(r));
     for (i, r) in reqs.iter().enumerate() {
-        push(
-            &mut heap,
-            Duration::from_secs_f64(r.at_s.max(0.0) / cfg.arrival_speedup),
-            Event::Arrival(i),
-        );
+        let at = sim.arrival_time(r);
+        sim.push(at, Event::Arrival(i));
+    }
+    for f in &cfg.failures {
+        sim.push(first + f.at, Event::NodeDown(f.node));
     }
     if !cfg.oracle {
-        for n in 0..nodes_n {
-            let first = cfg.gossip_interval.mul_f64((n + 1) as f64 / nodes_n as f64);
-            push(&mut heap, first, Event::Gossip(n));
-        }
+        sim.push(Duration::ZERO, Event::Publish(0));
     }
-
-    let mut rng = SmallRng::seed_from_u64(cfg.seed);
-    let mut flights = vec![InFlight::default(); reqs.len()];
-    let mut ttft = Vec::with_capacity(reqs.len());
-    let mut latency = Vec::with_capacity(reqs.len());
-    let (mut prompt_tokens, mut cached_tokens, mut errors, mut done) = (0u64, 0u64, 0usize, 0usize);
-    let mut per_replica = vec![0u64; cfg.replicas];
-    let mut text = String::new();
-    let mut keys: Vec<BlockKey> = Vec::new();
-    let ns = Namespace::new(MODEL, None, None, None);
     let mut last = Duration::ZERO;
-
-    while let Some(Reverse((now, _, ev))) = heap.pop() {
+    while let Some(Reverse((now, _, ev))) = sim.queue.pop() {
         last = last.max(now);
         match ev {
-            Event::Arrival(i) => {
-                let req = &reqs[i];
-                let n = rng.random_range(0..nodes_n);
-                req.write_prompt(&mut text);
-                keys.clear();
-                text_block_keys(ns, text.as_bytes(), cfg.block_bytes, &mut keys);
-                let prompt = tokenize(&text);
-                let rr = RouteRequest {
-                    model: MODEL,
-                    keys: &keys,
-                    prompt_tokens: prompt.len() as u64,
-                    session: req.session.as_deref(),
-                    tenant: req.tenant.as_deref(),
-                    forwarded: false,
-                    exclude: &[],
+            Event::Arrival(i) => sim.arrival(i, now),
+            Event::EngineWake(r) => sim.engine_wake(r, now),
+            Event::Publish(k) => sim.publish(k, now)?,
+            Event::NodeDown(n) => sim.node_down(n, now),
+            Event::Rehome(n) => sim.rehome(n)?,
+        }
+    }
+    Ok(sim.report(last.saturating_sub(first)))
+}
+
+/// The state of one run.
+struct Sim<'a> {
+    cfg: &'a SimConfig,
+    reqs: &'a [WorkloadRequest],
+    policy: PolicyKind,
+    tokens_per_block: u32,
+    prefill_rate: f64,
+    summary_cfg: SummaryConfig,
+    queue: Queue,
+    order: u64,
+    rng: SmallRng,
+    hops: Vec<u32>,
+
+    nodes: Vec<Node>,
+    /// Live nodes, by index, in index order (clients pick among them).
+    live: Vec<usize>,
+    replica_region: Vec<usize>,
+    region_replicas: Vec<Vec<usize>>,
+    infos: Vec<Arc<ReplicaInfo>>,
+
+    engines: Vec<Engine>,
+    scheduled: Vec<Option<Duration>>,
+    pending_prefill: Vec<u64>,
+    /// The home node's cache model of each replica.
+    models: Vec<CacheModel>,
+    home: Vec<Option<usize>>,
+    /// The replica's home has failed and nobody noticed yet: nothing new is published for it.
+    orphaned: Vec<bool>,
+    loads: Published<Vec<LoadSample>>,
+    summaries: Vec<Published<Arc<ReplicaSummary>>>,
+
+    flights: Vec<InFlight>,
+    ttft: Vec<f64>,
+    latency: Vec<f64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    errors: usize,
+    lost: usize,
+    cross_region: usize,
+    forwarded: usize,
+    rehomed: usize,
+    /// Requests finished by an engine or failed before reaching one.
+    done: usize,
+    per_replica: Vec<u64>,
+    text: String,
+    keys: Vec<BlockKey>,
+}
+
+impl<'a> Sim<'a> {
+    fn new(reqs: &'a [WorkloadRequest], cfg: &'a SimConfig) -> Result<Self, SimError> {
+        let policy = if cfg.oracle {
+            PolicyKind::CacheArgmin
+        } else {
+            cfg.policy
+        };
+        let tokens_per_block = (cfg.block_bytes / BYTES_PER_TOKEN).max(1) as u32;
+        let summary_cfg = SummaryConfig::for_cluster("sim");
+        let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
+        let mut rng = SmallRng::seed_from_u64(cfg.seed);
+        let region_name = |g: usize| format!("region-{g}");
+
+        let infos: Vec<Arc<ReplicaInfo>> = (0..cfg.replicas)
+            .map(|i| {
+                Arc::new(ReplicaInfo {
+                    id: format!("replica-{i}"),
+                    url: format!("sim://replica-{i}"),
+                    region: region_name(i % cfg.regions),
+                    zone: String::new(),
+                    pool: "shared".into(),
+                    models: vec![MODEL.into()],
+                    capacity_tokens: cfg.engine.kv_capacity_tokens as u64,
+                    prefill_tokens_per_s: prefill_rate,
+                    max_in_flight: cfg.engine.max_num_seqs as u32,
+                })
+            })
+            .collect();
+        let replica_region: Vec<usize> = (0..cfg.replicas).map(|r| r % cfg.regions).collect();
+        let mut region_replicas = vec![Vec::new(); cfg.regions];
+        for (r, g) in replica_region.iter().enumerate() {
+            region_replicas[*g].push(r);
+        }
+
+        let hops = epidemic_hops(cfg.nodes, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
+        let nodes: Vec<Node> = (0..cfg.nodes)
+            .map(|n| {
+                let region = n % cfg.regions;
+                let lag = NodeLag {
+                    phase: cfg.gossip_interval.mul_f64(rng.random::<f64>()),
+                    hops: hops[rng.random_range(0..hops.len())],
                 };
-                let node = &mut nodes[n];
-                let (r, uncached) = if cfg.oracle {
-                    oracle_pick(&engines, &prompt, prefill_rate, &mut rng)
-                } else {
-                    let Decision::Route(d) = node.router.route(&node.view, &rr, now) else {
-                        errors += 1;
-                        done += 1;
-                        continue;
+                let routing = (!cfg.oracle).then(|| {
+                    let mut view = View::new(region_name(region), tokens_per_block);
+                    for a in 0..cfg.regions {
+                        for b in a + 1..cfg.regions {
+                            let ms = cfg.rtt(a, b).as_secs_f64() * 1000.0;
+                            view.regions.configure(&region_name(a), &region_name(b), ms);
+                        }
+                    }
+                    for info in &infos {
+                        view.upsert(Arc::clone(info));
+                    }
+                    let rc = RouterConfig {
+                        policy,
+                        seed: cfg.seed.wrapping_add(n as u64),
+                        ..Default::default()
                     };
-                    let hit_tokens = d.hit_blocks as u64 * tokens_per_block as u64;
-                    (d.replica, (prompt.len() as u64).saturating_sub(hit_tokens))
-                };
-                node.view.record_routed(r, &keys, now);
-                if let Some(rep) = node.view.replica_mut(r) {
-                    rep.load.queued_prefill_tokens += uncached;
+                    NodeRouting {
+                        view,
+                        router: Router::new(rc, Tenants::default()),
+                        synced: None,
+                    }
+                });
+                Node {
+                    region,
+                    lag,
+                    live: true,
+                    routing,
                 }
-                models[r].record_routed(&keys, now);
-                pending_prefill[r] += uncached;
-                flights[i] = InFlight {
-                    arrival: now,
-                    node: n,
-                    replica: r,
-                    uncached_tokens: uncached,
-                };
-                let max_tokens = req.output_tokens.max(1);
-                if engines[r]
-                    .submit(
-                        Request {
-                            id: i as u64,
-                            prompt,
-                            max_tokens,
-                        },
-                        now,
-                    )
-                    .is_err()
-                {
-                    errors += 1;
-                    done += 1;
-                    nodes[n].view.finished(r);
-                    pending_prefill[r] = pending_prefill[r].saturating_sub(uncached);
+            })
+            .collect();
+
+        let capacity_blocks = cfg.engine.kv_capacity_tokens / tokens_per_block as usize;
+        let models = (0..cfg.replicas)
+            .map(|_| new_model(capacity_blocks, 1, &summary_cfg))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut sim = Sim {
+            cfg,
+            reqs,
+            policy,
+            tokens_per_block,
+            prefill_rate,
+            summary_cfg,
+            queue: BinaryHeap::new(),
+            order: 0,
+            rng,
+            hops,
+            live: (0..cfg.nodes).collect(),
+            nodes,
+            replica_region,
+            region_replicas,
+            infos,
+            engines: (0..cfg.replicas)
+                .map(|_| Engine::new(cfg.engine.clone()))
+                .collect(),
+            scheduled: vec![None; cfg.replicas],
+            pending_prefill: vec![0; cfg.replicas],
+            models,
+            home: vec![None; cfg.replicas],
+            orphaned: vec![false; cfg.replicas],
+            loads: Published::default(),
+            summaries: (0..cfg.replicas).map(|_| Published::default()).collect(),
+            flights: vec![InFlight::default(); reqs.len()],
+            ttft: Vec::with_capacity(reqs.len()),
+            latency: Vec::with_capacity(reqs.len()),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            errors: 0,
+            lost: 0,
+            cross_region: 0,
+            forwarded: 0,
+            rehomed: 0,
+            done: 0,
+            per_replica: vec![0; cfg.replicas],
+            text: String::new(),
+            keys: Vec::new(),
+        };
+        for r in 0..cfg.replicas {
+            sim.home[r] = sim.home_of(r);
+        }
+        Ok(sim)
+    }
+
+    fn arrival_time(&self, r: &WorkloadRequest) -> Duration {
+        Duration::from_secs_f64(r.at_s.max(0.0) / self.cfg.arrival_speedup)
+    }
+
+    fn push(&mut self, t: Duration, e: Event) {
+        self.order += 1;
+        self.queue.push(Reverse((t, self.order, e)));
+    }
+
+    /// The rendezvous home of replica `r` among its region's live nodes.
+    fn home_of(&self, r: usize) -> Option<usize> {
+        let g = self.replica_region[r];
+        let ids: Vec<String> = self
+            .live
+            .iter()
+            .filter(|n| self.nodes[**n].region == g)
+            .map(|n| format!("node-{n}"))
+            .collect();
+        let home = home_node(&self.infos[r].id, ids.iter().map(String::as_str))?;
+        home.strip_prefix("node-")?.parse().ok()
+    }
+
+    fn arrival(&mut self, i: usize, now: Duration) {
+        let reqs = self.reqs;
+        let req = &reqs[i];
+        if self.live.is_empty() {
+            self.fail_early();
+            return;
+        }
+        let client = self.live[self.rng.random_range(0..self.live.len())];
+        req.write_prompt(&mut self.text);
+        self.keys.clear();
+        let ns = Namespace::new(MODEL, None, None, None);
+        text_block_keys(
+            ns,
+            self.text.as_bytes(),
+            self.cfg.block_bytes,
+            &mut self.keys,
+        );
+        let prompt = tokenize(&self.text);
+        let client_region = self.nodes[client].region;
+
+        let (node, r, uncached, mut extra) = if self.cfg.oracle {
+            let (r, uncached) = self.oracle_pick(&prompt, client_region);
+            (client, r, uncached, Duration::ZERO)
+        } else {
+            let Some((node, r, hit_blocks, extra)) = self.route(client, req, prompt.len(), now)
+            else {
+                self.fail_early();
+                return;
+            };
+            let hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
+            (
+                node,
+                r,
+                (prompt.len() as u64).saturating_sub(hit_tokens),
+                extra,
+            )
+        };
+        let replica_region = self.replica_region[r];
+        extra += self.cfg.rtt(self.nodes[node].region, replica_region);
+        if replica_region != client_region {
+            self.cross_region += 1;
+        }
+        if let Some(nr) = self.nodes[node].routing.as_mut() {
+            nr.view.record_routed(r, &self.keys, now);
+            if let Some(rep) = nr.view.replica_mut(r) {
+                rep.load.queued_prefill_tokens += uncached;
+            }
+        }
+        if !self.orphaned[r] {
+            self.models[r].record_routed(&self.keys, now);
+        }
+        self.pending_prefill[r] += uncached;
+        self.flights[i] = InFlight {
+            arrival: now,
+            node,
+            replica: r,
+            uncached_tokens: uncached,
+            extra,
+            lost: false,
+            active: false,
+        };
+        let request = Request {
+            id: i as u64,
+            prompt,
+            max_tokens: req.output_tokens.max(1),
+        };
+        if self.engines[r].submit(request, now).is_err() {
+            self.fail_early();
+            if let Some(nr) = self.nodes[node].routing.as_mut() {
+                nr.view.finished(r);
+            }
+            self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
+            return;
+        }
+        self.flights[i].active = true;
+        self.per_replica[r] += 1;
+        self.schedule(r);
+    }
+
+    /// Routes through `client` (and, if the core forwards, one node of the target region).
+    /// Returns the serving node, the replica, its believed hit and the round trips added.
+    fn route(
+        &mut self,
+        client: usize,
+        req: &WorkloadRequest,
+        prompt_tokens: usize,
+        now: Duration,
+    ) -> Option<(usize, usize, u32, Duration)> {
+        let mut node = client;
+        let mut extra = Duration::ZERO;
+        for forwarded in [false, true] {
+            self.sync_view(node, now);
+            let rr = RouteRequest {
+                model: MODEL,
+                keys: &self.keys,
+                prompt_tokens: prompt_tokens as u64,
+                session: req.session.as_deref(),
+                tenant: req.tenant.as_deref(),
+                forwarded,
+                exclude: &[],
+            };
+            let nr = self.nodes[node].routing.as_mut()?;
+            match nr.router.route(&nr.view, &rr, now) {
+                Decision::Route(d) => return Some((node, d.replica, d.hit_blocks, extra)),
+                Decision::Forward { region, .. } => {
+                    let g: usize = region.strip_prefix("region-")?.parse().ok()?;
+                    let targets: Vec<usize> = self
+                        .live
+                        .iter()
+                        .copied()
+                        .filter(|m| self.nodes[*m].region == g)
+                        .collect();
+                    if targets.is_empty() {
+                        return None;
+                    }
+                    let to = targets[self.rng.random_range(0..targets.len())];
+                    extra += self.cfg.rtt(self.nodes[node].region, g);
+                    self.forwarded += 1;
+                    node = to;
+                }
+                Decision::Reject(_) => return None,
+            }
+        }
+        None
+    }
+
+    fn fail_early(&mut self) {
+        self.errors += 1;
+        self.done += 1;
+    }
+
+    /// Brings node `n`'s view to what gossip has told it by `now`.
+    fn sync_view(&mut self, n: usize, now: Duration) {
+        let node = &mut self.nodes[n];
+        let Some(nr) = node.routing.as_mut() else {
+            return;
+        };
+        let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
+            return;
+        };
+        let Some((at, loads)) = self.loads.as_of_timed(source) else {
+            return;
+        };
+        if nr.synced == Some(at) {
+            return;
+        }
+        nr.synced = Some(at);
+        for (r, l) in loads.iter().enumerate() {
+            nr.view
+                .set_engine_load(r, l.waiting, l.running, l.kv_usage, l.queued_prefill_tokens);
+        }
+        for &r in &self.region_replicas[node.region] {
+            let Some(fresh) = self.summaries[r].as_of(source) else {
+                continue;
+            };
+            let held = nr.view.replica(r).and_then(|x| x.summary.as_ref());
+            if !held.is_some_and(|h| Arc::ptr_eq(h, fresh)) {
+                nr.view.set_summary(r, Arc::clone(fresh));
+            }
+        }
+        nr.view.expire_overlay(now);
+    }
+
+    fn engine_wake(&mut self, r: usize, now: Duration) {
+        if self.scheduled[r] != Some(now) {
+            return; // superseded by an earlier wake
+        }
+        self.scheduled[r] = None;
+        for out in self.engines[r].advance(now) {
+            match out {
+                Output::FirstToken {
+                    id,
+                    cached_tokens: c,
+                    prompt_tokens: p,
+                } => {
+                    let f = self.flights[id as usize];
+                    self.prompt_tokens += p as u64;
+                    self.cached_tokens += c as u64;
+                    if !f.lost {
+                        self.ttft.push((now - f.arrival + f.extra).as_secs_f64());
+                    }
+                    self.pending_prefill[r] =
+                        self.pending_prefill[r].saturating_sub(f.uncached_tokens);
+                    if let Some(rep) = self.nodes[f.node]
+                        .routing
+                        .as_mut()
+                        .and_then(|nr| nr.view.replica_mut(r))
+                    {
+                        rep.load.queued_prefill_tokens = rep
+                            .load
+                            .queued_prefill_tokens
+                            .saturating_sub(f.uncached_tokens);
+                    }
+                }
+                Output::Finished { id } => {
+                    let f = self.flights[id as usize];
+                    self.flights[id as usize].active = false;
+                    if !f.lost {
+                        self.latency.push((now - f.arrival + f.extra).as_secs_f64());
+                    }
+                    if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+                        nr.view.finished(f.replica);
+                    }
+                    self.done += 1;
+                }
+                Output::Token { .. } => {}
+            }
+        }
+        self.schedule(r);
+    }
+
+    /// Pushes replica `r`'s next wake-up unless an earlier one is already queued.
+    fn schedule(&mut self, r: usize) {
+        if let Some(next) = self.engines[r].next_event_time() {
+            if self.scheduled[r].is_none_or(|s| next < s) {
+                self.scheduled[r] = Some(next);
+                self.push(next, Event::EngineWake(r));
+            }
+        }
+    }
+
+    /// Home nodes publish loads (and, once per round, summaries) into the gossip model.
+    fn publish(&mut self, k: u64, now: Duration) -> Result<(), SimError> {
+        let interval = self.cfg.gossip_interval;
+        let max_hops = self.hops.last().copied().unwrap_or(1);
+        // The oldest source time any node can still read.
+        let horizon = now.saturating_sub(interval * (max_hops + 1));
+        let previous = self.loads.latest();
+        let loads: Vec<LoadSample> = (0..self.engines.len())
+            .map(|r| match previous {
+                Some(prev) if self.orphaned[r] => prev[r],
+                _ => {
+                    let st = self.engines[r].stats();
+                    LoadSample {
+                        waiting: st.waiting as u32,
+                        running: st.running as u32,
+                        kv_usage: st.kv_usage as f32,
+                        queued_prefill_tokens: self.pending_prefill[r],
+                    }
+                }
+            })
+            .collect();
+        self.loads.publish(now, loads, horizon);
+        if k.is_multiple_of(u64::from(LOAD_PUBLICATIONS_PER_INTERVAL)) {
+            for r in 0..self.models.len() {
+                if self.orphaned[r] {
                     continue;
                 }
-                per_replica[r] += 1;
-                schedule(&mut heap, &mut push, &engines[r], &mut scheduled[r], r);
-            }
-            Event::EngineWake(r) => {
-                if scheduled[r] != Some(now) {
-                    continue; // superseded by an earlier wake
-                }
-                scheduled[r] = None;
-                for out in engines[r].advance(now) {
-                    match out {
-                        Output::FirstToken {
-                            id,
-                            cached_tokens: c,
-                            prompt_tokens: p,
-                        } => {
-                            let f = flights[id as usize];
-                            ttft.push((now - f.arrival).as_secs_f64());
-                            prompt_tokens += p as u64;
-                            cached_tokens += c as u64;
-                            pending_prefill[r] =
-                                pending_prefill[r].saturating_sub(f.uncached_tokens);
-                            if let Some(rep) = nodes[f.node].view.replica_mut(r) {
-                                rep.load.queued_prefill_tokens = rep
-                                    .load
-                                    .queued_prefill_tokens
-                                    .saturating_sub(f.uncached_tokens);
-                            }
-                        }
-                        Output::Finished { id } => {
-                            let f = flights[id as usize];
-                            latency.push((now - f.arrival).as_secs_f64());
-                            nodes[f.node].view.finished(f.replica);
-                            done += 1;
-                        }
-                        Output::Token { .. } => {}
-                    }
-                }
-                schedule(&mut heap, &mut push, &engines[r], &mut scheduled[r], r);
-            }
-            Event::Gossip(n) => {
-                refresh(&mut nodes[n].view, &engines, &models, &pending_prefill, now);
-                if n == 0 {
-                    for m in &mut models {
-                        // A rebuild only fails on an impossible filter size, checked at start.
-                        let _ = m.maybe_rebuild(now);
-                    }
-                }
-                if done < reqs.len() {
-                    push(&mut heap, now + cfg.gossip_interval, Event::Gossip(n));
+                let m = &mut self.models[r];
+                m.maybe_rebuild(now)
+                    .map_err(|e| SimError::Config(e.to_string()))?;
+                let s = m.summary();
+                let changed = self.summaries[r]
+                    .latest()
+                    .is_none_or(|p| (p.epoch(), p.seq()) != (s.epoch(), s.seq()));
+                if changed {
+                    self.summaries[r].publish(now, Arc::new(s.clone()), horizon);
                 }
             }
         }
+        if self.done < self.reqs.len() {
+            self.push(
+                now + interval / LOAD_PUBLICATIONS_PER_INTERVAL,
+                Event::Publish(k + 1),
+            );
+        }
+        Ok(())
     }
 
-    let first = reqs
-        .first()
-        .map_or(0.0, |r| r.at_s.max(0.0) / cfg.arrival_speedup);
-    Ok(SimReport {
-        policy: if cfg.oracle {
-            "oracle".into()
-        } else {
-            policy.as_str().into()
-        },
-        nodes: nodes_n,
-        replicas: cfg.replicas,
-        requests: reqs.len(),
-        errors,
-        ttft: Distribution::of(&mut ttft),
-        latency: Distribution::of(&mut latency),
-        prompt_tokens,
-        cached_tokens,
-        hit_token_ratio: if prompt_tokens == 0 {
-            0.0
-        } else {
-            cached_tokens as f64 / prompt_tokens as f64
-        },
-        load_max_over_mean: max_over_mean(&per_replica),
-        requests_per_replica: per_replica,
-        virtual_seconds: last.as_secs_f64() - first,
-    })
-}
-
-/// The oracle's choice: the lowest predicted time to first token from the engines' true state
-/// (random among exact ties). Returns the replica and the uncached prompt tokens there.
-fn oracle_pick(
-    engines: &[Engine],
-    prompt: &[u32],
-    prefill_rate: f64,
-    rng: &mut SmallRng,
-) -> (usize, u64) {
-    let w_load = crate::core::cost::CostModel::default().w_load_s;
-    let hashes = block_hashes(
-        prompt,
-        engines.first().map_or(16, |e| e.config().block_tokens),
-    );
-    let mut best = (f64::INFINITY, 0usize, 0u64);
-    let mut ties = 0u32;
-    for (r, e) in engines.iter().enumerate() {
-        let uncached = prompt.len().saturating_sub(e.cached_prefix_tokens(&hashes)) as u64;
-        let st = e.stats();
-        let cost = (e.pending_prefill_tokens() as u64 + uncached) as f64 / prefill_rate
-            + w_load * (st.running + st.waiting) as f64;
-        if cost < best.0 {
-            best = (cost, r, uncached);
-            ties = 1;
-        } else if cost == best.0 {
-            ties += 1;
-            if rng.random_range(0..ties) == 0 {
-                best = (cost, r, uncached);
+    fn node_down(&mut self, n: usize, now: Duration) {
+        if !self.nodes[n].live {
+            return;
+        }
+        self.nodes[n].live = false;
+        self.live.retain(|m| *m != n);
+        // Requests it was proxying lose their client connection (the engines still run them).
+        for f in self.flights.iter_mut() {
+            if f.active && f.node == n && !f.lost {
+                f.lost = true;
+                self.lost += 1;
+                self.errors += 1;
             }
         }
-    }
-    (best.1, best.2)
-}
-
-/// Pushes the engine's next wake-up unless an earlier one is already queued.
-fn schedule(
-    heap: &mut BinaryHeap<Reverse<(Duration, u64, Event)>>,
-    push: &mut impl FnMut(&mut BinaryHeap<Reverse<(Duration, u64, Event)>>, Duration, Event),
-    engine: &Engine,
-    scheduled: &mut Option<Duration>,
-    r: usize,
-) {
-    if let Some(next) = engine.next_event_time() {
-        if scheduled.is_none_or(|s| next < s) {
-            *scheduled = Some(next);
-            push(heap, next, Event::EngineWake(r));
+        for r in 0..self.home.len() {
+            if self.home[r] == Some(n) {
+                self.orphaned[r] = true;
+            }
         }
+        self.push(now + self.cfg.failure_detection, Event::Rehome(n));
     }
-}
 
-/// What a gossip round brings a node: every replica's engine load, queued prefill and summary.
-fn refresh(
-    view: &mut View,
-    engines: &[Engine],
-    models: &[CacheModel],
-    pending: &[u64],
-    now: Duration,
-) {
-    for (r, engine) in engines.iter().enumerate() {
-        let st = engine.stats();
-        view.set_engine_load(
-            r,
-            st.waiting as u32,
-            st.running as u32,
-            st.kv_usage as f32,
-            pending[r],
+    /// The others have noticed node `n` is gone: its replicas get new homes, which start fresh
+    /// cache models in a new epoch.
+    fn rehome(&mut self, n: usize) -> Result<(), SimError> {
+        let capacity_blocks = self.cfg.engine.kv_capacity_tokens / self.tokens_per_block as usize;
+        for r in 0..self.home.len() {
+            if self.home[r] != Some(n) {
+                continue;
+            }
+            self.home[r] = self.home_of(r);
+            if self.home[r].is_some() {
+                let epoch = self.models[r].summary().epoch() + 1;
+                self.models[r] = new_model(capacity_blocks, epoch, &self.summary_cfg)?;
+                self.orphaned[r] = false;
+                self.rehomed += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The oracle's choice: the lowest predicted time to first token from the engines' true
+    /// state plus the round trip to the replica's region (random among exact ties). Returns the
+    /// replica and the uncached prompt tokens there.
+    fn oracle_pick(&mut self, prompt: &[u32], client_region: usize) -> (usize, u64) {
+        let w_load = crate::core::cost::CostModel::default().w_load_s;
+        let hashes = block_hashes(
+            prompt,
+            self.engines.first().map_or(16, |e| e.config().block_tokens),
         );
-        let fresh = models[r].summary();
-        let stale = view
-            .replica(r)
-            .and_then(|x| x.summary.as_ref())
-            .is_none_or(|s| s.epoch() != fresh.epoch() || s.seq() != fresh.seq());
-        if stale {
-            view.set_summary(r, fresh.clone());
+        let mut best = (f64::INFINITY, 0usize, 0u64);
+        let mut ties = 0u32;
+        for (r, e) in self.engines.iter().enumerate() {
+            let uncached = prompt.len().saturating_sub(e.cached_prefix_tokens(&hashes)) as u64;
+            let st = e.stats();
+            let cost = (e.pending_prefill_tokens() as u64 + uncached) as f64 / self.prefill_rate
+                + w_load * (st.running + st.waiting) as f64
+                + self
+                    .cfg
+                    .rtt(client_region, self.replica_region[r])
+                    .as_secs_f64();
+            if cost < best.0 {
+                best = (cost, r, uncached);
+                ties = 1;
+            } else if cost == best.0 {
+                ties += 1;
+                if self.rng.random_range(0..ties) == 0 {
+                    best = (cost, r, uncached);
+                }
+            }
+        }
+        (best.1, best.2)
+    }
+
+    fn report(mut self, virtual_time: Duration) -> SimReport {
+        SimReport {
+            policy: if self.cfg.oracle {
+                "oracle".into()
+            } else {
+                self.policy.as_str().into()
+            },
+            nodes: self.cfg.nodes,
+            replicas: self.cfg.replicas,
+            regions: self.cfg.regions,
+            requests: self.reqs.len(),
+            errors: self.errors,
+            lost: self.lost,
+            cross_region: self.cross_region,
+            forwarded: self.forwarded,
+            rehomed: self.rehomed,
+            gossip_hops_p50: self.hops[self.hops.len() / 2],
+            gossip_hops_max: self.hops.last().copied().unwrap_or(1),
+            ttft: Distribution::of(&mut self.ttft),
+            latency: Distribution::of(&mut self.latency),
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            hit_token_ratio: if self.prompt_tokens == 0 {
+                0.0
+            } else {
+                self.cached_tokens as f64 / self.prompt_tokens as f64
+            },
+            load_max_over_mean: max_over_mean(&self.per_replica),
+            requests_per_replica: self.per_replica,
+            virtual_seconds: virtual_time.as_secs_f64(),
         }
     }
-    view.expire_overlay(now);
+}
+
+/// An empty approximate cache model, as a (new) home node starts one.
+fn new_model(
+    capacity_blocks: usize,
+    epoch: u64,
+    summary_cfg: &SummaryConfig,
+) -> Result<CacheModel, SimError> {
+    CacheModel::new(
+        CacheSource::Approximate,
+        epoch,
+        CacheModelConfig::with_capacity(capacity_blocks),
+        summary_cfg.clone(),
+    )
+    .map_err(|e| SimError::Config(e.to_string()))
 }
 
 #[cfg(test)]
@@ -531,5 +790,121 @@ mod tests {
             rr.ttft.mean
         );
         assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
+    }
+
+    fn chat(requests: usize, rate: f64) -> Vec<WorkloadRequest> {
+        workload::chat(
+            &workload::ChatParams::default(),
+            &workload::GenParams {
+                rate,
+                requests,
+                seed: 1,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn regions_serve_their_own_clients_and_hold_only_their_own_summaries() {
+        let t = chat(600, 100.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 8,
+            regions: 2,
+            ..Default::default()
+        };
+        let p2c = run(&t, &cfg).unwrap();
+        assert_eq!((p2c.errors, p2c.cross_region, p2c.forwarded), (0, 0, 0));
+        let rr = run(
+            &t,
+            &SimConfig {
+                policy: PolicyKind::RoundRobin,
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
+
+        // White box: after a round, a node holds the summaries of its region's replicas, shared
+        // with the other nodes of its region, and none of the other region's.
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        sim.publish(0, Duration::ZERO).unwrap();
+        let later = Duration::from_secs(1);
+        sim.sync_view(0, later);
+        sim.sync_view(2, later);
+        fn view<'s>(sim: &'s Sim, n: usize) -> &'s View {
+            &sim.nodes[n].routing.as_ref().unwrap().view
+        }
+        for r in 0..8 {
+            let (a, b) = (
+                view(&sim, 0).replica(r).unwrap(),
+                view(&sim, 2).replica(r).unwrap(),
+            );
+            if r % 2 == 0 {
+                assert!(Arc::ptr_eq(
+                    a.summary.as_ref().unwrap(),
+                    b.summary.as_ref().unwrap()
+                ));
+                assert!(Arc::ptr_eq(&a.info, &b.info));
+            } else {
+                assert!(a.summary.is_none() && b.summary.is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_node_loses_its_requests_and_its_replicas_get_new_homes() {
+        let t = chat(600, 100.0);
+        let cfg = SimConfig {
+            failures: vec![NodeFailure {
+                node: 0,
+                at: Duration::from_secs(3),
+            }],
+            failure_detection: Duration::from_secs(1),
+            ..Default::default()
+        };
+        let homed_on_0 = {
+            let sim = Sim::new(&t, &cfg).unwrap();
+            sim.home.iter().filter(|h| **h == Some(0)).count()
+        };
+        assert!(homed_on_0 > 0, "node 0 is home for some of the 8 replicas");
+        let a = run(&t, &cfg).unwrap();
+        assert_eq!(a.rehomed, homed_on_0);
+        assert!(a.lost > 0, "requests in flight through node 0 are lost");
+        assert_eq!(a.errors, a.lost, "everything else is served by the others");
+        assert_eq!(a.latency.count, a.requests - a.lost);
+        let b = run(&t, &cfg).unwrap();
+        assert_eq!(
+            serde_json::to_string(&a).unwrap(),
+            serde_json::to_string(&b).unwrap()
+        );
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let t = chat(10, 10.0);
+        for cfg in [
+            SimConfig {
+                regions: 9,
+                ..Default::default()
+            },
+            SimConfig {
+                failures: vec![NodeFailure {
+                    node: 3,
+                    at: Duration::ZERO,
+                }],
+                ..Default::default()
+            },
+            SimConfig {
+                gossip_fanout: 0,
+                ..Default::default()
+            },
+        ] {
+            assert!(matches!(run(&t, &cfg), Err(SimError::Config(_))));
+        }
+        assert!("0@1.5".parse::<NodeFailure>().is_ok());
+        for bad in ["0", "x@1", "0@-1", "0@nan"] {
+            assert!(bad.parse::<NodeFailure>().is_err(), "{bad}");
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
-use super::sim::{run, SimConfig, SimReport};
+use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::Preset;
@@ -34,9 +34,24 @@ pub struct SimArgs {
     /// Engine replicas.
     #[arg(long, default_value_t = 8)]
     pub replicas: usize,
+    /// Regions: node n and replica r live in region n % regions, r % regions.
+    #[arg(long, default_value_t = 1)]
+    pub regions: usize,
+    /// Round-trip time between neighbouring regions in milliseconds (regions lie on a line).
+    #[arg(long, default_value_t = 50)]
+    pub region_rtt_ms: u64,
     /// Gossip interval in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub gossip_ms: u64,
+    /// Peers each node gossips with per round.
+    #[arg(long, default_value_t = 3)]
+    pub fanout: usize,
+    /// A node failure, NODE@SECONDS from the first arrival (repeatable), e.g. `--fail 0@30`.
+    #[arg(long = "fail")]
+    pub failures: Vec<NodeFailure>,
+    /// Milliseconds until the others declare a failed node dead and re-home its replicas.
+    #[arg(long, default_value_t = 2000)]
+    pub failure_detection_ms: u64,
     /// Divide the workload's arrival times by this (2 = twice the rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -75,8 +90,13 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     let base = SimConfig {
         nodes: args.nodes,
         replicas: args.replicas,
+        regions: args.regions,
+        region_rtt: Duration::from_millis(args.region_rtt_ms),
         seed: args.workload.seed,
         gossip_interval: Duration::from_millis(args.gossip_ms),
+        gossip_fanout: args.fanout,
+        failures: args.failures.clone(),
+        failure_detection: Duration::from_millis(args.failure_detection_ms),
         engine: preset.config(),
         arrival_speedup: args.speedup,
         ..Default::default()
@@ -104,14 +124,18 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     }
     let ideal = workload::ideal_hit_ratio(&workload);
     eprintln!(
-        "kvmesh sim: {} ({} requests) on {} nodes x {} replicas ({}), gossip {} ms, speedup {}x",
+        "kvmesh sim: {} ({} requests) on {} nodes x {} replicas in {} region(s) ({}), gossip {} ms \
+         fan-out {}, speedup {}x, {} node failure(s)",
         args.workload.workload,
         workload.len(),
         base.nodes,
         base.replicas,
+        base.regions,
         args.preset,
         args.gossip_ms,
-        args.speedup
+        args.fanout,
+        args.speedup,
+        base.failures.len()
     );
     let mut reports = Vec::new();
     for (cfg, _) in runs {
@@ -163,6 +187,23 @@ pub fn markdown(reports: &[SimReport], ideal_token_ratio: f64) -> String {
             r.cached_tokens,
             r.hit_token_ratio,
             r.load_max_over_mean
+        ));
+    }
+    s.push_str(
+        "\n| policy | regions | cross-region | forwarded | lost (node failures) | re-homed replicas | gossip hops p50 / max | virtual s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} / {} | {:.1} |\n",
+            r.policy,
+            r.regions,
+            r.cross_region,
+            r.forwarded,
+            r.lost,
+            r.rehomed,
+            r.gossip_hops_p50,
+            r.gossip_hops_max,
+            r.virtual_seconds
         ));
     }
     s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, tokens): {ideal_token_ratio:.3}\n"));

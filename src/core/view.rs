@@ -9,6 +9,7 @@
 //! first one's blocks became visible.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::keys::BlockKey;
@@ -76,14 +77,15 @@ impl ReplicaLoad {
 /// One replica as the node knows it.
 #[derive(Debug)]
 pub struct ReplicaState {
-    /// Static facts.
-    pub info: ReplicaInfo,
+    /// Static facts; shared, so a simulator's thousand views of one replica hold one copy.
+    pub info: Arc<ReplicaInfo>,
     /// Current health.
     pub health: Health,
     /// Latest load.
     pub load: ReplicaLoad,
-    /// Its cache summary, when this node holds one (replicas of the node's own region).
-    pub summary: Option<ReplicaSummary>,
+    /// Its cache summary, when this node holds one (replicas of the node's own region). Shared:
+    /// views holding the same version of a summary hold one copy.
+    pub summary: Option<Arc<ReplicaSummary>>,
     /// Rendezvous seed of its id (affinity, hash rings); computed once.
     pub seed: u64,
     /// Keys just routed here by this node, with the time they stop counting.
@@ -124,7 +126,8 @@ impl View {
 
     /// Adds or updates a replica's static facts; returns its index. Indexes are stable for the
     /// view's lifetime (a removed replica stays, marked unhealthy), so decisions can hold them.
-    pub fn upsert(&mut self, info: ReplicaInfo) -> usize {
+    pub fn upsert(&mut self, info: impl Into<Arc<ReplicaInfo>>) -> usize {
+        let info: Arc<ReplicaInfo> = info.into();
         if let Some(&i) = self.index.get(&info.id) {
             self.replicas[i].info = info;
             return i;
@@ -187,10 +190,10 @@ impl View {
         }
     }
 
-    /// Sets a replica's summary.
-    pub fn set_summary(&mut self, i: usize, summary: ReplicaSummary) {
+    /// Sets a replica's summary (owned, or shared with other views).
+    pub fn set_summary(&mut self, i: usize, summary: impl Into<Arc<ReplicaSummary>>) {
         if let Some(r) = self.replicas.get_mut(i) {
-            r.summary = Some(summary);
+            r.summary = Some(summary.into());
             // Overlay keys the summary now covers are redundant.
             if let Some(s) = &r.summary {
                 r.overlay.retain(|k, _| !s.contains(BlockKey(*k)));

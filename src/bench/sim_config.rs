@@ -1,0 +1,188 @@
+//! What `kvmesh sim` is asked to simulate ([`SimConfig`], [`NodeFailure`]) and what a run
+//! measured ([`SimReport`]).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::stats::Distribution;
+use crate::core::policy::PolicyKind;
+use crate::engine_sim::EngineConfig;
+
+/// A node that fails during the run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeFailure {
+    /// The node's index (0-based).
+    pub node: usize,
+    /// When, counted from the first arrival.
+    pub at: Duration,
+}
+
+impl std::str::FromStr for NodeFailure {
+    type Err = String;
+
+    /// `NODE@SECONDS`, e.g. `0@30` (node 0 fails 30 s into the run).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (node, at) = s
+            .split_once('@')
+            .ok_or_else(|| format!("'{s}': expected NODE@SECONDS, e.g. 0@30"))?;
+        let node = node
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{s}': node must be an index"))?;
+        let at: f64 = at
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{s}': seconds must be a number"))?;
+        if !(at.is_finite() && at >= 0.0) {
+            return Err(format!("'{s}': seconds must be ≥ 0"));
+        }
+        Ok(NodeFailure {
+            node,
+            at: Duration::from_secs_f64(at),
+        })
+    }
+}
+
+/// What to simulate.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Router nodes. Default 3.
+    pub nodes: usize,
+    /// Engine replicas. Default 8.
+    pub replicas: usize,
+    /// Regions; node `n` and replica `r` live in region `n % regions`, `r % regions`. Default 1.
+    pub regions: usize,
+    /// Round-trip time between neighbouring regions; regions lie on a line, so regions `a` and `b`
+    /// are `|a − b| × region_rtt` apart. Default 50 ms.
+    pub region_rtt: Duration,
+    /// Routing policy of every node. Default `p2c-cache`.
+    pub policy: PolicyKind,
+    /// Seed of every random choice. Default 1.
+    pub seed: u64,
+    /// Gossip round length. Default 100 ms.
+    pub gossip_interval: Duration,
+    /// Peers each node exchanges state with per round. Default 3 (chitchat's).
+    pub gossip_fanout: usize,
+    /// Nodes that fail, and when. Default none.
+    pub failures: Vec<NodeFailure>,
+    /// How long the others take to declare a silent node dead. Default 2 s (the mesh's default).
+    pub failure_detection: Duration,
+    /// The engine model of every replica. Default: 8B on one H100.
+    pub engine: EngineConfig,
+    /// Routing-text block size. Default 256 bytes.
+    pub block_bytes: usize,
+    /// Workload arrival times are divided by this (2.0 = twice the workload's rate). Default 1.
+    pub arrival_speedup: f64,
+    /// Replay only the first N requests. Default: all.
+    pub max_requests: Option<usize>,
+    /// Run the oracle baseline instead (one central router reading the engines' true state).
+    pub oracle: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            nodes: 3,
+            replicas: 8,
+            regions: 1,
+            region_rtt: Duration::from_millis(50),
+            policy: PolicyKind::P2cCache,
+            seed: 1,
+            gossip_interval: Duration::from_millis(100),
+            gossip_fanout: 3,
+            failures: Vec::new(),
+            failure_detection: Duration::from_secs(2),
+            engine: EngineConfig::default(),
+            block_bytes: 256,
+            arrival_speedup: 1.0,
+            max_requests: None,
+            oracle: false,
+        }
+    }
+}
+
+impl SimConfig {
+    pub(super) fn validate(&self) -> Result<(), SimError> {
+        let bad = |m: &str| Err(SimError::Config(m.into()));
+        if self.nodes == 0 || self.replicas == 0 {
+            return bad("nodes and replicas must be at least 1");
+        }
+        if self.regions == 0 || self.regions > self.nodes.min(self.replicas) {
+            return bad("regions must be at least 1 and at most min(nodes, replicas)");
+        }
+        if !(self.arrival_speedup.is_finite() && self.arrival_speedup > 0.0) {
+            return bad("arrival_speedup must be > 0");
+        }
+        if self.gossip_interval.is_zero() || self.gossip_fanout == 0 {
+            return bad("gossip interval and fan-out must be > 0");
+        }
+        if let Some(f) = self.failures.iter().find(|f| f.node >= self.nodes) {
+            return Err(SimError::Config(format!(
+                "failure of node {} but there are only {} nodes",
+                f.node, self.nodes
+            )));
+        }
+        self.engine
+            .validate()
+            .map_err(|e| SimError::Config(e.to_string()))
+    }
+
+    /// Round-trip time between regions `a` and `b`.
+    pub(super) fn rtt(&self, a: usize, b: usize) -> Duration {
+        self.region_rtt * a.abs_diff(b) as u32
+    }
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimReport {
+    /// Policy name (`oracle` for the baseline).
+    pub policy: String,
+    /// Router nodes.
+    pub nodes: usize,
+    /// Replicas.
+    pub replicas: usize,
+    /// Regions.
+    pub regions: usize,
+    /// Requests replayed.
+    pub requests: usize,
+    /// Requests that could not be routed or submitted, or were lost with a failed node.
+    pub errors: usize,
+    /// Of the errors: requests in flight through a node when it failed.
+    pub lost: usize,
+    /// Requests served by a replica outside their client's region.
+    pub cross_region: usize,
+    /// Requests forwarded to another region's node.
+    pub forwarded: usize,
+    /// Replicas that got a new home after their home node failed.
+    pub rehomed: usize,
+    /// Gossip rounds news takes to reach a node: median and largest over the fleet.
+    pub gossip_hops_p50: u32,
+    /// See `gossip_hops_p50`.
+    pub gossip_hops_max: u32,
+    /// Time to first token, seconds (requests not lost).
+    pub ttft: Distribution,
+    /// End-to-end latency, seconds (requests not lost).
+    pub latency: Distribution,
+    /// Prompt tokens sent.
+    pub prompt_tokens: u64,
+    /// Prompt tokens the engines served from their prefix caches.
+    pub cached_tokens: u64,
+    /// cached / prompt tokens.
+    pub hit_token_ratio: f64,
+    /// Requests served by each replica.
+    pub requests_per_replica: Vec<u64>,
+    /// Largest replica share over the mean share.
+    pub load_max_over_mean: f64,
+    /// Virtual time from the first arrival to the last completion, seconds.
+    pub virtual_seconds: f64,
+}
+
+/// A simulation that failed to start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Bad configuration.
+    #[error("invalid simulation config: {0}")]
+    Config(String),
+}

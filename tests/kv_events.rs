@@ -349,7 +349,7 @@ fn captured_real_vllm_events_index_to_the_prompts_keys() {
         index.apply(0, &batch, &mut ops);
         for op in ops {
             match op {
-                Op::Store(k) => model.extend(k),
+                Op::Store(k, _) => model.extend(k),
                 Op::Remove(k) => k.iter().for_each(|x| {
                     model.remove(x);
                 }),

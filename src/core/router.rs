@@ -68,7 +68,8 @@ pub struct Routed {
     pub replica: usize,
     /// The replica it was weighed against.
     pub runner_up: Option<usize>,
-    /// Leading blocks believed cached on the chosen replica.
+    /// Leading blocks believed cached on the chosen replica, in any tier (not weighted: what
+    /// the replica can reuse, whatever the copy-back costs).
     pub hit_blocks: u32,
     /// Predicted seconds to first token there.
     pub cost_s: f64,
@@ -215,17 +216,20 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let hit_blocks = if uses_cache {
-                view.hit_with(i, req.keys, now, &mut self.scratch) as u32
+            let (hit_blocks, credited_blocks) = if uses_cache {
+                let h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
+                (h.any as u32, cost.credited_blocks(h))
             } else {
-                0
+                (0, 0.0)
             };
             let queue_s = cost.queue_s(r);
-            let cost_s = queue_s + cost.prefill_s(r, req.prompt_tokens, hit_blocks as u64 * tpb);
+            let cost_s =
+                queue_s + cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
             self.candidates.push(Candidate {
                 replica: i,
                 seed: r.seed,
                 hit_blocks,
+                credited_blocks,
                 outstanding: r.load.outstanding(),
                 in_flight: r.load.in_flight,
                 queue_s,

@@ -527,6 +527,119 @@ mod tests {
         }
     }
 
+    fn tiered_view(gpu: usize, cpu: usize, disk: usize, keys: &[BlockKey]) -> View {
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys[..gpu]);
+        s.insert_tier(&keys[gpu..gpu + cpu], Tier::Cpu);
+        s.insert_tier(&keys[gpu + cpu..gpu + cpu + disk], Tier::Disk);
+        v.set_summary(i, s);
+        v
+    }
+
+    #[test]
+    fn a_prefix_half_on_gpu_and_half_on_cpu_is_split_by_tier() {
+        let keys: Vec<BlockKey> = (0..200u64)
+            .map(|k| BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        let v = tiered_view(50, 50, 0, &keys);
+        let h = v.hit_tiers(0, &keys, Duration::ZERO);
+        assert_eq!(
+            h,
+            TierHit {
+                gpu: 50,
+                cpu: 100,
+                any: 100
+            }
+        );
+        assert_eq!(
+            v.hit(0, &keys, Duration::ZERO),
+            100,
+            "the plain hit counts every tier"
+        );
+        // Just-routed blocks count as GPU (the overlay), ahead of the summary's tiers.
+        let mut v = tiered_view(0, 100, 0, &keys);
+        v.record_routed(0, &keys[..10], Duration::ZERO);
+        assert_eq!(
+            v.hit_tiers(0, &keys, Duration::ZERO),
+            TierHit {
+                gpu: 10,
+                cpu: 100,
+                any: 100
+            }
+        );
+    }
+
+    #[test]
+    fn tiered_search_matches_a_linear_scan() {
+        let keys: Vec<BlockKey> = (0..300u64)
+            .map(|k| BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        for (gpu, cpu, disk) in [
+            (0, 0, 1),
+            (0, 7, 0),
+            (1, 1, 1),
+            (3, 0, 64),
+            (100, 100, 100),
+            (299, 0, 1),
+            (0, 0, 300),
+            (17, 120, 5),
+        ] {
+            let v = tiered_view(gpu, cpu, disk, &keys);
+            let s = v.replica(0).unwrap().summary.as_ref().unwrap();
+            // Linear: each key's best tier, the runs as prefixes.
+            let tiers: Vec<Option<Tier>> = keys.iter().map(|k| s.tier_of(*k)).collect();
+            let run =
+                |ok: &dyn Fn(Tier) -> bool| tiers.iter().take_while(|t| t.is_some_and(ok)).count();
+            let want = TierHit {
+                gpu: run(&|t| t == Tier::Gpu),
+                cpu: run(&|t| t <= Tier::Cpu),
+                any: run(&|_| true),
+            };
+            assert_eq!(want.any, gpu + cpu + disk, "no false positive in the way");
+            assert_eq!(
+                v.hit_tiers(0, &keys, Duration::ZERO),
+                want,
+                "{gpu}/{cpu}/{disk}"
+            );
+        }
+    }
+
+    #[test]
+    fn replicas_without_lower_tiers_cost_no_tier_probe() {
+        let keys: Vec<BlockKey> = (0..64).map(BlockKey).collect();
+        let v = tiered_view(10, 0, 0, &keys);
+        let mut scratch = HitScratch::default();
+        scratch.reset(keys.len());
+        let h = v.hit_tiers_with(0, &keys, Duration::ZERO, &mut scratch);
+        assert_eq!(
+            h,
+            TierHit {
+                gpu: 10,
+                cpu: 10,
+                any: 10
+            }
+        );
+        assert!(!scratch.tier_memo_ready, "no salted key was hashed");
+        // With lower tiers, a full GPU hit needs no tier probe either.
+        let v = tiered_view(64, 0, 0, &keys);
+        let mut s = ReplicaSummary::new(2, 1000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        s.insert_tier(&[BlockKey(999)], Tier::Cpu);
+        let mut v2 = View::new("eu", 64);
+        let i = v2.upsert(info("r0", "eu"));
+        v2.set_summary(i, s);
+        scratch.reset(keys.len());
+        assert_eq!(
+            v2.hit_tiers_with(i, &keys, Duration::ZERO, &mut scratch)
+                .any,
+            64
+        );
+        assert!(!scratch.tier_memo_ready);
+        assert_eq!(v.hit(0, &keys, Duration::ZERO), 64);
+    }
+
     #[test]
     fn upsert_keeps_indexes_stable() {
         let mut v = View::new("eu", 64);

@@ -630,7 +630,7 @@ mod tests {
         )
         .unwrap();
         let now = std::time::Duration::ZERO;
-        let mut run = |idx: &mut EventIndex, events: Vec<KvEvent>, model: &mut CacheModel| {
+        let run = |idx: &mut EventIndex, events: Vec<KvEvent>, model: &mut CacheModel| {
             let mut ops = Vec::new();
             idx.apply(0, &batch(events), &mut ops);
             for op in &ops {

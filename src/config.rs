@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::core::cost::TierWeights;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::replicas::kv_events::KvEventsSource;
@@ -92,6 +93,10 @@ pub struct NodeConfig {
     pub w_load_s: f64,
     /// Seconds credited to a session's preferred replica. Default 0.05.
     pub affinity_credit_s: f64,
+    /// Share of a cached block's prefill the cost model credits by the tier the replica holds it
+    /// in (known from KV events' `medium`), each 0..=1. Default
+    /// `{ gpu = 1.0, cpu = 0.75, disk = 0.25 }`; keys left out keep their default.
+    pub tier_weights: TierWeights,
     /// How long a just-routed key counts in the overlay (seconds). Default 10.
     pub overlay_ttl_s: u64,
     /// Approximate cache model: a block not routed again within this long is presumed evicted
@@ -141,6 +146,7 @@ impl Default for NodeConfig {
             spill_after_s: 10.0,
             w_load_s: 0.005,
             affinity_credit_s: 0.05,
+            tier_weights: TierWeights::default(),
             overlay_ttl_s: 10,
             cache_ttl_s: 600,
             summary_interval_ms: 100,
@@ -492,6 +498,18 @@ impl NodeConfig {
             }
         }
         for (key, v) in [
+            ("tier_weights.gpu", self.tier_weights.gpu),
+            ("tier_weights.cpu", self.tier_weights.cpu),
+            ("tier_weights.disk", self.tier_weights.disk),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(invalid(
+                    key,
+                    format!("must be between 0 and 1 (the share of a cached block's prefill saved), got {v}"),
+                ));
+            }
+        }
+        for (key, v) in [
             ("summary_interval_ms", self.summary_interval_ms),
             ("timeouts.connect_ms", self.timeouts.connect_ms),
             ("timeouts.first_byte_ms", self.timeouts.first_byte_ms),
@@ -802,6 +820,38 @@ mod tests {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");
         }
+    }
+
+    #[test]
+    fn tier_weights_parse_default_and_are_checked() {
+        let c = NodeConfig::from_toml("").unwrap();
+        assert_eq!(c.tier_weights, TierWeights::default());
+        assert_eq!(
+            (c.tier_weights.gpu, c.tier_weights.cpu, c.tier_weights.disk),
+            (1.0, 0.75, 0.25)
+        );
+        let c = NodeConfig::from_toml("tier_weights = { cpu = 0.5, disk = 0 }").unwrap();
+        assert_eq!(
+            (c.tier_weights.gpu, c.tier_weights.cpu, c.tier_weights.disk),
+            (1.0, 0.5, 0.0),
+            "keys left out keep their default"
+        );
+        let c = NodeConfig::from_toml("[tier_weights]\ngpu = 0.9\ncpu = 0.9\ndisk = 0.9").unwrap();
+        assert_eq!(c.tier_weights.disk, 0.9);
+        for (toml, key) in [
+            ("tier_weights = { cpu = 1.5 }", "tier_weights.cpu"),
+            ("tier_weights = { disk = -0.1 }", "tier_weights.disk"),
+            ("tier_weights = { gpu = nan }", "tier_weights.gpu"),
+            ("tier_weights = { ssd = 0.1 }", "ssd"),
+            ("tier_weights = { cpu = \"high\" }", "tier_weights"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+        let e = NodeConfig::from_toml("tier_weights = { cpu = 1.5 }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("between 0 and 1") && e.contains("1.5"), "{e}");
     }
 
     #[test]

@@ -173,6 +173,7 @@ impl Node {
                 cost: CostModel {
                     w_load_s: cfg.w_load_s,
                     affinity_credit_s: cfg.affinity_credit_s,
+                    tier_weights: cfg.tier_weights,
                 },
             },
             Tenants::new(cfg.tenants.clone(), cfg.default_tenant.clone()),

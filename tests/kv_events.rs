@@ -349,7 +349,7 @@ fn captured_real_vllm_events_index_to_the_prompts_keys() {
         index.apply(0, &batch, &mut ops);
         for op in ops {
             match op {
-                Op::Store(k) => model.extend(k),
+                Op::Store(k, _) => model.extend(k),
                 Op::Remove(k) => k.iter().for_each(|x| {
                     model.remove(x);
                 }),
@@ -402,4 +402,123 @@ fn expected_keys_tokens(tokens: &[u32], block: usize) -> Vec<BlockKey> {
     let mut keys = Vec::new();
     token_block_keys(token_namespace(None, None, None), tokens, block, &mut keys);
     keys
+}
+
+/// A node whose replica `r0` (the simulated `r`, for a healthy HTTP side) takes its KV events
+/// from a hand-driven publisher instead of the engine, so a test can publish any `medium`.
+async fn node_with_publisher(
+    r: &ReplicaHandle,
+    publisher: &kvmesh::kv_events::KvPublisher,
+) -> RunningNode {
+    proxy::install_crypto_provider();
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        drain_s: 2,
+        ..NodeConfig::default()
+    };
+    cfg.health.interval_ms = 100;
+    cfg.scrape.interval_ms = 100;
+    cfg.replicas = vec![NodeReplica {
+        id: Some("r0".into()),
+        kv_events: Some(KvEventsSource {
+            endpoint: format!("tcp://127.0.0.1:{}", publisher.port()),
+            replay: publisher
+                .replay_port()
+                .map(|p| format!("tcp://127.0.0.1:{p}")),
+            topic: String::new(),
+            dp_ranks: 1,
+        }),
+        ..NodeReplica::from_url(r.base_url())
+    }];
+    proxy::spawn(cfg).await.unwrap()
+}
+
+#[tokio::test]
+async fn cpu_events_reach_the_summary_and_the_hit_as_their_tier() {
+    use kvmesh::core::summary::Tier;
+    use kvmesh::core::view::TierHit;
+    use kvmesh::kv_events::{
+        BlockRemoved, BlockStored, EventBatch, KvEvent, KvPublisher, KvPublisherConfig,
+    };
+    fn stored(
+        hashes: std::ops::RangeInclusive<u64>,
+        parent: Option<u64>,
+        tokens: &[u32],
+        medium: &str,
+    ) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.collect(),
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: BLOCK_TOKENS as u32,
+            medium: Some(medium.into()),
+            ..Default::default()
+        })
+    }
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+        }
+    }
+    bounded(async {
+        let r = replica_with_events(64).await;
+        let publisher = KvPublisher::start(KvPublisherConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            replay_port: Some(0),
+            topic: String::new(),
+            buffer_steps: 1000,
+        })
+        .await
+        .unwrap();
+        let node = node_with_publisher(&r, &publisher).await;
+        until(|| source(&node.node) == CacheSource::Exact).await;
+        let tokens: Vec<u32> = (1000..1000 + 8 * BLOCK_TOKENS as u32).collect();
+        let keys = expected_keys_tokens(&tokens, BLOCK_TOKENS);
+        let half = 4 * BLOCK_TOKENS;
+        // Blocks 0..4 in the GPU pool; 4..8 (their continuation) only in CPU memory.
+        publisher.publish(batch(vec![
+            stored(1..=4, None, &tokens[..half], "GPU"),
+            stored(5..=8, Some(4), &tokens[half..], "CPU"),
+        ]));
+        let hit = || node.node.lock().view.hit_tiers(0, &keys, Duration::ZERO);
+        until(|| hit().any == 8).await;
+        assert_eq!(
+            hit(),
+            TierHit {
+                gpu: 4,
+                cpu: 8,
+                any: 8
+            }
+        );
+        {
+            let core = node.node.lock();
+            let summary = core.view.replica(0).unwrap().summary.as_ref().unwrap();
+            assert!(summary.has_lower_tiers());
+            assert_eq!(summary.tier_of(keys[0]), Some(Tier::Gpu));
+            assert_eq!(summary.tier_of(keys[7]), Some(Tier::Cpu));
+            // A reader that does not know tiers sees only the GPU blocks.
+            assert_eq!(summary.hit(&keys), 4);
+        }
+        // Offload: blocks 2 and 3 get CPU copies, then their GPU copies go. The exact model
+        // moves them to CPU; the filter keeps their stale GPU keys until its next epoch.
+        publisher.publish(batch(vec![
+            stored(3..=4, Some(2), &tokens[2 * BLOCK_TOKENS..half], "CPU"),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![3, 4],
+                medium: Some("GPU".into()),
+                group_idx: None,
+            }),
+        ]));
+        let tier = |k: BlockKey| node.node.lock().replicas[0].cache.tier(k);
+        until(|| tier(keys[3]) == Some(Tier::Cpu)).await;
+        assert_eq!(tier(keys[2]), Some(Tier::Cpu));
+        assert_eq!(tier(keys[1]), Some(Tier::Gpu));
+        assert_eq!(node.node.lock().replicas[0].cache.stale(), 2);
+        node.shutdown().await;
+        r.shutdown().await;
+    })
+    .await;
 }

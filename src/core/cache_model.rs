@@ -7,6 +7,11 @@
 //! TTL, which is how the engine itself evicts. Either way the model owns a [`ReplicaSummary`];
 //! since a Bloom filter cannot delete, removed keys pile up as `stale` and, past a threshold, the
 //! model starts a new epoch whose filter is rebuilt from the live set.
+//!
+//! Exact models also keep each block's best tier (GPU, CPU, disk) and put it in the summary as
+//! [`Tier::summary_key`]. A block changing tier (an offload GPU → CPU, or a reload) is a remove of
+//! its old tier key plus an add of the new one: the old key stays in the filter, counted as
+//! stale like any removal, until a rebuild inserts only the current tier's key.
 
 use std::num::NonZeroUsize;
 use std::time::Duration;
@@ -14,7 +19,7 @@ use std::time::Duration;
 use lru::LruCache;
 
 use super::keys::BlockKey;
-use super::summary::{ReplicaSummary, SummaryConfig, SummaryError};
+use super::summary::{ReplicaSummary, SummaryConfig, SummaryError, Tier};
 
 /// Where a cache model's knowledge comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,14 +54,24 @@ impl CacheModelConfig {
     }
 }
 
+/// A live key's state.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// When it was last stored or routed.
+    touched: Duration,
+    /// The best tier it is held in (always GPU in approximate mode: routed blocks are computed
+    /// into the GPU pool).
+    tier: Tier,
+}
+
 /// One replica's cache model.
 #[derive(Debug)]
 pub struct CacheModel {
     source: CacheSource,
     cfg: CacheModelConfig,
     summary_cfg: SummaryConfig,
-    /// Live keys, least recently used first, with the time each was last touched.
-    entries: LruCache<u64, Duration>,
+    /// Live keys, least recently used first.
+    entries: LruCache<u64, Slot>,
     summary: ReplicaSummary,
     /// Keys in the filter that the replica no longer holds.
     stale: usize,
@@ -119,15 +134,25 @@ impl CacheModel {
         self.entries.contains(&key.0)
     }
 
+    /// The best tier `key` is held in right now (exact lookup), if held.
+    pub fn tier(&self, key: BlockKey) -> Option<Tier> {
+        self.entries.peek(&key.0).map(|s| s.tier)
+    }
+
     /// Approximate mode: the blocks of a request just routed to the replica. The engine will
     /// hold them and touch its existing ones, so they all become most recently used — the first
     /// block most of all: engines evict the tails of chains first, which keeps the cache
     /// prefix-closed, so the keys are touched from last to first.
     pub fn record_routed(&mut self, keys: &[BlockKey], now: Duration) {
         self.expire(now);
+        let slot = Slot {
+            touched: now,
+            tier: Tier::Gpu,
+        };
         for k in keys.iter().rev() {
-            if let Some((old, _)) = self.entries.push(k.0, now) {
-                if old != k.0 {
+            if let Some((old, old_slot)) = self.entries.push(k.0, slot) {
+                // Evicted, or (same key) a lower-tier copy from a seeded exact set now back on GPU.
+                if old != k.0 || old_slot.tier != Tier::Gpu {
                     self.stale += 1;
                 }
             }
@@ -135,12 +160,24 @@ impl CacheModel {
         self.summary.insert(keys);
     }
 
-    /// Exact mode: blocks the engine stored.
+    /// Exact mode: blocks the engine stored in GPU memory.
     pub fn store(&mut self, keys: &[BlockKey], now: Duration) {
+        self.store_tier(keys, Tier::Gpu, now);
+    }
+
+    /// Exact mode: blocks whose best tier is now `tier` — newly stored, or moved (offloaded to a
+    /// lower tier after their GPU copy went, or reloaded). A move is a remove of the old tier's
+    /// key (stale in the filter until the next epoch) plus an add of the new one.
+    pub fn store_tier(&mut self, keys: &[BlockKey], tier: Tier, now: Duration) {
         for k in keys {
-            self.entries.put(k.0, now);
+            let slot = Slot { touched: now, tier };
+            if let Some(old) = self.entries.put(k.0, slot) {
+                if old.tier != tier {
+                    self.stale += 1;
+                }
+            }
         }
-        self.summary.insert(keys);
+        self.summary.insert_tier(keys, tier);
     }
 
     /// Exact mode: blocks the engine evicted.
@@ -169,8 +206,8 @@ impl CacheModel {
         if self.source != CacheSource::Approximate {
             return;
         }
-        while let Some((_, touched)) = self.entries.peek_lru() {
-            if now.saturating_sub(*touched) <= self.cfg.ttl {
+        while let Some((_, slot)) = self.entries.peek_lru() {
+            if now.saturating_sub(slot.touched) <= self.cfg.ttl {
                 break;
             }
             self.entries.pop_lru();
@@ -188,23 +225,34 @@ impl CacheModel {
         if !(too_stale || overfull) {
             return Ok(false);
         }
-        // Size the new filter for what is live now, but never below the configured capacity.
-        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
-        let mut next = ReplicaSummary::new(self.summary.epoch() + 1, items, &self.summary_cfg)?;
-        let live: Vec<BlockKey> = self
-            .entries
-            .iter()
-            .rev()
-            .map(|(k, _)| BlockKey(*k))
-            .collect();
-        next.insert(&live);
-        self.summary = next;
-        self.stale = 0;
+        self.rebuild(self.summary.epoch() + 1)?;
         Ok(true)
     }
 
+    /// Replaces the summary by a new epoch holding exactly the live set, each key under its
+    /// current tier (so keys that changed tier shed their old tier's key).
+    fn rebuild(&mut self, epoch: u64) -> Result<(), SummaryError> {
+        // Size the new filter for what is live now, but never below the configured capacity.
+        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
+        let mut next = ReplicaSummary::new(epoch, items, &self.summary_cfg)?;
+        let mut by_tier: [Vec<BlockKey>; 3] = Default::default();
+        for (k, slot) in self.entries.iter().rev() {
+            by_tier[slot.tier as usize].push(BlockKey(*k));
+        }
+        for (tier, keys) in Tier::ALL.into_iter().zip(&by_tier) {
+            if !keys.is_empty() {
+                next.insert_tier(keys, tier);
+            }
+        }
+        self.summary = next;
+        self.stale = 0;
+        Ok(())
+    }
+
     /// The live keys, least recently used first (what a handover to a new home sends, so the
-    /// most recent end up most recent there too).
+    /// most recent end up most recent there too). Tiers are not sent: block reports carry plain
+    /// keys, and the new home's approximate model counts them as GPU-held (its own exact model,
+    /// once its event stream is up, replaces that with the engine's truth).
     pub fn live_keys(&self) -> Vec<BlockKey> {
         self.entries
             .iter()
@@ -217,19 +265,7 @@ impl CacheModel {
     /// a replica's home calls it so its summary supersedes whatever the previous home published
     /// (peers only pull newer versions) while keeping what this node itself routed there.
     pub fn restart_epoch(&mut self, min_epoch: u64) -> Result<(), SummaryError> {
-        let epoch = min_epoch.max(self.summary.epoch() + 1);
-        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
-        let mut next = ReplicaSummary::new(epoch, items, &self.summary_cfg)?;
-        let live: Vec<BlockKey> = self
-            .entries
-            .iter()
-            .rev()
-            .map(|(k, _)| BlockKey(*k))
-            .collect();
-        next.insert(&live);
-        self.summary = next;
-        self.stale = 0;
-        Ok(())
+        self.rebuild(min_epoch.max(self.summary.epoch() + 1))
     }
 }
 
@@ -317,6 +353,33 @@ mod tests {
         assert_eq!(m.summary().hit(&ks(0..20)), 0);
         m.clear().unwrap();
         assert_eq!(m.summary().epoch(), epoch + 2);
+        assert!(m.is_empty());
+    }
+
+    #[test]
+    fn a_tier_change_is_a_stale_old_key_plus_a_new_one_until_the_rebuild() {
+        let mut m = model(CacheSource::Exact, 64);
+        m.store(&ks(0..40), S);
+        // Offload: the first 20 blocks now live only in CPU memory.
+        m.store_tier(&ks(0..20), Tier::Cpu, 2 * S);
+        assert_eq!(m.tier(BlockKey(3)), Some(Tier::Cpu));
+        assert_eq!(m.stale(), 20, "each GPU key left behind in the filter");
+        assert!(m.summary().has_lower_tiers());
+        // Until the rebuild, the filter still claims the GPU copy (the best tier it holds).
+        assert_eq!(m.summary().tier_of(BlockKey(3)), Some(Tier::Gpu));
+        assert!(m.maybe_rebuild(2 * S).unwrap(), "20 stale > 25% of 64");
+        assert!((0..20).all(|k| m.summary().tier_of(BlockKey(k)) == Some(Tier::Cpu)));
+        assert!((20..40).all(|k| m.summary().tier_of(BlockKey(k)) == Some(Tier::Gpu)));
+        // Storing the same tier again is not a change; a reload to GPU is.
+        m.store_tier(&ks(0..2), Tier::Cpu, 3 * S);
+        assert_eq!(m.stale(), 0);
+        m.store(&ks(0..2), 3 * S);
+        assert_eq!(m.stale(), 2);
+        // A new home's epoch keeps the tiers.
+        m.restart_epoch(0).unwrap();
+        assert_eq!(m.summary().tier_of(BlockKey(0)), Some(Tier::Gpu));
+        assert_eq!(m.summary().tier_of(BlockKey(5)), Some(Tier::Cpu));
+        m.remove(&ks(0..40));
         assert!(m.is_empty());
     }
 

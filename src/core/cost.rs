@@ -1,19 +1,50 @@
 //! Predicted cost: the seconds until a replica would send this request's first token.
 //!
 //! ```text
-//! queue_s = queued_prefill_tokens / prefill_rate  +  w_load × outstanding
-//! cost_s  = queue_s  +  (prompt_tokens − cached_tokens) / prefill_rate  −  affinity_credit
+//! queue_s       = queued_prefill_tokens / prefill_rate  +  w_load × outstanding
+//! cached_tokens = (gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk) × tokens_per_block
+//! cost_s        = queue_s  +  max(0, prompt_tokens − cached_tokens) / prefill_rate  −  affinity_credit
 //! ```
 //!
 //! `queued_prefill_tokens` is the uncached prompt work already waiting at the replica, as best
 //! known; `outstanding` the requests there (engine figure or this node's own, the larger);
 //! `w_load` the time one more running request adds (a decode step's share plus scheduling,
 //! default 5 ms — the per-step cost of an 8B model on an H100, see the engine-timing reference);
-//! `cached_tokens = hit_blocks × tokens_per_block`; the affinity credit applies only to the
+//! `gpu ≤ cpu ≤ any` are the leading blocks held on GPU, on GPU or in CPU memory, and in any
+//! tier ([`TierHit`]), so `cached_tokens` credits each hit block by the weight of the best tier
+//! it is held in: a block on GPU is reused outright, an offloaded one must be copied back first
+//! (defaults 1.0 / 0.75 / 0.25 — a discount, not a transfer-time model). Without offload it is
+//! `hit_blocks × tokens_per_block`, as before tiers. The affinity credit applies only to the
 //! session's rendezvous-preferred replica. Prefill rates come from the replica's config (default
 //! 50,000 tokens/s: an 8B model on one H100, ~19 µs per prefill token).
 
-use super::view::ReplicaState;
+use serde::Deserialize;
+
+use super::view::{ReplicaState, TierHit};
+
+/// How much of a cached block's prefill each tier saves, 0..=1 (`tier_weights` in the node's
+/// config, e.g. `tier_weights = { gpu = 1.0, cpu = 0.75, disk = 0.25 }`).
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierWeights {
+    /// A block in the GPU pool. Default 1.0 (its prefill is skipped entirely).
+    pub gpu: f64,
+    /// A block held only in CPU memory. Default 0.75 (a host-to-device copy is much cheaper than
+    /// recomputing it, but not free).
+    pub cpu: f64,
+    /// A block held only on disk or other slow storage. Default 0.25.
+    pub disk: f64,
+}
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        TierWeights {
+            gpu: 1.0,
+            cpu: 0.75,
+            disk: 0.25,
+        }
+    }
+}
 
 /// Parameters of the cost formula.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -22,6 +53,8 @@ pub struct CostModel {
     pub w_load_s: f64,
     /// Seconds credited to the session's preferred replica. Default 0.05.
     pub affinity_credit_s: f64,
+    /// Credit per hit block by the tier it is held in. Default 1.0 / 0.75 / 0.25.
+    pub tier_weights: TierWeights,
 }
 
 impl Default for CostModel {
@@ -29,6 +62,7 @@ impl Default for CostModel {
         CostModel {
             w_load_s: 0.005,
             affinity_credit_s: 0.05,
+            tier_weights: TierWeights::default(),
         }
     }
 }
@@ -40,8 +74,47 @@ impl CostModel {
         r.load.queued_prefill_tokens as f64 / rate + self.w_load_s * r.load.outstanding() as f64
     }
 
-    /// Seconds of prefill for the uncached part of the prompt on `r`.
-    pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: u64) -> f64 {
-        prompt_tokens.saturating_sub(cached_tokens) as f64 / r.info.prefill_tokens_per_s.max(1.0)
+    /// Hit blocks credited by tier weight: `gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk`.
+    #[inline]
+    pub fn credited_blocks(&self, h: TierHit) -> f64 {
+        let w = &self.tier_weights;
+        let gpu = h.gpu as f64 * w.gpu;
+        if h.any == h.gpu {
+            // No lower-tier blocks (always, without offload): skip the rest.
+            return gpu;
+        }
+        gpu + h.cpu.saturating_sub(h.gpu) as f64 * w.cpu
+            + h.any.saturating_sub(h.cpu) as f64 * w.disk
+    }
+
+    /// Seconds of prefill for the uncached part of the prompt on `r`, given the (weighted)
+    /// cached tokens.
+    pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: f64) -> f64 {
+        (prompt_tokens as f64 - cached_tokens).max(0.0) / r.info.prefill_tokens_per_s.max(1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hits_are_credited_by_tier_weight() {
+        let c = CostModel::default();
+        let h = |gpu, cpu, any| TierHit { gpu, cpu, any };
+        assert_eq!(c.credited_blocks(h(10, 10, 10)), 10.0);
+        // Half on GPU, half in CPU memory: 5 + 5 × 0.75.
+        assert_eq!(c.credited_blocks(h(5, 10, 10)), 8.75);
+        assert_eq!(c.credited_blocks(h(0, 4, 8)), 4.0);
+        assert_eq!(c.credited_blocks(h(0, 0, 0)), 0.0);
+        let flat = CostModel {
+            tier_weights: TierWeights {
+                gpu: 1.0,
+                cpu: 1.0,
+                disk: 1.0,
+            },
+            ..c
+        };
+        assert_eq!(flat.credited_blocks(h(2, 5, 9)), 9.0);
     }
 }

@@ -68,7 +68,8 @@ pub struct Routed {
     pub replica: usize,
     /// The replica it was weighed against.
     pub runner_up: Option<usize>,
-    /// Leading blocks believed cached on the chosen replica.
+    /// Leading blocks believed cached on the chosen replica, in any tier (not weighted: what
+    /// the replica can reuse, whatever the copy-back costs).
     pub hit_blocks: u32,
     /// Predicted seconds to first token there.
     pub cost_s: f64,
@@ -215,17 +216,20 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let hit_blocks = if uses_cache {
-                view.hit_with(i, req.keys, now, &mut self.scratch) as u32
+            let (hit_blocks, credited_blocks) = if uses_cache {
+                let h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
+                (h.any as u32, cost.credited_blocks(h))
             } else {
-                0
+                (0, 0.0)
             };
             let queue_s = cost.queue_s(r);
-            let cost_s = queue_s + cost.prefill_s(r, req.prompt_tokens, hit_blocks as u64 * tpb);
+            let cost_s =
+                queue_s + cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
             self.candidates.push(Candidate {
                 replica: i,
                 seed: r.seed,
                 hit_blocks,
+                credited_blocks,
                 outstanding: r.load.outstanding(),
                 in_flight: r.load.in_flight,
                 queue_s,
@@ -407,6 +411,88 @@ mod tests {
             assert_eq!(d.hit_blocks as usize, keys.len());
             assert!(matches!(d.reason, Reason::LongestHit));
         }
+    }
+
+    /// Replica 0 holds the prompt on GPU, replica 1 holds it as long but offloaded (`tier`),
+    /// replicas 2 and 3 are cold; loads equal.
+    fn gpu_vs_offloaded(keys: &[BlockKey], tier: crate::core::summary::Tier) -> View {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let cfg = SummaryConfig::for_cluster("c");
+        let mut gpu = ReplicaSummary::new(1, 10_000, &cfg).unwrap();
+        gpu.insert(keys);
+        v.set_summary(0, gpu);
+        let mut low = ReplicaSummary::new(1, 10_000, &cfg).unwrap();
+        low.insert_tier(keys, tier);
+        v.set_summary(1, low);
+        v
+    }
+
+    #[test]
+    fn a_gpu_hit_beats_an_equally_long_offloaded_hit() {
+        use crate::core::summary::Tier;
+        let keys = prompt_keys("offloaded system prompt ");
+        for tier in [Tier::Cpu, Tier::Disk] {
+            let v = gpu_vs_offloaded(&keys, tier);
+            for policy in [PolicyKind::P2cCache, PolicyKind::CacheArgmin] {
+                let mut r = router(policy);
+                for _ in 0..50 {
+                    let d = routed(r.route(&v, &req(&keys), NOW));
+                    assert_eq!(d.replica, 0, "{policy} {tier:?}");
+                    assert_eq!(d.hit_blocks as usize, keys.len());
+                }
+            }
+            // The offloaded holder still beats a cold replica.
+            let mut v = v;
+            v.set_health(0, Health::Unhealthy);
+            let d = routed(router(PolicyKind::CacheArgmin).route(&v, &req(&keys), NOW));
+            assert_eq!(d.replica, 1, "{tier:?}");
+        }
+    }
+
+    #[test]
+    fn the_cost_credits_offloaded_blocks_by_tier_weight() {
+        use crate::core::summary::Tier;
+        let keys = prompt_keys("half offloaded ");
+        let n = keys.len();
+        let half = n / 2;
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys[..half]);
+        s.insert_tier(&keys[half..], Tier::Cpu);
+        v.set_summary(i, s);
+        let prompt_tokens = n as u64 * 64 + 100;
+        let request = RouteRequest {
+            prompt_tokens,
+            ..req(&keys)
+        };
+        let d = routed(router(PolicyKind::CacheArgmin).route(&v, &request, NOW));
+        assert_eq!(d.hit_blocks as usize, n, "hit_blocks counts every tier");
+        let credited = half as f64 + (n - half) as f64 * 0.75;
+        let want = (prompt_tokens as f64 - credited * 64.0) / 50_000.0;
+        assert!((d.cost_s - want).abs() < 1e-12, "{} vs {want}", d.cost_s);
+        // Configured weights apply.
+        let mut r = Router::new(
+            RouterConfig {
+                policy: PolicyKind::CacheArgmin,
+                cost: CostModel {
+                    tier_weights: crate::core::cost::TierWeights {
+                        gpu: 1.0,
+                        cpu: 0.0,
+                        disk: 0.0,
+                    },
+                    ..CostModel::default()
+                },
+                ..Default::default()
+            },
+            Tenants::default(),
+        );
+        let d = routed(r.route(&v, &request, NOW));
+        let want = (prompt_tokens as f64 - half as f64 * 64.0) / 50_000.0;
+        assert!((d.cost_s - want).abs() < 1e-12, "{} vs {want}", d.cost_s);
     }
 
     #[test]

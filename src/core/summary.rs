@@ -8,6 +8,14 @@
 //! towards the next epoch; a stale key costs at most one mis-scored routing decision.
 //!
 //! Every filter in a cluster uses one seed, so filters can be OR-ed and checked by any node.
+//!
+//! Tiers ride in the same filter: a block held in GPU memory is inserted under its own key; a
+//! block held only in a lower tier (CPU offload, disk) under its *tier-salted* key
+//! ([`Tier::summary_key`]: the key XOR a fixed per-tier constant). Deltas, snapshots, epochs and
+//! versions are unchanged, and a reader that does not know tiers never matches a salted key, so it
+//! simply sees the GPU-held blocks. `lower_tiers` (an optional, defaulted field of deltas and
+//! snapshots, ignored by older readers) tells a reader whether salted keys are there at all, so
+//! replicas without offload cost no extra probe.
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
@@ -17,6 +25,52 @@ use bloomfilter::Bloom;
 use serde::{Deserialize, Serialize};
 
 use super::keys::BlockKey;
+
+/// XOR-ed into a block key held only in CPU memory before it goes into a filter. Fixed forever
+/// (every node of every version must agree): the first 64 bits of the fractional part of √2.
+pub const CPU_SALT: u64 = 0x6A09_E667_F3BC_C908;
+/// XOR-ed into a block key held only in disk (or other slow) storage: the first 64 bits of the
+/// fractional part of √3.
+pub const DISK_SALT: u64 = 0xBB67_AE85_84CA_A73B;
+
+/// Where a replica holds a cached block, best (fastest to reuse) first. The derived order is
+/// that ranking: `Gpu < Cpu < Disk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// The engine's GPU block pool (an event `medium` of `"GPU"` or none).
+    Gpu,
+    /// Host memory (`"CPU"`): offloaded, reusable after a copy back.
+    Cpu,
+    /// Anything slower (`"DISK"`, `"SSD"`, connector names).
+    Disk,
+}
+
+impl Tier {
+    /// Every tier, best first.
+    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Disk];
+
+    /// The tier of a KV event's `medium` field (case-insensitive; none means GPU, as in vLLM).
+    pub fn from_medium(medium: Option<&str>) -> Tier {
+        match medium {
+            None => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("gpu") => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("cpu") => Tier::Cpu,
+            Some(_) => Tier::Disk,
+        }
+    }
+
+    /// The key a block whose best tier is `self` is inserted under in a summary: the key itself
+    /// for GPU, else the key XOR the tier's salt. Block keys are 64-bit hashes, so a salted key
+    /// equals some other block's plain key with probability 2⁻⁶⁴.
+    #[inline]
+    pub fn summary_key(self, key: BlockKey) -> BlockKey {
+        match self {
+            Tier::Gpu => key,
+            Tier::Cpu => BlockKey(key.0 ^ CPU_SALT),
+            Tier::Disk => BlockKey(key.0 ^ DISK_SALT),
+        }
+    }
+}
 
 /// Upper bound on the encoded size of any summary message a node will decode (16 MiB).
 pub const MAX_SUMMARY_MESSAGE_BYTES: usize = 16 << 20;
@@ -100,8 +154,12 @@ pub struct SummaryDelta {
     pub from_seq: u64,
     /// The seq after applying it.
     pub to_seq: u64,
-    /// The added keys.
+    /// The added keys (tier-salted for blocks held only in a lower tier).
     pub keys: Vec<u64>,
+    /// Whether the home's filter holds tier-salted keys at `to_seq`. Added after version 1 of
+    /// the schema: absent (older homes, which never salt) reads as false.
+    #[serde(default)]
+    pub lower_tiers: bool,
 }
 
 /// A whole filter.
@@ -116,6 +174,9 @@ pub struct SummarySnapshot {
     /// `bloomfilter` 3 serialization (header with seed, then bits).
     #[serde(with = "serde_bytes")]
     pub filter: Vec<u8>,
+    /// Whether the filter holds tier-salted keys. Absent (older homes) reads as false.
+    #[serde(default)]
+    pub lower_tiers: bool,
 }
 
 /// What travels on a summary stream.
@@ -219,6 +280,9 @@ pub struct ReplicaSummary {
     max_log_keys: usize,
     /// Fingerprint of the filter's seed (see [`KeyHasher::seed_id`]).
     seed_id: u64,
+    /// Whether a tier-salted key went in this epoch (sticky until the next epoch, like the
+    /// filter's bits). False means every key is a GPU key, and a hit needs no tier probes.
+    lower_tiers: bool,
 }
 
 impl ReplicaSummary {
@@ -247,6 +311,7 @@ impl ReplicaSummary {
             inserted: 0,
             max_log_keys: cfg.max_log_keys,
             seed_id: seed_id(&cfg.seed),
+            lower_tiers: false,
         })
     }
 
@@ -266,6 +331,7 @@ impl ReplicaSummary {
             inserted: 0,
             max_log_keys: cfg.max_log_keys,
             seed_id: seed_id(&cfg.seed),
+            lower_tiers: s.lower_tiers,
         })
     }
 
@@ -287,6 +353,20 @@ impl ReplicaSummary {
     /// Distinct keys inserted this epoch (on the home node).
     pub fn inserted(&self) -> usize {
         self.inserted
+    }
+
+    /// Whether the filter holds tier-salted keys (blocks held only in CPU or disk).
+    #[inline]
+    pub fn has_lower_tiers(&self) -> bool {
+        self.lower_tiers
+    }
+
+    /// The best tier the filter (probably) holds `key` in, checking GPU, then CPU, then disk.
+    /// A GPU key made stale by an offload still answers GPU until the next epoch.
+    pub fn tier_of(&self, key: BlockKey) -> Option<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| self.filter.check(&t.summary_key(key).0))
     }
 
     /// Size of the filter's bitmap in bytes.
@@ -338,17 +418,31 @@ impl ReplicaSummary {
         keys.iter().take_while(|k| self.filter.check(&k.0)).count()
     }
 
-    /// Adds keys as one batch: one seq bump if anything was new. Returns the number of new keys.
+    /// Adds GPU-held keys as one batch: one seq bump if anything was new. Returns the number of
+    /// new keys.
     pub fn insert(&mut self, keys: &[BlockKey]) -> usize {
+        self.insert_tier(keys, Tier::Gpu)
+    }
+
+    /// Adds keys whose best tier is `tier` (salted by [`Tier::summary_key`]) as one batch: one
+    /// seq bump if anything was new — or if this is the epoch's first lower-tier batch, so
+    /// peers pull the `lower_tiers` flag even when every salted key was already a false
+    /// positive. Returns the number of new keys.
+    pub fn insert_tier(&mut self, keys: &[BlockKey], tier: Tier) -> usize {
         let next = self.seq + 1;
         let mut added = 0;
         for k in keys {
+            let k = tier.summary_key(*k);
             if !self.filter.check_and_set(&k.0) {
                 added += 1;
                 self.log.push_back((next, k.0));
             }
         }
-        if added > 0 {
+        let flag_flips = tier != Tier::Gpu && !keys.is_empty() && !self.lower_tiers;
+        if flag_flips {
+            self.lower_tiers = true;
+        }
+        if added > 0 || flag_flips {
             self.seq = next;
             self.inserted += added;
             while self.log.len() > self.max_log_keys {
@@ -373,6 +467,7 @@ impl ReplicaSummary {
             from_seq: since,
             to_seq: self.seq,
             keys: self.log.range(start..).map(|(_, k)| *k).collect(),
+            lower_tiers: self.lower_tiers,
         })
     }
 
@@ -383,6 +478,7 @@ impl ReplicaSummary {
             seq: self.seq,
             capacity_items: self.capacity_items as u64,
             filter: self.filter.to_bytes(),
+            lower_tiers: self.lower_tiers,
         }
     }
 
@@ -411,6 +507,8 @@ impl ReplicaSummary {
         for k in &d.keys {
             self.filter.set(k);
         }
+        // Sticky within an epoch, like the bits: an overlapping older delta cannot unset it.
+        self.lower_tiers |= d.lower_tiers;
         self.seq = self.seq.max(d.to_seq);
         Ok(())
     }
@@ -491,6 +589,7 @@ mod tests {
             from_seq: 99,
             to_seq: 100,
             keys: vec![],
+            lower_tiers: false,
         };
         assert!(peer.apply_delta(&gap).is_err());
     }
@@ -507,6 +606,7 @@ mod tests {
             seq: 1,
             capacity_items: 1,
             filter: vec![1, 2, 3],
+            lower_tiers: false,
         };
         assert!(ReplicaSummary::from_snapshot(&bad, &cfg()).is_err());
         assert!(SummaryMessage::decode(&[0xc1, 0xff, 0x00]).is_err());
@@ -551,6 +651,81 @@ mod tests {
                 assert_eq!(s.contains_hashed(hasher.hash(k)), s.contains(k), "{k:?}");
                 assert_eq!(copy.contains_hashed(hasher.hash(k)), s.contains(k));
             }
+        }
+    }
+
+    #[test]
+    fn salted_keys_never_collide_with_plain_hits() {
+        let mut s = ReplicaSummary::new(1, 10_000, &cfg()).unwrap();
+        let gpu = keys(0..100);
+        let cpu = keys(100..200);
+        let disk = keys(200..300);
+        s.insert(&gpu);
+        s.insert_tier(&cpu, Tier::Cpu);
+        s.insert_tier(&disk, Tier::Disk);
+        assert_eq!(s.hit(&gpu), 100);
+        // A plain reader (or an old node) sees nothing of the lower tiers...
+        assert!(cpu.iter().chain(&disk).all(|k| !s.contains(*k)));
+        // ...and each tier's keys answer only for that tier.
+        assert!(gpu.iter().all(|k| s.tier_of(*k) == Some(Tier::Gpu)));
+        assert!(cpu.iter().all(|k| s.tier_of(*k) == Some(Tier::Cpu)));
+        assert!(disk.iter().all(|k| s.tier_of(*k) == Some(Tier::Disk)));
+        assert!(keys(300..400).iter().all(|k| s.tier_of(*k).is_none()));
+        assert_ne!(CPU_SALT, DISK_SALT);
+        assert_eq!(Tier::Cpu.summary_key(Tier::Cpu.summary_key(gpu[0])), gpu[0]);
+    }
+
+    #[test]
+    fn the_lower_tiers_flag_travels_by_delta_and_snapshot() {
+        let c = cfg();
+        let mut home = ReplicaSummary::new(3, 1000, &c).unwrap();
+        let mut peer = ReplicaSummary::from_snapshot(&home.snapshot(), &c).unwrap();
+        home.insert(&keys(0..4));
+        assert!(!home.has_lower_tiers());
+        home.insert_tier(&keys(4..6), Tier::Cpu);
+        assert!(home.has_lower_tiers());
+        peer.apply(&home.answer(peer.epoch(), peer.seq()), &c)
+            .unwrap();
+        assert!(peer.has_lower_tiers());
+        assert_eq!(peer.tier_of(keys(4..5)[0]), Some(Tier::Cpu));
+        let copy = ReplicaSummary::from_snapshot(&home.snapshot(), &c).unwrap();
+        assert!(copy.has_lower_tiers());
+        // A batch of salted keys that are all false positives still bumps seq for the flag.
+        let mut s = ReplicaSummary::new(1, 1000, &c).unwrap();
+        s.insert(&keys(0..3));
+        let salted: Vec<BlockKey> = keys(0..3)
+            .iter()
+            .map(|k| Tier::Cpu.summary_key(*k))
+            .collect();
+        s.insert(&salted); // now CPU-salting `salted` gives back the plain keys, already in
+        let seq = s.seq();
+        assert_eq!(s.insert_tier(&salted, Tier::Cpu), 0);
+        assert!(s.has_lower_tiers() && s.seq() == seq + 1);
+    }
+
+    #[test]
+    fn readers_without_tiers_and_messages_without_the_flag_interoperate() {
+        // The shape of version-1 messages, before `lower_tiers`.
+        #[derive(Serialize, Deserialize)]
+        struct OldDelta {
+            epoch: u64,
+            from_seq: u64,
+            to_seq: u64,
+            keys: Vec<u64>,
+        }
+        #[derive(Serialize, Deserialize)]
+        enum OldMessage {
+            Delta(OldDelta),
+        }
+        let mut home = ReplicaSummary::new(1, 1000, &cfg()).unwrap();
+        home.insert_tier(&keys(0..2), Tier::Disk);
+        let bytes = home.answer(1, 0).encode().unwrap();
+        let OldMessage::Delta(old) = rmp_serde::from_slice::<OldMessage>(&bytes).unwrap();
+        assert_eq!(old.keys.len(), 2);
+        let old_bytes = rmp_serde::to_vec_named(&OldMessage::Delta(old)).unwrap();
+        match SummaryMessage::decode(&old_bytes).unwrap() {
+            SummaryMessage::Delta(d) => assert!(!d.lower_tiers),
+            other => panic!("{other:?}"),
         }
     }
 

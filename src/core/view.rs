@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use super::keys::BlockKey;
 use super::regions::RegionMap;
-use super::summary::{KeyHasher, KeyHashes, ReplicaSummary};
+use super::summary::{KeyHasher, KeyHashes, ReplicaSummary, Tier};
 
 /// Static facts about a replica.
 #[derive(Clone, Debug, PartialEq)]
@@ -236,7 +236,13 @@ impl View {
         self.replicas.get(i).map_or(0, |r| r.overlay.len())
     }
 
-    /// Leading `keys` that replica `i` holds as far as this node knows: its summary or overlay.
+    /// Leading `keys` that replica `i` holds in any tier, as far as this node knows: its summary
+    /// or overlay. [`View::hit_tiers`] splits it by tier.
+    pub fn hit(&self, i: usize, keys: &[BlockKey], now: Duration) -> usize {
+        self.hit_tiers(i, keys, now).any
+    }
+
+    /// Leading `keys` that replica `i` holds, by tier.
     ///
     /// An engine's cache is prefix-closed (it evicts the tails of chains first, and a block is
     /// only reusable after its predecessors), so "block j is held" is monotone in j and the
@@ -245,14 +251,22 @@ impl View {
     /// replicas in microseconds. The price: a Bloom false positive at a probed position past the
     /// true end overestimates the hit (probability ≈ fp_rate × log2(hit) per replica), where a
     /// linear scan would overestimate by one block with probability fp_rate.
-    pub fn hit(&self, i: usize, keys: &[BlockKey], now: Duration) -> usize {
+    ///
+    /// With offload the same holds per tier: the union of tiers is prefix-closed and, as each
+    /// tier evicts its least recently used blocks to the next, the GPU set is a prefix of it and
+    /// GPU ∪ CPU too. So three searches, each starting where the previous stopped: GPU (plain
+    /// keys and the overlay — just-routed blocks are computed on GPU), then CPU-salted keys,
+    /// then CPU- or disk-salted keys. The last two run only when the summary has lower-tier keys
+    /// at all and the GPU run stopped before the end, so a replica without offload costs what
+    /// it did before tiers.
+    pub fn hit_tiers(&self, i: usize, keys: &[BlockKey], now: Duration) -> TierHit {
         let mut scratch = HitScratch::default();
         scratch.reset(keys.len());
-        self.hit_with(i, keys, now, &mut scratch)
+        self.hit_tiers_with(i, keys, now, &mut scratch)
     }
 
     /// [`View::hit`] with the keys' filter hashes memoised in `scratch` across the replicas of
-    /// one decision (call [`HitScratch::reset`] once per request). The router's hot path.
+    /// one decision (call [`HitScratch::reset`] once per request).
     pub fn hit_with(
         &self,
         i: usize,
@@ -260,46 +274,99 @@ impl View {
         now: Duration,
         scratch: &mut HitScratch,
     ) -> usize {
+        self.hit_tiers_with(i, keys, now, scratch).any
+    }
+
+    /// [`View::hit_tiers`] with the keys' filter hashes memoised in `scratch` across the
+    /// replicas of one decision (call [`HitScratch::reset`] once per request). The router's hot
+    /// path.
+    pub fn hit_tiers_with(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        now: Duration,
+        scratch: &mut HitScratch,
+    ) -> TierHit {
         let Some(r) = self.replicas.get(i) else {
-            return 0;
+            return TierHit::default();
         };
         if scratch.memo.len() < keys.len() {
             scratch.reset(keys.len());
         }
-        let mut held = |j: usize| {
+        let n = keys.len();
+        let gpu = leading_run(n, 0, |j| {
             let k = keys[j];
             let in_summary = r.summary.as_ref().is_some_and(|s| {
                 let h = scratch.hashes(s, j, k);
                 s.contains_hashed(h)
             });
             in_summary || r.overlay.get(&k.0).is_some_and(|until| *until > now)
+        });
+        let Some(s) = r
+            .summary
+            .as_ref()
+            .filter(|s| s.has_lower_tiers() && gpu < n)
+        else {
+            return TierHit {
+                gpu,
+                cpu: gpu,
+                any: gpu,
+            };
         };
-        if keys.is_empty() || !held(0) {
-            return 0;
-        }
-        // Invariant: held(lo), and hi is not held or is keys.len().
-        let (mut lo, mut step) = (0usize, 1usize);
-        let mut hi = loop {
-            let probe = lo + step;
-            if probe >= keys.len() {
-                break keys.len();
-            }
-            if !held(probe) {
-                break probe;
-            }
-            lo = probe;
-            step *= 2;
-        };
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if held(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        hi
+        // Past the GPU run plain keys are not held (the GPU set is a prefix), so only salted
+        // keys are probed.
+        let cpu = leading_run(n, gpu, |j| {
+            s.contains_hashed(scratch.tier_hashes(s, Tier::Cpu, j, keys[j]))
+        });
+        let any = leading_run(n, cpu, |j| {
+            s.contains_hashed(scratch.tier_hashes(s, Tier::Disk, j, keys[j]))
+                || s.contains_hashed(scratch.tier_hashes(s, Tier::Cpu, j, keys[j]))
+        });
+        TierHit { gpu, cpu, any }
     }
+}
+
+/// Leading blocks a replica holds, as cumulative run lengths by tier: `gpu ≤ cpu ≤ any`.
+/// Blocks `0..gpu` are on GPU, `gpu..cpu` in CPU memory (best copy), `cpu..any` on disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierHit {
+    /// Leading blocks held on GPU.
+    pub gpu: usize,
+    /// Leading blocks held on GPU or in CPU memory.
+    pub cpu: usize,
+    /// Leading blocks held in any tier (the plain hit).
+    pub any: usize,
+}
+
+/// The length of the leading run of positions `0..n` that `held` accepts, given that positions
+/// below `start` are held (and `held` is monotone): one probe at `start`, then exponential then
+/// binary search. Invariant in the loops: `held(lo)`, and `hi` is not held or is `n`.
+#[inline]
+fn leading_run(n: usize, start: usize, mut held: impl FnMut(usize) -> bool) -> usize {
+    if start >= n || !held(start) {
+        return start.min(n);
+    }
+    let (mut lo, mut step) = (start, 1usize);
+    let mut hi = loop {
+        let probe = lo + step;
+        if probe >= n {
+            break n;
+        }
+        if !held(probe) {
+            break probe;
+        }
+        lo = probe;
+        step *= 2;
+    };
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if held(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hi
 }
 
 /// Filter hashes of one request's keys, computed at most once per key and decision.
@@ -307,6 +374,12 @@ impl View {
 pub struct HitScratch {
     hasher: Option<KeyHasher>,
     memo: Vec<Option<KeyHashes>>,
+    /// Hashes of the CPU- and disk-salted keys (slot 0 CPU, slot 1 disk); sized
+    /// and cleared lazily, on the request's first tier probe, so requests that never meet a
+    /// replica with lower tiers pay nothing for them.
+    tier_memo: Vec<[Option<KeyHashes>; 2]>,
+    /// Whether `tier_memo` belongs to the current request.
+    tier_memo_ready: bool,
 }
 
 impl HitScratch {
@@ -314,11 +387,12 @@ impl HitScratch {
     pub fn reset(&mut self, n: usize) {
         self.memo.clear();
         self.memo.resize(n, None);
+        self.tier_memo_ready = false;
     }
 
-    /// The hashes of key `j` (`k`) for `summary`'s seed.
+    /// Makes the hasher the one of `summary`'s seed.
     #[inline]
-    fn hashes(&mut self, summary: &ReplicaSummary, j: usize, k: BlockKey) -> KeyHashes {
+    fn use_seed_of(&mut self, summary: &ReplicaSummary) {
         if self
             .hasher
             .as_ref()
@@ -327,7 +401,14 @@ impl HitScratch {
             // Only on the first decision (or a seed change, which config forbids).
             self.hasher = Some(summary.key_hasher());
             self.memo.iter_mut().for_each(|m| *m = None);
+            self.tier_memo_ready = false;
         }
+    }
+
+    /// The hashes of key `j` (`k`) for `summary`'s seed.
+    #[inline]
+    fn hashes(&mut self, summary: &ReplicaSummary, j: usize, k: BlockKey) -> KeyHashes {
+        self.use_seed_of(summary);
         if let Some(h) = self.memo[j] {
             return h;
         }
@@ -336,6 +417,34 @@ impl HitScratch {
             None => summary.key_hasher().hash(k),
         };
         self.memo[j] = Some(h);
+        h
+    }
+
+    /// The hashes of key `j` (`k`) salted for `tier` (CPU or disk), for `summary`'s seed.
+    #[inline]
+    fn tier_hashes(
+        &mut self,
+        summary: &ReplicaSummary,
+        tier: Tier,
+        j: usize,
+        k: BlockKey,
+    ) -> KeyHashes {
+        self.use_seed_of(summary);
+        if !self.tier_memo_ready {
+            self.tier_memo.clear();
+            self.tier_memo.resize(self.memo.len(), [None; 2]);
+            self.tier_memo_ready = true;
+        }
+        let slot = if tier == Tier::Disk { 1 } else { 0 };
+        if let Some(h) = self.tier_memo[j][slot] {
+            return h;
+        }
+        let salted = tier.summary_key(k);
+        let h = match &self.hasher {
+            Some(hasher) => hasher.hash(salted),
+            None => summary.key_hasher().hash(salted),
+        };
+        self.tier_memo[j][slot] = Some(h);
         h
     }
 }
@@ -419,6 +528,119 @@ mod tests {
                 );
             }
         }
+    }
+
+    fn tiered_view(gpu: usize, cpu: usize, disk: usize, keys: &[BlockKey]) -> View {
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys[..gpu]);
+        s.insert_tier(&keys[gpu..gpu + cpu], Tier::Cpu);
+        s.insert_tier(&keys[gpu + cpu..gpu + cpu + disk], Tier::Disk);
+        v.set_summary(i, s);
+        v
+    }
+
+    #[test]
+    fn a_prefix_half_on_gpu_and_half_on_cpu_is_split_by_tier() {
+        let keys: Vec<BlockKey> = (0..200u64)
+            .map(|k| BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        let v = tiered_view(50, 50, 0, &keys);
+        let h = v.hit_tiers(0, &keys, Duration::ZERO);
+        assert_eq!(
+            h,
+            TierHit {
+                gpu: 50,
+                cpu: 100,
+                any: 100
+            }
+        );
+        assert_eq!(
+            v.hit(0, &keys, Duration::ZERO),
+            100,
+            "the plain hit counts every tier"
+        );
+        // Just-routed blocks count as GPU (the overlay), ahead of the summary's tiers.
+        let mut v = tiered_view(0, 100, 0, &keys);
+        v.record_routed(0, &keys[..10], Duration::ZERO);
+        assert_eq!(
+            v.hit_tiers(0, &keys, Duration::ZERO),
+            TierHit {
+                gpu: 10,
+                cpu: 100,
+                any: 100
+            }
+        );
+    }
+
+    #[test]
+    fn tiered_search_matches_a_linear_scan() {
+        let keys: Vec<BlockKey> = (0..300u64)
+            .map(|k| BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        for (gpu, cpu, disk) in [
+            (0, 0, 1),
+            (0, 7, 0),
+            (1, 1, 1),
+            (3, 0, 64),
+            (100, 100, 100),
+            (299, 0, 1),
+            (0, 0, 300),
+            (17, 120, 5),
+        ] {
+            let v = tiered_view(gpu, cpu, disk, &keys);
+            let s = v.replica(0).unwrap().summary.as_ref().unwrap();
+            // Linear: each key's best tier, the runs as prefixes.
+            let tiers: Vec<Option<Tier>> = keys.iter().map(|k| s.tier_of(*k)).collect();
+            let run =
+                |ok: &dyn Fn(Tier) -> bool| tiers.iter().take_while(|t| t.is_some_and(ok)).count();
+            let want = TierHit {
+                gpu: run(&|t| t == Tier::Gpu),
+                cpu: run(&|t| t <= Tier::Cpu),
+                any: run(&|_| true),
+            };
+            assert_eq!(want.any, gpu + cpu + disk, "no false positive in the way");
+            assert_eq!(
+                v.hit_tiers(0, &keys, Duration::ZERO),
+                want,
+                "{gpu}/{cpu}/{disk}"
+            );
+        }
+    }
+
+    #[test]
+    fn replicas_without_lower_tiers_cost_no_tier_probe() {
+        let keys: Vec<BlockKey> = (0..64).map(BlockKey).collect();
+        let v = tiered_view(10, 0, 0, &keys);
+        let mut scratch = HitScratch::default();
+        scratch.reset(keys.len());
+        let h = v.hit_tiers_with(0, &keys, Duration::ZERO, &mut scratch);
+        assert_eq!(
+            h,
+            TierHit {
+                gpu: 10,
+                cpu: 10,
+                any: 10
+            }
+        );
+        assert!(!scratch.tier_memo_ready, "no salted key was hashed");
+        // With lower tiers, a full GPU hit needs no tier probe either.
+        let v = tiered_view(64, 0, 0, &keys);
+        let mut s = ReplicaSummary::new(2, 1000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        s.insert_tier(&[BlockKey(999)], Tier::Cpu);
+        let mut v2 = View::new("eu", 64);
+        let i = v2.upsert(info("r0", "eu"));
+        v2.set_summary(i, s);
+        scratch.reset(keys.len());
+        assert_eq!(
+            v2.hit_tiers_with(i, &keys, Duration::ZERO, &mut scratch)
+                .any,
+            64
+        );
+        assert!(!scratch.tier_memo_ready);
+        assert_eq!(v.hit(0, &keys, Duration::ZERO), 64);
     }
 
     #[test]

@@ -30,6 +30,7 @@ use super::kv_index::{EventIndex, Op};
 use super::kv_stream::{Action, SeqTracker};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
+use crate::core::summary::Tier;
 use crate::kv_events::{decode_batch, END_OF_REPLAY_SEQ};
 use crate::node::Node;
 
@@ -197,8 +198,16 @@ impl KvMetrics {
 }
 
 /// Switches replica `i`'s cache model between exact (events up) and approximate (events down),
-/// seeding the new model with `keys`, the last exact set. No-op when already in that mode.
-pub fn set_exact(node: &Node, i: usize, exact: bool, keys: &[BlockKey]) -> anyhow::Result<()> {
+/// seeding the new model with `keys`, the last exact set with each key's best tier. An
+/// approximate model has no tiers: it takes every key as GPU-held (routed blocks are), so a
+/// replica whose stream is down gets full credit for its offloaded blocks until they age out.
+/// No-op when already in that mode.
+pub fn set_exact(
+    node: &Node,
+    i: usize,
+    exact: bool,
+    keys: &[(BlockKey, Tier)],
+) -> anyhow::Result<()> {
     let now = node.now();
     let mut guard = node.lock();
     let core = &mut *guard;
@@ -217,9 +226,19 @@ pub fn set_exact(node: &Node, i: usize, exact: bool, keys: &[BlockKey]) -> anyho
     let epoch = rt.cache.summary().epoch() + 1;
     let mut model = node.cache_model(want, epoch, capacity, core.view.tokens_per_block)?;
     if exact {
-        model.store(keys, now);
+        for tier in Tier::ALL {
+            let of_tier: Vec<BlockKey> = keys
+                .iter()
+                .filter(|(_, t)| *t == tier)
+                .map(|(k, _)| *k)
+                .collect();
+            if !of_tier.is_empty() {
+                model.store_tier(&of_tier, tier, now);
+            }
+        }
     } else {
-        model.record_routed(keys, now);
+        let plain: Vec<BlockKey> = keys.iter().map(|(k, _)| *k).collect();
+        model.record_routed(&plain, now);
     }
     rt.cache = model;
     rt.summary_dirty = true;
@@ -254,7 +273,7 @@ pub fn apply_ops(node: &Node, i: usize, ops: &[Op]) -> anyhow::Result<()> {
     }
     for op in ops {
         match op {
-            Op::Store(keys) => rt.cache.store(keys, now),
+            Op::Store(keys, tier) => rt.cache.store_tier(keys, *tier, now),
             Op::Remove(keys) => rt.cache.remove(keys),
             Op::Clear => rt.cache.clear()?,
         }
@@ -651,7 +670,7 @@ impl EventLoop {
             .iter()
             .all(|r| r.connected && !r.tracker.replaying());
         if up != self.exact {
-            match set_exact(&self.node, self.i, up, &self.index.keys()) {
+            match set_exact(&self.node, self.i, up, &self.index.tiered_keys()) {
                 Ok(()) => self.exact = up,
                 Err(e) => {
                     tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model")

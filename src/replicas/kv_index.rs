@@ -9,7 +9,9 @@
 //!
 //! A replica with several data-parallel ranks is several engines behind one address: a key is
 //! held while any rank holds it in any tier, so the index counts holders and reports a key as
-//! removed only when the last one lets go. Sans-IO: [`EventIndex::apply`] returns the cache-model
+//! removed only when the last one lets go. A key's tier for the summary is the best tier any
+//! holder has it in; when that changes (offload: the GPU copy goes while a CPU copy stays) the
+//! index emits the key again with its new tier. Sans-IO: [`EventIndex::apply`] returns the cache-model
 //! operations ([`Op`]) for the node to carry out under its lock.
 
 use std::collections::HashMap;
@@ -23,42 +25,23 @@ use crate::tokenize::token_namespace;
 /// memory a misbehaving engine can make the node spend. 4M blocks is 64M tokens at block size 16.
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 22;
 
-/// A storage tier, from the event's `medium`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Tier {
-    /// `"GPU"` or absent: the engine's block pool.
-    Gpu,
-    /// `"CPU"`: host-memory offload.
-    Cpu,
-    /// Anything else (`"DISK"`, `"SSD"`, connector names): slower storage.
-    Disk,
-}
+pub use crate::core::summary::Tier;
 
-impl Tier {
-    /// The tier of an event's `medium` field.
-    pub fn from_medium(medium: Option<&str>) -> Tier {
-        match medium {
-            None => Tier::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("gpu") => Tier::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("cpu") => Tier::Cpu,
-            Some(_) => Tier::Disk,
-        }
-    }
-
-    fn bit(self) -> u8 {
-        match self {
-            Tier::Gpu => 1,
-            Tier::Cpu => 2,
-            Tier::Disk => 4,
-        }
+/// The bit of a tier in an entry's tier set.
+fn bit(t: Tier) -> u8 {
+    match t {
+        Tier::Gpu => 1,
+        Tier::Cpu => 2,
+        Tier::Disk => 4,
     }
 }
 
 /// A change to the replica's exact cache model, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// Keys now held.
-    Store(Vec<BlockKey>),
+    /// Keys now held whose best tier is the given one: newly held, or held before in another
+    /// best tier (moved).
+    Store(Vec<BlockKey>, Tier),
     /// Keys no longer held by any rank.
     Remove(Vec<BlockKey>),
     /// Nothing is held any more: start a new, empty epoch.
@@ -92,12 +75,40 @@ struct Entry {
     tiers: u8,
 }
 
+/// Who holds one key: (rank, engine hash) entries in all, and per tier.
+#[derive(Clone, Copy, Debug, Default)]
+struct Holders {
+    /// Entries holding the key in any tier.
+    count: u32,
+    /// Entries holding it in each tier, indexed by `Tier as usize`.
+    per_tier: [u32; 3],
+}
+
+impl Holders {
+    /// The best tier some entry holds the key in.
+    fn best(&self) -> Option<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| self.per_tier[*t as usize] > 0)
+    }
+
+    /// Adds or drops the tiers in `bits` for one entry.
+    fn change(&mut self, bits: u8, add: bool) {
+        for t in Tier::ALL {
+            if bits & bit(t) != 0 {
+                let c = &mut self.per_tier[t as usize];
+                *c = if add { *c + 1 } else { c.saturating_sub(1) };
+            }
+        }
+    }
+}
+
 /// The engine-hash → key map of one replica, over its data-parallel ranks.
 #[derive(Debug, Default)]
 pub struct EventIndex {
     ranks: Vec<HashMap<u64, Entry>>,
-    /// Per key, how many (rank, engine hash) entries hold it.
-    holders: HashMap<u64, u32>,
+    /// Per key, which (rank, engine hash) entries hold it, in which tiers.
+    holders: HashMap<u64, Holders>,
     /// Tokens per block of the last `BlockStored` seen.
     block_size: Option<u32>,
     stats: IndexStats,
@@ -127,18 +138,31 @@ impl EventIndex {
         self.holders.contains_key(&key.0)
     }
 
-    /// Every key held, in no particular order (to seed a new cache model).
+    /// Every key held, in no particular order.
     pub fn keys(&self) -> Vec<BlockKey> {
         self.holders.keys().map(|k| BlockKey(*k)).collect()
+    }
+
+    /// Every key held with its best tier, in no particular order (to seed a new cache model).
+    pub fn tiered_keys(&self) -> Vec<(BlockKey, Tier)> {
+        self.holders
+            .iter()
+            .filter_map(|(k, h)| Some((BlockKey(*k), h.best()?)))
+            .collect()
+    }
+
+    /// The best tier `key` is held in, if held.
+    pub fn tier(&self, key: BlockKey) -> Option<Tier> {
+        self.holders.get(&key.0).and_then(Holders::best)
     }
 
     /// Blocks held per tier, summed over ranks: `(gpu, cpu, disk)`.
     pub fn tier_counts(&self) -> (usize, usize, usize) {
         let mut c = (0, 0, 0);
         for e in self.ranks.iter().flat_map(HashMap::values) {
-            c.0 += usize::from(e.tiers & Tier::Gpu.bit() != 0);
-            c.1 += usize::from(e.tiers & Tier::Cpu.bit() != 0);
-            c.2 += usize::from(e.tiers & Tier::Disk.bit() != 0);
+            c.0 += usize::from(e.tiers & bit(Tier::Gpu) != 0);
+            c.1 += usize::from(e.tiers & bit(Tier::Cpu) != 0);
+            c.2 += usize::from(e.tiers & bit(Tier::Disk) != 0);
         }
         c
     }
@@ -174,15 +198,22 @@ impl EventIndex {
             return;
         };
         let mut gone = Vec::new();
+        let mut moved: [Vec<BlockKey>; 3] = Default::default();
         for (_, e) in blocks.drain() {
-            if release(&mut self.holders, e.key) {
-                gone.push(BlockKey(e.key));
+            match release(&mut self.holders, e) {
+                Release::Last => gone.push(BlockKey(e.key)),
+                Release::Moved(t) => moved[t as usize].push(BlockKey(e.key)),
+                Release::Kept => {}
             }
         }
         self.stats.removed += gone.len() as u64;
         if self.holders.is_empty() {
             ops.push(Op::Clear);
-        } else if !gone.is_empty() {
+            return;
+        }
+        // Moves first: a key can lose its best tier to one entry and go with the next.
+        push_moves(moved, ops);
+        if !gone.is_empty() {
             ops.push(Op::Remove(gone));
         }
     }
@@ -222,7 +253,21 @@ impl EventIndex {
             let key = chain_tokens(prev, tokens);
             prev = key;
             match blocks.get_mut(hash) {
-                Some(entry) => entry.tiers |= tier.bit(),
+                Some(entry) => {
+                    if entry.tiers & bit(tier) != 0 {
+                        continue;
+                    }
+                    entry.tiers |= bit(tier);
+                    // Another copy of a held block (e.g. offloaded to CPU): the key moves only
+                    // if this tier beats every copy so far.
+                    if let Some(h) = self.holders.get_mut(&entry.key) {
+                        let before = h.best();
+                        h.change(bit(tier), true);
+                        if h.best() != before {
+                            new.push(BlockKey(entry.key));
+                        }
+                    }
+                }
                 None => {
                     if blocks.len() >= MAX_BLOCKS_PER_RANK {
                         self.stats.over_capacity += 1;
@@ -232,20 +277,22 @@ impl EventIndex {
                         *hash,
                         Entry {
                             key,
-                            tiers: tier.bit(),
+                            tiers: bit(tier),
                         },
                     );
                     self.stats.stored += 1;
-                    let count = self.holders.entry(key).or_insert(0);
-                    *count += 1;
-                    if *count == 1 {
+                    let h = self.holders.entry(key).or_default();
+                    let before = h.best();
+                    h.count += 1;
+                    h.change(bit(tier), true);
+                    if h.best() != before {
                         new.push(BlockKey(key));
                     }
                 }
             }
         }
         if !new.is_empty() {
-            ops.push(Op::Store(new));
+            ops.push(Op::Store(new, tier));
         }
     }
 
@@ -254,44 +301,82 @@ impl EventIndex {
             self.stats.other_group += 1;
             return;
         }
-        let bit = Tier::from_medium(e.medium.as_deref()).bit();
+        let b = bit(Tier::from_medium(e.medium.as_deref()));
         let blocks = &mut self.ranks[rank];
         let mut gone = Vec::new();
+        let mut moved: [Vec<BlockKey>; 3] = Default::default();
         for hash in &e.block_hashes {
             let Some(entry) = blocks.get_mut(hash) else {
                 self.stats.unknown_removed += 1;
                 continue;
             };
-            entry.tiers &= !bit;
-            if entry.tiers != 0 {
-                // Still held in another tier (e.g. offloaded to CPU before the GPU copy went).
+            if entry.tiers & b == 0 {
                 continue;
             }
-            let key = entry.key;
+            if entry.tiers != b {
+                // Still held in another tier (e.g. offloaded to CPU before the GPU copy went):
+                // the key stays, but its best tier may drop.
+                entry.tiers &= !b;
+                if let Some(h) = self.holders.get_mut(&entry.key) {
+                    let before = h.best();
+                    h.change(b, false);
+                    if let Some(t) = h.best().filter(|t| Some(*t) != before) {
+                        moved[t as usize].push(BlockKey(entry.key));
+                    }
+                }
+                continue;
+            }
+            let gone_entry = *entry;
             blocks.remove(hash);
             self.stats.removed += 1;
-            if release(&mut self.holders, key) {
-                gone.push(BlockKey(key));
+            match release(&mut self.holders, gone_entry) {
+                Release::Last => gone.push(BlockKey(gone_entry.key)),
+                Release::Moved(t) => moved[t as usize].push(BlockKey(gone_entry.key)),
+                Release::Kept => {}
             }
         }
+        // Moves first: a key can lose its best tier to one entry and go with the next.
+        push_moves(moved, ops);
         if !gone.is_empty() {
             ops.push(Op::Remove(gone));
         }
     }
 }
 
-/// Drops one holder of `key`; true when it was the last.
-fn release(holders: &mut HashMap<u64, u32>, key: u64) -> bool {
-    match holders.get_mut(&key) {
-        Some(c) if *c > 1 => {
-            *c -= 1;
-            false
+/// What dropping one holder entry did to its key.
+enum Release {
+    /// It was the last holder: the key is gone.
+    Last,
+    /// Other holders remain, and the key's best tier is now this one.
+    Moved(Tier),
+    /// Other holders remain with the same best tier.
+    Kept,
+}
+
+/// Drops holder entry `e` (all its tiers) of its key.
+fn release(holders: &mut HashMap<u64, Holders>, e: Entry) -> Release {
+    let Some(h) = holders.get_mut(&e.key) else {
+        return Release::Kept;
+    };
+    if h.count <= 1 {
+        holders.remove(&e.key);
+        return Release::Last;
+    }
+    let before = h.best();
+    h.count -= 1;
+    h.change(e.tiers, false);
+    match h.best() {
+        Some(t) if Some(t) != before => Release::Moved(t),
+        _ => Release::Kept,
+    }
+}
+
+/// Appends one store per tier for keys whose best tier changed, best tier first.
+fn push_moves(moved: [Vec<BlockKey>; 3], ops: &mut Vec<Op>) {
+    for (tier, keys) in Tier::ALL.into_iter().zip(moved) {
+        if !keys.is_empty() {
+            ops.push(Op::Store(keys, tier));
         }
-        Some(_) => {
-            holders.remove(&key);
-            true
-        }
-        None => false,
     }
 }
 
@@ -335,6 +420,13 @@ mod tests {
     use super::*;
     use crate::core::keys::token_block_keys;
     use std::collections::HashSet;
+
+    fn with_medium(mut e: KvEvent, medium: &str) -> KvEvent {
+        if let KvEvent::BlockStored(s) = &mut e {
+            s.medium = Some(medium.into());
+        }
+        e
+    }
 
     fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> KvEvent {
         KvEvent::BlockStored(BlockStored {
@@ -393,7 +485,10 @@ mod tests {
         let want = expected(&tokens, 8);
         assert_eq!(
             ops,
-            vec![Op::Store(want[..2].to_vec()), Op::Store(want[2..].to_vec())]
+            vec![
+                Op::Store(want[..2].to_vec(), Tier::Gpu),
+                Op::Store(want[2..].to_vec(), Tier::Gpu)
+            ]
         );
         assert_eq!(idx.block_size(), Some(8));
         // Removing the tail removes exactly its key.
@@ -427,7 +522,7 @@ mod tests {
             4,
             &mut want,
         );
-        assert_eq!(ops, vec![Op::Store(want.clone())]);
+        assert_eq!(ops, vec![Op::Store(want.clone(), Tier::Gpu)]);
         assert_ne!(want, expected(&tokens, 4), "salt changes the key");
         // Multimodal extra keys cannot be reproduced from tokens: skipped.
         e.block_hashes = vec![2];
@@ -502,7 +597,7 @@ mod tests {
             &batch(vec![stored(vec![9], None, tokens.clone(), 4)]),
             &mut ops,
         );
-        assert_eq!(ops, vec![Op::Store(want.clone())]);
+        assert_eq!(ops, vec![Op::Store(want.clone(), Tier::Gpu)]);
         assert_eq!(idx.tier_counts(), (2, 1, 0));
         ops.clear();
         idx.apply(0, &batch(vec![removed(vec![1], "GPU")]), &mut ops);
@@ -511,6 +606,86 @@ mod tests {
         idx.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), &mut ops);
         assert_eq!(ops, vec![Op::Clear]);
         assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn an_offload_moves_keys_to_the_cpu_tier_and_the_summary_follows() {
+        use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+        use crate::core::summary::SummaryConfig;
+        // 40 blocks of 4 tokens in a model whose filter holds 64: the rebuild threshold is
+        // 25% of 64 = 16 stale keys.
+        let tokens: Vec<u32> = (0..160).collect();
+        let want = expected(&tokens, 4);
+        let hashes: Vec<u64> = (1..=40).collect();
+        let mut idx = EventIndex::new(1);
+        let mut model = CacheModel::new(
+            CacheSource::Exact,
+            1,
+            CacheModelConfig::with_capacity(64),
+            // A tiny false-positive rate, so no salted key's plain twin answers by chance.
+            SummaryConfig {
+                fp_rate: 1e-9,
+                ..SummaryConfig::for_cluster("t")
+            },
+        )
+        .unwrap();
+        let now = std::time::Duration::ZERO;
+        let run = |idx: &mut EventIndex, events: Vec<KvEvent>, model: &mut CacheModel| {
+            let mut ops = Vec::new();
+            idx.apply(0, &batch(events), &mut ops);
+            for op in &ops {
+                match op {
+                    Op::Store(k, t) => model.store_tier(k, *t, now),
+                    Op::Remove(k) => model.remove(k),
+                    Op::Clear => model.clear().unwrap(),
+                }
+            }
+            ops
+        };
+        // Stored on GPU; the offload connector stores CPU copies; then the GPU copies of the
+        // chain's tail are evicted.
+        let ops = run(
+            &mut idx,
+            vec![stored(hashes.clone(), None, tokens.clone(), 4)],
+            &mut model,
+        );
+        assert_eq!(ops, vec![Op::Store(want.clone(), Tier::Gpu)]);
+        let ops = run(
+            &mut idx,
+            vec![with_medium(
+                stored(hashes.clone(), None, tokens.clone(), 4),
+                "CPU",
+            )],
+            &mut model,
+        );
+        assert!(ops.is_empty(), "a CPU copy of a GPU block moves nothing");
+        let ops = run(
+            &mut idx,
+            vec![removed(hashes[24..].to_vec(), "GPU")],
+            &mut model,
+        );
+        assert_eq!(ops, vec![Op::Store(want[24..].to_vec(), Tier::Cpu)]);
+        assert_eq!(idx.tier(want[0]), Some(Tier::Gpu));
+        assert_eq!(idx.tier(want[39]), Some(Tier::Cpu));
+        assert_eq!(model.tier(want[39]), Some(Tier::Cpu));
+        // 16 stale GPU keys: not yet past the threshold, so the filter still claims GPU for
+        // the moved keys (a stale key, as after any removal).
+        assert!(!model.maybe_rebuild(now).unwrap());
+        assert_eq!(model.summary().tier_of(want[39]), Some(Tier::Gpu));
+        run(&mut idx, vec![removed(vec![hashes[23]], "GPU")], &mut model);
+        assert!(model.maybe_rebuild(now).unwrap());
+        let s = model.summary();
+        assert!(s.has_lower_tiers());
+        assert!(want[..23].iter().all(|k| s.tier_of(*k) == Some(Tier::Gpu)));
+        assert!(want[23..].iter().all(|k| s.tier_of(*k) == Some(Tier::Cpu)));
+        // The CPU copies go too: the keys leave the model.
+        let ops = run(
+            &mut idx,
+            vec![removed(hashes[23..].to_vec(), "CPU")],
+            &mut model,
+        );
+        assert_eq!(ops, vec![Op::Remove(want[23..].to_vec())]);
+        assert_eq!(model.len(), 23);
     }
 
     /// The first message a real vLLM 0.32 (CPU build) published, as real-engines.md shows it:
@@ -562,7 +737,7 @@ mod tests {
         let mut idx = EventIndex::new(1);
         let mut ops = Vec::new();
         idx.apply(0, &batch, &mut ops);
-        assert_eq!(ops, vec![Op::Store(expected(&tokens, 32))]);
+        assert_eq!(ops, vec![Op::Store(expected(&tokens, 32), Tier::Gpu)]);
     }
 
     proptest::proptest! {
@@ -575,19 +750,23 @@ mod tests {
             }
         }
 
-        /// Whatever the events (small hash space, so parents, duplicates and unknown removals
-        /// happen), replaying the emitted operations on a plain set gives the index's key set.
+        /// Whatever the events (small hash space, so parents, duplicates, unknown removals and
+        /// tier moves happen), replaying the emitted operations on a map gives the index's keys
+        /// with their best tiers.
         #[test]
         fn operations_track_the_index_exactly(
-            events in proptest::collection::vec((0u8..4, 0usize..2, 0u64..6, 0u64..6, 0u32..3, 0u8..2), 1..60)
+            events in proptest::collection::vec((0u8..4, 0usize..2, 0u64..6, 0u64..6, 0u32..3, 0u8..3), 1..60)
         ) {
             let mut idx = EventIndex::new(2);
-            let mut model: HashSet<BlockKey> = HashSet::new();
+            let mut model: HashMap<BlockKey, Tier> = HashMap::new();
             for (kind, rank, h, parent, tok, medium) in events {
-                let medium = if medium == 0 { "GPU" } else { "CPU" };
+                let medium = ["GPU", "CPU", "DISK"][medium as usize];
                 let event = match kind {
-                    0 => stored(vec![h], None, vec![tok, tok], 2),
-                    1 => stored(vec![h, h + 10], Some(parent), vec![tok, 1, 2, tok], 2),
+                    0 => with_medium(stored(vec![h], None, vec![tok, tok], 2), medium),
+                    1 => with_medium(
+                        stored(vec![h, h + 10], Some(parent), vec![tok, 1, 2, tok], 2),
+                        medium,
+                    ),
                     2 => removed(vec![h, parent], medium),
                     _ => KvEvent::AllBlocksCleared,
                 };
@@ -595,13 +774,15 @@ mod tests {
                 idx.apply(rank, &batch(vec![event]), &mut ops);
                 for op in ops {
                     match op {
-                        Op::Store(k) => model.extend(k),
+                        Op::Store(k, t) => model.extend(k.into_iter().map(|k| (k, t))),
                         Op::Remove(k) => for x in k { model.remove(&x); },
                         Op::Clear => model.clear(),
                     }
                 }
-                let want: HashSet<BlockKey> = idx.keys().into_iter().collect();
+                let want: HashMap<BlockKey, Tier> = idx.tiered_keys().into_iter().collect();
                 proptest::prop_assert_eq!(&model, &want);
+                let keys: HashSet<BlockKey> = idx.keys().into_iter().collect();
+                proptest::prop_assert_eq!(keys.len(), want.len());
             }
         }
     }

@@ -38,8 +38,13 @@ pub struct Candidate {
     pub replica: usize,
     /// Stable hash of the replica id (hash rings, rendezvous).
     pub seed: u64,
-    /// Leading prompt blocks the replica is believed to hold (0 when the policy ignores caches).
+    /// Leading prompt blocks the replica is believed to hold, in any tier (0 when the policy
+    /// ignores caches).
     pub hit_blocks: u32,
+    /// `hit_blocks` credited by the tier each block is held in
+    /// ([`crate::core::cost::CostModel::credited_blocks`]); equal to `hit_blocks` when every
+    /// block is on GPU (default weights).
+    pub credited_blocks: f64,
     /// Outstanding requests (see [`crate::core::view::ReplicaLoad::outstanding`]).
     pub outstanding: u32,
     /// Requests this node has in flight there.
@@ -299,6 +304,7 @@ pub(crate) mod testing {
             replica,
             seed: crate::core::affinity::replica_seed(&format!("r{replica}")),
             hit_blocks,
+            credited_blocks: hit_blocks as f64,
             outstanding,
             in_flight: outstanding,
             queue_s,

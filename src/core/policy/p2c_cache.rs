@@ -1,6 +1,7 @@
 //! p2c-cache, the default: two choices with a cache score.
 //!
-//! Candidate A is the replica with the longest hit (random among near-ties); candidate B is a
+//! Candidate A is the replica with the longest hit, credited by tier (random among near-ties:
+//! a block on GPU counts more than one offloaded to CPU or disk); candidate B is a
 //! *different* replica drawn at random, weighted toward low predicted cost (so toward idle
 //! replicas and those holding part of the prompt). The request goes to whichever
 //! has the lower predicted cost (queued work plus uncached prefill, in seconds). So:
@@ -33,12 +34,13 @@ impl Default for P2cCache {
 impl P2cCache {
     /// Candidate A: a uniformly random one among those whose hit is within the tie margin of the
     /// longest (reservoir sampling, no allocation).
-    fn longest_hit(&self, c: &[Candidate], max_hit: u32, rng: &mut SmallRng) -> usize {
-        let floor = max_hit - ((max_hit as f64 * self.tie_fraction) as u32).min(max_hit);
+    fn longest_hit(&self, c: &[Candidate], max_hit: f64, rng: &mut SmallRng) -> usize {
+        // Whole blocks of margin, as when hits were integers.
+        let floor = max_hit - (max_hit * self.tie_fraction).floor().min(max_hit);
         let mut chosen = 0;
         let mut seen = 0u32;
         for (i, x) in c.iter().enumerate() {
-            if x.hit_blocks >= floor.max(1) {
+            if x.credited_blocks > 0.0 && x.credited_blocks >= floor {
                 seen += 1;
                 if rng.random_range(0..seen) == 0 {
                     chosen = i;
@@ -65,8 +67,8 @@ impl Policy for P2cCache {
                 reason: Reason::OnlyCandidate,
             };
         }
-        let max_hit = c.iter().map(|x| x.hit_blocks).max().unwrap_or(0);
-        let (a, no_hit) = if max_hit == 0 {
+        let max_hit = c.iter().map(|x| x.credited_blocks).fold(0.0, f64::max);
+        let (a, no_hit) = if max_hit <= 0.0 {
             // No cache anywhere: both choices are load-weighted draws.
             (draw_toward_low_cost(c, None, rng).unwrap_or(0), true)
         } else {

@@ -126,8 +126,21 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
         sim.push(Duration::ZERO, Event::Publish(0));
     }
     let mut last = Duration::ZERO;
+    let mut shown = 0;
     while let Some(Reverse((now, _, ev))) = sim.queue.pop() {
         last = last.max(now);
+        if cfg.progress && sim.done * 100 / reqs.len().max(1) > shown {
+            shown = sim.done * 100 / reqs.len().max(1);
+            eprint!(
+                "\r  {}: {shown:>3}% of {} requests done, {:.1} virtual s",
+                if cfg.oracle { "oracle" } else { sim.policy.as_str() },
+                reqs.len(),
+                now.saturating_sub(first).as_secs_f64()
+            );
+            if shown == 100 {
+                eprintln!();
+            }
+        }
         match ev {
             Event::Arrival(i) => sim.arrival(i, now),
             Event::EngineWake(r) => sim.engine_wake(r, now),

@@ -99,6 +99,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         failure_detection: Duration::from_millis(args.failure_detection_ms),
         engine: preset.config(),
         arrival_speedup: args.speedup,
+        progress: true,
         ..Default::default()
     };
     let mut runs: Vec<(SimConfig, &str)> = policies

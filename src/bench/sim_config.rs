@@ -76,6 +76,9 @@ pub struct SimConfig {
     pub arrival_speedup: f64,
     /// Replay only the first N requests. Default: all.
     pub max_requests: Option<usize>,
+    /// Print a progress line to stderr while running (the CLI's fleet-scale runs take minutes).
+    /// Default off.
+    pub progress: bool,
     /// Run the oracle baseline instead (one central router reading the engines' true state).
     pub oracle: bool,
 }
@@ -97,6 +100,7 @@ impl Default for SimConfig {
             block_bytes: 256,
             arrival_speedup: 1.0,
             max_requests: None,
+            progress: false,
             oracle: false,
         }
     }

@@ -5,8 +5,10 @@
 //! [`CacheModel`]. What it models instead of running:
 //! - gossip: each node refreshes its view (engine load, summaries, queued prefill) every
 //!   `gossip_interval`, staggered across nodes, so views are stale by up to one interval;
-//! - routed-block reports reach the replica's cache model at once (they are fire-and-forget and
-//!   small); the node's own overlay covers what its stale view has not seen yet;
+//! - a routed request's blocks reach the replica's cache model when its prefill completes (its
+//!   first token): that is when the engine holds them, and what a KV-event (exact) model sees; the
+//!   routing node's own overlay counts them from the predicted first token on
+//!   ([`View::record_routed_ready`]), before its stale view has the summary;
 //! - clients: each request of the workload arrives at a uniformly random node.
 //!
 //! The oracle baseline is one central router with exact, instant knowledge: for every arrival it
@@ -236,6 +238,8 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
 
     let mut rng = SmallRng::seed_from_u64(cfg.seed);
     let mut flights = vec![InFlight::default(); reqs.len()];
+    // Block keys of each request until its first token, when they join the cache model.
+    let mut routed_keys: Vec<Vec<BlockKey>> = vec![Vec::new(); reqs.len()];
     let mut ttft = Vec::with_capacity(reqs.len());
     let mut latency = Vec::with_capacity(reqs.len());
     let (mut prompt_tokens, mut cached_tokens, mut errors, mut done) = (0u64, 0u64, 0usize, 0usize);
@@ -265,8 +269,9 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
                     exclude: &[],
                 };
                 let node = &mut nodes[n];
-                let (r, uncached) = if cfg.oracle {
-                    oracle_pick(&engines, &prompt, prefill_rate, &mut rng)
+                let (r, uncached, ready_in) = if cfg.oracle {
+                    let (r, uncached) = oracle_pick(&engines, &prompt, prefill_rate, &mut rng);
+                    (r, uncached, Duration::ZERO)
                 } else {
                     let Decision::Route(d) = node.router.route(&node.view, &rr, now) else {
                         errors += 1;
@@ -274,13 +279,17 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
                         continue;
                     };
                     let hit_tokens = d.hit_blocks as u64 * tokens_per_block as u64;
-                    (d.replica, (prompt.len() as u64).saturating_sub(hit_tokens))
+                    (
+                        d.replica,
+                        (prompt.len() as u64).saturating_sub(hit_tokens),
+                        Duration::from_secs_f64(d.cost_s.clamp(0.0, 3600.0)),
+                    )
                 };
-                node.view.record_routed(r, &keys, now);
+                node.view.record_routed_ready(r, &keys, now, ready_in);
                 if let Some(rep) = node.view.replica_mut(r) {
                     rep.load.queued_prefill_tokens += uncached;
                 }
-                models[r].record_routed(&keys, now);
+                routed_keys[i].clone_from(&keys);
                 pending_prefill[r] += uncached;
                 flights[i] = InFlight {
                     arrival: now,
@@ -322,6 +331,8 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
                             prompt_tokens: p,
                         } => {
                             let f = flights[id as usize];
+                            models[r]
+                                .record_routed(&std::mem::take(&mut routed_keys[id as usize]), now);
                             ttft.push((now - f.arrival).as_secs_f64());
                             prompt_tokens += p as u64;
                             cached_tokens += c as u64;

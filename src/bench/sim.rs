@@ -549,39 +549,56 @@ mod tests {
         assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
     }
 
-    /// Sustained overload (docs/benchmarks.md, "the agent family under overload"): agent runs
-    /// arriving faster than the fleet can prefill them. Crediting blocks that are only promised
-    /// by requests still queued at a replica piled every step of a run onto it, where the steps
-    /// missed each other, and p2c-cache lost to round-robin. Scaled down (2 replicas, one node)
-    /// to stay fast in debug builds.
-    #[test]
-    fn p2c_cache_no_worse_than_round_robin_under_overload() {
+    /// The agent family at `rate` with `runs` open runs, p2c-cache against round-robin.
+    fn agent_overload(runs: usize, rate: f64, requests: usize, nodes: usize, replicas: usize) {
         let w = workload::agent(
             &workload::AgentParams {
-                concurrent_runs: 4,
+                concurrent_runs: runs,
                 ..Default::default()
             },
             &workload::GenParams {
-                rate: 60.0,
-                requests: 300,
+                rate,
+                requests,
                 seed: 1,
             },
         )
         .unwrap();
         let cfg = |policy| SimConfig {
             policy,
-            nodes: 1,
-            replicas: 2,
+            nodes,
+            replicas,
+            oracle: false,
             ..Default::default()
         };
         let p2c = run(&w, &cfg(PolicyKind::P2cCache)).unwrap();
         let rr = run(&w, &cfg(PolicyKind::RoundRobin)).unwrap();
-        assert!(rr.ttft.mean > 1.0, "not overloaded: {}", rr.ttft.mean);
+        assert!(rr.ttft.mean > 2.0, "not overloaded: {}", rr.ttft.mean);
         assert!(
-            p2c.ttft.mean <= rr.ttft.mean,
-            "mean TTFT p2c-cache {} vs round-robin {}",
+            p2c.ttft.mean <= rr.ttft.mean && p2c.hit_token_ratio >= rr.hit_token_ratio,
+            "p2c-cache {} s / {} hit vs round-robin {} s / {}",
             p2c.ttft.mean,
-            rr.ttft.mean
+            p2c.hit_token_ratio,
+            rr.ttft.mean,
+            rr.hit_token_ratio
         );
+    }
+
+    /// Sustained overload (docs/benchmarks.md, "the agent family under overload"): agent runs
+    /// arriving faster than the fleet can serve them, so every queue grows. Crediting blocks that
+    /// are only promised by requests still queued at a replica piled the steps of a run onto it,
+    /// where they missed each other, and p2c-cache lost to round-robin. Scaled down (3 replicas,
+    /// 2 nodes, 450 requests; ~8 s in a debug build): p2c-cache 7.2 s vs round-robin 9.7 s.
+    #[test]
+    fn p2c_cache_no_worse_than_round_robin_under_overload() {
+        agent_overload(3, 75.0, 450, 2, 3);
+    }
+
+    /// The full-size case of the finding: 8 replicas, 3 nodes, agent at 200 req/s, 3,000
+    /// requests (before the fix 27.8 s vs 24.4 s; after, 23.7 s). ~15 s in a release build, so
+    /// run it explicitly: `cargo test --release -- --ignored overload_full_size`.
+    #[test]
+    #[ignore = "slow in debug builds; run with --release -- --ignored"]
+    fn p2c_cache_no_worse_than_round_robin_under_overload_full_size() {
+        agent_overload(8, 200.0, 3000, 3, 8);
     }
 }

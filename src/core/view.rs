@@ -15,8 +15,9 @@
 //! Under sustained overload (queues of seconds) crediting such *promised* blocks steered every
 //! step of an agent run onto one replica, where the steps serialised and missed each other: the
 //! simulator measured 42% of the predicted hit tokens realised, and p2c-cache behind round-robin.
-//! So [`View::record_routed_ready`] takes the predicted time to first token and the overlay entry
-//! counts from then on ([`View::record_routed`] = ready at once).
+//! So [`View::record_routed_ready`] takes the predicted completion of the request's prefill
+//! ([`super::cost::CostModel::prefill_done_s`]) and the overlay entry counts from then on
+//! ([`View::record_routed`] = ready at once).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -104,7 +105,9 @@ pub struct ReplicaState {
 /// first token, when its prefill has put the block in the cache) until `until`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct OverlayEntry {
+    /// From when the key counts as held (view time).
     ready: Duration,
+    /// When it stops counting: `overlay_ttl` after `ready`, by then the summary should have it.
     until: Duration,
 }
 
@@ -222,9 +225,8 @@ impl View {
     }
 
     /// Records a routing decision: the request counts as in flight until [`View::finished`], and
-    /// its keys join the replica's overlay, held from `now + ready_in` — the predicted time to
-    /// first token, when the request's prefill will have put them in the engine's cache — for
-    /// `overlay_ttl`. A key already held (ready earlier) keeps its earlier start: a prefix that is
+    /// its keys join the replica's overlay, held from `now + ready_in` — the predicted end of the
+    /// request's prefill, when it will have put them in the engine's cache — for `overlay_ttl`. A key already held (ready earlier) keeps its earlier start: a prefix that is
     /// in the cache stays a hit however many requests are queued behind it.
     pub fn record_routed_ready(
         &mut self,

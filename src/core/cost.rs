@@ -87,6 +87,18 @@ impl CostModel {
             + h.any.saturating_sub(h.cpu) as f64 * w.disk
     }
 
+    /// Predicted seconds until a request just sent to `r` with `uncached_tokens` of prefill has
+    /// finished it: the prefill already queued there, then its own. This is when its blocks are
+    /// in the engine's prefix cache and a follow-up can reuse them (the view's overlay counts
+    /// them from then on, see [`super::view::View::record_routed_ready`]). The `w_load` term is
+    /// left out: it stands for decode steps sharing the engine, which slow a prefill but do not
+    /// hold it back the way queued prefill does, and counting it would withhold credit from
+    /// follow-ups that, on a lightly loaded replica, do find the blocks.
+    pub fn prefill_done_s(&self, r: &ReplicaState, uncached_tokens: u64) -> f64 {
+        let rate = r.info.prefill_tokens_per_s.max(1.0);
+        r.load.queued_prefill_tokens.saturating_add(uncached_tokens) as f64 / rate
+    }
+
     /// Seconds of prefill for the uncached part of the prompt on `r`, given the (weighted)
     /// cached tokens.
     pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: f64) -> f64 {

@@ -91,7 +91,7 @@ pub struct NodeConfig {
     pub spill_after_s: f64,
     /// Seconds one outstanding request adds to a replica's predicted wait. Default 0.005.
     pub w_load_s: f64,
-    /// Seconds credited to a session's preferred replica. Default 0.05.
+    /// Seconds credited to a session's preferred replica. Default 0.2 (see `CostModel`).
     pub affinity_credit_s: f64,
     /// Share of a cached block's prefill the cost model credits by the tier the replica holds it
     /// in (known from KV events' `medium`), each 0..=1. Default
@@ -145,7 +145,7 @@ impl Default for NodeConfig {
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
             w_load_s: 0.005,
-            affinity_credit_s: 0.05,
+            affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),
             overlay_ttl_s: 10,
             cache_ttl_s: 600,

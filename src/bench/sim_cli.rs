@@ -10,6 +10,7 @@ use clap::Args;
 
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
+use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::Preset;
 
@@ -55,6 +56,10 @@ pub struct SimArgs {
     /// Divide the workload's arrival times by this (2 = twice the rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Seconds of predicted TTFT credited to a session's rendezvous-preferred replica, in ms (the
+    /// node's `affinity_credit_s`). Default: the node's default.
+    #[arg(long)]
+    pub affinity_credit_ms: Option<u64>,
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -100,6 +105,13 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         engine: preset.config(),
         arrival_speedup: args.speedup,
         progress: true,
+        cost: match args.affinity_credit_ms {
+            Some(ms) => CostModel {
+                affinity_credit_s: ms as f64 / 1000.0,
+                ..CostModel::default()
+            },
+            None => CostModel::default(),
+        },
         ..Default::default()
     };
     let mut runs: Vec<(SimConfig, &str)> = policies

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::stats::Distribution;
+use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::EngineConfig;
 
@@ -58,6 +59,9 @@ pub struct SimConfig {
     pub region_rtt: Duration,
     /// Routing policy of every node. Default `p2c-cache`.
     pub policy: PolicyKind,
+    /// The cost formula's parameters, as the nodes' `[routing]` config sets them. Default: the
+    /// core's defaults.
+    pub cost: CostModel,
     /// Seed of every random choice. Default 1.
     pub seed: u64,
     /// Gossip round length. Default 100 ms.
@@ -91,6 +95,7 @@ impl Default for SimConfig {
             regions: 1,
             region_rtt: Duration::from_millis(50),
             policy: PolicyKind::P2cCache,
+            cost: CostModel::default(),
             seed: 1,
             gossip_interval: Duration::from_millis(100),
             gossip_fanout: 3,

@@ -51,7 +51,11 @@ impl Default for TierWeights {
 pub struct CostModel {
     /// Seconds one outstanding request adds to the wait. Default 0.005.
     pub w_load_s: f64,
-    /// Seconds credited to the session's preferred replica. Default 0.05.
+    /// Seconds credited to the session's preferred replica. Default 0.2: a session's follow-ups
+    /// often arrive before every node's view shows where its previous turn went (summaries lag a
+    /// gossip round or two); the credit keeps them on the one replica every node agrees on
+    /// (rendezvous) unless it is 0.2 s busier. At 0.05 s the simulator measured agent runs at 80
+    /// req/s sprayed over the fleet (mean TTFT 2.2 s vs 0.079 s) and chat 0.148 s vs 0.101 s.
     pub affinity_credit_s: f64,
     /// Credit per hit block by the tier it is held in. Default 1.0 / 0.75 / 0.25.
     pub tier_weights: TierWeights,
@@ -61,7 +65,7 @@ impl Default for CostModel {
     fn default() -> Self {
         CostModel {
             w_load_s: 0.005,
-            affinity_credit_s: 0.05,
+            affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),
         }
     }

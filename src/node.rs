@@ -710,7 +710,8 @@ impl Ticket {
 
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
     /// longer count as queued there, and its blocks (`keys`) are now in the engine's prefix
-    /// cache: an approximate cache model learns them (an exact, KV-event one takes no guesses)
+    /// cache: the overlay counts them from now if it predicted later, an approximate cache
+    /// model learns them (an exact, KV-event one takes no guesses)
     /// and, when another node is the replica's home, they are reported to it. Pass no keys for a
     /// response that is not a success (the engine refused the request: nothing was cached).
     /// Only the first call counts; later ones are no-ops.
@@ -726,6 +727,8 @@ impl Ticket {
         if keys.is_empty() {
             return;
         }
+        // Its prefill is done now, whatever was predicted: the overlay counts its keys from now.
+        core.view.prefill_done(self.replica, keys, now);
         let Some(rt) = core.replicas.get_mut(self.replica) else {
             return;
         };

@@ -241,6 +241,7 @@ async fn fake_upstream(mode: Fake) -> (SocketAddr, Arc<AtomicUsize>) {
 /// nothing, and an exact (KV-event) model takes no routed guesses.
 #[tokio::test]
 async fn blocks_count_from_the_predicted_prefill_end_and_are_learned_at_the_first_byte() {
+    proxy::install_crypto_provider();
     let mut cfg = node_config(&["http://127.0.0.1:9".to_owned()]);
     cfg.replicas[0].models = vec![MODEL.into()];
     cfg.replicas[0].prefill_tokens_per_s = 1_000.0;
@@ -290,9 +291,11 @@ async fn blocks_count_from_the_predicted_prefill_end_and_are_learned_at_the_firs
         assert_eq!(core.view.hit(0, &B, now + secs(11)), B.len());
     }
 
-    // A's first byte: its blocks are cached, its prefill no longer queued.
+    // A's first byte: its blocks are cached, its prefill no longer queued, and they count in
+    // the overlay from now (earlier than predicted).
     a.first_byte(&A);
     assert_eq!(held(&A), A.len());
+    assert_eq!(node.lock().view.hit(0, &A, node.now()), A.len());
     assert!(node.lock().replicas[0].summary_dirty);
     a.first_byte(&B);
     assert_eq!(held(&B), 0, "only the first call counts");

@@ -711,10 +711,10 @@ impl Ticket {
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
     /// longer count as queued there, and its blocks (`keys`) are now in the engine's prefix
     /// cache: the overlay counts them from now if it predicted later, an approximate cache
-    /// model learns them (an exact, KV-event one takes no guesses)
-    /// and, when another node is the replica's home, they are reported to it. Pass no keys for a
-    /// response that is not a success (the engine refused the request: nothing was cached).
-    /// Only the first call counts; later ones are no-ops.
+    /// model learns them (an exact, KV-event one takes no guesses) and, when another node is the
+    /// replica's home, they are reported to it. Pass no keys for a response that is not a
+    /// success (the engine refused the request: nothing was cached). Only the first call
+    /// counts; later ones are no-ops.
     pub fn first_byte(&mut self, keys: &[BlockKey]) {
         if std::mem::replace(&mut self.started, true) {
             return;

@@ -10,6 +10,13 @@
 //! Accounting of a routed request (in-flight counts, tenant quotas, queued prefill) is owned by a
 //! [`Ticket`] whose `Drop` undoes it, so a client that disconnects mid-stream, a failed attempt
 //! and a finished response all release exactly once.
+//!
+//! A routed request's blocks are in the engine's prefix cache only once *its* prefill is done,
+//! as the simulator models it (`bench::sim`): at routing time they go into the view's overlay
+//! counted from the predicted end of that prefill ([`View::record_routed_ready`]), and only at
+//! the response's first byte ([`Ticket::first_byte`]) into the replica's approximate cache model
+//! and the block report to a remote home. A request that fails before its first byte records
+//! nothing there.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -20,6 +27,7 @@ use serde::Serialize;
 use crate::config::{NodeConfig, ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
+use crate::core::keys::BlockKey;
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
@@ -37,7 +45,8 @@ pub mod mesh;
 /// Driver-side state of one replica, indexed like the view.
 #[derive(Debug)]
 pub struct ReplicaRuntime {
-    /// The replica's cache model: approximate (fed by this node's routed requests) or, while
+    /// The replica's cache model: approximate (fed by this node's requests there at their first
+    /// byte, and by other nodes' block reports when home) or, while
     /// its KV-event stream is up, exact (fed by the events; see `replicas::kv_events`).
     pub cache: CacheModel,
     /// The cache model changed since its summary was last copied into the view.
@@ -121,6 +130,10 @@ pub struct Node {
     /// Mesh membership, when the node runs one (see `node_mesh.rs`).
     mesh: mesh::NodeMesh,
 }
+
+/// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
+/// simulator): a wildly overloaded estimate must not park keys for hours.
+const MAX_READY_IN_S: f64 = 3600.0;
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
     (tokens / u64::from(tokens_per_block.max(1))).max(1) as usize
@@ -351,28 +364,29 @@ impl Node {
     }
 
     /// Routes `req` (never to a replica in `req.exclude`, those it already failed on). On a
-    /// route, records it (overlay, cache model, in-flight, tenant, queued prefill) and returns
-    /// the [`Ticket`] that releases it.
+    /// route, records it (overlay from the predicted end of its prefill, in-flight, tenant,
+    /// queued prefill) and returns the [`Ticket`] that releases it. The cache model and the home
+    /// learn its blocks later, at [`Ticket::first_byte`].
     pub fn route(self: &Arc<Self>, req: &RouteRequest<'_>) -> (Decision, Option<Ticket>) {
         let started = Instant::now();
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
         let decision = core.router.route(&core.view, req, now);
-        let mut report = None;
         let ticket = match &decision {
             Decision::Route(d) => {
                 let i = d.replica;
-                core.view.record_routed(i, req.keys, now);
                 let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
                 let uncached = req.prompt_tokens.saturating_sub(cached);
+                // Its blocks count in the overlay once its prefill is predicted done: the prefill
+                // queued there before it (this request's own not yet added), then its own.
+                let ready_in = core.view.replica(i).map_or(0.0, |r| {
+                    core.router.config().cost.prefill_done_s(r, uncached)
+                });
+                let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
+                    .unwrap_or_default();
+                core.view.record_routed_ready(i, req.keys, now, ready_in);
                 let rt = &mut core.replicas[i];
-                // An exact (KV-event) model is the engine's truth: guesses stay out of it.
-                if rt.cache.source() == CacheSource::Approximate {
-                    rt.cache.record_routed(req.keys, now);
-                    rt.summary_dirty = true;
-                }
-                report = Some((i, rt.mesh.report_target()));
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
                 let pending = rt.queued_estimate();
                 if let Some(r) = core.view.replica_mut(i) {
@@ -395,14 +409,12 @@ impl Node {
                     endpoint,
                     tenant: req.tenant.map(str::to_owned),
                     pending_tokens: uncached,
+                    started: false,
                 })
             }
             _ => None,
         };
         drop(guard);
-        if let Some((i, target)) = report {
-            self.after_route(i, target, req.keys);
-        }
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -681,6 +693,8 @@ pub struct Ticket {
     endpoint: Endpoint,
     tenant: Option<String>,
     pending_tokens: u64,
+    /// [`Ticket::first_byte`] ran.
+    started: bool,
 }
 
 impl Ticket {
@@ -695,14 +709,36 @@ impl Ticket {
     }
 
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
-    /// longer count as queued there.
-    pub fn first_byte(&mut self) {
-        if self.pending_tokens == 0 {
+    /// longer count as queued there, and its blocks (`keys`) are now in the engine's prefix
+    /// cache: the overlay counts them from now if it predicted later, an approximate cache
+    /// model learns them (an exact, KV-event one takes no guesses) and, when another node is the
+    /// replica's home, they are reported to it. Pass no keys for a response that is not a
+    /// success (the engine refused the request: nothing was cached). Only the first call
+    /// counts; later ones are no-ops.
+    pub fn first_byte(&mut self, keys: &[BlockKey]) {
+        if std::mem::replace(&mut self.started, true) {
             return;
         }
         let tokens = std::mem::take(&mut self.pending_tokens);
-        let mut core = self.node.lock();
-        release_pending(&mut core, self.replica, tokens);
+        let now = self.node.now();
+        let mut guard = self.node.lock();
+        let core = &mut *guard;
+        release_pending(core, self.replica, tokens);
+        if keys.is_empty() {
+            return;
+        }
+        // Its prefill is done now, whatever was predicted: the overlay counts its keys from now.
+        core.view.prefill_done(self.replica, keys, now);
+        let Some(rt) = core.replicas.get_mut(self.replica) else {
+            return;
+        };
+        if rt.cache.source() == CacheSource::Approximate {
+            rt.cache.record_routed(keys, now);
+            rt.summary_dirty = true;
+        }
+        let target = rt.mesh.report_target();
+        drop(guard);
+        self.node.after_first_byte(self.replica, target, keys);
     }
 }
 

@@ -252,16 +252,16 @@ impl Node {
         self.lock().replicas.get(i).is_some_and(|rt| rt.mesh.home)
     }
 
-    /// After a route: tell the home (batched by the mesh), or wake the publisher when home.
-    pub(super) fn after_route(&self, i: usize, target: Option<SocketAddr>, keys: &[BlockKey]) {
+    /// After a request's first byte (its blocks are now in the replica's prefix cache): tell the
+    /// home (batched by the mesh), or wake the publisher when home.
+    pub(super) fn after_first_byte(&self, i: usize, target: Option<SocketAddr>, keys: &[BlockKey]) {
         let Some(mesh) = self.mesh() else {
             return;
         };
         match target {
             Some(home) => {
                 let id = self.id_of(i);
-                let raw: Vec<u64> = keys.iter().map(|k| k.0).collect();
-                mesh.report_blocks(home, &id, &raw);
+                mesh.report_keys(home, &id, keys.iter().map(|k| k.0));
             }
             None => self.mesh.changed.notify_one(),
         }

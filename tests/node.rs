@@ -12,6 +12,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use kvmesh::config::{NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+use kvmesh::core::keys::BlockKey;
+use kvmesh::core::router::{Decision, RouteRequest};
+use kvmesh::core::summary::SummaryConfig;
+use kvmesh::node::Node;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 use serde_json::{json, Value};
@@ -230,6 +235,107 @@ async fn fake_upstream(mode: Fake) -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, hits)
 }
 
+/// As the simulator models it: a routed request's blocks count in the routing node's overlay from
+/// the predicted end of its prefill (the queue before it, then its own), and reach the replica's
+/// cache model only at the response's first byte; a request that fails before it records
+/// nothing, and an exact (KV-event) model takes no routed guesses.
+#[tokio::test]
+async fn blocks_count_from_the_predicted_prefill_end_and_are_learned_at_the_first_byte() {
+    proxy::install_crypto_provider();
+    let mut cfg = node_config(&["http://127.0.0.1:9".to_owned()]);
+    cfg.replicas[0].models = vec![MODEL.into()];
+    cfg.replicas[0].prefill_tokens_per_s = 1_000.0;
+    let node = Node::new(cfg).unwrap();
+    let req = |keys: &'static [BlockKey]| RouteRequest {
+        model: MODEL,
+        keys,
+        prompt_tokens: 5_000,
+        session: None,
+        tenant: None,
+        forwarded: false,
+        exclude: &[],
+    };
+    let route = |keys: &'static [BlockKey]| {
+        let (d, t) = node.route(&req(keys));
+        assert!(matches!(d, Decision::Route(_)), "{d:?}");
+        t.unwrap()
+    };
+    let held = |keys: &[BlockKey]| {
+        let core = node.lock();
+        keys.iter()
+            .filter(|k| core.replicas[0].cache.contains(**k))
+            .count()
+    };
+    let secs = Duration::from_secs;
+    static A: [BlockKey; 4] = [BlockKey(1), BlockKey(2), BlockKey(3), BlockKey(4)];
+    static B: [BlockKey; 4] = [BlockKey(11), BlockKey(12), BlockKey(13), BlockKey(14)];
+    static C: [BlockKey; 2] = [BlockKey(21), BlockKey(22)];
+
+    // 5,000 uncached tokens at 1,000 tokens/s on an idle replica: ready in 5 s.
+    let mut a = route(&A);
+    {
+        let core = node.lock();
+        let now = node.now();
+        assert_eq!(core.view.hit(0, &A, now), 0, "not before its prefill");
+        assert_eq!(core.view.hit(0, &A, now + secs(6)), A.len());
+        let load = core.view.replica(0).unwrap().load;
+        assert_eq!(load.queued_prefill_tokens, 5_000);
+    }
+    assert_eq!(held(&A), 0, "no first byte yet");
+    // Queued behind A: ready in 10 s.
+    let b = route(&B);
+    {
+        let core = node.lock();
+        let now = node.now();
+        assert_eq!(core.view.hit(0, &B, now + secs(6)), 0);
+        assert_eq!(core.view.hit(0, &B, now + secs(11)), B.len());
+    }
+
+    // A's first byte: its blocks are cached, its prefill no longer queued, and they count in
+    // the overlay from now (earlier than predicted).
+    a.first_byte(&A);
+    assert_eq!(held(&A), A.len());
+    assert_eq!(node.lock().view.hit(0, &A, node.now()), A.len());
+    assert!(node.lock().replicas[0].summary_dirty);
+    a.first_byte(&B);
+    assert_eq!(held(&B), 0, "only the first call counts");
+    assert_eq!(
+        node.lock()
+            .view
+            .replica(0)
+            .unwrap()
+            .load
+            .queued_prefill_tokens,
+        5_000
+    );
+    // B fails before its first byte: nothing recorded, nothing left queued.
+    drop(b);
+    assert_eq!(held(&B), 0);
+    assert_eq!(
+        node.lock()
+            .view
+            .replica(0)
+            .unwrap()
+            .load
+            .queued_prefill_tokens,
+        0
+    );
+    drop(a);
+    assert_eq!(node.lock().view.replica(0).unwrap().load.in_flight, 0);
+
+    // An exact model is the engine's truth: a first byte adds no guess to it.
+    node.lock().replicas[0].cache = CacheModel::new(
+        CacheSource::Exact,
+        1,
+        CacheModelConfig::with_capacity(64),
+        SummaryConfig::for_cluster("test"),
+    )
+    .unwrap();
+    let mut c = route(&C);
+    c.first_byte(&C);
+    assert_eq!(held(&C), 0);
+}
+
 #[tokio::test]
 async fn sse_passes_through_byte_exact_and_unbuffered() {
     bounded(async {
@@ -338,7 +444,17 @@ async fn failover_hides_a_killed_replica_and_a_failing_one() {
                 .unwrap();
             assert_eq!(r["health"], "unhealthy", "{r}");
             assert_eq!(r["ejected"], true, "{r}");
+            // Their requests failed before a first byte: no blocks recorded there.
+            assert_eq!(r["cache_keys"], 0, "{r}");
         }
+        let learned: u64 = state["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["id"] == "r0" || r["id"] == "r2")
+            .map(|r| r["cache_keys"].as_u64().unwrap())
+            .sum();
+        assert!(learned > 0, "{state}");
         node.shutdown().await;
         for r in reps {
             r.shutdown().await;

@@ -17,7 +17,8 @@
 //! simulator measured 42% of the predicted hit tokens realised, and p2c-cache behind round-robin.
 //! So [`View::record_routed_ready`] takes the predicted completion of the request's prefill
 //! ([`super::cost::CostModel::prefill_done_s`]) and the overlay entry counts from then on
-//! ([`View::record_routed`] = ready at once).
+//! ([`View::record_routed`] = ready at once), or from when the prefill is known done if that is
+//! earlier ([`View::prefill_done`]: the live node's first byte).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -259,6 +260,23 @@ impl View {
                         }
                     })
                     .or_insert(OverlayEntry { ready, until });
+            }
+        }
+    }
+
+    /// The request routed to replica `i` with `keys` has finished its prefill (the live node: its
+    /// first byte arrived): its overlay keys predicted ready later count from `now`. A replica
+    /// faster than its configured prefill rate is then credited as soon as it has the blocks,
+    /// not when the prediction said. Keys the overlay does not hold (expired, or beyond
+    /// `MAX_OVERLAY_KEYS`) are left alone.
+    pub fn prefill_done(&mut self, i: usize, keys: &[BlockKey], now: Duration) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            for k in keys {
+                if let Some(e) = r.overlay.get_mut(&k.0) {
+                    if e.ready > now && e.until > now {
+                        e.ready = now;
+                    }
+                }
             }
         }
     }
@@ -574,6 +592,10 @@ mod tests {
         assert_eq!(v.hit(i, &keys, t1), 2, "the first two stay held");
         assert_eq!(v.hit(i, &keys, t1 + Duration::from_secs(3)), 4);
         assert_eq!(v.replica(i).unwrap().load.in_flight, 2);
+        // Its prefill is known done earlier than predicted (first byte): it counts from then.
+        let t2 = t1 + Duration::from_secs(1);
+        v.prefill_done(i, &keys, t2);
+        assert_eq!(v.hit(i, &keys, t2), 4);
     }
 
     #[test]

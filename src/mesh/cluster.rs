@@ -451,14 +451,25 @@ impl Mesh {
     /// Queues block keys routed to `replica_id` for its home at `home`; batched and sent every
     /// `report_flush_interval`, fire-and-forget.
     pub fn report_blocks(&self, home: SocketAddr, replica_id: &str, keys: &[u64]) {
-        if keys.is_empty() || schema::replica_key(replica_id).is_err() {
+        self.report_keys(home, replica_id, keys.iter().copied());
+    }
+
+    /// [`Mesh::report_blocks`] from any exact-size iterator of raw keys (the request path passes
+    /// its block keys straight through, without collecting them first).
+    pub fn report_keys(
+        &self,
+        home: SocketAddr,
+        replica_id: &str,
+        keys: impl ExactSizeIterator<Item = u64>,
+    ) {
+        if keys.len() == 0 || schema::replica_key(replica_id).is_err() {
             return;
         }
         let mut batches = self.reports.lock().unwrap_or_else(|e| e.into_inner());
         let batch = batches.entry((home, replica_id.to_owned())).or_default();
         // A home that cannot keep up must not grow our memory: cap what waits per replica.
         let room = (4 * MAX_REPORT_KEYS).saturating_sub(batch.len());
-        batch.extend(keys.iter().take(room));
+        batch.extend(keys.take(room));
     }
 
     /// Sends one block report now (fire-and-forget).

@@ -288,7 +288,10 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                     .requests
                     .with_label_values(&[replica_id, policy, outcome])
                     .inc();
-                return Ok(respond(node, resp, ticket, routed.hit_blocks));
+                // The keys go with the response: its first byte records them (see
+                // `Ticket::first_byte`). Nothing else needs them once a replica answered.
+                let keys = std::mem::take(&mut keys);
+                return Ok(respond(node, resp, ticket, routed.hit_blocks, keys));
             }
             Ok(Ok(resp)) => {
                 let msg = format!("replica {replica_id} answered {}", resp.status());
@@ -315,15 +318,27 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     }
     // Every attempt failed. A replica's own error answer is more useful to the client than ours.
     if let Some((resp, ticket, hit)) = last_failed_response {
-        return Ok(respond(node, resp, ticket, hit));
+        return Ok(respond(node, resp, ticket, hit, Vec::new()));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
 }
 
 /// Streams a replica's response to the client as it arrives, holding the request's ticket until
-/// the body ends (or the client goes away).
-fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks: u32) -> Response {
+/// the body ends (or the client goes away). The body's first chunk signals the ticket's first
+/// byte with the request's block `keys`, which count as cached there only if the replica
+/// accepted the request (a success status); a body that fails before its first chunk records
+/// nothing.
+fn respond(
+    node: &Arc<Node>,
+    resp: reqwest::Response,
+    ticket: Ticket,
+    hit_blocks: u32,
+    mut keys: Vec<BlockKey>,
+) -> Response {
     let status = resp.status();
+    if !status.is_success() {
+        keys = Vec::new();
+    }
     let mut headers = HeaderMap::with_capacity(resp.headers().len() + 2);
     for (k, v) in resp.headers() {
         if !is_hop_header(k) || k == header::CONTENT_LENGTH {
@@ -340,6 +355,7 @@ fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks
     let state = BodyState {
         inner: Box::pin(resp.bytes_stream()),
         ticket,
+        keys,
         idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
         node: Arc::clone(node),
         done: false,
@@ -350,7 +366,8 @@ fn respond(node: &Arc<Node>, resp: reqwest::Response, ticket: Ticket, hit_blocks
         }
         match tokio::time::timeout(st.idle, st.inner.next()).await {
             Ok(Some(Ok(chunk))) => {
-                st.ticket.first_byte();
+                // Only the first call counts; the keys are freed with it.
+                st.ticket.first_byte(&std::mem::take(&mut st.keys));
                 Some((Ok(chunk), st))
             }
             Ok(Some(Err(e))) => {
@@ -382,6 +399,8 @@ type ByteStream =
 struct BodyState {
     inner: ByteStream,
     ticket: Ticket,
+    /// The request's block keys until its first byte (then empty).
+    keys: Vec<BlockKey>,
     idle: Duration,
     node: Arc<Node>,
     done: bool,

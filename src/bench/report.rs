@@ -254,6 +254,12 @@ pub fn ttft_cdf_chart(path: &Path, runs: &[RunResult]) -> anyhow::Result<()> {
             (r.label.clone(), v)
         })
         .collect();
+    cdf_chart(path, &series)
+}
+
+/// TTFT CDF of labelled series of samples, each sorted ascending (the bench's runs, the
+/// simulator's policies).
+pub fn cdf_chart(path: &Path, series: &[(String, Vec<f64>)]) -> anyhow::Result<()> {
     let x_max = series
         .iter()
         .filter_map(|(_, v)| v.get((v.len() * 99 / 100).min(v.len().saturating_sub(1))))
@@ -303,10 +309,19 @@ pub fn ttft_cdf_chart(path: &Path, runs: &[RunResult]) -> anyhow::Result<()> {
 
 /// Hit-token ratio per run, as bars.
 pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<()> {
+    let bars: Vec<(String, f64)> = reports
+        .iter()
+        .map(|r| (r.label.clone(), r.hit_token_ratio))
+        .collect();
+    ratio_bars_chart(path, &bars)
+}
+
+/// Hit-token ratio of labelled runs, as bars.
+pub fn ratio_bars_chart(path: &Path, bars: &[(String, f64)]) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (800, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_err)?;
-    let n = reports.len().max(1);
-    let labels: Vec<String> = reports.iter().map(|r| r.label.clone()).collect();
+    let n = bars.len().max(1);
+    let labels: Vec<&str> = bars.iter().map(|(l, _)| l.as_str()).collect();
     let mut chart = ChartBuilder::on(&root)
         .caption(
             "prefix-cache hit tokens / prompt tokens",
@@ -324,7 +339,7 @@ pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<(
         .x_label_formatter(&|x| {
             let i = x.floor() as usize;
             if (x - i as f64 - 0.5).abs() < 0.01 {
-                labels.get(i).cloned().unwrap_or_default()
+                labels.get(i).map(|l| l.to_string()).unwrap_or_default()
             } else {
                 String::new()
             }
@@ -333,18 +348,18 @@ pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<(
         .draw()
         .map_err(chart_err)?;
     chart
-        .draw_series(reports.iter().enumerate().map(|(i, r)| {
+        .draw_series(bars.iter().enumerate().map(|(i, (_, ratio))| {
             Rectangle::new(
-                [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, r.hit_token_ratio)],
+                [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, *ratio)],
                 Palette99::pick(i).filled(),
             )
         }))
         .map_err(chart_err)?;
     chart
-        .draw_series(reports.iter().enumerate().map(|(i, r)| {
+        .draw_series(bars.iter().enumerate().map(|(i, (_, ratio))| {
             Text::new(
-                format!("{:.3}", r.hit_token_ratio),
-                (i as f64 + 0.4, (r.hit_token_ratio + 0.03).min(0.97)),
+                format!("{ratio:.3}"),
+                (i as f64 + 0.4, (ratio + 0.03).min(0.97)),
                 ("sans-serif", 14),
             )
         }))

@@ -729,6 +729,7 @@ impl<'a> Sim<'a> {
             gossip_hops_p50: self.hops[self.hops.len() / 2],
             gossip_hops_max: self.hops.last().copied().unwrap_or(1),
             ttft: Distribution::of(&mut self.ttft),
+            ttft_samples: self.ttft,
             latency: Distribution::of(&mut self.latency),
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,

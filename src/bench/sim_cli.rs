@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
+use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
@@ -63,7 +64,8 @@ pub struct SimArgs {
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
-    /// Directory for `sim-report.json` and `sim-report.md`.
+    /// Directory for `sim-report.json`, `sim-report.md` and the charts (`sim-ttft-cdf.svg`,
+    /// `sim-hit-ratio.svg`).
     #[arg(long, default_value = "kvmesh-out")]
     pub out: PathBuf,
 }
@@ -168,6 +170,16 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     let json = serde_json::to_string_pretty(&reports)?;
     std::fs::write(args.out.join("sim-report.json"), json).context("writing sim-report.json")?;
     std::fs::write(args.out.join("sim-report.md"), &table).context("writing sim-report.md")?;
+    let cdf: Vec<(String, Vec<f64>)> = reports
+        .iter_mut()
+        .map(|r| (r.policy.clone(), std::mem::take(&mut r.ttft_samples)))
+        .collect();
+    report::cdf_chart(&args.out.join("sim-ttft-cdf.svg"), &cdf)?;
+    let bars: Vec<(String, f64)> = reports
+        .iter()
+        .map(|r| (r.policy.clone(), r.hit_token_ratio))
+        .collect();
+    report::ratio_bars_chart(&args.out.join("sim-hit-ratio.svg"), &bars)?;
     eprintln!("reports written to {}", args.out.display());
     Ok(())
 }

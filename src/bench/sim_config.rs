@@ -172,6 +172,9 @@ pub struct SimReport {
     pub gossip_hops_max: u32,
     /// Time to first token, seconds (requests not lost).
     pub ttft: Distribution,
+    /// Every time to first token, seconds, ascending (for the CDF chart; not in the JSON).
+    #[serde(skip)]
+    pub ttft_samples: Vec<f64>,
     /// End-to-end latency, seconds (requests not lost).
     pub latency: Distribution,
     /// Prompt tokens sent.

@@ -360,6 +360,46 @@ pub struct DnsConfig {
     /// In-flight requests above which a replica counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// Where each discovered replica's engine publishes KV events, as ports on the replica's
+    /// address: `kv_events = { port = 5557, replay_port = 5558, dp_ranks = 1 }`. Default none
+    /// (approximate cache models from routed requests).
+    #[serde(default)]
+    pub kv_events: Option<DnsKvEvents>,
+}
+
+/// `kv_events` of a DNS source: the same for every replica it finds, at that replica's address.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DnsKvEvents {
+    /// The engines' PUB port (vLLM's default endpoint port is 5557) (required).
+    pub port: u16,
+    /// The engines' ROUTER replay port. Default none: gaps clear the replica's blocks.
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+    /// Topic prefix to subscribe to. Default "" (every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks; rank r publishes on port + r (and replays on replay_port + r).
+    /// Default 1.
+    #[serde(default = "default_dp_ranks")]
+    pub dp_ranks: u16,
+}
+
+fn default_dp_ranks() -> u16 {
+    1
+}
+
+impl DnsKvEvents {
+    /// The event source of the replica at `ip`.
+    pub fn at(&self, ip: std::net::IpAddr) -> KvEventsSource {
+        let tcp = |port: u16| format!("tcp://{}", SocketAddr::new(ip, port));
+        KvEventsSource {
+            endpoint: tcp(self.port),
+            replay: self.replay_port.map(tcp),
+            topic: self.topic.clone(),
+            dp_ranks: self.dp_ranks,
+        }
+    }
 }
 
 fn default_dns_record() -> DnsRecord {
@@ -388,7 +428,7 @@ impl DnsConfig {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
-            kv_events: None,
+            kv_events: self.kv_events.as_ref().map(|k| k.at(addr.ip())),
         }
     }
 }
@@ -612,6 +652,13 @@ impl NodeConfig {
             if d.capacity_tokens == Some(0) {
                 return Err(invalid(key("capacity_tokens"), "must be at least 1"));
             }
+            if let Some(kv) = &d.kv_events {
+                // Checked as the source of a replica at a placeholder address: same rules.
+                let at = std::net::IpAddr::from([127, 0, 0, 1]);
+                kv.at(at)
+                    .validate()
+                    .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
+            }
             if !d.prefill_tokens_per_s.is_finite() || d.prefill_tokens_per_s <= 0.0 {
                 return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
             }
@@ -819,6 +866,40 @@ mod tests {
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+
+    #[test]
+    fn dns_sources_give_every_replica_they_find_its_kv_event_endpoints() {
+        let c = NodeConfig::from_toml(
+            "[[dns]]\nname = \"vllm.svc.\"\nkv_events = { port = 5557, replay_port = 5558, dp_ranks = 2 }\n",
+        )
+        .unwrap();
+        let d = &c.dns[0];
+        let v4 = d.replica(SocketAddr::from(([10, 1, 2, 3], 8000)));
+        let kv = v4.kv_events.unwrap();
+        assert_eq!(kv.endpoint, "tcp://10.1.2.3:5557");
+        assert_eq!(kv.replay.as_deref(), Some("tcp://10.1.2.3:5558"));
+        assert_eq!(
+            kv.rank_endpoints().unwrap()[1],
+            (
+                "tcp://10.1.2.3:5558".into(),
+                Some("tcp://10.1.2.3:5559".into())
+            )
+        );
+        let v6 = d.replica("[fd00::7]:8000".parse().unwrap());
+        assert_eq!(v6.kv_events.unwrap().endpoint, "tcp://[fd00::7]:5557");
+        let none = NodeConfig::from_toml("[[dns]]\nname = \"vllm.svc.\"\n").unwrap();
+        assert!(none.dns[0]
+            .replica(SocketAddr::from(([10, 1, 2, 3], 8000)))
+            .kv_events
+            .is_none());
+        for toml in [
+            "[[dns]]\nname = \"v.\"\nkv_events = { port = 5557, dp_ranks = 0 }",
+            "[[dns]]\nname = \"v.\"\nkv_events = { port = 65535, dp_ranks = 2 }",
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains("dns[0].kv_events."), "{toml:?} → {e}");
         }
     }
 

@@ -550,15 +550,16 @@ impl<'a> Sim<'a> {
                     }
                     self.pending_prefill[r] =
                         self.pending_prefill[r].saturating_sub(f.uncached_tokens);
-                    if let Some(rep) = self.nodes[f.node]
-                        .routing
-                        .as_mut()
-                        .and_then(|nr| nr.view.replica_mut(r))
-                    {
-                        rep.load.queued_prefill_tokens = rep
-                            .load
-                            .queued_prefill_tokens
-                            .saturating_sub(f.uncached_tokens);
+                    if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+                        // As the live node does at the first byte: the overlay counts the blocks
+                        // from now if it predicted later.
+                        nr.view.prefill_done(r, &keys, now);
+                        if let Some(rep) = nr.view.replica_mut(r) {
+                            rep.load.queued_prefill_tokens = rep
+                                .load
+                                .queued_prefill_tokens
+                                .saturating_sub(f.uncached_tokens);
+                        }
                     }
                 }
                 Output::Finished { id } => {

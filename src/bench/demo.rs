@@ -27,7 +27,8 @@ use crate::proxy::{self, RunningNode};
 use crate::replica::{self, ReplicaHandle};
 
 const MODEL: &str = "sim-llama-8b";
-const REGIONS: [&str; 2] = ["eu", "us"];
+/// Region names, in order; `--regions N` uses the first N. Neighbours are 80 ms apart.
+const REGIONS: [&str; 4] = ["eu", "us", "ap", "sa"];
 
 /// Arguments of `kvmesh demo`.
 #[derive(Debug, Args)]
@@ -35,6 +36,15 @@ pub struct DemoArgs {
     /// Requests of the conversation trace to replay (1,200 ≈ 6 minutes of the trace).
     #[arg(long, default_value_t = 1200)]
     pub requests: usize,
+    /// Regions (1–4); the default two are `eu` and `us`.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=4))]
+    pub regions: u8,
+    /// kvmesh nodes per region.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub nodes_per_region: u8,
+    /// Simulated replicas per region.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub replicas_per_region: u8,
     /// Trace arrivals are compressed by this factor, to load the six replicas (≈ 55% at 4).
     #[arg(long, default_value_t = 4.0)]
     pub speedup: f64,
@@ -51,6 +61,29 @@ pub struct DemoArgs {
     /// Directory for the reports and charts.
     #[arg(long, default_value = "kvmesh-out/demo")]
     pub out: PathBuf,
+}
+
+impl DemoArgs {
+    /// The regions in use.
+    fn region_names(&self) -> &'static [&'static str] {
+        &REGIONS[..usize::from(self.regions).clamp(1, REGIONS.len())]
+    }
+
+    /// Configured distances: regions on a line, neighbours 80 ms apart.
+    fn distances(&self) -> Vec<DistanceConfig> {
+        let names = self.region_names();
+        let mut out = Vec::new();
+        for (i, a) in names.iter().enumerate() {
+            for (j, b) in names.iter().enumerate().skip(i + 1) {
+                out.push(DistanceConfig {
+                    a: (*a).into(),
+                    b: (*b).into(),
+                    ms: 80.0 * (j - i) as f64,
+                });
+            }
+        }
+        out
+    }
 }
 
 /// Runs `kvmesh demo`.
@@ -72,15 +105,18 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&certs_dir)
         .with_context(|| format!("creating {}", certs_dir.display()))?;
     certs::init_dir(&certs_dir).context("making the demo's cluster CA")?;
-    for region in REGIONS {
-        for n in 0..2 {
+    for &region in args.region_names() {
+        for n in 0..usize::from(args.nodes_per_region) {
             certs::issue_in_dir(&certs_dir, &node_name(region, n))
                 .context("issuing a node certificate")?;
         }
     }
     eprintln!(
-        "kvmesh demo: 2 regions x (2 nodes + 3 simulated replicas), mTLS gossip over QUIC on 127.0.0.1; \
-         {} requests of the Mooncake conversation trace, arrivals x{}, replicas at {}x real time",
+        "kvmesh demo: {} region(s) x ({} nodes + {} simulated replicas), mTLS gossip over QUIC on \
+         127.0.0.1; {} requests of the Mooncake conversation trace, arrivals x{}, replicas at {}x real time",
+        args.regions,
+        args.nodes_per_region,
+        args.replicas_per_region,
         workload.len(),
         args.speedup,
         args.time_scale
@@ -99,7 +135,7 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     let oracle = sim::run(
         &workload,
         &SimConfig {
-            replicas: 6,
+            replicas: usize::from(args.regions) * usize::from(args.replicas_per_region),
             oracle: true,
             engine,
             arrival_speedup: args.speedup,
@@ -164,8 +200,8 @@ async fn run_mesh(
     let mut nodes: Vec<RunningNode> = Vec::new();
     let result = async {
         let engine = EngineConfig::default();
-        for region in REGIONS {
-            for i in 0..3 {
+        for &region in args.region_names() {
+            for i in 0..usize::from(args.replicas_per_region) {
                 let mut cfg = replica::ReplicaConfig {
                     id: format!("{region}-replica-{i}"),
                     model: MODEL.into(),
@@ -178,8 +214,8 @@ async fn run_mesh(
             }
         }
         let mut seed_addr = None;
-        for region in REGIONS {
-            for n in 0..2 {
+        for &region in args.region_names() {
+            for n in 0..usize::from(args.nodes_per_region) {
                 let name = node_name(region, n);
                 let mut cfg = NodeConfig {
                     listen: ([127, 0, 0, 1], 0).into(),
@@ -212,11 +248,7 @@ async fn run_mesh(
                         .map(|a: &std::net::SocketAddr| a.to_string())
                         .collect(),
                     certs_dir: Some(certs_dir.to_owned()),
-                    distance: vec![DistanceConfig {
-                        a: "eu".into(),
-                        b: "us".into(),
-                        ms: 80.0,
-                    }],
+                    distance: args.distances(),
                     ..MeshSection::default()
                 });
                 let node = proxy::spawn(cfg).await?;
@@ -282,5 +314,59 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        demo: DemoArgs,
+    }
+
+    #[test]
+    fn the_default_is_two_regions_of_two_nodes_and_three_replicas_80_ms_apart() {
+        let a = Cli::parse_from(["demo"]).demo;
+        assert_eq!(
+            (a.regions, a.nodes_per_region, a.replicas_per_region),
+            (2, 2, 3)
+        );
+        assert_eq!(a.region_names(), ["eu", "us"]);
+        let d = a.distances();
+        assert_eq!(d.len(), 1);
+        assert_eq!(
+            (d[0].a.as_str(), d[0].b.as_str(), d[0].ms),
+            ("eu", "us", 80.0)
+        );
+    }
+
+    #[test]
+    fn regions_lie_on_a_line_and_bad_shapes_are_refused() {
+        let a = Cli::parse_from(["demo", "--regions", "3"]).demo;
+        let d: Vec<_> = a
+            .distances()
+            .into_iter()
+            .map(|d| (d.a, d.b, d.ms))
+            .collect();
+        assert_eq!(
+            d,
+            [
+                ("eu".into(), "us".into(), 80.0),
+                ("eu".into(), "ap".into(), 160.0),
+                ("us".into(), "ap".into(), 80.0)
+            ]
+        );
+        for bad in [
+            ["demo", "--regions", "0"],
+            ["demo", "--regions", "5"],
+            ["demo", "--nodes-per-region", "0"],
+            ["demo", "--replicas-per-region", "17"],
+        ] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
+        }
     }
 }

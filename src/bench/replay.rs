@@ -184,6 +184,16 @@ pub async fn replay(
             "concurrency must be at least 1".into(),
         ));
     }
+    // The latest arrival bounds every wait (a year at most).
+    if let Some(a) = workload.first() {
+        let last = workload.iter().map(|r| r.at_s).fold(a.at_s, f64::max);
+        let span = (last - a.at_s).max(0.0) / cfg.speedup;
+        if !(span.is_finite() && span <= 365.0 * 86_400.0) {
+            return Err(ReplayError::Invalid(format!(
+                "the workload spans {span:.0} s after dividing by the speedup: more than a year"
+            )));
+        }
+    }
     crate::proxy::install_crypto_provider();
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
@@ -234,7 +244,9 @@ pub async fn replay(
     let mut tasks = JoinSet::new();
     for (i, &target) in choice.iter().enumerate() {
         let due = ((work[i].at_s - t0).max(0.0)) / cfg.speedup;
-        tokio::time::sleep_until((start + Duration::from_secs_f64(due)).into()).await;
+        // Bounded above (checked at the start), so neither conversion can fail.
+        let due = Duration::try_from_secs_f64(due).unwrap_or_default();
+        tokio::time::sleep_until((start + due).into()).await;
         // A closed semaphore cannot happen (never closed); treat it as "no cap" to stay total.
         let permit = Arc::clone(&slots).acquire_owned().await.ok();
         let shared = Arc::clone(&shared);
@@ -697,5 +709,24 @@ mod tests {
                 queries: 40.0
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_workload_stretched_past_a_year_is_refused_before_anything_is_sent() {
+        let req = |at_s| WorkloadRequest {
+            at_s,
+            segments: vec![(1, 16)],
+            output_tokens: 1,
+            session: None,
+            tenant: None,
+        };
+        let cfg = ReplayConfig {
+            // Nothing listens here; the check must come first.
+            targets: vec!["http://127.0.0.1:9".into()],
+            speedup: 1e-12,
+            ..ReplayConfig::default()
+        };
+        let e = replay(&[req(0.0), req(10.0)], &cfg).await.err();
+        assert!(matches!(e, Some(ReplayError::Invalid(m)) if m.contains("more than a year")));
     }
 }

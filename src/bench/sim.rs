@@ -77,7 +77,7 @@ struct LoadSample {
 }
 
 /// A router node: where it lives, how late it hears, and (unless in oracle mode) its view.
-struct Node {
+struct SimNode {
     region: usize,
     lag: NodeLag,
     live: bool,
@@ -107,6 +107,23 @@ struct InFlight {
 
 type Queue = BinaryHeap<Reverse<(Duration, u64, Event)>>;
 
+/// Latest virtual time a run may reach (about 31 years): arrivals or failures past it are a
+/// configuration error, not an overflow.
+const MAX_VIRTUAL_TIME: Duration = Duration::from_secs(1_000_000_000);
+
+/// When request `r` arrives, its workload time divided by `speedup`.
+fn arrival_time(r: &WorkloadRequest, speedup: f64) -> Result<Duration, SimError> {
+    Duration::try_from_secs_f64(r.at_s.max(0.0) / speedup)
+        .ok()
+        .filter(|t| *t <= MAX_VIRTUAL_TIME)
+        .ok_or_else(|| {
+            SimError::Config(format!(
+                "arrival at {} s ÷ speedup {speedup} is out of range",
+                r.at_s
+            ))
+        })
+}
+
 /// Runs the simulation of `workload` under `cfg`. Sessions and tenants of the workload reach the
 /// router as they would through the headers.
 pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
@@ -116,13 +133,17 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
         .unwrap_or(workload.len())
         .min(workload.len())];
     let mut sim = Sim::new(reqs, cfg)?;
-    let first = reqs.first().map_or(Duration::ZERO, |r| sim.arrival_time(r));
+    let mut first = None;
     for (i, r) in reqs.iter().enumerate() {
-        let at = sim.arrival_time(r);
+        let at = arrival_time(r, cfg.arrival_speedup)?;
+        first.get_or_insert(at);
         sim.push(at, Event::Arrival(i));
     }
+    let first = first.unwrap_or_default();
     for f in &cfg.failures {
-        sim.push(first + f.at, Event::NodeDown(f.node));
+        let at = first.checked_add(f.at).filter(|t| *t <= MAX_VIRTUAL_TIME);
+        let at = at.ok_or_else(|| SimError::Config(format!("node {} fails too late", f.node)))?;
+        sim.push(at, Event::NodeDown(f.node));
     }
     if !cfg.oracle {
         sim.push(Duration::ZERO, Event::Publish(0));
@@ -174,7 +195,7 @@ struct Sim<'a> {
     rng: SmallRng,
     hops: Vec<u32>,
 
-    nodes: Vec<Node>,
+    nodes: Vec<SimNode>,
     /// Live nodes, by index, in index order (clients pick among them).
     live: Vec<usize>,
     replica_region: Vec<usize>,
@@ -246,7 +267,7 @@ impl<'a> Sim<'a> {
         }
 
         let hops = epidemic_hops(cfg.nodes, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
-        let nodes: Vec<Node> = (0..cfg.nodes)
+        let nodes: Vec<SimNode> = (0..cfg.nodes)
             .map(|n| {
                 let region = n % cfg.regions;
                 let lag = NodeLag {
@@ -276,7 +297,7 @@ impl<'a> Sim<'a> {
                         synced: None,
                     }
                 });
-                Node {
+                SimNode {
                     region,
                     lag,
                     live: true,
@@ -335,10 +356,6 @@ impl<'a> Sim<'a> {
             sim.home[r] = sim.home_of(r);
         }
         Ok(sim)
-    }
-
-    fn arrival_time(&self, r: &WorkloadRequest) -> Duration {
-        Duration::from_secs_f64(r.at_s.max(0.0) / self.cfg.arrival_speedup)
     }
 
     fn push(&mut self, t: Duration, e: Event) {
@@ -406,7 +423,8 @@ impl<'a> Sim<'a> {
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
                 nr.router.config().cost.prefill_done_s(rep, uncached)
             });
-            let ready_in = Duration::from_secs_f64(ready_in.clamp(0.0, 3600.0));
+            let ready_in =
+                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
@@ -934,11 +952,22 @@ mod tests {
                 gossip_fanout: 0,
                 ..Default::default()
             },
+            SimConfig {
+                failures: vec![NodeFailure {
+                    node: 0,
+                    at: Duration::from_secs(2_000_000_000),
+                }],
+                ..Default::default()
+            },
+            SimConfig {
+                arrival_speedup: 1e-12,
+                ..Default::default()
+            },
         ] {
             assert!(matches!(run(&t, &cfg), Err(SimError::Config(_))));
         }
         assert!("0@1.5".parse::<NodeFailure>().is_ok());
-        for bad in ["0", "x@1", "0@-1", "0@nan"] {
+        for bad in ["0", "x@1", "0@-1", "0@nan", "0@1e300"] {
             assert!(bad.parse::<NodeFailure>().is_err(), "{bad}");
         }
     }

@@ -38,10 +38,9 @@ impl std::str::FromStr for NodeFailure {
         if !(at.is_finite() && at >= 0.0) {
             return Err(format!("'{s}': seconds must be ≥ 0"));
         }
-        Ok(NodeFailure {
-            node,
-            at: Duration::from_secs_f64(at),
-        })
+        let at =
+            Duration::try_from_secs_f64(at).map_err(|_| format!("'{s}': seconds out of range"))?;
+        Ok(NodeFailure { node, at })
     }
 }
 

@@ -33,7 +33,7 @@ pub struct EngineConfig {
     pub block_tokens: usize,
     /// Longest accepted prompt + max_tokens. Default 131,072 (Llama 3.1's context).
     pub max_model_len: usize,
-    /// Divides every modelled duration, to run faster than real time. Default 1.
+    /// Divides every modelled duration, to run faster than real time (0.001..=10,000). Default 1.
     pub time_scale: f64,
     /// Keep per-step KV event batches for [`crate::engine_sim::Engine::take_kv_batches`]; off by
     /// default so that nobody has to drain them.
@@ -67,8 +67,11 @@ impl EngineConfig {
         if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
             return Err(ConfigError::Invalid("costs must be finite and >= 0"));
         }
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(ConfigError::Invalid("time_scale must be finite and > 0"));
+        // Bounded so a step's wall duration (step ms ÷ scale) always fits a Duration.
+        if !(1e-3..=1e4).contains(&self.time_scale) {
+            return Err(ConfigError::Invalid(
+                "time_scale must be between 0.001 and 10000",
+            ));
         }
         if self.block_tokens == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err(ConfigError::Invalid(

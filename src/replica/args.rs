@@ -191,6 +191,7 @@ mod tests {
         assert_eq!((kv.port, kv.replay_port), (5557, Some(5558)));
         assert!(cfg.faults.hang);
         assert!(parse(&["--time-scale", "0"]).is_err());
+        assert!(parse(&["--time-scale", "1e-300"]).is_err());
         assert!(parse(&["--preset", "nope"]).is_err());
         assert!(parse(&["--kv-replay-port", "1"]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

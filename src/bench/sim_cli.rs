@@ -70,17 +70,6 @@ pub struct SimArgs {
     pub out: PathBuf,
 }
 
-/// Default trace, found relative to the crate (source checkout) or the working directory.
-pub fn default_trace() -> PathBuf {
-    let shipped =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl");
-    if shipped.exists() {
-        shipped
-    } else {
-        PathBuf::from("data/traces/conversation_trace.jsonl")
-    }
-}
-
 /// Runs `kvmesh sim`.
 pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if let Some(path) = args.trace.take() {

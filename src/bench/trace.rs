@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 use std::io::BufRead;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -156,6 +156,17 @@ pub fn synthesize_prompt(r: &TraceRequest, out: &mut String) {
         let tokens = left.min(TRACE_BLOCK_TOKENS);
         push_block_text(*id, tokens, out);
         left -= tokens;
+    }
+}
+
+/// Default trace, found relative to the crate (source checkout) or the working directory.
+pub fn default_trace() -> PathBuf {
+    let shipped =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/traces/conversation_trace.jsonl");
+    if shipped.exists() {
+        shipped
+    } else {
+        PathBuf::from("data/traces/conversation_trace.jsonl")
     }
 }
 

@@ -16,7 +16,7 @@
 //! step of an agent run onto one replica, where the steps serialised and missed each other: the
 //! simulator measured 42% of the predicted hit tokens realised, and p2c-cache behind round-robin.
 //! So [`View::record_routed_ready`] takes the predicted completion of the request's prefill
-//! ([`super::cost::CostModel::prefill_done_s`]) and the overlay entry counts from then on
+//! (`CostModel::prefill_done_s` in `cost.rs`, which reads the view) and the overlay entry counts from then on
 //! ([`View::record_routed`] = ready at once), or from when the prefill is known done if that is
 //! earlier ([`View::prefill_done`]: the live node's first byte).
 

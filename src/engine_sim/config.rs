@@ -1,6 +1,6 @@
 //! Timing and capacity parameters of the engine model, with presets calibrated in
 //! `../shared/reference/engine-timing.md` (§2: AIConfigurator H100 kernel tables, BLIS fits, vLLM
-//! defaults). Step time, in ms: `a + b·P + e·Σ C·(p + C/2) + c·D + d·K` (see [`crate::engine_sim::Engine`]).
+//! defaults). Step time, in ms: `a + b·P + e·Σ C·(p + C/2) + c·D + d·K` (the engine in `engine.rs` takes this config).
 
 use std::fmt;
 use std::str::FromStr;
@@ -35,7 +35,7 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Divides every modelled duration, to run faster than real time (0.001..=10,000). Default 1.
     pub time_scale: f64,
-    /// Keep per-step KV event batches for [`crate::engine_sim::Engine::take_kv_batches`]; off by
+    /// Keep per-step KV event batches for `Engine::take_kv_batches`; off by
     /// default so that nobody has to drain them.
     pub record_kv_events: bool,
 }

@@ -24,7 +24,7 @@ use super::tokens::TokenId;
 pub struct Request {
     /// Caller-chosen id, unique among live requests.
     pub id: u64,
-    /// Prompt token ids (see [`crate::engine_sim::tokenize`] for text).
+    /// Prompt token ids (see [`crate::engine_sim::tokens::tokenize`] for text).
     pub prompt: Vec<TokenId>,
     /// Tokens to generate, at least 1.
     pub max_tokens: u32,

@@ -26,7 +26,7 @@ use super::schema::{
 };
 use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
-use super::sync::{BlockReport, MeshHandler, SummaryRequest, SyncError, MAX_REPORT_KEYS};
+use super::sync::{BlockReport, MeshHandler, SummaryRequest, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
 
 /// Settings of a mesh node.
@@ -439,7 +439,7 @@ impl Mesh {
         replica_id: &str,
         epoch: u64,
         seq: u64,
-    ) -> Result<SummaryMessage, SyncError> {
+    ) -> Result<SummaryMessage, TransportError> {
         let req = SummaryRequest {
             replica_id: replica_id.to_owned(),
             epoch,
@@ -477,7 +477,7 @@ impl Mesh {
         &self,
         home: SocketAddr,
         report: &BlockReport,
-    ) -> Result<(), SyncError> {
+    ) -> Result<(), TransportError> {
         self.transport.send_report(home, report)
     }
 

@@ -46,12 +46,10 @@ pub const RESP_BAD_REQUEST: u8 = 2;
 /// Response status: the node serves no summaries (no handler registered yet).
 pub const RESP_NO_HANDLER: u8 = 3;
 
-/// Errors of summary sync and block reports.
+/// Errors of summary sync and block reports as messages (the transport wraps them in
+/// `TransportError::Sync` with its own failures: this file stays below the transport).
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    /// The transport could not reach the peer or the stream failed.
-    #[error(transparent)]
-    Transport(#[from] super::transport::TransportError),
     /// The peer answered with an error status.
     #[error("peer refused the summary request ({status}): {reason}")]
     Refused {

@@ -79,6 +79,9 @@ impl Default for TransportConfig {
 /// Errors of the transport.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
+    /// A summary request, response or block report was refused or malformed.
+    #[error(transparent)]
+    Sync(#[from] sync::SyncError),
     /// The UDP socket or the endpoint could not be created.
     #[error("cannot bind {addr}: {source}")]
     Bind {
@@ -379,7 +382,7 @@ impl QuicTransport {
         &self,
         peer: SocketAddr,
         report: &sync::BlockReport,
-    ) -> Result<(), sync::SyncError> {
+    ) -> Result<(), TransportError> {
         let body = report.encode()?;
         let mut bytes = Vec::with_capacity(body.len() + 1);
         bytes.push(KIND_BLOCK_REPORT);
@@ -399,13 +402,13 @@ impl QuicTransport {
         &self,
         peer: SocketAddr,
         req: &sync::SummaryRequest,
-    ) -> Result<crate::core::summary::SummaryMessage, sync::SyncError> {
+    ) -> Result<crate::core::summary::SummaryMessage, TransportError> {
         let body = req.encode()?;
         let resp = self
             .inner
             .request(peer, KIND_SUMMARY_REQUEST, &body, sync::MAX_RESPONSE_BYTES)
             .await?;
-        sync::parse_response(&resp)
+        Ok(sync::parse_response(&resp)?)
     }
 
     /// Closes the endpoint: every connection is closed and every task of this transport ends.

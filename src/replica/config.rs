@@ -1,5 +1,5 @@
 //! Configuration of one simulated replica: what a TOML `--config` file holds, with CLI flags
-//! overriding it (see [`super::args`]).
+//! overriding it (`args.rs` layers the flags on top).
 
 use serde::{Deserialize, Serialize};
 

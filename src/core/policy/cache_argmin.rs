@@ -6,7 +6,8 @@
 
 use rand::rngs::SmallRng;
 
-use super::{argmin_random_tie, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{argmin_random_tie, Pick, Policy, PolicyInput, Reason};
 
 /// Lowest predicted cost; random among exact ties.
 #[derive(Debug, Default)]

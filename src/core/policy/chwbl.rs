@@ -9,7 +9,8 @@ use rand::rngs::SmallRng;
 use rand::Rng;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::{Candidate, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{Candidate, Pick, Policy, PolicyInput, Reason};
 
 /// Consistent hashing with bounded loads.
 #[derive(Debug)]

@@ -5,7 +5,8 @@
 
 use rand::rngs::SmallRng;
 
-use super::{argmin_random_tie, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{argmin_random_tie, Pick, Policy, PolicyInput, Reason};
 
 /// Fewest outstanding requests.
 #[derive(Debug, Default)]

@@ -3,7 +3,8 @@
 
 use rand::rngs::SmallRng;
 
-use super::{two_distinct, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{two_distinct, Pick, Policy, PolicyInput, Reason};
 
 /// Two random choices, fewer outstanding wins.
 #[derive(Debug, Default)]

@@ -14,7 +14,8 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, Reason};
 
 /// Two choices with a cache score.
 #[derive(Debug)]

@@ -3,7 +3,8 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{Pick, Policy, PolicyInput, Reason};
 
 /// Uniformly random choice.
 #[derive(Debug, Default)]

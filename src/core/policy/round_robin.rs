@@ -6,7 +6,8 @@
 use rand::rngs::SmallRng;
 use rand::Rng;
 
-use super::{Pick, Policy, PolicyInput, PolicyKind, Reason};
+use super::kind::PolicyKind;
+use super::pick::{Pick, Policy, PolicyInput, Reason};
 
 /// Rotates through the candidates in view order.
 #[derive(Debug, Default)]

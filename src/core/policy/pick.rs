@@ -1,0 +1,183 @@
+//! The interface every policy implements: eligible [`Candidate`]s in, a [`Pick`] out, and the
+//! random draws several policies share.
+
+use rand::rngs::SmallRng;
+use rand::Rng;
+
+use super::kind::PolicyKind;
+use crate::core::keys::BlockKey;
+
+/// One eligible replica, as a policy sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// Index of the replica in the [`crate::core::view::View`].
+    pub replica: usize,
+    /// Stable hash of the replica id (hash rings, rendezvous).
+    pub seed: u64,
+    /// Leading prompt blocks the replica is believed to hold, in any tier (0 when the policy
+    /// ignores caches).
+    pub hit_blocks: u32,
+    /// `hit_blocks` credited by the tier each block is held in
+    /// ([`crate::core::cost::CostModel::credited_blocks`]); equal to `hit_blocks` when every
+    /// block is on GPU (default weights).
+    pub credited_blocks: f64,
+    /// Outstanding requests (see [`crate::core::view::ReplicaLoad::outstanding`]).
+    pub outstanding: u32,
+    /// Requests this node has in flight there.
+    pub in_flight: u32,
+    /// Predicted seconds before this request's prefill could start (queued work).
+    pub queue_s: f64,
+    /// Predicted seconds to first token: queue plus uncached prefill, minus any affinity credit.
+    pub cost_s: f64,
+}
+
+/// What a policy decides on.
+#[derive(Clone, Copy, Debug)]
+pub struct PolicyInput<'a> {
+    /// The eligible replicas; never empty.
+    pub candidates: &'a [Candidate],
+    /// The request's block keys.
+    pub keys: &'a [BlockKey],
+}
+
+/// Why a policy picked what it picked (a metrics label and a log field).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Only one candidate.
+    OnlyCandidate,
+    /// p2c-cache: the longest-hit replica was cheaper than the second choice.
+    LongestHit,
+    /// p2c-cache: the second choice was cheaper than the longest-hit replica.
+    SecondChoice,
+    /// No replica holds any block: two choices on load.
+    NoHit,
+    /// round-robin.
+    RoundRobin,
+    /// random.
+    Random,
+    /// least-load.
+    LeastLoad,
+    /// chwbl: first replica on the ring under the load bound.
+    HashRing,
+    /// sglang-threshold: loads imbalanced, shortest queue.
+    Imbalanced,
+    /// sglang-threshold: match rate above the cache threshold.
+    CacheMatch,
+    /// sglang-threshold: match rate below the threshold, least loaded.
+    LowMatch,
+    /// cache-argmin: the lowest predicted cost.
+    LowestCost,
+}
+
+impl Reason {
+    /// Stable label for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::OnlyCandidate => "only_candidate",
+            Reason::LongestHit => "longest_hit",
+            Reason::SecondChoice => "second_choice",
+            Reason::NoHit => "no_hit",
+            Reason::RoundRobin => "round_robin",
+            Reason::Random => "random",
+            Reason::LeastLoad => "least_load",
+            Reason::HashRing => "hash_ring",
+            Reason::Imbalanced => "imbalanced",
+            Reason::CacheMatch => "cache_match",
+            Reason::LowMatch => "low_match",
+            Reason::LowestCost => "lowest_cost",
+        }
+    }
+}
+
+/// A policy's answer: positions in [`PolicyInput::candidates`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pick {
+    /// The chosen candidate.
+    pub chosen: usize,
+    /// The candidate it was weighed against, when there was one.
+    pub runner_up: Option<usize>,
+    /// Why.
+    pub reason: Reason,
+}
+
+/// A routing policy.
+pub trait Policy: Send {
+    /// The policy's name as configured.
+    fn kind(&self) -> PolicyKind;
+    /// Whether candidates need their cache hits computed (the router skips that work otherwise).
+    fn uses_cache(&self) -> bool;
+    /// Picks one of `input.candidates` (non-empty).
+    fn pick(&mut self, input: &PolicyInput<'_>, rng: &mut SmallRng) -> Pick;
+}
+
+/// A candidate drawn at random with weight `1 / (0.01 + cost_s)²`, skipping position `exclude`.
+/// Cheap replicas (idle, or holding part of the prompt) are likely, but never certain, so routers
+/// sharing one stale view do not all draw the same one. `None` only when nothing is left to draw.
+pub(crate) fn draw_toward_low_cost(
+    c: &[Candidate],
+    exclude: Option<usize>,
+    rng: &mut SmallRng,
+) -> Option<usize> {
+    let weight = |i: usize, x: &Candidate| {
+        if Some(i) == exclude {
+            0.0
+        } else {
+            let c = 0.01 + x.cost_s.max(0.0);
+            1.0 / (c * c)
+        }
+    };
+    let total: f64 = c.iter().enumerate().map(|(i, x)| weight(i, x)).sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let mut target = rng.random::<f64>() * total;
+    let mut last = None;
+    for (i, x) in c.iter().enumerate() {
+        let w = weight(i, x);
+        if w <= 0.0 {
+            continue;
+        }
+        last = Some(i);
+        if target < w {
+            return Some(i);
+        }
+        target -= w;
+    }
+    last
+}
+
+/// Position of the minimum of `key` over the candidates, ties broken at random (reservoir style,
+/// so no allocation).
+pub(crate) fn argmin_random_tie<K: PartialOrd + Copy>(
+    c: &[Candidate],
+    rng: &mut SmallRng,
+    key: impl Fn(&Candidate) -> K,
+) -> usize {
+    let mut best = 0;
+    let mut best_key = key(&c[0]);
+    let mut ties = 1u32;
+    for (i, x) in c.iter().enumerate().skip(1) {
+        let k = key(x);
+        if k < best_key {
+            best = i;
+            best_key = k;
+            ties = 1;
+        } else if k == best_key {
+            ties += 1;
+            if rng.random_range(0..ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// Two distinct positions drawn uniformly (the second is `None` with one candidate).
+pub(crate) fn two_distinct(n: usize, rng: &mut SmallRng) -> (usize, Option<usize>) {
+    let a = rng.random_range(0..n);
+    if n < 2 {
+        return (a, None);
+    }
+    let b = (a + 1 + rng.random_range(0..n - 1)) % n;
+    (a, Some(b))
+}

@@ -16,9 +16,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh::config::{MeshSection, NodeConfig, ReplicaConfig};
 use kvmesh::core::keys::BlockKey;
 use kvmesh::core::router::{Decision, RouteRequest};
+use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig};
 use kvmesh::node::Node;
 use kvmesh::proxy::{self, RunningNode};
 use rand::Rng;

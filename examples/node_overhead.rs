@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use axum::routing::{get, post};
-use kvmesh::config::{NodeConfig, ReplicaConfig};
+use kvmesh::node::config::{NodeConfig, ReplicaConfig};
 
 const BODY: &str = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
 

@@ -19,7 +19,7 @@ enum Command {
     /// Run a simulated OpenAI-compatible engine replica.
     Replica(kvmesh::replica::ReplicaArgs),
     /// Run a router node.
-    Serve(kvmesh::config::ServeArgs),
+    Serve(kvmesh::node::config::ServeArgs),
     /// Print a node's state as a table.
     Status {
         /// The node's base URL, e.g. http://127.0.0.1:8080.

@@ -8,14 +8,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::core::cache_model::CacheSource;
 use kvmesh::core::keys::{token_block_keys, BlockKey};
 use kvmesh::engine_sim::tokens::tokenize;
+use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::Node;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, KvEventsConfig, ReplicaConfig, ReplicaHandle};
-use kvmesh::replicas::kv_events::{self, KvEventsSource};
+use kvmesh::replicas::kv_events::KvEventsSource;
 use kvmesh::tokenize::token_namespace;
 use serde_json::json;
 
@@ -206,14 +206,14 @@ async fn a_lost_stream_falls_back_to_the_approximate_model() {
         until(|| held(&node.node, &keys) == keys.len()).await;
         // Another node's routed-block report is a guess: the exact model ignores it.
         let guessed = [BlockKey(42)];
-        assert!(!kv_events::record_report(&node.node, 0, &guessed));
+        assert!(!node.node.record_report(0, &guessed));
         assert_eq!(held(&node.node, &guessed), 0);
         r.shutdown().await;
         until(|| source(&node.node) == CacheSource::Approximate).await;
         // Seeded with the last exact set, so routing keeps what it knew.
         assert_eq!(held(&node.node, &keys), keys.len());
         // And learns from reports again.
-        assert!(kv_events::record_report(&node.node, 0, &guessed));
+        assert!(node.node.record_report(0, &guessed));
         assert_eq!(held(&node.node, &guessed), 1);
         let metrics = node.node.metrics.render().unwrap();
         assert!(

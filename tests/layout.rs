@@ -328,6 +328,48 @@ fn no_file_of_src_imports_itself_through_others() {
     assert!(found.is_empty(), "import cycles:\n{}", shown.join("\n"));
 }
 
+/// The layers of `src/`, bottom up: a file may import its own layer and the ones before it in
+/// this list, never one after it (ARCHITECTURE.md, "Layers").
+const LAYERS: [&str; 11] = [
+    "shutdown",
+    "core",
+    "engine_sim",
+    "kv_events",
+    "tokenize",
+    "replica",
+    "mesh",
+    "replicas",
+    "node",
+    "proxy",
+    "bench",
+];
+
+#[test]
+fn layers_import_only_downwards() {
+    let graph = import_graph(&root().join("src"));
+    let layer = |m: &Module| {
+        m.first()
+            .and_then(|top| LAYERS.iter().position(|l| l == top))
+    };
+    let mut upward = Vec::new();
+    for (from, tos) in graph.iter().filter(|(m, _)| !m.is_empty()) {
+        let Some(lf) = layer(from) else {
+            upward.push(format!("{} is in no layer of LAYERS", from.join("/")));
+            continue;
+        };
+        for to in tos {
+            if layer(to).is_some_and(|lt| lt > lf) {
+                upward.push(format!("{} imports {}", from.join("/"), to.join("/")));
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports against the layers:\n{}",
+        upward.join("\n")
+    );
+}
+
 #[test]
 fn the_checker_sees_cycles_and_use_groups() {
     let children = BTreeSet::from(["child".to_owned()]);

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::NodeState;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};

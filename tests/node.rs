@@ -11,11 +11,11 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
-use kvmesh::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use kvmesh::core::keys::BlockKey;
 use kvmesh::core::router::{Decision, RouteRequest};
 use kvmesh::core::summary::SummaryConfig;
+use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::Node;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
@@ -128,6 +128,10 @@ async fn shared_prefixes_stick_and_cold_prompts_spread() {
             seen.insert(r);
         }
         assert_eq!(seen.len(), 1, "a shared prefix went to {seen:?}");
+        // Let a scrape (every 100 ms) see the prefix's replica idle again: one taken while its
+        // last request ran says `running = 1`, and p2c-cache rightly avoids a busy replica for
+        // cold prompts until the next scrape (on a fast machine the loop below is over by then).
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
 
         // Thirty cold prompts: spread over the replicas.
         let mut counts = std::collections::HashMap::<String, usize>::new();

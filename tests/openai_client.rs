@@ -9,7 +9,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvmesh::config::{NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::replica::{self, ReplicaConfig};
 
 fn openai_available() -> bool {

@@ -18,10 +18,10 @@ use super::report;
 use super::sim::{self, SimConfig};
 use super::trace::{self, default_trace};
 use super::workload::{from_trace, WorkloadRequest};
-use crate::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::EngineConfig;
 use crate::mesh::certs;
+use crate::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::proxy::{self, RunningNode};
 use crate::replica::{self, ReplicaHandle};
 

@@ -26,9 +26,9 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::workload::WorkloadRequest;
-use crate::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::EngineConfig;
+use crate::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 
 /// Header naming the replica that served a completion (set by simulated replicas).
 pub const REPLICA_HEADER: &str = "x-kvmesh-replica";

@@ -11,7 +11,15 @@
 //! Exact models also keep each block's best tier (GPU, CPU, disk) and put it in the summary as
 //! [`Tier::summary_key`]. A block changing tier (an offload GPU → CPU, or a reload) is a remove of
 //! its old tier key plus an add of the new one: the old key stays in the filter, counted as
-//! stale like any removal, until a rebuild inserts only the current tier's key.
+//! stale like any removal, until a rebuild inserts only the current tier's key. So a peer's
+//! filter may claim the old (better) tier until then, and an offload shows in peers' views only
+//! after the next epoch. Approximate models have no tiers: routed blocks, block reports and a
+//! handover's keys all count as GPU-held.
+//!
+//! Rebuild rules ([`CacheModel::maybe_rebuild`], on a timer): a new epoch starts when stale keys
+//! exceed `rebuild_stale_fraction` (default 25%) of the filter's capacity, or when more than 1.5×
+//! that capacity was inserted; it holds exactly the live set, each key under its current tier.
+//! [`CacheModel::restart_epoch`] (a node that just became home) never goes back in epoch.
 
 use std::num::NonZeroUsize;
 use std::time::Duration;

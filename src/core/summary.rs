@@ -15,7 +15,14 @@
 //! versions are unchanged, and a reader that does not know tiers never matches a salted key, so it
 //! simply sees the GPU-held blocks. `lower_tiers` (an optional, defaulted field of deltas and
 //! snapshots, ignored by older readers) tells a reader whether salted keys are there at all, so
-//! replicas without offload cost no extra probe.
+//! replicas without offload cost no extra probe. The flag is sticky within an epoch (an older,
+//! overlapping delta cannot unset it), and the epoch's first lower-tier batch always bumps `seq`,
+//! so peers pull the flag even when every salted key was already a false positive. During a
+//! rolling upgrade an old node therefore sees only a replica's GPU-held blocks.
+//!
+//! Invariants: never a false negative; a delta applies only to its own epoch and only without a
+//! gap; decoding a peer's message is bounded ([`MAX_SUMMARY_MESSAGE_BYTES`], [`MAX_DELTA_KEYS`]),
+//! refuses a foreign Bloom seed, and returns an error rather than panicking.
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};

@@ -19,7 +19,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
 use super::error::ApiError;
-use super::mesh_glue;
+use super::region_forward::{self, is_failure};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};
@@ -60,13 +60,13 @@ impl Drop for Pending {
 async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
     node.metrics.in_flight_total.inc();
     let _pending = Pending(node.metrics.in_flight_total.clone());
-    let hop = req.headers().contains_key(mesh_glue::HOP_HEADER);
+    let hop = req.headers().contains_key(region_forward::HOP_HEADER);
     match proxy(&node, path, req).await {
         Ok(mut r) => {
             // Echoed so the client (and tests) can see the request crossed regions.
             if hop {
                 r.headers_mut().insert(
-                    HeaderName::from_static(mesh_glue::HOP_HEADER),
+                    HeaderName::from_static(region_forward::HOP_HEADER),
                     HeaderValue::from_static("1"),
                 );
             }
@@ -146,16 +146,6 @@ fn forwardable(headers: &HeaderMap) -> HeaderMap {
     out
 }
 
-fn is_failure(status: StatusCode) -> bool {
-    matches!(
-        status,
-        StatusCode::INTERNAL_SERVER_ERROR
-            | StatusCode::BAD_GATEWAY
-            | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT
-    )
-}
-
 async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
@@ -177,8 +167,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     );
     let mut keys: Vec<BlockKey> = Vec::new();
     // Token mode (keys that match engine KV events) when configured; text mode otherwise.
-    let token_prompt = crate::tokenize::route_keys(
-        node,
+    let token_prompt = node.token_keys(
         &body,
         model,
         fields.lora_path.as_deref(),
@@ -209,7 +198,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         session,
         tenant,
         // A request another node forwarded is served here or refused, never forwarded again.
-        forwarded: parts.headers.contains_key(mesh_glue::HOP_HEADER),
+        forwarded: parts.headers.contains_key(region_forward::HOP_HEADER),
         exclude: &[],
     };
     let headers = forwardable(&parts.headers);
@@ -236,7 +225,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             // Also after local attempts failed: nothing reached the client yet, and another
             // region beats an error.
             (Decision::Forward { region, reason }, _) if node.in_mesh() => {
-                return mesh_glue::forward(node, &region, reason, path, &headers, body.clone())
+                return region_forward::forward(node, &region, reason, path, &headers, body.clone())
                     .await;
             }
             (Decision::Forward { region, .. }, _) if attempt == 0 => {

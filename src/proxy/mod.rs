@@ -7,8 +7,7 @@
 
 pub mod error;
 pub mod forward;
-pub mod mesh_glue;
-pub mod metrics;
+pub mod region_forward;
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -24,8 +23,12 @@ use axum::Json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::{NodeConfig, ServeArgs};
+use crate::node::config::{NodeConfig, ServeArgs};
+use crate::node::mesh_loop::{self, MeshRuntime};
+use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
+use crate::replicas::dns::DnsSource;
+use crate::shutdown::stopped;
 use error::ApiError;
 
 /// The node's HTTP routes.
@@ -123,7 +126,7 @@ pub struct RunningNode {
     pub node: Arc<Node>,
     stop: watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
-    mesh: Option<mesh_glue::MeshRuntime>,
+    mesh: Option<MeshRuntime>,
 }
 
 impl RunningNode {
@@ -174,12 +177,12 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     // Resolve DNS sources once, so the node starts with their replicas.
     let mut dns = Vec::with_capacity(node.cfg.dns.len());
     for d in &node.cfg.dns {
-        let mut source = crate::replicas::dns::DnsSource::new(d.clone())?;
-        let (_, next) = source.sync(&node).await;
+        let mut source = DnsSource::new(d.clone())?;
+        let (_, next) = source.sync(node.as_ref()).await;
         dns.push((source, next));
     }
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
-    crate::replicas::check_all(&node, 0..node.replica_count()).await;
+    check_all(&node, 0..node.replica_count()).await;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
@@ -187,13 +190,13 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     let (stop, stop_rx) = watch::channel(false);
     // The mesh starts once the HTTP address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.
-    let mesh = mesh_glue::start(&node, addr, stop_rx.clone()).await?;
-    crate::replicas::spawn_watchers(&node, &stop_rx, dns);
+    let mesh = mesh_loop::start(&node, addr, stop_rx.clone()).await?;
+    spawn_watchers(&node, &stop_rx, dns);
     let mut graceful = stop_rx.clone();
     let server = tokio::spawn(
         axum::serve(listener, app(Arc::clone(&node)))
             .with_graceful_shutdown(async move {
-                crate::replicas::stopped(&mut graceful).await;
+                stopped(&mut graceful).await;
             })
             .into_future(),
     );

@@ -3,23 +3,163 @@
 //!
 //! Exists because fleets behind Kubernetes headless services or Consul change without telling
 //! the router: each source resolves its name, registers every address it has not seen as a
-//! replica (with watcher tasks and an immediate health check), brings back ones that returned,
-//! and drains ones that left — never removing an index, so decisions in flight stay valid. A
-//! failed resolution keeps the previous set: a DNS outage must not empty the fleet.
+//! replica in the [`ReplicaRegistry`] the node implements (the node's resolver task then starts
+//! its watchers and checks it at once), brings back ones that returned, and drains ones that
+//! left — never removing an index, so decisions in flight stay valid. A failed resolution keeps
+//! the previous set: a DNS outage must not empty the fleet.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolverConfig};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use hickory_resolver::{Resolver, TokioResolver};
-use tokio::sync::watch;
 
-use crate::config::{DnsConfig, DnsRecord};
-use crate::node::Node;
+use serde::Deserialize;
+
+use super::config::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
+use super::kv_events::KvEventsSource;
+
+/// Which records a DNS source reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DnsRecord {
+    /// SRV records: each gives a target host and a port; targets resolve through A/AAAA.
+    Srv,
+    /// A/AAAA records of `name`; every address with the configured `port`.
+    A,
+}
+
+/// Replicas found in DNS. Every address found becomes a replica with id `ip:port`; replicas
+/// that disappear from the answer stop taking new requests (draining).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsConfig {
+    /// Name to resolve, e.g. `_http._tcp.vllm.ns.svc.cluster.local.` (required).
+    pub name: String,
+    /// `srv` or `a`. Default `srv`.
+    #[serde(default = "default_dns_record")]
+    pub record: DnsRecord,
+    /// Port of every address (required for `a`, ignored for `srv`).
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// URL scheme of the replicas. Default `http`.
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    /// DNS server (`ip:port`). Default: the system's resolv.conf.
+    #[serde(default)]
+    pub nameserver: Option<SocketAddr>,
+    /// Shortest time between resolutions (ms), whatever the TTL. Default 1,000.
+    #[serde(default = "default_min_refresh_ms")]
+    pub min_refresh_ms: u64,
+    /// Longest time between resolutions (ms), whatever the TTL. Default 60,000.
+    #[serde(default = "default_max_refresh_ms")]
+    pub max_refresh_ms: u64,
+    /// Region of the replicas. Default: the node's region.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Zone or rack. Default empty.
+    #[serde(default)]
+    pub zone: String,
+    /// Pool. Default `shared`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Models they serve. Default: discovered from each replica's `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV capacity in tokens. Default: scraped, else 450,000.
+    #[serde(default)]
+    pub capacity_tokens: Option<u64>,
+    /// Prefill speed in tokens/s. Default 50,000.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which a replica counts as full. Default 256.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+    /// Where each discovered replica's engine publishes KV events, as ports on the replica's
+    /// address: `kv_events = { port = 5557, replay_port = 5558, dp_ranks = 1 }`. Default none
+    /// (approximate cache models from routed requests).
+    #[serde(default)]
+    pub kv_events: Option<DnsKvEvents>,
+}
+
+/// `kv_events` of a DNS source: the same for every replica it finds, at that replica's address.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DnsKvEvents {
+    /// The engines' PUB port (vLLM's default endpoint port is 5557) (required).
+    pub port: u16,
+    /// The engines' ROUTER replay port. Default none: gaps clear the replica's blocks.
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+    /// Topic prefix to subscribe to. Default "" (every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks; rank r publishes on port + r (and replays on replay_port + r).
+    /// Default 1.
+    #[serde(default = "default_dp_ranks")]
+    pub dp_ranks: u16,
+}
+
+fn default_dp_ranks() -> u16 {
+    1
+}
+
+impl DnsKvEvents {
+    /// The event source of the replica at `ip`.
+    pub fn at(&self, ip: std::net::IpAddr) -> KvEventsSource {
+        let tcp = |port: u16| format!("tcp://{}", SocketAddr::new(ip, port));
+        KvEventsSource {
+            endpoint: tcp(self.port),
+            replay: self.replay_port.map(tcp),
+            topic: self.topic.clone(),
+            dp_ranks: self.dp_ranks,
+        }
+    }
+}
+
+fn default_dns_record() -> DnsRecord {
+    DnsRecord::Srv
+}
+fn default_scheme() -> String {
+    "http".into()
+}
+fn default_min_refresh_ms() -> u64 {
+    1_000
+}
+fn default_max_refresh_ms() -> u64 {
+    60_000
+}
+
+impl DnsConfig {
+    /// The replica at `addr` found through this source.
+    pub fn replica(&self, addr: SocketAddr) -> ReplicaConfig {
+        ReplicaConfig {
+            url: format!("{}://{addr}", self.scheme),
+            id: Some(addr.to_string()),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pool: self.pool.clone(),
+            models: self.models.clone(),
+            capacity_tokens: self.capacity_tokens,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            max_in_flight: self.max_in_flight,
+            kv_events: self.kv_events.as_ref().map(|k| k.at(addr.ip())),
+        }
+    }
+}
+
+/// The registry a DNS source keeps up to date (the node implements it): the one thing a source
+/// needs from the node it feeds.
+pub trait ReplicaRegistry: Send + Sync {
+    /// Registers a replica, or updates (and brings back) the one with the same id. Returns its
+    /// index and whether it is new.
+    fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)>;
+    /// Takes replica `i` out of the registry: it drains.
+    fn remove_replica(&self, i: usize);
+}
 
 /// One configured DNS source with its resolver.
 pub struct DnsSource {
@@ -136,7 +276,7 @@ impl DnsSource {
 
     /// Resolves once and brings the registry in line. Returns the replicas new to the node and
     /// when to resolve next.
-    pub async fn sync(&mut self, node: &Node) -> (Vec<usize>, Duration) {
+    pub async fn sync(&mut self, registry: &dyn ReplicaRegistry) -> (Vec<usize>, Duration) {
         let min = Duration::from_millis(self.cfg.min_refresh_ms);
         let max = Duration::from_millis(self.cfg.max_refresh_ms);
         let (addrs, until) = match self.resolve().await {
@@ -150,7 +290,7 @@ impl DnsSource {
         let mut now_members = HashSet::with_capacity(addrs.len());
         for addr in addrs {
             let spec = self.cfg.replica(addr);
-            match node.add_replica(&spec) {
+            match registry.add_replica(&spec) {
                 Ok((i, new)) => {
                     if new {
                         added.push(i);
@@ -162,36 +302,12 @@ impl DnsSource {
         }
         for (id, i) in self.members.difference(&now_members) {
             tracing::info!(replica = %id, source = %self.cfg.name, "no longer in DNS");
-            node.remove_replica(*i);
+            registry.remove_replica(*i);
         }
         self.members = now_members;
         let next = until
             .saturating_duration_since(Instant::now())
             .clamp(min, max);
         (added, next)
-    }
-}
-
-/// Keeps a source's replicas in the registry until `stop` turns true, first resolving after
-/// `next`.
-pub async fn run(
-    node: Arc<Node>,
-    mut source: DnsSource,
-    mut next: Duration,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(next) => {}
-            _ = super::stopped(&mut stop) => return,
-        }
-        let (added, wait) = source.sync(&node).await;
-        next = wait;
-        if !added.is_empty() {
-            for &i in &added {
-                super::spawn_replica_watchers(&node, &stop, i);
-            }
-            super::check_all(&node, added.into_iter()).await;
-        }
     }
 }

@@ -11,7 +11,8 @@
 
 use std::time::Duration;
 
-use crate::config::HealthConfig;
+use serde::Deserialize;
+
 use crate::core::view::Health;
 
 /// Health bookkeeping for one replica.
@@ -117,6 +118,38 @@ impl HealthTracker {
 impl Default for HealthTracker {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Health checking.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Interval of active `GET /health` checks (ms). Default 1,000.
+    pub interval_ms: u64,
+    /// Timeout of one check (ms). Default 1,000.
+    pub timeout_ms: u64,
+    /// Consecutive failed checks before a replica is marked unhealthy. Default 2.
+    pub unhealthy_after: u32,
+    /// Consecutive request failures (connect error, timeout, 5xx) that eject a replica. Default 3.
+    pub eject_after_failures: u32,
+    /// First ejection's length (ms); doubles on each re-ejection after a failed half-open try.
+    /// Default 5,000.
+    pub eject_backoff_ms: u64,
+    /// Longest ejection (ms). Default 60,000.
+    pub max_eject_backoff_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+            unhealthy_after: 2,
+            eject_after_failures: 3,
+            eject_backoff_ms: 5_000,
+            max_eject_backoff_ms: 60_000,
+        }
     }
 }
 

@@ -5,7 +5,8 @@
 //! socket receives vLLM's 3-frame messages; a [`SeqTracker`] orders them (replaying gaps through
 //! a DEALER on the replay port, clearing when history is lost or the publisher restarted); an
 //! [`EventIndex`] turns them into our own token-chain keys; the node applies the resulting store /
-//! remove / clear operations to the replica's cache model in [`CacheSource::Exact`] mode.
+//! remove / clear operations to the replica's cache model in exact mode, through the
+//! [`KvEventSink`] it implements.
 //!
 //! **The switch.** While every rank's stream is connected and synced, the replica's cache model
 //! is exact and routed requests no longer touch it (`Node::route` only records routed requests
@@ -28,11 +29,10 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocke
 
 use super::kv_index::{EventIndex, Op};
 use super::kv_stream::{Action, SeqTracker};
-use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
 use crate::kv_events::{decode_batch, END_OF_REPLAY_SEQ};
-use crate::node::Node;
+use crate::shutdown::stopped;
 
 /// Longest silence of a replay (connecting, or between two replies) before it is abandoned and
 /// the replica cleared. Per message rather than in total, so a long ring replays in full.
@@ -197,108 +197,6 @@ impl KvMetrics {
     }
 }
 
-/// Switches replica `i`'s cache model between exact (events up) and approximate (events down),
-/// seeding the new model with `keys`, the last exact set with each key's best tier. An
-/// approximate model has no tiers: it takes every key as GPU-held (routed blocks are), so a
-/// replica whose stream is down gets full credit for its offloaded blocks until they age out.
-/// No-op when already in that mode.
-pub fn set_exact(
-    node: &Node,
-    i: usize,
-    exact: bool,
-    keys: &[(BlockKey, Tier)],
-) -> anyhow::Result<()> {
-    let now = node.now();
-    let mut guard = node.lock();
-    let core = &mut *guard;
-    let Some(rt) = core.replicas.get_mut(i) else {
-        return Ok(());
-    };
-    let want = if exact {
-        CacheSource::Exact
-    } else {
-        CacheSource::Approximate
-    };
-    if rt.cache.source() == want {
-        return Ok(());
-    }
-    let capacity = core.view.replica(i).map_or(0, |r| r.info.capacity_tokens);
-    let epoch = rt.cache.summary().epoch() + 1;
-    let mut model = node.cache_model(want, epoch, capacity, core.view.tokens_per_block)?;
-    if exact {
-        for tier in Tier::ALL {
-            let of_tier: Vec<BlockKey> = keys
-                .iter()
-                .filter(|(_, t)| *t == tier)
-                .map(|(k, _)| *k)
-                .collect();
-            if !of_tier.is_empty() {
-                model.store_tier(&of_tier, tier, now);
-            }
-        }
-    } else {
-        let plain: Vec<BlockKey> = keys.iter().map(|(k, _)| *k).collect();
-        model.record_routed(&plain, now);
-    }
-    rt.cache = model;
-    rt.summary_dirty = true;
-    drop(guard);
-    let id = node.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
-    let to = if exact { "exact" } else { "approximate" };
-    if exact {
-        tracing::info!(replica = %id, blocks = keys.len(), "KV event stream up: cache model follows the engine");
-    } else {
-        tracing::warn!(replica = %id, blocks = keys.len(), "KV event stream down: back to the approximate cache model");
-    }
-    node.kv_metrics.switches.with_label_values(&[&id, to]).inc();
-    node.kv_metrics
-        .up
-        .with_label_values(&[&id])
-        .set(exact as i64);
-    Ok(())
-}
-
-/// Applies the index's operations to replica `i`'s cache model, if it is in exact mode.
-pub fn apply_ops(node: &Node, i: usize, ops: &[Op]) -> anyhow::Result<()> {
-    if ops.is_empty() {
-        return Ok(());
-    }
-    let now = node.now();
-    let mut core = node.lock();
-    let Some(rt) = core.replicas.get_mut(i) else {
-        return Ok(());
-    };
-    if rt.cache.source() != CacheSource::Exact {
-        return Ok(());
-    }
-    for op in ops {
-        match op {
-            Op::Store(keys, tier) => rt.cache.store_tier(keys, *tier, now),
-            Op::Remove(keys) => rt.cache.remove(keys),
-            Op::Clear => rt.cache.clear()?,
-        }
-    }
-    rt.summary_dirty = true;
-    Ok(())
-}
-
-/// Blocks another node reports having routed to replica `i` (mesh block reports): learned by an
-/// approximate model, ignored by an exact one — reports are guesses, events are the engine's
-/// truth. Returns whether the model took them.
-pub fn record_report(node: &Node, i: usize, keys: &[BlockKey]) -> bool {
-    let now = node.now();
-    let mut core = node.lock();
-    let Some(rt) = core.replicas.get_mut(i) else {
-        return false;
-    };
-    if rt.cache.source() != CacheSource::Approximate {
-        return false;
-    }
-    rt.cache.record_routed(keys, now);
-    rt.summary_dirty = true;
-    true
-}
-
 /// What the socket tasks tell a replica's event loop.
 #[derive(Debug)]
 enum Input {
@@ -452,14 +350,28 @@ struct Rank {
     replay_id: u64,
 }
 
-/// Subscribes to replica `i`'s KV events until `stop` turns true.
+/// What the subscriber needs from the node it feeds (the node implements it): the one place
+/// where what the engine says crosses into routing state. Called from the subscriber's task;
+/// each call takes the node's lock once.
+pub trait KvEventSink: Send + Sync + 'static {
+    /// Applies the index's operations to replica `i`'s cache model, if it follows events.
+    fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()>;
+    /// Switches replica `i`'s cache model to exact (stream up) or approximate (down), seeded with
+    /// `keys`, the last exact set with each key's best tier.
+    fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()>;
+    /// The engine's block size, as replica `i`'s events carry it (token mode adopts the first).
+    fn learn_block_size(&self, i: usize, block_size: u32);
+}
+
+/// Subscribes to replica `i`'s (`id`'s) KV events until `stop` turns true, feeding `sink`.
 pub async fn run(
-    node: Arc<Node>,
+    sink: Arc<dyn KvEventSink>,
+    metrics: KvMetrics,
     i: usize,
+    id: Arc<str>,
     source: KvEventsSource,
     mut stop: watch::Receiver<bool>,
 ) {
-    let id = node.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
     let endpoints = match source.rank_endpoints() {
         Ok(e) => e,
         Err(e) => {
@@ -485,8 +397,10 @@ pub async fn run(
             replay_id: 0,
         });
     }
+    metrics.up.with_label_values(&[&id]).set(0);
     let mut lp = EventLoop {
-        node: Arc::clone(&node),
+        sink,
+        metrics,
         i,
         id: Arc::clone(&id),
         index: EventIndex::new(ranks.len()),
@@ -497,14 +411,13 @@ pub async fn run(
         last_warn: None,
         reported: Default::default(),
     };
-    node.kv_metrics.up.with_label_values(&[&id]).set(0);
     loop {
         tokio::select! {
             msg = rx.recv() => match msg {
                 Some((rank, input)) => lp.input(rank, input),
                 None => break,
             },
-            _ = super::stopped(&mut stop) => break,
+            _ = stopped(&mut stop) => break,
         }
     }
     for r in readers {
@@ -513,7 +426,8 @@ pub async fn run(
 }
 
 struct EventLoop {
-    node: Arc<Node>,
+    sink: Arc<dyn KvEventSink>,
+    metrics: KvMetrics,
     i: usize,
     id: Arc<str>,
     index: EventIndex,
@@ -566,11 +480,7 @@ impl EventLoop {
                 Action::Apply { payload, .. } => match decode_batch(&payload) {
                     Ok(batch) => {
                         self.index.apply(rank, &batch, &mut ops);
-                        self.node
-                            .kv_metrics
-                            .batches
-                            .with_label_values(&[&self.id])
-                            .inc();
+                        self.metrics.batches.with_label_values(&[&self.id]).inc();
                         if batch
                             .events
                             .iter()
@@ -607,19 +517,14 @@ impl EventLoop {
     }
 
     fn count_clear(&self, reason: &str) {
-        self.node
-            .kv_metrics
+        self.metrics
             .clears
             .with_label_values(&[&self.id, reason])
             .inc();
     }
 
     fn malformed(&mut self, why: &str) {
-        self.node
-            .kv_metrics
-            .malformed
-            .with_label_values(&[&self.id])
-            .inc();
+        self.metrics.malformed.with_label_values(&[&self.id]).inc();
         let now = Instant::now();
         if self.last_warn.is_none_or(|t| now - t >= WARN_EVERY) {
             self.last_warn = Some(now);
@@ -635,16 +540,13 @@ impl EventLoop {
     /// Carries the operations to the node, follows the engine's block size, updates metrics and
     /// the exact/approximate switch.
     fn after(&mut self, ops: Vec<Op>) {
-        if let Err(e) = apply_ops(&self.node, self.i, &ops) {
+        if let Err(e) = self.sink.apply_ops(self.i, &ops) {
             tracing::warn!(replica = %self.id, error = %e, "cannot apply KV events");
         }
-        if let (Some(bs), Some(tm)) = (self.index.block_size(), self.node.tokenizer.as_ref()) {
-            if let Some(bs) = tm.learn_block_size(bs) {
-                tracing::info!(replica = %self.id, block_size = bs, "token-mode block size from KV events");
-                self.node.lock().view.tokens_per_block = bs;
-            }
+        if let Some(bs) = self.index.block_size() {
+            self.sink.learn_block_size(self.i, bs);
         }
-        let m = &self.node.kv_metrics;
+        let m = &self.metrics;
         m.exact_blocks
             .with_label_values(&[&self.id])
             .set(self.index.len() as i64);
@@ -670,32 +572,13 @@ impl EventLoop {
             .iter()
             .all(|r| r.connected && !r.tracker.replaying());
         if up != self.exact {
-            match set_exact(&self.node, self.i, up, &self.index.tiered_keys()) {
+            match self.sink.set_exact(self.i, up, &self.index.tiered_keys()) {
                 Ok(()) => self.exact = up,
                 Err(e) => {
                     tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model")
                 }
             }
         }
-    }
-}
-
-/// Starts the KV-event subscriber of replica `i` if its config has `kv_events`.
-pub fn spawn_for(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
-    let Some(ep) = node.endpoint(i) else {
-        return;
-    };
-    let source = node
-        .cfg
-        .replicas
-        .iter()
-        .find(|r| r.effective_id() == *ep.id)
-        .and_then(|r| r.kv_events.clone());
-    if let Some(source) = source {
-        if node.tokenizer.is_none() {
-            tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
-        }
-        tokio::spawn(run(Arc::clone(node), i, source, stop.clone()));
     }
 }
 

@@ -336,41 +336,6 @@ impl TokenMode {
     }
 }
 
-/// The node's token-mode keys for a request: appends them to `out` and returns the prompt's
-/// token count, or `None` when the request uses text mode (no tokenizer, another model, or it
-/// cannot be tokenized faithfully — counted in `kvmesh_token_mode_fallbacks_total{reason}`).
-pub fn route_keys(
-    node: &crate::node::Node,
-    body: &[u8],
-    model: &str,
-    lora: Option<&str>,
-    cache_salt: Option<&str>,
-    isolated_tenant: Option<&str>,
-    out: &mut Vec<BlockKey>,
-) -> Option<u64> {
-    let tm = node.tokenizer.as_ref()?;
-    if !tm.applies_to(model) {
-        node.kv_metrics
-            .token_fallbacks
-            .with_label_values(&["other_model"])
-            .inc();
-        return None;
-    }
-    let ns = token_namespace(lora, cache_salt, isolated_tenant);
-    match tm.request_keys(body, ns, out) {
-        Ok(n) => Some(n),
-        Err(e) => {
-            out.clear();
-            tracing::debug!(error = %e, "request keyed by text");
-            node.kv_metrics
-                .token_fallbacks
-                .with_label_values(&[e.label()])
-                .inc();
-            None
-        }
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -44,7 +44,7 @@ pub struct WorkloadArgs {
     /// system_tokens, task_tokens, observation_tokens, action_tokens; zipf: prefixes, hot_weight,
     /// zipf_s, prefix_tokens, suffix_tokens, output_tokens; tenants: big_share,
     /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens.
-    /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload.rs`.
+    /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
 }

@@ -40,8 +40,8 @@ pub fn from_trace(trace: &[TraceRequest], dequantize: bool) -> Vec<WorkloadReque
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::workload::testing::*;
     use crate::bench::trace;
+    use crate::bench::workload::testing::*;
 
     #[test]
     fn the_trace_maps_to_512_token_segments_with_a_partial_last() {

@@ -1,10 +1,10 @@
 //! The node's side of the mesh: home and follower roles per replica, applying what gossip says
 //! to the routing view, answering peers' summary requests and taking their block reports.
 //!
-//! Exists as a child module of `node` (it needs the core behind the node's lock) but in its own
-//! file, so the single-node code stays as it was and the mesh can be read in one place. All of
-//! it is synchronous and short under the lock; the async loop that calls it (gossip reads,
-//! publishing, pulls, forwarding) is `proxy::mesh_glue`.
+//! Exists in its own file so the single-node code reads as it would without a mesh and the mesh
+//! can be read in one place. All of it is synchronous and short under the node's lock; the async
+//! loop that calls it (gossip reads, publishing, pulls) is `mesh_loop.rs`, and the data it works
+//! on is in `mesh_state.rs`.
 //!
 //! Roles, per replica:
 //! - **home** (this node wins the rendezvous hash over the live nodes of the replica's region, or
@@ -18,36 +18,23 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Weak};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
-
-use super::Node;
-use crate::config::ReplicaConfig;
+use super::mesh_state::{
+    MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, ReplicaMeshJson, Status,
+};
+use super::state::{Node, ReplicaRuntime};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
-use crate::core::view::Health;
+use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
 use crate::mesh::cluster::home_in;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
 use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
-
-/// The worse of two healths (`None` adds nothing).
-pub fn worst(local: Health, remote: Option<Health>) -> Health {
-    let rank = |h: Health| match h {
-        Health::Healthy => 0,
-        Health::Draining => 1,
-        Health::Unhealthy => 2,
-    };
-    match remote {
-        Some(r) if rank(r) > rank(local) => r,
-        _ => local,
-    }
-}
+use crate::replicas::config::ReplicaConfig;
 
 /// Wall-clock milliseconds (summary epochs are wall-clock based so a new home supersedes).
 fn now_ms() -> u64 {
@@ -55,145 +42,6 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(1)
-}
-
-/// One replica's mesh state.
-#[derive(Debug)]
-pub struct ReplicaMesh {
-    /// This node is the replica's home (always, without a mesh).
-    pub home: bool,
-    /// The home's node id, when another node is home.
-    pub home_id: Option<String>,
-    /// The home's QUIC address (where block reports go), when another node is home.
-    pub home_addr: Option<SocketAddr>,
-    /// Health the home publishes, when another node is home.
-    pub remote_health: Option<Health>,
-    /// Prompt tokens the home publishes as queued there (0 when this node is home).
-    pub remote_queued: u64,
-    /// Learned from gossip only (not in this node's config or DNS).
-    pub learned: bool,
-    /// Version of the view's summary copy pulled from the home (followers).
-    pub pulled: Option<(u64, u64)>,
-    /// A pull is in flight.
-    pub pulling: bool,
-    /// When the view's summary last changed by a pull or a publish (core time).
-    pub updated_at: Option<Duration>,
-    /// The record last published (home), to publish only on change.
-    pub published: Option<ReplicaRecord>,
-}
-
-impl Default for ReplicaMesh {
-    fn default() -> Self {
-        ReplicaMesh {
-            home: true,
-            home_id: None,
-            home_addr: None,
-            remote_health: None,
-            remote_queued: 0,
-            learned: false,
-            pulled: None,
-            pulling: false,
-            updated_at: None,
-            published: None,
-        }
-    }
-}
-
-impl ReplicaMesh {
-    /// Where this node reports blocks it routes to the replica: the home's address when another
-    /// node is home, else nowhere.
-    pub fn report_target(&self) -> Option<SocketAddr> {
-        if self.home {
-            None
-        } else {
-            self.home_addr
-        }
-    }
-}
-
-/// A live node that may take forwarded requests.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Peer {
-    /// Node id.
-    pub node_id: String,
-    /// Region.
-    pub region: String,
-    /// Base URL of its HTTP front.
-    pub http_url: String,
-    /// QUIC address (RTT lookups).
-    pub quic_addr: SocketAddr,
-}
-
-#[derive(Default)]
-struct Status {
-    warm: bool,
-    members: Vec<MemberJson>,
-    peers: Vec<Peer>,
-}
-
-/// The node's mesh slot: the running mesh (if any) and what the sync loop last learned.
-#[derive(Default)]
-pub struct NodeMesh {
-    mesh: RwLock<Option<Arc<Mesh>>>,
-    status: Mutex<Status>,
-    /// Woken when a summary this node is home for changed, so it is published without waiting
-    /// for the next gossip interval.
-    pub changed: Notify,
-    /// Mesh metrics, once the mesh started.
-    pub metrics: std::sync::OnceLock<crate::proxy::mesh_glue::MeshMetrics>,
-}
-
-/// A summary pull the sync loop should make.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Pull {
-    /// View index.
-    pub index: usize,
-    /// Replica id.
-    pub id: String,
-    /// Publisher's QUIC address.
-    pub from: SocketAddr,
-    /// Version held (0, 0 without a copy).
-    pub epoch: u64,
-    /// Sequence held.
-    pub seq: u64,
-}
-
-/// What one membership round asks the async side to do.
-#[derive(Debug, Default)]
-pub struct MeshPlan {
-    /// Records to publish (home, changed).
-    pub publish: Vec<(String, ReplicaRecord)>,
-    /// Records to withdraw (no longer home).
-    pub unpublish: Vec<String>,
-    /// Summary pulls to start.
-    pub pulls: Vec<Pull>,
-    /// Replicas of the node's region whose home advertises a newer summary than the view holds.
-    pub behind: usize,
-    /// Handovers: (replica id, new home's address, this node's live keys for it), sent as block
-    /// reports so the new home's model starts with what the old home knew.
-    pub handover: Vec<(String, SocketAddr, Vec<u64>)>,
-}
-
-/// Kind of an applied pull (for metrics).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PullKind {
-    /// Keys since the held seq.
-    Delta,
-    /// The whole filter.
-    Snapshot,
-    /// Dropped: this node became home meanwhile.
-    Ignored,
-}
-
-impl PullKind {
-    /// Metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PullKind::Delta => "delta",
-            PullKind::Snapshot => "snapshot",
-            PullKind::Ignored => "ignored",
-        }
-    }
 }
 
 impl Node {
@@ -669,11 +517,7 @@ impl Node {
 }
 
 /// The record this node publishes for a replica, from its own model, health and load.
-fn own_record(
-    rt: &super::ReplicaRuntime,
-    info: &crate::core::view::ReplicaInfo,
-    load: &crate::core::view::ReplicaLoad,
-) -> ReplicaRecord {
+fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> ReplicaRecord {
     let s = rt.cache.summary();
     // The digest hashes the whole filter: reuse it while the version is unchanged.
     let digest = match &rt.mesh.published {
@@ -732,67 +576,13 @@ impl MeshHandler for Handler {
     }
 }
 
-/// `mesh` in `/admin/state`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct MeshStateJson {
-    /// This node's id.
-    pub node_id: String,
-    /// This node's generation (start time, ms).
-    pub generation: u64,
-    /// This node's QUIC address.
-    pub quic_addr: String,
-    /// Warm: first gossip round done and the region's summaries pulled (or warm-up timed out).
-    pub warm: bool,
-    /// Every member known, live or dead.
-    pub members: Vec<MemberJson>,
-    /// Homes and summary versions per replica.
-    pub replicas: Vec<ReplicaMeshJson>,
-}
-
-/// One member in `/admin/state`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct MemberJson {
-    /// Node id.
-    pub node_id: String,
-    /// Region ("" until its node record arrives).
-    pub region: String,
-    /// Counted live by the failure detector.
-    pub live: bool,
-    /// Generation (start time, ms).
-    pub generation: u64,
-    /// This node.
-    pub is_self: bool,
-    /// Its HTTP front.
-    pub http_url: String,
-    /// Replica records it publishes (as home).
-    pub replicas_published: usize,
-}
-
-/// One replica's mesh view in `/admin/state`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ReplicaMeshJson {
-    /// Replica id.
-    pub id: String,
-    /// Region.
-    pub region: String,
-    /// Home node id ("" when unknown).
-    pub home: String,
-    /// Known only from gossip.
-    pub learned: bool,
-    /// Epoch of the view's summary.
-    pub summary_epoch: u64,
-    /// Seq of the view's summary.
-    pub summary_seq: u64,
-    /// Seconds since the summary last changed by a pull or a publish.
-    pub summary_age_s: Option<f64>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{MeshSection, NodeConfig};
     use crate::core::summary::SummaryConfig;
     use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::time::Duration;
 
     fn member(id: &str, port: u16, is_self: bool) -> Member {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -960,22 +750,5 @@ mod tests {
             .unwrap();
         assert_eq!((id, *to), (&theirs, live[1].gossip_addr));
         assert_eq!(keys, &vec![99]);
-    }
-
-    #[test]
-    fn worst_health_wins() {
-        assert_eq!(worst(Health::Healthy, None), Health::Healthy);
-        assert_eq!(
-            worst(Health::Healthy, Some(Health::Unhealthy)),
-            Health::Unhealthy
-        );
-        assert_eq!(
-            worst(Health::Unhealthy, Some(Health::Healthy)),
-            Health::Unhealthy
-        );
-        assert_eq!(
-            worst(Health::Healthy, Some(Health::Draining)),
-            Health::Draining
-        );
     }
 }

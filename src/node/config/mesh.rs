@@ -1,6 +1,6 @@
 //! The `[mesh]` table of the node configuration: how a node joins the mesh.
 //!
-//! Kept apart from `config.rs` so the single-node configuration stays readable and mesh settings
+//! Kept apart from `mod.rs` so the single-node configuration stays readable and mesh settings
 //! evolve in one place. No `[mesh]` table (and no mesh flag) means a single node, exactly as
 //! before. There is no plaintext option: a mesh node always needs a cluster CA and its own
 //! certificate (`kvmesh certs init|issue`).
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{invalid, ConfigError};
+use super::error::{invalid, ConfigError};
 use crate::mesh::certs::NodeIdentity;
 use crate::mesh::MeshConfig;
 
@@ -213,7 +213,7 @@ impl MeshSection {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{NodeConfig, ServeArgs};
+    use crate::node::config::{NodeConfig, ServeArgs};
 
     #[test]
     fn mesh_flags_make_a_mesh_node() {

@@ -1,0 +1,277 @@
+//! What the node learns about its replicas — active checks, scrapes, request outcomes, KV
+//! events — folded into health, load and cache models, and the periodic upkeep that copies
+//! changed summaries into the view.
+
+use std::sync::Arc;
+
+use super::state::Node;
+use crate::core::cache_model::CacheSource;
+use crate::core::keys::BlockKey;
+use crate::core::summary::Tier;
+use crate::core::view::Health;
+use crate::replicas::kv_index::Op;
+use crate::replicas::prom::EngineLoad;
+
+impl Node {
+    /// A request to replica `i` succeeded (got a non-5xx answer).
+    pub fn request_succeeded(&self, i: usize) {
+        if let Some(rt) = self.lock().replicas.get_mut(i) {
+            rt.health.request_succeeded();
+        }
+    }
+
+    /// A request to replica `i` failed (connect error, timeout, 5xx): counts towards ejection.
+    pub fn request_failed(&self, i: usize) {
+        let now = self.now();
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return;
+        };
+        if rt.health.request_failed(now, &self.cfg.health) {
+            let health = rt.effective_health();
+            core.view.set_health(i, health);
+            drop(core);
+            tracing::warn!(replica = %self.id_of(i), "ejected after consecutive failures");
+            self.metrics
+                .ejections
+                .with_label_values(&[&self.id_of(i)])
+                .inc();
+            self.metrics
+                .replica_healthy
+                .with_label_values(&[&self.id_of(i)])
+                .set(0);
+        }
+    }
+
+    /// Result of an active health check; `models` when discovered from `/v1/models`.
+    pub fn active_check(&self, i: usize, ok: bool, models: Option<Vec<String>>) {
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return;
+        };
+        let before = rt.effective_health();
+        rt.health.active_result(ok, &self.cfg.health);
+        let health = rt.effective_health();
+        let models_configured = rt.models_configured;
+        core.view.set_health(i, health);
+        if let (Some(models), false) = (models, models_configured) {
+            if let Some(r) = core.view.replica(i) {
+                if r.info.models != models {
+                    let mut info = (*r.info).clone();
+                    info.models = models;
+                    core.view.upsert(info);
+                }
+            }
+        }
+        drop(core);
+        if before != health {
+            tracing::info!(replica = %self.id_of(i), ?health, "health changed");
+        }
+        self.metrics
+            .replica_healthy
+            .with_label_values(&[&self.id_of(i)])
+            .set((health == Health::Healthy) as i64);
+    }
+
+    /// Whether replica `i`'s models still need discovering.
+    pub fn needs_models(&self, i: usize) -> bool {
+        let core = self.lock();
+        match (core.replicas.get(i), core.view.replica(i)) {
+            (Some(rt), Some(r)) => !rt.models_configured && r.info.models.is_empty(),
+            _ => false,
+        }
+    }
+
+    /// A scrape of replica `i`'s `/metrics`.
+    pub fn apply_scrape(&self, i: usize, load: EngineLoad) -> anyhow::Result<()> {
+        let mut core = self.lock();
+        let core = &mut *core;
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return Ok(());
+        };
+        rt.engine = Some(load);
+        if let (Some(bs), Some(tm)) = (load.block_size, self.tokenizer.as_ref()) {
+            if let Some(bs) = u32::try_from(bs)
+                .ok()
+                .and_then(|bs| tm.learn_block_size(bs))
+            {
+                tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from metrics");
+                core.view.tokens_per_block = bs;
+            }
+        }
+        let pending = rt.pending_prefill_tokens;
+        let to_u32 = |v: Option<f64>| v.map_or(0, |v| v.clamp(0.0, u32::MAX as f64) as u32);
+        core.view.set_engine_load(
+            i,
+            to_u32(load.waiting),
+            to_u32(load.running),
+            load.kv_usage.unwrap_or(0.0).clamp(0.0, 1.0) as f32,
+            pending,
+        );
+        if let (Some(cap), false) = (load.capacity_tokens, rt.capacity_configured) {
+            let known = core.view.replica(i).map_or(0, |r| r.info.capacity_tokens);
+            if cap != known {
+                // The cache model is sized by capacity at creation: start a new, correctly sized
+                // one. This happens once, at the first scrape of a replica without a configured
+                // capacity, so little routing history is lost. An exact model has no capacity of
+                // its own (the filter resizes itself on rebuild), so it is kept.
+                if rt.cache.source() == CacheSource::Approximate {
+                    let epoch = rt.cache.summary().epoch() + 1;
+                    rt.cache = self.cache_model(
+                        CacheSource::Approximate,
+                        epoch,
+                        cap,
+                        core.view.tokens_per_block,
+                    )?;
+                    rt.summary_dirty = true;
+                }
+                if let Some(r) = core.view.replica(i) {
+                    let mut info = (*r.info).clone();
+                    info.capacity_tokens = cap;
+                    core.view.upsert(info);
+                }
+                tracing::info!(replica = %self.id_of(i), capacity_tokens = cap, "capacity from metrics");
+            }
+        }
+        Ok(())
+    }
+
+    /// Periodic upkeep: copy changed summaries into the view, expire the overlay, start new
+    /// summary epochs when due, end outlier ejections whose backoff passed (half-open).
+    pub fn tick(&self) {
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        core.view.expire_overlay(now);
+        let mut reopened = Vec::new();
+        for (i, rt) in core.replicas.iter_mut().enumerate() {
+            match rt.cache.maybe_rebuild(now) {
+                Ok(true) => rt.summary_dirty = true,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(replica = %self.id_of(i), error = %e, "summary rebuild failed")
+                }
+            }
+            // A follower's view copy is the one pulled from the home, not this node's model.
+            if rt.summary_dirty && rt.mesh.home {
+                rt.summary_dirty = false;
+                core.view.set_summary(i, rt.cache.summary().clone());
+            }
+            if rt.health.tick(now, &self.cfg.health) {
+                core.view.set_health(i, rt.effective_health());
+                reopened.push(i);
+            }
+        }
+        drop(guard);
+        for i in reopened {
+            tracing::info!(replica = %self.id_of(i), "ejection over, half-open");
+            let healthy = self.lock().view.replica(i).map(|r| r.health) == Some(Health::Healthy);
+            self.metrics
+                .replica_healthy
+                .with_label_values(&[&self.id_of(i)])
+                .set(healthy as i64);
+        }
+    }
+
+    /// Switches replica `i`'s cache model between exact (events up) and approximate (events down),
+    /// seeding the new model with `keys`, the last exact set with each key's best tier. An
+    /// approximate model has no tiers: it takes every key as GPU-held (routed blocks are), so a
+    /// replica whose stream is down gets full credit for its offloaded blocks until they age out.
+    /// No-op when already in that mode.
+    pub fn set_exact(
+        &self,
+        i: usize,
+        exact: bool,
+        keys: &[(BlockKey, Tier)],
+    ) -> anyhow::Result<()> {
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return Ok(());
+        };
+        let want = if exact {
+            CacheSource::Exact
+        } else {
+            CacheSource::Approximate
+        };
+        if rt.cache.source() == want {
+            return Ok(());
+        }
+        let capacity = core.view.replica(i).map_or(0, |r| r.info.capacity_tokens);
+        let epoch = rt.cache.summary().epoch() + 1;
+        let mut model = self.cache_model(want, epoch, capacity, core.view.tokens_per_block)?;
+        if exact {
+            for tier in Tier::ALL {
+                let of_tier: Vec<BlockKey> = keys
+                    .iter()
+                    .filter(|(_, t)| *t == tier)
+                    .map(|(k, _)| *k)
+                    .collect();
+                if !of_tier.is_empty() {
+                    model.store_tier(&of_tier, tier, now);
+                }
+            }
+        } else {
+            let plain: Vec<BlockKey> = keys.iter().map(|(k, _)| *k).collect();
+            model.record_routed(&plain, now);
+        }
+        rt.cache = model;
+        rt.summary_dirty = true;
+        drop(guard);
+        let id = self.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id);
+        let to = if exact { "exact" } else { "approximate" };
+        if exact {
+            tracing::info!(replica = %id, blocks = keys.len(), "KV event stream up: cache model follows the engine");
+        } else {
+            tracing::warn!(replica = %id, blocks = keys.len(), "KV event stream down: back to the approximate cache model");
+        }
+        self.kv_metrics.switches.with_label_values(&[&id, to]).inc();
+        self.kv_metrics
+            .up
+            .with_label_values(&[&id])
+            .set(exact as i64);
+        Ok(())
+    }
+
+    /// Applies the index's operations to replica `i`'s cache model, if it is in exact mode.
+    pub fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let now = self.now();
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return Ok(());
+        };
+        if rt.cache.source() != CacheSource::Exact {
+            return Ok(());
+        }
+        for op in ops {
+            match op {
+                Op::Store(keys, tier) => rt.cache.store_tier(keys, *tier, now),
+                Op::Remove(keys) => rt.cache.remove(keys),
+                Op::Clear => rt.cache.clear()?,
+            }
+        }
+        rt.summary_dirty = true;
+        Ok(())
+    }
+
+    /// Blocks another node reports having routed to replica `i` (mesh block reports): learned by an
+    /// approximate model, ignored by an exact one — reports are guesses, events are the engine's
+    /// truth. Returns whether the model took them.
+    pub fn record_report(&self, i: usize, keys: &[BlockKey]) -> bool {
+        let now = self.now();
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return false;
+        };
+        if rt.cache.source() != CacheSource::Approximate {
+            return false;
+        }
+        rt.cache.record_routed(keys, now);
+        rt.summary_dirty = true;
+        true
+    }
+}

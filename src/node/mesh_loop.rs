@@ -1,0 +1,320 @@
+//! The async side of a mesh node: start the mesh and run its sync loop.
+//!
+//! Exists to keep the I/O of the mesh out of the request path and out of the node's state: one
+//! loop per node reads gossip (every gossip interval, on any gossip change, and when a summary
+//! this node is home for changed), hands it to the synchronous `Node::apply_membership`
+//! (`mesh_roles.rs`), then publishes, withdraws and pulls what that decided, publishes in-flight
+//! counts, refreshes region distances and metrics, and decides when the node is warm.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::config::MeshSection;
+use super::mesh_state::PullKind;
+use super::metrics::MeshMetrics;
+use super::state::Node;
+use crate::mesh::cluster::replicas_in_region;
+use crate::mesh::schema::{HomesRecord, InflightRecord};
+use crate::mesh::transport::StatsSnapshot;
+use crate::mesh::{Member, Mesh};
+use crate::shutdown::stopped;
+
+/// The running mesh side of a node.
+pub struct MeshRuntime {
+    /// Metrics.
+    pub metrics: MeshMetrics,
+    task: JoinHandle<()>,
+}
+
+impl MeshRuntime {
+    /// Stops the loop and the mesh (peers see this node go silent).
+    pub async fn shutdown(self, node: &Node) {
+        self.task.abort();
+        let _ = self.task.await;
+        if let Some(mesh) = node.detach_mesh() {
+            // Close the endpoint at once even if a pull task still holds the handle.
+            mesh.transport().close();
+            if let Ok(mesh) = Arc::try_unwrap(mesh) {
+                mesh.shutdown().await;
+            }
+        }
+    }
+}
+
+/// Starts the mesh for `node` (whose HTTP front is bound at `http_addr`) and its sync loop.
+pub async fn start(
+    node: &Arc<Node>,
+    http_addr: SocketAddr,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<Option<MeshRuntime>> {
+    let Some(section) = node.cfg.mesh.clone() else {
+        return Ok(None);
+    };
+    let cfg = section.mesh_config(
+        &node.cfg.region,
+        &node.cfg.zone,
+        &node.cfg.cluster_id,
+        format!("http://{http_addr}"),
+    )?;
+    if section.http_url.is_none() && http_addr.ip().is_unspecified() {
+        tracing::warn!(%http_addr, "mesh.http_url not set and the HTTP front listens on a wildcard: peers cannot forward here; set mesh.http_url");
+    }
+    let mesh = Arc::new(Mesh::start(cfg).await?);
+    node.attach_mesh(Arc::clone(&mesh));
+    let metrics = MeshMetrics::new(&node.metrics.registry)?;
+    // A node is started once; a second start would have failed registering the metrics above.
+    let _ = node.mesh_slot().metrics.set(metrics.clone());
+    let task = tokio::spawn(sync_loop(
+        Arc::clone(node),
+        mesh,
+        section,
+        metrics.clone(),
+        stop,
+    ));
+    Ok(Some(MeshRuntime { metrics, task }))
+}
+
+struct LoopState {
+    started: Instant,
+    last_stats: StatsSnapshot,
+    last_schema_errors: u64,
+    last_inflight: Option<InflightRecord>,
+    /// When the first gossip round completed.
+    joined: Option<Instant>,
+    /// Writes of the homes marker so far.
+    homes_round: u64,
+    /// Replicas whose record could not be published (warned once).
+    unpublishable: BTreeSet<String>,
+    /// Live members (id, generation) at the last round, and since when they are unchanged.
+    live_ids: Vec<(String, u64)>,
+    live_since: Instant,
+}
+
+async fn sync_loop(
+    node: Arc<Node>,
+    mesh: Arc<Mesh>,
+    section: MeshSection,
+    metrics: MeshMetrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = section.gossip_interval();
+    // Bursts of changes (a busy home, many peers publishing) coalesce to at most one round per
+    // fifth of an interval.
+    let spacing = interval / 5;
+    let mut changes = mesh.watch_changes().await;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut st = LoopState {
+        started: Instant::now(),
+        last_stats: StatsSnapshot::default(),
+        last_schema_errors: 0,
+        last_inflight: None,
+        joined: None,
+        homes_round: 0,
+        unpublishable: BTreeSet::new(),
+        live_ids: Vec::new(),
+        live_since: Instant::now(),
+    };
+    loop {
+        let changed = async {
+            match changes.as_mut() {
+                Some(rx) => {
+                    if rx.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = changed => {}
+            _ = node.mesh_slot().changed.notified() => {}
+            _ = stopped(&mut stop) => return,
+        }
+        sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
+        tokio::time::sleep(spacing).await;
+    }
+}
+
+async fn sync_once(
+    node: &Arc<Node>,
+    mesh: &Arc<Mesh>,
+    section: &MeshSection,
+    metrics: &MeshMetrics,
+    st: &mut LoopState,
+    stop: &watch::Receiver<bool>,
+) {
+    let members = mesh.members().await;
+    let live: Vec<Member> = members.iter().filter(|m| m.live).cloned().collect();
+    metrics.live_members.set(live.len() as i64);
+    node.set_mesh_members(&members);
+    let stats = mesh.stats();
+    metrics.add_stats(
+        &st.last_stats,
+        &stats.transport,
+        (st.last_schema_errors, stats.schema_errors),
+    );
+    st.last_stats = stats.transport;
+    st.last_schema_errors = stats.schema_errors;
+
+    // First gossip round: a seedless node is the first of its cluster; otherwise some peer
+    // answered and every live peer's node record arrived. Until then (or the warm-up timeout)
+    // the node claims no homes: alone, it would claim every replica and publish records that
+    // the real homes must then supersede.
+    let timed_out = st.started.elapsed() >= Duration::from_millis(section.warmup_timeout_ms);
+    if st.joined.is_none() {
+        let joined = section.seeds.is_empty()
+            || (live.len() > 1 && live.iter().all(|m| m.node.is_some()))
+            || timed_out;
+        if !joined {
+            return;
+        }
+        st.joined = Some(Instant::now());
+    }
+
+    // One entry per replica of every region anyone publishes.
+    let regions: BTreeSet<String> = live
+        .iter()
+        .flat_map(|m| m.replicas.values().map(|r| r.region.clone()))
+        .collect();
+    let mut records = BTreeMap::new();
+    for region in &regions {
+        for e in replicas_in_region(&live, region) {
+            records.insert(e.id.clone(), e);
+        }
+    }
+    for e in records.values() {
+        match node.learn_replica(e) {
+            Ok((i, true)) => {
+                tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
+                super::watchers::spawn_replica_watchers(node, stop, i);
+            }
+            Ok(_) => {}
+            Err(err) => tracing::debug!(replica = %e.id, error = %err, "replica record not usable"),
+        }
+    }
+
+    let mut map = mesh.region_map().await;
+    for d in &section.distance {
+        map.configure(&d.a, &d.b, d.ms);
+    }
+    node.set_regions(map);
+
+    let plan = node.apply_membership(mesh.node_id(), &live, &records);
+    for (id, record) in &plan.publish {
+        match mesh.publish_replica(id, record).await {
+            Ok(()) => {
+                st.unpublishable.remove(id);
+            }
+            Err(e) => {
+                // Retried every round; logged once per replica until it works.
+                if st.unpublishable.insert(id.clone()) {
+                    tracing::warn!(replica = %id, error = %e, "replica record not published");
+                }
+                node.publish_failed(id);
+            }
+        }
+    }
+    for id in &plan.unpublish {
+        if let Err(e) = mesh.unpublish_replica(id).await {
+            tracing::warn!(replica = %id, error = %e, "replica record not withdrawn");
+        }
+    }
+    for (id, home, keys) in &plan.handover {
+        tracing::info!(replica = %id, %home, keys = keys.len(), "handing over to the new home");
+        mesh.report_blocks(*home, id, keys);
+    }
+    if !plan.publish.is_empty() || !plan.unpublish.is_empty() || st.homes_round == 0 {
+        st.homes_round += 1;
+        let marker = HomesRecord {
+            count: node.published_count(),
+            round: st.homes_round,
+        };
+        if let Err(e) = mesh.publish_homes(&marker).await {
+            tracing::warn!(error = %e, "homes marker not published");
+        }
+    }
+    // A pull stuck on a half-dead connection must not hold the replica's copy back for the
+    // transport's whole sync timeout: give up after ten rounds (1–5 s) and let a later round retry.
+    let pull_timeout =
+        (section.gossip_interval() * 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
+    for pull in plan.pulls {
+        let node = Arc::clone(node);
+        let mesh = Arc::clone(mesh);
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let fetch = mesh.fetch_summary(pull.from, &pull.id, pull.epoch, pull.seq);
+            let fetched = match tokio::time::timeout(pull_timeout, fetch).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {pull_timeout:?}")),
+            };
+            match fetched {
+                Ok(msg) => {
+                    if let Ok(bytes) = msg.encode() {
+                        metrics.sync_bytes_received.inc_by(bytes.len() as u64);
+                    }
+                    match node.apply_pulled(pull.index, &msg) {
+                        Ok(kind) => {
+                            metrics.pulls.with_label_values(&[kind.as_str()]).inc();
+                            if kind != PullKind::Ignored {
+                                // Readiness and status may change now, not a round later.
+                                node.mesh_slot().changed.notify_one();
+                            }
+                        }
+                        Err(e) => {
+                            metrics.pulls.with_label_values(&["error"]).inc();
+                            tracing::debug!(replica = %pull.id, error = %e, "pulled summary not applied");
+                        }
+                    }
+                }
+                Err(e) => {
+                    node.pull_failed(pull.index);
+                    metrics.pulls.with_label_values(&["error"]).inc();
+                    tracing::debug!(replica = %pull.id, peer = %pull.from, error = %e, "summary pull failed");
+                }
+            }
+        });
+    }
+
+    let inflight = node.inflight_record();
+    if st.last_inflight.as_ref() != Some(&inflight) {
+        match mesh.publish_inflight(&inflight).await {
+            Ok(()) => st.last_inflight = Some(inflight),
+            Err(e) => tracing::warn!(error = %e, "in-flight record not published"),
+        }
+    }
+
+    // A peer's keys may arrive over several gossip messages: "nothing to pull" counts only once
+    // this node holds every record each live peer says it publishes (its homes marker, written
+    // after its records, arrives after them).
+    // And peers this node heard of through others count as live only once their heartbeats
+    // reach it, a round or two later: the live set must also have been stable for 3 rounds.
+    let caught_up = live.iter().filter(|m| !m.is_self).all(|m| {
+        m.homes
+            .is_some_and(|h| h.count as usize == m.replicas.len())
+    });
+    let ids: Vec<(String, u64)> = live
+        .iter()
+        .map(|m| (m.node_id.clone(), m.generation))
+        .collect();
+    if ids != st.live_ids {
+        st.live_ids = ids;
+        st.live_since = Instant::now();
+    }
+    let stable = st.live_since.elapsed() >= 3 * section.gossip_interval();
+    if !node.mesh_warm() && ((stable && caught_up && plan.behind == 0) || timed_out) {
+        node.set_mesh_warm();
+        tracing::info!(
+            elapsed_ms = st.started.elapsed().as_millis() as u64,
+            timed_out,
+            behind = plan.behind,
+            "node warm"
+        );
+    }
+}

@@ -1,0 +1,299 @@
+//! The node's own Prometheus metrics, served at `GET /metrics`: routing and replicas
+//! ([`Metrics`]) and, once the mesh starts, gossip, sync and forwarding ([`MeshMetrics`]).
+//!
+//! Exists so an operator can see what the router decided and why without reading logs: requests
+//! by replica, policy and outcome; how much cache each decision expected to hit; how long
+//! deciding took; in-flight counts; replica health; retries.
+
+use crate::mesh::transport::StatsSnapshot;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// The node's metric handles, all registered in `registry`.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// `kvmesh_requests_total{replica,policy,outcome}`.
+    pub requests: IntCounterVec,
+    /// `kvmesh_hit_blocks`: blocks the chosen replica was believed to hold, per routed request.
+    pub hit_blocks: Histogram,
+    /// `kvmesh_decision_seconds`: time inside the router (lock held), per decision.
+    pub decision_seconds: Histogram,
+    /// `kvmesh_upstream_first_byte_seconds{replica}`: request sent → response headers.
+    pub first_byte_seconds: HistogramVec,
+    /// `kvmesh_in_flight{replica}`: requests this node has open at each replica.
+    pub in_flight: IntGaugeVec,
+    /// `kvmesh_in_flight_total`: requests at the node still waiting for response headers (being
+    /// read, routed, sent or retried); streaming bodies are counted per replica in `in_flight`.
+    pub in_flight_total: IntGauge,
+    /// `kvmesh_replica_healthy{replica}`: 1 healthy, 0 not.
+    pub replica_healthy: IntGaugeVec,
+    /// `kvmesh_retries_total`: attempts after the first.
+    pub retries: IntCounter,
+    /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
+    pub ejections: IntCounterVec,
+    /// `kvmesh_scrape_errors_total{replica}`: failed `/metrics` scrapes.
+    pub scrape_errors: IntCounterVec,
+    /// `kvmesh_scrape_skipped_lines_total`: unparseable lines in replicas' `/metrics`.
+    pub scrape_skipped_lines: IntCounter,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_requests_total",
+                "Requests by replica, policy and outcome",
+            ),
+            &["replica", "policy", "outcome"],
+        )?;
+        let hit_blocks = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_hit_blocks",
+                "Prefix blocks the chosen replica was believed to hold",
+            )
+            .buckets(vec![
+                0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0,
+            ]),
+        )?;
+        let decision_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_decision_seconds",
+                "Time to make one routing decision",
+            )
+            .buckets(prometheus::exponential_buckets(1e-6, 2.0, 16)?),
+        )?;
+        let first_byte_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_upstream_first_byte_seconds",
+                "Request sent to a replica until its response headers",
+            )
+            .buckets(prometheus::exponential_buckets(0.001, 2.0, 18)?),
+            &["replica"],
+        )?;
+        let in_flight = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_in_flight",
+                "Requests open at each replica through this node",
+            ),
+            &["replica"],
+        )?;
+        let in_flight_total = IntGauge::new(
+            "kvmesh_in_flight_total",
+            "Requests at this node waiting for response headers",
+        )?;
+        let replica_healthy = IntGaugeVec::new(
+            Opts::new("kvmesh_replica_healthy", "1 when the replica takes traffic"),
+            &["replica"],
+        )?;
+        let retries = IntCounter::new("kvmesh_retries_total", "Attempts after the first")?;
+        let ejections = IntCounterVec::new(
+            Opts::new("kvmesh_ejections_total", "Passive outlier ejections"),
+            &["replica"],
+        )?;
+        let scrape_errors = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_scrape_errors_total",
+                "Failed replica /metrics scrapes",
+            ),
+            &["replica"],
+        )?;
+        let scrape_skipped_lines = IntCounter::new(
+            "kvmesh_scrape_skipped_lines_total",
+            "Unparseable lines in replicas' /metrics",
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(hit_blocks.clone()))?;
+        registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(first_byte_seconds.clone()))?;
+        registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(in_flight_total.clone()))?;
+        registry.register(Box::new(replica_healthy.clone()))?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(ejections.clone()))?;
+        registry.register(Box::new(scrape_errors.clone()))?;
+        registry.register(Box::new(scrape_skipped_lines.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            hit_blocks,
+            decision_seconds,
+            first_byte_seconds,
+            in_flight,
+            in_flight_total,
+            replica_healthy,
+            retries,
+            ejections,
+            scrape_errors,
+            scrape_skipped_lines,
+        })
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::with_capacity(8 * 1024);
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+/// Mesh metrics, registered in the node's registry.
+#[derive(Clone)]
+pub struct MeshMetrics {
+    /// `kvmesh_mesh_gossip_messages_total{direction}`.
+    pub gossip_messages: IntCounterVec,
+    /// `kvmesh_mesh_gossip_bytes_total{direction}`.
+    pub gossip_bytes: IntCounterVec,
+    /// `kvmesh_mesh_sync_served_total`: summary requests answered.
+    pub sync_served: IntCounter,
+    /// `kvmesh_mesh_sync_bytes_sent_total`: bytes of summary responses sent.
+    pub sync_bytes_sent: IntCounter,
+    /// `kvmesh_mesh_sync_bytes_received_total`: bytes of summaries pulled (encoded size).
+    pub sync_bytes_received: IntCounter,
+    /// `kvmesh_mesh_block_reports_total{direction}`.
+    pub reports: IntCounterVec,
+    /// `kvmesh_mesh_dropped_total{reason}`: malformed/oversized input, undecodable gossip
+    /// values, blocked or undeliverable messages, failed dials and handshakes.
+    pub dropped: IntCounterVec,
+    /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
+    pub pulls: IntCounterVec,
+    /// `kvmesh_forwards_total{region,outcome}`: ok, retry (a node failed, next tried),
+    /// unavailable (every node failed or none live).
+    pub forwards: IntCounterVec,
+    /// `kvmesh_mesh_live_members`: live members, this node included.
+    pub live_members: IntGauge,
+}
+
+impl MeshMetrics {
+    pub(super) fn new(registry: &prometheus::Registry) -> Result<Self, prometheus::Error> {
+        let vec = |name: &str, help: &str, label: &str| {
+            IntCounterVec::new(Opts::new(name, help), &[label])
+        };
+        let m = MeshMetrics {
+            gossip_messages: vec(
+                "kvmesh_mesh_gossip_messages_total",
+                "Gossip messages by direction",
+                "direction",
+            )?,
+            gossip_bytes: vec(
+                "kvmesh_mesh_gossip_bytes_total",
+                "Gossip bytes by direction",
+                "direction",
+            )?,
+            sync_served: IntCounter::new(
+                "kvmesh_mesh_sync_served_total",
+                "Summary requests answered",
+            )?,
+            sync_bytes_sent: IntCounter::new(
+                "kvmesh_mesh_sync_bytes_sent_total",
+                "Bytes of summary responses sent",
+            )?,
+            sync_bytes_received: IntCounter::new(
+                "kvmesh_mesh_sync_bytes_received_total",
+                "Bytes of summaries pulled",
+            )?,
+            reports: vec(
+                "kvmesh_mesh_block_reports_total",
+                "Routed-block reports by direction",
+                "direction",
+            )?,
+            dropped: vec(
+                "kvmesh_mesh_dropped_total",
+                "Mesh input or output dropped, by reason",
+                "reason",
+            )?,
+            pulls: vec(
+                "kvmesh_mesh_summary_pulls_total",
+                "Summary pulls by kind",
+                "kind",
+            )?,
+            forwards: IntCounterVec::new(
+                Opts::new(
+                    "kvmesh_forwards_total",
+                    "Requests forwarded to another region",
+                ),
+                &["region", "outcome"],
+            )?,
+            live_members: IntGauge::new("kvmesh_mesh_live_members", "Live mesh members")?,
+        };
+        registry.register(Box::new(m.gossip_messages.clone()))?;
+        registry.register(Box::new(m.gossip_bytes.clone()))?;
+        registry.register(Box::new(m.sync_served.clone()))?;
+        registry.register(Box::new(m.sync_bytes_sent.clone()))?;
+        registry.register(Box::new(m.sync_bytes_received.clone()))?;
+        registry.register(Box::new(m.reports.clone()))?;
+        registry.register(Box::new(m.dropped.clone()))?;
+        registry.register(Box::new(m.pulls.clone()))?;
+        registry.register(Box::new(m.forwards.clone()))?;
+        registry.register(Box::new(m.live_members.clone()))?;
+        Ok(m)
+    }
+
+    /// Adds what the transport counted since `prev`.
+    pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        let by = |v: &IntCounterVec, l: &str, n: u64| {
+            if n > 0 {
+                v.with_label_values(&[l]).inc_by(n);
+            }
+        };
+        by(
+            &self.gossip_messages,
+            "sent",
+            d(prev.gossip_sent, now.gossip_sent),
+        );
+        by(
+            &self.gossip_messages,
+            "received",
+            d(prev.gossip_received, now.gossip_received),
+        );
+        by(
+            &self.gossip_bytes,
+            "sent",
+            d(prev.gossip_bytes_sent, now.gossip_bytes_sent),
+        );
+        by(
+            &self.gossip_bytes,
+            "received",
+            d(prev.gossip_bytes_received, now.gossip_bytes_received),
+        );
+        self.sync_served
+            .inc_by(d(prev.sync_served, now.sync_served));
+        self.sync_bytes_sent
+            .inc_by(d(prev.sync_bytes_sent, now.sync_bytes_sent));
+        by(
+            &self.reports,
+            "sent",
+            d(prev.reports_sent, now.reports_sent),
+        );
+        by(
+            &self.reports,
+            "received",
+            d(prev.reports_received, now.reports_received),
+        );
+        by(&self.dropped, "malformed", d(prev.malformed, now.malformed));
+        by(&self.dropped, "oversized", d(prev.oversized, now.oversized));
+        by(&self.dropped, "blocked", d(prev.blocked, now.blocked));
+        by(
+            &self.dropped,
+            "send_dropped",
+            d(prev.send_dropped, now.send_dropped),
+        );
+        by(
+            &self.dropped,
+            "connect_failure",
+            d(prev.connect_failures, now.connect_failures),
+        );
+        by(
+            &self.dropped,
+            "handshake_failure",
+            d(prev.handshake_failures, now.handshake_failures),
+        );
+        by(&self.dropped, "bad_gossip_value", d(schema.0, schema.1));
+    }
+}

@@ -1,0 +1,207 @@
+//! Routing a request: the core's decision, recorded so that the next decisions see it, and the
+//! [`Ticket`] that undoes the accounting exactly once.
+//!
+//! Accounting of a routed request (in-flight counts, tenant quotas, queued prefill) is owned by a
+//! [`Ticket`] whose `Drop` undoes it, so a client that disconnects mid-stream, a failed attempt
+//! and a finished response all release exactly once.
+//!
+//! A routed request's blocks are in the engine's prefix cache only once *its* prefill is done,
+//! as the simulator models it (`bench::sim`): at routing time they go into the view's overlay
+//! counted from the predicted end of that prefill (`View::record_routed_ready`), and only at
+//! the response's first byte ([`Ticket::first_byte`]) into the replica's approximate cache model
+//! and the block report to a remote home. A request that fails before its first byte records
+//! nothing there.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::state::{Core, Endpoint, Node};
+use crate::core::cache_model::CacheSource;
+use crate::core::keys::BlockKey;
+use crate::core::router::{Decision, RouteRequest};
+use crate::tokenize::token_namespace;
+
+/// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
+/// simulator): a wildly overloaded estimate must not park keys for hours.
+const MAX_READY_IN_S: f64 = 3600.0;
+
+impl Node {
+    /// Routes `req` (never to a replica in `req.exclude`, those it already failed on). On a
+    /// route, records it (overlay from the predicted end of its prefill, in-flight, tenant,
+    /// queued prefill) and returns the [`Ticket`] that releases it. The cache model and the home
+    /// learn its blocks later, at [`Ticket::first_byte`].
+    pub fn route(self: &Arc<Self>, req: &RouteRequest<'_>) -> (Decision, Option<Ticket>) {
+        let started = Instant::now();
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let decision = core.router.route(&core.view, req, now);
+        let ticket = match &decision {
+            Decision::Route(d) => {
+                let i = d.replica;
+                let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
+                let uncached = req.prompt_tokens.saturating_sub(cached);
+                // Its blocks count in the overlay once its prefill is predicted done: the prefill
+                // queued there before it (this request's own not yet added), then its own.
+                let ready_in = core.view.replica(i).map_or(0.0, |r| {
+                    core.router.config().cost.prefill_done_s(r, uncached)
+                });
+                let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
+                    .unwrap_or_default();
+                core.view.record_routed_ready(i, req.keys, now, ready_in);
+                let rt = &mut core.replicas[i];
+                rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
+                let pending = rt.queued_estimate();
+                if let Some(r) = core.view.replica_mut(i) {
+                    r.load.queued_prefill_tokens = pending;
+                }
+                if let Some(t) = req.tenant {
+                    core.router.tenants.started(t, i);
+                }
+                let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
+                    id: Arc::from("?"),
+                    base: Arc::from(""),
+                });
+                self.metrics
+                    .in_flight
+                    .with_label_values(&[&endpoint.id])
+                    .inc();
+                Some(Ticket {
+                    node: Arc::clone(self),
+                    replica: i,
+                    endpoint,
+                    tenant: req.tenant.map(str::to_owned),
+                    pending_tokens: uncached,
+                    started: false,
+                })
+            }
+            _ => None,
+        };
+        drop(guard);
+        self.metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if let Decision::Route(d) = &decision {
+            self.metrics.hit_blocks.observe(d.hit_blocks as f64);
+        }
+        (decision, ticket)
+    }
+
+    /// The node's token-mode keys for a request: appends them to `out` and returns the prompt's
+    /// token count, or `None` when the request uses text mode (no tokenizer, another model, or it
+    /// cannot be tokenized faithfully — counted in `kvmesh_token_mode_fallbacks_total{reason}`).
+    pub fn token_keys(
+        &self,
+        body: &[u8],
+        model: &str,
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+        isolated_tenant: Option<&str>,
+        out: &mut Vec<BlockKey>,
+    ) -> Option<u64> {
+        let tm = self.tokenizer.as_ref()?;
+        if !tm.applies_to(model) {
+            self.kv_metrics
+                .token_fallbacks
+                .with_label_values(&["other_model"])
+                .inc();
+            return None;
+        }
+        let ns = token_namespace(lora, cache_salt, isolated_tenant);
+        match tm.request_keys(body, ns, out) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                out.clear();
+                tracing::debug!(error = %e, "request keyed by text");
+                self.kv_metrics
+                    .token_fallbacks
+                    .with_label_values(&[e.label()])
+                    .inc();
+                None
+            }
+        }
+    }
+}
+
+/// Releases a routed request's accounting when dropped.
+pub struct Ticket {
+    node: Arc<Node>,
+    replica: usize,
+    endpoint: Endpoint,
+    tenant: Option<String>,
+    pending_tokens: u64,
+    /// [`Ticket::first_byte`] ran.
+    started: bool,
+}
+
+impl Ticket {
+    /// The replica's view index.
+    pub fn replica(&self) -> usize {
+        self.replica
+    }
+
+    /// The replica's address.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
+    /// longer count as queued there, and its blocks (`keys`) are now in the engine's prefix
+    /// cache: the overlay counts them from now if it predicted later, an approximate cache
+    /// model learns them (an exact, KV-event one takes no guesses) and, when another node is the
+    /// replica's home, they are reported to it. Pass no keys for a response that is not a
+    /// success (the engine refused the request: nothing was cached). Only the first call
+    /// counts; later ones are no-ops.
+    pub fn first_byte(&mut self, keys: &[BlockKey]) {
+        if std::mem::replace(&mut self.started, true) {
+            return;
+        }
+        let tokens = std::mem::take(&mut self.pending_tokens);
+        let now = self.node.now();
+        let mut guard = self.node.lock();
+        let core = &mut *guard;
+        release_pending(core, self.replica, tokens);
+        if keys.is_empty() {
+            return;
+        }
+        // Its prefill is done now, whatever was predicted: the overlay counts its keys from now.
+        core.view.prefill_done(self.replica, keys, now);
+        let Some(rt) = core.replicas.get_mut(self.replica) else {
+            return;
+        };
+        if rt.cache.source() == CacheSource::Approximate {
+            rt.cache.record_routed(keys, now);
+            rt.summary_dirty = true;
+        }
+        let target = rt.mesh.report_target();
+        drop(guard);
+        self.node.after_first_byte(self.replica, target, keys);
+    }
+}
+
+fn release_pending(core: &mut Core, i: usize, tokens: u64) {
+    if let Some(rt) = core.replicas.get_mut(i) {
+        rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_sub(tokens);
+        let pending = rt.queued_estimate();
+        if let Some(r) = core.view.replica_mut(i) {
+            r.load.queued_prefill_tokens = pending;
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut core = self.node.lock();
+        release_pending(&mut core, self.replica, self.pending_tokens);
+        core.view.finished(self.replica);
+        if let Some(t) = &self.tenant {
+            core.router.tenants.finished(t, self.replica);
+        }
+        drop(core);
+        self.node
+            .metrics
+            .in_flight
+            .with_label_values(&[&self.endpoint.id])
+            .dec();
+    }
+}

@@ -1,0 +1,266 @@
+//! The node's state: the routing core's data behind one lock, plus what the HTTP front and the
+//! replica tasks share (endpoints, the HTTP client, metrics, token mode, the mesh slot).
+//!
+//! Exists to keep the driver side of the sans-IO core in one place: the view, the router and each
+//! replica's cache model and health record live together in a [`Core`] behind a std `Mutex`,
+//! because every operation on them is synchronous and short (a routing decision is
+//! microseconds). The lock is never held across an `.await`. Time for the core is the
+//! [`Duration`] since the node started, from a monotonic clock. What the node *does* with this
+//! state sits beside it, one concern a file (see `node/mod.rs`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use super::config::NodeConfig;
+use super::mesh_state::{worst, NodeMesh, ReplicaMesh};
+use super::metrics::Metrics;
+use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+use crate::core::cost::CostModel;
+use crate::core::policy::PolicyKind;
+use crate::core::router::{Router, RouterConfig};
+use crate::core::summary::SummaryConfig;
+use crate::core::tenants::{TenantConfig, Tenants};
+use crate::core::view::{Health, View};
+use crate::replicas::health::HealthTracker;
+use crate::replicas::kv_events::KvMetrics;
+use crate::replicas::prom::EngineLoad;
+use crate::tokenize::TokenMode;
+
+/// Driver-side state of one replica, indexed like the view.
+#[derive(Debug)]
+pub struct ReplicaRuntime {
+    /// The replica's cache model: approximate (fed by this node's requests there at their first
+    /// byte, and by other nodes' block reports when home) or, while
+    /// its KV-event stream is up, exact (fed by the events; see `replicas::kv_events`).
+    pub cache: CacheModel,
+    /// The cache model changed since its summary was last copied into the view.
+    pub summary_dirty: bool,
+    /// Active-check and outlier-ejection state.
+    pub health: HealthTracker,
+    /// Uncached prompt tokens of this node's requests there that have no first byte yet.
+    pub pending_prefill_tokens: u64,
+    /// Models came from the config (never replaced by discovery).
+    pub models_configured: bool,
+    /// Capacity came from the config (never replaced by a scrape).
+    pub capacity_configured: bool,
+    /// Latest scrape, if any succeeded.
+    pub engine: Option<EngineLoad>,
+    /// Left the registry (DNS no longer lists it): takes no new requests.
+    pub removed: bool,
+    /// Mesh role and sync state (home or follower); a single node is home of everything.
+    pub mesh: ReplicaMesh,
+}
+
+impl ReplicaRuntime {
+    /// Health for routing: draining once removed, else what checks and ejection say, made worse
+    /// by what the replica's home node publishes when another node is its home.
+    pub fn effective_health(&self) -> Health {
+        if self.removed {
+            Health::Draining
+        } else {
+            worst(self.health.health(), self.mesh.remote_health)
+        }
+    }
+
+    /// Prompt tokens believed queued for prefill there: this node's own, plus what the home
+    /// publishes when another node is home.
+    pub fn queued_estimate(&self) -> u64 {
+        self.pending_prefill_tokens
+            .saturating_add(self.mesh.remote_queued)
+    }
+}
+
+/// Everything routing reads and writes, behind the node's one lock.
+pub struct Core {
+    /// What the node knows of the fleet.
+    pub view: View,
+    /// The router (policy, RNG, tenants).
+    pub router: Router,
+    /// Per replica, by view index.
+    pub replicas: Vec<ReplicaRuntime>,
+}
+
+/// One replica's address; cheap to clone so the request path can hold it without a lock.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    /// Replica id.
+    pub id: Arc<str>,
+    /// Base URL without a trailing slash.
+    pub base: Arc<str>,
+}
+
+/// The shared state of a running node.
+pub struct Node {
+    /// The validated configuration.
+    pub cfg: NodeConfig,
+    /// The routing policy.
+    pub policy: PolicyKind,
+    /// Replica endpoints, by view index (append-only, like the view).
+    pub(super) endpoints: RwLock<Vec<Endpoint>>,
+    /// HTTP client for replicas (pooled connections).
+    pub client: reqwest::Client,
+    /// Metric handles.
+    pub metrics: Metrics,
+    /// KV-event and token-mode metric handles (registered in `metrics.registry`).
+    pub kv_metrics: KvMetrics,
+    /// Token mode (`[tokenizer]`), when configured and loaded; `None` means text mode.
+    pub tokenizer: Option<TokenMode>,
+    pub(super) core: Mutex<Core>,
+    pub(super) start: Instant,
+    pub(super) tenant_cfgs: HashMap<String, TenantConfig>,
+    pub(super) default_tenant: TenantConfig,
+    pub(super) summary_cfg: SummaryConfig,
+    pub(super) epoch_base: u64,
+    /// Mesh membership, when the node runs one (see `mesh_state.rs`).
+    pub(super) mesh: NodeMesh,
+}
+
+fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
+    (tokens / u64::from(tokens_per_block.max(1))).max(1) as usize
+}
+
+/// Token mode if configured and loadable; otherwise text mode, with the reason logged.
+fn load_token_mode(cfg: &NodeConfig) -> Option<TokenMode> {
+    let Some(tc) = &cfg.tokenizer else {
+        tracing::info!("no [tokenizer] configured: routing keys from request text");
+        return None;
+    };
+    match TokenMode::load(tc) {
+        Ok(tm) => {
+            tracing::info!(tokenizer = %tc.path.display(), block_size = ?tm.block_size(), "token mode");
+            Some(tm)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot load the tokenizer: routing keys from request text");
+            None
+        }
+    }
+}
+
+impl Node {
+    /// The node's state from a validated config, with no replica registered yet
+    /// (`Node::new` in `registry.rs` registers the configured ones).
+    pub(super) fn empty(cfg: NodeConfig) -> anyhow::Result<Arc<Node>> {
+        cfg.validate()?;
+        let policy = cfg.policy_kind()?;
+        let tokenizer = load_token_mode(&cfg);
+        // Text mode: a block of `block_bytes` bytes is about block_bytes / 4 tokens; token mode:
+        // the engine's block size once known.
+        let tokens_per_block = tokenizer
+            .as_ref()
+            .and_then(TokenMode::block_size)
+            .unwrap_or((cfg.block_bytes / 4).max(1) as u32);
+        let mut view = View::new(cfg.region.clone(), tokens_per_block);
+        view.overlay_ttl = Duration::from_secs(cfg.overlay_ttl_s);
+        let summary_cfg = SummaryConfig::for_cluster(&cfg.cluster_id);
+        // Cache model epochs start at wall-clock ms, so a restarted node's summaries supersede
+        // the previous run's.
+        let epoch_base = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(1);
+        let router = Router::new(
+            RouterConfig {
+                policy,
+                seed: cfg.seed,
+                spill_after_s: cfg.spill_after_s,
+                cost: CostModel {
+                    w_load_s: cfg.w_load_s,
+                    affinity_credit_s: cfg.affinity_credit_s,
+                    tier_weights: cfg.tier_weights,
+                },
+            },
+            Tenants::new(cfg.tenants.clone(), cfg.default_tenant.clone()),
+        );
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout())
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()?;
+        let metrics = Metrics::new()?;
+        let kv_metrics = KvMetrics::new(&metrics.registry)?;
+        let node = Arc::new(Node {
+            policy,
+            endpoints: RwLock::new(Vec::with_capacity(cfg.replicas.len())),
+            client,
+            metrics,
+            kv_metrics,
+            tokenizer,
+            core: Mutex::new(Core {
+                view,
+                router,
+                replicas: Vec::with_capacity(cfg.replicas.len()),
+            }),
+            start: Instant::now(),
+            tenant_cfgs: cfg.tenants.clone(),
+            default_tenant: cfg.default_tenant.clone(),
+            summary_cfg,
+            epoch_base,
+            mesh: NodeMesh::default(),
+            cfg,
+        });
+        Ok(node)
+    }
+
+    /// Replica `i`'s address.
+    pub fn endpoint(&self, i: usize) -> Option<Endpoint> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(i)
+            .cloned()
+    }
+
+    /// Replicas ever registered (indexes `0..n`).
+    pub fn replica_count(&self) -> usize {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    pub(super) fn id_of(&self, i: usize) -> Arc<str> {
+        self.endpoint(i).map_or_else(|| Arc::from("?"), |e| e.id)
+    }
+
+    /// Time for the core: since the node started, monotonic.
+    pub fn now(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// The core, locked. A panic while holding the lock cannot leave the core half-updated in a
+    /// way that matters more than refusing all traffic would, so a poisoned lock is recovered.
+    pub fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `tenant`'s requests get their own key namespace.
+    pub fn tenant_isolated(&self, tenant: Option<&str>) -> bool {
+        tenant
+            .and_then(|t| self.tenant_cfgs.get(t))
+            .unwrap_or(&self.default_tenant)
+            .isolated
+    }
+}
+
+impl Node {
+    /// A new, empty cache model for a replica of `capacity_tokens`, summary epoch `epoch`.
+    pub(crate) fn cache_model(
+        &self,
+        source: CacheSource,
+        epoch: u64,
+        capacity_tokens: u64,
+        tokens_per_block: u32,
+    ) -> anyhow::Result<CacheModel> {
+        let mut mc =
+            CacheModelConfig::with_capacity(tokens_to_blocks(capacity_tokens, tokens_per_block));
+        mc.ttl = Duration::from_secs(self.cfg.cache_ttl_s);
+        Ok(CacheModel::new(
+            source,
+            epoch,
+            mc,
+            self.summary_cfg.clone(),
+        )?)
+    }
+}

@@ -1,0 +1,212 @@
+//! The node's watcher tasks: per replica, active health checks and `/metrics` scrapes on their
+//! intervals and its KV-event subscriber; per DNS source, the resolver loop; for the node, the
+//! summary/overlay/ejection upkeep. Each task asks the replica (`replicas::probe`, the KV-event
+//! stream, DNS) and hands the answer to the node's state (`feedback.rs`, `registry.rs`).
+//!
+//! Also where the node implements the narrow traits the replica layer feeds it through
+//! ([`KvEventSink`], [`ReplicaRegistry`]), so nothing under `replicas/` knows the node.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::state::Node;
+use crate::core::keys::BlockKey;
+use crate::core::summary::Tier;
+use crate::replicas::config::ReplicaConfig;
+use crate::replicas::dns::{self, DnsSource, ReplicaRegistry};
+use crate::replicas::kv_events::{self, KvEventSink};
+use crate::replicas::kv_index::Op;
+use crate::replicas::probe;
+use crate::shutdown::stopped;
+
+/// One active check of replica `i`: `/health`, then `/v1/models` if its models are unknown.
+pub async fn check_once(node: &Node, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    // In a mesh, followers leave most checks to the replica's home (see `mesh_roles.rs`).
+    if node.is_removed(i) || !node.should_check(i) {
+        return;
+    }
+    let timeout = Duration::from_millis(node.cfg.health.timeout_ms);
+    let ok = probe::health(&node.client, &ep.id, &ep.base, timeout).await;
+    let models = if ok && node.needs_models(i) {
+        probe::models(&node.client, &ep.id, &ep.base, timeout).await
+    } else {
+        None
+    };
+    node.active_check(i, ok, models);
+}
+
+/// One scrape of replica `i`'s `/metrics`.
+pub async fn scrape_once(node: &Node, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    if node.is_removed(i) || !node.should_scrape(i) {
+        return;
+    }
+    let timeout = Duration::from_millis(node.cfg.scrape.timeout_ms);
+    let id: &str = &ep.id;
+    match probe::metrics(&node.client, &ep.base, timeout).await {
+        Ok(load) => {
+            if load.skipped_lines > 0 {
+                node.metrics.scrape_skipped_lines.inc_by(load.skipped_lines);
+            }
+            if let Err(e) = node.apply_scrape(i, load) {
+                tracing::warn!(replica = %id, error = %e, "cannot apply scrape");
+            }
+        }
+        Err(e) => {
+            tracing::debug!(replica = %id, error = %e, "scrape failed");
+            node.metrics.scrape_errors.with_label_values(&[id]).inc();
+        }
+    }
+}
+
+/// Runs one check round and one scrape round over `replicas` concurrently (used before serving
+/// and when DNS adds replicas, so routing starts knowing health, models and capacities).
+pub async fn check_all(node: &Arc<Node>, replicas: impl Iterator<Item = usize>) {
+    let scrape = node.cfg.scrape.interval_ms > 0;
+    futures::future::join_all(replicas.map(|i| async move {
+        check_once(node, i).await;
+        if scrape {
+            scrape_once(node, i).await;
+        }
+    }))
+    .await;
+}
+
+/// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, and
+/// its KV-event subscriber if configured, until `stop` turns true.
+pub fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    spawn_kv_events(node, stop, i);
+    let period = Duration::from_millis(node.cfg.health.interval_ms);
+    spawn_every(node, stop, period, move |n| async move {
+        check_once(&n, i).await
+    });
+    if node.cfg.scrape.interval_ms > 0 {
+        let period = Duration::from_millis(node.cfg.scrape.interval_ms);
+        spawn_every(node, stop, period, move |n| async move {
+            scrape_once(&n, i).await
+        });
+    }
+}
+
+/// Spawns every watcher: per registered replica, health checks and scrapes; for the node, the
+/// summary/overlay/ejection upkeep; per DNS source, the resolver loop. All stop when `stop`
+/// turns true.
+pub fn spawn_watchers(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    dns: Vec<(dns::DnsSource, Duration)>,
+) {
+    for i in 0..node.replica_count() {
+        spawn_replica_watchers(node, stop, i);
+    }
+    let period = Duration::from_millis(node.cfg.summary_interval_ms);
+    spawn_every(node, stop, period, |n| async move { n.tick() });
+    for (source, next) in dns {
+        tokio::spawn(run_dns(Arc::clone(node), source, next, stop.clone()));
+    }
+}
+
+fn spawn_every<F, Fut>(node: &Arc<Node>, stop: &watch::Receiver<bool>, period: Duration, f: F)
+where
+    F: Fn(Arc<Node>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let node = Arc::clone(node);
+    let mut stop = stop.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(period);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => f(Arc::clone(&node)).await,
+                _ = stopped(&mut stop) => break,
+            }
+        }
+    });
+}
+
+/// Starts the KV-event subscriber of replica `i` if its config has `kv_events`.
+fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    let source = node
+        .cfg
+        .replicas
+        .iter()
+        .find(|r| r.effective_id() == *ep.id)
+        .and_then(|r| r.kv_events.clone());
+    if let Some(source) = source {
+        if node.tokenizer.is_none() {
+            tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
+        }
+        let sink: Arc<dyn KvEventSink> = Arc::clone(node) as Arc<dyn KvEventSink>;
+        tokio::spawn(kv_events::run(
+            sink,
+            node.kv_metrics.clone(),
+            i,
+            ep.id,
+            source,
+            stop.clone(),
+        ));
+    }
+}
+/// Keeps a source's replicas in the registry until `stop` turns true, first resolving after
+/// `next`.
+async fn run_dns(
+    node: Arc<Node>,
+    mut source: DnsSource,
+    mut next: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(next) => {}
+            _ = stopped(&mut stop) => return,
+        }
+        let (added, wait) = source.sync(node.as_ref()).await;
+        next = wait;
+        if !added.is_empty() {
+            for &i in &added {
+                spawn_replica_watchers(&node, &stop, i);
+            }
+            check_all(&node, added.into_iter()).await;
+        }
+    }
+}
+impl ReplicaRegistry for Node {
+    fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
+        Node::add_replica(self, spec)
+    }
+
+    fn remove_replica(&self, i: usize) {
+        Node::remove_replica(self, i)
+    }
+}
+
+impl KvEventSink for Node {
+    fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
+        Node::apply_ops(self, i, ops)
+    }
+
+    fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()> {
+        Node::set_exact(self, i, exact, keys)
+    }
+
+    fn learn_block_size(&self, i: usize, block_size: u32) {
+        let Some(tm) = self.tokenizer.as_ref() else {
+            return;
+        };
+        if let Some(bs) = tm.learn_block_size(block_size) {
+            tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from KV events");
+            self.lock().view.tokens_per_block = bs;
+        }
+    }
+}

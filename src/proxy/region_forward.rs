@@ -1,0 +1,139 @@
+//! Forwarding a request to another region: plain HTTP to a live node of that region with the
+//! hop header, streamed back unbuffered.
+//!
+//! A forwarded request carries `x-kvmesh-hop: 1` and is never forwarded again; the receiving
+//! node routes it as `forwarded` and the answer names the node in `x-kvmesh-forwarded-to`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::StreamExt;
+use rand::seq::SliceRandom;
+
+use super::error::ApiError;
+use crate::core::router::ForwardReason;
+use crate::node::{Node, Peer};
+
+/// Request header marking a request another node already forwarded (its value is the hop
+/// count, always 1). A request carrying it is never forwarded again.
+pub const HOP_HEADER: &str = "x-kvmesh-hop";
+/// Peers whose RTTs differ by less than this many ms count as equally near when forwarding.
+const FORWARD_RTT_STEP_MS: u128 = 5;
+
+/// Response header naming the node a request was forwarded to.
+pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
+
+/// A replica or node status that counts as a failure: retried elsewhere.
+pub(super) fn is_failure(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}
+
+/// Forwards a request the router sent to `region`: to a live node there (lowest RTT first, the
+/// rest shuffled), with the hop header; a node that fails before answering (connect error,
+/// timeout, 5xx) gives way to the next; the answer streams back unbuffered.
+pub async fn forward(
+    node: &Arc<Node>,
+    region: &str,
+    reason: ForwardReason,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let metrics = node.mesh_slot().metrics.get();
+    let count = |outcome: &str| {
+        if let Some(m) = metrics {
+            m.forwards.with_label_values(&[region, outcome]).inc();
+        }
+    };
+    let mut peers = node.peers_in(region);
+    let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
+    peers.shuffle(&mut rand::rng());
+    // Stable sort on RTT in 5 ms steps: nodes about as near as each other share the forwarded
+    // load at random (one "nearest" node would take it all); unmeasured nodes come last.
+    let step = |p: &Peer| {
+        rtts.get(&p.quic_addr)
+            .map_or(u128::MAX, |d| d.as_millis() / FORWARD_RTT_STEP_MS)
+    };
+    peers.sort_by_key(|p| step(p));
+    let mut headers = headers.clone();
+    headers.insert(
+        HeaderName::from_static(HOP_HEADER),
+        HeaderValue::from_static("1"),
+    );
+    let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
+    let mut last = String::from("no live node there");
+    for peer in &peers {
+        let send = node
+            .client
+            .post(format!("{}{path}", peer.http_url))
+            .headers(headers.clone())
+            .body(body.clone())
+            .send();
+        match tokio::time::timeout(first_byte, send).await {
+            Ok(Ok(resp)) if !is_failure(resp.status()) => {
+                tracing::debug!(%region, peer = %peer.node_id, ?reason, "forwarded");
+                count("ok");
+                return Ok(stream_back(node, resp, &peer.node_id));
+            }
+            Ok(Ok(resp)) => last = format!("node {} answered {}", peer.node_id, resp.status()),
+            Ok(Err(e)) => last = format!("node {} failed: {e}", peer.node_id),
+            Err(_) => last = format!("node {} sent nothing within {first_byte:?}", peer.node_id),
+        }
+        tracing::warn!(%region, peer = %peer.node_id, error = %last, "forward attempt failed");
+        count("retry");
+    }
+    count("unavailable");
+    Err(ApiError::unavailable(format!(
+        "no local replica can serve this request and forwarding to region '{region}' failed: {last}"
+    )))
+}
+
+/// Streams another node's answer back, cutting it after the idle timeout.
+fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str) -> Response {
+    let status = resp.status();
+    let mut headers = HeaderMap::with_capacity(resp.headers().len() + 1);
+    for (k, v) in resp.headers() {
+        if !matches!(
+            k.as_str(),
+            "connection" | "keep-alive" | "transfer-encoding" | "te" | "trailer" | "upgrade"
+        ) {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(peer) {
+        headers.insert(HeaderName::from_static(FORWARDED_TO_HEADER), v);
+    }
+    let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
+    let inner = Box::pin(resp.bytes_stream());
+    let stream = futures::stream::unfold((inner, false), move |(mut inner, done)| async move {
+        if done {
+            return None;
+        }
+        match tokio::time::timeout(idle, inner.next()).await {
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), (inner, false))),
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e)), (inner, true))),
+            Ok(None) => None,
+            Err(_) => Some((
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no data from the forwarded node",
+                )),
+                (inner, true),
+            )),
+        }
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}

@@ -1,0 +1,87 @@
+//! One replica of the static registry: the `[[replicas]]` entry of the node's configuration, and
+//! what DNS sources make of each address they find.
+
+use serde::Deserialize;
+
+use super::kv_events::KvEventsSource;
+
+/// One replica of the static registry.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// Base URL of its OpenAI-compatible API, e.g. `http://10.0.0.5:8000` (required).
+    pub url: String,
+    /// Stable id. Default: the URL's `host:port`.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Region. Default: the node's region.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Zone or rack. Default empty.
+    #[serde(default)]
+    pub zone: String,
+    /// Pool. Default `shared`.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Models it serves. Default: discovered from its `/v1/models` by the health checks.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV capacity in tokens. Default: from `vllm:cache_config_info` when scraped, else 450,000.
+    #[serde(default)]
+    pub capacity_tokens: Option<u64>,
+    /// Prefill speed in tokens/s for the cost model. Default 50,000 (8B model on one H100).
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// In-flight requests above which it counts as full. Default 256.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+    /// The engine's KV-event endpoints; when set, the replica's cache model follows its events
+    /// while the stream is up. Default none (approximate model only).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSource>,
+}
+
+pub(crate) fn default_pool() -> String {
+    "shared".into()
+}
+pub(crate) fn default_prefill_rate() -> f64 {
+    50_000.0
+}
+pub(crate) fn default_max_in_flight() -> u32 {
+    256
+}
+
+/// KV capacity assumed for a replica until configured or scraped (tokens).
+pub const DEFAULT_CAPACITY_TOKENS: u64 = 450_000;
+
+impl ReplicaConfig {
+    /// A replica with every default, at `url`.
+    pub fn from_url(url: impl Into<String>) -> Self {
+        ReplicaConfig {
+            url: url.into(),
+            id: None,
+            region: None,
+            zone: String::new(),
+            pool: default_pool(),
+            models: Vec::new(),
+            capacity_tokens: None,
+            prefill_tokens_per_s: default_prefill_rate(),
+            max_in_flight: default_max_in_flight(),
+            kv_events: None,
+        }
+    }
+
+    /// The id: configured, or the URL's authority.
+    pub fn effective_id(&self) -> String {
+        if let Some(id) = &self.id {
+            return id.clone();
+        }
+        reqwest::Url::parse(&self.url)
+            .ok()
+            .and_then(|u| {
+                u.host_str()
+                    .map(|h| format!("{h}:{}", u.port_or_known_default().unwrap_or(80)))
+            })
+            .unwrap_or_else(|| self.url.clone())
+    }
+}

@@ -3,10 +3,11 @@
 //!
 //! Exists because a layering that is only written down drifts. The import graph is read from
 //! the source text (no compiler needed): every `crate::`, `super::` and `self::` path (with
-//! `use` groups expanded) and every path through a child module a file declares, outside its
-//! `#[cfg(test)]` part, is an edge to the longest module prefix that is a file. Doc links count:
-//! a file that links to another depends on it for its meaning. `mod.rs` files are indexes, so a
-//! child that imports a sibling through its parent's re-exports closes a cycle and is reported.
+//! `use` groups expanded), every path through a child module a file declares or a module a `use`
+//! brought in, outside `#[cfg(test)]` items, is an edge to the longest module prefix that is a
+//! file. Doc links count:
+//! a file that links to another depends on it for its meaning. A child that imports a sibling
+//! through its parent's re-exports closes a cycle (parent → sibling → … → parent) and is reported.
 //!
 //! Run alone with `cargo test --test layout -- --nocapture` to print the graph's size.
 
@@ -152,6 +153,17 @@ fn named_paths(text: &str, children: &BTreeSet<String>) -> Vec<Vec<String>> {
             }
         }
     }
+    // Names a `use` brought in, by their last segment, for paths written through them.
+    let aliases: BTreeMap<String, Vec<String>> = out
+        .iter()
+        .filter(|p| {
+            matches!(
+                p.first().map(String::as_str),
+                Some("crate" | "super" | "self")
+            )
+        })
+        .filter_map(|p| Some((p.last()?.clone(), p.clone())))
+        .collect();
     let chars: Vec<char> = text.chars().collect();
     let mut i = 0;
     while i < chars.len() {
@@ -179,10 +191,13 @@ fn named_paths(text: &str, children: &BTreeSet<String>) -> Vec<Vec<String>> {
             }
         }
         let first = path[0].as_str();
-        if path.len() > 1
-            && (matches!(first, "crate" | "super" | "self") || children.contains(first))
-        {
-            out.push(path);
+        if path.len() > 1 {
+            if matches!(first, "crate" | "super" | "self") || children.contains(first) {
+                out.push(path);
+            } else if let Some(imported) = aliases.get(first) {
+                // `use crate::node; … node::watchers::f()` names `node/watchers.rs`.
+                out.push(imported.iter().chain(&path[1..]).cloned().collect());
+            }
         }
         i = j.max(i + 1);
     }
@@ -211,13 +226,47 @@ fn absolute(path: &[String], at: &Module, children: &BTreeSet<String>) -> Option
     Some(base)
 }
 
+/// `text` without its `#[cfg(test)]` items (a test module, a test-only helper): tests may import
+/// anything. An item ends at its first `;` or at the brace that closes its first `{`.
+fn without_test_items(text: &str) -> String {
+    const ATTR: &str = "#[cfg(test)]";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(ATTR) {
+        out.push_str(&rest[..at]);
+        let item = &rest[at + ATTR.len()..];
+        let mut depth = 0usize;
+        let mut end = item.len();
+        for (k, c) in item.char_indices() {
+            match c {
+                ';' if depth == 0 => {
+                    end = k + 1;
+                    break;
+                }
+                '{' => depth += 1,
+                '}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        end = k + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rest = &item[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The file-level import graph of `src/`: file → files it names.
 fn import_graph(src: &Path) -> BTreeMap<Module, BTreeSet<Module>> {
     let files = modules(src);
     let mut graph = BTreeMap::new();
     for (module, path) in &files {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let text = without_test_items(&text);
         // Child modules declared by this file (`mod x;`), named relative to it.
         let children: BTreeSet<String> = files
             .keys()
@@ -225,7 +274,7 @@ fn import_graph(src: &Path) -> BTreeMap<Module, BTreeSet<Module>> {
             .filter_map(|m| m.last().cloned())
             .collect();
         let mut edges = BTreeSet::new();
-        for p in named_paths(text, &children) {
+        for p in named_paths(&text, &children) {
             let Some(full) = absolute(&p, module, &children) else {
                 continue;
             };
@@ -311,6 +360,23 @@ fn root() -> PathBuf {
 
 #[test]
 fn no_file_of_src_imports_itself_through_others() {
+    // The graph maps files to modules by their paths; `#[path]` would break that mapping.
+    for path in modules(&root().join("src")).values() {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let path_attr =
+            text.contains("#[path") || (text.contains("cfg_attr") && text.contains("path ="));
+        assert!(
+            !path_attr,
+            "{} uses #[path]: name files after their modules",
+            path.display()
+        );
+    }
+    // Paths through re-exports at the crate root would name `lib.rs`, which is no layer's file.
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap_or_default();
+    assert!(
+        !lib.lines().any(|l| l.trim_start().starts_with("pub use")),
+        "src/lib.rs re-exports: name items by their module path instead"
+    );
     let graph = import_graph(&root().join("src"));
     let edges: usize = graph.values().map(BTreeSet::len).sum();
     println!("{} files, {edges} import edges", graph.len());
@@ -384,6 +450,18 @@ fn the_checker_sees_cycles_and_use_groups() {
     assert!(has(&["super", "g"]));
     assert!(has(&["child", "h"]));
     assert!(has(&["crate", "i", "J", "k"]));
+    let through_import = named_paths(
+        "use crate::node;\nfn f() { node::watchers::g(); }",
+        &BTreeSet::new(),
+    );
+    assert!(through_import
+        .iter()
+        .any(|q| q == &["crate", "node", "watchers", "g"]));
+    let stripped = without_test_items(
+        "use crate::a;\n#[cfg(test)]\nfn h() { if x { crate::b::c(); } }\n#[cfg(test)]\nuse crate::d;\nuse crate::e;",
+    );
+    assert!(stripped.contains("crate::a") && stripped.contains("crate::e"));
+    assert!(!stripped.contains("crate::b") && !stripped.contains("crate::d"));
     let m = |s: &str| s.split('/').map(str::to_owned).collect::<Module>();
     let graph = BTreeMap::from([
         (m("a"), BTreeSet::from([m("b")])),
@@ -433,6 +511,16 @@ fn the_architecture_map_is_short_and_names_only_real_paths() {
     assert!(
         (50..=260).contains(&lines),
         "ARCHITECTURE.md has {lines} lines; the map is meant to be read in 15 minutes (≤ 260)"
+    );
+    // Its layer sections are `### name — path`, in the order `LAYERS` enforces.
+    let headings: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("### "))
+        .filter_map(|l| l.split(" — ").next())
+        .collect();
+    assert_eq!(
+        headings, LAYERS,
+        "ARCHITECTURE.md's layer sections differ from LAYERS"
     );
     let named = named_repo_paths(&text);
     assert!(named.len() > 20, "the map names too few paths: {named:?}");

@@ -18,7 +18,14 @@
 //! So [`View::record_routed_ready`] takes the predicted completion of the request's prefill
 //! (`CostModel::prefill_done_s` in `cost.rs`, which reads the view) and the overlay entry counts from then on
 //! ([`View::record_routed`] = ready at once), or from when the prefill is known done if that is
-//! earlier ([`View::prefill_done`]: the live node's first byte).
+//! earlier ([`View::prefill_done`]: the live node's first byte). It stops counting `overlay_ttl`
+//! after the predicted start; a key already counting keeps its earlier start.
+//!
+//! A replica's hit ([`View::hit_tiers`]) is the leading run of the request's keys held in its
+//! summary or in ready, unexpired overlay entries, split by tier: `gpu` (plain keys or overlay),
+//! `cpu` (then CPU-salted keys), `any` (then CPU- or disk-salted keys). The tier searches run only
+//! when the summary has lower-tier keys and the GPU run stopped early. Replica indexes are stable
+//! for the view's life, so a decision's index stays valid while the request runs.
 
 use std::collections::HashMap;
 use std::sync::Arc;

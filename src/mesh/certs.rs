@@ -9,6 +9,10 @@
 //!
 //! `kvmesh certs init` / `kvmesh certs issue` write PEM files for a quick start; production
 //! deployments may bring certificates from their own PKI as long as they carry the SAN.
+//!
+//! Connections are TLS 1.3 only, with the ring provider passed explicitly and client
+//! certificates required and verified against the CA; ALPN is [`ALPN`]. Key files are written
+//! with mode 0600 (on Unix) and an existing file is never overwritten.
 
 use std::fs;
 use std::path::{Path, PathBuf};

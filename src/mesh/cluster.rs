@@ -4,6 +4,12 @@
 //! The node (`kvmesh serve`) starts a `Mesh`, publishes its replicas' records when it is their
 //! home, reads every member's records to fill its routing `View`, pulls summary bodies from
 //! homes, and reports routed blocks. Everything here is I/O plumbing; decisions stay in the core.
+//!
+//! A node's chitchat generation is its start time in ms, so a restart is a new member. The phi
+//! failure-detector threshold is `failure_detection / gossip_interval`, at least 2 (defaults
+//! 2 s / 100 ms), which declares a silent node dead after about `failure_detection`. Block
+//! reports are batched per home and replica and sent every `report_flush_interval`; RTTs to
+//! other regions are published every `rtt_interval` and read back as a region map.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;

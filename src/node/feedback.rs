@@ -9,6 +9,7 @@ use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
 use crate::core::view::Health;
+use crate::replicas::kv_events::KvEventSink;
 use crate::replicas::kv_index::Op;
 use crate::replicas::prom::EngineLoad;
 
@@ -44,7 +45,7 @@ impl Node {
     }
 
     /// Result of an active health check; `models` when discovered from `/v1/models`.
-    pub fn active_check(&self, i: usize, ok: bool, models: Option<Vec<String>>) {
+    pub(super) fn active_check(&self, i: usize, ok: bool, models: Option<Vec<String>>) {
         let mut core = self.lock();
         let Some(rt) = core.replicas.get_mut(i) else {
             return;
@@ -74,7 +75,7 @@ impl Node {
     }
 
     /// Whether replica `i`'s models still need discovering.
-    pub fn needs_models(&self, i: usize) -> bool {
+    pub(super) fn needs_models(&self, i: usize) -> bool {
         let core = self.lock();
         match (core.replicas.get(i), core.view.replica(i)) {
             (Some(rt), Some(r)) => !rt.models_configured && r.info.models.is_empty(),
@@ -83,7 +84,7 @@ impl Node {
     }
 
     /// A scrape of replica `i`'s `/metrics`.
-    pub fn apply_scrape(&self, i: usize, load: EngineLoad) -> anyhow::Result<()> {
+    pub(super) fn apply_scrape(&self, i: usize, load: EngineLoad) -> anyhow::Result<()> {
         let mut core = self.lock();
         let core = &mut *core;
         let Some(rt) = core.replicas.get_mut(i) else {
@@ -178,12 +179,7 @@ impl Node {
     /// approximate model has no tiers: it takes every key as GPU-held (routed blocks are), so a
     /// replica whose stream is down gets full credit for its offloaded blocks until they age out.
     /// No-op when already in that mode.
-    pub fn set_exact(
-        &self,
-        i: usize,
-        exact: bool,
-        keys: &[(BlockKey, Tier)],
-    ) -> anyhow::Result<()> {
+    fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()> {
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
@@ -235,7 +231,7 @@ impl Node {
     }
 
     /// Applies the index's operations to replica `i`'s cache model, if it is in exact mode.
-    pub fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
+    fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
@@ -273,5 +269,26 @@ impl Node {
         rt.cache.record_routed(keys, now);
         rt.summary_dirty = true;
         true
+    }
+}
+
+// What a KV-event subscriber needs of the node (`replicas::kv_events`).
+impl KvEventSink for Node {
+    fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
+        Node::apply_ops(self, i, ops)
+    }
+
+    fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()> {
+        Node::set_exact(self, i, exact, keys)
+    }
+
+    fn learn_block_size(&self, i: usize, block_size: u32) {
+        let Some(tm) = self.tokenizer.as_ref() else {
+            return;
+        };
+        if let Some(bs) = tm.learn_block_size(block_size) {
+            tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from KV events");
+            self.lock().view.tokens_per_block = bs;
+        }
     }
 }

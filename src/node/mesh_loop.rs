@@ -5,6 +5,21 @@
 //! this node is home for changed), hands it to the synchronous `Node::apply_membership`
 //! (`mesh_roles.rs`), then publishes, withdraws and pulls what that decided, publishes in-flight
 //! counts, refreshes region distances and metrics, and decides when the node is warm.
+//!
+//! Rounds: every gossip interval, on any gossip change and when a home summary changed,
+//! coalesced to at most one per fifth of an interval.
+//!
+//! **Start.** Until the first gossip round (a seedless node: at once; otherwise once a peer is
+//! live and every live member's node record has arrived, or `warmup_timeout_ms` passed) the node
+//! claims no homes. It is *warm*
+//! — `/ready` — once the live set has been stable for 3 rounds (peers heard of through a seed
+//! turn live a round or two later), it holds every replica record each live peer's `homes`
+//! marker counts (a peer's keys may arrive over several gossip messages), and no replica of its
+//! region advertises a newer summary than it holds; or after `warmup_timeout_ms`.
+//!
+//! **Regions.** Each round sets the view's region distances from the mesh's measured RTTs, with
+//! `[[mesh.distance]]` pinned on top. Summary pulls give up after ten rounds (1–5 s) and are
+//! retried by a later round.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -26,8 +41,7 @@ use crate::shutdown::stopped;
 
 /// The running mesh side of a node.
 pub struct MeshRuntime {
-    /// Metrics.
-    pub metrics: MeshMetrics,
+    /// The sync loop.
     task: JoinHandle<()>,
 }
 
@@ -69,14 +83,8 @@ pub async fn start(
     let metrics = MeshMetrics::new(&node.metrics.registry)?;
     // A node is started once; a second start would have failed registering the metrics above.
     let _ = node.mesh_slot().metrics.set(metrics.clone());
-    let task = tokio::spawn(sync_loop(
-        Arc::clone(node),
-        mesh,
-        section,
-        metrics.clone(),
-        stop,
-    ));
-    Ok(Some(MeshRuntime { metrics, task }))
+    let task = tokio::spawn(sync_loop(Arc::clone(node), mesh, section, metrics, stop));
+    Ok(Some(MeshRuntime { task }))
 }
 
 struct LoopState {

@@ -14,7 +14,24 @@
 //! - **follower**: the view's summary is the copy pulled from the home; health and engine load come
 //!   from the home's record (made worse, never better, by this node's own passive ejection and —
 //!   for replicas in its static config — its own cheap `/health` checks); routed blocks are
-//!   reported to the home; the node's own in-flight counts stay its own.
+//!   reported to the home; the node's own in-flight counts stay its own. Its own cache model is
+//!   kept but never shown. It pulls the summary when the record is newer than its copy
+//!   (`needs_pull`), for replicas of its own region only.
+//!
+//! A single node is home of everything, so nothing changes without a mesh. Replicas learned from
+//! a peer's record get watcher tasks too, idle until this node becomes their home; `/metrics`
+//! scrapes run on the home only, `/health` checks on the home and on nodes that have the replica
+//! from their own config or DNS. A replica in this node's config that no live peer publishes (its
+//! home may not have it in its config) gets a stand-in record from this node's own model, until
+//! the home, having learned it from that record, publishes its own.
+//!
+//! **Handover.** A node that becomes home restarts the model's epoch above both the wall clock
+//! and the previous home's epoch (`CacheModel::restart_epoch`, keeping the keys it routed there
+//! itself), so every peer pulls the new home's snapshot. A live previous home keeps its record up
+//! (and keeps answering summary requests) until the new home publishes — so no replica ever
+//! vanishes from gossip — then withdraws it and sends its live keys to the new home as block
+//! reports. When the old home died instead, what only it knew is lost, bounded by overlays and
+//! re-reported routes.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -34,7 +51,7 @@ use crate::mesh::cluster::home_in;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
 use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
-use crate::replicas::config::ReplicaConfig;
+use crate::replicas::entry::ReplicaConfig;
 
 /// Wall-clock milliseconds (summary epochs are wall-clock based so a new home supersedes).
 fn now_ms() -> u64 {
@@ -60,13 +77,13 @@ impl Node {
     }
 
     /// Attaches a started mesh and installs this node as its handler.
-    pub fn attach_mesh(self: &Arc<Self>, mesh: Arc<Mesh>) {
+    pub(super) fn attach_mesh(self: &Arc<Self>, mesh: Arc<Mesh>) {
         mesh.set_handler(Arc::new(Handler(Arc::downgrade(self))));
         *self.mesh.mesh.write().unwrap_or_else(|p| p.into_inner()) = Some(mesh);
     }
 
     /// Detaches the mesh (shutdown); the caller stops it.
-    pub fn detach_mesh(&self) -> Option<Arc<Mesh>> {
+    pub(super) fn detach_mesh(&self) -> Option<Arc<Mesh>> {
         self.mesh
             .mesh
             .write()
@@ -87,7 +104,7 @@ impl Node {
     /// this node has from its own config or DNS (a cheap GET that lets it see a dead replica
     /// before the home's record says so). Replicas learned only from gossip are checked by
     /// their home alone.
-    pub fn should_check(&self, i: usize) -> bool {
+    pub(super) fn should_check(&self, i: usize) -> bool {
         self.lock()
             .replicas
             .get(i)
@@ -96,7 +113,7 @@ impl Node {
 
     /// Whether `/metrics` scrapes of replica `i` run here: on its home only (followers read the
     /// load from the home's record).
-    pub fn should_scrape(&self, i: usize) -> bool {
+    pub(super) fn should_scrape(&self, i: usize) -> bool {
         self.lock().replicas.get(i).is_some_and(|rt| rt.mesh.home)
     }
 
@@ -127,12 +144,12 @@ impl Node {
     }
 
     /// Marks the node warm.
-    pub fn set_mesh_warm(&self) {
+    pub(super) fn set_mesh_warm(&self) {
         self.status().warm = true;
     }
 
     /// Records the members and forwarding peers the sync loop last saw.
-    pub fn set_mesh_members(&self, members: &[Member]) {
+    pub(super) fn set_mesh_members(&self, members: &[Member]) {
         let json = members
             .iter()
             .map(|m| MemberJson {
@@ -177,12 +194,12 @@ impl Node {
     }
 
     /// Replaces the view's region distances.
-    pub fn set_regions(&self, map: RegionMap) {
+    pub(super) fn set_regions(&self, map: RegionMap) {
         self.lock().view.regions = map;
     }
 
     /// Adds a replica known only from a peer's record. Returns its index and whether it is new.
-    pub fn learn_replica(&self, e: &ReplicaEntry) -> anyhow::Result<(usize, bool)> {
+    pub(super) fn learn_replica(&self, e: &ReplicaEntry) -> anyhow::Result<(usize, bool)> {
         if let Some(i) = self.lock().view.index_of(&e.id) {
             return Ok((i, false));
         }
@@ -227,7 +244,7 @@ impl Node {
     /// One membership round, under the lock: decide homes, fold records into the view, and say
     /// what to publish, withdraw and pull. `records` holds one entry per replica id (the
     /// publisher preferred by `replicas_in_region`).
-    pub fn apply_membership(
+    pub(super) fn apply_membership(
         &self,
         self_id: &str,
         live: &[Member],
@@ -388,7 +405,7 @@ impl Node {
     }
 
     /// Applies a pulled summary to replica `i`'s view copy.
-    pub fn apply_pulled(&self, i: usize, msg: &SummaryMessage) -> anyhow::Result<PullKind> {
+    pub(super) fn apply_pulled(&self, i: usize, msg: &SummaryMessage) -> anyhow::Result<PullKind> {
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
@@ -436,7 +453,7 @@ impl Node {
 
     /// A record could not be published (e.g. over the size limit): forget it, so the homes
     /// marker does not count it and the next round tries again.
-    pub fn publish_failed(&self, id: &str) {
+    pub(super) fn publish_failed(&self, id: &str) {
         let mut core = self.lock();
         if let Some(i) = core.view.index_of(id) {
             if let Some(rt) = core.replicas.get_mut(i) {
@@ -446,7 +463,7 @@ impl Node {
     }
 
     /// Replica records this node publishes now.
-    pub fn published_count(&self) -> u32 {
+    pub(super) fn published_count(&self) -> u32 {
         let n = self
             .lock()
             .replicas
@@ -457,14 +474,14 @@ impl Node {
     }
 
     /// A pull of replica `i` failed: allow the next round to try again.
-    pub fn pull_failed(&self, i: usize) {
+    pub(super) fn pull_failed(&self, i: usize) {
         if let Some(rt) = self.lock().replicas.get_mut(i) {
             rt.mesh.pulling = false;
         }
     }
 
     /// This node's in-flight counts for gossip.
-    pub fn inflight_record(&self) -> InflightRecord {
+    pub(super) fn inflight_record(&self) -> InflightRecord {
         let core = self.lock();
         InflightRecord::fit(
             core.view

@@ -16,7 +16,7 @@ use crate::mesh::schema::ReplicaRecord;
 use crate::mesh::Mesh;
 
 /// The worse of two healths (`None` adds nothing).
-pub fn worst(local: Health, remote: Option<Health>) -> Health {
+pub(super) fn worst(local: Health, remote: Option<Health>) -> Health {
     let rank = |h: Health| match h {
         Health::Healthy => 0,
         Health::Draining => 1,

@@ -10,34 +10,35 @@
 //! the node implements, so nothing below imports it.
 //!
 //! Layout (each file imports its siblings by path; this file only declares and re-exports):
-//! - [`state`]: [`Node`] and the [`Core`] behind its one std mutex (view, router, per-replica
+//! - `state.rs`: [`Node`] and the [`Core`] behind its one std mutex (view, router, per-replica
 //!   runtime); time, locking, endpoints.
-//! - [`registry`]: [`Node::new`]; adding, bringing back and draining replicas.
-//! - [`routing`]: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
+//! - `registry.rs`: [`Node::new`]; adding, bringing back and draining replicas.
+//! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
-//! - [`feedback`]: checks, scrapes, request outcomes and KV events folded into health, load and
+//! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
-//! - [`snapshot`]: `/ready`, `/v1/models`, `/admin/state`.
-//! - [`watchers`]: the tasks that probe replicas, follow KV events and DNS.
-//! - [`mesh_state`], [`mesh_roles`], [`mesh_loop`]: the node in a mesh — its data, the home and
+//! - `snapshot.rs`: `/ready`, `/v1/models`, `/admin/state`.
+//! - `watchers.rs`: the tasks that probe replicas, follow KV events and DNS.
+//! - `mesh_state.rs`, `mesh_roles.rs`, `mesh_loop.rs`: the node in a mesh — its data, the home and
 //!   follower roles under the lock, and the async sync loop.
-//! - [`metrics`]: the Prometheus metrics the node serves.
+//! - `metrics.rs`: the Prometheus metrics the node serves.
 //! - [`config`]: `NodeConfig` and `kvmesh serve`'s flags, assembling the sections the
 //!   subsystems own.
 
 pub mod config;
-pub mod feedback;
-pub mod mesh_loop;
-pub mod mesh_roles;
-pub mod mesh_state;
-pub mod metrics;
-pub mod registry;
-pub mod routing;
-pub mod snapshot;
-pub mod state;
-pub mod watchers;
+mod feedback;
+pub(crate) mod mesh_loop;
+mod mesh_roles;
+mod mesh_state;
+mod metrics;
+mod registry;
+mod routing;
+mod snapshot;
+mod state;
+pub(crate) mod watchers;
 
-pub use mesh_state::{MeshStateJson, Peer, PullKind};
+pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
+pub use metrics::{MeshMetrics, Metrics};
 pub use routing::Ticket;
 pub use snapshot::{NodeState, ReplicaStateJson};
 pub use state::{Core, Endpoint, Node, ReplicaRuntime};

@@ -12,7 +12,8 @@ use super::mesh_state::ReplicaMesh;
 use super::state::{Endpoint, Node, ReplicaRuntime};
 use crate::core::cache_model::CacheSource;
 use crate::core::view::{Health, ReplicaInfo};
-use crate::replicas::config::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
+use crate::replicas::dns::ReplicaRegistry;
+use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::replicas::health::HealthTracker;
 
 impl Node {
@@ -120,7 +121,18 @@ impl Node {
     }
 
     /// Whether replica `i` is out of the registry.
-    pub fn is_removed(&self, i: usize) -> bool {
+    pub(super) fn is_removed(&self, i: usize) -> bool {
         self.lock().replicas.get(i).is_none_or(|rt| rt.removed)
+    }
+}
+
+// What a DNS source needs of the node (`replicas::dns`).
+impl ReplicaRegistry for Node {
+    fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
+        Node::add_replica(self, spec)
+    }
+
+    fn remove_replica(&self, i: usize) {
+        Node::remove_replica(self, i)
     }
 }

@@ -9,7 +9,7 @@ use crate::core::view::Health;
 
 impl Node {
     /// Whether some replica is healthy and has known models (the node can serve) and, in a
-    /// mesh, the node is warm (see `mesh_roles.rs`).
+    /// mesh, the node is warm (decided at the end of each round in `mesh_loop.rs`).
     pub fn ready(&self) -> bool {
         self.mesh_ready()
             && self

@@ -106,11 +106,18 @@ pub struct Node {
     pub kv_metrics: KvMetrics,
     /// Token mode (`[tokenizer]`), when configured and loaded; `None` means text mode.
     pub tokenizer: Option<TokenMode>,
+    /// Everything routing reads and writes; take it with [`Node::lock`].
     pub(super) core: Mutex<Core>,
+    /// Time zero of the core's clock ([`Node::now`]).
     pub(super) start: Instant,
+    /// Tenants by name (isolation and quotas), as configured.
     pub(super) tenant_cfgs: HashMap<String, TenantConfig>,
+    /// The settings of a tenant not in `tenant_cfgs`.
     pub(super) default_tenant: TenantConfig,
+    /// The cluster-wide summary settings (Bloom seed), for every cache model.
     pub(super) summary_cfg: SummaryConfig,
+    /// First summary epoch of a new cache model: wall-clock ms at start, so a restarted node's
+    /// summaries supersede the previous run's.
     pub(super) epoch_base: u64,
     /// Mesh membership, when the node runs one (see `mesh_state.rs`).
     pub(super) mesh: NodeMesh,

@@ -3,8 +3,9 @@
 //! summary/overlay/ejection upkeep. Each task asks the replica (`replicas::probe`, the KV-event
 //! stream, DNS) and hands the answer to the node's state (`feedback.rs`, `registry.rs`).
 //!
-//! Also where the node implements the narrow traits the replica layer feeds it through
-//! ([`KvEventSink`], [`ReplicaRegistry`]), so nothing under `replicas/` knows the node.
+//! The replica layer feeds the node through narrow traits the node implements —
+//! `KvEventSink` in `feedback.rs`, `ReplicaRegistry` in `registry.rs` — so nothing under
+//! `replicas/` knows the node.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,17 +13,13 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::state::Node;
-use crate::core::keys::BlockKey;
-use crate::core::summary::Tier;
-use crate::replicas::config::ReplicaConfig;
-use crate::replicas::dns::{self, DnsSource, ReplicaRegistry};
+use crate::replicas::dns::{self, DnsSource};
 use crate::replicas::kv_events::{self, KvEventSink};
-use crate::replicas::kv_index::Op;
 use crate::replicas::probe;
 use crate::shutdown::stopped;
 
 /// One active check of replica `i`: `/health`, then `/v1/models` if its models are unknown.
-pub async fn check_once(node: &Node, i: usize) {
+pub(super) async fn check_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
@@ -41,7 +38,7 @@ pub async fn check_once(node: &Node, i: usize) {
 }
 
 /// One scrape of replica `i`'s `/metrics`.
-pub async fn scrape_once(node: &Node, i: usize) {
+pub(super) async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
@@ -81,7 +78,7 @@ pub async fn check_all(node: &Arc<Node>, replicas: impl Iterator<Item = usize>) 
 
 /// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, and
 /// its KV-event subscriber if configured, until `stop` turns true.
-pub fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+pub(super) fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
     spawn_kv_events(node, stop, i);
     let period = Duration::from_millis(node.cfg.health.interval_ms);
     spawn_every(node, stop, period, move |n| async move {
@@ -178,35 +175,6 @@ async fn run_dns(
                 spawn_replica_watchers(&node, &stop, i);
             }
             check_all(&node, added.into_iter()).await;
-        }
-    }
-}
-impl ReplicaRegistry for Node {
-    fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
-        Node::add_replica(self, spec)
-    }
-
-    fn remove_replica(&self, i: usize) {
-        Node::remove_replica(self, i)
-    }
-}
-
-impl KvEventSink for Node {
-    fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()> {
-        Node::apply_ops(self, i, ops)
-    }
-
-    fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()> {
-        Node::set_exact(self, i, exact, keys)
-    }
-
-    fn learn_block_size(&self, i: usize, block_size: u32) {
-        let Some(tm) = self.tokenizer.as_ref() else {
-            return;
-        };
-        if let Some(bs) = tm.learn_block_size(block_size) {
-            tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from KV events");
-            self.lock().view.tokens_per_block = bs;
         }
     }
 }

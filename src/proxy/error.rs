@@ -166,3 +166,15 @@ impl IntoResponse for ApiError {
         resp
     }
 }
+
+/// An upstream status (a replica's, or another node's) that counts as a failure: the request is
+/// retried elsewhere while nothing has reached the client.
+pub(super) fn is_failure(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}

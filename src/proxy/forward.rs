@@ -3,9 +3,16 @@
 //!
 //! Exists to keep the data plane's rules in one place: the body is forwarded byte for byte (the
 //! node only reads the fields routing needs); a replica that fails before answering (connect
-//! error, first-byte timeout, 5xx) is retried elsewhere within an attempt and time budget; once
-//! response headers go to the client the request is committed and never retried; a silent stream
-//! is cut after the idle timeout.
+//! error, first-byte timeout, 500/502/503/504) is retried elsewhere within an attempt and time
+//! budget; once response headers go to the client the request is committed and never retried; a
+//! silent stream is cut after the idle timeout.
+//!
+//! Failover passes the replicas already tried as `RouteRequest::exclude`; the core leaves them
+//! out without touching the view. In a mesh, a `Forward` decision (on the first attempt, or on a
+//! retry with no local candidate left) goes to another region (`region_forward.rs`); without a
+//! mesh, a first-attempt `Forward` answers 503. The request's block keys move into the response
+//! body stream (no copy), whose first chunk hands them to `Ticket::first_byte` (none for a
+//! non-2xx answer).
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -18,8 +25,8 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
-use super::error::ApiError;
-use super::region_forward::{self, is_failure};
+use super::error::{is_failure, ApiError};
+use super::region_forward;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};

@@ -2,19 +2,23 @@
 //! hop header, streamed back unbuffered.
 //!
 //! A forwarded request carries `x-kvmesh-hop: 1` and is never forwarded again; the receiving
-//! node routes it as `forwarded` and the answer names the node in `x-kvmesh-forwarded-to`.
+//! node routes it as `forwarded`, echoes the hop header on its answer, and the forwarding node
+//! adds `x-kvmesh-forwarded-to: <node>`. Peers are tried nearest first by QUIC RTT in 5 ms steps
+//! (random among equally near ones, unmeasured ones last); one that fails before answering
+//! (connect error, timeout, 500/502/503/504) gives way to the next, and when none is left the
+//! answer is 503.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
 use rand::seq::SliceRandom;
 
-use super::error::ApiError;
+use super::error::{is_failure, ApiError};
 use crate::core::router::ForwardReason;
 use crate::node::{Node, Peer};
 
@@ -27,20 +31,10 @@ const FORWARD_RTT_STEP_MS: u128 = 5;
 /// Response header naming the node a request was forwarded to.
 pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
 
-/// A replica or node status that counts as a failure: retried elsewhere.
-pub(super) fn is_failure(status: StatusCode) -> bool {
-    matches!(
-        status,
-        StatusCode::INTERNAL_SERVER_ERROR
-            | StatusCode::BAD_GATEWAY
-            | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT
-    )
-}
-
-/// Forwards a request the router sent to `region`: to a live node there (lowest RTT first, the
-/// rest shuffled), with the hop header; a node that fails before answering (connect error,
-/// timeout, 5xx) gives way to the next; the answer streams back unbuffered.
+/// Forwards a request the router sent to `region`: to a live node there (nearest by QUIC RTT in
+/// 5 ms steps, random among equally near ones, unmeasured ones last), with the hop header; a node
+/// that fails before answering (connect error, first-byte timeout, 500/502/503/504) gives way to
+/// the next; the answer streams back unbuffered.
 pub async fn forward(
     node: &Arc<Node>,
     region: &str,

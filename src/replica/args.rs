@@ -26,7 +26,7 @@ pub struct ReplicaArgs {
     /// Run the model this many times faster than real time.
     #[arg(long)]
     pub time_scale: Option<f64>,
-    /// Replica id for the `x-kvmesh-replica` header (default "replica-<port>").
+    /// Replica id for the `x-kvmesh-replica` header (default `replica-<port>`).
     #[arg(long)]
     pub id: Option<String>,
     /// Served model name.

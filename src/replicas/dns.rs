@@ -19,7 +19,7 @@ use hickory_resolver::{Resolver, TokioResolver};
 
 use serde::Deserialize;
 
-use super::config::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
+use super::entry::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
 use super::kv_events::KvEventsSource;
 
 /// Which records a DNS source reads.

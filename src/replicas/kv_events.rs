@@ -14,7 +14,17 @@
 //! approximate model seeded with the last exact key set (so routing keeps its knowledge and
 //! learns from routed requests again), and back to a new exact model from the index when the
 //! stream is up again. Each switch starts a new summary epoch (peers then pull a snapshot), is
-//! logged, and counted in `kvmesh_cache_source_switches_total{replica,to}`.
+//! logged, and counted in `kvmesh_cache_source_switches_total{replica,to}`. "Up" means every
+//! rank is connected and no replay is running. The new exact model takes the index's keys with
+//! their tiers; the approximate one counts them all as GPU-held (it has no tiers). Mesh block
+//! reports feed only approximate models (`Node::record_report`).
+//!
+//! **Tasks and wire.** One task per replica owns its ranks' trackers and the index, so the node's
+//! lock is taken once per batch. Each replay runs on a fresh DEALER: `["", seq]` is answered with
+//! `["", seq, payload]` per batch or, as vLLM 0.32 really sends them, `["", topic, seq, payload]`
+//! (captured in `tests/data/vllm-0.32-kv-events.json`), until the end marker; [`REPLAY_TIMEOUT`]
+//! of silence fails the replay. Malformed messages are dropped, counted, and warned about at
+//! most once per 10 s per replica.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -352,14 +362,15 @@ struct Rank {
 
 /// What the subscriber needs from the node it feeds (the node implements it): the one place
 /// where what the engine says crosses into routing state. Called from the subscriber's task;
-/// each call takes the node's lock once.
+/// each call takes the node's lock at most once.
 pub trait KvEventSink: Send + Sync + 'static {
     /// Applies the index's operations to replica `i`'s cache model, if it follows events.
     fn apply_ops(&self, i: usize, ops: &[Op]) -> anyhow::Result<()>;
     /// Switches replica `i`'s cache model to exact (stream up) or approximate (down), seeded with
     /// `keys`, the last exact set with each key's best tier.
     fn set_exact(&self, i: usize, exact: bool, keys: &[(BlockKey, Tier)]) -> anyhow::Result<()>;
-    /// The engine's block size, as replica `i`'s events carry it (token mode adopts the first).
+    /// The engine's block size, as replica `i`'s events carry it (token mode follows it
+    /// unless a block size is configured).
     fn learn_block_size(&self, i: usize, block_size: u32);
 }
 

@@ -13,6 +13,13 @@
 //! holder has it in; when that changes (offload: the GPU copy goes while a CPU copy stays) the
 //! index emits the key again with its new tier. Sans-IO: [`EventIndex::apply`] returns the cache-model
 //! operations ([`Op`]) for the node to carry out under its lock.
+//!
+//! Rules: only KV-cache group 0 / full attention is indexed (hybrid models' other groups are
+//! not prefix caches of the prompt). Stores with an unknown parent, multimodal or
+//! prompt-embedding extra keys, or bad lengths, and stores past [`MAX_BLOCKS_PER_RANK`], are
+//! skipped and counted ([`IndexStats`]). Within one event, tier moves (`Store` with the new best
+//! tier) come before any `Remove`. Replaying the emitted operations on a map gives the index's
+//! keys with their tiers (property-tested).
 
 use std::collections::HashMap;
 

@@ -11,7 +11,19 @@
 //! model, and a replica's cache belongs to the one engine behind it (routing only considers
 //! replicas serving the request's model anyway). LoRA name and cache salt stay in, on both sides.
 //! Requests this cannot tokenize faithfully (multimodal parts, several prompts, a model the
-//! tokenizer is not for) use text mode and are counted.
+//! tokenizer is not for, a block size not known yet) use text mode and are counted
+//! (`kvmesh_token_mode_fallbacks_total{reason}`). No `[tokenizer]`, or one that fails to load,
+//! means text mode for the whole node, logged at start.
+//!
+//! As vLLM does: chat messages are rendered by the template (minijinja with Python string
+//! methods, `raise_exception`, `bos_token`/`eos_token`, `add_generation_prompt`, `tools`,
+//! `chat_template_kwargs`) and tokenized without added special tokens; a completion prompt is
+//! tokenized with them; token-id prompts are used as they are. The block size is configured or
+//! learned from the events' `block_size` or `vllm:cache_config_info`, and then becomes the view's
+//! `tokens_per_block`.
+//!
+//! An isolated tenant's token keys include the tenant, so they never match event keys (only the
+//! node's own overlay): isolation wins over engine truth.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};

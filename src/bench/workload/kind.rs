@@ -94,7 +94,7 @@ impl FromStr for WorkloadKind {
 }
 
 /// Builds a workload with the families' default parameters. For the trace, `gen` is ignored:
-/// the whole trace is returned with dequantised arrivals (use [`WorkloadArgs::load`] to cut or
+/// the whole trace is returned with dequantised arrivals (use `WorkloadArgs::load` in `args.rs` to cut or
 /// retime it).
 pub fn build(kind: &WorkloadKind, gen: &GenParams) -> Result<Workload, WorkloadError> {
     let requests = match kind {

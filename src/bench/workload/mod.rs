@@ -3,7 +3,7 @@
 //!
 //!
 //! A [`WorkloadRequest`] carries no text, only *segments*: `(text id, tokens)` pairs whose text is
-//! [`push_block_text`]`(id, tokens)`. Equal ids give equal text, so two prompts share exactly the
+//! [`push_block_text`](crate::bench::trace::push_block_text)`(id, tokens)`. Equal ids give equal text, so two prompts share exactly the
 //! leading segments they have in common — the same trick that turns the Mooncake trace's hash ids
 //! into prompts, generalised so that synthetic families can say "this system prompt, then that
 //! document, then this question" and have the sharing structure they claim, byte for byte.
@@ -20,8 +20,8 @@
 //!   (tenant header).
 //!
 //! Layout: [`request`] (the types), [`synth`] (what the generators share), one file per family,
-//! [`from_trace`], [`kind`] (names and defaults), [`args`] (the flags), [`ideal`] (the best hit
-//! ratio possible).
+//! [`from_trace`](mod@from_trace), [`kind`] (names and defaults), [`args`] (the flags),
+//! [`ideal`] (the best hit ratio possible).
 
 pub mod agent;
 pub mod args;

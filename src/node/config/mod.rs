@@ -25,8 +25,8 @@ pub use error::ConfigError;
 pub use mesh::{DistanceConfig, MeshSection};
 // The sections other subsystems own, assembled here (re-exported so that one path names every
 // part of a node's configuration).
-pub use crate::replicas::config::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 pub use crate::replicas::dns::{DnsConfig, DnsKvEvents, DnsRecord};
+pub use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 pub use crate::replicas::health::HealthConfig;
 pub use crate::replicas::kv_events::KvEventsSource;
 pub use crate::replicas::probe::ScrapeConfig;

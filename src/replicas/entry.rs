@@ -1,11 +1,11 @@
-//! One replica of the static registry: the `[[replicas]]` entry of the node's configuration, and
-//! what DNS sources make of each address they find.
+//! One entry of the node's replica registry: a `[[replicas]]` table of the configuration, or
+//! what a DNS source made of an address it found (`DnsConfig::replica` in `dns.rs`).
 
 use serde::Deserialize;
 
 use super::kv_events::KvEventsSource;
 
-/// One replica of the static registry.
+/// One replica of the registry: a `[[replicas]]` table, or a replica a DNS source found.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaConfig {
@@ -41,13 +41,13 @@ pub struct ReplicaConfig {
     pub kv_events: Option<KvEventsSource>,
 }
 
-pub(crate) fn default_pool() -> String {
+pub(super) fn default_pool() -> String {
     "shared".into()
 }
-pub(crate) fn default_prefill_rate() -> f64 {
+pub(super) fn default_prefill_rate() -> f64 {
     50_000.0
 }
-pub(crate) fn default_max_in_flight() -> u32 {
+pub(super) fn default_max_in_flight() -> u32 {
     256
 }
 

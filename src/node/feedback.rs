@@ -254,21 +254,15 @@ impl Node {
         Ok(())
     }
 
-    /// Blocks another node reports having routed to replica `i` (mesh block reports): learned by an
-    /// approximate model, ignored by an exact one — reports are guesses, events are the engine's
-    /// truth. Returns whether the model took them.
+    /// Blocks another node reports having routed to replica `i`
+    /// ([`ReplicaRuntime::learn_reported`](super::state::ReplicaRuntime::learn_reported)).
+    /// Returns whether its model took them.
     pub fn record_report(&self, i: usize, keys: &[BlockKey]) -> bool {
         let now = self.now();
-        let mut core = self.lock();
-        let Some(rt) = core.replicas.get_mut(i) else {
-            return false;
-        };
-        if rt.cache.source() != CacheSource::Approximate {
-            return false;
-        }
-        rt.cache.record_routed(keys, now);
-        rt.summary_dirty = true;
-        true
+        self.lock()
+            .replicas
+            .get_mut(i)
+            .is_some_and(|rt| rt.learn_reported(keys, now))
     }
 }
 

@@ -42,7 +42,6 @@ use super::mesh_state::{
     MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, ReplicaMeshJson, Status,
 };
 use super::state::{Node, ReplicaRuntime};
-use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
@@ -579,12 +578,9 @@ impl MeshHandler for Handler {
             return;
         };
         // Recorded even when not home (any more): the model is this node's if it becomes home.
-        // An exact model (the engine's KV events) is truth: a peer's guesses stay out of it.
-        if rt.cache.source() != CacheSource::Approximate {
+        if !rt.learn_reported(&keys, now) {
             return;
         }
-        rt.cache.record_routed(&keys, now);
-        rt.summary_dirty = true;
         let home = rt.mesh.home;
         drop(core);
         if home {

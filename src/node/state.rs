@@ -17,6 +17,7 @@ use super::mesh_state::{worst, NodeMesh, ReplicaMesh};
 use super::metrics::Metrics;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
+use crate::core::keys::BlockKey;
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
@@ -61,6 +62,18 @@ impl ReplicaRuntime {
         } else {
             worst(self.health.health(), self.mesh.remote_health)
         }
+    }
+
+    /// Blocks another node reports having routed here (mesh block reports): learned by an
+    /// approximate model, ignored by an exact one — reports are guesses, events are the engine's
+    /// truth. Returns whether the model took them.
+    pub fn learn_reported(&mut self, keys: &[BlockKey], now: Duration) -> bool {
+        if self.cache.source() != CacheSource::Approximate {
+            return false;
+        }
+        self.cache.record_routed(keys, now);
+        self.summary_dirty = true;
+        true
     }
 
     /// Prompt tokens believed queued for prefill there: this node's own, plus what the home

@@ -19,6 +19,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -187,6 +188,14 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
+    // Responses go out as several small writes (headers, then each streamed chunk): with Nagle's
+    // algorithm on, a write behind an unacknowledged one waits for the client's delayed ACK
+    // (40 ms on Linux) on every reused keep-alive connection.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
+        }
+    });
     let (stop, stop_rx) = watch::channel(false);
     // The mesh starts once the HTTP address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.

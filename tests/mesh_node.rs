@@ -363,6 +363,53 @@ async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another
     .await;
 }
 
+/// What node `n` believes the region's other nodes have in flight at replica `id`.
+fn peer_in_flight(n: &RunningNode, id: &str) -> u32 {
+    let core = n.node.lock();
+    core.view
+        .index_of(id)
+        .and_then(|i| core.view.replica(i))
+        .map_or(0, |r| r.load.peer_in_flight)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_at_one_node_counts_at_the_others_within_milliseconds() {
+    bounded(30, async {
+        let dir = certs();
+        let r0 = replica("r0").await;
+        let list = vec![(r0.id.clone(), r0.base_url())];
+        let a = mesh_node(dir.path(), "a", "eu", &[], &list).await;
+        let b = mesh_node(dir.path(), "b", "eu", &[mesh_addr(&a)], &list).await;
+        wait_for(Duration::from_secs(10), || converged(&[&a, &b], &["a", "b"], 1))
+            .await
+            .expect("2 nodes converge");
+        let http = client();
+        // A long stream through A, left unread so that it stays in flight.
+        let resp = http
+            .post(format!("http://{}/v1/completions", a.addr))
+            .json(&json!({"model": MODEL, "prompt": text("held", 512), "max_tokens": 100_000, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let seen = wait_for(Duration::from_secs(2), || peer_in_flight(&b, "r0") == 1)
+            .await
+            .expect("B counts A's request");
+        println!("B saw A's request in flight after {seen:?}");
+        assert_eq!(peer_in_flight(&a, "r0"), 0, "a node does not count itself as a peer");
+        // Gossip alone never fills this figure: it is what the load updates carried.
+        let stats = a.node.mesh().unwrap().transport().stats().snapshot();
+        assert!(stats.load_sent > 0);
+        drop(resp);
+        wait_for(Duration::from_secs(2), || peer_in_flight(&b, "r0") == 0)
+            .await
+            .expect("B sees it finish");
+        a.shutdown().await;
+        b.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
     bounded(40, async {

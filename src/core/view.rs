@@ -80,15 +80,20 @@ pub struct ReplicaLoad {
     pub kv_usage: f32,
     /// Requests this node has sent to the replica and not seen finish (always fresh).
     pub in_flight: u32,
-    /// Prompt tokens queued for prefill at the replica, as best known (uncached part).
+    /// Requests the other nodes of the region have in flight there, as their load updates said
+    /// a moment ago (`mesh/load_share.rs`; bounded by the node).
+    pub peer_in_flight: u32,
+    /// Prompt tokens queued for prefill at the replica, as best known (uncached part): this
+    /// node's own, plus the other nodes'.
     pub queued_prefill_tokens: u64,
 }
 
 impl ReplicaLoad {
-    /// Outstanding requests: the engine's count, or this node's own when that is larger
-    /// (the engine's figure lags; ours is fresh but partial).
+    /// Outstanding requests: the engine's count, or the region's routers' own when that is
+    /// larger (the engine's figure lags a scrape; the routers' is fresh).
     pub fn outstanding(&self) -> u32 {
         self.in_flight
+            .saturating_add(self.peer_in_flight)
             .max(self.waiting.saturating_add(self.running))
     }
 }
@@ -215,6 +220,15 @@ impl View {
             r.load.waiting = waiting;
             r.load.running = running;
             r.load.kv_usage = kv_usage;
+            r.load.queued_prefill_tokens = queued_prefill_tokens;
+        }
+    }
+
+    /// Sets what the other nodes of the region have in flight at replica `i` and the prompt
+    /// tokens queued there in all (this node's own included).
+    pub fn set_shared_load(&mut self, i: usize, peer_in_flight: u32, queued_prefill_tokens: u64) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.load.peer_in_flight = peer_in_flight;
             r.load.queued_prefill_tokens = queued_prefill_tokens;
         }
     }

@@ -193,6 +193,7 @@ impl WireLoad {
             running: self.running,
             kv_usage: self.kv_usage,
             in_flight,
+            peer_in_flight: 0,
             queued_prefill_tokens: self.queued_prefill_tokens,
         }
     }

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::summary::{SummaryError, SummaryMessage, MAX_SUMMARY_MESSAGE_BYTES};
 
+use super::load_share::LoadUpdate;
 use super::schema::MAX_REPLICA_ID_BYTES;
 
 /// Largest summary request accepted.
@@ -169,6 +170,11 @@ pub trait MeshHandler: Send + Sync + 'static {
 
     /// Blocks routed to a replica by the node at `from` (its gossip address).
     fn block_report(&self, from: SocketAddr, report: BlockReport);
+
+    /// The node at `from` shares its in-flight load (see `load_share`). Ignored by default.
+    fn load_update(&self, from: SocketAddr, update: LoadUpdate) {
+        let _ = (from, update);
+    }
 }
 
 /// The server side of a summary request: the response bytes, and whether the request was

@@ -6,7 +6,9 @@
 //!   port, so `remote_address()` is the address chitchat replies to.
 //! - **One uni stream per message**, prefixed by a kind byte ([`KIND_GOSSIP`],
 //!   [`KIND_BLOCK_REPORT`]); chitchat messages reach ~64 KiB, beyond a QUIC datagram. Bidi streams
-//!   carry request/response traffic ([`KIND_SUMMARY_REQUEST`], see `sync`).
+//!   carry request/response traffic ([`KIND_SUMMARY_REQUEST`], see `sync`). Load updates
+//!   ([`KIND_LOAD_UPDATE`], see `load_share`) go as QUIC datagrams: small, frequent, and better
+//!   lost than late (the next one carries absolute counts).
 //! - **chitchat awaits `Socket::send` inline**, so `send` only queues: a per-peer task dials (with
 //!   a timeout), caches the connection and writes. A dead or unreachable peer fills and drains its
 //!   own small queue; gossip with everyone else never waits for it.
@@ -30,12 +32,15 @@ use tokio::time::timeout;
 use tracing::{debug, warn};
 
 use super::certs::{QuicConfigs, CLUSTER_SAN};
+use super::load_share::{LoadUpdate, MAX_LOAD_UPDATE_BYTES};
 use super::sync::{self, MeshHandler};
 
 /// Uni stream: one serialized chitchat message follows.
 pub const KIND_GOSSIP: u8 = 0x01;
 /// Uni stream: one msgpack `BlockReport` follows.
 pub const KIND_BLOCK_REPORT: u8 = 0x02;
+/// Datagram: one positional-msgpack `LoadUpdate` follows (see `load_share`).
+pub const KIND_LOAD_UPDATE: u8 = 0x03;
 /// Bidi stream: one msgpack `SummaryRequest` follows; the response is a status byte + body.
 pub const KIND_SUMMARY_REQUEST: u8 = 0x10;
 /// Largest chitchat message accepted (chitchat sizes its messages for a UDP datagram).
@@ -156,6 +161,14 @@ pub struct TransportStats {
     pub sync_served: AtomicU64,
     /// Bytes of summary responses written.
     pub sync_bytes_sent: AtomicU64,
+    /// Load-update datagrams sent.
+    pub load_sent: AtomicU64,
+    /// Bytes of load-update datagrams sent (kind byte included).
+    pub load_bytes_sent: AtomicU64,
+    /// Load-update datagrams received and handed to the handler.
+    pub load_received: AtomicU64,
+    /// Bytes of load-update datagrams received.
+    pub load_bytes_received: AtomicU64,
 }
 
 /// A copy of [`TransportStats`] at one moment.
@@ -189,6 +202,14 @@ pub struct StatsSnapshot {
     pub sync_served: u64,
     /// See [`TransportStats::sync_bytes_sent`].
     pub sync_bytes_sent: u64,
+    /// See [`TransportStats::load_sent`].
+    pub load_sent: u64,
+    /// See [`TransportStats::load_bytes_sent`].
+    pub load_bytes_sent: u64,
+    /// See [`TransportStats::load_received`].
+    pub load_received: u64,
+    /// See [`TransportStats::load_bytes_received`].
+    pub load_bytes_received: u64,
 }
 
 impl TransportStats {
@@ -210,6 +231,10 @@ impl TransportStats {
             reports_received: g(&self.reports_received),
             sync_served: g(&self.sync_served),
             sync_bytes_sent: g(&self.sync_bytes_sent),
+            load_sent: g(&self.load_sent),
+            load_bytes_sent: g(&self.load_bytes_sent),
+            load_received: g(&self.load_received),
+            load_bytes_received: g(&self.load_bytes_received),
         }
     }
 }
@@ -397,6 +422,33 @@ impl QuicTransport {
         Ok(())
     }
 
+    /// Sends a load update (already encoded) to `peer` as one datagram: at once on a live
+    /// connection, else through the peer's sender task, which dials. Fire-and-forget; losses are
+    /// repaired by the next update (see `load_share`).
+    pub fn send_load(&self, peer: SocketAddr, update: &[u8]) {
+        if update.len() > MAX_LOAD_UPDATE_BYTES {
+            bump(&self.inner.stats.send_dropped);
+            return;
+        }
+        let mut bytes = Vec::with_capacity(update.len() + 1);
+        bytes.push(KIND_LOAD_UPDATE);
+        bytes.extend_from_slice(update);
+        if self.inner.is_blocked(peer) {
+            bump(&self.inner.stats.blocked);
+            return;
+        }
+        match self.inner.cached(peer) {
+            Some(conn) => send_datagram(&self.inner, &conn, bytes),
+            None => self.inner.enqueue(
+                peer,
+                Outgoing {
+                    kind: KIND_LOAD_UPDATE,
+                    bytes,
+                },
+            ),
+        }
+    }
+
     /// Asks `peer` for the summary of a replica (see `sync` for the exchange).
     pub async fn fetch_summary(
         &self,
@@ -559,6 +611,23 @@ impl Inner {
     }
 }
 
+fn send_datagram(inner: &Inner, conn: &quinn::Connection, bytes: Vec<u8>) {
+    let len = bytes.len() as u64;
+    match conn.send_datagram(bytes.into()) {
+        Ok(()) => {
+            bump(&inner.stats.load_sent);
+            inner
+                .stats
+                .load_bytes_sent
+                .fetch_add(len, Ordering::Relaxed);
+        }
+        Err(e) => {
+            bump(&inner.stats.send_dropped);
+            debug!(peer = %conn.remote_address(), error = %e, "datagram not sent");
+        }
+    }
+}
+
 async fn write_uni(conn: &quinn::Connection, bytes: &[u8]) -> Result<(), String> {
     let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
     s.write_all(bytes).await.map_err(|e| e.to_string())?;
@@ -610,6 +679,10 @@ async fn peer_sender(inner: Arc<Inner>, peer: SocketAddr, mut rx: mpsc::Receiver
                 continue;
             }
         };
+        if out.kind == KIND_LOAD_UPDATE {
+            send_datagram(&inner, &conn, out.bytes);
+            continue;
+        }
         match timeout(inner.cfg.io_timeout, write_uni(&conn, &out.bytes)).await {
             Ok(Ok(())) => match out.kind {
                 KIND_GOSSIP => {
@@ -681,6 +754,10 @@ async fn serve_connection(inner: Arc<Inner>, conn: quinn::Connection) {
                 Ok((send, recv)) => { tokio::spawn(serve_bi(inner.clone(), peer, send, recv)); }
                 Err(_) => break,
             },
+            dg = conn.read_datagram() => match dg {
+                Ok(bytes) => read_datagram(&inner, peer, &bytes),
+                Err(_) => break,
+            },
         }
     }
     let mut conns = lock(&inner.conns);
@@ -731,6 +808,40 @@ async fn read_stream(
             let _ = recv.stop(0u32.into());
             inner.warn("stream", peer, &"read timed out");
             None
+        }
+    }
+}
+
+/// A datagram from `peer`: a kind byte, then a load update (the only datagram kind).
+fn read_datagram(inner: &Inner, peer: SocketAddr, bytes: &[u8]) {
+    if inner.is_blocked(peer) {
+        bump(&inner.stats.blocked);
+        return;
+    }
+    let decoded = match bytes.split_first() {
+        Some((&KIND_LOAD_UPDATE, body)) => LoadUpdate::decode(body).map_err(|e| e.to_string()),
+        Some((kind, _)) => Err(format!("unknown datagram kind {kind:#04x}")),
+        None => Err("empty datagram".to_owned()),
+    };
+    match decoded {
+        Ok(update) => {
+            bump(&inner.stats.load_received);
+            inner
+                .stats
+                .load_bytes_received
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            let handler = inner
+                .handler
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(h) = handler {
+                h.load_update(peer, update);
+            }
+        }
+        Err(e) => {
+            bump(&inner.stats.malformed);
+            inner.warn("datagram", peer, &e);
         }
     }
 }

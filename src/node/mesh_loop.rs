@@ -83,6 +83,15 @@ pub async fn start(
     let metrics = MeshMetrics::new(&node.metrics.registry)?;
     // A node is started once; a second start would have failed registering the metrics above.
     let _ = node.mesh_slot().metrics.set(metrics.clone());
+    if section.load_share_interval_ms > 0 {
+        let interval = Duration::from_millis(section.load_share_interval_ms);
+        tokio::spawn(super::load_share::share_load(
+            Arc::clone(node),
+            Arc::clone(&mesh),
+            interval,
+            stop.clone(),
+        ));
+    }
     let task = tokio::spawn(sync_loop(Arc::clone(node), mesh, section, metrics, stop));
     Ok(Some(MeshRuntime { task }))
 }

@@ -47,6 +47,7 @@ use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
 use crate::mesh::cluster::home_in;
+use crate::mesh::load_share::LoadUpdate;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
 use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
@@ -190,6 +191,14 @@ impl Node {
             .filter(|p| p.region == region)
             .cloned()
             .collect()
+    }
+
+    /// Whether `addr` is the QUIC address of a live peer of `region`.
+    pub(super) fn is_peer_in(&self, region: &str, addr: SocketAddr) -> bool {
+        self.status()
+            .peers
+            .iter()
+            .any(|p| p.region == region && p.quic_addr == addr)
     }
 
     /// Replaces the view's region distances.
@@ -545,7 +554,13 @@ fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> Re
         seq: s.seq(),
         digest,
     };
-    ReplicaRecord::new(info, rt.effective_health(), load, version)
+    // Only this node's own pending prefill: followers add every node's, this one's included,
+    // from load sharing; the home's total would count theirs twice.
+    let own = ReplicaLoad {
+        queued_prefill_tokens: rt.pending_prefill_tokens,
+        ..*load
+    };
+    ReplicaRecord::new(info, rt.effective_health(), &own, version)
 }
 
 /// Answers peers' summary requests and takes their block reports.
@@ -585,6 +600,12 @@ impl MeshHandler for Handler {
         drop(core);
         if home {
             node.mesh.changed.notify_one();
+        }
+    }
+
+    fn load_update(&self, from: SocketAddr, update: LoadUpdate) {
+        if let Some(node) = self.0.upgrade() {
+            node.apply_load_update(from, update);
         }
     }
 }

@@ -116,6 +116,8 @@ pub struct NodeMesh {
     /// Woken when a summary this node is home for changed, so it is published without waiting
     /// for the next gossip interval.
     pub changed: Notify,
+    /// Woken when this node's in-flight load at a replica changed, for the load-sharing task.
+    pub load_changed: Notify,
     /// Mesh metrics, once the mesh started.
     pub metrics: std::sync::OnceLock<MeshMetrics>,
 }

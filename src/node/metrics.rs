@@ -167,6 +167,13 @@ pub struct MeshMetrics {
     pub forwards: IntCounterVec,
     /// `kvmesh_mesh_live_members`: live members, this node included.
     pub live_members: IntGauge,
+    /// `kvmesh_mesh_load_updates_total{direction}`: load-sharing datagrams.
+    pub load_updates: IntCounterVec,
+    /// `kvmesh_mesh_load_bytes_total{direction}`: bytes of load-sharing datagrams.
+    pub load_bytes: IntCounterVec,
+    /// `kvmesh_mesh_load_claims_refused_total{reason}`: peers' load claims ignored or cut:
+    /// `stale`, `not_a_region_peer`, `too_many_peers`, `unknown_replica`, `clamped`.
+    pub load_refused: IntCounterVec,
 }
 
 impl MeshMetrics {
@@ -220,6 +227,21 @@ impl MeshMetrics {
                 &["region", "outcome"],
             )?,
             live_members: IntGauge::new("kvmesh_mesh_live_members", "Live mesh members")?,
+            load_updates: vec(
+                "kvmesh_mesh_load_updates_total",
+                "Load-sharing datagrams by direction",
+                "direction",
+            )?,
+            load_bytes: vec(
+                "kvmesh_mesh_load_bytes_total",
+                "Bytes of load-sharing datagrams by direction",
+                "direction",
+            )?,
+            load_refused: vec(
+                "kvmesh_mesh_load_claims_refused_total",
+                "Peers' load claims ignored or cut to their bounds, by reason",
+                "reason",
+            )?,
         };
         registry.register(Box::new(m.gossip_messages.clone()))?;
         registry.register(Box::new(m.gossip_bytes.clone()))?;
@@ -231,6 +253,9 @@ impl MeshMetrics {
         registry.register(Box::new(m.pulls.clone()))?;
         registry.register(Box::new(m.forwards.clone()))?;
         registry.register(Box::new(m.live_members.clone()))?;
+        registry.register(Box::new(m.load_updates.clone()))?;
+        registry.register(Box::new(m.load_bytes.clone()))?;
+        registry.register(Box::new(m.load_refused.clone()))?;
         Ok(m)
     }
 
@@ -261,6 +286,22 @@ impl MeshMetrics {
             &self.gossip_bytes,
             "received",
             d(prev.gossip_bytes_received, now.gossip_bytes_received),
+        );
+        by(&self.load_updates, "sent", d(prev.load_sent, now.load_sent));
+        by(
+            &self.load_updates,
+            "received",
+            d(prev.load_received, now.load_received),
+        );
+        by(
+            &self.load_bytes,
+            "sent",
+            d(prev.load_bytes_sent, now.load_bytes_sent),
+        );
+        by(
+            &self.load_bytes,
+            "received",
+            d(prev.load_bytes_received, now.load_bytes_received),
         );
         self.sync_served
             .inc_by(d(prev.sync_served, now.sync_served));

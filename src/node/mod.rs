@@ -27,6 +27,7 @@
 
 pub mod config;
 mod feedback;
+mod load_share;
 pub(crate) mod mesh_loop;
 mod mesh_roles;
 mod mesh_state;

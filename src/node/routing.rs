@@ -78,6 +78,9 @@ impl Node {
             _ => None,
         };
         drop(guard);
+        if ticket.is_some() {
+            self.mesh.load_changed.notify_one();
+        }
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -161,6 +164,7 @@ impl Ticket {
         let mut guard = self.node.lock();
         let core = &mut *guard;
         release_pending(core, self.replica, tokens);
+        self.node.mesh.load_changed.notify_one();
         if keys.is_empty() {
             return;
         }
@@ -198,6 +202,7 @@ impl Drop for Ticket {
             core.router.tenants.finished(t, self.replica);
         }
         drop(core);
+        self.node.mesh.load_changed.notify_one();
         self.node
             .metrics
             .in_flight

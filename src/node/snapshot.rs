@@ -64,6 +64,7 @@ impl Node {
                 running: r.load.running,
                 kv_usage: r.load.kv_usage,
                 in_flight: r.load.in_flight,
+                peer_in_flight: r.load.peer_in_flight,
                 queued_prefill_tokens: r.load.queued_prefill_tokens,
                 cache_keys: rt.cache.len(),
                 cache_source: match rt.cache.source() {
@@ -134,6 +135,9 @@ pub struct ReplicaStateJson {
     pub kv_usage: f32,
     /// This node's requests open there.
     pub in_flight: u32,
+    /// The region's other nodes' requests open there, as their load updates said.
+    #[serde(default)]
+    pub peer_in_flight: u32,
     /// This node's estimate of prompt tokens waiting for prefill there.
     pub queued_prefill_tokens: u64,
     /// Keys live in the cache model.

@@ -23,6 +23,7 @@ use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
 use crate::core::tenants::{TenantConfig, Tenants};
 use crate::core::view::{Health, View};
+use crate::mesh::load_share::{LoadShareConfig, PeerLoads};
 use crate::replicas::health::HealthTracker;
 use crate::replicas::kv_events::KvMetrics;
 use crate::replicas::prom::EngineLoad;
@@ -41,6 +42,11 @@ pub struct ReplicaRuntime {
     pub health: HealthTracker,
     /// Uncached prompt tokens of this node's requests there that have no first byte yet.
     pub pending_prefill_tokens: u64,
+    /// The region's other nodes' in-flight requests there, from their load updates (bounded,
+    /// see `load_share.rs`).
+    pub peer_in_flight: u32,
+    /// The region's other nodes' pending prompt tokens there (bounded likewise).
+    pub peer_pending_tokens: u64,
     /// Models came from the config (never replaced by discovery).
     pub models_configured: bool,
     /// Capacity came from the config (never replaced by a scrape).
@@ -76,11 +82,13 @@ impl ReplicaRuntime {
         true
     }
 
-    /// Prompt tokens believed queued for prefill there: this node's own, plus what the home
-    /// publishes when another node is home.
+    /// Prompt tokens believed queued for prefill there: this node's own, plus the other
+    /// nodes': their load updates (fresh, every node) or, without them, what the home last
+    /// published (a gossip round late, the home's own only). Whichever is larger, as the two
+    /// overlap.
     pub fn queued_estimate(&self) -> u64 {
         self.pending_prefill_tokens
-            .saturating_add(self.mesh.remote_queued)
+            .saturating_add(self.peer_pending_tokens.max(self.mesh.remote_queued))
     }
 }
 
@@ -92,6 +100,8 @@ pub struct Core {
     pub router: Router,
     /// Per replica, by view index.
     pub replicas: Vec<ReplicaRuntime>,
+    /// What the region's other nodes last said they have in flight (`load_share.rs`).
+    pub peer_loads: PeerLoads,
 }
 
 /// One replica's address; cheap to clone so the request path can hold it without a lock.
@@ -211,6 +221,7 @@ impl Node {
                 view,
                 router,
                 replicas: Vec::with_capacity(cfg.replicas.len()),
+                peer_loads: PeerLoads::new(LoadShareConfig::default()),
             }),
             start: Instant::now(),
             tenant_cfgs: cfg.tenants.clone(),

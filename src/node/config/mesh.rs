@@ -57,6 +57,10 @@ pub struct MeshSection {
     pub warmup_timeout_ms: u64,
     /// Region distances pinned by configuration (they beat measured RTTs). Default none.
     pub distance: Vec<DistanceConfig>,
+    /// Least time between two load updates this node sends its region's nodes (ms; see
+    /// `mesh/load_share.rs`); 0 turns load sharing off (peers' load then comes only from the
+    /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
+    pub load_share_interval_ms: u64,
 }
 
 impl Default for MeshSection {
@@ -77,6 +81,7 @@ impl Default for MeshSection {
             failure_detection_ms: 2_000,
             warmup_timeout_ms: 5_000,
             distance: Vec::new(),
+            load_share_interval_ms: 2,
         }
     }
 }
@@ -110,6 +115,9 @@ impl MeshSection {
                 "mesh.failure_detection_ms",
                 "must exceed mesh.gossip_interval_ms",
             ));
+        }
+        if self.load_share_interval_ms > 1_000 {
+            return Err(invalid("mesh.load_share_interval_ms", "at most 1000"));
         }
         if self.cluster_id.as_deref() == Some("") {
             return Err(invalid(

@@ -1,0 +1,628 @@
+//! Load sharing: every routing node tells the other nodes of its region, within milliseconds,
+//! what it has just sent to each replica, so that all of them route on the region's load and not
+//! only on their own.
+//!
+//! Why: a node sees its own in-flight requests at once, but the others' only through the home's
+//! `/metrics` scrape and the gossiped record, 100 ms to a second late. Behind a load balancer that
+//! spreads requests over three nodes, each node then piles onto the replica that looks idle to it,
+//! in bursts, and the mesh routed 1.33× slower than one node at an equal hit ratio.
+//!
+//! What travels: a [`LoadUpdate`] in one QUIC datagram (unreliable, unordered, no stream set-up):
+//! the sender's *absolute* counts for the replicas whose counts changed, {replica id, requests in
+//! flight, uncached prompt tokens not yet prefilled}. Absolute values make loss harmless: the
+//! next update of the replica, or the sender's refresh of every non-zero entry each
+//! [`LoadShareConfig::refresh`], corrects it; an entry nobody refreshed for
+//! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
+//!
+//! Bounded in bytes: a sender flushes at most once per [`LoadShareConfig::min_interval`], so a
+//! node sends at most `peers × (1 / min_interval)` datagrams a second of at most
+//! [`MAX_LOAD_UPDATE_BYTES`] (in practice one entry of ~25 bytes per changed replica), however
+//! many requests it routes. Bounded in trust: a peer's claim for a replica counts at most the
+//! replica's `max_in_flight` requests and [`LoadShareConfig::max_tokens_per_request`] tokens per
+//! request; claims for replicas this node does not know are ignored; at most
+//! [`LoadShareConfig::max_peers`] peers and [`LoadShareConfig::max_entries_per_peer`] entries a
+//! peer are kept. The node caps the sum over peers again against the engine's own figures
+//! (`node/load_share.rs`), so lying peers can add only a bounded phantom load.
+//!
+//! Sans-IO: [`LoadPublisher`] decides what to send and [`PeerLoads`] merges what arrives; time is
+//! an argument. The transport carries the bytes, the node drives both.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::schema::MAX_REPLICA_ID_BYTES;
+
+/// Largest encoded update: fits one QUIC datagram on a 1280-byte-MTU path.
+pub const MAX_LOAD_UPDATE_BYTES: usize = 1100;
+
+/// Settings of load sharing (`[mesh]` keys `load_share_*`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoadShareConfig {
+    /// Least time between two flushes of a sender. Default 2 ms: a tenth of a short prompt's
+    /// prefill, and at most 500 datagrams a second per peer.
+    pub min_interval: Duration,
+    /// Every non-zero entry is re-sent this often, to repair lost datagrams. Default 1 s.
+    pub refresh: Duration,
+    /// An entry not refreshed for this long is dropped. Default 3 s (three refreshes).
+    pub stale_after: Duration,
+    /// Peers whose claims are kept at most. Default 256.
+    pub max_peers: usize,
+    /// Entries kept per peer at most. Default 4096.
+    pub max_entries_per_peer: usize,
+    /// Uncached prompt tokens one in-flight request may claim at most. Default 2^21 (2M tokens,
+    /// beyond any context window served today).
+    pub max_tokens_per_request: u64,
+}
+
+impl Default for LoadShareConfig {
+    fn default() -> Self {
+        LoadShareConfig {
+            min_interval: Duration::from_millis(2),
+            refresh: Duration::from_secs(1),
+            stale_after: Duration::from_secs(3),
+            max_peers: 256,
+            max_entries_per_peer: 4096,
+            max_tokens_per_request: 1 << 21,
+        }
+    }
+}
+
+/// One replica's load as the sending node has it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadEntry {
+    /// Replica id.
+    pub replica: String,
+    /// Requests the sender has in flight there.
+    pub in_flight: u32,
+    /// Uncached prompt tokens of those requests with no first byte yet.
+    pub pending_tokens: u64,
+}
+
+/// One datagram: the sender's incarnation, a sequence number and changed entries.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadUpdate {
+    /// Random per sender start: a restarted peer's counts replace its old ones.
+    pub origin: u64,
+    /// Increases with every datagram of this origin; older ones arriving late are ignored.
+    pub seq: u64,
+    /// Absolute counts; an entry of zeros removes the replica.
+    pub entries: Vec<LoadEntry>,
+}
+
+/// Why an update was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadShareError {
+    /// Not decodable, over the size limit, or with a bad replica id.
+    #[error("malformed load update: {0}")]
+    Malformed(String),
+    /// Older than one already applied from the same sender.
+    #[error("stale load update (seq {seq} ≤ {last})")]
+    Stale {
+        /// Its seq.
+        seq: u64,
+        /// The last applied.
+        last: u64,
+    },
+    /// The peer table is full and this is a new peer.
+    #[error("too many peers sharing load")]
+    TooManyPeers,
+}
+
+impl LoadUpdate {
+    /// Positional msgpack (field names would double the size of a small datagram).
+    pub fn encode(&self) -> Result<Vec<u8>, LoadShareError> {
+        let bytes =
+            rmp_serde::to_vec(self).map_err(|e| LoadShareError::Malformed(e.to_string()))?;
+        if bytes.len() > MAX_LOAD_UPDATE_BYTES {
+            return Err(LoadShareError::Malformed(format!(
+                "{} bytes (max {MAX_LOAD_UPDATE_BYTES})",
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// Decodes a peer's datagram (bounded; ids checked).
+    pub fn decode(bytes: &[u8]) -> Result<Self, LoadShareError> {
+        if bytes.len() > MAX_LOAD_UPDATE_BYTES {
+            return Err(LoadShareError::Malformed(format!("{} bytes", bytes.len())));
+        }
+        let u: LoadUpdate =
+            rmp_serde::from_slice(bytes).map_err(|e| LoadShareError::Malformed(e.to_string()))?;
+        if let Some(e) = u
+            .entries
+            .iter()
+            .find(|e| e.replica.is_empty() || e.replica.len() > MAX_REPLICA_ID_BYTES)
+        {
+            return Err(LoadShareError::Malformed(format!(
+                "replica id of {} bytes",
+                e.replica.len()
+            )));
+        }
+        Ok(u)
+    }
+
+    /// Splits `entries` into datagrams of at most [`MAX_LOAD_UPDATE_BYTES`], numbered from
+    /// `*seq` (advanced past the last one).
+    pub fn split(origin: u64, seq: &mut u64, entries: Vec<LoadEntry>) -> Vec<Vec<u8>> {
+        // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes; the envelope 1 + 9 + 9 + 3.
+        const ENVELOPE: usize = 22;
+        let mut out = Vec::new();
+        let mut batch: Vec<LoadEntry> = Vec::new();
+        let mut size = ENVELOPE;
+        let mut flush = |batch: &mut Vec<LoadEntry>, out: &mut Vec<Vec<u8>>| {
+            if batch.is_empty() {
+                return;
+            }
+            *seq += 1;
+            let u = LoadUpdate {
+                origin,
+                seq: *seq,
+                entries: std::mem::take(batch),
+            };
+            match u.encode() {
+                Ok(b) => out.push(b),
+                Err(e) => tracing::debug!(error = %e, "load update not sent"),
+            }
+        };
+        for e in entries {
+            if e.replica.is_empty() || e.replica.len() > MAX_REPLICA_ID_BYTES {
+                continue;
+            }
+            let cost = 17 + e.replica.len();
+            if size + cost > MAX_LOAD_UPDATE_BYTES {
+                flush(&mut batch, &mut out);
+                size = ENVELOPE;
+            }
+            size += cost;
+            batch.push(e);
+        }
+        flush(&mut batch, &mut out);
+        out
+    }
+}
+
+/// The sending side: what changed since the last flush, plus a periodic refresh.
+#[derive(Debug)]
+pub struct LoadPublisher {
+    /// This sender's incarnation.
+    pub origin: u64,
+    seq: u64,
+    /// What peers were last told, non-zero entries only.
+    sent: HashMap<String, (u32, u64)>,
+    last_refresh: Option<Duration>,
+    refresh: Duration,
+}
+
+impl LoadPublisher {
+    /// A publisher with a random-enough `origin` (the node passes one from its RNG or clock).
+    pub fn new(origin: u64, cfg: &LoadShareConfig) -> Self {
+        LoadPublisher {
+            origin,
+            seq: 0,
+            sent: HashMap::new(),
+            last_refresh: None,
+            refresh: cfg.refresh,
+        }
+    }
+
+    /// The datagrams to send now, given this node's current counts for every replica it routes
+    /// to (`own`: id, in flight, pending tokens; zeros allowed). Changed entries always; every
+    /// non-zero entry when the refresh is due.
+    pub fn flush<'a>(
+        &mut self,
+        own: impl IntoIterator<Item = (&'a str, u32, u64)>,
+        now: Duration,
+    ) -> Vec<Vec<u8>> {
+        let refresh = self
+            .last_refresh
+            .is_none_or(|t| now.saturating_sub(t) >= self.refresh);
+        if refresh {
+            self.last_refresh = Some(now);
+        }
+        let mut entries = Vec::new();
+        for (id, in_flight, pending) in own {
+            let now_v = (in_flight, pending);
+            let before = self.sent.get(id).copied().unwrap_or((0, 0));
+            let changed = before != now_v;
+            if now_v == (0, 0) {
+                if changed {
+                    self.sent.remove(id);
+                }
+            } else if changed {
+                self.sent.insert(id.to_owned(), now_v);
+            }
+            if changed || (refresh && now_v != (0, 0)) {
+                entries.push(LoadEntry {
+                    replica: id.to_owned(),
+                    in_flight,
+                    pending_tokens: pending,
+                });
+            }
+        }
+        LoadUpdate::split(self.origin, &mut self.seq, entries)
+    }
+}
+
+/// One peer's claim for one replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// Requests in flight (already bounded).
+    pub in_flight: u32,
+    /// Pending prompt tokens (already bounded).
+    pub pending_tokens: u64,
+    /// When it was last set or refreshed.
+    seen: Duration,
+}
+
+#[derive(Debug)]
+struct PeerTable {
+    origin: u64,
+    seq: u64,
+    claims: HashMap<String, Claim>,
+}
+
+/// Counts of an applied update, for metrics.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Replicas whose claimed load from this peer changed (recompute their totals).
+    pub changed: Vec<String>,
+    /// Entries for replicas this node does not know (ignored).
+    pub unknown: usize,
+    /// Entries whose values were cut to their bounds.
+    pub clamped: usize,
+}
+
+/// The receiving side: every region peer's latest claims, bounded.
+#[derive(Debug)]
+pub struct PeerLoads {
+    cfg: LoadShareConfig,
+    peers: HashMap<SocketAddr, PeerTable>,
+}
+
+impl PeerLoads {
+    /// An empty table.
+    pub fn new(cfg: LoadShareConfig) -> Self {
+        PeerLoads {
+            cfg,
+            peers: HashMap::new(),
+        }
+    }
+
+    /// Applies `update` from the peer at `from`. `max_in_flight(id)` is the replica's bound on
+    /// requests, or `None` for a replica this node does not know (the entry is ignored).
+    pub fn apply(
+        &mut self,
+        from: SocketAddr,
+        update: LoadUpdate,
+        now: Duration,
+        max_in_flight: impl Fn(&str) -> Option<u32>,
+    ) -> Result<Applied, LoadShareError> {
+        if !self.peers.contains_key(&from) && self.peers.len() >= self.cfg.max_peers {
+            return Err(LoadShareError::TooManyPeers);
+        }
+        let mut applied = Applied::default();
+        let table = self.peers.entry(from).or_insert(PeerTable {
+            origin: update.origin,
+            seq: 0,
+            claims: HashMap::new(),
+        });
+        if table.origin != update.origin {
+            // The peer restarted: its old counts are void.
+            applied
+                .changed
+                .extend(table.claims.drain().map(|(id, _)| id));
+            table.origin = update.origin;
+            table.seq = 0;
+        } else if update.seq <= table.seq {
+            return Err(LoadShareError::Stale {
+                seq: update.seq,
+                last: table.seq,
+            });
+        }
+        table.seq = update.seq;
+        for e in update.entries {
+            let Some(max) = max_in_flight(&e.replica) else {
+                applied.unknown += 1;
+                continue;
+            };
+            let in_flight = e.in_flight.min(max);
+            let pending = e
+                .pending_tokens
+                .min(u64::from(in_flight).saturating_mul(self.cfg.max_tokens_per_request));
+            if (in_flight, pending) != (e.in_flight, e.pending_tokens) {
+                applied.clamped += 1;
+            }
+            let claim = Claim {
+                in_flight,
+                pending_tokens: pending,
+                seen: now,
+            };
+            let old = if in_flight == 0 && pending == 0 {
+                table.claims.remove(&e.replica)
+            } else if let Some(c) = table.claims.get_mut(&e.replica) {
+                Some(std::mem::replace(c, claim))
+            } else if table.claims.len() < self.cfg.max_entries_per_peer {
+                table.claims.insert(e.replica.clone(), claim)
+            } else {
+                applied.clamped += 1;
+                continue;
+            };
+            let same = old.is_some_and(|o| {
+                (o.in_flight, o.pending_tokens) == (claim.in_flight, claim.pending_tokens)
+            }) || (old.is_none() && in_flight == 0 && pending == 0);
+            if !same {
+                applied.changed.push(e.replica);
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Drops claims not refreshed within `stale_after`; returns the replicas they were for.
+    pub fn expire(&mut self, now: Duration) -> Vec<String> {
+        let stale_after = self.cfg.stale_after;
+        let mut changed = Vec::new();
+        for t in self.peers.values_mut() {
+            t.claims.retain(|id, c| {
+                let keep = now.saturating_sub(c.seen) < stale_after;
+                if !keep {
+                    changed.push(id.clone());
+                }
+                keep
+            });
+        }
+        self.peers.retain(|_, t| !t.claims.is_empty());
+        changed
+    }
+
+    /// Forgets every peer for which `live` is false (left the mesh or the region); returns the
+    /// replicas whose totals changed.
+    pub fn retain_peers(&mut self, live: impl Fn(&SocketAddr) -> bool) -> Vec<String> {
+        let mut changed = Vec::new();
+        self.peers.retain(|a, t| {
+            let keep = live(a);
+            if !keep {
+                changed.extend(t.claims.keys().cloned());
+            }
+            keep
+        });
+        changed
+    }
+
+    /// The sum of every peer's claims for `replica`: (requests in flight, pending tokens).
+    pub fn totals(&self, replica: &str) -> (u32, u64) {
+        self.peers
+            .values()
+            .filter_map(|t| t.claims.get(replica))
+            .fold((0u32, 0u64), |(n, p), c| {
+                (
+                    n.saturating_add(c.in_flight),
+                    p.saturating_add(c.pending_tokens),
+                )
+            })
+    }
+
+    /// Peers with at least one claim.
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn known(id: &str) -> Option<u32> {
+        id.starts_with('r').then_some(256)
+    }
+
+    fn update(origin: u64, seq: u64, entries: &[(&str, u32, u64)]) -> LoadUpdate {
+        LoadUpdate {
+            origin,
+            seq,
+            entries: entries
+                .iter()
+                .map(|(r, n, p)| LoadEntry {
+                    replica: (*r).to_owned(),
+                    in_flight: *n,
+                    pending_tokens: *p,
+                })
+                .collect(),
+        }
+    }
+
+    const T0: Duration = Duration::ZERO;
+
+    #[test]
+    fn a_peer_counts_once_its_update_arrives_and_stops_at_zero() {
+        let mut loads = PeerLoads::new(LoadShareConfig::default());
+        let a = loads
+            .apply(addr(1), update(7, 1, &[("r0", 3, 9000)]), T0, known)
+            .unwrap();
+        assert_eq!(a.changed, vec!["r0".to_owned()]);
+        assert_eq!(loads.totals("r0"), (3, 9000));
+        loads
+            .apply(addr(2), update(8, 1, &[("r0", 1, 100)]), T0, known)
+            .unwrap();
+        assert_eq!(loads.totals("r0"), (4, 9100), "peers add up");
+        loads
+            .apply(addr(1), update(7, 2, &[("r0", 0, 0)]), T0, known)
+            .unwrap();
+        assert_eq!(loads.totals("r0"), (1, 100));
+    }
+
+    #[test]
+    fn late_datagrams_never_undo_newer_ones() {
+        let mut loads = PeerLoads::new(LoadShareConfig::default());
+        loads
+            .apply(addr(1), update(7, 5, &[("r0", 2, 10)]), T0, known)
+            .unwrap();
+        let late = loads.apply(addr(1), update(7, 4, &[("r0", 9, 99)]), T0, known);
+        assert!(matches!(late, Err(LoadShareError::Stale { .. })));
+        assert_eq!(loads.totals("r0"), (2, 10));
+    }
+
+    #[test]
+    fn a_restarted_peer_replaces_its_old_counts() {
+        let mut loads = PeerLoads::new(LoadShareConfig::default());
+        loads
+            .apply(
+                addr(1),
+                update(7, 50, &[("r0", 2, 10), ("r1", 1, 1)]),
+                T0,
+                known,
+            )
+            .unwrap();
+        let a = loads
+            .apply(addr(1), update(8, 1, &[("r0", 1, 5)]), T0, known)
+            .unwrap();
+        assert!(a.changed.contains(&"r1".to_owned()));
+        assert_eq!(loads.totals("r0"), (1, 5));
+        assert_eq!(loads.totals("r1"), (0, 0));
+    }
+
+    #[test]
+    fn absurd_claims_are_cut_to_their_bounds_and_unknown_replicas_ignored() {
+        let cfg = LoadShareConfig::default();
+        let mut loads = PeerLoads::new(cfg);
+        let a = loads
+            .apply(
+                addr(1),
+                update(7, 1, &[("r0", u32::MAX, u64::MAX), ("x9", 5, 5)]),
+                T0,
+                known,
+            )
+            .unwrap();
+        assert_eq!(a.unknown, 1);
+        assert_eq!(a.clamped, 1);
+        assert_eq!(loads.totals("r0"), (256, 256 * cfg.max_tokens_per_request));
+        assert_eq!(loads.totals("x9"), (0, 0));
+        // Tokens without requests are not load.
+        loads
+            .apply(addr(1), update(7, 2, &[("r1", 0, 1 << 40)]), T0, known)
+            .unwrap();
+        assert_eq!(loads.totals("r1"), (0, 0));
+    }
+
+    #[test]
+    fn tables_are_capped_in_peers_and_entries() {
+        let cfg = LoadShareConfig {
+            max_peers: 2,
+            max_entries_per_peer: 2,
+            ..LoadShareConfig::default()
+        };
+        let mut loads = PeerLoads::new(cfg);
+        for p in 1..=2 {
+            loads
+                .apply(addr(p), update(1, 1, &[("r0", 1, 1)]), T0, known)
+                .unwrap();
+        }
+        assert!(matches!(
+            loads.apply(addr(3), update(1, 1, &[("r0", 1, 1)]), T0, known),
+            Err(LoadShareError::TooManyPeers)
+        ));
+        let a = loads
+            .apply(
+                addr(1),
+                update(1, 2, &[("r1", 1, 1), ("r2", 1, 1), ("r3", 1, 1)]),
+                T0,
+                known,
+            )
+            .unwrap();
+        assert_eq!(a.clamped, 2, "with r0 held, only r1 fits");
+        assert_eq!(loads.totals("r1"), (1, 1));
+        assert_eq!(loads.totals("r3"), (0, 0));
+    }
+
+    #[test]
+    fn unrefreshed_claims_and_departed_peers_are_dropped() {
+        let cfg = LoadShareConfig::default();
+        let mut loads = PeerLoads::new(cfg);
+        loads
+            .apply(addr(1), update(1, 1, &[("r0", 1, 1)]), T0, known)
+            .unwrap();
+        loads
+            .apply(addr(2), update(2, 1, &[("r1", 1, 1)]), T0, known)
+            .unwrap();
+        assert!(loads.expire(cfg.stale_after / 2).is_empty());
+        loads
+            .apply(
+                addr(1),
+                update(1, 2, &[("r0", 1, 1)]),
+                cfg.stale_after,
+                known,
+            )
+            .unwrap();
+        assert_eq!(
+            loads.expire(cfg.stale_after + Duration::from_millis(1)),
+            vec!["r1".to_owned()]
+        );
+        assert_eq!(loads.retain_peers(|a| *a != addr(1)), vec!["r0".to_owned()]);
+        assert_eq!(loads.peers(), 0);
+    }
+
+    #[test]
+    fn the_publisher_sends_changes_at_once_and_refreshes_the_rest() {
+        let cfg = LoadShareConfig::default();
+        let mut p = LoadPublisher::new(42, &cfg);
+        let decode = |d: Vec<Vec<u8>>| -> Vec<LoadEntry> {
+            d.iter()
+                .flat_map(|b| LoadUpdate::decode(b).unwrap().entries)
+                .collect()
+        };
+        // First flush: a refresh, non-zero entries only.
+        let e = decode(p.flush([("r0", 1, 100), ("r1", 0, 0)], T0));
+        assert_eq!(e.len(), 1);
+        // Unchanged and no refresh due: nothing.
+        assert!(p
+            .flush([("r0", 1, 100), ("r1", 0, 0)], Duration::from_millis(5))
+            .is_empty());
+        // A change, including back to zero, goes out.
+        let e = decode(p.flush([("r0", 0, 0), ("r1", 2, 7)], Duration::from_millis(10)));
+        assert_eq!(e.len(), 2);
+        assert!(e.iter().any(|x| x.replica == "r0" && x.in_flight == 0));
+        // At the refresh, every non-zero entry again.
+        let e = decode(p.flush([("r0", 0, 0), ("r1", 2, 7)], cfg.refresh));
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].replica, "r1");
+    }
+
+    #[test]
+    fn large_updates_split_into_datagrams_with_increasing_seq() {
+        let mut seq = 0;
+        let entries: Vec<LoadEntry> = (0..500)
+            .map(|i| LoadEntry {
+                replica: format!("replica-with-a-longish-id-{i:04}"),
+                in_flight: 200,
+                pending_tokens: u64::MAX,
+            })
+            .collect();
+        let out = LoadUpdate::split(1, &mut seq, entries);
+        assert!(out.len() > 1);
+        let mut last = 0;
+        let mut n = 0;
+        for b in &out {
+            assert!(b.len() <= MAX_LOAD_UPDATE_BYTES);
+            let u = LoadUpdate::decode(b).unwrap();
+            assert!(u.seq > last);
+            last = u.seq;
+            n += u.entries.len();
+        }
+        assert_eq!(n, 500);
+        assert_eq!(seq, last);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_peer_bytes_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1200)) {
+            let _ = LoadUpdate::decode(&bytes);
+        }
+    }
+}

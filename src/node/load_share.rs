@@ -1,0 +1,219 @@
+//! The node's side of load sharing (`mesh/load_share.rs`): tell the region's other nodes what
+//! this node has in flight at each replica within milliseconds, and route on what they tell it.
+//!
+//! Exists because a node's own in-flight count is fresh but partial: with three nodes behind a
+//! load balancer each sees a third of the traffic at once and the rest a scrape or gossip round
+//! late, so they pile onto the same replica in bursts. With the peers' counts merged, every
+//! node's cost model sees the region's load as one router would.
+//!
+//! The task [`share_load`] wakes when this node's counts change (`NodeMesh::load_changed`,
+//! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush, and
+//! sends the changed counts to every live node of its region; every second it re-sends all
+//! non-zero counts. Received updates go through [`Node::apply_load_update`]: only from live
+//! members of this node's region, bounded per claim by the mesh layer, then bounded again in sum
+//! by the engine's own figures here ([`peer_cap`]), so peers can add at most a small phantom load
+//! (at most `max(16, max_in_flight / 8)` requests above what the engine last reported).
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::state::{Core, Node};
+use crate::core::view::ReplicaState;
+use crate::mesh::load_share::{LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate};
+use crate::mesh::Mesh;
+use crate::shutdown::stopped;
+
+/// Most requests the peers' claims may add above the engine's last reported count: enough for
+/// the requests a busy region sends a replica between two scrapes, small against a liar.
+pub fn peer_cap(r: &ReplicaState) -> u32 {
+    let engine = r.load.waiting.saturating_add(r.load.running);
+    let slack = (r.info.max_in_flight / 8).max(16);
+    r.info.max_in_flight.min(engine.saturating_add(slack))
+}
+
+/// Recomputes replica `i`'s load from the peers' claims (after they or the engine's figures
+/// changed).
+pub(super) fn refresh_shared_load(core: &mut Core, i: usize, max_tokens_per_request: u64) {
+    let (Some(r), Some(rt)) = (core.view.replica(i), core.replicas.get(i)) else {
+        return;
+    };
+    let (n, p) = core.peer_loads.totals(&r.info.id);
+    let n = n.min(peer_cap(r));
+    let p = p.min(u64::from(n).saturating_mul(max_tokens_per_request));
+    if (n, p) == (rt.peer_in_flight, rt.peer_pending_tokens) {
+        return;
+    }
+    let rt = &mut core.replicas[i];
+    rt.peer_in_flight = n;
+    rt.peer_pending_tokens = p;
+    let queued = rt.queued_estimate();
+    core.view.set_shared_load(i, n, queued);
+}
+
+impl Node {
+    /// A load update from the peer at `from`: applied if `from` is a live node of this node's
+    /// region, for replicas of this region this node knows.
+    pub(super) fn apply_load_update(&self, from: SocketAddr, update: LoadUpdate) {
+        let refused = |reason: &str| {
+            if let Some(m) = self.mesh_slot().metrics.get() {
+                m.load_refused.with_label_values(&[reason]).inc();
+            }
+        };
+        let region = &self.cfg.region;
+        if !self.is_peer_in(region, from) {
+            refused("not_a_region_peer");
+            return;
+        }
+        let cfg = LoadShareConfig::default();
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let view = &core.view;
+        let applied = core.peer_loads.apply(from, update, now, |id| {
+            view.index_of(id)
+                .and_then(|i| view.replica(i))
+                .filter(|r| &r.info.region == region)
+                .map(|r| r.info.max_in_flight)
+        });
+        match applied {
+            Ok(a) => {
+                for id in &a.changed {
+                    if let Some(i) = core.view.index_of(id) {
+                        refresh_shared_load(core, i, cfg.max_tokens_per_request);
+                    }
+                }
+                drop(guard);
+                if let Some(m) = self.mesh_slot().metrics.get() {
+                    for (reason, n) in [("unknown_replica", a.unknown), ("clamped", a.clamped)] {
+                        if n > 0 {
+                            m.load_refused.with_label_values(&[reason]).inc_by(n as u64);
+                        }
+                    }
+                }
+            }
+            Err(LoadShareError::Stale { .. }) => refused("stale"),
+            Err(LoadShareError::TooManyPeers) => refused("too_many_peers"),
+            Err(LoadShareError::Malformed(_)) => refused("malformed"),
+        }
+    }
+
+    /// Forgets the claims of peers no longer live in this node's region, and claims nobody
+    /// refreshed in time.
+    pub(super) fn prune_peer_loads(&self, live: &HashSet<SocketAddr>) {
+        let cfg = LoadShareConfig::default();
+        let now = self.now();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let mut changed = core.peer_loads.retain_peers(|a| live.contains(a));
+        changed.extend(core.peer_loads.expire(now));
+        for id in changed {
+            if let Some(i) = core.view.index_of(&id) {
+                refresh_shared_load(core, i, cfg.max_tokens_per_request);
+            }
+        }
+    }
+
+    /// The datagrams that tell peers this node's current counts (see `LoadPublisher::flush`):
+    /// requests in flight and pending prompt tokens at each replica of its region.
+    fn load_datagrams(&self, publisher: &mut LoadPublisher) -> Vec<Vec<u8>> {
+        let now = self.now();
+        let core = self.lock();
+        let region = &self.cfg.region;
+        let own = core
+            .view
+            .replicas()
+            .iter()
+            .zip(&core.replicas)
+            .filter(|(r, _)| &r.info.region == region)
+            .map(|(r, rt)| {
+                (
+                    r.info.id.as_str(),
+                    r.load.in_flight,
+                    rt.pending_prefill_tokens,
+                )
+            });
+        publisher.flush(own, now)
+    }
+}
+
+/// Sends this node's load to its region's nodes until `stop` (see the module comment).
+pub(super) async fn share_load(
+    node: Arc<Node>,
+    mesh: Arc<Mesh>,
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let cfg = LoadShareConfig::default();
+    let mut publisher = LoadPublisher::new(rand::random(), &cfg);
+    let mut last_prune = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = node.mesh_slot().load_changed.notified() => {}
+            _ = tokio::time::sleep(cfg.refresh) => {}
+            _ = stopped(&mut stop) => return,
+        }
+        let peers: Vec<SocketAddr> = node
+            .peers_in(&node.cfg.region)
+            .iter()
+            .map(|p| p.quic_addr)
+            .collect();
+        if last_prune.elapsed() >= cfg.refresh {
+            last_prune = tokio::time::Instant::now();
+            node.prune_peer_loads(&peers.iter().copied().collect());
+        }
+        let datagrams = node.load_datagrams(&mut publisher);
+        for d in &datagrams {
+            for p in &peers {
+                mesh.transport().send_load(*p, d);
+            }
+        }
+        // Coalesce: changes during this pause go out together in the next flush.
+        tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::view::{ReplicaInfo, View};
+
+    fn view(max_in_flight: u32) -> View {
+        let mut v = View::new("eu", 16);
+        v.upsert(ReplicaInfo {
+            id: "r0".into(),
+            url: "http://127.0.0.1:1".into(),
+            region: "eu".into(),
+            zone: String::new(),
+            pool: "shared".into(),
+            models: vec!["m".into()],
+            capacity_tokens: 1 << 20,
+            prefill_tokens_per_s: 50_000.0,
+            max_in_flight,
+        });
+        v
+    }
+
+    #[test]
+    fn peers_add_at_most_a_small_phantom_load_above_the_engine() {
+        let mut v = view(256);
+        assert_eq!(
+            peer_cap(v.replica(0).unwrap()),
+            32,
+            "idle engine: max_in_flight / 8"
+        );
+        v.set_engine_load(0, 10, 40, 0.5, 0);
+        assert_eq!(peer_cap(v.replica(0).unwrap()), 82);
+        v.set_engine_load(0, 200, 200, 0.5, 0);
+        assert_eq!(
+            peer_cap(v.replica(0).unwrap()),
+            256,
+            "never above max_in_flight"
+        );
+        let small = view(8);
+        assert_eq!(peer_cap(small.replica(0).unwrap()), 8);
+    }
+}

@@ -18,13 +18,20 @@
 //!   others detect the failure (`failure_detection`), then a new home (rendezvous over the
 //!   region's live nodes) starts a fresh cache model in a new epoch.
 //!
-//! The oracle baseline is one central router with exact, instant knowledge: for every arrival it
-//! reads each engine's actual prefix cache and pending prefill, and picks the replica with the
-//! lowest predicted time to first token (same cost formula as the core, plus the round trip to
-//! the replica's region). No summaries, no staleness, no false positives. Deterministic for a seed.
+//! What a node knows, as a live node knows it: its own routing at once; the other nodes' of its
+//! region `load_share_delay` later (load sharing); the engines' waiting/running/KV usage as their
+//! homes scrape them every `scrape_interval`, then by gossip; summaries by gossip. Nobody reads
+//! an engine's true queue.
+//!
+//! The `central-greedy` reference is one central router with exact, instant knowledge: for every
+//! arrival it reads each engine's actual prefix cache and pending prefill, and picks the replica
+//! with the lowest predicted time to first token (same cost formula as the core, plus the round
+//! trip to the replica's region). No summaries, no staleness, no false positives — but greedy:
+//! policies can beat it, so it is a reference, not a bound (`sim_bound.rs` is the bound).
+//! Deterministic for a seed.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +56,9 @@ use crate::mesh::home::home_node;
 
 const MODEL: &str = "sim-llama-8b";
 
+/// The report name of the central greedy reference router (`SimConfig::oracle`).
+pub const CENTRAL_GREEDY: &str = "central-greedy";
+
 /// Load publications per gossip interval (home nodes scrape more often than chitchat rounds).
 const LOAD_PUBLICATIONS_PER_INTERVAL: u32 = 4;
 
@@ -67,13 +77,23 @@ enum Event {
     Rehome(usize),
 }
 
-/// One replica's load as its home publishes it.
+/// One replica's load as its home scrapes and publishes it.
 #[derive(Clone, Copy, Debug, Default)]
 struct LoadSample {
     waiting: u32,
     running: u32,
     kv_usage: f32,
-    queued_prefill_tokens: u64,
+}
+
+/// A change of one node's load at one replica, on its way to the region's other nodes.
+#[derive(Clone, Copy, Debug)]
+struct Share {
+    /// When the others see it.
+    at: Duration,
+    origin: usize,
+    replica: usize,
+    in_flight: i32,
+    pending_tokens: i64,
 }
 
 /// A router node: where it lives, how late it hears, and (unless in oracle mode) its view.
@@ -157,7 +177,7 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
             eprint!(
                 "\r  {}: {shown:>3}% of {} requests done, {:.1} virtual s",
                 if cfg.oracle {
-                    "oracle"
+                    CENTRAL_GREEDY
                 } else {
                     sim.policy.as_str()
                 },
@@ -211,7 +231,11 @@ struct Sim<'a> {
     /// The replica's home has failed and nobody noticed yet: nothing new is published for it.
     orphaned: Vec<bool>,
     loads: Published<Vec<LoadSample>>,
+    /// When the engines were last scraped.
+    scraped: Option<Duration>,
     summaries: Vec<Published<Arc<ReplicaSummary>>>,
+    /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
+    shares: VecDeque<Share>,
 
     flights: Vec<InFlight>,
     /// Block keys of each request until its first token, when they join the home's cache model.
@@ -335,7 +359,9 @@ impl<'a> Sim<'a> {
             home: vec![None; cfg.replicas],
             orphaned: vec![false; cfg.replicas],
             loads: Published::default(),
+            scraped: None,
             summaries: (0..cfg.replicas).map(|_| Published::default()).collect(),
+            shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
             routed_keys: vec![Vec::new(); reqs.len()],
             ttft: Vec::with_capacity(reqs.len()),
@@ -384,6 +410,7 @@ impl<'a> Sim<'a> {
             return;
         }
         let client = self.live[self.rng.random_range(0..self.live.len())];
+        self.deliver_shares(now);
         req.write_prompt(&mut self.text);
         self.keys.clear();
         let ns = Namespace::new(MODEL, None, None, None);
@@ -429,6 +456,7 @@ impl<'a> Sim<'a> {
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
             }
+            self.share(now, node, r, 1, uncached as i64);
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -450,6 +478,11 @@ impl<'a> Sim<'a> {
             self.fail_early();
             if let Some(nr) = self.nodes[node].routing.as_mut() {
                 nr.view.finished(r);
+                if let Some(rep) = nr.view.replica_mut(r) {
+                    rep.load.queued_prefill_tokens =
+                        rep.load.queued_prefill_tokens.saturating_sub(uncached);
+                }
+                self.share(now, node, r, -1, -(uncached as i64));
             }
             self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
             return;
@@ -528,8 +561,13 @@ impl<'a> Sim<'a> {
         }
         nr.synced = Some(at);
         for (r, l) in loads.iter().enumerate() {
+            // The queued prefill is the node's own and its peers' (load sharing), not scraped.
+            let queued = nr
+                .view
+                .replica(r)
+                .map_or(0, |x| x.load.queued_prefill_tokens);
             nr.view
-                .set_engine_load(r, l.waiting, l.running, l.kv_usage, l.queued_prefill_tokens);
+                .set_engine_load(r, l.waiting, l.running, l.kv_usage, queued);
         }
         for &r in &self.region_replicas[node.region] {
             let Some(fresh) = self.summaries[r].as_of(source) else {
@@ -578,6 +616,7 @@ impl<'a> Sim<'a> {
                                 .queued_prefill_tokens
                                 .saturating_sub(f.uncached_tokens);
                         }
+                        self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
                     }
                 }
                 Output::Finished { id } => {
@@ -588,6 +627,7 @@ impl<'a> Sim<'a> {
                     }
                     if let Some(nr) = self.nodes[f.node].routing.as_mut() {
                         nr.view.finished(f.replica);
+                        self.share(now, f.node, f.replica, -1, 0);
                     }
                     self.done += 1;
                 }
@@ -613,22 +653,28 @@ impl<'a> Sim<'a> {
         let max_hops = self.hops.last().copied().unwrap_or(1);
         // The oldest source time any node can still read.
         let horizon = now.saturating_sub(interval * (max_hops + 1));
-        let previous = self.loads.latest();
-        let loads: Vec<LoadSample> = (0..self.engines.len())
-            .map(|r| match previous {
-                Some(prev) if self.orphaned[r] => prev[r],
-                _ => {
-                    let st = self.engines[r].stats();
-                    LoadSample {
-                        waiting: st.waiting as u32,
-                        running: st.running as u32,
-                        kv_usage: st.kv_usage as f32,
-                        queued_prefill_tokens: self.pending_prefill[r],
+        // Homes scrape their engines every scrape interval; what a scrape read travels by gossip.
+        let scrape = self
+            .scraped
+            .is_none_or(|t| now.saturating_sub(t) >= self.cfg.scrape_interval);
+        if scrape {
+            self.scraped = Some(now);
+            let previous = self.loads.latest();
+            let loads: Vec<LoadSample> = (0..self.engines.len())
+                .map(|r| match previous {
+                    Some(prev) if self.orphaned[r] => prev[r],
+                    _ => {
+                        let st = self.engines[r].stats();
+                        LoadSample {
+                            waiting: st.waiting as u32,
+                            running: st.running as u32,
+                            kv_usage: st.kv_usage as f32,
+                        }
                     }
-                }
-            })
-            .collect();
-        self.loads.publish(now, loads, horizon);
+                })
+                .collect();
+            self.loads.publish(now, loads, horizon);
+        }
         if k.is_multiple_of(u64::from(LOAD_PUBLICATIONS_PER_INTERVAL)) {
             for r in 0..self.models.len() {
                 if self.orphaned[r] {
@@ -653,6 +699,55 @@ impl<'a> Sim<'a> {
             );
         }
         Ok(())
+    }
+
+    /// Node `origin`'s load at `replica` changed by (`in_flight`, `pending_tokens`): the other
+    /// nodes of the replica's region see it `load_share_delay` later (never, with sharing off).
+    fn share(
+        &mut self,
+        now: Duration,
+        origin: usize,
+        replica: usize,
+        in_flight: i32,
+        pending_tokens: i64,
+    ) {
+        if let Some(d) = self.cfg.load_share_delay {
+            self.shares.push_back(Share {
+                at: now + d,
+                origin,
+                replica,
+                in_flight,
+                pending_tokens,
+            });
+        }
+    }
+
+    /// Applies the load changes due by `now` to every other live node of their replica's region.
+    fn deliver_shares(&mut self, now: Duration) {
+        while self.shares.front().is_some_and(|s| s.at <= now) {
+            let Some(s) = self.shares.pop_front() else {
+                break;
+            };
+            let g = self.replica_region[s.replica];
+            for (m, node) in self.nodes.iter_mut().enumerate() {
+                if m == s.origin || !node.live || node.region != g {
+                    continue;
+                }
+                let Some(rep) = node
+                    .routing
+                    .as_mut()
+                    .and_then(|nr| nr.view.replica_mut(s.replica))
+                else {
+                    continue;
+                };
+                rep.load.peer_in_flight =
+                    rep.load.peer_in_flight.saturating_add_signed(s.in_flight);
+                rep.load.queued_prefill_tokens = rep
+                    .load
+                    .queued_prefill_tokens
+                    .saturating_add_signed(s.pending_tokens);
+            }
+        }
     }
 
     fn node_down(&mut self, n: usize, now: Duration) {
@@ -732,7 +827,7 @@ impl<'a> Sim<'a> {
     fn report(mut self, virtual_time: Duration) -> SimReport {
         SimReport {
             policy: if self.cfg.oracle {
-                "oracle".into()
+                CENTRAL_GREEDY.into()
             } else {
                 self.policy.as_str().into()
             },
@@ -843,6 +938,75 @@ mod tests {
             rr.ttft.mean
         );
         assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
+    }
+
+    #[test]
+    fn a_node_sees_a_peers_routing_only_after_the_load_share_delay() {
+        let t = chat(10, 1.0);
+        let delay = Duration::from_millis(5);
+        let cfg = SimConfig {
+            nodes: 2,
+            replicas: 2,
+            load_share_delay: Some(delay),
+            ..Default::default()
+        };
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        // Clients reach node 0 only; node 1 routes nothing but should learn node 0's load.
+        sim.live = vec![0];
+        let t0 = Duration::from_secs(1);
+        sim.arrival(0, t0);
+        let r = sim.flights[0].replica;
+        let seen = |sim: &Sim, n: usize| {
+            let load = sim.nodes[n]
+                .routing
+                .as_ref()
+                .unwrap()
+                .view
+                .replica(r)
+                .unwrap()
+                .load;
+            (
+                load.in_flight,
+                load.peer_in_flight,
+                load.queued_prefill_tokens,
+            )
+        };
+        let (own, peers, queued) = seen(&sim, 0);
+        assert_eq!((own, peers), (1, 0), "its own routing counts at once");
+        assert!(queued > 0);
+        sim.deliver_shares(t0 + delay / 2);
+        assert_eq!(seen(&sim, 1), (0, 0, 0), "not before the delay");
+        sim.deliver_shares(t0 + delay);
+        assert_eq!(
+            seen(&sim, 1),
+            (0, 1, queued),
+            "then the peer's request and its prefill"
+        );
+        // Nor do the engines' true queues leak into a view before a scrape reaches it.
+        sim.publish(1, t0).unwrap();
+        sim.sync_view(1, t0 + delay);
+        assert_eq!(
+            sim.nodes[1]
+                .routing
+                .as_ref()
+                .unwrap()
+                .view
+                .replica(r)
+                .unwrap()
+                .load
+                .waiting,
+            0
+        );
+        // With load sharing off, a peer's routing never reaches the view directly.
+        let off = SimConfig {
+            load_share_delay: None,
+            ..cfg.clone()
+        };
+        let mut sim = Sim::new(&t, &off).unwrap();
+        sim.live = vec![0];
+        sim.arrival(0, t0);
+        sim.deliver_shares(t0 + Duration::from_secs(10));
+        assert_eq!(seen(&sim, 1).1, 0);
     }
 
     fn chat(requests: usize, rate: f64) -> Vec<WorkloadRequest> {

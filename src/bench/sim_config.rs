@@ -82,8 +82,16 @@ pub struct SimConfig {
     /// Print a progress line to stderr while running (the CLI's fleet-scale runs take minutes).
     /// Default off.
     pub progress: bool,
-    /// Run the oracle baseline instead (one central router reading the engines' true state).
+    /// Run the central greedy router instead (one router reading the engines' true state and
+    /// picking the lowest predicted TTFT per request; a reference, not an upper bound).
     pub oracle: bool,
+    /// How often a replica's home scrapes the engine's `/metrics` (waiting, running, KV usage),
+    /// which then reach the nodes by gossip. Default 1 s (the node's `scrape.interval_ms`).
+    pub scrape_interval: Duration,
+    /// How late a node's routing reaches the other nodes of its region (load sharing, see
+    /// `mesh/load_share.rs`: flush interval plus half a round trip); `None` = load sharing off,
+    /// peers' requests are then seen only in the engines' scraped counts. Default 2 ms.
+    pub load_share_delay: Option<Duration>,
 }
 
 impl Default for SimConfig {
@@ -106,6 +114,8 @@ impl Default for SimConfig {
             max_requests: None,
             progress: false,
             oracle: false,
+            scrape_interval: Duration::from_secs(1),
+            load_share_delay: Some(Duration::from_millis(2)),
         }
     }
 }
@@ -121,6 +131,9 @@ impl SimConfig {
         }
         if !(self.arrival_speedup.is_finite() && self.arrival_speedup > 0.0) {
             return bad("arrival_speedup must be > 0");
+        }
+        if self.scrape_interval.is_zero() {
+            return bad("scrape interval must be > 0");
         }
         if self.gossip_interval.is_zero() || self.gossip_fanout == 0 {
             return bad("gossip interval and fan-out must be > 0");
@@ -145,7 +158,7 @@ impl SimConfig {
 /// What a run measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct SimReport {
-    /// Policy name (`oracle` for the baseline).
+    /// Policy name (`central-greedy` for the central reference router).
     pub policy: String,
     /// Router nodes.
     pub nodes: usize,

@@ -298,6 +298,190 @@ async fn rejects_bad_requests_in_openai_shape() {
     .await;
 }
 
+/// POSTs `body` as JSON to `path` and returns (status, JSON answer).
+async fn post_json(c: &reqwest::Client, base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let resp = c
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn tokenizer_endpoints_count_what_completions_charge() {
+    bounded(async {
+        let r = start(ReplicaConfig {
+            engine: EngineConfig {
+                time_scale: 50.0,
+                ..EngineConfig::default()
+            },
+            ..config()
+        })
+        .await;
+        let c = client();
+        let base = r.base_url();
+        let prompt = format!("{} — naïve café ✓ 日本語", text("tok", 37));
+
+        // Completion form: /tokenize counts what /v1/completions reports as prompt_tokens.
+        let (status, tok) = post_json(
+            &c,
+            &base,
+            "/tokenize",
+            &json!({"model": "sim-llama-8b", "prompt": prompt, "add_special_tokens": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{tok}");
+        assert_eq!(tok["tokens"], json!(tokenize(&prompt)));
+        assert_eq!(tok["count"], tok["tokens"].as_array().unwrap().len());
+        assert_eq!(tok["max_model_len"], EngineConfig::default().max_model_len);
+        assert!(tok["token_strs"].is_null());
+        let (status, done) = post_json(
+            &c,
+            &base,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{done}");
+        assert_eq!(done["usage"]["prompt_tokens"], tok["count"]);
+
+        // Round trip through /detokenize.
+        let (status, detok) = post_json(
+            &c,
+            &base,
+            "/detokenize",
+            &json!({"model": "sim-llama-8b", "tokens": tok["tokens"]}),
+        )
+        .await;
+        assert_eq!(status, 200, "{detok}");
+        assert_eq!(detok["prompt"], prompt.as_str());
+
+        // Chat form: the replica's chat template, the same tokens /v1/chat/completions charges.
+        let messages = json!([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": prompt}]);
+        let (_, chat_tok) = post_json(
+            &c,
+            &base,
+            "/tokenize",
+            &json!({"messages": messages, "add_generation_prompt": true}),
+        )
+        .await;
+        let (status, chat_done) = post_json(
+            &c,
+            &base,
+            "/v1/chat/completions",
+            &json!({"messages": messages, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{chat_done}");
+        assert_eq!(chat_done["usage"]["prompt_tokens"], chat_tok["count"]);
+        let (_, chat_text) = post_json(
+            &c,
+            &base,
+            "/detokenize",
+            &json!({"tokens": chat_tok["tokens"]}),
+        )
+        .await;
+        assert_eq!(
+            chat_text["prompt"],
+            format!("<|system|>\nBe brief.\n<|user|>\n{prompt}\n<|assistant|>\n").as_str()
+        );
+
+        // Render: a list of GenerateRequest for completions, one GenerateRequest for chat.
+        let (status, rendered) = post_json(
+            &c,
+            &base,
+            "/v1/completions/render",
+            &json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(status, 200, "{rendered}");
+        let entry = &rendered.as_array().unwrap()[0];
+        assert_eq!(entry["token_ids"], tok["tokens"]);
+        assert_eq!(entry["prompt_token_ids"], tok["tokens"]);
+        assert_eq!(entry["sampling_params"]["max_tokens"], 3);
+        assert_eq!(entry["model"], "sim-llama-8b");
+        assert!(entry["request_id"].as_str().unwrap().starts_with("cmpl-"));
+        let (status, chat_rendered) = post_json(
+            &c,
+            &base,
+            "/v1/chat/completions/render",
+            &json!({"messages": messages}),
+        )
+        .await;
+        assert_eq!(status, 200, "{chat_rendered}");
+        assert_eq!(chat_rendered["token_ids"], chat_tok["tokens"]);
+        assert!(chat_rendered["request_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("chatcmpl-"));
+        r.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tokenizer_endpoints_reject_bad_input_in_openai_shape() {
+    bounded(async {
+        let r = start(ReplicaConfig {
+            max_body_bytes: 4096,
+            ..config()
+        })
+        .await;
+        let c = client();
+        let base = r.base_url();
+        let raw = |path: &str, body: String| {
+            c.post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+        };
+        for path in [
+            "/tokenize",
+            "/detokenize",
+            "/v1/completions/render",
+            "/v1/chat/completions/render",
+        ] {
+            expect_error(raw(path, "{not json".into()).await.unwrap(), 400).await;
+            expect_error(raw(path, "[1, 2]".into()).await.unwrap(), 400).await;
+            let big = json!({"prompt": "x".repeat(10_000)}).to_string();
+            expect_error(raw(path, big).await.unwrap(), 413).await;
+        }
+        for (path, body) in [
+            ("/tokenize", json!({"model": "m"})),
+            ("/tokenize", json!({"prompt": ["a"]})),
+            ("/tokenize", json!({"prompt": "a", "model": 7})),
+            (
+                "/tokenize",
+                json!({"messages": [{"role": "user", "content": "a"}],
+                                 "add_generation_prompt": true, "continue_final_message": true}),
+            ),
+            ("/detokenize", json!({"tokens": [1, -2]})),
+            ("/detokenize", json!({"tokens": [4_294_967_296u64]})),
+            ("/v1/completions/render", json!({"prompt": ["a", "b"]})),
+            (
+                "/v1/completions/render",
+                json!({"prompt": "a", "max_tokens": 1_000_000}),
+            ),
+            ("/v1/chat/completions/render", json!({"messages": []})),
+        ] {
+            let resp = c
+                .post(format!("{base}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let err = expect_error(resp, 400).await;
+            assert_eq!(err["error"]["code"], 400, "{path} {body}: {err}");
+        }
+        r.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn faults_by_admin_endpoint() {
     bounded(async {

@@ -1,6 +1,6 @@
-//! HTTP handlers: the OpenAI-compatible surface, health/load/metrics probes and the fault admin
-//! endpoint. Requests are handed to the driver task; responses follow the engine model's timing
-//! (headers and the first chunk leave when the first token exists).
+//! HTTP handlers: the OpenAI-compatible surface, vLLM's tokenizer endpoints, health/load/metrics
+//! probes and the fault admin endpoint. Completions are handed to the driver task; responses follow
+//! the engine model's timing (headers and the first chunk leave when the first token exists).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -22,6 +22,7 @@ use super::driver::{Command, Update};
 use super::faults::{FaultPatch, Faults, Verdict};
 use super::metrics::Metrics;
 use super::openai::{self, ApiError, Kind, Meta, Usage, SSE_DONE};
+use super::tokenize_api::{self, Served};
 
 /// State shared by all handlers of one replica.
 #[derive(Debug)]
@@ -59,6 +60,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/load", get(load))
@@ -81,6 +86,65 @@ async fn chat_completions(
     body: Body,
 ) -> Response {
     handle(s, Kind::Chat, headers, body).await
+}
+
+impl Shared {
+    fn served(&self) -> Served<'_> {
+        Served {
+            model: &self.model,
+            max_model_len: self.max_model_len,
+            default_max_tokens: self.default_max_tokens,
+        }
+    }
+
+    fn next_request_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{}-{n}", self.id)
+    }
+}
+
+/// Reads a JSON body under the body limit and answers `f`'s value, or its error in OpenAI's shape.
+/// The tokenizer endpoints use it: like vLLM's API server, the front answers them without the
+/// engine, so they neither queue, count as load nor take the completion faults.
+async fn json_call(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    f: impl FnOnce(&Value) -> Result<Value, ApiError>,
+) -> Response {
+    match read_body(s, headers, body).await.and_then(|v| f(&v)) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn tokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    json_call(&s, &headers, body, |v| {
+        tokenize_api::tokenize_request(v, s.served())
+    })
+    .await
+}
+
+async fn detokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    json_call(&s, &headers, body, tokenize_api::detokenize_request).await
+}
+
+async fn render_completion(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    json_call(&s, &headers, body, |v| {
+        tokenize_api::render_completion(v, s.served(), s.next_request_id("cmpl"))
+    })
+    .await
+}
+
+async fn render_chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    json_call(&s, &headers, body, |v| {
+        tokenize_api::render_chat(v, s.served(), s.next_request_id("chatcmpl"))
+    })
+    .await
 }
 
 async fn models(State(s): State<Arc<Shared>>) -> Json<Value> {

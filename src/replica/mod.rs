@@ -12,6 +12,7 @@ pub mod http;
 pub mod listener;
 pub mod metrics;
 pub mod openai;
+pub mod tokenize_api;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -151,12 +151,37 @@ pub fn parse_completion(body: &Value, default_max_tokens: u32) -> Result<Parsed,
     })
 }
 
-/// Renders chat messages to the prompt text the replica tokenizes: per message `<|role|>\n`, the
-/// text of its content (string or all text parts), `\n`; then the generation prompt
-/// `<|assistant|>\n`. A stand-in for a chat template that keeps multi-turn prefixes stable.
+/// How a chat is closed, as vLLM's `add_generation_prompt` and `continue_final_message` say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatClose {
+    /// Append the generation prompt `<|assistant|>\n` (vLLM default: true).
+    pub add_generation_prompt: bool,
+    /// Leave the final message open (no closing `\n`) so the model continues it (default false).
+    pub continue_final_message: bool,
+}
+
+impl Default for ChatClose {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+            continue_final_message: false,
+        }
+    }
+}
+
+/// Renders chat messages to the prompt text the replica tokenizes, closed the default way (see
+/// [`render_chat_with`]).
 pub fn render_chat(messages: &[Value]) -> String {
+    render_chat_with(messages, ChatClose::default())
+}
+
+/// Renders chat messages: per message `<|role|>\n`, the text of its content (string or all text
+/// parts), `\n`; then the generation prompt `<|assistant|>\n` if asked for. With
+/// `continue_final_message` the last message keeps no closing `\n`. A stand-in for a chat template
+/// that keeps multi-turn prefixes stable.
+pub fn render_chat_with(messages: &[Value], close: ChatClose) -> String {
     let mut out = String::new();
-    for m in messages {
+    for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
         out.push_str("<|");
         out.push_str(role);
@@ -172,14 +197,32 @@ pub fn render_chat(messages: &[Value]) -> String {
             }
             _ => {}
         }
-        out.push('\n');
+        let last = i + 1 == messages.len();
+        if !(last && close.continue_final_message) {
+            out.push('\n');
+        }
     }
-    out.push_str("<|assistant|>\n");
+    if close.add_generation_prompt && !close.continue_final_message {
+        out.push_str("<|assistant|>\n");
+    }
     out
 }
 
-/// Parses a `/v1/chat/completions` body.
-pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiError> {
+fn optional_bool(body: &Value, key: &'static str) -> Result<Option<bool>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(ApiError::bad_request(
+            format!("'{key}' must be a boolean"),
+            Some(key),
+        )),
+    }
+}
+
+/// The prompt text of a chat body (`messages`, `add_generation_prompt`, `continue_final_message`).
+/// One function for `/v1/chat/completions`, `/tokenize` and the render endpoint, so all three
+/// charge the same tokens for the same body.
+pub fn chat_prompt(body: &Value) -> Result<String, ApiError> {
     let messages = body
         .get("messages")
         .and_then(Value::as_array)
@@ -193,10 +236,29 @@ pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiEr
             Some("messages"),
         ));
     }
+    let continue_final_message = optional_bool(body, "continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt = optional_bool(body, "add_generation_prompt")?;
+    if continue_final_message && add_generation_prompt == Some(true) {
+        // vLLM's wording (TokenizeChatRequest / ChatCompletionRequest validators).
+        return Err(ApiError::bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            Some("continue_final_message"),
+        ));
+    }
+    let close = ChatClose {
+        add_generation_prompt: add_generation_prompt.unwrap_or(true),
+        continue_final_message,
+    };
+    Ok(render_chat_with(messages, close))
+}
+
+/// Parses a `/v1/chat/completions` body.
+pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiError> {
+    let prompt = tokenize(&chat_prompt(body)?);
     let (stream, include_usage) = stream_flags(body);
     Ok(Parsed {
         kind: Kind::Chat,
-        prompt: tokenize(&render_chat(messages)),
+        prompt,
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
         include_usage,

@@ -71,6 +71,9 @@ pub struct Routed {
     /// Leading blocks believed cached on the chosen replica, in any tier (not weighted: what
     /// the replica can reuse, whatever the copy-back costs).
     pub hit_blocks: u32,
+    /// The longest hit any eligible replica offered, in blocks (`None` when the policy does not
+    /// look at caches): with `hit_blocks`, what the decision gave up for load.
+    pub best_hit_blocks: Option<u32>,
     /// Predicted seconds to first token there.
     pub cost_s: f64,
     /// The policy's reason.
@@ -287,10 +290,18 @@ impl Router {
         } else {
             view.hit_with(chosen.replica, req.keys, now, &mut self.scratch) as u32
         };
+        let best_hit_blocks = uses_cache.then(|| {
+            self.candidates
+                .iter()
+                .map(|c| c.hit_blocks)
+                .max()
+                .unwrap_or(0)
+        });
         Decision::Route(Routed {
             replica: chosen.replica,
             runner_up: pick.runner_up.map(|p| self.candidates[p].replica),
             hit_blocks,
+            best_hit_blocks,
             cost_s: chosen.cost_s,
             reason: pick.reason,
         })

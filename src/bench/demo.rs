@@ -1,7 +1,8 @@
 //! `kvmesh demo`: the first thing a newcomer runs. A real two-region mesh on loopback — per region
 //! two kvmesh nodes (gossip over QUIC with mTLS) in front of three simulated engine replicas —
 //! replays a slice of the real Mooncake conversation trace through random nodes, once per policy
-//! on a fresh fleet, and compares the results with the simulator's oracle.
+//! on a fresh fleet, and compares the results with the simulator's central greedy router and
+//! with the TTFT floor no router can beat (`sim_bound.rs`).
 //!
 //! Everything runs in this process on 127.0.0.1 with real sockets; certificates go to a temporary
 //! directory that is removed at the end. Replicas run `time_scale` times faster than real time
@@ -16,6 +17,7 @@ use clap::Args;
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::report;
 use super::sim::{self, SimConfig};
+use super::sim_bound::ttft_floor;
 use super::trace::{self, default_trace};
 use super::workload::{from_trace, WorkloadRequest};
 use crate::core::policy::PolicyKind;
@@ -57,6 +59,10 @@ pub struct DemoArgs {
     /// Policies to compare, each on a fresh fleet.
     #[arg(long, value_delimiter = ',', default_value = "p2c-cache,round-robin")]
     pub policy: Vec<PolicyKind>,
+    /// Least ms between two load updates a node sends its region's other nodes (the nodes'
+    /// `mesh.load_share_interval_ms`); 0 turns load sharing off, to see what it brings.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub load_share_ms: u64,
     /// Directory for the reports and charts.
     #[arg(long, default_value = "kvmesh-out/demo")]
     pub out: PathBuf,
@@ -131,6 +137,7 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     }
 
     let engine = EngineConfig::default();
+    let engine_floor = engine.clone();
     let oracle = sim::run(
         &workload,
         &SimConfig {
@@ -144,9 +151,9 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     let mut table = report::markdown(&reports);
     table.push_str(&format!(
-        "\nOracle (kvmesh sim: one central router reading every engine's true cache and queue, same \
-         workload and replicas): TTFT mean {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}; hit tokens {} \
-         (ratio {:.3}); load max/mean {:.2}\n",
+        "\nCentral greedy reference (kvmesh sim: one central router reading every engine's true \
+         cache and queue, same workload and replicas; greedy, so beatable): TTFT mean {:.3} s, \
+         p50 {:.3}, p90 {:.3}, p99 {:.3}; hit tokens {} (ratio {:.3}); load max/mean {:.2}\n",
         oracle.ttft.mean,
         oracle.ttft.p50,
         oracle.ttft.p90,
@@ -154,6 +161,12 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
         oracle.cached_tokens,
         oracle.hit_token_ratio,
         oracle.load_max_over_mean,
+    ));
+    let floor = ttft_floor(&workload, &engine_floor);
+    table.push_str(&format!(
+        "TTFT floor no router can beat (each request alone on an idle replica holding every block \
+         an earlier request computed): mean {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}\n",
+        floor.mean, floor.p50, floor.p90, floor.p99
     ));
     println!("\n{table}");
     if let [first, second, ..] = reports.as_slice() {
@@ -248,6 +261,7 @@ async fn run_mesh(
                         .collect(),
                     certs_dir: Some(certs_dir.to_owned()),
                     distance: args.distances(),
+                    load_share_interval_ms: args.load_share_ms,
                     ..MeshSection::default()
                 });
                 let node = proxy::spawn(cfg).await?;

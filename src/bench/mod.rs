@@ -7,6 +7,7 @@ pub mod demo;
 pub mod replay;
 pub mod report;
 pub mod sim;
+pub mod sim_bound;
 pub mod sim_cli;
 pub mod sim_config;
 pub mod sim_gossip;

@@ -27,10 +27,15 @@ async fn replica() -> ReplicaHandle {
 }
 
 async fn node(replica: &ReplicaHandle) -> RunningNode {
+    node_with(replica, false).await
+}
+
+async fn node_with(replica: &ReplicaHandle, debug_headers: bool) -> RunningNode {
     proxy::install_crypto_provider();
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_s: 1,
+        debug_headers,
         ..NodeConfig::default()
     };
     cfg.health.interval_ms = 100;
@@ -132,6 +137,86 @@ async fn keep_alive_clients_get_nodelay_and_every_response_on_one_connection() {
         );
         drop(conn);
         node.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its time bound");
+}
+
+/// The value of the first sample of `name` with `label` in a Prometheus text exposition.
+fn sample(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l.contains(label))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn decisions_are_counted_by_branch_and_explained_only_when_asked() {
+    tokio::time::timeout(LIMIT, async {
+        let rep = replica().await;
+        let http = reqwest::Client::new();
+        let prompt = "a long shared prefix ".repeat(200);
+        let body =
+            serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": true});
+        for debug in [false, true] {
+            let node = node_with(&rep, debug).await;
+            let mut last = None;
+            for _ in 0..3 {
+                let resp = http
+                    .post(format!("http://{}/v1/completions", node.addr))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                last = resp
+                    .headers()
+                    .get("x-kvmesh-decision")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let _ = resp.bytes().await.unwrap();
+                // Let the first byte's blocks count before the next request.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            match (debug, last) {
+                (false, None) => {}
+                (true, Some(h)) => {
+                    assert!(h.starts_with("branch=cache; hit="), "{h}");
+                    assert!(h.contains("best=") && h.contains("predicted_ms="), "{h}");
+                }
+                (d, h) => panic!("debug_headers {d}: header {h:?}"),
+            }
+            let m = http
+                .get(format!("http://{}/metrics", node.addr))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let cache = sample(&m, "kvmesh_decisions_total", "branch=\"cache\"");
+            let load = sample(&m, "kvmesh_decisions_total", "branch=\"load\"");
+            assert_eq!(cache + load, 3.0, "{m}");
+            assert!(cache >= 2.0, "repeats of a prompt take the cache: {m}");
+            let best = sample(&m, "kvmesh_decision_hit_tokens_total", "kind=\"best\"");
+            let chosen = sample(&m, "kvmesh_decision_hit_tokens_total", "kind=\"chosen\"");
+            assert!(best > 0.0 && chosen == best, "chosen {chosen} best {best}");
+            let predicted: f64 = ["late", "early"]
+                .iter()
+                .map(|d| {
+                    sample(
+                        &m,
+                        "kvmesh_ttft_prediction_error_seconds_count",
+                        &format!("direction=\"{d}\""),
+                    )
+                })
+                .sum();
+            assert_eq!(
+                predicted, 3.0,
+                "every streamed request's prediction is checked"
+            );
+            node.shutdown().await;
+        }
     })
     .await
     .expect("test exceeded its time bound");

@@ -74,10 +74,81 @@ pub struct Routed {
     /// The longest hit any eligible replica offered, in blocks (`None` when the policy does not
     /// look at caches): with `hit_blocks`, what the decision gave up for load.
     pub best_hit_blocks: Option<u32>,
+    /// The chosen replica got the session's affinity credit.
+    pub affinity: bool,
+    /// Predicted seconds to first token there (the cost without the affinity credit).
+    pub predicted_s: f64,
     /// Predicted seconds to first token there.
     pub cost_s: f64,
     /// The policy's reason.
     pub reason: Reason,
+}
+
+/// Which consideration decided, for operators (`kvmesh_decisions_total{branch}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Branch {
+    /// Routed to the longest hit on offer.
+    Cache,
+    /// Routed to the session's preferred replica, which did not hold the longest hit.
+    Affinity,
+    /// Routed elsewhere than the longest hit (for load), or nobody held a block.
+    Load,
+    /// Forwarded: the local region queues too long or is full.
+    Spill,
+    /// Forwarded: no local replica serves the model.
+    Forward,
+    /// Refused.
+    Reject,
+}
+
+impl Branch {
+    /// Every branch, in label order.
+    pub const ALL: [Branch; 6] = [
+        Branch::Cache,
+        Branch::Affinity,
+        Branch::Load,
+        Branch::Spill,
+        Branch::Forward,
+        Branch::Reject,
+    ];
+
+    /// Stable label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Branch::Cache => "cache",
+            Branch::Affinity => "affinity",
+            Branch::Load => "load",
+            Branch::Spill => "spill",
+            Branch::Forward => "forward",
+            Branch::Reject => "reject",
+        }
+    }
+}
+
+impl Routed {
+    /// The branch of a local route: the longest hit on offer taken, else affinity, else load.
+    pub fn branch(&self) -> Branch {
+        match self.best_hit_blocks {
+            Some(best) if self.hit_blocks > 0 && self.hit_blocks >= best => Branch::Cache,
+            _ if self.affinity => Branch::Affinity,
+            _ => Branch::Load,
+        }
+    }
+}
+
+impl Decision {
+    /// The decision's branch.
+    pub fn branch(&self) -> Branch {
+        match self {
+            Decision::Route(r) => r.branch(),
+            Decision::Forward {
+                reason: ForwardReason::Spill,
+                ..
+            } => Branch::Spill,
+            Decision::Forward { .. } => Branch::Forward,
+            Decision::Reject(_) => Branch::Reject,
+        }
+    }
 }
 
 /// Why a request goes to another region.
@@ -269,11 +340,13 @@ impl Router {
             }
         }
 
+        let mut preferred = None;
         if let Some(session) = req.session {
             if let Some(p) =
                 affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
             {
                 self.candidates[p].cost_s -= cost.affinity_credit_s;
+                preferred = Some(p);
             }
         }
 
@@ -302,6 +375,12 @@ impl Router {
             runner_up: pick.runner_up.map(|p| self.candidates[p].replica),
             hit_blocks,
             best_hit_blocks,
+            affinity: preferred == Some(pick.chosen),
+            predicted_s: if preferred == Some(pick.chosen) {
+                chosen.cost_s + cost.affinity_credit_s
+            } else {
+                chosen.cost_s
+            },
             cost_s: chosen.cost_s,
             reason: pick.reason,
         })
@@ -422,6 +501,55 @@ mod tests {
             assert_eq!(d.hit_blocks as usize, keys.len());
             assert!(matches!(d.reason, Reason::LongestHit));
         }
+    }
+
+    #[test]
+    fn each_decision_names_the_consideration_that_decided_it() {
+        let mut v = View::new("eu", 64);
+        for i in 0..2 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys = prompt_keys("shared system prompt ");
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        v.set_summary(0, s);
+        let mut r = router(PolicyKind::P2cCache);
+        let d = routed(r.route(&v, &req(&keys), NOW));
+        assert_eq!((d.replica, d.best_hit_blocks), (0, Some(keys.len() as u32)));
+        assert_eq!(d.branch(), Branch::Cache);
+        assert!(d.predicted_s >= 0.0 && !d.affinity);
+        // The holder queues far longer than the prefill it would save: load wins.
+        v.set_engine_load(0, 100, 100, 0.9, 10_000_000);
+        let d = routed(r.route(&v, &req(&keys), NOW));
+        assert_eq!((d.replica, d.hit_blocks), (1, 0));
+        assert_eq!(d.best_hit_blocks, Some(keys.len() as u32));
+        assert_eq!(d.branch(), Branch::Load);
+        // Cold prompts: no hit anywhere is load too; and a session's preferred replica is
+        // affinity when it holds nothing better than the others.
+        let cold = prompt_keys("nobody has this ");
+        let d = routed(r.route(&v, &req(&cold), NOW));
+        assert_eq!(d.branch(), Branch::Load);
+        let mut with_session = req(&cold);
+        with_session.session = Some("s-1");
+        v.set_engine_load(0, 0, 0, 0.0, 0);
+        let d = routed(r.route(&v, &with_session, NOW));
+        assert!(d.affinity);
+        assert_eq!(d.branch(), Branch::Affinity);
+        assert!(
+            (d.predicted_s - d.cost_s - RouterConfig::default().cost.affinity_credit_s).abs()
+                < 1e-9
+        );
+        // Refusals and forwards have their branches.
+        assert_eq!(
+            Decision::Reject(RejectReason::OverQuota).branch(),
+            Branch::Reject
+        );
+        let fwd = |reason| Decision::Forward {
+            region: "us".into(),
+            reason,
+        };
+        assert_eq!(fwd(ForwardReason::Spill).branch(), Branch::Spill);
+        assert_eq!(fwd(ForwardReason::NoLocalReplica).branch(), Branch::Forward);
     }
 
     /// Replica 0 holds the prompt on GPU, replica 1 holds it as long but offloaded (`tier`),

@@ -2,9 +2,11 @@
 //! ([`Metrics`]) and, once the mesh starts, gossip, sync and forwarding ([`MeshMetrics`]).
 //!
 //! Exists so an operator can see what the router decided and why without reading logs: requests
-//! by replica, policy and outcome; how much cache each decision expected to hit; how long
+//! by replica, policy and outcome; how much cache each decision expected to hit and how much it
+//! gave up for load; which consideration decided; how far the predicted TTFT was off; how long
 //! deciding took; in-flight counts; replica health; retries.
 
+use crate::core::router::{Branch, Decision};
 use crate::mesh::transport::StatsSnapshot;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -39,6 +41,94 @@ pub struct Metrics {
     pub scrape_errors: IntCounterVec,
     /// `kvmesh_scrape_skipped_lines_total`: unparseable lines in replicas' `/metrics`.
     pub scrape_skipped_lines: IntCounter,
+    /// Decision quality: branches, hits given up, prediction error.
+    pub decisions: DecisionMetrics,
+}
+
+/// How good the decisions are, as operators of peer routers asked to see it. Label values are
+/// resolved once, so recording a decision does no map lookup.
+#[derive(Clone)]
+pub struct DecisionMetrics {
+    /// `kvmesh_decisions_total{branch}`, indexed like [`Branch::ALL`].
+    pub branch: [IntCounter; 6],
+    /// `kvmesh_decision_hit_tokens_total{kind="chosen"}`: tokens the chosen replicas were
+    /// believed to hold, for policies that look at caches.
+    pub chosen_hit_tokens: IntCounter,
+    /// `kvmesh_decision_hit_tokens_total{kind="best"}`: the longest hit on offer at the same
+    /// decisions; `chosen / best` is the share of available hits the node took.
+    pub best_hit_tokens: IntCounter,
+    /// `kvmesh_ttft_prediction_error_seconds{direction="late"}`: streamed requests whose first
+    /// byte came later than the cost model predicted, by how much.
+    pub late: Histogram,
+    /// `…{direction="early"}`: earlier than predicted, by how much.
+    pub early: Histogram,
+}
+
+impl DecisionMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let branches = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_decisions_total",
+                "Routing decisions by the consideration that decided (cache, affinity, load, spill, forward, reject)",
+            ),
+            &["branch"],
+        )?;
+        let hits = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_decision_hit_tokens_total",
+                "Prompt tokens believed cached: at the chosen replica, and the most any eligible replica offered",
+            ),
+            &["kind"],
+        )?;
+        let error = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_ttft_prediction_error_seconds",
+                "Streamed requests: |first byte - predicted time to first token|, by direction",
+            )
+            .buckets(prometheus::exponential_buckets(0.001, 2.0, 16)?),
+            &["direction"],
+        )?;
+        registry.register(Box::new(branches.clone()))?;
+        registry.register(Box::new(hits.clone()))?;
+        registry.register(Box::new(error.clone()))?;
+        let b = |x: Branch| branches.with_label_values(&[x.as_str()]);
+        Ok(DecisionMetrics {
+            branch: Branch::ALL.map(b),
+            chosen_hit_tokens: hits.with_label_values(&["chosen"]),
+            best_hit_tokens: hits.with_label_values(&["best"]),
+            late: error.with_label_values(&["late"]),
+            early: error.with_label_values(&["early"]),
+        })
+    }
+
+    /// Counts a decision; `tokens_per_block` converts its hits.
+    pub fn record(&self, d: &Decision, tokens_per_block: u32) {
+        let i = Branch::ALL
+            .iter()
+            .position(|b| *b == d.branch())
+            .unwrap_or(0);
+        self.branch[i].inc();
+        if let Decision::Route(r) = d {
+            if let Some(best) = r.best_hit_blocks {
+                let tpb = u64::from(tokens_per_block);
+                self.chosen_hit_tokens.inc_by(u64::from(r.hit_blocks) * tpb);
+                self.best_hit_tokens.inc_by(u64::from(best) * tpb);
+            }
+        }
+    }
+
+    /// A streamed request's first byte came `actual_s` after it was sent; predicted `predicted_s`.
+    pub fn prediction(&self, predicted_s: f64, actual_s: f64) {
+        let err = actual_s - predicted_s;
+        if !err.is_finite() {
+            return;
+        }
+        if err >= 0.0 {
+            self.late.observe(err);
+        } else {
+            self.early.observe(-err);
+        }
+    }
 }
 
 impl Metrics {
@@ -118,6 +208,7 @@ impl Metrics {
         registry.register(Box::new(ejections.clone()))?;
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
+        let decisions = DecisionMetrics::new(&registry)?;
         Ok(Metrics {
             registry,
             requests,
@@ -131,6 +222,7 @@ impl Metrics {
             ejections,
             scrape_errors,
             scrape_skipped_lines,
+            decisions,
         })
     }
 

@@ -36,6 +36,7 @@ impl Node {
         let mut guard = self.lock();
         let core = &mut *guard;
         let decision = core.router.route(&core.view, req, now);
+        let tokens_per_block = core.view.tokens_per_block;
         let ticket = match &decision {
             Decision::Route(d) => {
                 let i = d.replica;
@@ -87,6 +88,7 @@ impl Node {
         if let Decision::Route(d) = &decision {
             self.metrics.hit_blocks.observe(d.hit_blocks as f64);
         }
+        self.metrics.decisions.record(&decision, tokens_per_block);
         (decision, ticket)
     }
 

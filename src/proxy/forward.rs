@@ -43,6 +43,9 @@ thread_local! {
 pub const REPLICA_HEADER: &str = "x-kvmesh-routed-to";
 /// Response header with the prefix blocks the node expected the replica to hold.
 pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
+/// Response header explaining the decision, only with `debug_headers = true`:
+/// `branch=cache; hit=12; best=12; predicted_ms=35.1` (`best=-` for policies blind to caches).
+pub const DECISION_HEADER: &str = "x-kvmesh-decision";
 
 /// `POST /v1/completions`.
 pub async fn completions(State(node): State<Arc<Node>>, req: Request) -> Response {
@@ -270,10 +273,17 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
         let error = match tokio::time::timeout(first_byte, send).await {
             Ok(Ok(resp)) if !is_failure(resp.status()) => {
+                let first_byte_s = sent_at.elapsed().as_secs_f64();
                 node.metrics
                     .first_byte_seconds
                     .with_label_values(&[replica_id])
-                    .observe(sent_at.elapsed().as_secs_f64());
+                    .observe(first_byte_s);
+                // Streamed responses start at the first token; others only when complete.
+                if fields.stream == Some(true) && resp.status().is_success() {
+                    node.metrics
+                        .decisions
+                        .prediction(routed.predicted_s, first_byte_s);
+                }
                 node.request_succeeded(i);
                 let outcome = if resp.status().is_success() {
                     "ok"
@@ -287,7 +297,14 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 // The keys go with the response: its first byte records them (see
                 // `Ticket::first_byte`). Nothing else needs them once a replica answered.
                 let keys = std::mem::take(&mut keys);
-                return Ok(respond(node, resp, ticket, routed.hit_blocks, keys));
+                let mut out = respond(node, resp, ticket, routed.hit_blocks, keys);
+                if node.cfg.debug_headers {
+                    if let Ok(v) = HeaderValue::from_str(&decision_header(&routed)) {
+                        out.headers_mut()
+                            .insert(HeaderName::from_static(DECISION_HEADER), v);
+                    }
+                }
+                return Ok(out);
             }
             Ok(Ok(resp)) => {
                 let msg = format!("replica {replica_id} answered {}", resp.status());
@@ -317,6 +334,18 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         return Ok(respond(node, resp, ticket, hit, Vec::new()));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
+}
+
+fn decision_header(d: &crate::core::router::Routed) -> String {
+    let best = d
+        .best_hit_blocks
+        .map_or_else(|| "-".to_owned(), |b| b.to_string());
+    format!(
+        "branch={}; hit={}; best={best}; predicted_ms={:.1}",
+        d.branch().as_str(),
+        d.hit_blocks,
+        d.predicted_s * 1000.0
+    )
 }
 
 /// Streams a replica's response to the client as it arrives, holding the request's ticket until

@@ -52,6 +52,10 @@ pub struct NodeConfig {
     pub block_bytes: usize,
     /// Largest accepted request body in bytes; larger gets 413. Default 32 MiB.
     pub max_body_bytes: usize,
+    /// Adds `x-kvmesh-decision` (branch, hit, best hit on offer, predicted TTFT) to responses,
+    /// for debugging routing. It tells a client what the node believes is cached, so keep it off
+    /// where clients are not trusted. Default false.
+    pub debug_headers: bool,
     /// Bearer token required by `/admin/*`; none means the admin API is open. Default none.
     pub admin_token: Option<String>,
     /// Header carrying the session id for affinity (the body's `user` is the fallback). Default
@@ -112,6 +116,7 @@ impl Default for NodeConfig {
             seed: 0,
             block_bytes: crate::core::keys::DEFAULT_BLOCK_BYTES,
             max_body_bytes: 32 << 20,
+            debug_headers: false,
             admin_token: None,
             session_header: "x-session-id".into(),
             tenant_header: "x-tenant-id".into(),

@@ -63,6 +63,10 @@ pub struct DemoArgs {
     /// `mesh.load_share_interval_ms`); 0 turns load sharing off, to see what it brings.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub load_share_ms: u64,
+    /// Put haproxy (from `PATH`) in front of the nodes, round-robin over keep-alive
+    /// connections, and send the workload to it: how users deploy several nodes.
+    #[arg(long)]
+    pub haproxy: bool,
     /// Directory for the reports and charts.
     #[arg(long, default_value = "kvmesh-out/demo")]
     pub out: PathBuf,
@@ -210,6 +214,7 @@ async fn run_mesh(
 ) -> anyhow::Result<RunResult> {
     let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
     let mut nodes: Vec<RunningNode> = Vec::new();
+    let mut front: Option<std::process::Child> = None;
     let result = async {
         let engine = EngineConfig::default();
         for &region in args.region_names() {
@@ -272,8 +277,16 @@ async fn run_mesh(
             }
         }
         wait_ready(&nodes).await?;
+        let mut targets: Vec<String> = nodes.iter().map(|n| format!("http://{}", n.addr)).collect();
+        if args.haproxy {
+            let (child, url) = start_haproxy(&nodes, certs_dir).await?;
+            front = Some(child);
+            targets = vec![url];
+        }
+        let before: Vec<(u64, u64)> = nodes.iter().map(mesh_bytes).collect();
+        let started = Instant::now();
         let cfg = ReplayConfig {
-            targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),
+            targets,
             model: Some(MODEL.into()),
             speedup: args.speedup * args.time_scale,
             time_scale: args.time_scale,
@@ -282,10 +295,33 @@ async fn run_mesh(
             ..ReplayConfig::default()
         };
         let mut run = replay(workload, &cfg).await?;
+        let secs = started.elapsed().as_secs_f64().max(1e-3);
+        if nodes.len() > 1 {
+            let per_node: Vec<String> = nodes
+                .iter()
+                .zip(&before)
+                .map(|(n, b)| {
+                    let a = mesh_bytes(n);
+                    format!(
+                        "gossip+sync {:.1} KiB/s, load sharing {:.1} KiB/s",
+                        (a.0 - b.0) as f64 / secs / 1024.0,
+                        (a.1 - b.1) as f64 / secs / 1024.0
+                    )
+                })
+                .collect();
+            eprintln!(
+                "  mesh traffic per node (sent + received): {}",
+                per_node.join("; ")
+            );
+        }
         run.replicas = replicas.iter().map(|(_, h)| h.id.clone()).collect();
         anyhow::Ok(run)
     }
     .await;
+    if let Some(mut child) = front {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     for n in nodes {
         n.shutdown().await;
     }
@@ -293,6 +329,59 @@ async fn run_mesh(
         r.shutdown().await;
     }
     result
+}
+
+/// Bytes a node's mesh moved so far, sent plus received: (gossip and summary sync, load sharing).
+fn mesh_bytes(n: &RunningNode) -> (u64, u64) {
+    n.node.mesh().map_or((0, 0), |m| {
+        let s = m.transport().stats().snapshot();
+        (
+            s.gossip_bytes_sent + s.gossip_bytes_received + s.sync_bytes_sent,
+            s.load_bytes_sent + s.load_bytes_received,
+        )
+    })
+}
+
+/// Starts haproxy in front of `nodes` (round-robin, keep-alive on both sides) and returns it
+/// with its URL once it accepts connections.
+async fn start_haproxy(
+    nodes: &[RunningNode],
+    dir: &std::path::Path,
+) -> anyhow::Result<(std::process::Child, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let servers: String = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| format!("    server n{i} {}\n", n.addr))
+        .collect();
+    let cfg = format!(
+        "global\n    maxconn 900\ndefaults\n    mode http\n    option http-keep-alive\n    \
+         timeout connect 5s\n    timeout client 600s\n    timeout server 600s\n\
+         frontend demo\n    bind 127.0.0.1:{port}\n    default_backend nodes\n\
+         backend nodes\n    balance roundrobin\n{servers}"
+    );
+    let path = dir.join("haproxy.cfg");
+    std::fs::write(&path, cfg).with_context(|| format!("writing {}", path.display()))?;
+    let child = std::process::Command::new("haproxy")
+        .arg("-f")
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .context("starting haproxy (is it installed? Debian: apt-get install haproxy)")?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "haproxy did not listen on {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((child, format!("http://127.0.0.1:{port}")))
 }
 
 /// Waits until every node answers `/ready` (joined the mesh and warmed from its peers).

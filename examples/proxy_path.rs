@@ -7,7 +7,9 @@
 //! requests at a fixed rate on each path and measures the time to the first SSE byte and to the
 //! end. Paths: `direct` (client → upstream), `node` (client → node → upstream), and with haproxy
 //! `haproxy` (client → haproxy → upstream) and `haproxy+node` (client → haproxy → node →
-//! upstream). Workloads: short prompts at 20 and 1,000 req/s, then 50–500 KB prompts at 20 req/s.
+//! upstream), each with `option http-no-delay` and with haproxy's default, which holds small
+//! streamed writes back (MSG_MORE) until more data comes or ~200 ms pass. Workloads: short
+//! prompts at 20 and 1,000 req/s, then 50–500 KB prompts at 20 req/s.
 //!
 //! `cargo run --release --example proxy_path [-- --quick]`
 
@@ -26,9 +28,11 @@ fn sse() -> Body {
         "data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"k\",\"finish_reason\":\"stop\"}]}\n\n",
         "data: [DONE]\n\n",
     ];
-    let stream = futures::stream::iter(events).then(|e| async move {
-        // Each event its own write, as an engine's decode steps are.
-        tokio::task::yield_now().await;
+    let stream = futures::stream::iter(events.into_iter().enumerate()).then(|(i, e)| async move {
+        // Each event its own write, a decode step (2 ms) apart, as an engine streams.
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         Ok::<_, std::io::Error>(bytes::Bytes::from_static(e.as_bytes()))
     });
     Body::from_stream(stream)
@@ -81,18 +85,25 @@ async fn run(
     Ok((ttfb, end))
 }
 
-/// haproxy in front of `backends`, round-robin, keep-alive both sides; `None` without haproxy.
-fn haproxy(port: u16, backends: &[String], dir: &std::path::Path) -> Option<Child> {
+/// haproxy in front of `backends`, round-robin, keep-alive both sides, with `option
+/// http-no-delay` when `no_delay` (else haproxy's default, which corks small streamed writes);
+/// `None` without haproxy.
+fn haproxy(port: u16, backends: &[String], no_delay: bool, dir: &std::path::Path) -> Option<Child> {
     let servers: String = backends
         .iter()
         .enumerate()
         .map(|(i, b)| format!("    server s{i} {b}\n"))
         .collect();
     let cfg = format!(
-        "global\n    maxconn 2000\ndefaults\n    mode http\n    option http-keep-alive\n    \
+        "global\n    maxconn 2000\ndefaults\n    mode http\n    option http-keep-alive\n{}    \
          timeout connect 5s\n    timeout client 60s\n    timeout server 60s\n\
          frontend f\n    bind 127.0.0.1:{port}\n    default_backend b\n\
-         backend b\n    balance roundrobin\n{servers}"
+         backend b\n    balance roundrobin\n{servers}",
+        if no_delay {
+            "    option http-no-delay\n"
+        } else {
+            ""
+        }
     );
     let path = dir.join(format!("haproxy-{port}.cfg"));
     std::fs::write(&path, cfg).ok()?;
@@ -151,25 +162,23 @@ async fn main() -> anyhow::Result<()> {
     let node = kvmesh::proxy::spawn(cfg).await?;
 
     let dir = tempfile::tempdir()?;
-    let (hp_up, hp_node) = (free_port()?, free_port()?);
     let mut procs: Vec<Child> = Vec::new();
     let mut paths = vec![
         ("direct", format!("http://{upstream}/v1/completions")),
         ("node", format!("http://{}/v1/completions", node.addr)),
     ];
-    if let Some(p) = haproxy(hp_up, &[upstream.to_string()], dir.path()) {
-        procs.push(p);
-        paths.push((
-            "haproxy",
-            format!("http://127.0.0.1:{hp_up}/v1/completions"),
-        ));
-    }
-    if let Some(p) = haproxy(hp_node, &[node.addr.to_string()], dir.path()) {
-        procs.push(p);
-        paths.push((
-            "haproxy+node",
-            format!("http://127.0.0.1:{hp_node}/v1/completions"),
-        ));
+    let fronts = [
+        ("haproxy", upstream, true),
+        ("haproxy+node", node.addr, true),
+        ("haproxy (default cork)", upstream, false),
+        ("haproxy (default cork)+node", node.addr, false),
+    ];
+    for (name, backend, no_delay) in fronts {
+        let port = free_port()?;
+        if let Some(p) = haproxy(port, &[backend.to_string()], no_delay, dir.path()) {
+            procs.push(p);
+            paths.push((name, format!("http://127.0.0.1:{port}/v1/completions")));
+        }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
 

@@ -358,7 +358,7 @@ async fn start_haproxy(
         .collect();
     let cfg = format!(
         "global\n    maxconn 900\ndefaults\n    mode http\n    option http-keep-alive\n    \
-         timeout connect 5s\n    timeout client 600s\n    timeout server 600s\n\
+         option http-no-delay\n    timeout connect 5s\n    timeout client 600s\n    timeout server 600s\n\
          frontend demo\n    bind 127.0.0.1:{port}\n    default_backend nodes\n\
          backend nodes\n    balance roundrobin\n{servers}"
     );

@@ -4,7 +4,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use kvmesh::bench::replay::{self, FleetConfig, ReplayConfig};
+use kvmesh::bench::fleet::{self, FleetConfig};
+use kvmesh::bench::replay::{self, ReplayConfig};
 use kvmesh::bench::report;
 use kvmesh::bench::workload::{self, GenParams, SystemPromptParams};
 use kvmesh::core::policy::PolicyKind;
@@ -49,45 +50,48 @@ fn quiet(cfg: ReplayConfig) -> ReplayConfig {
 async fn a_fleet_run_reports_every_request_hits_and_shares() {
     bounded(async {
         let work = shared_prefix_workload();
-        let fleet = FleetConfig {
-            replicas: 2,
-            nodes: 1,
-            time_scale: 50.0,
-            ..FleetConfig::default()
-        };
-        let run = replay::run_fleet(
-            &work,
-            PolicyKind::P2cCache,
-            &fleet,
-            &quiet(ReplayConfig::default()),
-        )
-        .await
-        .unwrap();
-        assert_eq!(run.label, "p2c-cache");
-        assert_eq!(run.records.len(), 40);
-        let failures: Vec<_> = run.records.iter().filter_map(|r| r.error.clone()).collect();
-        assert!(failures.is_empty(), "{failures:?}");
-        assert!(run
-            .records
-            .iter()
-            .all(|r| r.status == 200 && r.ttft_s.is_some() && r.output_tokens >= 8));
+        // One node, then two meshed nodes (certificates, gossip, load sharing) sharing the load.
+        for nodes in [1, 2] {
+            let fleet = FleetConfig {
+                replicas: 2,
+                nodes,
+                time_scale: 50.0,
+                ..FleetConfig::default()
+            };
+            let run = fleet::run_fleet(
+                &work,
+                PolicyKind::P2cCache,
+                &fleet,
+                &quiet(ReplayConfig::default()),
+            )
+            .await
+            .unwrap();
+            assert_eq!(run.label, "p2c-cache");
+            assert_eq!(run.records.len(), 40);
+            let failures: Vec<_> = run.records.iter().filter_map(|r| r.error.clone()).collect();
+            assert!(failures.is_empty(), "{failures:?}");
+            assert!(run
+                .records
+                .iter()
+                .all(|r| r.status == 200 && r.ttft_s.is_some() && r.output_tokens >= 8));
 
-        let s = report::summarize(&run);
-        assert_eq!((s.requests, s.errors), (40, 0));
-        assert_eq!(s.hit_source, report::HitSource::Responses);
-        assert!(
-            s.cached_tokens > 0,
-            "no hit tokens on a shared-prefix workload"
-        );
-        assert!(s.hit_token_ratio > 0.3, "hit ratio {}", s.hit_token_ratio);
-        assert_eq!(s.per_replica.len(), 2, "{:?}", s.per_replica);
-        assert_eq!(
-            s.per_replica.iter().map(|x| x.requests).sum::<u64>(),
-            40,
-            "per-replica counts sum to the total"
-        );
-        assert!(s.ttft.mean > 0.0 && s.latency.mean >= s.ttft.mean);
-        assert_eq!(s.time_scale, 50.0);
+            let s = report::summarize(&run);
+            assert_eq!((s.requests, s.errors), (40, 0));
+            assert_eq!(s.hit_source, report::HitSource::Responses);
+            assert!(
+                s.cached_tokens > 0,
+                "no hit tokens on a shared-prefix workload"
+            );
+            assert!(s.hit_token_ratio > 0.3, "hit ratio {}", s.hit_token_ratio);
+            assert_eq!(s.per_replica.len(), 2, "{:?}", s.per_replica);
+            assert_eq!(
+                s.per_replica.iter().map(|x| x.requests).sum::<u64>(),
+                40,
+                "per-replica counts sum to the total"
+            );
+            assert!(s.ttft.mean > 0.0 && s.latency.mean >= s.ttft.mean);
+            assert_eq!(s.time_scale, 50.0);
+        }
     })
     .await;
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use super::replay::{self, FleetConfig, ReplayConfig, RunResult};
+use super::fleet::{run_fleet_comparison, FleetConfig};
+use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
@@ -33,7 +34,8 @@ pub struct BenchArgs {
     /// Fleet: simulated replicas per run.
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
-    /// Fleet: kvmesh nodes per run (independent, each knowing every replica).
+    /// Fleet: kvmesh nodes per run, meshed when more than one (one region, each configured
+    /// with every replica).
     #[arg(long, default_value_t = 1)]
     pub nodes: usize,
     /// Fleet: replicas run this many times faster than real time; arrivals are sped up to match
@@ -115,8 +117,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
             engine,
             ..FleetConfig::default()
         };
-        replay::run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base)
-            .await?
+        run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base).await?
     } else {
         let sets: Vec<Vec<String>> = if args.url.is_empty() {
             args.compare

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
+use super::fleet::{mesh_section, wait_ready, MeshCerts};
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::report;
 use super::sim::{self, SimConfig};
@@ -22,7 +23,6 @@ use super::trace::{self, default_trace};
 use super::workload::{from_trace, WorkloadRequest};
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::EngineConfig;
-use crate::mesh::certs;
 use crate::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::proxy::{self, RunningNode};
 use crate::replica::{self, ReplicaHandle};
@@ -109,17 +109,12 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     for r in &mut workload {
         r.output_tokens = r.output_tokens.clamp(1, args.max_output.max(1));
     }
-    let certs_dir = std::env::temp_dir().join(format!("kvmesh-demo-{}", std::process::id()));
-    let _cleanup = RemoveOnDrop(certs_dir.clone());
-    std::fs::create_dir_all(&certs_dir)
-        .with_context(|| format!("creating {}", certs_dir.display()))?;
-    certs::init_dir(&certs_dir).context("making the demo's cluster CA")?;
-    for &region in args.region_names() {
-        for n in 0..usize::from(args.nodes_per_region) {
-            certs::issue_in_dir(&certs_dir, &node_name(region, n))
-                .context("issuing a node certificate")?;
-        }
-    }
+    let names: Vec<String> = args
+        .region_names()
+        .iter()
+        .flat_map(|r| (0..usize::from(args.nodes_per_region)).map(move |n| node_name(r, n)))
+        .collect();
+    let certs = MeshCerts::new(names.iter().map(String::as_str))?;
     eprintln!(
         "kvmesh demo: {} region(s) x ({} nodes + {} simulated replicas), mTLS gossip over QUIC on \
          127.0.0.1; {} requests of the Mooncake conversation trace, arrivals x{}, replicas at {}x real time",
@@ -133,7 +128,7 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
     let mut runs = Vec::new();
     for policy in &args.policy {
         let t = Instant::now();
-        let run = run_mesh(&workload, *policy, &args, &certs_dir)
+        let run = run_mesh(&workload, *policy, &args, &certs)
             .await
             .with_context(|| format!("the {policy} run"))?;
         eprintln!("  {policy}: done in {:.1} s", t.elapsed().as_secs_f64());
@@ -210,7 +205,7 @@ async fn run_mesh(
     workload: &[WorkloadRequest],
     policy: PolicyKind,
     args: &DemoArgs,
-    certs_dir: &std::path::Path,
+    certs: &MeshCerts,
 ) -> anyhow::Result<RunResult> {
     let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
     let mut nodes: Vec<RunningNode> = Vec::new();
@@ -258,16 +253,9 @@ async fn run_mesh(
                     })
                     .collect();
                 cfg.mesh = Some(MeshSection {
-                    node_id: name.clone(),
-                    listen: ([127, 0, 0, 1], 0).into(),
-                    seeds: seed_addr
-                        .iter()
-                        .map(|a: &std::net::SocketAddr| a.to_string())
-                        .collect(),
-                    certs_dir: Some(certs_dir.to_owned()),
                     distance: args.distances(),
                     load_share_interval_ms: args.load_share_ms,
-                    ..MeshSection::default()
+                    ..mesh_section(&name, certs, seed_addr)
                 });
                 let node = proxy::spawn(cfg).await?;
                 if seed_addr.is_none() {
@@ -279,7 +267,7 @@ async fn run_mesh(
         wait_ready(&nodes).await?;
         let mut targets: Vec<String> = nodes.iter().map(|n| format!("http://{}", n.addr)).collect();
         if args.haproxy {
-            let (child, url) = start_haproxy(&nodes, certs_dir).await?;
+            let (child, url) = start_haproxy(&nodes, certs.dir()).await?;
             front = Some(child);
             targets = vec![url];
         }
@@ -382,41 +370,6 @@ async fn start_haproxy(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok((child, format!("http://127.0.0.1:{port}")))
-}
-
-/// Waits until every node answers `/ready` (joined the mesh and warmed from its peers).
-async fn wait_ready(nodes: &[RunningNode]) -> anyhow::Result<()> {
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    for n in nodes {
-        let url = format!("http://{}/ready", n.addr);
-        loop {
-            let ok = client
-                .get(&url)
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
-            if ok {
-                break;
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "node {} not ready after 30 s",
-                n.addr
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-    Ok(())
-}
-
-/// Removes the demo's certificate directory however the demo ends.
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 pub mod bench_cli;
 pub mod demo;
+pub mod fleet;
 pub mod replay;
 pub mod report;
 pub mod sim;

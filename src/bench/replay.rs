@@ -2,8 +2,7 @@
 //! OpenAI-compatible base URLs and records what each request saw.
 //!
 //! It exists apart from the CLI so the demo (and tests) can replay against fleets they started
-//! themselves: [`replay`] for any URLs, [`run_fleet`] / [`run_fleet_comparison`] for an
-//! in-process fleet (simulated replicas + one or more kvmesh nodes per policy).
+//! themselves: [`replay`] for any URLs; `fleet.rs` starts in-process fleets to replay against.
 //!
 //! Measurement, per request: streaming `/v1/completions` (`stream: true`,
 //! `stream_options.include_usage`); TTFT = first SSE `data:` event, latency = end of stream, both
@@ -26,9 +25,6 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::workload::WorkloadRequest;
-use crate::core::policy::PolicyKind;
-use crate::engine_sim::EngineConfig;
-use crate::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 
 /// Header naming the replica that served a completion (set by simulated replicas).
 pub const REPLICA_HEADER: &str = "x-kvmesh-replica";
@@ -559,133 +555,6 @@ pub fn prefix_counters(text: &str) -> MetricsDelta {
         }
     }
     d
-}
-
-/// An in-process fleet: simulated replicas behind kvmesh nodes (independent, not meshed).
-#[derive(Clone, Debug)]
-pub struct FleetConfig {
-    /// Simulated replicas. Default 4.
-    pub replicas: usize,
-    /// kvmesh nodes per run, each knowing every replica; clients spread over them. Default 1.
-    pub nodes: usize,
-    /// Replicas run this many times faster than real time, and arrivals are sped up by the same
-    /// factor, so the fleet sees the workload's load; reports are in model seconds. Default 10.
-    pub time_scale: f64,
-    /// Engine model of every replica (its `time_scale` is overridden). Default 8B on one H100.
-    pub engine: EngineConfig,
-    /// Model name served. Default "sim-llama-8b".
-    pub model: String,
-}
-
-impl Default for FleetConfig {
-    fn default() -> Self {
-        FleetConfig {
-            replicas: 4,
-            nodes: 1,
-            time_scale: 10.0,
-            engine: EngineConfig::default(),
-            model: "sim-llama-8b".into(),
-        }
-    }
-}
-
-/// Starts a fresh fleet (cold caches) for `policy`, replays `workload` through its nodes and
-/// stops it. `replay.targets`, `model`, `speedup` (multiplied by the time scale), `time_scale`
-/// and `label` (when left "run") are set from the fleet.
-pub async fn run_fleet(
-    workload: &[WorkloadRequest],
-    policy: PolicyKind,
-    fleet: &FleetConfig,
-    replay_cfg: &ReplayConfig,
-) -> anyhow::Result<RunResult> {
-    anyhow::ensure!(
-        fleet.replicas > 0 && fleet.nodes > 0,
-        "a fleet needs at least one replica and one node"
-    );
-    anyhow::ensure!(
-        fleet.time_scale.is_finite() && fleet.time_scale > 0.0,
-        "time_scale must be > 0"
-    );
-    let mut replicas = Vec::with_capacity(fleet.replicas);
-    let mut nodes = Vec::with_capacity(fleet.nodes);
-    let result = async {
-        for i in 0..fleet.replicas {
-            let mut cfg = crate::replica::ReplicaConfig {
-                id: format!("replica-{i}"),
-                model: fleet.model.clone(),
-                engine: fleet.engine.clone(),
-                exit_on_crash: false,
-                ..Default::default()
-            };
-            cfg.engine.time_scale = fleet.time_scale;
-            replicas.push(crate::replica::spawn(cfg).await?);
-        }
-        let prefill_rate = 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
-        for n in 0..fleet.nodes {
-            let mut cfg = NodeConfig {
-                listen: ([127, 0, 0, 1], 0).into(),
-                policy: policy.as_str().into(),
-                seed: replay_cfg.seed.wrapping_add(n as u64),
-                drain_s: 5,
-                ..NodeConfig::default()
-            };
-            cfg.health.interval_ms = 200;
-            cfg.scrape.interval_ms = 100;
-            cfg.replicas = replicas
-                .iter()
-                .map(|r| NodeReplica {
-                    id: Some(r.id.clone()),
-                    models: vec![fleet.model.clone()],
-                    capacity_tokens: Some(fleet.engine.kv_capacity_tokens as u64),
-                    // Model-time rate: the node's cost model then works in model seconds, like
-                    // its w_load and spill thresholds.
-                    prefill_tokens_per_s: prefill_rate,
-                    ..NodeReplica::from_url(r.base_url())
-                })
-                .collect();
-            nodes.push(crate::proxy::spawn(cfg).await?);
-        }
-        let label = if replay_cfg.label == ReplayConfig::default().label {
-            policy.as_str().to_owned()
-        } else {
-            replay_cfg.label.clone()
-        };
-        let cfg = ReplayConfig {
-            targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),
-            model: Some(fleet.model.clone()),
-            speedup: replay_cfg.speedup * fleet.time_scale,
-            time_scale: fleet.time_scale,
-            label,
-            ..replay_cfg.clone()
-        };
-        let mut run = replay(workload, &cfg).await?;
-        run.replicas = replicas.iter().map(|r| r.id.clone()).collect();
-        anyhow::Ok(run)
-    }
-    .await;
-    for n in nodes {
-        n.shutdown().await;
-    }
-    for r in replicas {
-        r.shutdown().await;
-    }
-    result
-}
-
-/// Runs [`run_fleet`] once per policy, each on a fresh fleet, in order. What `kvmesh bench
-/// --compare-policies` and the demo call.
-pub async fn run_fleet_comparison(
-    workload: &[WorkloadRequest],
-    policies: &[PolicyKind],
-    fleet: &FleetConfig,
-    replay_cfg: &ReplayConfig,
-) -> anyhow::Result<Vec<RunResult>> {
-    let mut runs = Vec::with_capacity(policies.len());
-    for &p in policies {
-        tracing::info!(policy = p.as_str(), "starting fleet run");
-        runs.push(run_fleet(workload, p, fleet, replay_cfg).await?);
-    }
-    Ok(runs)
 }
 
 #[cfg(test)]

@@ -1,0 +1,231 @@
+//! In-process fleets to replay against: simulated replicas behind kvmesh nodes that form a real
+//! mesh (QUIC gossip with mTLS, load sharing, summary sync), as users run several nodes.
+//!
+//! Exists so that every `kvmesh bench` fleet figure with several nodes is a mesh figure: nodes
+//! that did not know of each other would each see a third of the load and measure a deployment
+//! nobody runs. The demo starts its multi-region fleets with the same pieces ([`MeshCerts`],
+//! [`wait_ready`]).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::replay::{replay, ReplayConfig, RunResult};
+use super::workload::request::WorkloadRequest;
+use crate::core::policy::PolicyKind;
+use crate::engine_sim::EngineConfig;
+use crate::mesh::certs;
+use crate::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use crate::proxy::{self, RunningNode};
+
+/// An in-process fleet: simulated replicas behind kvmesh nodes, meshed when there are several.
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// Simulated replicas. Default 4.
+    pub replicas: usize,
+    /// kvmesh nodes per run, one region, each configured with every replica; with more than one
+    /// they form a mesh. Clients spread over them. Default 1.
+    pub nodes: usize,
+    /// Replicas run this many times faster than real time, and arrivals are sped up by the same
+    /// factor, so the fleet sees the workload's load; reports are in model seconds. Default 10.
+    pub time_scale: f64,
+    /// Engine model of every replica (its `time_scale` is overridden). Default 8B on one H100.
+    pub engine: EngineConfig,
+    /// Model name served. Default "sim-llama-8b".
+    pub model: String,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            replicas: 4,
+            nodes: 1,
+            time_scale: 10.0,
+            engine: EngineConfig::default(),
+            model: "sim-llama-8b".into(),
+        }
+    }
+}
+
+/// A cluster CA and node certificates in a temporary directory, removed on drop.
+pub struct MeshCerts(PathBuf);
+
+impl MeshCerts {
+    /// A fresh CA with a certificate for each of `names`.
+    pub fn new<'a>(names: impl IntoIterator<Item = &'a str>) -> anyhow::Result<Self> {
+        static RUN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kvmesh-fleet-{}-{n}", std::process::id()));
+        let certs = MeshCerts(dir);
+        std::fs::create_dir_all(&certs.0)
+            .with_context(|| format!("creating {}", certs.0.display()))?;
+        certs::init_dir(&certs.0).context("making the fleet's cluster CA")?;
+        for name in names {
+            certs::issue_in_dir(&certs.0, name).context("issuing a node certificate")?;
+        }
+        Ok(certs)
+    }
+
+    /// The directory (a node's `mesh.certs_dir`).
+    pub fn dir(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for MeshCerts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The `[mesh]` section of fleet node `name`, seeded by `seed` (none for the first node).
+pub fn mesh_section(
+    name: &str,
+    certs: &MeshCerts,
+    seed: Option<std::net::SocketAddr>,
+) -> MeshSection {
+    MeshSection {
+        node_id: name.into(),
+        listen: ([127, 0, 0, 1], 0).into(),
+        seeds: seed.iter().map(|a| a.to_string()).collect(),
+        certs_dir: Some(certs.dir().to_owned()),
+        ..MeshSection::default()
+    }
+}
+
+/// Waits until every node answers `/ready` (joined the mesh and warmed from its peers).
+pub async fn wait_ready(nodes: &[RunningNode]) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for n in nodes {
+        let url = format!("http://{}/ready", n.addr);
+        loop {
+            let ok = client
+                .get(&url)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "node {} not ready after 30 s",
+                n.addr
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Starts a fresh fleet (cold caches) for `policy`, replays `workload` through its nodes and
+/// stops it. `replay.targets`, `model`, `speedup` (multiplied by the time scale), `time_scale`
+/// and `label` (when left "run") are set from the fleet.
+pub async fn run_fleet(
+    workload: &[WorkloadRequest],
+    policy: PolicyKind,
+    fleet: &FleetConfig,
+    replay_cfg: &ReplayConfig,
+) -> anyhow::Result<RunResult> {
+    anyhow::ensure!(
+        fleet.replicas > 0 && fleet.nodes > 0,
+        "a fleet needs at least one replica and one node"
+    );
+    anyhow::ensure!(
+        fleet.time_scale.is_finite() && fleet.time_scale > 0.0,
+        "time_scale must be > 0"
+    );
+    let names: Vec<String> = (0..fleet.nodes).map(|n| format!("node-{n}")).collect();
+    let certs = if fleet.nodes > 1 {
+        Some(MeshCerts::new(names.iter().map(String::as_str))?)
+    } else {
+        None
+    };
+    let mut replicas = Vec::with_capacity(fleet.replicas);
+    let mut nodes: Vec<RunningNode> = Vec::with_capacity(fleet.nodes);
+    let result = async {
+        for i in 0..fleet.replicas {
+            let mut cfg = crate::replica::ReplicaConfig {
+                id: format!("replica-{i}"),
+                model: fleet.model.clone(),
+                engine: fleet.engine.clone(),
+                exit_on_crash: false,
+                ..Default::default()
+            };
+            cfg.engine.time_scale = fleet.time_scale;
+            replicas.push(crate::replica::spawn(cfg).await?);
+        }
+        let prefill_rate = 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
+        for (n, name) in names.iter().enumerate() {
+            let mut cfg = NodeConfig {
+                listen: ([127, 0, 0, 1], 0).into(),
+                policy: policy.as_str().into(),
+                seed: replay_cfg.seed.wrapping_add(n as u64),
+                drain_s: 5,
+                ..NodeConfig::default()
+            };
+            cfg.health.interval_ms = 200;
+            cfg.scrape.interval_ms = 100;
+            cfg.replicas = replicas
+                .iter()
+                .map(|r| NodeReplica {
+                    id: Some(r.id.clone()),
+                    models: vec![fleet.model.clone()],
+                    capacity_tokens: Some(fleet.engine.kv_capacity_tokens as u64),
+                    // Model-time rate: the node's cost model then works in model seconds, like
+                    // its w_load and spill thresholds.
+                    prefill_tokens_per_s: prefill_rate,
+                    ..NodeReplica::from_url(r.base_url())
+                })
+                .collect();
+            if let Some(certs) = &certs {
+                let seed = nodes.first().and_then(|f| f.node.mesh()).map(|m| m.addr());
+                cfg.mesh = Some(mesh_section(name, certs, seed));
+            }
+            nodes.push(proxy::spawn(cfg).await?);
+        }
+        wait_ready(&nodes).await?;
+        let label = if replay_cfg.label == ReplayConfig::default().label {
+            policy.as_str().to_owned()
+        } else {
+            replay_cfg.label.clone()
+        };
+        let cfg = ReplayConfig {
+            targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),
+            model: Some(fleet.model.clone()),
+            speedup: replay_cfg.speedup * fleet.time_scale,
+            time_scale: fleet.time_scale,
+            label,
+            ..replay_cfg.clone()
+        };
+        let mut run = replay(workload, &cfg).await?;
+        run.replicas = replicas.iter().map(|r| r.id.clone()).collect();
+        anyhow::Ok(run)
+    }
+    .await;
+    for n in nodes {
+        n.shutdown().await;
+    }
+    for r in replicas {
+        r.shutdown().await;
+    }
+    result
+}
+
+/// Runs [`run_fleet`] once per policy, each on a fresh fleet, in order. What `kvmesh bench
+/// --compare-policies` calls.
+pub async fn run_fleet_comparison(
+    workload: &[WorkloadRequest],
+    policies: &[PolicyKind],
+    fleet: &FleetConfig,
+    replay_cfg: &ReplayConfig,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut runs = Vec::with_capacity(policies.len());
+    for &p in policies {
+        tracing::info!(policy = p.as_str(), "starting fleet run");
+        runs.push(run_fleet(workload, p, fleet, replay_cfg).await?);
+    }
+    Ok(runs)
+}

@@ -72,6 +72,9 @@ pub struct SimArgs {
     /// node's `affinity_credit_s`). Default: the node's default.
     #[arg(long)]
     pub affinity_credit_ms: Option<u64>,
+    /// Routing-text block size in bytes (the node's `block_bytes`).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
+    pub block_bytes: u64,
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -102,6 +105,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         seed: args.workload.seed,
         gossip_interval: Duration::from_millis(args.gossip_ms),
         scrape_interval: Duration::from_millis(args.scrape_ms.max(1)),
+        block_bytes: args.block_bytes as usize,
         load_share_delay: (args.load_share_ms > 0)
             .then(|| Duration::from_millis(args.load_share_ms)),
         gossip_fanout: args.fanout,

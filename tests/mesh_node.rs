@@ -373,7 +373,7 @@ fn peer_in_flight(n: &RunningNode, id: &str) -> u32 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_in_flight_at_one_node_counts_at_the_others_within_milliseconds() {
+async fn a_request_and_its_prefix_at_one_node_count_at_the_others_within_milliseconds() {
     bounded(30, async {
         let dir = certs();
         let r0 = replica("r0").await;
@@ -396,6 +396,11 @@ async fn a_request_in_flight_at_one_node_counts_at_the_others_within_millisecond
             .await
             .expect("B counts A's request");
         println!("B saw A's request in flight after {seen:?}");
+        // And the prefix A routed (its last block key), so B's next turn of it can hit there.
+        wait_for(Duration::from_secs(2), || !b.node.lock().view.peer_tips.is_empty())
+            .await
+            .expect("B learns the prefix A routed");
+        assert!(a.node.lock().view.peer_tips.is_empty(), "not its own");
         assert_eq!(peer_in_flight(&a, "r0"), 0, "a node does not count itself as a peer");
         // Gossip alone never fills this figure: it is what the load updates carried.
         let stats = a.node.mesh().unwrap().transport().stats().snapshot();

@@ -45,6 +45,7 @@ use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
+use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
@@ -94,6 +95,8 @@ struct Share {
     replica: usize,
     in_flight: i32,
     pending_tokens: i64,
+    /// A routed prefix: its last block key, blocks, and when its prefill is predicted done.
+    tip: Option<(BlockKey, u32, Duration)>,
 }
 
 /// A router node: where it lives, how late it hears, and (unless in oracle mode) its view.
@@ -457,6 +460,9 @@ impl<'a> Sim<'a> {
                 rep.load.queued_prefill_tokens += uncached;
             }
             self.share(now, node, r, 1, uncached as i64);
+            if let (Some(last), Some(s)) = (self.keys.last(), self.shares.back_mut()) {
+                s.tip = Some((*last, self.keys.len() as u32, now + ready_in));
+            }
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -579,6 +585,7 @@ impl<'a> Sim<'a> {
             }
         }
         nr.view.expire_overlay(now);
+        nr.view.peer_tips.expire(now);
     }
 
     fn engine_wake(&mut self, r: usize, now: Duration) {
@@ -718,6 +725,7 @@ impl<'a> Sim<'a> {
                 replica,
                 in_flight,
                 pending_tokens,
+                tip: None,
             });
         }
     }
@@ -733,11 +741,22 @@ impl<'a> Sim<'a> {
                 if m == s.origin || !node.live || node.region != g {
                     continue;
                 }
-                let Some(rep) = node
-                    .routing
-                    .as_mut()
-                    .and_then(|nr| nr.view.replica_mut(s.replica))
-                else {
+                let Some(view) = node.routing.as_mut().map(|nr| &mut nr.view) else {
+                    continue;
+                };
+                if let Some((key, blocks, ready)) = s.tip {
+                    let until = ready + view.overlay_ttl;
+                    view.peer_tips.insert(
+                        key,
+                        Tip {
+                            replica: s.replica,
+                            blocks,
+                            ready,
+                            until,
+                        },
+                    );
+                }
+                let Some(rep) = view.replica_mut(s.replica) else {
                     continue;
                 };
                 rep.load.peer_in_flight =

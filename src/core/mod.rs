@@ -10,6 +10,7 @@
 //! - [`summary`]: Bloom-filter summaries with epochs, deltas, snapshots and their wire form.
 //! - [`cache_model`]: a replica's block set (exact from events, or LRU from routed requests).
 //! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
+//! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
 //! - [`cost`]: the predicted-seconds formula.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
@@ -19,6 +20,7 @@ pub mod affinity;
 pub mod cache_model;
 pub mod cost;
 pub mod keys;
+pub mod peer_tips;
 pub mod policy;
 pub mod prompt;
 pub mod regions;

@@ -196,6 +196,8 @@ pub struct Router {
     pub tenants: Tenants,
     candidates: Vec<Candidate>,
     scratch: HitScratch,
+    /// This request's hits through peers' tips, by replica (reused buffer).
+    tip_hits: Vec<(usize, u32)>,
 }
 
 impl Router {
@@ -207,6 +209,7 @@ impl Router {
             tenants,
             candidates: Vec::new(),
             scratch: HitScratch::default(),
+            tip_hits: Vec::new(),
             cfg,
         }
     }
@@ -271,6 +274,11 @@ impl Router {
         let tpb = view.tokens_per_block as u64;
         self.candidates.clear();
         self.scratch.reset(req.keys.len());
+        if uses_cache {
+            view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
+        } else {
+            self.tip_hits.clear();
+        }
         for (i, r) in view.replicas().iter().enumerate() {
             if !serves(r)
                 || r.health != Health::Healthy
@@ -291,7 +299,14 @@ impl Router {
                 continue;
             }
             let (hit_blocks, credited_blocks) = if uses_cache {
-                let h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
+                let mut h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
+                // A peer just routed this prefix here: computed on GPU by the time it counts.
+                if let Some(&(_, t)) = self.tip_hits.iter().find(|(r, _)| *r == i) {
+                    let t = t as usize;
+                    h.gpu = h.gpu.max(t);
+                    h.cpu = h.cpu.max(t);
+                    h.any = h.any.max(t);
+                }
                 (h.any as u32, cost.credited_blocks(h))
             } else {
                 (0, 0.0)
@@ -501,6 +516,37 @@ mod tests {
             assert_eq!(d.hit_blocks as usize, keys.len());
             assert!(matches!(d.reason, Reason::LongestHit));
         }
+    }
+
+    #[test]
+    fn a_prefix_a_peer_just_routed_counts_where_it_went() {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let turn1 = prompt_keys("a conversation ");
+        // Another node routed turn 1 to r2 a moment ago; its prefill is done by NOW.
+        v.peer_tips.insert(
+            *turn1.last().unwrap(),
+            crate::core::peer_tips::Tip {
+                replica: 2,
+                blocks: turn1.len() as u32,
+                ready: NOW - Duration::from_millis(10),
+                until: NOW + Duration::from_secs(10),
+            },
+        );
+        // Turn 2 extends turn 1: this node has no summary or overlay for it, yet sees the hit.
+        let mut turn2 = turn1.clone();
+        turn2.extend(prompt_keys("the next question "));
+        let mut r = router(PolicyKind::P2cCache);
+        let d = routed(r.route(&v, &req(&turn2), NOW));
+        assert_eq!((d.replica, d.hit_blocks), (2, turn1.len() as u32));
+        assert_eq!(d.branch(), Branch::Cache);
+        // Policies blind to caches do not look.
+        let mut rr = router(PolicyKind::RoundRobin);
+        assert!(routed(rr.route(&v, &req(&turn2), NOW))
+            .best_hit_blocks
+            .is_none());
     }
 
     #[test]

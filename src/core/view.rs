@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::keys::BlockKey;
+use super::peer_tips::PeerTips;
 use super::regions::RegionMap;
 use super::summary::{KeyHasher, KeyHashes, ReplicaSummary, Tier};
 
@@ -141,6 +142,9 @@ pub struct View {
     pub tokens_per_block: u32,
     /// How long an overlay entry counts. Default 10 s (several gossip intervals).
     pub overlay_ttl: Duration,
+    /// Prefixes the region's other nodes just routed (`peer_tips.rs`); the router adds them to
+    /// the hits it reads here.
+    pub peer_tips: PeerTips,
     replicas: Vec<ReplicaState>,
     index: HashMap<String, usize>,
 }
@@ -153,6 +157,7 @@ impl View {
             regions: RegionMap::default(),
             tokens_per_block: tokens_per_block.max(1),
             overlay_ttl: Duration::from_secs(10),
+            peer_tips: PeerTips::default(),
             replicas: Vec::new(),
             index: HashMap::new(),
         }

@@ -14,10 +14,15 @@
 //! [`LoadShareConfig::refresh`], corrects it; an entry nobody refreshed for
 //! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
 //!
+//! With the counts go the *tips* of the prompts routed since the last datagram ([`RoutedTip`]:
+//! replica, last block key, blocks, predicted ms to prefill end; see `core/peer_tips.rs`), so the
+//! other nodes also see where a prefix was just sent, not only that something was.
+//!
 //! Bounded in bytes: a sender flushes at most once per [`LoadShareConfig::min_interval`], so a
 //! node sends at most `peers × (1 / min_interval)` datagrams a second of at most
-//! [`MAX_LOAD_UPDATE_BYTES`] (in practice one entry of ~25 bytes per changed replica), however
-//! many requests it routes. Bounded in trust: a peer's claim for a replica counts at most the
+//! [`MAX_LOAD_UPDATE_BYTES`] (in practice one entry of ~25 bytes per changed replica and one tip
+//! of ~35 bytes per routed request; tips beyond what one flush can carry split into more
+//! datagrams, and the node keeps at most 1,024 between flushes). Bounded in trust: a peer's claim for a replica counts at most the
 //! replica's `max_in_flight` requests and [`LoadShareConfig::max_tokens_per_request`] tokens per
 //! request; claims for replicas this node does not know are ignored; at most
 //! [`LoadShareConfig::max_peers`] peers and [`LoadShareConfig::max_entries_per_peer`] entries a
@@ -81,7 +86,21 @@ pub struct LoadEntry {
     pub pending_tokens: u64,
 }
 
-/// One datagram: the sender's incarnation, a sequence number and changed entries.
+/// A prefix the sender just routed (see `core/peer_tips.rs`): its last block key and length.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedTip {
+    /// Replica id.
+    pub replica: String,
+    /// The prompt's last block key (`BlockKey.0`).
+    pub key: u64,
+    /// Blocks of the prompt.
+    pub blocks: u32,
+    /// Predicted ms from sending until its prefill is done (its blocks count from then).
+    pub ready_ms: u32,
+}
+
+/// One datagram: the sender's incarnation, a sequence number, changed entries and the prefixes
+/// routed since the last one.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadUpdate {
     /// Random per sender start: a restarted peer's counts replace its old ones.
@@ -90,6 +109,9 @@ pub struct LoadUpdate {
     pub seq: u64,
     /// Absolute counts; an entry of zeros removes the replica.
     pub entries: Vec<LoadEntry>,
+    /// Prefixes routed since the previous datagram.
+    #[serde(default)]
+    pub tips: Vec<RoutedTip>,
 }
 
 /// Why an update was refused.
@@ -132,53 +154,72 @@ impl LoadUpdate {
         }
         let u: LoadUpdate =
             rmp_serde::from_slice(bytes).map_err(|e| LoadShareError::Malformed(e.to_string()))?;
-        if let Some(e) = u
+        let bad = |id: &str| id.is_empty() || id.len() > MAX_REPLICA_ID_BYTES;
+        if let Some(id) = u
             .entries
             .iter()
-            .find(|e| e.replica.is_empty() || e.replica.len() > MAX_REPLICA_ID_BYTES)
+            .map(|e| e.replica.as_str())
+            .chain(u.tips.iter().map(|t| t.replica.as_str()))
+            .find(|id| bad(id))
         {
             return Err(LoadShareError::Malformed(format!(
                 "replica id of {} bytes",
-                e.replica.len()
+                id.len()
             )));
         }
         Ok(u)
     }
 
-    /// Splits `entries` into datagrams of at most [`MAX_LOAD_UPDATE_BYTES`], numbered from
-    /// `*seq` (advanced past the last one).
-    pub fn split(origin: u64, seq: &mut u64, entries: Vec<LoadEntry>) -> Vec<Vec<u8>> {
-        // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes; the envelope 1 + 9 + 9 + 3.
-        const ENVELOPE: usize = 22;
+    /// Splits `entries` and `tips` into datagrams of at most [`MAX_LOAD_UPDATE_BYTES`],
+    /// numbered from `*seq` (advanced past the last one).
+    pub fn split(
+        origin: u64,
+        seq: &mut u64,
+        entries: Vec<LoadEntry>,
+        tips: Vec<RoutedTip>,
+    ) -> Vec<Vec<u8>> {
+        // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes, a tip 1 + 2 + id + 9 + 5 + 5;
+        // the envelope 1 + 9 + 9 + 3 + 3.
+        const ENVELOPE: usize = 25;
         let mut out = Vec::new();
-        let mut batch: Vec<LoadEntry> = Vec::new();
+        let mut batch = LoadUpdate {
+            origin,
+            seq: 0,
+            entries: Vec::new(),
+            tips: Vec::new(),
+        };
         let mut size = ENVELOPE;
-        let mut flush = |batch: &mut Vec<LoadEntry>, out: &mut Vec<Vec<u8>>| {
-            if batch.is_empty() {
+        let mut flush = |batch: &mut LoadUpdate, out: &mut Vec<Vec<u8>>| {
+            if batch.entries.is_empty() && batch.tips.is_empty() {
                 return;
             }
             *seq += 1;
-            let u = LoadUpdate {
-                origin,
-                seq: *seq,
-                entries: std::mem::take(batch),
-            };
-            match u.encode() {
+            batch.seq = *seq;
+            match batch.encode() {
                 Ok(b) => out.push(b),
                 Err(e) => tracing::debug!(error = %e, "load update not sent"),
             }
+            batch.entries.clear();
+            batch.tips.clear();
         };
-        for e in entries {
-            if e.replica.is_empty() || e.replica.len() > MAX_REPLICA_ID_BYTES {
-                continue;
-            }
+        let ok = |id: &str| !id.is_empty() && id.len() <= MAX_REPLICA_ID_BYTES;
+        for e in entries.into_iter().filter(|e| ok(&e.replica)) {
             let cost = 17 + e.replica.len();
             if size + cost > MAX_LOAD_UPDATE_BYTES {
                 flush(&mut batch, &mut out);
                 size = ENVELOPE;
             }
             size += cost;
-            batch.push(e);
+            batch.entries.push(e);
+        }
+        for t in tips.into_iter().filter(|t| ok(&t.replica)) {
+            let cost = 22 + t.replica.len();
+            if size + cost > MAX_LOAD_UPDATE_BYTES {
+                flush(&mut batch, &mut out);
+                size = ENVELOPE;
+            }
+            size += cost;
+            batch.tips.push(t);
         }
         flush(&mut batch, &mut out);
         out
@@ -210,11 +251,12 @@ impl LoadPublisher {
     }
 
     /// The datagrams to send now, given this node's current counts for every replica it routes
-    /// to (`own`: id, in flight, pending tokens; zeros allowed). Changed entries always; every
-    /// non-zero entry when the refresh is due.
+    /// to (`own`: id, in flight, pending tokens; zeros allowed) and the prefixes it routed since
+    /// the last flush. Changed entries always; every non-zero entry when the refresh is due.
     pub fn flush<'a>(
         &mut self,
         own: impl IntoIterator<Item = (&'a str, u32, u64)>,
+        tips: Vec<RoutedTip>,
         now: Duration,
     ) -> Vec<Vec<u8>> {
         let refresh = self
@@ -243,7 +285,7 @@ impl LoadPublisher {
                 });
             }
         }
-        LoadUpdate::split(self.origin, &mut self.seq, entries)
+        LoadUpdate::split(self.origin, &mut self.seq, entries, tips)
     }
 }
 
@@ -427,6 +469,7 @@ mod tests {
         LoadUpdate {
             origin,
             seq,
+            tips: Vec::new(),
             entries: entries
                 .iter()
                 .map(|(r, n, p)| LoadEntry {
@@ -578,18 +621,26 @@ mod tests {
                 .collect()
         };
         // First flush: a refresh, non-zero entries only.
-        let e = decode(p.flush([("r0", 1, 100), ("r1", 0, 0)], T0));
+        let e = decode(p.flush([("r0", 1, 100), ("r1", 0, 0)], Vec::new(), T0));
         assert_eq!(e.len(), 1);
         // Unchanged and no refresh due: nothing.
         assert!(p
-            .flush([("r0", 1, 100), ("r1", 0, 0)], Duration::from_millis(5))
+            .flush(
+                [("r0", 1, 100), ("r1", 0, 0)],
+                Vec::new(),
+                Duration::from_millis(5)
+            )
             .is_empty());
         // A change, including back to zero, goes out.
-        let e = decode(p.flush([("r0", 0, 0), ("r1", 2, 7)], Duration::from_millis(10)));
+        let e = decode(p.flush(
+            [("r0", 0, 0), ("r1", 2, 7)],
+            Vec::new(),
+            Duration::from_millis(10),
+        ));
         assert_eq!(e.len(), 2);
         assert!(e.iter().any(|x| x.replica == "r0" && x.in_flight == 0));
         // At the refresh, every non-zero entry again.
-        let e = decode(p.flush([("r0", 0, 0), ("r1", 2, 7)], cfg.refresh));
+        let e = decode(p.flush([("r0", 0, 0), ("r1", 2, 7)], Vec::new(), cfg.refresh));
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].replica, "r1");
     }
@@ -604,18 +655,27 @@ mod tests {
                 pending_tokens: u64::MAX,
             })
             .collect();
-        let out = LoadUpdate::split(1, &mut seq, entries);
+        let tips: Vec<RoutedTip> = (0..300)
+            .map(|i| RoutedTip {
+                replica: format!("replica-with-a-longish-id-{i:04}"),
+                key: u64::MAX - i,
+                blocks: u32::MAX,
+                ready_ms: u32::MAX,
+            })
+            .collect();
+        let out = LoadUpdate::split(1, &mut seq, entries, tips);
         assert!(out.len() > 1);
         let mut last = 0;
-        let mut n = 0;
+        let (mut n, mut t) = (0, 0);
         for b in &out {
             assert!(b.len() <= MAX_LOAD_UPDATE_BYTES);
             let u = LoadUpdate::decode(b).unwrap();
             assert!(u.seq > last);
             last = u.seq;
             n += u.entries.len();
+            t += u.tips.len();
         }
-        assert_eq!(n, 500);
+        assert_eq!((n, t), (500, 300));
         assert_eq!(seq, last);
     }
 

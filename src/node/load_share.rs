@@ -22,8 +22,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::state::{Core, Node};
-use crate::core::view::ReplicaState;
-use crate::mesh::load_share::{LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate};
+use crate::core::keys::BlockKey;
+use crate::core::peer_tips::Tip;
+use crate::core::view::{ReplicaState, View};
+use crate::mesh::load_share::{
+    LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
+};
 use crate::mesh::Mesh;
 use crate::shutdown::stopped;
 
@@ -54,10 +58,44 @@ pub(super) fn refresh_shared_load(core: &mut Core, i: usize, max_tokens_per_requ
     core.view.set_shared_load(i, n, queued);
 }
 
+/// Longest wait a peer may announce before a routed prefix counts (an hour, as the overlay's).
+const MAX_TIP_READY_MS: u32 = 3_600_000;
+/// Longest prefix a tip may claim, in blocks (16M tokens at 16-token blocks: beyond any context).
+const MAX_TIP_BLOCKS: u32 = 1 << 20;
+
+/// Puts a peer's routed prefixes into the view, for replicas of `region` it knows; returns how
+/// many it dropped (unknown replica, out of bounds, store full).
+fn learn_tips(view: &mut View, tips: &[RoutedTip], region: &str, now: Duration) -> usize {
+    let mut dropped = 0;
+    for t in tips {
+        let replica = view
+            .index_of(&t.replica)
+            .filter(|i| view.replica(*i).is_some_and(|r| r.info.region == region));
+        let (Some(replica), true) = (
+            replica,
+            t.blocks > 0 && t.blocks <= MAX_TIP_BLOCKS && t.ready_ms <= MAX_TIP_READY_MS,
+        ) else {
+            dropped += 1;
+            continue;
+        };
+        let ready = now + Duration::from_millis(u64::from(t.ready_ms));
+        let tip = Tip {
+            replica,
+            blocks: t.blocks,
+            ready,
+            until: ready + view.overlay_ttl,
+        };
+        if !view.peer_tips.insert(BlockKey(t.key), tip) {
+            dropped += 1;
+        }
+    }
+    dropped
+}
+
 impl Node {
     /// A load update from the peer at `from`: applied if `from` is a live node of this node's
     /// region, for replicas of this region this node knows.
-    pub(super) fn apply_load_update(&self, from: SocketAddr, update: LoadUpdate) {
+    pub(super) fn apply_load_update(&self, from: SocketAddr, mut update: LoadUpdate) {
         let refused = |reason: &str| {
             if let Some(m) = self.mesh_slot().metrics.get() {
                 m.load_refused.with_label_values(&[reason]).inc();
@@ -70,8 +108,10 @@ impl Node {
         }
         let cfg = LoadShareConfig::default();
         let now = self.now();
+        let tips = std::mem::take(&mut update.tips);
         let mut guard = self.lock();
         let core = &mut *guard;
+        let dropped_tips = learn_tips(&mut core.view, &tips, region, now);
         let view = &core.view;
         let applied = core.peer_loads.apply(from, update, now, |id| {
             view.index_of(id)
@@ -88,7 +128,11 @@ impl Node {
                 }
                 drop(guard);
                 if let Some(m) = self.mesh_slot().metrics.get() {
-                    for (reason, n) in [("unknown_replica", a.unknown), ("clamped", a.clamped)] {
+                    for (reason, n) in [
+                        ("unknown_replica", a.unknown),
+                        ("clamped", a.clamped),
+                        ("tip_dropped", dropped_tips),
+                    ] {
                         if n > 0 {
                             m.load_refused.with_label_values(&[reason]).inc_by(n as u64);
                         }
@@ -110,6 +154,7 @@ impl Node {
         let core = &mut *guard;
         let mut changed = core.peer_loads.retain_peers(|a| live.contains(a));
         changed.extend(core.peer_loads.expire(now));
+        core.view.peer_tips.expire(now);
         for id in changed {
             if let Some(i) = core.view.index_of(&id) {
                 refresh_shared_load(core, i, cfg.max_tokens_per_request);
@@ -121,8 +166,22 @@ impl Node {
     /// requests in flight and pending prompt tokens at each replica of its region.
     fn load_datagrams(&self, publisher: &mut LoadPublisher) -> Vec<Vec<u8>> {
         let now = self.now();
-        let core = self.lock();
+        let mut core = self.lock();
+        let core = &mut *core;
         let region = &self.cfg.region;
+        let tips: Vec<RoutedTip> = core
+            .pending_tips
+            .drain(..)
+            .filter_map(|(i, key, blocks, ready)| {
+                let ready_ms = ready.saturating_sub(now).as_millis();
+                Some(RoutedTip {
+                    replica: core.view.replica(i)?.info.id.clone(),
+                    key,
+                    blocks,
+                    ready_ms: u32::try_from(ready_ms).unwrap_or(u32::MAX),
+                })
+            })
+            .collect();
         let own = core
             .view
             .replicas()
@@ -136,7 +195,7 @@ impl Node {
                     rt.pending_prefill_tokens,
                 )
             });
-        publisher.flush(own, now)
+        publisher.flush(own, tips, now)
     }
 }
 

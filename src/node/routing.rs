@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::state::{Core, Endpoint, Node};
+use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::router::{Decision, RouteRequest};
@@ -50,6 +50,13 @@ impl Node {
                 let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
                     .unwrap_or_default();
                 core.view.record_routed_ready(i, req.keys, now, ready_in);
+                // The region's other nodes learn this prefix with the next load update.
+                if let (Some(last), true) = (req.keys.last(), self.cfg.mesh.is_some()) {
+                    if core.pending_tips.len() < MAX_PENDING_TIPS {
+                        let blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                        core.pending_tips.push((i, last.0, blocks, now + ready_in));
+                    }
+                }
                 let rt = &mut core.replicas[i];
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
                 let pending = rt.queued_estimate();

@@ -102,7 +102,14 @@ pub struct Core {
     pub replicas: Vec<ReplicaRuntime>,
     /// What the region's other nodes last said they have in flight (`load_share.rs`).
     pub peer_loads: PeerLoads,
+    /// Prefixes routed since the last load update (mesh only), for the region's other nodes:
+    /// (replica index, last block key, blocks, when its prefill is predicted done). At most
+    /// [`MAX_PENDING_TIPS`]; more between two flushes are dropped (the summary round has them).
+    pub pending_tips: Vec<(usize, u64, u32, Duration)>,
 }
+
+/// Most routed prefixes kept for the next load update.
+pub const MAX_PENDING_TIPS: usize = 1024;
 
 /// One replica's address; cheap to clone so the request path can hold it without a lock.
 #[derive(Clone, Debug)]
@@ -222,6 +229,7 @@ impl Node {
                 router,
                 replicas: Vec::with_capacity(cfg.replicas.len()),
                 peer_loads: PeerLoads::new(LoadShareConfig::default()),
+                pending_tips: Vec::new(),
             }),
             start: Instant::now(),
             tenant_cfgs: cfg.tenants.clone(),

@@ -1,0 +1,203 @@
+//! Peer tips: the prefixes the region's *other* nodes just routed, known within milliseconds.
+//!
+//! A node's overlay (`view.rs`) holds the blocks it routed itself a moment ago; blocks another
+//! node routed reach it only through the replica's home and the next summary round, 100 ms to a
+//! second later. Behind a load balancer, the next turn of a conversation lands on another node
+//! two times in three and misses the blocks its previous turn is computing right now. Sending
+//! every routed key would cost a kilobyte per request and peer; sending the *tip* — the last
+//! block key of the routed prompt and its block count — costs ~30 bytes and says as much: block
+//! keys are chained (key *i* hashes blocks 0..=i), so a request whose key at position *j* equals a
+//! tip of `j + 1` blocks shares that whole prefix. What it cannot say is a shorter shared prefix
+//! (a system prompt under a different question); those come with the next summary round as before.
+//!
+//! Tips count, like the overlay, from the routed request's predicted prefill end (`ready`) until
+//! `until`. The store is bounded ([`PeerTips::cap`]); expired tips are swept by [`PeerTips::expire`].
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::keys::BlockKey;
+
+/// One peer-routed prefix at one replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tip {
+    /// The replica's view index.
+    pub replica: usize,
+    /// Blocks of the prefix (the tip key is block `blocks - 1`).
+    pub blocks: u32,
+    /// From when the blocks count (predicted end of that request's prefill).
+    pub ready: Duration,
+    /// When they stop counting (by then the home's summary has them).
+    pub until: Duration,
+}
+
+/// Peer tips by tip key, bounded.
+#[derive(Debug)]
+pub struct PeerTips {
+    by_key: HashMap<u64, Vec<Tip>>,
+    len: usize,
+    cap: usize,
+}
+
+impl Default for PeerTips {
+    fn default() -> Self {
+        PeerTips::with_cap(1 << 16)
+    }
+}
+
+impl PeerTips {
+    /// An empty store holding at most `cap` tips.
+    pub fn with_cap(cap: usize) -> Self {
+        PeerTips {
+            by_key: HashMap::new(),
+            len: 0,
+            cap,
+        }
+    }
+
+    /// Most tips held.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Tips held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// No tips held (the common single-node case: lookups are skipped).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Records that a peer routed `blocks` blocks ending in `key` to `tip.replica`. Returns false
+    /// when the store is full (the tip is dropped: the summary round will carry it).
+    pub fn insert(&mut self, key: BlockKey, tip: Tip) -> bool {
+        if tip.blocks == 0 {
+            return false;
+        }
+        let tips = self.by_key.entry(key.0).or_default();
+        if let Some(t) = tips
+            .iter_mut()
+            .find(|t| t.replica == tip.replica && t.blocks == tip.blocks)
+        {
+            t.ready = t.ready.min(tip.ready);
+            t.until = t.until.max(tip.until);
+            return true;
+        }
+        if self.len >= self.cap {
+            if tips.is_empty() {
+                self.by_key.remove(&key.0);
+            }
+            return false;
+        }
+        tips.push(tip);
+        self.len += 1;
+        true
+    }
+
+    /// Drops tips that stopped counting.
+    pub fn expire(&mut self, now: Duration) {
+        let mut len = 0;
+        self.by_key.retain(|_, tips| {
+            tips.retain(|t| t.until > now);
+            len += tips.len();
+            !tips.is_empty()
+        });
+        self.len = len;
+    }
+
+    /// For the request's `keys`, the longest counting peer-routed prefix per replica: appends
+    /// `(replica, blocks)` to `out` (cleared first; one entry per replica).
+    pub fn hits(&self, keys: &[BlockKey], now: Duration, out: &mut Vec<(usize, u32)>) {
+        out.clear();
+        if self.is_empty() {
+            return;
+        }
+        for (j, k) in keys.iter().enumerate() {
+            let Some(tips) = self.by_key.get(&k.0) else {
+                continue;
+            };
+            for t in tips {
+                if t.blocks as usize != j + 1 || t.ready > now || t.until <= now {
+                    continue;
+                }
+                match out.iter_mut().find(|(r, _)| *r == t.replica) {
+                    Some(e) => e.1 = e.1.max(t.blocks),
+                    None => out.push((t.replica, t.blocks)),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: u64, salt: u64) -> Vec<BlockKey> {
+        // Chained like real keys: a different first block changes every later key.
+        (0..n).map(|i| BlockKey(salt * 1_000_003 + i)).collect()
+    }
+
+    const S: Duration = Duration::from_secs(1);
+
+    fn tip(replica: usize, blocks: u32) -> Tip {
+        Tip {
+            replica,
+            blocks,
+            ready: S,
+            until: 10 * S,
+        }
+    }
+
+    #[test]
+    fn an_extension_of_a_peer_routed_prompt_hits_its_whole_length() {
+        let mut t = PeerTips::default();
+        let routed = keys(8, 1);
+        assert!(t.insert(routed[7], tip(3, 8)));
+        let mut out = Vec::new();
+        // The next turn: the same 8 blocks and 4 more.
+        let next = keys(12, 1);
+        t.hits(&next, 2 * S, &mut out);
+        assert_eq!(out, vec![(3, 8)]);
+        // Not before its prefill is predicted done, nor after it expired.
+        t.hits(&next, S / 2, &mut out);
+        assert!(out.is_empty());
+        t.hits(&next, 10 * S, &mut out);
+        assert!(out.is_empty());
+        // Another prompt never matches.
+        t.hits(&keys(12, 2), 2 * S, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn the_longest_tip_per_replica_wins_and_the_store_is_bounded() {
+        let mut t = PeerTips::with_cap(3);
+        let k = keys(16, 1);
+        assert!(t.insert(k[3], tip(0, 4)));
+        assert!(t.insert(k[9], tip(0, 10)));
+        assert!(t.insert(k[9], tip(1, 10)));
+        assert!(
+            t.insert(k[9], tip(1, 10)),
+            "a repeat refreshes, takes no room"
+        );
+        assert!(!t.insert(k[12], tip(2, 13)), "full");
+        assert_eq!(t.len(), 3);
+        // A tip whose block count does not match its position is not a prefix of this request.
+        assert!(!t.insert(
+            k[5],
+            Tip {
+                blocks: 0,
+                ..tip(2, 1)
+            }
+        ));
+        let mut out = Vec::new();
+        t.hits(&k, 2 * S, &mut out);
+        out.sort();
+        assert_eq!(out, vec![(0, 10), (1, 10)]);
+        t.expire(10 * S);
+        assert!(t.is_empty());
+        assert!(t.insert(k[12], tip(2, 13)), "room again after expiry");
+    }
+}

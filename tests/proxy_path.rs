@@ -155,6 +155,7 @@ fn sample(text: &str, name: &str, label: &str) -> f64 {
 async fn decisions_are_counted_by_branch_and_explained_only_when_asked() {
     tokio::time::timeout(LIMIT, async {
         let rep = replica().await;
+        proxy::install_crypto_provider();
         let http = reqwest::Client::new();
         let prompt = "a long shared prefix ".repeat(200);
         let body =

@@ -8,8 +8,10 @@
 //!
 //! The task [`share_load`] wakes when this node's counts change (`NodeMesh::load_changed`,
 //! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush, and
-//! sends the changed counts to every live node of its region; every second it re-sends all
-//! non-zero counts. Received updates go through [`Node::apply_load_update`]: only from live
+//! sends the changed counts, with the tips of the prompts routed since (`core/peer_tips.rs`), to
+//! every live node of its region; every second it re-sends all non-zero counts. Tips a peer sends
+//! join the view's `peer_tips` for the replicas of this region this node knows, bounded in
+//! length and wait ([`MAX_TIP_BLOCKS`], [`MAX_TIP_READY_MS`]) and in number (the store's cap). Received updates go through [`Node::apply_load_update`]: only from live
 //! members of this node's region, bounded per claim by the mesh layer, then bounded again in sum
 //! by the engine's own figures here ([`peer_cap`]), so peers can add at most a small phantom load
 //! (at most `max(16, max_in_flight / 8)` requests above what the engine last reported).

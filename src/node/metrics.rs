@@ -264,7 +264,9 @@ pub struct MeshMetrics {
     /// `kvmesh_mesh_load_bytes_total{direction}`: bytes of load-sharing datagrams.
     pub load_bytes: IntCounterVec,
     /// `kvmesh_mesh_load_claims_refused_total{reason}`: peers' load claims ignored or cut:
-    /// `stale`, `not_a_region_peer`, `too_many_peers`, `unknown_replica`, `clamped`.
+    /// `stale`, `not_a_region_peer`, `too_many_peers`, `malformed`, `unknown_replica`,
+    /// `clamped`, `tip_dropped` (a routed prefix for an unknown replica, out of bounds, or with
+    /// the tip store full).
     pub load_refused: IntCounterVec,
 }
 

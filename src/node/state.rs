@@ -104,7 +104,7 @@ pub struct Core {
     pub peer_loads: PeerLoads,
     /// Prefixes routed since the last load update (mesh only), for the region's other nodes:
     /// (replica index, last block key, blocks, when its prefill is predicted done). At most
-    /// [`MAX_PENDING_TIPS`]; more between two flushes are dropped (the summary round has them).
+    /// `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary round has them).
     pub pending_tips: Vec<(usize, u64, u32, Duration)>,
 }
 

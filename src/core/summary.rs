@@ -224,8 +224,70 @@ const BLOOM_PRIME: u64 = 0xFFFF_FFFF_FFFF_FFC5;
 /// A key's two filter hashes. Every filter of a cluster shares one seed, so these are the same
 /// for every replica's filter: a router computes them once per key and request, not once per
 /// key, request and replica (two SipHash rounds saved per probe).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyHashes([u64; 2]);
+
+impl KeyHashes {
+    /// The `i`-th derived hash, as `bloomfilter` 3 computes it: `h0`, `h1`, then
+    /// `(h0 + i·h1) mod p`.
+    #[inline]
+    fn derived(self, i: u32) -> u64 {
+        let [h0, h1] = self.0;
+        match i {
+            0 => h0,
+            1 => h1,
+            _ => h0.wrapping_add(u64::from(i).wrapping_mul(h1)) % BLOOM_PRIME,
+        }
+    }
+}
+
+/// What decides where a key's probes land in a filter: the bitmap's size in bits and the number
+/// of hash functions. Every filter of a cluster shares one seed, so filters of equal geometry
+/// (in practice: replicas sized alike) read a key at the very same bit positions. A router
+/// computes those positions once per key and request ([`FilterGeometry::probe_positions`]) and
+/// then tests each replica's filter with loads alone ([`ReplicaSummary::contains_positions`])
+/// instead of one 64-bit division by the bitmap size per position, per replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilterGeometry {
+    /// Bits of the bitmap (never 0 for a filter that answers anything).
+    bits: u64,
+    /// Hash functions, i.e. probes per key.
+    hashes: u32,
+}
+
+impl FilterGeometry {
+    /// The geometry of `filter`.
+    fn of(filter: &Bloom<u64>) -> Self {
+        FilterGeometry {
+            bits: filter.len(),
+            hashes: filter.number_of_hash_functions(),
+        }
+    }
+
+    /// Probes per key.
+    #[inline]
+    pub fn hashes(self) -> u32 {
+        self.hashes
+    }
+
+    /// Writes the bit positions `h` probes in filters of this geometry into `out`, one per hash
+    /// function, in the filter's own probe order. Returns false, writing nothing useful, when
+    /// `out` is not exactly [`FilterGeometry::hashes`] long or a position does not fit in a
+    /// `u32` (a bitmap over 512 MiB): the caller then probes with [`ReplicaSummary::contains_hashed`].
+    #[inline]
+    pub fn probe_positions(self, h: KeyHashes, out: &mut [u32]) -> bool {
+        if self.bits == 0 || out.len() != self.hashes as usize {
+            return false;
+        }
+        for (i, slot) in (0u32..).zip(out.iter_mut()) {
+            match u32::try_from(h.derived(i) % self.bits) {
+                Ok(p) => *slot = p,
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
 
 /// Computes [`KeyHashes`] exactly as `bloomfilter` 3 hashes a `u64` for a filter with `seed`.
 #[derive(Clone, Debug)]
@@ -271,6 +333,50 @@ impl KeyHasher {
     }
 }
 
+/// A filter's bitmap ([`ReplicaSummary::bits`]).
+#[derive(Clone, Copy, Debug)]
+pub struct FilterBits<'a>(&'a [u8]);
+
+impl FilterBits<'_> {
+    /// [`ReplicaSummary::contains_positions`]: whether every position's bit is set (false past
+    /// the end).
+    #[inline]
+    pub fn contains_positions(self, positions: &[u32]) -> bool {
+        // Seven hash functions is what the default fp rate (1%) gives. That case unrolled: in a
+        // loop, its bookkeeping was a third of the instructions of a probe.
+        match <&[u32; 7]>::try_from(positions) {
+            Ok(&[a, b, c, d, e, f, g]) => {
+                self.is_set(a)
+                    && self.is_set(b)
+                    && self.is_set(c)
+                    && self.is_set(d)
+                    && self.is_set(e)
+                    && self.is_set(f)
+                    && self.is_set(g)
+            }
+            Err(_) => positions.iter().all(|&p| self.is_set(p)),
+        }
+    }
+
+    /// Whether bit `p` is set (false past the end).
+    #[inline(always)]
+    fn is_set(self, p: u32) -> bool {
+        self.0
+            .get((p >> 3) as usize)
+            .is_some_and(|b| (b >> (p & 7)) & 1 != 0)
+    }
+}
+
+/// Whether bit `bit` of `bitmap` is set (`bloomfilter` 3's bit order: LSB first); false past the
+/// end.
+#[inline]
+fn bit_is_set(bitmap: &[u8], bit: u64) -> bool {
+    usize::try_from(bit / 8)
+        .ok()
+        .and_then(|byte| bitmap.get(byte))
+        .is_some_and(|b| b & (1 << (bit % 8)) != 0)
+}
+
 /// One replica's summary: the filter, its version, and (on the home node) the addition log.
 #[derive(Clone, Debug)]
 pub struct ReplicaSummary {
@@ -290,6 +396,8 @@ pub struct ReplicaSummary {
     /// Whether a tier-salted key went in this epoch (sticky until the next epoch, like the
     /// filter's bits). False means every key is a GPU key, and a hit needs no tier probes.
     lower_tiers: bool,
+    /// The filter's probe geometry, fixed for its life (read on every probe of a decision).
+    geometry: FilterGeometry,
 }
 
 impl ReplicaSummary {
@@ -308,6 +416,7 @@ impl ReplicaSummary {
                     reason,
                 }
             })?;
+        let geometry = FilterGeometry::of(&filter);
         Ok(ReplicaSummary {
             epoch,
             seq: 0,
@@ -319,6 +428,7 @@ impl ReplicaSummary {
             max_log_keys: cfg.max_log_keys,
             seed_id: seed_id(&cfg.seed),
             lower_tiers: false,
+            geometry,
         })
     }
 
@@ -328,6 +438,7 @@ impl ReplicaSummary {
         if filter.seed() != cfg.seed {
             return Err(SummaryError::SeedMismatch);
         }
+        let geometry = FilterGeometry::of(&filter);
         Ok(ReplicaSummary {
             epoch: s.epoch,
             seq: s.seq,
@@ -339,6 +450,7 @@ impl ReplicaSummary {
             max_log_keys: cfg.max_log_keys,
             seed_id: seed_id(&cfg.seed),
             lower_tiers: s.lower_tiers,
+            geometry,
         })
     }
 
@@ -402,22 +514,45 @@ impl ReplicaSummary {
     /// mod the bitmap's bits), on its serialized bitmap. Tested against `contains`.
     #[inline]
     pub fn contains_hashed(&self, h: KeyHashes) -> bool {
-        let bytes = self.filter.as_slice();
-        let bits = bytes.get(BLOOM_HEADER_BYTES..).unwrap_or(&[]);
+        let bits = self.bitmap();
         let nbits = self.filter.len();
         if nbits == 0 {
             return false;
         }
-        let [h0, h1] = h.0;
         (0..self.filter.number_of_hash_functions()).all(|i| {
-            let derived = match i {
-                0 => h0,
-                1 => h1,
-                _ => h0.wrapping_add((i as u64).wrapping_mul(h1)) % BLOOM_PRIME,
-            };
-            let bit = (derived % nbits) as usize;
-            bits.get(bit / 8).is_some_and(|b| b & (1 << (bit % 8)) != 0)
+            let bit = h.derived(i) % nbits;
+            bit_is_set(bits, bit)
         })
+    }
+
+    /// This filter's probe geometry: filters of equal geometry read a key at equal positions.
+    #[inline]
+    pub fn geometry(&self) -> FilterGeometry {
+        self.geometry
+    }
+
+    /// The same answer as [`ReplicaSummary::contains_hashed`] for positions that
+    /// [`FilterGeometry::probe_positions`] wrote for this filter's [`geometry`](Self::geometry):
+    /// whether every position's bit is set. Loads and bit tests only, no division.
+    #[inline]
+    pub fn contains_positions(&self, positions: &[u32]) -> bool {
+        self.bits().contains_positions(positions)
+    }
+
+    /// The filter's bitmap, to test many memoised positions against without going through the
+    /// filter each time.
+    #[inline]
+    pub fn bits(&self) -> FilterBits<'_> {
+        FilterBits(self.bitmap())
+    }
+
+    /// The filter's bitmap: its serialized form past the header.
+    #[inline]
+    fn bitmap(&self) -> &[u8] {
+        self.filter
+            .as_slice()
+            .get(BLOOM_HEADER_BYTES..)
+            .unwrap_or(&[])
     }
 
     /// Number of leading `keys` the filter holds, stopping at the first miss.
@@ -654,10 +789,18 @@ mod tests {
             let copy = ReplicaSummary::from_snapshot(&s.snapshot(), &c).unwrap();
             let hasher = s.key_hasher();
             assert_eq!(hasher.seed_id(), s.seed_id());
+            assert_eq!(copy.geometry(), s.geometry());
+            let g = s.geometry();
+            let mut positions = vec![0u32; g.hashes() as usize];
             for k in keys(0..3 * cap as u64) {
                 assert_eq!(s.contains_hashed(hasher.hash(k)), s.contains(k), "{k:?}");
                 assert_eq!(copy.contains_hashed(hasher.hash(k)), s.contains(k));
+                assert!(g.probe_positions(hasher.hash(k), &mut positions));
+                assert_eq!(s.contains_positions(&positions), s.contains(k), "{k:?}");
+                assert_eq!(copy.contains_positions(&positions), s.contains(k));
             }
+            // A buffer of another length is refused, not half filled.
+            assert!(!g.probe_positions(hasher.hash(BlockKey(1)), &mut [0u32; 40]));
         }
     }
 

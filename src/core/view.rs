@@ -28,13 +28,14 @@
 //! for the view's life, so a decision's index stays valid while the request runs.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::keys::BlockKey;
 use super::peer_tips::PeerTips;
 use super::regions::RegionMap;
-use super::summary::{KeyHasher, KeyHashes, ReplicaSummary, Tier};
+use super::summary::{FilterBits, FilterGeometry, KeyHasher, KeyHashes, ReplicaSummary, Tier};
 
 /// Static facts about a replica.
 #[derive(Clone, Debug, PartialEq)]
@@ -115,6 +116,16 @@ pub struct ReplicaState {
     pub seed: u64,
     /// Keys just routed here by this node: when they start and stop counting.
     overlay: HashMap<u64, OverlayEntry>,
+}
+
+impl ReplicaState {
+    /// Whether a ready, unexpired overlay entry holds `key` at `now`.
+    #[inline(never)]
+    fn overlay_holds(&self, key: BlockKey, now: Duration) -> bool {
+        self.overlay
+            .get(&key.0)
+            .is_some_and(|e| e.ready <= now && now < e.until)
+    }
 }
 
 /// One overlay key: routed here by this node, held from `ready` (the routed request's predicted
@@ -380,40 +391,43 @@ impl View {
         let Some(r) = self.replicas.get(i) else {
             return TierHit::default();
         };
-        if scratch.memo.len() < keys.len() {
-            scratch.reset(keys.len());
-        }
         let n = keys.len();
-        let gpu = leading_run(n, 0, |j| {
-            let k = keys[j];
-            let in_summary = r.summary.as_ref().is_some_and(|s| {
-                let h = scratch.hashes(s, j, k);
-                s.contains_hashed(h)
-            });
-            in_summary
-                || r.overlay
-                    .get(&k.0)
-                    .is_some_and(|e| e.ready <= now && now < e.until)
-        });
-        let Some(s) = r
-            .summary
-            .as_ref()
-            .filter(|s| s.has_lower_tiers() && gpu < n)
-        else {
+        if scratch.n != n || scratch.stamp == 0 {
+            scratch.reset(n);
+        }
+        // Most replicas have no overlay: one test, and the lookup stays out of the hot loop.
+        let overlay_empty = r.overlay.is_empty();
+        let in_overlay = |j: usize| !overlay_empty && r.overlay_holds(keys[j], now);
+        let Some(s) = r.summary.as_deref() else {
+            let gpu = leading_run(n, 0, in_overlay);
             return TierHit {
                 gpu,
                 cpu: gpu,
                 any: gpu,
             };
         };
+        // Every replica after the first of its geometry finds the slots its search probes
+        // memoised; the general path below memoises the others (and repeats the same probes).
+        let gpu = match scratch.memoised_gpu_run(s, n, in_overlay) {
+            Some(gpu) => gpu,
+            None => {
+                let mut probe = scratch.prober(s, keys);
+                leading_run(n, 0, |j| probe.holds(Tier::Gpu, j) || in_overlay(j))
+            }
+        };
+        if !s.has_lower_tiers() || gpu >= n {
+            return TierHit {
+                gpu,
+                cpu: gpu,
+                any: gpu,
+            };
+        }
         // Past the GPU run plain keys are not held (the GPU set is a prefix), so only salted
         // keys are probed.
-        let cpu = leading_run(n, gpu, |j| {
-            s.contains_hashed(scratch.tier_hashes(s, Tier::Cpu, j, keys[j]))
-        });
+        let mut probe = scratch.prober(s, keys);
+        let cpu = leading_run(n, gpu, |j| probe.holds(Tier::Cpu, j));
         let any = leading_run(n, cpu, |j| {
-            s.contains_hashed(scratch.tier_hashes(s, Tier::Disk, j, keys[j]))
-                || s.contains_hashed(scratch.tier_hashes(s, Tier::Cpu, j, keys[j]))
+            probe.holds(Tier::Disk, j) || probe.holds(Tier::Cpu, j)
         });
         TierHit { gpu, cpu, any }
     }
@@ -436,8 +450,22 @@ pub struct TierHit {
 /// binary search. Invariant in the loops: `held(lo)`, and `hi` is not held or is `n`.
 #[inline]
 fn leading_run(n: usize, start: usize, mut held: impl FnMut(usize) -> bool) -> usize {
-    if start >= n || !held(start) {
-        return start.min(n);
+    match try_leading_run(n, start, |j| Ok::<bool, Infallible>(held(j))) {
+        Ok(run) => run,
+        Err(never) => match never {},
+    }
+}
+
+/// [`leading_run`] with a `held` that may give up (`Err`), which ends the search. Same probes
+/// in the same order, so when no probe gives up the result is `leading_run`'s.
+#[inline]
+fn try_leading_run<E>(
+    n: usize,
+    start: usize,
+    mut held: impl FnMut(usize) -> Result<bool, E>,
+) -> Result<usize, E> {
+    if start >= n || !held(start)? {
+        return Ok(start.min(n));
     }
     let (mut lo, mut step) = (start, 1usize);
     let mut hi = loop {
@@ -445,7 +473,7 @@ fn leading_run(n: usize, start: usize, mut held: impl FnMut(usize) -> bool) -> u
         if probe >= n {
             break n;
         }
-        if !held(probe) {
+        if !held(probe)? {
             break probe;
         }
         lo = probe;
@@ -453,92 +481,285 @@ fn leading_run(n: usize, start: usize, mut held: impl FnMut(usize) -> bool) -> u
     };
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if held(mid) {
+        if held(mid)? {
             lo = mid;
         } else {
             hi = mid;
         }
     }
-    hi
+    Ok(hi)
 }
 
-/// Filter hashes of one request's keys, computed at most once per key and decision.
+/// Probe slots per key: the plain key (slot `j`), then its CPU-salted (`n + j`) and disk-salted
+/// (`2n + j`) forms.
+const SLOTS_PER_KEY: usize = 3;
+/// Filter geometries a scratch memoises probe positions for. A fleet has one per replica size,
+/// rarely more than two; a replica of yet another geometry is probed the slower way.
+const MAX_MEMO_GEOMETRIES: usize = 4;
+/// Hash functions per key up to which positions are memoised (an fp rate of 1% gives 7, 0.1%
+/// gives 10); beyond that the filter is probed the slower way.
+const MAX_MEMO_HASHES: u32 = 32;
+
+/// What one decision computes about its request's keys once, to probe every replica's filter
+/// with: each key's filter hashes (two SipHash rounds) and, per filter geometry, the bit
+/// positions they probe (a 64-bit division each). Every filter of a cluster shares one seed, so
+/// both are the same for every replica of a geometry: testing a replica's filter for a key is
+/// then a stamp check and a handful of loads. Entries carry the stamp of the request they were
+/// computed for, so starting a request ([`HitScratch::reset`]) clears nothing, and a decision
+/// allocates nothing once the buffers have grown to the longest request.
 #[derive(Debug, Default)]
 pub struct HitScratch {
     hasher: Option<KeyHasher>,
-    memo: Vec<Option<KeyHashes>>,
-    /// Hashes of the CPU- and disk-salted keys (slot 0 CPU, slot 1 disk); sized
-    /// and cleared lazily, on the request's first tier probe, so requests that never meet a
-    /// replica with lower tiers pay nothing for them.
-    tier_memo: Vec<[Option<KeyHashes>; 2]>,
-    /// Whether `tier_memo` belongs to the current request.
-    tier_memo_ready: bool,
+    /// Keys of the current request.
+    n: usize,
+    /// The current request's stamp (never 0 once reset; entries start at 0).
+    stamp: u32,
+    /// Per probe slot: the stamp it was computed for, and the hashes.
+    hashes: Vec<(u32, KeyHashes)>,
+    /// Probe positions, per filter geometry met.
+    geometries: Vec<GeometryMemo>,
+    /// Whether a tier-salted key was hashed for the current request (requests that never meet
+    /// a replica with lower tiers should not).
+    tier_hashed: bool,
+}
+
+/// Probe positions of one request's keys in filters of one geometry.
+#[derive(Debug)]
+struct GeometryMemo {
+    geometry: FilterGeometry,
+    /// The last request stamp this memo served (a full scratch recycles one not used by the
+    /// current request).
+    used: u32,
+    /// Per probe slot, `geometry.hashes() + 1` words: the stamp of the request its positions
+    /// were computed for, then the positions. One buffer, so a probe checks one range.
+    slots: Vec<u32>,
+}
+
+impl GeometryMemo {
+    /// Sizes the buffers for `slots` probe slots (grows only).
+    fn fit(&mut self, slots: usize) {
+        let want = slots.saturating_mul(self.stride());
+        if self.slots.len() < want {
+            self.slots.resize(want, 0);
+        }
+    }
+
+    /// Words per slot: the stamp, then the positions.
+    fn stride(&self) -> usize {
+        self.geometry.hashes() as usize + 1
+    }
 }
 
 impl HitScratch {
-    /// Forgets the previous request's hashes; `n` = the new request's key count.
+    /// Starts a request of `n` keys: forgets the previous request's hashes and positions.
     pub fn reset(&mut self, n: usize) {
-        self.memo.clear();
-        self.memo.resize(n, None);
-        self.tier_memo_ready = false;
+        self.n = n;
+        self.next_stamp();
+        let slots = n.saturating_mul(SLOTS_PER_KEY);
+        if self.hashes.len() < slots {
+            self.hashes.resize(slots, (0, KeyHashes::default()));
+        }
+        for m in &mut self.geometries {
+            m.fit(slots);
+        }
     }
 
-    /// Makes the hasher the one of `summary`'s seed.
+    /// A stamp no entry carries yet.
+    fn next_stamp(&mut self) {
+        self.stamp = self.stamp.wrapping_add(1);
+        self.tier_hashed = false;
+        if self.stamp == 0 {
+            // Wrapped (after 2³² requests): entries of 2³² requests ago would pass for current.
+            self.hashes.iter_mut().for_each(|e| e.0 = 0);
+            for m in &mut self.geometries {
+                let stride = m.stride();
+                m.slots.iter_mut().step_by(stride).for_each(|s| *s = 0);
+                m.used = 0;
+            }
+            self.stamp = 1;
+        }
+    }
+
+    /// A prober of `summary`'s filter for the current request's `keys`: makes the hasher the
+    /// one of the filter's seed and finds (or makes) the memo of its geometry, once per replica.
     #[inline]
-    fn use_seed_of(&mut self, summary: &ReplicaSummary) {
+    fn prober<'a>(&'a mut self, summary: &'a ReplicaSummary, keys: &'a [BlockKey]) -> Prober<'a> {
         if self
             .hasher
             .as_ref()
             .is_none_or(|h| h.seed_id() != summary.seed_id())
         {
-            // Only on the first decision (or a seed change, which config forbids).
+            // Only on the first decision (or a seed change, which config forbids): what was
+            // computed with another seed no longer counts.
             self.hasher = Some(summary.key_hasher());
-            self.memo.iter_mut().for_each(|m| *m = None);
-            self.tier_memo_ready = false;
+            let tier_hashed = self.tier_hashed;
+            self.next_stamp();
+            self.tier_hashed = tier_hashed;
         }
-    }
-
-    /// The hashes of key `j` (`k`) for `summary`'s seed.
-    #[inline]
-    fn hashes(&mut self, summary: &ReplicaSummary, j: usize, k: BlockKey) -> KeyHashes {
-        self.use_seed_of(summary);
-        if let Some(h) = self.memo[j] {
-            return h;
-        }
-        let h = match &self.hasher {
-            Some(hasher) => hasher.hash(k),
-            None => summary.key_hasher().hash(k),
+        let g = summary.geometry();
+        let at = match self.geometries.iter().position(|m| m.geometry == g) {
+            Some(at) => Some(at),
+            None => self.add_geometry(g),
         };
-        self.memo[j] = Some(h);
-        h
+        let stamp = self.stamp;
+        let memo = match at.and_then(|at| self.geometries.get_mut(at)) {
+            Some(m) => {
+                m.used = stamp;
+                &mut m.slots[..]
+            }
+            None => &mut [],
+        };
+        Prober {
+            summary,
+            bits: summary.bits(),
+            keys,
+            n: self.n,
+            stride: g.hashes() as usize + 1,
+            stamp,
+            hasher: self.hasher.as_ref(),
+            hashes: &mut self.hashes,
+            memo,
+            tier_hashed: &mut self.tier_hashed,
+        }
     }
 
-    /// The hashes of key `j` (`k`) salted for `tier` (CPU or disk), for `summary`'s seed.
+    /// The GPU run of `summary` (and the overlay, `in_overlay`) for the current request's `n`
+    /// keys when every slot the search probes has its positions memoised: the router's hot
+    /// path, a stamp check and a few loads per probe. `None` as soon as a probe finds its slot
+    /// not memoised (or the filter's seed or geometry has no memo): the caller then runs the
+    /// general path, which memoises.
     #[inline]
-    fn tier_hashes(
+    fn memoised_gpu_run(
         &mut self,
         summary: &ReplicaSummary,
-        tier: Tier,
-        j: usize,
-        k: BlockKey,
-    ) -> KeyHashes {
-        self.use_seed_of(summary);
-        if !self.tier_memo_ready {
-            self.tier_memo.clear();
-            self.tier_memo.resize(self.memo.len(), [None; 2]);
-            self.tier_memo_ready = true;
+        n: usize,
+        mut in_overlay: impl FnMut(usize) -> bool,
+    ) -> Option<usize> {
+        if self
+            .hasher
+            .as_ref()
+            .is_none_or(|h| h.seed_id() != summary.seed_id())
+        {
+            return None;
         }
-        let slot = if tier == Tier::Disk { 1 } else { 0 };
-        if let Some(h) = self.tier_memo[j][slot] {
-            return h;
+        let g = summary.geometry();
+        let stamp = self.stamp;
+        let m = self.geometries.iter_mut().find(|m| m.geometry == g)?;
+        m.used = stamp;
+        let memo = &m.slots[..];
+        let stride = g.hashes() as usize + 1;
+        let bits = summary.bits();
+        try_leading_run(n, 0, |j| {
+            let at = j * stride;
+            match memo.get(at..at + stride) {
+                Some([s, positions @ ..]) if *s == stamp => {
+                    Ok(bits.contains_positions(positions) || in_overlay(j))
+                }
+                _ => Err(()),
+            }
+        })
+        .ok()
+    }
+
+    /// A memo for geometry `g`, new or recycled from one the current request has not used.
+    #[cold]
+    fn add_geometry(&mut self, g: FilterGeometry) -> Option<usize> {
+        if g.hashes() == 0 || g.hashes() > MAX_MEMO_HASHES {
+            return None;
         }
-        let salted = tier.summary_key(k);
-        let h = match &self.hasher {
-            Some(hasher) => hasher.hash(salted),
-            None => summary.key_hasher().hash(salted),
+        let at = if self.geometries.len() < MAX_MEMO_GEOMETRIES {
+            self.geometries.push(GeometryMemo {
+                geometry: g,
+                used: self.stamp,
+                slots: Vec::new(),
+            });
+            self.geometries.len() - 1
+        } else {
+            let stamp = self.stamp;
+            let at = self.geometries.iter().position(|m| m.used != stamp)?;
+            let m = self.geometries.get_mut(at)?;
+            // Cleared, not just relabelled: under another stride an old position would be
+            // read as a stamp, and could equal the current one.
+            m.slots.iter_mut().for_each(|w| *w = 0);
+            m.geometry = g;
+            m.used = stamp;
+            at
         };
-        self.tier_memo[j][slot] = Some(h);
-        h
+        let slots = self.n.saturating_mul(SLOTS_PER_KEY);
+        self.geometries.get_mut(at)?.fit(slots);
+        Some(at)
+    }
+}
+
+/// Probes one replica's filter for one request's keys, with the request's memoised hashes and
+/// positions ([`HitScratch::prober`]).
+struct Prober<'a> {
+    summary: &'a ReplicaSummary,
+    bits: FilterBits<'a>,
+    keys: &'a [BlockKey],
+    /// Keys of the request (probe slots per tier).
+    n: usize,
+    /// Memo words per probe slot: the stamp, then this geometry's positions.
+    stride: usize,
+    stamp: u32,
+    hasher: Option<&'a KeyHasher>,
+    hashes: &'a mut [(u32, KeyHashes)],
+    /// The geometry's memo ([`GeometryMemo::slots`]); empty when the geometry has none.
+    memo: &'a mut [u32],
+    tier_hashed: &'a mut bool,
+}
+
+impl Prober<'_> {
+    /// Whether the filter (probably) holds key `j` salted for `tier`: the answer of
+    /// [`ReplicaSummary::contains`] on [`Tier::summary_key`].
+    #[inline]
+    fn holds(&mut self, tier: Tier, j: usize) -> bool {
+        let slot = match tier {
+            Tier::Gpu => j,
+            Tier::Cpu => self.n + j,
+            Tier::Disk => 2 * self.n + j,
+        };
+        let at = slot * self.stride;
+        if let Some([stamp, positions @ ..]) = self.memo.get(at..at + self.stride) {
+            if *stamp == self.stamp {
+                return self.bits.contains_positions(positions);
+            }
+        }
+        self.holds_first(tier, j, slot)
+    }
+
+    /// [`Prober::holds`] for a slot whose positions are not memoised yet: hashes the key
+    /// (unless a filter of another geometry already did) and memoises its positions.
+    #[inline(never)]
+    fn holds_first(&mut self, tier: Tier, j: usize, slot: usize) -> bool {
+        let Some(&key) = self.keys.get(j) else {
+            return false;
+        };
+        let h = match self.hashes.get(slot) {
+            Some(&(s, h)) if s == self.stamp => h,
+            _ => {
+                let key = tier.summary_key(key);
+                let h = match self.hasher {
+                    Some(hasher) => hasher.hash(key),
+                    None => self.summary.key_hasher().hash(key),
+                };
+                if let Some(e) = self.hashes.get_mut(slot) {
+                    *e = (self.stamp, h);
+                }
+                if tier != Tier::Gpu {
+                    *self.tier_hashed = true;
+                }
+                h
+            }
+        };
+        let at = slot * self.stride;
+        if let Some([stamp, positions @ ..]) = self.memo.get_mut(at..at + self.stride) {
+            if self.summary.geometry().probe_positions(h, positions) {
+                *stamp = self.stamp;
+                return self.bits.contains_positions(positions);
+            }
+        }
+        self.summary.contains_hashed(h)
     }
 }
 
@@ -565,6 +786,8 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::testing::info;
     use super::*;
     use crate::core::summary::SummaryConfig;
@@ -742,7 +965,7 @@ mod tests {
                 any: 10
             }
         );
-        assert!(!scratch.tier_memo_ready, "no salted key was hashed");
+        assert!(!scratch.tier_hashed, "no salted key was hashed");
         // With lower tiers, a full GPU hit needs no tier probe either.
         let v = tiered_view(64, 0, 0, &keys);
         let mut s = ReplicaSummary::new(2, 1000, &SummaryConfig::for_cluster("c")).unwrap();
@@ -757,8 +980,191 @@ mod tests {
                 .any,
             64
         );
-        assert!(!scratch.tier_memo_ready);
+        assert!(!scratch.tier_hashed);
         assert_eq!(v.hit(0, &keys, Duration::ZERO), 64);
+    }
+
+    /// The hit search as it was before the probe memo: every probe asks the filter itself
+    /// (`ReplicaSummary::contains`, `bloomfilter`'s own hashing) and the overlay, in the order
+    /// of the original exponential-then-binary search. The memoised paths must agree with it
+    /// exactly, Bloom false positives included.
+    fn reference_hit_tiers(v: &View, i: usize, keys: &[BlockKey], now: Duration) -> TierHit {
+        fn search(n: usize, start: usize, held: impl Fn(usize) -> bool) -> usize {
+            if start >= n || !held(start) {
+                return start.min(n);
+            }
+            let (mut lo, mut step) = (start, 1usize);
+            let mut hi = loop {
+                let probe = lo + step;
+                if probe >= n {
+                    break n;
+                }
+                if !held(probe) {
+                    break probe;
+                }
+                lo = probe;
+                step *= 2;
+            };
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if held(mid) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            hi
+        }
+        let r = &v.replicas[i];
+        let n = keys.len();
+        let s = r.summary.as_deref();
+        let gpu = search(n, 0, |j| {
+            s.is_some_and(|s| s.contains(keys[j]))
+                || r.overlay
+                    .get(&keys[j].0)
+                    .is_some_and(|e| e.ready <= now && now < e.until)
+        });
+        match s {
+            Some(s) if s.has_lower_tiers() && gpu < n => {
+                let salted = |t: Tier, j: usize| s.contains(t.summary_key(keys[j]));
+                let cpu = search(n, gpu, |j| salted(Tier::Cpu, j));
+                let any = search(n, cpu, |j| salted(Tier::Disk, j) || salted(Tier::Cpu, j));
+                TierHit { gpu, cpu, any }
+            }
+            _ => TierHit {
+                gpu,
+                cpu: gpu,
+                any: gpu,
+            },
+        }
+    }
+
+    /// One replica of a random view: its filter's size and fp rate (so its geometry), seed,
+    /// what it holds of the shared key chain by tier, unrelated keys, and an overlay run.
+    #[derive(Clone, Debug)]
+    struct ReplicaSpec {
+        capacity: usize,
+        fp_rate: f64,
+        other_seed: bool,
+        no_summary: bool,
+        gpu: usize,
+        cpu: usize,
+        disk: usize,
+        noise: usize,
+        overlay: Option<(usize, usize, i64)>,
+    }
+
+    fn replica_spec() -> impl Strategy<Value = ReplicaSpec> {
+        (
+            prop_oneof![Just(64usize), Just(200), Just(1_000), Just(7_000)],
+            prop_oneof![Just(0.01f64), Just(0.05), Just(0.3)],
+            (any::<bool>(), prop::bool::weighted(0.1)),
+            (0usize..70, 0usize..20, 0usize..20),
+            0usize..400,
+            proptest::option::of((0usize..70, 0usize..40, -3_000i64..3_000)),
+        )
+            .prop_map(
+                |(
+                    capacity,
+                    fp_rate,
+                    (other_seed, no_summary),
+                    (gpu, cpu, disk),
+                    noise,
+                    overlay,
+                )| {
+                    ReplicaSpec {
+                        capacity,
+                        fp_rate,
+                        other_seed,
+                        no_summary,
+                        gpu,
+                        cpu,
+                        disk,
+                        noise,
+                        overlay,
+                    }
+                },
+            )
+    }
+
+    fn chain_key(seed: u64, j: u64) -> BlockKey {
+        BlockKey(
+            (seed ^ j.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+                .rotate_left(31),
+        )
+    }
+
+    fn random_view(chain: &[BlockKey], specs: &[ReplicaSpec], now: Duration) -> View {
+        let mut v = View::new("eu", 64);
+        for (i, spec) in specs.iter().enumerate() {
+            let idx = v.upsert(info(&format!("r{i}"), "eu"));
+            if !spec.no_summary {
+                let cluster = if spec.other_seed { "other" } else { "c" };
+                let cfg = SummaryConfig {
+                    fp_rate: spec.fp_rate,
+                    ..SummaryConfig::for_cluster(cluster)
+                };
+                let mut s = ReplicaSummary::new(1, spec.capacity, &cfg).unwrap();
+                let gpu = spec.gpu.min(chain.len());
+                let cpu = (gpu + spec.cpu).min(chain.len());
+                let disk = (cpu + spec.disk).min(chain.len());
+                s.insert(&chain[..gpu]);
+                s.insert_tier(&chain[gpu..cpu], Tier::Cpu);
+                s.insert_tier(&chain[cpu..disk], Tier::Disk);
+                let noise: Vec<BlockKey> = (0..spec.noise as u64)
+                    .map(|k| chain_key(0xD1CE ^ i as u64, k))
+                    .collect();
+                let third = noise.len() / 3;
+                s.insert(&noise[..third]);
+                s.insert_tier(&noise[third..2 * third], Tier::Cpu);
+                s.insert_tier(&noise[2 * third..], Tier::Disk);
+                v.set_summary(idx, s);
+            }
+            if let Some((start, len, ready_ms)) = spec.overlay {
+                let start = start.min(chain.len());
+                let end = (start + len).min(chain.len());
+                let ready = Duration::from_millis(ready_ms.unsigned_abs());
+                let routed_at = if ready_ms < 0 { now - ready } else { now };
+                let ready_in = if ready_ms < 0 { Duration::ZERO } else { ready };
+                v.record_routed_ready(idx, &chain[start..end], routed_at, ready_in);
+            }
+        }
+        v
+    }
+
+    proptest! {
+        /// The memoised hit search (shared scratch across replicas and requests, several filter
+        /// geometries and seeds, more geometries than the scratch memoises) gives exactly the
+        /// hits of the unmemoised search, false positives included.
+        #[test]
+        fn memoised_hits_equal_the_full_search(
+            chain_seed in any::<u64>(),
+            specs in proptest::collection::vec(replica_spec(), 1..12),
+            requests in proptest::collection::vec((0usize..90, 0usize..90, any::<u64>()), 1..6),
+        ) {
+            let chain: Vec<BlockKey> = (0..90).map(|j| chain_key(chain_seed, j)).collect();
+            let now = Duration::from_secs(100);
+            let v = random_view(&chain, &specs, now);
+            let mut scratch = HitScratch::default();
+            for (len, diverge_at, tail_seed) in requests {
+                // The chain's first `len` keys, diverging into unrelated keys from `diverge_at`.
+                let keys: Vec<BlockKey> = (0..len)
+                    .map(|j| if j < diverge_at { chain[j] } else { chain_key(tail_seed, j as u64) })
+                    .collect();
+                scratch.reset(keys.len());
+                for i in 0..v.replicas().len() {
+                    let want = reference_hit_tiers(&v, i, &keys, now);
+                    prop_assert_eq!(v.hit_tiers_with(i, &keys, now, &mut scratch), want, "replica {}", i);
+                    prop_assert_eq!(v.hit_tiers(i, &keys, now), want);
+                }
+                // Again, every slot memoised now (the router's steady state), in reverse order.
+                for i in (0..v.replicas().len()).rev() {
+                    let want = reference_hit_tiers(&v, i, &keys, now);
+                    prop_assert_eq!(v.hit_tiers_with(i, &keys, now, &mut scratch), want, "replica {} again", i);
+                }
+            }
+        }
     }
 
     #[test]

@@ -96,6 +96,47 @@ fn decisions(c: &mut Criterion) {
             }
         }
     }
+    // In a mesh the view also holds the prefixes peers just routed (`core/peer_tips.rs`): every
+    // request looks each of its keys up once. 10,000 unrelated tips and one for this prompt.
+    let mut keys = Vec::new();
+    text_block_keys(
+        Namespace::new("llama", None, None, None),
+        &prompt(32_768),
+        256,
+        &mut keys,
+    );
+    for replicas in [64usize, 512] {
+        let mut v = view(replicas, &keys);
+        let tip = |replica: usize, blocks: u32| kvmesh::core::peer_tips::Tip {
+            replica,
+            blocks,
+            ready: Duration::ZERO,
+            until: Duration::from_secs(10),
+        };
+        for k in 0..10_000u64 {
+            v.peer_tips.insert(
+                BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                tip(k as usize % replicas, 8),
+            );
+        }
+        if let Some(last) = keys.get(99) {
+            v.peer_tips.insert(*last, tip(1, 100));
+        }
+        let mut router = Router::new(RouterConfig::default(), Tenants::default());
+        let req = RouteRequest {
+            model: "llama",
+            keys: &keys,
+            prompt_tokens: 32_768,
+            session: None,
+            tenant: None,
+            forwarded: false,
+            exclude: &[],
+        };
+        let id = BenchmarkId::new("p2c-cache", format!("{replicas}r-32k-with-peer-tips"));
+        g.bench_function(id, |b| {
+            b.iter(|| black_box(router.route(&v, black_box(&req), Duration::from_secs(1))))
+        });
+    }
     g.finish();
 }
 

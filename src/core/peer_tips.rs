@@ -14,6 +14,7 @@
 //! `until`. The store is bounded ([`PeerTips::cap`]); expired tips are swept by [`PeerTips::expire`].
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 use super::keys::BlockKey;
@@ -31,25 +32,85 @@ pub struct Tip {
     pub until: Duration,
 }
 
+/// Hashes a block key (already a uniform 64-bit hash) with one multiply, keyed by a seed.
+///
+/// Every request looks each of its keys up here, 512 lookups for a 32k-token prompt: SipHash
+/// made that 8 µs of a decision. The keys come from peers, so the table must not be an identity
+/// map a peer could fill one bucket of; an xor and an odd multiplier from a seed the peer does
+/// not know keep its keys spread (not a cryptographic guarantee; the store is capped anyway).
+#[derive(Clone, Copy, Debug)]
+pub struct SeededKeyHash {
+    xor: u64,
+    mul: u64,
+}
+
+impl SeededKeyHash {
+    /// From any seed (the node passes a random one, the simulator a fixed one).
+    pub fn new(seed: u64) -> Self {
+        let mix = |mut z: u64| {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        SeededKeyHash {
+            xor: mix(seed),
+            mul: mix(seed ^ 0x9e37_79b9_7f4a_7c15) | 1,
+        }
+    }
+}
+
+impl BuildHasher for SeededKeyHash {
+    type Hasher = KeyHashState;
+    fn build_hasher(&self) -> KeyHashState {
+        KeyHashState {
+            seed: *self,
+            state: 0,
+        }
+    }
+}
+
+/// The state of [`SeededKeyHash`] for one key.
+#[derive(Debug)]
+pub struct KeyHashState {
+    seed: SeededKeyHash,
+    state: u64,
+}
+
+impl Hasher for KeyHashState {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.state = (self.state.rotate_left(8) ^ u64::from(*b)).wrapping_mul(self.seed.mul);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.state = (v ^ self.seed.xor).wrapping_mul(self.seed.mul);
+    }
+
+    fn finish(&self) -> u64 {
+        self.state ^ (self.state >> 29)
+    }
+}
+
 /// Peer tips by tip key, bounded.
 #[derive(Debug)]
 pub struct PeerTips {
-    by_key: HashMap<u64, Vec<Tip>>,
+    by_key: HashMap<u64, Vec<Tip>, SeededKeyHash>,
     len: usize,
     cap: usize,
 }
 
 impl Default for PeerTips {
     fn default() -> Self {
-        PeerTips::with_cap(1 << 16)
+        PeerTips::with_cap(1 << 16, 0)
     }
 }
 
 impl PeerTips {
-    /// An empty store holding at most `cap` tips.
-    pub fn with_cap(cap: usize) -> Self {
+    /// An empty store holding at most `cap` tips, its table keyed by `seed`.
+    pub fn with_cap(cap: usize, seed: u64) -> Self {
         PeerTips {
-            by_key: HashMap::new(),
+            by_key: HashMap::with_hasher(SeededKeyHash::new(seed)),
             len: 0,
             cap,
         }
@@ -173,7 +234,7 @@ mod tests {
 
     #[test]
     fn the_longest_tip_per_replica_wins_and_the_store_is_bounded() {
-        let mut t = PeerTips::with_cap(3);
+        let mut t = PeerTips::with_cap(3, 7);
         let k = keys(16, 1);
         assert!(t.insert(k[3], tip(0, 4)));
         assert!(t.insert(k[9], tip(0, 10)));

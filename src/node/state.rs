@@ -18,6 +18,7 @@ use super::metrics::Metrics;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
 use crate::core::keys::BlockKey;
+use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
@@ -190,6 +191,8 @@ impl Node {
             .unwrap_or((cfg.block_bytes / 4).max(1) as u32);
         let mut view = View::new(cfg.region.clone(), tokens_per_block);
         view.overlay_ttl = Duration::from_secs(cfg.overlay_ttl_s);
+        // Peers send the tip keys: seed their table with what no peer knows.
+        view.peer_tips = PeerTips::with_cap(view.peer_tips.cap(), rand::random());
         let summary_cfg = SummaryConfig::for_cluster(&cfg.cluster_id);
         // Cache model epochs start at wall-clock ms, so a restarted node's summaries supersede
         // the previous run's.

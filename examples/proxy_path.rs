@@ -13,13 +13,13 @@
 //!
 //! `cargo run --release --example proxy_path [-- --quick]`
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures::StreamExt;
+use kvmesh::bench::fleet::Haproxy;
 use kvmesh::node::config::{NodeConfig, ReplicaConfig};
 
 fn sse() -> Body {
@@ -85,43 +85,6 @@ async fn run(
     Ok((ttfb, end))
 }
 
-/// haproxy in front of `backends`, round-robin, keep-alive both sides, with `option
-/// http-no-delay` when `no_delay` (else haproxy's default, which corks small streamed writes);
-/// `None` without haproxy.
-fn haproxy(port: u16, backends: &[String], no_delay: bool, dir: &std::path::Path) -> Option<Child> {
-    let servers: String = backends
-        .iter()
-        .enumerate()
-        .map(|(i, b)| format!("    server s{i} {b}\n"))
-        .collect();
-    let cfg = format!(
-        "global\n    maxconn 2000\ndefaults\n    mode http\n    option http-keep-alive\n{}    \
-         timeout connect 5s\n    timeout client 60s\n    timeout server 60s\n\
-         frontend f\n    bind 127.0.0.1:{port}\n    default_backend b\n\
-         backend b\n    balance roundrobin\n{servers}",
-        if no_delay {
-            "    option http-no-delay\n"
-        } else {
-            ""
-        }
-    );
-    let path = dir.join(format!("haproxy-{port}.cfg"));
-    std::fs::write(&path, cfg).ok()?;
-    Command::new("haproxy")
-        .arg("-f")
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
@@ -162,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
     let node = kvmesh::proxy::spawn(cfg).await?;
 
     let dir = tempfile::tempdir()?;
-    let mut procs: Vec<Child> = Vec::new();
+    let mut procs: Vec<Haproxy> = Vec::new();
     let mut paths = vec![
         ("direct", format!("http://{upstream}/v1/completions")),
         ("node", format!("http://{}/v1/completions", node.addr)),
@@ -174,13 +137,14 @@ async fn main() -> anyhow::Result<()> {
         ("haproxy (default cork)+node", node.addr, false),
     ];
     for (name, backend, no_delay) in fronts {
-        let port = free_port()?;
-        if let Some(p) = haproxy(port, &[backend.to_string()], no_delay, dir.path()) {
-            procs.push(p);
-            paths.push((name, format!("http://127.0.0.1:{port}/v1/completions")));
+        match Haproxy::start(&[backend], no_delay, dir.path()).await {
+            Ok(p) => {
+                paths.push((name, format!("{}/v1/completions", p.url)));
+                procs.push(p);
+            }
+            Err(e) => eprintln!("{name}: skipped ({e:#})"),
         }
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
 
     let c = reqwest::Client::builder()
         .tcp_nodelay(true)
@@ -219,10 +183,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    for mut p in procs {
-        let _ = p.kill();
-        let _ = p.wait();
-    }
+    drop(procs);
     node.shutdown().await;
     Ok(())
 }

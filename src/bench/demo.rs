@@ -9,12 +9,12 @@
 //! and arrivals are sped up to match, so figures are in model seconds.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 
-use super::fleet::{mesh_section, wait_ready, MeshCerts};
+use super::fleet::{mesh_section, wait_ready, Haproxy, MeshCerts};
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::report;
 use super::sim::{self, SimConfig};
@@ -209,7 +209,7 @@ async fn run_mesh(
 ) -> anyhow::Result<RunResult> {
     let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
     let mut nodes: Vec<RunningNode> = Vec::new();
-    let mut front: Option<std::process::Child> = None;
+    let mut front: Option<Haproxy> = None;
     let result = async {
         let engine = EngineConfig::default();
         for &region in args.region_names() {
@@ -267,9 +267,10 @@ async fn run_mesh(
         wait_ready(&nodes).await?;
         let mut targets: Vec<String> = nodes.iter().map(|n| format!("http://{}", n.addr)).collect();
         if args.haproxy {
-            let (child, url) = start_haproxy(&nodes, certs.dir()).await?;
-            front = Some(child);
-            targets = vec![url];
+            let addrs: Vec<_> = nodes.iter().map(|n| n.addr).collect();
+            let proxy = Haproxy::start(&addrs, true, certs.dir()).await?;
+            targets = vec![proxy.url.clone()];
+            front = Some(proxy);
         }
         let before: Vec<(u64, u64)> = nodes.iter().map(mesh_bytes).collect();
         let started = Instant::now();
@@ -306,10 +307,7 @@ async fn run_mesh(
         anyhow::Ok(run)
     }
     .await;
-    if let Some(mut child) = front {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    drop(front);
     for n in nodes {
         n.shutdown().await;
     }
@@ -328,48 +326,6 @@ fn mesh_bytes(n: &RunningNode) -> (u64, u64) {
             s.load_bytes_sent + s.load_bytes_received,
         )
     })
-}
-
-/// Starts haproxy in front of `nodes` (round-robin, keep-alive on both sides) and returns it
-/// with its URL once it accepts connections.
-async fn start_haproxy(
-    nodes: &[RunningNode],
-    dir: &std::path::Path,
-) -> anyhow::Result<(std::process::Child, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let servers: String = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| format!("    server n{i} {}\n", n.addr))
-        .collect();
-    let cfg = format!(
-        "global\n    maxconn 900\ndefaults\n    mode http\n    option http-keep-alive\n    \
-         option http-no-delay\n    timeout connect 5s\n    timeout client 600s\n    timeout server 600s\n\
-         frontend demo\n    bind 127.0.0.1:{port}\n    default_backend nodes\n\
-         backend nodes\n    balance roundrobin\n{servers}"
-    );
-    let path = dir.join("haproxy.cfg");
-    std::fs::write(&path, cfg).with_context(|| format!("writing {}", path.display()))?;
-    let child = std::process::Command::new("haproxy")
-        .arg("-f")
-        .arg(&path)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .context("starting haproxy (is it installed? Debian: apt-get install haproxy)")?;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "haproxy did not listen on {port}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok((child, format!("http://127.0.0.1:{port}")))
 }
 
 #[cfg(test)]

@@ -229,3 +229,76 @@ pub async fn run_fleet_comparison(
     }
     Ok(runs)
 }
+
+/// haproxy (from `PATH`) in front of some backends: round-robin over keep-alive connections on
+/// both sides, as operators put it in front of several nodes. Killed on drop.
+///
+/// `no_delay` sets `option http-no-delay`. Without it haproxy holds small streamed writes back
+/// (`MSG_MORE`) until more data comes or ~200 ms pass, which delays every stream's first token:
+/// the demo always sets it, `examples/proxy_path.rs` measures both.
+pub struct Haproxy {
+    child: std::process::Child,
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl Haproxy {
+    /// Writes a config into `dir`, starts haproxy and waits (≤ 5 s) until it accepts connections.
+    pub async fn start(
+        backends: &[std::net::SocketAddr],
+        no_delay: bool,
+        dir: &Path,
+    ) -> anyhow::Result<Haproxy> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let servers: String = backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| format!("    server s{i} {b}\n"))
+            .collect();
+        let no_delay = if no_delay {
+            "    option http-no-delay\n"
+        } else {
+            ""
+        };
+        let cfg = format!(
+            "global\n    maxconn 900\ndefaults\n    mode http\n    option http-keep-alive\n\
+             {no_delay}    timeout connect 5s\n    timeout client 600s\n    timeout server 600s\n\
+             frontend f\n    bind 127.0.0.1:{port}\n    default_backend b\n\
+             backend b\n    balance roundrobin\n{servers}"
+        );
+        let path = dir.join(format!("haproxy-{port}.cfg"));
+        std::fs::write(&path, cfg).with_context(|| format!("writing {}", path.display()))?;
+        let child = std::process::Command::new("haproxy")
+            .arg("-f")
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("starting haproxy (is it installed? Debian: apt-get install haproxy)")?;
+        let proxy = Haproxy {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "haproxy did not listen on {port}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(proxy)
+    }
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -113,7 +113,6 @@ impl Node {
         let tips = std::mem::take(&mut update.tips);
         let mut guard = self.lock();
         let core = &mut *guard;
-        let dropped_tips = learn_tips(&mut core.view, &tips, region, now);
         let view = &core.view;
         let applied = core.peer_loads.apply(from, update, now, |id| {
             view.index_of(id)
@@ -123,6 +122,8 @@ impl Node {
         });
         match applied {
             Ok(a) => {
+                // Tips only from a datagram that was not stale (a late one's prefixes are old).
+                let dropped_tips = learn_tips(&mut core.view, &tips, region, now);
                 for id in &a.changed {
                     if let Some(i) = core.view.index_of(id) {
                         refresh_shared_load(core, i, cfg.max_tokens_per_request);

@@ -355,80 +355,44 @@ impl MeshMetrics {
 
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
-        let d = |a: u64, b: u64| b.saturating_sub(a);
-        let by = |v: &IntCounterVec, l: &str, n: u64| {
+        let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
+        let labelled: [(&IntCounterVec, &str, u64); 17] = [
+            (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
+            (&self.gossip_messages, "received", d(|s| s.gossip_received)),
+            (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
+            (
+                &self.gossip_bytes,
+                "received",
+                d(|s| s.gossip_bytes_received),
+            ),
+            (&self.load_updates, "sent", d(|s| s.load_sent)),
+            (&self.load_updates, "received", d(|s| s.load_received)),
+            (&self.load_bytes, "sent", d(|s| s.load_bytes_sent)),
+            (&self.load_bytes, "received", d(|s| s.load_bytes_received)),
+            (&self.reports, "sent", d(|s| s.reports_sent)),
+            (&self.reports, "received", d(|s| s.reports_received)),
+            (&self.dropped, "malformed", d(|s| s.malformed)),
+            (&self.dropped, "oversized", d(|s| s.oversized)),
+            (&self.dropped, "blocked", d(|s| s.blocked)),
+            (&self.dropped, "send_dropped", d(|s| s.send_dropped)),
+            (&self.dropped, "connect_failure", d(|s| s.connect_failures)),
+            (
+                &self.dropped,
+                "handshake_failure",
+                d(|s| s.handshake_failures),
+            ),
+            (
+                &self.dropped,
+                "bad_gossip_value",
+                schema.1.saturating_sub(schema.0),
+            ),
+        ];
+        for (counter, label, n) in labelled {
             if n > 0 {
-                v.with_label_values(&[l]).inc_by(n);
+                counter.with_label_values(&[label]).inc_by(n);
             }
-        };
-        by(
-            &self.gossip_messages,
-            "sent",
-            d(prev.gossip_sent, now.gossip_sent),
-        );
-        by(
-            &self.gossip_messages,
-            "received",
-            d(prev.gossip_received, now.gossip_received),
-        );
-        by(
-            &self.gossip_bytes,
-            "sent",
-            d(prev.gossip_bytes_sent, now.gossip_bytes_sent),
-        );
-        by(
-            &self.gossip_bytes,
-            "received",
-            d(prev.gossip_bytes_received, now.gossip_bytes_received),
-        );
-        by(&self.load_updates, "sent", d(prev.load_sent, now.load_sent));
-        by(
-            &self.load_updates,
-            "received",
-            d(prev.load_received, now.load_received),
-        );
-        by(
-            &self.load_bytes,
-            "sent",
-            d(prev.load_bytes_sent, now.load_bytes_sent),
-        );
-        by(
-            &self.load_bytes,
-            "received",
-            d(prev.load_bytes_received, now.load_bytes_received),
-        );
-        self.sync_served
-            .inc_by(d(prev.sync_served, now.sync_served));
-        self.sync_bytes_sent
-            .inc_by(d(prev.sync_bytes_sent, now.sync_bytes_sent));
-        by(
-            &self.reports,
-            "sent",
-            d(prev.reports_sent, now.reports_sent),
-        );
-        by(
-            &self.reports,
-            "received",
-            d(prev.reports_received, now.reports_received),
-        );
-        by(&self.dropped, "malformed", d(prev.malformed, now.malformed));
-        by(&self.dropped, "oversized", d(prev.oversized, now.oversized));
-        by(&self.dropped, "blocked", d(prev.blocked, now.blocked));
-        by(
-            &self.dropped,
-            "send_dropped",
-            d(prev.send_dropped, now.send_dropped),
-        );
-        by(
-            &self.dropped,
-            "connect_failure",
-            d(prev.connect_failures, now.connect_failures),
-        );
-        by(
-            &self.dropped,
-            "handshake_failure",
-            d(prev.handshake_failures, now.handshake_failures),
-        );
-        by(&self.dropped, "bad_gossip_value", d(schema.0, schema.1));
+        }
+        self.sync_served.inc_by(d(|s| s.sync_served));
+        self.sync_bytes_sent.inc_by(d(|s| s.sync_bytes_sent));
     }
 }

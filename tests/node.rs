@@ -743,7 +743,7 @@ async fn timeouts_retry_before_the_first_byte_and_never_after() {
         let (hang, hang_hits) = fake_upstream(Fake::Hang).await;
         let (good, good_hits) = fake_upstream(Fake::Stream).await;
         let mut cfg = node_config(&[format!("http://{hang}"), format!("http://{good}")]);
-        cfg.timeouts.first_byte_ms = 300;
+        cfg.timeouts.stream_first_byte_ms = 300;
         cfg.policy = "round-robin".into();
         let node = proxy::spawn(cfg).await.unwrap();
         let c = client();

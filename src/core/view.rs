@@ -318,6 +318,19 @@ impl View {
         }
     }
 
+    /// A request routed to replica `i` failed before its first byte: its keys that only it put
+    /// in the overlay (still waiting for their predicted prefill end, so nothing confirmed them)
+    /// leave it, so a refused request does not draw its prefix's next requests to that replica.
+    pub fn routed_failed(&mut self, i: usize, keys: &[BlockKey], now: Duration) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            for k in keys {
+                if r.overlay.get(&k.0).is_some_and(|e| e.ready > now) {
+                    r.overlay.remove(&k.0);
+                }
+            }
+        }
+    }
+
     /// A request routed to replica `i` finished (or failed).
     pub fn finished(&mut self, i: usize) {
         if let Some(r) = self.replicas.get_mut(i) {

@@ -37,6 +37,9 @@ pub struct Metrics {
     pub retries: IntCounter,
     /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
     pub ejections: IntCounterVec,
+    /// `kvmesh_upstream_failures_total{blame}`: failed attempts, by whom they were held against:
+    /// `replica` (counts towards its ejection) or `request` (its content failed everywhere).
+    pub upstream_failures: IntCounterVec,
     /// `kvmesh_scrape_errors_total{replica}`: failed `/metrics` scrapes.
     pub scrape_errors: IntCounterVec,
     /// `kvmesh_scrape_skipped_lines_total`: unparseable lines in replicas' `/metrics`.
@@ -186,6 +189,13 @@ impl Metrics {
             Opts::new("kvmesh_ejections_total", "Passive outlier ejections"),
             &["replica"],
         )?;
+        let upstream_failures = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_upstream_failures_total",
+                "Failed attempts at replicas, by blame: replica (counts towards ejection) or request",
+            ),
+            &["blame"],
+        )?;
         let scrape_errors = IntCounterVec::new(
             Opts::new(
                 "kvmesh_scrape_errors_total",
@@ -206,6 +216,7 @@ impl Metrics {
         registry.register(Box::new(replica_healthy.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(ejections.clone()))?;
+        registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
         let decisions = DecisionMetrics::new(&registry)?;
@@ -220,6 +231,7 @@ impl Metrics {
             replica_healthy,
             retries,
             ejections,
+            upstream_failures,
             scrape_errors,
             scrape_skipped_lines,
             decisions,

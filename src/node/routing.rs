@@ -192,6 +192,19 @@ impl Ticket {
     }
 }
 
+impl Ticket {
+    /// The attempt failed before its first byte: the overlay drops the request's unconfirmed
+    /// `keys` there (see [`crate::core::view::View::routed_failed`]); the accounting is released
+    /// when the ticket drops.
+    pub fn failed(self, keys: &[BlockKey]) {
+        if self.started || keys.is_empty() {
+            return;
+        }
+        let now = self.node.now();
+        self.node.lock().view.routed_failed(self.replica, keys, now);
+    }
+}
+
 fn release_pending(core: &mut Core, i: usize, tokens: u64) {
     if let Some(rt) = core.replicas.get_mut(i) {
         rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_sub(tokens);

@@ -73,6 +73,19 @@ impl ApiError {
         )
     }
 
+    /// 413: every replica tried cut the connection while receiving this body.
+    pub fn refused_as_too_large(len: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!(
+                "every replica tried closed the connection while receiving this {len}-byte body; \
+                 it is likely over their request size limit"
+            ),
+        )
+    }
+
     /// 404: no replica serves the model.
     pub fn unknown_model(model: &str) -> Self {
         ApiError {

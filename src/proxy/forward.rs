@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
+use super::blame::{Attempts, Failure};
 use super::error::{is_failure, ApiError};
 use super::region_forward;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
@@ -46,6 +47,10 @@ pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
 /// Response header explaining the decision, only with `debug_headers = true`:
 /// `branch=cache; hit=12; best=12; predicted_ms=35.1` (`best=-` for policies blind to caches).
 pub const DECISION_HEADER: &str = "x-kvmesh-decision";
+
+/// A body at least this big that every replica tried cut off mid-upload is answered with 413:
+/// over someone's size limit is the likeliest reason.
+const LIKELY_REFUSED_BODY_BYTES: usize = 1 << 20;
 
 /// `POST /v1/completions`.
 pub async fn completions(State(node): State<Arc<Node>>, req: Request) -> Response {
@@ -216,8 +221,15 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     let policy = node.policy.as_str();
 
     let mut tried: Vec<usize> = Vec::new();
+    let mut attempts = Attempts::default();
     let mut last_error: Option<ApiError> = None;
     let mut last_failed_response: Option<(reqwest::Response, Ticket, u32)> = None;
+    // Streams send their headers before the prefill; a whole completion only when done.
+    let first_byte = Duration::from_millis(if fields.stream == Some(true) {
+        node.cfg.timeouts.stream_first_byte_ms
+    } else {
+        node.cfg.timeouts.first_byte_ms
+    });
     for attempt in 0..node.cfg.retry.max_attempts {
         if attempt > 0 && started.elapsed() >= budget {
             break;
@@ -270,8 +282,8 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             .body(body.clone())
             .send();
         let sent_at = Instant::now();
-        let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
-        let error = match tokio::time::timeout(first_byte, send).await {
+        // What the client is told stays free of replica names and addresses; the log has them.
+        let (failure, error) = match tokio::time::timeout(first_byte, send).await {
             Ok(Ok(resp)) if !is_failure(resp.status()) => {
                 let first_byte_s = sent_at.elapsed().as_secs_f64();
                 node.metrics
@@ -285,6 +297,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                         .prediction(routed.predicted_s, first_byte_s);
                 }
                 node.request_succeeded(i);
+                attempts.succeeded(node);
                 let outcome = if resp.status().is_success() {
                     "ok"
                 } else {
@@ -307,29 +320,48 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 return Ok(out);
             }
             Ok(Ok(resp)) => {
-                let msg = format!("replica {replica_id} answered {}", resp.status());
+                let msg = format!("the replica answered {}", resp.status());
+                if let Some((_, earlier, _)) = last_failed_response.take() {
+                    earlier.failed(&keys);
+                }
                 last_failed_response = Some((resp, ticket, routed.hit_blocks));
-                msg
+                (Failure::Status, msg)
             }
             Ok(Err(e)) => {
-                drop(ticket);
-                format!("replica {replica_id} failed: {e}")
+                ticket.failed(&keys);
+                let failure = if e.is_connect() {
+                    Failure::Connect
+                } else {
+                    Failure::Transport
+                };
+                (failure, format!("the replica failed: {}", e.without_url()))
             }
             Err(_) => {
-                drop(ticket);
-                format!("replica {replica_id} sent nothing within {first_byte:?}")
+                ticket.failed(&keys);
+                (
+                    Failure::Timeout,
+                    format!("the replica sent nothing within {first_byte:?}"),
+                )
             }
         };
-        tracing::warn!(replica = %replica_id, attempt, error = %error, "attempt failed");
+        tracing::warn!(replica = %replica_id, url = %endpoint.base, attempt, error = %error, "attempt failed");
         node.metrics
             .requests
             .with_label_values(&[replica_id, policy, "failed"])
             .inc();
-        node.request_failed(i);
+        attempts.failed(node, i, failure);
         tried.push(i);
         last_error = Some(ApiError::bad_gateway(error));
     }
-    // Every attempt failed. A replica's own error answer is more useful to the client than ours.
+    // Every attempt failed.
+    let cut = attempts.all_cut();
+    let request_blamed = attempts.gave_up(node);
+    if request_blamed && cut && body.len() > LIKELY_REFUSED_BODY_BYTES {
+        // Replicas (or proxies before them) commonly cut the connection on a body over their
+        // limit instead of answering 413.
+        return Err(ApiError::refused_as_too_large(body.len()));
+    }
+    // A replica's own error answer is more useful to the client than ours.
     if let Some((resp, ticket, hit)) = last_failed_response {
         return Ok(respond(node, resp, ticket, hit, Vec::new()));
     }

@@ -5,6 +5,7 @@
 //! node starts knowing which replicas are up, binds, and returns a [`RunningNode`] whose
 //! [`RunningNode::shutdown`] stops accepting and drains in-flight requests up to a deadline.
 
+mod blame;
 pub mod error;
 pub mod forward;
 pub mod region_forward;

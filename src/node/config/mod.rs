@@ -148,9 +148,13 @@ impl Default for NodeConfig {
 pub struct TimeoutConfig {
     /// TCP connect to a replica. Default 2,000.
     pub connect_ms: u64,
-    /// From sending the request to the response headers (a non-streaming completion sends them
-    /// only when done, hence the long default). Default 300,000.
+    /// From sending a non-streamed request to the response headers (a non-streaming completion
+    /// sends them only when done, hence the long default). Default 300,000.
     pub first_byte_ms: u64,
+    /// The same for a streamed request (`"stream": true`), whose headers engines send before the
+    /// prefill: a replica that accepts and never answers holds it this long before it is retried
+    /// elsewhere and counted against the replica. Default 30,000.
+    pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,
 }
@@ -160,6 +164,7 @@ impl Default for TimeoutConfig {
         TimeoutConfig {
             connect_ms: 2_000,
             first_byte_ms: 300_000,
+            stream_first_byte_ms: 30_000,
             idle_ms: 60_000,
         }
     }
@@ -269,6 +274,10 @@ impl NodeConfig {
             ("summary_interval_ms", self.summary_interval_ms),
             ("timeouts.connect_ms", self.timeouts.connect_ms),
             ("timeouts.first_byte_ms", self.timeouts.first_byte_ms),
+            (
+                "timeouts.stream_first_byte_ms",
+                self.timeouts.stream_first_byte_ms,
+            ),
             ("timeouts.idle_ms", self.timeouts.idle_ms),
             ("health.interval_ms", self.health.interval_ms),
             ("health.timeout_ms", self.health.timeout_ms),

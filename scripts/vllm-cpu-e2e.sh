@@ -133,8 +133,11 @@ echo "engines up"
 # ---- 4. kvmesh in token mode, one run per policy -----------------------------------------------
 cat > "$WORK/node.toml" <<EOF
 listen = "127.0.0.1:$NODE_PORT"
+# The driver reads x-kvmesh-routed-to and x-kvmesh-hit-blocks.
+debug_headers = true
 [timeouts]
 first_byte_ms = 600000
+stream_first_byte_ms = 600000
 [tokenizer]
 path = "$MODEL_DIR/tokenizer.json"
 chat_template_config = "$MODEL_DIR/tokenizer_config.json"

@@ -1,5 +1,6 @@
 //! The `kvmesh` command line.
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
@@ -25,9 +26,9 @@ enum Command {
         /// The node's base URL, e.g. http://127.0.0.1:8080.
         #[arg(long)]
         node: String,
-        /// Bearer token for /admin/*.
-        #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
-        token: Option<String>,
+        /// File holding the bearer token for /admin/* (else `KVMESH_ADMIN_TOKEN`).
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<std::path::PathBuf>,
     },
     /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
     Sim(kvmesh::bench::sim_cli::SimArgs),
@@ -95,7 +96,19 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         }
         Command::Serve(args) => kvmesh::proxy::serve(args).await?,
-        Command::Status { node, token } => {
+        Command::Status { node, token_file } => {
+            let token = match token_file {
+                Some(path) => Some(
+                    std::fs::read_to_string(&path)
+                        .with_context(|| format!("cannot read {}", path.display()))?
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .trim()
+                        .to_owned(),
+                ),
+                None => std::env::var(kvmesh::node::config::server::ADMIN_TOKEN_ENV).ok(),
+            };
             print!("{}", kvmesh::proxy::status(&node, token.as_deref()).await?);
         }
     }

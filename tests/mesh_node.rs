@@ -84,6 +84,7 @@ async fn mesh_node_with(
     }
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
+        debug_headers: true,
         region: region.into(),
         cluster_id: "mesh-node-test".into(),
         drain_s: 2,
@@ -635,16 +636,43 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
         assert_eq!(forwards(&a1), 2);
         assert_eq!(forwards(&b1), 0, "exactly one hop");
 
-        // A request that already hopped is never forwarded again.
-        let (status, _) = complete(
+        // A client cannot claim its request hopped already (that would keep it from being
+        // forwarded): the header is stripped and the request forwarded as any other.
+        let (status, h) = complete(
             &http,
             a1.addr,
             &text("cross-region", 1024),
             &[("x-kvmesh-hop", "1")],
         )
         .await;
-        assert_eq!(status, 503);
-        assert_eq!(forwards(&a1), 2);
+        assert_eq!(status, 200);
+        assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "b1");
+        assert_eq!(forwards(&a1), 3);
+
+        // A peer can, over the mesh's mutual TLS: a request that already hopped is never
+        // forwarded again.
+        let id = kvmesh::mesh::certs::NodeIdentity::load_dir(dir.path(), "b1").unwrap();
+        let (_, tls) = kvmesh::mesh::peer_tls::https_configs(&id).unwrap();
+        let peer = reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
+            .build()
+            .unwrap();
+        let peer_url = format!("https://{}/v1/completions", a1.peer_addr.unwrap());
+        let resp = peer
+            .post(&peer_url)
+            .header("x-kvmesh-hop", "1")
+            .json(&json!({"model": MODEL, "prompt": text("hopped", 1024), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 503);
+        assert_eq!(forwards(&a1), 3);
+        // Without a cluster certificate the peer listener does not talk at all.
+        let stranger = reqwest::Client::builder()
+            .tls_danger_accept_invalid_certs(true)
+            .build()
+            .unwrap();
+        assert!(stranger.get(&peer_url).send().await.is_err());
 
         for n in [a1, b1] {
             n.shutdown().await;
@@ -675,7 +703,7 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
             "b",
             &seed,
             &list,
-            Some(format!("http://127.0.0.1:{dead_port}")),
+            Some(format!("https://127.0.0.1:{dead_port}")),
         )
         .await;
         let b2 = mesh_node(dir.path(), "b2", "b", &seed, &list).await;
@@ -752,6 +780,8 @@ async fn separate_processes_form_a_mesh_and_serve() {
         let log = |name: &str| {
             Stdio::from(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
         };
+        let debug_cfg = dir.path().join("debug.toml");
+        std::fs::write(&debug_cfg, "debug_headers = true\n").unwrap();
         let mut children = Children(Vec::new());
         let mut replica_urls = Vec::new();
         for i in 0..2 {
@@ -776,6 +806,9 @@ async fn separate_processes_form_a_mesh_and_serve() {
             let mut cmd = Command::new(bin);
             cmd.args(["serve", "--listen"])
                 .arg(format!("127.0.0.1:{http_port}"))
+                // The test reads which replica served.
+                .arg("--config")
+                .arg(&debug_cfg)
                 .args(["--region", "eu", "--node-id", name, "--certs-dir"])
                 .arg(dir.path())
                 .arg("--mesh-listen")

@@ -60,6 +60,7 @@ fn node_config(urls: &[String]) -> NodeConfig {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_s: 5,
+        debug_headers: true,
         ..NodeConfig::default()
     };
     cfg.health.interval_ms = 100;

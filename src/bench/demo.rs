@@ -231,6 +231,7 @@ async fn run_mesh(
                 let name = node_name(region, n);
                 let mut cfg = NodeConfig {
                     listen: ([127, 0, 0, 1], 0).into(),
+                    debug_headers: true,
                     region: region.into(),
                     cluster_id: "kvmesh-demo".into(),
                     policy: policy.as_str().into(),

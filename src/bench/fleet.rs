@@ -161,6 +161,8 @@ pub async fn run_fleet(
         for (n, name) in names.iter().enumerate() {
             let mut cfg = NodeConfig {
                 listen: ([127, 0, 0, 1], 0).into(),
+                // The replay reads which replica served from `x-kvmesh-routed-to`.
+                debug_headers: true,
                 policy: policy.as_str().into(),
                 seed: replay_cfg.seed.wrapping_add(n as u64),
                 drain_s: 5,

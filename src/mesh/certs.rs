@@ -320,7 +320,7 @@ impl NodeIdentity {
         )
     }
 
-    fn roots(&self) -> Result<RootCertStore, CertError> {
+    pub(crate) fn roots(&self) -> Result<RootCertStore, CertError> {
         let mut roots = RootCertStore::empty();
         for c in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
             let c = c.map_err(|e| CertError::Pem {
@@ -338,7 +338,7 @@ impl NodeIdentity {
         Ok(roots)
     }
 
-    fn chain(&self) -> Result<Vec<CertificateDer<'static>>, CertError> {
+    pub(crate) fn chain(&self) -> Result<Vec<CertificateDer<'static>>, CertError> {
         let chain = CertificateDer::pem_slice_iter(self.cert_pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| CertError::Pem {
@@ -354,7 +354,7 @@ impl NodeIdentity {
         Ok(chain)
     }
 
-    fn key(&self) -> Result<PrivateKeyDer<'static>, CertError> {
+    pub(crate) fn key(&self) -> Result<PrivateKeyDer<'static>, CertError> {
         PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes()).map_err(|e| CertError::Pem {
             what: "node key".into(),
             reason: e.to_string(),

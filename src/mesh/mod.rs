@@ -13,6 +13,7 @@
 //! - [`home`]: which node is home for a replica (rendezvous over live nodes of its region).
 //! - [`seeds`]: `srv:<name>` seeds through DNS SRV (hickory).
 //! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
+//! - [`peer_tls`]: HTTPS with the cluster certificates, for requests forwarded between nodes.
 //! - [`load_share`]: in-flight load sent to the region's nodes as QUIC datagrams, and merged.
 //! - [`cluster`]: [`Mesh`], the handle the node holds.
 
@@ -20,6 +21,7 @@ pub mod certs;
 pub mod cluster;
 pub mod home;
 pub mod load_share;
+pub mod peer_tls;
 pub mod schema;
 pub mod seeds;
 pub mod sync;

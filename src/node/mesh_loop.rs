@@ -22,7 +22,6 @@
 //! retried by a later round.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,21 +62,24 @@ impl MeshRuntime {
 /// Starts the mesh for `node` (whose HTTP front is bound at `http_addr`) and its sync loop.
 pub async fn start(
     node: &Arc<Node>,
-    http_addr: SocketAddr,
+    peer_url: String,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Option<MeshRuntime>> {
     let Some(section) = node.cfg.mesh.clone() else {
         return Ok(None);
     };
+    if section.http_url.is_none()
+        && reqwest::Url::parse(&peer_url)
+            .is_ok_and(|u| u.host_str().is_some_and(|h| h == "0.0.0.0" || h == "[::]"))
+    {
+        tracing::warn!(%peer_url, "mesh.http_url not set and the peer listener is on a wildcard: peers cannot forward here; set mesh.http_url");
+    }
     let cfg = section.mesh_config(
         &node.cfg.region,
         &node.cfg.zone,
         &node.cfg.cluster_id,
-        format!("http://{http_addr}"),
+        peer_url,
     )?;
-    if section.http_url.is_none() && http_addr.ip().is_unspecified() {
-        tracing::warn!(%http_addr, "mesh.http_url not set and the HTTP front listens on a wildcard: peers cannot forward here; set mesh.http_url");
-    }
     let mesh = Arc::new(Mesh::start(cfg).await?);
     node.attach_mesh(Arc::clone(&mesh));
     let metrics = MeshMetrics::new(&node.metrics.registry)?;

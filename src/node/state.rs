@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use super::config::NodeConfig;
+use super::config::{NodeConfig, Secrets};
 use super::mesh_state::{worst, NodeMesh, ReplicaMesh};
 use super::metrics::Metrics;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
@@ -152,6 +152,12 @@ pub struct Node {
     pub(super) epoch_base: u64,
     /// Mesh membership, when the node runs one (see `mesh_state.rs`).
     pub(super) mesh: NodeMesh,
+    /// Tokens and API keys read at start (`[auth]`).
+    pub secrets: Secrets,
+    /// Request bodies held at once, in KiB permits (`server.max_buffered_body_bytes`).
+    pub body_budget: tokio::sync::Semaphore,
+    /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
+    pub peer_client: std::sync::OnceLock<reqwest::Client>,
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
@@ -220,6 +226,10 @@ impl Node {
             .build()?;
         let metrics = Metrics::new()?;
         let kv_metrics = KvMetrics::new(&metrics.registry)?;
+        let secrets = cfg.auth.load(cfg.admin_token.as_deref(), cfg.listen)?;
+        let body_kib = usize::try_from(cfg.server.max_buffered_body_bytes >> 10)
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
         let node = Arc::new(Node {
             policy,
             endpoints: RwLock::new(Vec::with_capacity(cfg.replicas.len())),
@@ -240,6 +250,9 @@ impl Node {
             summary_cfg,
             epoch_base,
             mesh: NodeMesh::default(),
+            secrets,
+            body_budget: tokio::sync::Semaphore::new(body_kib),
+            peer_client: std::sync::OnceLock::new(),
             cfg,
         });
         Ok(node)

@@ -27,6 +27,7 @@ use futures::StreamExt;
 
 use super::blame::{Attempts, Failure};
 use super::error::{is_failure, ApiError};
+use super::listener::conn_info;
 use super::region_forward;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
@@ -40,7 +41,8 @@ thread_local! {
 }
 
 /// Response header naming the replica the node sent the request to (distinct from the
-/// simulated replica's own `x-kvmesh-replica`, which a real engine does not send).
+/// simulated replica's own `x-kvmesh-replica`, which a real engine does not send); only with
+/// `debug_headers = true`, like [`HIT_HEADER`].
 pub const REPLICA_HEADER: &str = "x-kvmesh-routed-to";
 /// Response header with the prefix blocks the node expected the replica to hold.
 pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
@@ -72,14 +74,19 @@ impl Drop for Pending {
     }
 }
 
-async fn handle(node: Arc<Node>, path: &'static str, req: Request) -> Response {
+async fn handle(node: Arc<Node>, path: &'static str, mut req: Request) -> Response {
     node.metrics.in_flight_total.inc();
     let _pending = Pending(node.metrics.in_flight_total.clone());
+    // Only a mesh peer (mutual TLS) may say a request was forwarded already: a client's hop
+    // header would turn cross-region forwarding off for its request.
+    if !conn_info(&req).is_some_and(|c| c.peer) {
+        req.headers_mut().remove(region_forward::HOP_HEADER);
+    }
     let hop = req.headers().contains_key(region_forward::HOP_HEADER);
     match proxy(&node, path, req).await {
         Ok(mut r) => {
             // Echoed so the client (and tests) can see the request crossed regions.
-            if hop {
+            if hop && node.cfg.debug_headers {
                 r.headers_mut().insert(
                     HeaderName::from_static(region_forward::HOP_HEADER),
                     HeaderValue::from_static("1"),
@@ -402,13 +409,17 @@ fn respond(
             headers.append(k.clone(), v.clone());
         }
     }
-    if let Ok(v) = HeaderValue::from_str(&ticket.endpoint().id) {
-        headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
+    // They tell a client what the node believes is cached, and internal replica names:
+    // debugging only.
+    if node.cfg.debug_headers {
+        if let Ok(v) = HeaderValue::from_str(&ticket.endpoint().id) {
+            headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
+        }
+        headers.insert(
+            HeaderName::from_static(HIT_HEADER),
+            HeaderValue::from(hit_blocks),
+        );
     }
-    headers.insert(
-        HeaderName::from_static(HIT_HEADER),
-        HeaderValue::from(hit_blocks),
-    );
     let state = BodyState {
         inner: Box::pin(resp.bytes_stream()),
         ticket,

@@ -8,9 +8,10 @@
 mod blame;
 pub mod error;
 pub mod forward;
+pub mod listener;
 pub mod region_forward;
+mod tls;
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,18 +21,16 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Json;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::node::config::{NodeConfig, ServeArgs};
 use crate::node::mesh_loop::{self, MeshRuntime};
 use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
 use crate::replicas::dns::DnsSource;
-use crate::shutdown::stopped;
 use error::ApiError;
+use listener::{Listener, ListenerConfig};
 
 /// The node's HTTP routes.
 pub fn app(node: Arc<Node>) -> axum::Router {
@@ -79,7 +78,10 @@ async fn ready(State(node): State<Arc<Node>>) -> Response {
     }
 }
 
-async fn metrics(State(node): State<Arc<Node>>) -> Response {
+async fn metrics(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorized(&headers, node.secrets.metrics_token.as_deref()) {
+        return e.into_response();
+    }
     match node.metrics.render() {
         Ok(text) => (
             [(
@@ -103,20 +105,30 @@ fn token_matches(given: &[u8], expected: &[u8]) -> bool {
             == 0
 }
 
+/// The request's bearer token, if any.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// Passes when no token is required or the request bears it.
+fn authorized(headers: &HeaderMap, expected: Option<&str>) -> Result<(), ApiError> {
+    match expected {
+        None => Ok(()),
+        Some(t) if token_matches(bearer(headers).unwrap_or("").as_bytes(), t.as_bytes()) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized()),
+    }
+}
+
 async fn admin_state(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
 ) -> Result<Json<NodeState>, ApiError> {
-    if let Some(expected) = &node.cfg.admin_token {
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !token_matches(given.as_bytes(), expected.as_bytes()) {
-            return Err(ApiError::unauthorized());
-        }
-    }
+    // Without a token the admin API is open only on loopback (`AuthConfig::load` refuses the
+    // rest unless `auth.admin_open`).
+    authorized(&headers, node.secrets.admin_token.as_deref())?;
     Ok(Json(node.state()))
 }
 
@@ -124,10 +136,13 @@ async fn admin_state(
 pub struct RunningNode {
     /// The address it listens on (the real port when configured with port 0).
     pub addr: SocketAddr,
+    /// The mesh's mutual-TLS listener for forwarded requests, when the node runs a mesh.
+    pub peer_addr: Option<SocketAddr>,
     /// The node's shared state (for tests and embedding).
     pub node: Arc<Node>,
     stop: watch::Sender<bool>,
-    server: JoinHandle<std::io::Result<()>>,
+    server: Listener,
+    peer_server: Option<Listener>,
     mesh: Option<MeshRuntime>,
 }
 
@@ -137,15 +152,21 @@ impl RunningNode {
     pub async fn shutdown(self) -> bool {
         let drain = Duration::from_secs(self.node.cfg.drain_s);
         let _ = self.stop.send(true);
-        let mut server = self.server;
-        let drained = match tokio::time::timeout(drain, &mut server).await {
-            Ok(_) => true,
-            Err(_) => {
-                tracing::warn!(?drain, "drain deadline passed; dropping remaining requests");
-                server.abort();
-                false
+        let both = async {
+            self.server.drained().await;
+            if let Some(p) = &self.peer_server {
+                p.drained().await;
             }
         };
+        // Idle connections and ones still sending a request head are not waited for.
+        let drained = tokio::time::timeout(drain, both).await.is_ok();
+        if !drained {
+            tracing::warn!(?drain, "drain deadline passed; dropping remaining requests");
+        }
+        self.server.abort();
+        if let Some(p) = &self.peer_server {
+            p.abort();
+        }
         // Leave the mesh after draining, so forwarded requests in flight could still finish.
         if let Some(mesh) = self.mesh {
             mesh.shutdown(&self.node).await;
@@ -161,7 +182,9 @@ impl RunningNode {
             mesh.shutdown(&self.node).await;
         }
         self.server.abort();
-        let _ = self.server.await;
+        if let Some(p) = &self.peer_server {
+            p.abort();
+        }
     }
 }
 
@@ -185,37 +208,72 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     }
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
     check_all(&node, 0..node.replica_count()).await;
-    let listener = tokio::net::TcpListener::bind(listen)
+    let tcp = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
-    let addr = listener.local_addr()?;
-    // Responses go out as several small writes (headers, then each streamed chunk): with Nagle's
-    // algorithm on, a write behind an unacknowledged one waits for the client's delayed ACK
-    // (40 ms on Linux) on every reused keep-alive connection.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
-        }
-    });
+    let server_cfg = &node.cfg.server;
+    let client_tls = match (&server_cfg.tls_cert, &server_cfg.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(
+            tls::server_config(cert, key).context("server.tls_cert / server.tls_key")?,
+        )),
+        _ => None,
+    };
+    let listener_cfg = ListenerConfig {
+        header_read_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
+        max_connections: server_cfg.max_connections,
+        http2_max_streams: server_cfg.http2_max_streams,
+        tls: client_tls,
+        peer: false,
+    };
     let (stop, stop_rx) = watch::channel(false);
-    // The mesh starts once the HTTP address is known (peers forward to it); until it is warm
+    // The peer listener: forwarded requests arrive here, inside the cluster's mutual TLS.
+    let (peer_server, peer_url) = match &node.cfg.mesh {
+        Some(section) => {
+            let (server_tls, client_tls) =
+                crate::mesh::peer_tls::https_configs(&section.identity()?)
+                    .context("mesh certificates for the peer listener")?;
+            let peer_client = reqwest::Client::builder()
+                .use_preconfigured_tls(client_tls)
+                .connect_timeout(node.cfg.connect_timeout())
+                .tcp_nodelay(true)
+                .build()
+                .context("peer HTTPS client")?;
+            let _ = node.peer_client.set(peer_client);
+            let bind = section
+                .peer_listen
+                .unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
+            let tcp = tokio::net::TcpListener::bind(bind)
+                .await
+                .with_context(|| format!("cannot listen on {bind} (mesh.peer_listen)"))?;
+            let peer = Listener::serve(
+                tcp,
+                app(Arc::clone(&node)),
+                ListenerConfig {
+                    tls: Some(Arc::new(server_tls)),
+                    peer: true,
+                    ..listener_cfg.clone()
+                },
+                stop_rx.clone(),
+            )?;
+            let url = format!("https://{}", peer.addr);
+            (Some(peer), url)
+        }
+        None => (None, String::new()),
+    };
+    let server = Listener::serve(tcp, app(Arc::clone(&node)), listener_cfg, stop_rx.clone())?;
+    let addr = server.addr;
+    // The mesh starts once the peer address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.
-    let mesh = mesh_loop::start(&node, addr, stop_rx.clone()).await?;
+    let mesh = mesh_loop::start(&node, peer_url, stop_rx.clone()).await?;
     spawn_watchers(&node, &stop_rx, dns);
-    let mut graceful = stop_rx.clone();
-    let server = tokio::spawn(
-        axum::serve(listener, app(Arc::clone(&node)))
-            .with_graceful_shutdown(async move {
-                stopped(&mut graceful).await;
-            })
-            .into_future(),
-    );
     tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
     Ok(RunningNode {
         addr,
+        peer_addr: peer_server.as_ref().map(|p| p.addr),
         node,
         stop,
         server,
+        peer_server,
         mesh,
     })
 }

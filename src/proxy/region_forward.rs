@@ -1,9 +1,11 @@
-//! Forwarding a request to another region: plain HTTP to a live node of that region with the
-//! hop header, streamed back unbuffered.
+//! Forwarding a request to another region: HTTPS inside the cluster's mutual TLS to a live node
+//! of that region (its peer listener, `mesh/peer_tls.rs`) with the hop header, streamed back
+//! unbuffered.
 //!
 //! A forwarded request carries `x-kvmesh-hop: 1` and is never forwarded again; the receiving
-//! node routes it as `forwarded`, echoes the hop header on its answer, and the forwarding node
-//! adds `x-kvmesh-forwarded-to: <node>`. Peers are tried nearest first by QUIC RTT in 5 ms steps
+//! node honours the header only on its peer listener (a client's is stripped), routes the
+//! request as `forwarded`, and with `debug_headers` echoes the hop header while the forwarding
+//! node adds `x-kvmesh-forwarded-to: <node>`. Peers are tried nearest first by QUIC RTT in 5 ms steps
 //! (random among equally near ones, unmeasured ones last); one that fails before answering
 //! (connect error, timeout, 500/502/503/504) gives way to the next, and when none is left the
 //! answer is 503.
@@ -65,35 +67,45 @@ pub async fn forward(
         HeaderValue::from_static("1"),
     );
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
-    let mut last = String::from("no live node there");
+    let Some(client) = node.peer_client.get() else {
+        count("unavailable");
+        return Err(ApiError::unavailable(
+            "no local replica can serve this request and this node cannot forward",
+        ));
+    };
     for peer in &peers {
-        let send = node
-            .client
+        let send = client
             .post(format!("{}{path}", peer.http_url))
             .headers(headers.clone())
             .body(body.clone())
             .send();
-        match tokio::time::timeout(first_byte, send).await {
+        let last = match tokio::time::timeout(first_byte, send).await {
             Ok(Ok(resp)) if !is_failure(resp.status()) => {
                 tracing::debug!(%region, peer = %peer.node_id, ?reason, "forwarded");
                 count("ok");
-                return Ok(stream_back(node, resp, &peer.node_id));
+                return Ok(stream_back(
+                    node,
+                    resp,
+                    &peer.node_id,
+                    node.cfg.debug_headers,
+                ));
             }
-            Ok(Ok(resp)) => last = format!("node {} answered {}", peer.node_id, resp.status()),
-            Ok(Err(e)) => last = format!("node {} failed: {e}", peer.node_id),
-            Err(_) => last = format!("node {} sent nothing within {first_byte:?}", peer.node_id),
-        }
-        tracing::warn!(%region, peer = %peer.node_id, error = %last, "forward attempt failed");
+            Ok(Ok(resp)) => format!("answered {}", resp.status()),
+            Ok(Err(e)) => format!("failed: {e}"),
+            Err(_) => format!("sent nothing within {first_byte:?}"),
+        };
+        tracing::warn!(%region, peer = %peer.node_id, url = %peer.http_url, error = %last, "forward attempt failed");
         count("retry");
     }
     count("unavailable");
+    // The client learns the region (it chose none) but no node names or addresses.
     Err(ApiError::unavailable(format!(
-        "no local replica can serve this request and forwarding to region '{region}' failed: {last}"
+        "no local replica can serve this request and forwarding to region '{region}' failed"
     )))
 }
 
 /// Streams another node's answer back, cutting it after the idle timeout.
-fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str) -> Response {
+fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str, debug: bool) -> Response {
     let status = resp.status();
     let mut headers = HeaderMap::with_capacity(resp.headers().len() + 1);
     for (k, v) in resp.headers() {
@@ -104,7 +116,7 @@ fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str) -> Respons
             headers.append(k.clone(), v.clone());
         }
     }
-    if let Ok(v) = HeaderValue::from_str(peer) {
+    if let (true, Ok(v)) = (debug, HeaderValue::from_str(peer)) {
         headers.insert(HeaderName::from_static(FORWARDED_TO_HEADER), v);
     }
     let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);

@@ -27,8 +27,11 @@ pub struct MeshSection {
     pub listen: SocketAddr,
     /// Address peers dial, when `listen` is a wildcard or behind NAT. Default: the bound address.
     pub advertise: Option<SocketAddr>,
-    /// Base URL other nodes forward requests to. Default `http://<listen of the HTTP front>`
-    /// (its bound address when the port is 0).
+    /// TCP address of the peer listener: HTTPS with the cluster certificates (mutual TLS), where
+    /// other nodes forward requests. Default: the HTTP front's IP, any free port.
+    pub peer_listen: Option<SocketAddr>,
+    /// `https://` URL other nodes forward requests to, when the peer listener is on a wildcard
+    /// or behind NAT. Default `https://<bound peer listener address>`.
     pub http_url: Option<String>,
     /// Seeds: `ip:port`, `host:port` or `srv:<name>` (DNS SRV). Default none (first node).
     pub seeds: Vec<String>,
@@ -69,6 +72,7 @@ impl Default for MeshSection {
             node_id: String::new(),
             listen: SocketAddr::from(([127, 0, 0, 1], 7946)),
             advertise: None,
+            peer_listen: None,
             http_url: None,
             seeds: Vec::new(),
             cluster_id: None,
@@ -127,11 +131,11 @@ impl MeshSection {
         }
         if let Some(u) = &self.http_url {
             let ok = reqwest::Url::parse(u)
-                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some());
+                .is_ok_and(|u| u.scheme() == "https" && u.host_str().is_some());
             if !ok {
                 return Err(invalid(
                     "mesh.http_url",
-                    format!("'{u}' must be an http(s) URL with a host"),
+                    format!("'{u}' must be an https URL with a host (forwarding is mutual TLS)"),
                 ));
             }
         }

@@ -19,10 +19,12 @@ use crate::tokenize::TokenizerConfig;
 
 pub mod error;
 pub mod mesh;
+pub mod server;
 
 use error::invalid;
 pub use error::ConfigError;
 pub use mesh::{DistanceConfig, MeshSection};
+pub use server::{AuthConfig, Secrets, ServerConfig};
 // The sections other subsystems own, assembled here (re-exported so that one path names every
 // part of a node's configuration).
 pub use crate::replicas::dns::{DnsConfig, DnsKvEvents, DnsRecord};
@@ -56,8 +58,13 @@ pub struct NodeConfig {
     /// for debugging routing. It tells a client what the node believes is cached, so keep it off
     /// where clients are not trusted. Default false.
     pub debug_headers: bool,
-    /// Bearer token required by `/admin/*`; none means the admin API is open. Default none.
+    /// Bearer token required by `/admin/*`, inline (prefer `auth.admin_token_file` or
+    /// `KVMESH_ADMIN_TOKEN`, which beat it). Default none (see `[auth]`).
     pub admin_token: Option<String>,
+    /// Client connection limits and HTTPS (`[server]`).
+    pub server: ServerConfig,
+    /// Tokens and API keys (`[auth]`).
+    pub auth: AuthConfig,
     /// Header carrying the session id for affinity (the body's `user` is the fallback). Default
     /// `x-session-id`.
     pub session_header: String,
@@ -118,6 +125,8 @@ impl Default for NodeConfig {
             max_body_bytes: 32 << 20,
             debug_headers: false,
             admin_token: None,
+            server: ServerConfig::default(),
+            auth: AuthConfig::default(),
             session_header: "x-session-id".into(),
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
@@ -409,6 +418,7 @@ impl NodeConfig {
                 }
             }
         }
+        self.server.validate()?;
         if let Some(m) = &self.mesh {
             m.validate()?;
         }
@@ -429,8 +439,8 @@ impl NodeConfig {
         if let Some(s) = args.seed {
             self.seed = s;
         }
-        if let Some(t) = &args.admin_token {
-            self.admin_token = Some(t.clone());
+        if let Some(t) = &args.admin_token_file {
+            self.auth.admin_token_file = Some(t.clone());
         }
         if !args.replica.is_empty() {
             // Flags replace the file's list: mixing the two would be surprising.
@@ -504,9 +514,11 @@ pub struct ServeArgs {
     /// Router RNG seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Bearer token for /admin/*.
-    #[arg(long, env = "KVMESH_ADMIN_TOKEN")]
-    pub admin_token: Option<String>,
+    /// File holding the bearer token for /admin/* (sets `auth.admin_token_file`; the
+    /// `KVMESH_ADMIN_TOKEN` environment variable beats it). Never on the command line: `ps`
+    /// shows it.
+    #[arg(long, value_name = "FILE")]
+    pub admin_token_file: Option<PathBuf>,
     /// Join the mesh: UDP address of this node's QUIC endpoint (sets `mesh.listen`).
     #[arg(long, value_name = "ADDR")]
     pub mesh_listen: Option<SocketAddr>,

@@ -1,0 +1,107 @@
+//! TLS for node-to-node HTTP: forwarded requests travel inside the cluster's mutual TLS.
+//!
+//! Exists because a request forwarded to another region carries the prompt and the client's
+//! headers; it must be as private as gossip, and the receiving node must know it came from a
+//! member (only then does it honour the hop header). The server side requires a client
+//! certificate from the cluster CA; the client side presents this node's certificate and checks
+//! the server's against the CA and [`CLUSTER_SAN`] whatever address it dialled (peers are known
+//! by address, like chitchat's). TLS 1.3 only, ALPN `h2` and `http/1.1`.
+
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{DigitallySignedStruct, SignatureScheme};
+
+use super::certs::{CertError, NodeIdentity, CLUSTER_SAN};
+
+/// rustls configurations for the peer HTTPS listener and the client that forwards to peers.
+pub fn https_configs(
+    id: &NodeIdentity,
+) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let roots = Arc::new(id.roots()?);
+    let chain = id.chain()?;
+    let key = id.key()?;
+    let client_verifier =
+        WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| CertError::Verifier(e.to_string()))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(client_verifier)
+        .with_single_cert(chain.clone(), key.clone_key())?;
+    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let inner = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+        .build()
+        .map_err(|e| CertError::Verifier(e.to_string()))?;
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ClusterNameVerifier { inner }))
+        .with_client_auth_cert(chain, key)?;
+    client.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok((server, client))
+}
+
+/// Verifies a peer's certificate chain against the cluster CA for [`CLUSTER_SAN`], not for the
+/// address dialled (node certificates name the cluster, not their addresses).
+#[derive(Debug)]
+struct ClusterNameVerifier {
+    inner: Arc<WebPkiServerVerifier>,
+}
+
+impl ServerCertVerifier for ClusterNameVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _dialled: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let name =
+            ServerName::try_from(CLUSTER_SAN).map_err(|e| rustls::Error::General(e.to_string()))?;
+        self.inner
+            .verify_server_cert(end_entity, intermediates, &name, ocsp, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::certs::ClusterCa;
+
+    #[test]
+    fn configs_build_from_a_cluster_identity() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue("n1").unwrap();
+        let (server, client) = https_configs(&id).unwrap();
+        assert_eq!(server.alpn_protocols[0], b"h2");
+        assert_eq!(client.alpn_protocols[1], b"http/1.1");
+    }
+}

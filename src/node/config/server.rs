@@ -1,0 +1,339 @@
+//! The `[server]` and `[auth]` tables: how the HTTP front treats the clients it cannot trust.
+//!
+//! Exists so that every read from a client has a size and a time limit and every client-held
+//! resource a cap, stated in one place: slow or idle connections are cut, the number of open
+//! connections and the bytes of request bodies held at once are bounded, and who a client is
+//! (its tenant) and what it may see (admin state, metrics) is decided by secrets the operator
+//! gave, never by what a client claims. Secrets come from files or the environment, never from
+//! the command line (`ps` shows it).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::error::{invalid, ConfigError};
+
+/// Environment variable holding the admin token (beats `auth.admin_token_file`).
+pub const ADMIN_TOKEN_ENV: &str = "KVMESH_ADMIN_TOKEN";
+/// Environment variable holding the metrics token (beats `auth.metrics_token_file`).
+pub const METRICS_TOKEN_ENV: &str = "KVMESH_METRICS_TOKEN";
+/// Longest secret or key file read (a token file is a line; a key file a few thousand lines).
+const MAX_SECRET_FILE_BYTES: u64 = 4 << 20;
+/// Most API keys one file may hold.
+const MAX_API_KEYS: usize = 100_000;
+/// Upper bound of every `_ms` limit here: one day.
+const MAX_MS: u64 = 86_400_000;
+
+/// `[server]`: limits on client connections and optional HTTPS.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Time a client has to send a whole request head, and the longest an idle keep-alive
+    /// connection is kept (ms). Slowloris is cut after this. Default 10,000.
+    pub header_read_timeout_ms: u64,
+    /// Time a client has to send a whole request body (ms). Default 60,000 (32 MiB at 4.5 Mbit/s).
+    pub body_read_timeout_ms: u64,
+    /// Open client connections at most; at the cap the least recently active one is closed
+    /// (after its request in flight, if any) to admit a new one. Also bounded by the process's
+    /// open-files limit, raised to its hard maximum at start. Default 8,192.
+    pub max_connections: usize,
+    /// Bytes of request bodies held at once, across requests; a body that would exceed it waits
+    /// up to `body_read_timeout_ms`, then gets 503. Default 1 GiB.
+    pub max_buffered_body_bytes: u64,
+    /// Concurrent streams per HTTP/2 connection (h2c prior knowledge and HTTPS ALPN `h2`).
+    /// Default 256.
+    pub http2_max_streams: u32,
+    /// PEM certificate chain for HTTPS on `listen`; with `tls_key`. Default none (plain HTTP).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for HTTPS on `listen`. Default none.
+    pub tls_key: Option<PathBuf>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 60_000,
+            max_connections: 8_192,
+            max_buffered_body_bytes: 1 << 30,
+            http2_max_streams: 256,
+            tls_cert: None,
+            tls_key: None,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Checks every value, naming the key at fault.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, v) in [
+            ("server.header_read_timeout_ms", self.header_read_timeout_ms),
+            ("server.body_read_timeout_ms", self.body_read_timeout_ms),
+        ] {
+            if v == 0 || v > MAX_MS {
+                return Err(invalid(key, format!("must be 1..={MAX_MS}, got {v}")));
+            }
+        }
+        if !(1..=1_000_000).contains(&self.max_connections) {
+            return Err(invalid("server.max_connections", "must be 1..=1000000"));
+        }
+        if self.max_buffered_body_bytes < 1 << 20 {
+            return Err(invalid("server.max_buffered_body_bytes", "at least 1 MiB"));
+        }
+        if !(1..=10_000).contains(&self.http2_max_streams) {
+            return Err(invalid("server.http2_max_streams", "must be 1..=10000"));
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(invalid(
+                "server.tls_cert",
+                "tls_cert and tls_key go together",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `[auth]`: who may call what. Tokens and keys are read from files (or the environment) when
+/// the node starts.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// File holding the bearer token `/admin/*` requires (first line). `KVMESH_ADMIN_TOKEN`
+    /// beats it; the top-level `admin_token` is the last resort. Without any, the admin API is
+    /// open only while `listen` is a loopback address: a node listening elsewhere refuses to
+    /// start unless `admin_open = true`. Default none.
+    pub admin_token_file: Option<PathBuf>,
+    /// Serve `/admin/*` without a token on a non-loopback `listen` (trusted networks only).
+    /// Default false.
+    pub admin_open: bool,
+    /// File holding the bearer token `/metrics` requires (`KVMESH_METRICS_TOKEN` beats it).
+    /// Default none: `/metrics` is open.
+    pub metrics_token_file: Option<PathBuf>,
+    /// File of API keys, one `<tenant> <key>` per line (`#` starts a comment). With it every
+    /// completion needs `Authorization: Bearer <key>`; the key decides the tenant (the tenant
+    /// header is ignored) and is not passed to replicas. Default none: no keys, the tenant
+    /// header names the tenant.
+    pub api_keys_file: Option<PathBuf>,
+    /// File holding a bearer token sent to replicas when API keys are on (their own
+    /// `--api-key`). Default none.
+    pub replica_token_file: Option<PathBuf>,
+}
+
+/// Secrets read from the files and environment `[auth]` names, at start.
+#[derive(Clone, Default)]
+pub struct Secrets {
+    /// `/admin/*` bearer token.
+    pub admin_token: Option<String>,
+    /// `/metrics` bearer token.
+    pub metrics_token: Option<String>,
+    /// SHA-256 of each API key → its tenant.
+    pub api_keys: Option<HashMap<[u8; 32], String>>,
+    /// Bearer token for replicas.
+    pub replica_token: Option<String>,
+}
+
+impl std::fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Secrets")
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "…"))
+            .field("metrics_token", &self.metrics_token.as_ref().map(|_| "…"))
+            .field("api_keys", &self.api_keys.as_ref().map(HashMap::len))
+            .field("replica_token", &self.replica_token.as_ref().map(|_| "…"))
+            .finish()
+    }
+}
+
+/// SHA-256 of an API key, the form keys are kept in.
+pub fn key_digest(key: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, key);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+fn read_secret_file(key: &str, path: &Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    let mut text = String::new();
+    file.take(MAX_SECRET_FILE_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    Ok(text)
+}
+
+fn token_from(
+    key: &str,
+    env: Option<&str>,
+    file: Option<&Path>,
+) -> Result<Option<String>, ConfigError> {
+    let raw = match (env.map(std::env::var), file) {
+        (Some(Ok(v)), _) => v,
+        (_, Some(path)) => read_secret_file(key, path)?,
+        _ => return Ok(None),
+    };
+    let token = raw.lines().next().unwrap_or("").trim().to_owned();
+    if token.is_empty() {
+        return Err(invalid(key, "the token is empty"));
+    }
+    Ok(Some(token))
+}
+
+impl AuthConfig {
+    /// Reads the secrets; `inline_admin` is the top-level `admin_token`, `listen` the HTTP
+    /// front's address (a non-loopback one needs an admin token or `admin_open`).
+    pub fn load(
+        &self,
+        inline_admin: Option<&str>,
+        listen: SocketAddr,
+    ) -> Result<Secrets, ConfigError> {
+        let admin_token = token_from(
+            "auth.admin_token_file",
+            Some(ADMIN_TOKEN_ENV),
+            self.admin_token_file.as_deref(),
+        )?
+        .or_else(|| inline_admin.map(str::to_owned));
+        if admin_token.is_none() && !self.admin_open && !listen.ip().is_loopback() {
+            return Err(invalid(
+                "auth.admin_token_file",
+                format!(
+                    "the node listens on {listen}, beyond loopback: set an admin token \
+                     ({ADMIN_TOKEN_ENV} or auth.admin_token_file) or auth.admin_open = true"
+                ),
+            ));
+        }
+        let metrics_token = token_from(
+            "auth.metrics_token_file",
+            Some(METRICS_TOKEN_ENV),
+            self.metrics_token_file.as_deref(),
+        )?;
+        let replica_token = token_from(
+            "auth.replica_token_file",
+            None,
+            self.replica_token_file.as_deref(),
+        )?;
+        let api_keys = match &self.api_keys_file {
+            None => None,
+            Some(path) => Some(parse_api_keys(&read_secret_file(
+                "auth.api_keys_file",
+                path,
+            )?)?),
+        };
+        Ok(Secrets {
+            admin_token,
+            metrics_token,
+            api_keys,
+            replica_token,
+        })
+    }
+}
+
+/// `<tenant> <key>` lines → key digest → tenant.
+fn parse_api_keys(text: &str) -> Result<HashMap<[u8; 32], String>, ConfigError> {
+    let key = "auth.api_keys_file";
+    let mut out = HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut parts = line.split_whitespace();
+        let (Some(tenant), Some(api_key), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(invalid(
+                key,
+                format!("line {}: expected '<tenant> <key>'", n + 1),
+            ));
+        };
+        if tenant.len() > 128 || api_key.len() < 16 || api_key.len() > 512 {
+            return Err(invalid(
+                key,
+                format!(
+                    "line {}: a tenant is at most 128 bytes, a key 16..=512",
+                    n + 1
+                ),
+            ));
+        }
+        if out
+            .insert(key_digest(api_key.as_bytes()), tenant.to_owned())
+            .is_some()
+        {
+            return Err(invalid(key, format!("line {}: duplicate key", n + 1)));
+        }
+        if out.len() > MAX_API_KEYS {
+            return Err(invalid(key, format!("more than {MAX_API_KEYS} keys")));
+        }
+    }
+    if out.is_empty() {
+        return Err(invalid(key, "no keys in the file"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_keys_map_to_tenants_and_bad_lines_name_their_number() {
+        let keys = parse_api_keys(
+            "# keys\nacme sk-acme-0123456789abcdef\n\nbeta sk-beta-0123456789abcdef # x\n",
+        )
+        .unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys[&key_digest(b"sk-acme-0123456789abcdef")], "acme");
+        let e = parse_api_keys("acme short\n").unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
+        let e = parse_api_keys("acme\n").unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
+        assert!(parse_api_keys("# nothing\n").is_err());
+    }
+
+    #[test]
+    fn a_node_beyond_loopback_needs_an_admin_token() {
+        let open: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let auth = AuthConfig::default();
+        assert!(auth.load(None, local).is_ok());
+        let e = auth.load(None, open).unwrap_err().to_string();
+        assert!(e.contains("auth.admin_token_file"), "{e}");
+        assert!(auth.load(Some("t0ken"), open).is_ok());
+        let auth = AuthConfig {
+            admin_open: true,
+            ..AuthConfig::default()
+        };
+        assert!(auth.load(None, open).is_ok());
+    }
+
+    #[test]
+    fn tokens_come_from_their_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.token");
+        std::fs::write(&path, "s3cret\n").unwrap();
+        let auth = AuthConfig {
+            metrics_token_file: Some(path),
+            ..AuthConfig::default()
+        };
+        let s = auth.load(None, "127.0.0.1:1".parse().unwrap()).unwrap();
+        assert_eq!(s.metrics_token.as_deref(), Some("s3cret"));
+        let auth = AuthConfig {
+            metrics_token_file: Some(dir.path().join("missing")),
+            ..AuthConfig::default()
+        };
+        assert!(auth.load(None, "127.0.0.1:1".parse().unwrap()).is_err());
+    }
+
+    #[test]
+    fn limits_are_bounded() {
+        let mut s = ServerConfig::default();
+        assert!(s.validate().is_ok());
+        s.header_read_timeout_ms = u64::MAX;
+        assert!(s.validate().is_err());
+        let s = ServerConfig {
+            tls_cert: Some("a.pem".into()),
+            ..ServerConfig::default()
+        };
+        assert!(s.validate().is_err());
+    }
+}

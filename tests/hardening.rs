@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
@@ -32,6 +33,7 @@ fn node_config(urls: &[String]) -> NodeConfig {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_s: 5,
+        debug_headers: true,
         ..NodeConfig::default()
     };
     cfg.health.interval_ms = 100;
@@ -79,6 +81,14 @@ enum Fake {
 /// A raw-TCP replica: completions per `mode`, else a minimal completion; `/health` and
 /// `/v1/models` answer 200.
 async fn fake_replica(mode: Fake) -> SocketAddr {
+    fake_replica_seen(mode).await.0
+}
+
+/// [`fake_replica`], also returning the request heads of the completions it received
+/// (lowercased).
+async fn fake_replica_seen(mode: Fake) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let heads = Arc::clone(&seen);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -86,6 +96,7 @@ async fn fake_replica(mode: Fake) -> SocketAddr {
             let Ok((mut sock, _)) = listener.accept().await else {
                 return;
             };
+            let heads = Arc::clone(&heads);
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 16 * 1024];
@@ -111,6 +122,9 @@ async fn fake_replica(mode: Fake) -> SocketAddr {
                         )
                     };
                     let completion = head.starts_with("post");
+                    if completion {
+                        heads.lock().unwrap().push(head.clone());
+                    }
                     if let (Fake::BodyLimit(limit), true) = (mode, completion) {
                         if len > limit {
                             return;
@@ -155,7 +169,7 @@ async fn fake_replica(mode: Fake) -> SocketAddr {
             });
         }
     });
-    addr
+    (addr, seen)
 }
 
 /// A body every replica refuses (over their 8 MiB limit, under the node's 32 MiB) is the
@@ -264,6 +278,275 @@ async fn a_hung_replica_is_ejected_and_its_requests_served_elsewhere() {
             assert_eq!(status, 200, "request {i}");
         }
         assert_eq!(ejected(&c, &node).await, vec!["r0".to_owned()]);
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// Reads from `sock` until the peer closes it (Ok(bytes read)) or `limit` passes (Err).
+async fn closed_within(sock: &mut tokio::net::TcpStream, limit: Duration) -> Result<usize, ()> {
+    let mut n = 0;
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(limit, async {
+        loop {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => return n,
+                Ok(k) => n += k,
+            }
+        }
+    })
+    .await
+    .map_err(|_| ())
+}
+
+fn quick_server(cfg: &mut NodeConfig) {
+    cfg.server.header_read_timeout_ms = 500;
+    cfg.server.body_read_timeout_ms = 500;
+}
+
+/// Slowloris — a request head sent a byte at a time, forever — is cut at the header timeout,
+/// and so is a connection that never sends anything.
+#[tokio::test]
+async fn slowloris_and_silent_connections_are_cut_at_the_header_timeout() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        quick_server(&mut cfg);
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut slow = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        let mut silent = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        let t0 = std::time::Instant::now();
+        let drip = async {
+            for b in b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-a: "
+                .iter()
+                .cycle()
+            {
+                if slow.write_all(&[*b]).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(3), drip)
+            .await
+            .expect("the slow connection was never cut");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        closed_within(&mut silent, Duration::from_secs(2))
+            .await
+            .expect("the silent connection was never closed");
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// A client that sends its body slower than the body deadline gets a 408.
+#[tokio::test]
+async fn a_body_that_trickles_in_gets_408() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        quick_server(&mut cfg);
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut sock = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        sock.write_all(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+              content-length: 100\r\n\r\n{\"model\":",
+        )
+        .await
+        .unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(3), sock.read_to_end(&mut answer))
+            .await
+            .expect("no answer")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// Thousands of idle connections cannot keep others out: past `server.max_connections` the
+/// least recently active connection is closed to admit the next, and past the open-files limit
+/// the node never stops accepting (it raises the limit and caps connections below it).
+#[tokio::test]
+async fn idle_connections_do_not_keep_health_out() {
+    bounded(async {
+        // As under `ulimit -n 2048`: a node that held 1,100 idle connections (2,200 descriptors
+        // in this process, both ends) could not accept `/health`.
+        let (_, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE).unwrap();
+        rlimit::setrlimit(rlimit::Resource::NOFILE, 2048.min(hard), hard).unwrap();
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        cfg.server.max_connections = 512;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..1_100 {
+            match tokio::net::TcpStream::connect(node.addr).await {
+                Ok(s) => idle.push(s),
+                Err(e) => panic!("connect {}: {e}", idle.len()),
+            }
+        }
+        let c = client();
+        for _ in 0..3 {
+            let resp =
+                tokio::time::timeout(Duration::from_secs(3), c.get(url(&node, "/health")).send())
+                    .await
+                    .expect("/health did not answer")
+                    .unwrap();
+            assert_eq!(resp.status(), 200);
+        }
+        drop(idle);
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// Shutdown waits for requests in flight only: an idle keep-alive connection and one still
+/// sending its request head do not hold it.
+#[tokio::test]
+async fn drain_does_not_wait_for_idle_or_half_sent_connections() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        cfg.drain_s = 20;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut half = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        half.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        let c = client();
+        assert_eq!(complete(&c, &node, "keep me alive", false).await, 200);
+        let t0 = std::time::Instant::now();
+        assert!(node.shutdown().await, "drained in time");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    })
+    .await;
+}
+
+/// HTTP/2 without TLS (prior knowledge), as gRPC-style clients and some gateways speak it.
+#[tokio::test]
+async fn h2c_prior_knowledge_is_served() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let node = proxy::spawn(node_config(&urls)).await.unwrap();
+        client();
+        let h2 = reqwest::Client::builder()
+            .http2_prior_knowledge()
+            .build()
+            .unwrap();
+        let resp = h2
+            .post(url(&node, "/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "over h2", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// With API keys the key decides the tenant — a tenant header proves nothing — and stays at the
+/// node: replicas get the operator's own token instead. No key, no completion; `/metrics` with
+/// a token needs it too.
+#[tokio::test]
+async fn api_keys_name_the_tenant_and_stay_at_the_node() {
+    bounded(async {
+        let (plain, _) = fake_replica_seen(Fake::Poison).await;
+        let (gold, gold_seen) = fake_replica_seen(Fake::Poison).await;
+        let mut cfg = node_config(&[format!("http://{plain}"), format!("http://{gold}")]);
+        cfg.replicas[1].pool = "gold".into();
+        cfg.tenants.insert(
+            "acme".into(),
+            kvmesh::core::tenants::TenantConfig {
+                pools: vec!["gold".into()],
+                ..Default::default()
+            },
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("keys");
+        std::fs::write(
+            &keys,
+            "acme sk-acme-0123456789abcdef\nbeta sk-beta-0123456789abcdef\n",
+        )
+        .unwrap();
+        let replica_token = dir.path().join("replica.token");
+        std::fs::write(&replica_token, "engine-secret\n").unwrap();
+        let metrics_token = dir.path().join("metrics.token");
+        std::fs::write(&metrics_token, "scrape-me\n").unwrap();
+        cfg.auth.api_keys_file = Some(keys);
+        cfg.auth.replica_token_file = Some(replica_token);
+        cfg.auth.metrics_token_file = Some(metrics_token);
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        let send = |key: Option<&'static str>, tenant: &'static str, prompt: String| {
+            let mut req = c
+                .post(url(&node, "/v1/completions"))
+                .header("x-tenant-id", tenant)
+                .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}));
+            if let Some(k) = key {
+                req = req.bearer_auth(k);
+            }
+            req.send()
+        };
+        // No key, or a wrong one: 401, whatever tenant the header claims.
+        assert_eq!(send(None, "acme", "a".into()).await.unwrap().status(), 401);
+        assert_eq!(
+            send(Some("sk-nobody-0123456789abcdef"), "acme", "a".into())
+                .await
+                .unwrap()
+                .status(),
+            401
+        );
+        // acme's key routes to acme's pool although the header says beta.
+        for i in 0..4 {
+            let resp = send(
+                Some("sk-acme-0123456789abcdef"),
+                "beta",
+                format!("acme {i}"),
+            )
+            .await
+            .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()["x-kvmesh-routed-to"], "r1");
+        }
+        // beta's key claiming acme does not get acme's pool.
+        let mut plain_hits = 0;
+        for i in 0..8 {
+            let resp = send(
+                Some("sk-beta-0123456789abcdef"),
+                "acme",
+                format!("beta {i}"),
+            )
+            .await
+            .unwrap();
+            assert_eq!(resp.status(), 200);
+            plain_hits += usize::from(resp.headers()["x-kvmesh-routed-to"] == "r0");
+        }
+        assert!(plain_hits > 0, "beta was kept to acme's pool");
+        for head in gold_seen.lock().unwrap().iter() {
+            assert!(
+                !head.contains("sk-acme"),
+                "the client's key reached a replica: {head}"
+            );
+            assert!(
+                head.contains("authorization: bearer engine-secret"),
+                "{head}"
+            );
+        }
+        assert_eq!(
+            c.get(url(&node, "/metrics")).send().await.unwrap().status(),
+            401
+        );
+        let m = c
+            .get(url(&node, "/metrics"))
+            .bearer_auth("scrape-me")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(m.status(), 200);
         node.shutdown().await;
     })
     .await;

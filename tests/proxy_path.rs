@@ -171,6 +171,11 @@ async fn decisions_are_counted_by_branch_and_explained_only_when_asked() {
                     .await
                     .unwrap();
                 assert_eq!(resp.status(), 200);
+                // What the node believes is cached, and where it sent the request, is for
+                // debugging only: a client could probe others' prompts with it.
+                for h in ["x-kvmesh-routed-to", "x-kvmesh-hit-blocks"] {
+                    assert_eq!(resp.headers().contains_key(h), debug, "{h}");
+                }
                 last = resp
                     .headers()
                     .get("x-kvmesh-decision")

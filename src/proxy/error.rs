@@ -145,6 +145,26 @@ impl ApiError {
         )
     }
 
+    /// 401: API keys are on and the request has none, or an unknown one.
+    pub fn missing_api_key() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "a valid API key is required (Authorization: Bearer <key>)".into(),
+        )
+    }
+
+    /// 408: the body did not arrive in time.
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the request body did not arrive within {limit:?}"),
+        )
+    }
+
     /// 500: the node itself failed.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(

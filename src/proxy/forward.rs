@@ -32,6 +32,7 @@ use super::region_forward;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};
+use crate::node::config::server::key_digest;
 use crate::node::{Node, Ticket};
 
 thread_local! {
@@ -49,6 +50,9 @@ pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
 /// Response header explaining the decision, only with `debug_headers = true`:
 /// `branch=cache; hit=12; best=12; predicted_ms=35.1` (`best=-` for policies blind to caches).
 pub const DECISION_HEADER: &str = "x-kvmesh-decision";
+
+/// Token-mode requests with a body over this many bytes are tokenized on the blocking pool.
+const BLOCKING_TOKENIZE_BYTES: usize = 64 * 1024;
 
 /// A body at least this big that every replica tried cut off mid-upload is answered with 413:
 /// over someone's size limit is the likeliest reason.
@@ -112,7 +116,16 @@ async fn handle(node: Arc<Node>, path: &'static str, mut req: Request) -> Respon
     }
 }
 
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+/// Reads the whole body within `node`'s limits: at most `max_body_bytes` (else 413), within
+/// `server.body_read_timeout_ms` (else 408), and only while the node's budget of buffered body
+/// bytes has room (waits for it within the same deadline, else 503). The returned permit holds
+/// the body's share of the budget; drop it with the body.
+async fn read_body<'n>(
+    node: &'n Node,
+    body: Body,
+    headers: &HeaderMap,
+) -> Result<(Bytes, tokio::sync::SemaphorePermit<'n>), ApiError> {
+    let limit = node.cfg.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -120,17 +133,44 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
-    let mut stream = body.into_data_stream();
-    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0) as usize);
-    while let Some(chunk) = stream.next().await {
-        let chunk =
-            chunk.map_err(|e| ApiError::bad_request(format!("cannot read body: {e}"), None))?;
-        if buf.len() + chunk.len() > limit {
-            return Err(ApiError::too_large(limit));
+    let deadline = Duration::from_millis(node.cfg.server.body_read_timeout_ms);
+    let read = async {
+        let kib = |bytes: usize| u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        let budget_full = || ApiError::unavailable("the node is holding too many request bodies");
+        // A declared length is reserved whole, up front; a chunked body as it grows.
+        let first = declared.map_or(1 << 20, |n| n as usize).max(1024);
+        let mut permit = node
+            .body_budget
+            .acquire_many(kib(first))
+            .await
+            .map_err(|_| budget_full())?;
+        let mut held = first;
+        let mut stream = body.into_data_stream();
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0) as usize);
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| ApiError::bad_request(format!("cannot read body: {e}"), None))?;
+            if buf.len() + chunk.len() > limit {
+                return Err(ApiError::too_large(limit));
+            }
+            if buf.len() + chunk.len() > held {
+                let more = (buf.len() + chunk.len()).max(held * 2).min(limit) - held;
+                let extra = node
+                    .body_budget
+                    .acquire_many(kib(more))
+                    .await
+                    .map_err(|_| budget_full())?;
+                permit.merge(extra);
+                held += more;
+            }
+            buf.extend_from_slice(&chunk);
         }
-        buf.extend_from_slice(&chunk);
+        Ok((buf.freeze(), permit))
+    };
+    match tokio::time::timeout(deadline, read).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::body_timeout(deadline)),
     }
-    Ok(buf.freeze())
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -171,7 +211,19 @@ fn forwardable(headers: &HeaderMap) -> HeaderMap {
 async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
-    let body = read_body(body, &parts.headers, node.cfg.max_body_bytes).await?;
+    // With API keys the key names the tenant; a tenant header proves nothing.
+    let key_tenant = match &node.secrets.api_keys {
+        None => None,
+        Some(keys) => {
+            let key = super::bearer(&parts.headers).ok_or_else(ApiError::missing_api_key)?;
+            Some(
+                keys.get(&key_digest(key.as_bytes()))
+                    .ok_or_else(ApiError::missing_api_key)?
+                    .as_str(),
+            )
+        }
+    };
+    let (body, _budget) = read_body(node, body, &parts.headers).await?;
     let fields = RoutingFields::parse(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}"), None))?;
     let model = fields
@@ -179,7 +231,11 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         .as_deref()
         .filter(|m| !m.is_empty())
         .ok_or_else(|| ApiError::bad_request("the request has no 'model'", Some("model")))?;
-    let tenant = header_str(&parts.headers, &node.cfg.tenant_header);
+    let tenant = match key_tenant {
+        Some(t) => Some(t),
+        None if node.secrets.api_keys.is_some() => None,
+        None => header_str(&parts.headers, &node.cfg.tenant_header),
+    };
     let session = header_str(&parts.headers, &node.cfg.session_header).or(fields.user.as_deref());
     let ns = Namespace::new(
         model,
@@ -189,14 +245,43 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     );
     let mut keys: Vec<BlockKey> = Vec::new();
     // Token mode (keys that match engine KV events) when configured; text mode otherwise.
-    let token_prompt = node.token_keys(
-        &body,
-        model,
-        fields.lora_path.as_deref(),
-        fields.cache_salt.as_deref(),
-        tenant.filter(|_| node.tenant_isolated(tenant)),
-        &mut keys,
-    );
+    let isolated = tenant.filter(|_| node.tenant_isolated(tenant));
+    let token_prompt = if node.tokenizer.is_some() && body.len() > BLOCKING_TOKENIZE_BYTES {
+        // Tokenizing a long prompt takes milliseconds to seconds: not on an async worker.
+        let (n, b) = (Arc::clone(node), body.clone());
+        let owned = |s: Option<&str>| s.map(str::to_owned);
+        let (m, lora, salt, iso) = (
+            model.to_owned(),
+            owned(fields.lora_path.as_deref()),
+            owned(fields.cache_salt.as_deref()),
+            owned(isolated),
+        );
+        let mut k = std::mem::take(&mut keys);
+        let (prompt, k) = tokio::task::spawn_blocking(move || {
+            let p = n.token_keys(
+                &b,
+                &m,
+                lora.as_deref(),
+                salt.as_deref(),
+                iso.as_deref(),
+                &mut k,
+            );
+            (p, k)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?;
+        keys = k;
+        prompt
+    } else {
+        node.token_keys(
+            &body,
+            model,
+            fields.lora_path.as_deref(),
+            fields.cache_salt.as_deref(),
+            isolated,
+            &mut keys,
+        )
+    };
     let prompt_tokens = token_prompt.map(Ok).unwrap_or_else(|| {
         TEXT.with(|text| {
             let mut text = text.borrow_mut();
@@ -223,7 +308,19 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         forwarded: parts.headers.contains_key(region_forward::HOP_HEADER),
         exclude: &[],
     };
-    let headers = forwardable(&parts.headers);
+    let mut headers = forwardable(&parts.headers);
+    if node.secrets.api_keys.is_some() {
+        // The client's key is for this node; replicas get the operator's token, if any.
+        headers.remove(header::AUTHORIZATION);
+        if let Some(v) = node
+            .secrets
+            .replica_token
+            .as_deref()
+            .and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok())
+        {
+            headers.insert(header::AUTHORIZATION, v);
+        }
+    }
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
     let policy = node.policy.as_str();
 

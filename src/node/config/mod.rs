@@ -419,6 +419,12 @@ impl NodeConfig {
             }
         }
         self.server.validate()?;
+        if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
+            return Err(invalid(
+                "server.max_buffered_body_bytes",
+                "must be at least max_body_bytes (one largest body must fit)",
+            ));
+        }
         if let Some(m) = &self.mesh {
             m.validate()?;
         }

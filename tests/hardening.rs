@@ -551,3 +551,41 @@ async fn api_keys_name_the_tenant_and_stay_at_the_node() {
     })
     .await;
 }
+
+/// HTTPS on the client listener with the operator's certificate, HTTP/2 by ALPN.
+#[tokio::test]
+async fn clients_can_use_https() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        let cert = rcgen::generate_simple_self_signed(vec!["kvmesh.test".to_owned()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+        std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+        cfg.server.tls_cert = Some(cert_path);
+        cfg.server.tls_key = Some(key_path);
+        let node = proxy::spawn(cfg).await.unwrap();
+        client();
+        let https = reqwest::Client::builder()
+            .add_root_certificate(
+                reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap(),
+            )
+            .resolve("kvmesh.test", node.addr)
+            .build()
+            .unwrap();
+        let base = format!("https://kvmesh.test:{}", node.addr.port());
+        let resp = https
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "over tls", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        // Plain HTTP to the TLS port gets nowhere.
+        assert!(client().get(url(&node, "/health")).send().await.is_err());
+        node.shutdown().await;
+    })
+    .await;
+}

@@ -806,6 +806,25 @@ mod tests {
     use crate::core::summary::SummaryConfig;
 
     #[test]
+    fn a_failed_attempt_takes_back_only_its_unconfirmed_overlay_keys() {
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let t0 = Duration::from_secs(100);
+        let shared: Vec<BlockKey> = (1..=2).map(BlockKey).collect();
+        let mine: Vec<BlockKey> = (1..=4).map(BlockKey).collect();
+        // An earlier request's prefill is done: its keys are confirmed.
+        v.record_routed_ready(i, &shared, t0, Duration::from_secs(1));
+        v.prefill_done(i, &shared, t0 + Duration::from_millis(500));
+        let t1 = t0 + Duration::from_secs(1);
+        v.record_routed_ready(i, &mine, t1, Duration::from_secs(2));
+        assert_eq!(v.hit(i, &mine, t1 + Duration::from_secs(3)), 4);
+        // It is refused before its first byte: what it alone promised is gone.
+        v.routed_failed(i, &mine, t1 + Duration::from_millis(100));
+        assert_eq!(v.hit(i, &mine, t1 + Duration::from_secs(3)), 2);
+        assert_eq!(v.overlay_len(i), 2);
+    }
+
+    #[test]
     fn overlay_counts_until_its_ttl_and_summary_takes_over() {
         let mut v = View::new("eu", 64);
         let i = v.upsert(info("r0", "eu"));

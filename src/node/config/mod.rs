@@ -33,6 +33,9 @@ pub use crate::replicas::health::HealthConfig;
 pub use crate::replicas::kv_events::KvEventsSource;
 pub use crate::replicas::probe::ScrapeConfig;
 
+/// Longest duration any setting may name: 7 days.
+pub const MAX_DURATION_MS: u64 = 7 * 86_400_000;
+
 /// Everything a node needs. Every field has a default, so an empty file plus `--replica` flags is
 /// a working configuration.
 #[derive(Clone, Debug, Deserialize)]
@@ -277,6 +280,63 @@ impl NodeConfig {
                     key,
                     format!("must be between 0 and 1 (the share of a cached block's prefill saved), got {v}"),
                 ));
+            }
+        }
+        // Every duration has one upper bound, so no sum of a time and a configured duration can
+        // overflow (which panics) anywhere in the node.
+        let mut durations_ms: Vec<(String, u64)> = vec![
+            (
+                "overlay_ttl_s".into(),
+                self.overlay_ttl_s.saturating_mul(1000),
+            ),
+            ("cache_ttl_s".into(), self.cache_ttl_s.saturating_mul(1000)),
+            ("drain_s".into(), self.drain_s.saturating_mul(1000)),
+            ("summary_interval_ms".into(), self.summary_interval_ms),
+            ("timeouts.connect_ms".into(), self.timeouts.connect_ms),
+            ("timeouts.first_byte_ms".into(), self.timeouts.first_byte_ms),
+            (
+                "timeouts.stream_first_byte_ms".into(),
+                self.timeouts.stream_first_byte_ms,
+            ),
+            ("timeouts.idle_ms".into(), self.timeouts.idle_ms),
+            ("retry.budget_ms".into(), self.retry.budget_ms),
+            ("health.interval_ms".into(), self.health.interval_ms),
+            ("health.timeout_ms".into(), self.health.timeout_ms),
+            (
+                "health.eject_backoff_ms".into(),
+                self.health.eject_backoff_ms,
+            ),
+            (
+                "health.max_eject_backoff_ms".into(),
+                self.health.max_eject_backoff_ms,
+            ),
+            ("scrape.interval_ms".into(), self.scrape.interval_ms),
+            ("scrape.timeout_ms".into(), self.scrape.timeout_ms),
+        ];
+        for (n, d) in self.dns.iter().enumerate() {
+            durations_ms.push((format!("dns[{n}].min_refresh_ms"), d.min_refresh_ms));
+            durations_ms.push((format!("dns[{n}].max_refresh_ms"), d.max_refresh_ms));
+        }
+        if let Some(m) = &self.mesh {
+            durations_ms.push(("mesh.gossip_interval_ms".into(), m.gossip_interval_ms));
+            durations_ms.push(("mesh.failure_detection_ms".into(), m.failure_detection_ms));
+            durations_ms.push(("mesh.warmup_timeout_ms".into(), m.warmup_timeout_ms));
+        }
+        for (key, v) in durations_ms {
+            if v > MAX_DURATION_MS {
+                return Err(invalid(
+                    key,
+                    format!("at most {} days", MAX_DURATION_MS / 86_400_000),
+                ));
+            }
+        }
+        for (key, v) in [
+            ("spill_after_s", self.spill_after_s),
+            ("w_load_s", self.w_load_s),
+            ("affinity_credit_s", self.affinity_credit_s),
+        ] {
+            if v > MAX_DURATION_MS as f64 / 1000.0 {
+                return Err(invalid(key, "at most 7 days"));
             }
         }
         for (key, v) in [
@@ -544,6 +604,19 @@ pub struct ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_that_would_overflow_are_refused() {
+        for (text, key) in [
+            ("overlay_ttl_s = 18446744073709551615", "overlay_ttl_s"),
+            ("[health]\neject_backoff_ms = 18446744073709551615\nmax_eject_backoff_ms = 18446744073709551615", "health.eject_backoff_ms"),
+            ("spill_after_s = 1e300", "spill_after_s"),
+            ("[timeouts]\nidle_ms = 18446744073709551615", "timeouts.idle_ms"),
+        ] {
+            let e = NodeConfig::from_toml(text).unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+    }
 
     #[test]
     fn empty_config_is_valid_with_defaults() {

@@ -40,7 +40,7 @@ pub struct ServerConfig {
     /// open-files limit, raised to its hard maximum at start. Default 8,192.
     pub max_connections: usize,
     /// Bytes of request bodies held at once, across requests; a body that would exceed it waits
-    /// up to `body_read_timeout_ms`, then gets 503. Default 1 GiB.
+    /// up to `body_read_timeout_ms`, then gets 503. Default 512 MiB.
     pub max_buffered_body_bytes: u64,
     /// Concurrent streams per HTTP/2 connection (h2c prior knowledge and HTTPS ALPN `h2`).
     /// Default 256.
@@ -57,7 +57,7 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 60_000,
             max_connections: 8_192,
-            max_buffered_body_bytes: 1 << 30,
+            max_buffered_body_bytes: 512 << 20,
             http2_max_streams: 256,
             tls_cert: None,
             tls_key: None,

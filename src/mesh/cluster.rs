@@ -134,7 +134,8 @@ pub struct Member {
     pub generation: u64,
     /// Gossip (and QUIC) address.
     pub gossip_addr: SocketAddr,
-    /// Whether the failure detector counts it live (this node always is).
+    /// Whether the failure detector counts it live and it proved its node id on a direct
+    /// connection (its certificate names it; see `transport`). This node always is.
     pub live: bool,
     /// Whether this is the local node.
     pub is_self: bool,
@@ -234,6 +235,9 @@ impl Mesh {
             )));
         }
         cfg.identity.verify_chain()?;
+        // Peers refuse a node whose certificate does not name its node id: refuse to start
+        // under such a name at once, with the reason, rather than join and be ignored.
+        cfg.identity.verify_name(&cfg.node_id)?;
         let seed_nodes = if seeds::has_srv(&cfg.seeds) {
             let resolver = match cfg.dns_server {
                 Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
@@ -394,7 +398,8 @@ impl Mesh {
             return Vec::new();
         };
         let errors = &self.schema_errors;
-        h.with_chitchat(|c| members_of(c, errors)).await
+        let transport = &self.transport;
+        h.with_chitchat(|c| members_of(c, errors, transport)).await
     }
 
     /// A watch that fires when a node joins or leaves or publishes anything (not on bare
@@ -547,9 +552,20 @@ impl Drop for Mesh {
     }
 }
 
-fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
+fn members_of(
+    c: &chitchat::Chitchat,
+    errors: &AtomicU64,
+    transport: &QuicTransport,
+) -> Vec<Member> {
     let self_id = c.self_chitchat_id().clone();
-    let live: std::collections::HashSet<&ChitchatId> = c.live_nodes().collect();
+    let states = c.node_states();
+    transport.retain_verified(|id| states.contains_key(id));
+    // Live for the failure detector, and (peers) verified: a member whose certificate never
+    // named it on a direct connection is not trusted with routing state.
+    let live: std::collections::HashSet<&ChitchatId> = c
+        .live_nodes()
+        .filter(|id| **id == self_id || transport.is_verified(id))
+        .collect();
     let count_err = |what: &str, id: &ChitchatId, e: &SchemaError| {
         errors.fetch_add(1, Ordering::Relaxed);
         debug!(node = %id.node_id, "skipping malformed {what}: {e}");
@@ -690,7 +706,7 @@ async fn rtt_loop(
         tick.tick().await;
         let rtts = transport.rtts();
         let mut c = chitchat.lock().await;
-        let live: Vec<Member> = members_of(&c, &errors)
+        let live: Vec<Member> = members_of(&c, &errors, &transport)
             .into_iter()
             .filter(|m| m.live)
             .collect();

@@ -78,6 +78,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         health: WireHealth::Healthy,
         load: WireLoad::default(),
         summary,
+        origin: String::new(),
     }
 }
 

@@ -169,6 +169,9 @@ pub struct ReplicaEntry {
     pub publisher_addr: SocketAddr,
     /// The record.
     pub record: ReplicaRecord,
+    /// Whether the publisher is the replica's rendezvous home over `live` (see
+    /// [`replicas_in_region`]): only the home's record is authoritative.
+    pub home: bool,
 }
 
 /// Counters of the mesh.
@@ -420,7 +423,8 @@ impl Mesh {
     }
 
     /// Replicas of `region` published by live members. When two live members publish the same
-    /// replica (a home handover in progress), the current rendezvous home wins.
+    /// replica (a home handover in progress), the current rendezvous home wins; an entry whose
+    /// publisher is not the home has `home == false`.
     pub async fn replicas_in_region(&self, region: &str) -> Vec<ReplicaEntry> {
         replicas_in_region(&self.live_nodes().await, region)
     }
@@ -660,21 +664,22 @@ pub fn replicas_in_region(live: &[Member], region: &str) -> Vec<ReplicaEntry> {
                 publisher: m.node_id.clone(),
                 publisher_addr: addr,
                 record: r.clone(),
+                home: false,
             });
         }
     }
     by_id
         .into_iter()
         .filter_map(|(id, mut entries)| {
-            if entries.len() > 1 {
-                if let Some((home, _)) = home_in(live, &id, region) {
-                    if let Some(i) = entries.iter().position(|e| e.publisher == home) {
-                        return Some(entries.swap_remove(i));
-                    }
+            if let Some((home, _)) = home_in(live, &id, region) {
+                if let Some(i) = entries.iter().position(|e| e.publisher == home) {
+                    let mut e = entries.swap_remove(i);
+                    e.home = true;
+                    return Some(e);
                 }
-                // No publisher is the home: take the newest summary.
-                entries.sort_by_key(|e| (e.record.summary.epoch, e.record.summary.seq));
             }
+            // No publisher is the home: the newest summary, marked as not authoritative.
+            entries.sort_by_key(|e| (e.record.summary.epoch, e.record.summary.seq));
             entries.pop()
         })
         .collect()

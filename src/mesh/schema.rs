@@ -296,6 +296,12 @@ pub struct ReplicaRecord {
     pub load: WireLoad,
     /// Summary version held by the home node.
     pub summary: SummaryVersion,
+    /// The node that has the replica from its own configuration or DNS and vouches for it
+    /// ("" = the publisher itself). A replica learned from gossip is kept only while this node
+    /// is a live member, so replicas a departed node introduced leave with it. Added after
+    /// version 1: absent reads as "".
+    #[serde(default)]
+    pub origin: String,
 }
 
 impl ReplicaRecord {
@@ -318,6 +324,7 @@ impl ReplicaRecord {
             health: health.into(),
             load: load.into(),
             summary,
+            origin: String::new(),
         }
     }
 
@@ -343,6 +350,7 @@ impl ReplicaRecord {
     /// Decodes a peer's value; numbers outside [`bounds`] are refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
         let r: ReplicaRecord = decode("replica", s)?;
+        // (The origin is a node id: bounded by the value's size like every string here.)
         r.check()?;
         Ok(r)
     }
@@ -514,6 +522,7 @@ mod tests {
                 seq: 42,
                 digest: u64::MAX,
             },
+            origin: String::new(),
         }
     }
 

@@ -21,7 +21,7 @@
 //! `[[mesh.distance]]` pinned on top. Summary pulls give up after ten rounds (1–5 s) and are
 //! retried by a later round.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,10 +30,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::config::MeshSection;
+use super::learned::{Ignored, LearnPolicy};
 use super::mesh_state::PullKind;
 use super::metrics::MeshMetrics;
 use super::state::Node;
-use crate::mesh::cluster::replicas_in_region;
+use crate::mesh::cluster::{home_in, replicas_in_region};
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::StatsSnapshot;
 use crate::mesh::{Member, Mesh};
@@ -110,6 +111,12 @@ struct LoopState {
     /// Live members (id, generation) at the last round, and since when they are unchanged.
     live_ids: Vec<(String, u64)>,
     live_since: Instant,
+    /// What may be learned from peers' records.
+    policy: LearnPolicy,
+    /// Ignored records already counted.
+    ignored: Ignored,
+    /// When an ignored record was last logged at warn level.
+    ignore_warn: Instant,
 }
 
 async fn sync_loop(
@@ -136,6 +143,9 @@ async fn sync_loop(
         unpublishable: BTreeSet::new(),
         live_ids: Vec::new(),
         live_since: Instant::now(),
+        policy: LearnPolicy::of(&node),
+        ignored: Ignored::default(),
+        ignore_warn: Instant::now() - crate::mesh::transport::WARN_EVERY,
     };
     loop {
         let changed = async {
@@ -206,16 +216,40 @@ async fn sync_once(
             records.insert(e.id.clone(), e);
         }
     }
+    let self_id = mesh.node_id();
     for e in records.values() {
-        match node.learn_replica(e) {
+        if e.publisher == self_id {
+            continue;
+        }
+        let me_home = home_in(&live, &e.id, &e.record.region).is_some_and(|(h, _)| h == self_id);
+        match node.learn_replica(e, me_home, &st.policy) {
             Ok((i, true)) => {
                 tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
                 super::watchers::spawn_replica_watchers(node, stop, i);
             }
             Ok(_) => {}
-            Err(err) => tracing::debug!(replica = %e.id, error = %err, "replica record not usable"),
+            Err(err) => {
+                // Counted and logged once per (replica, publisher, reason).
+                if st.ignored.first(&e.publisher, &err) {
+                    metrics
+                        .records_ignored
+                        .with_label_values(&[err.reason()])
+                        .inc();
+                    if st.ignore_warn.elapsed() >= crate::mesh::transport::WARN_EVERY {
+                        st.ignore_warn = Instant::now();
+                        tracing::warn!(from = %e.publisher, error = %err, "replica record ignored (further ones within 10 s are only counted)");
+                    } else {
+                        tracing::debug!(from = %e.publisher, error = %err, "replica record ignored");
+                    }
+                }
+            }
         }
     }
+    let published: HashSet<(String, String)> = records
+        .values()
+        .map(|e| (e.id.clone(), e.publisher.clone()))
+        .collect();
+    st.ignored.retain(&published);
 
     let mut map = mesh.region_map().await;
     for d in &section.distance {
@@ -224,6 +258,9 @@ async fn sync_once(
     node.set_regions(map);
 
     let plan = node.apply_membership(mesh.node_id(), &live, &records);
+    if !plan.expired.is_empty() {
+        metrics.learned_expired.inc_by(plan.expired.len() as u64);
+    }
     for (id, record) in &plan.publish {
         match mesh.publish_replica(id, record).await {
             Ok(()) => {

@@ -30,13 +30,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::config::MeshSection;
-use super::learned::{Ignored, LearnPolicy};
+use super::learned::{Ignored, LearnError, LearnPolicy};
 use super::mesh_state::PullKind;
 use super::metrics::MeshMetrics;
 use super::state::Node;
 use crate::mesh::cluster::{home_in, replicas_in_region};
 use crate::mesh::schema::{HomesRecord, InflightRecord};
-use crate::mesh::transport::StatsSnapshot;
+use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
 use crate::mesh::{Member, Mesh};
 use crate::shutdown::stopped;
 
@@ -145,7 +145,7 @@ async fn sync_loop(
         live_since: Instant::now(),
         policy: LearnPolicy::of(&node),
         ignored: Ignored::default(),
-        ignore_warn: Instant::now() - crate::mesh::transport::WARN_EVERY,
+        ignore_warn: Instant::now().checked_sub(WARN_EVERY).unwrap_or_else(Instant::now),
     };
     loop {
         let changed = async {
@@ -166,6 +166,24 @@ async fn sync_loop(
         }
         sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
         tokio::time::sleep(spacing).await;
+    }
+}
+
+/// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
+/// per `WARN_EVERY`.
+fn note_ignored(st: &mut LoopState, metrics: &MeshMetrics, publisher: &str, err: &LearnError) {
+    if !st.ignored.first(publisher, err) {
+        return;
+    }
+    metrics
+        .records_ignored
+        .with_label_values(&[err.reason()])
+        .inc();
+    if st.ignore_warn.elapsed() >= WARN_EVERY {
+        st.ignore_warn = Instant::now();
+        tracing::warn!(from = %publisher, error = %err, "replica record ignored (more within {WARN_EVERY:?} are only counted)");
+    } else {
+        tracing::debug!(from = %publisher, error = %err, "replica record ignored");
     }
 }
 
@@ -217,6 +235,23 @@ async fn sync_once(
         }
     }
     let self_id = mesh.node_id();
+    // Records of live members that are not the replica's home (and not a stand-in for this
+    // node, its home): kept out of the view, counted once each.
+    let mut published: HashSet<(String, String)> = HashSet::new();
+    for m in live.iter().filter(|m| !m.is_self) {
+        for (id, r) in &m.replicas {
+            published.insert((id.clone(), m.node_id.clone()));
+            let home = home_in(&live, id, &r.region).map(|(h, _)| h);
+            if home.as_deref() != Some(m.node_id.as_str()) && home.as_deref() != Some(self_id) {
+                let err = LearnError::NotHome {
+                    id: id.clone(),
+                    publisher: m.node_id.clone(),
+                };
+                note_ignored(st, metrics, &m.node_id, &err);
+            }
+        }
+    }
+    st.ignored.retain(&published);
     for e in records.values() {
         if e.publisher == self_id {
             continue;
@@ -228,28 +263,9 @@ async fn sync_once(
                 super::watchers::spawn_replica_watchers(node, stop, i);
             }
             Ok(_) => {}
-            Err(err) => {
-                // Counted and logged once per (replica, publisher, reason).
-                if st.ignored.first(&e.publisher, &err) {
-                    metrics
-                        .records_ignored
-                        .with_label_values(&[err.reason()])
-                        .inc();
-                    if st.ignore_warn.elapsed() >= crate::mesh::transport::WARN_EVERY {
-                        st.ignore_warn = Instant::now();
-                        tracing::warn!(from = %e.publisher, error = %err, "replica record ignored (further ones within 10 s are only counted)");
-                    } else {
-                        tracing::debug!(from = %e.publisher, error = %err, "replica record ignored");
-                    }
-                }
-            }
+            Err(err) => note_ignored(st, metrics, &e.publisher, &err),
         }
     }
-    let published: HashSet<(String, String)> = records
-        .values()
-        .map(|e| (e.id.clone(), e.publisher.clone()))
-        .collect();
-    st.ignored.retain(&published);
 
     let mut map = mesh.region_map().await;
     for d in &section.distance {

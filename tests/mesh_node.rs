@@ -913,7 +913,14 @@ async fn a_member_publishing_300_replicas_outside_the_allow_list_gets_none_learn
         let c = client();
         let certs = certs();
         let r = replica("own").await;
-        let n1 = mesh_node(certs.path(), "n1", "eu", &[], &[("own".into(), r.base_url())]).await;
+        let n1 = mesh_node(
+            certs.path(),
+            "n1",
+            "eu",
+            &[],
+            &[("own".into(), r.base_url())],
+        )
+        .await;
         let rogue = rogue_member(certs.path(), "rogue", mesh_addr(&n1)).await;
         // Ids the rogue is home of: only the allow-list stands in the way.
         let ids: Vec<String> = (0..)

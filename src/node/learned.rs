@@ -295,3 +295,202 @@ impl Ignored {
             .retain(|(id, p, _)| published.contains(&(id.clone(), p.clone())));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::view::Health;
+    use crate::mesh::schema::{InflightRecord, SCHEMA_VERSION};
+    use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
+    use crate::mesh::Member;
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::collections::BTreeMap;
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn node(listen: &str) -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = vec![ReplicaConfig {
+            id: Some("own".into()),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url("http://10.0.0.5:8000".to_owned())
+        }];
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            listen: listen.parse().unwrap(),
+            certs_dir: Some("/nonexistent".into()),
+            learn_replicas_from: vec![".svc.example".into()],
+            max_learned_replicas_per_peer: 2,
+            max_learned_replicas: 3,
+            ..MeshSection::default()
+        });
+        Node::new(cfg).unwrap()
+    }
+
+    fn entry(id: &str, publisher: &str, url: &str, home: bool) -> ReplicaEntry {
+        ReplicaEntry {
+            id: id.into(),
+            publisher: publisher.into(),
+            publisher_addr: "127.0.0.1:9".parse().unwrap(),
+            record: ReplicaRecord {
+                url: url.into(),
+                region: "eu".into(),
+                zone: String::new(),
+                pool: String::new(),
+                models: vec!["m".into()],
+                capacity_tokens: 1000,
+                prefill_tokens_per_s: 1000.0,
+                max_in_flight: 8,
+                health: WireHealth::Healthy,
+                load: WireLoad::default(),
+                summary: SummaryVersion::default(),
+                origin: String::new(),
+            },
+            home,
+        }
+    }
+
+    fn member(id: &str, port: u16, is_self: bool) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: String::new(),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: BTreeMap::new(),
+            inflight: InflightRecord::default(),
+            rtt: Default::default(),
+            homes: None,
+        }
+    }
+
+    #[test]
+    fn learning_needs_the_home_an_allowed_host_and_room_under_the_caps() {
+        let n = node("10.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let learn = |e: &ReplicaEntry, me_home| n.learn_replica(e, me_home, &policy);
+        let reason = |r: Result<(usize, bool), LearnError>| r.unwrap_err().reason();
+        // Not the home's record, and this node is not the home either.
+        let e = entry("x", "p", "http://10.0.0.5:9000", false);
+        assert_eq!(reason(learn(&e, false)), "not_home");
+        // This node is the home: a stand-in's record may introduce it.
+        assert!(learn(&e, true).unwrap().1);
+        // Hosts: loopback is not allowed on a mesh that is not on loopback; an unknown host
+        // is not; a bad scheme is a bad URL.
+        for (url, why) in [
+            ("http://127.0.0.1:8000", "not_allowed"),
+            ("http://[::1]:8000", "not_allowed"),
+            ("http://169.254.169.254/", "not_allowed"),
+            ("ftp://10.0.0.5/", "bad_url"),
+            ("not a url", "bad_url"),
+        ] {
+            assert_eq!(
+                reason(learn(&entry("y", "p", url, true), false)),
+                why,
+                "{url}"
+            );
+        }
+        // The allow-list's suffix.
+        assert!(learn(&entry("s1", "p", "http://v.svc.example:8000", true), false).is_ok());
+        // Per-peer cap (2): p introduced x and s1.
+        let third = entry("s2", "p", "http://w.svc.example:8000", true);
+        assert_eq!(reason(learn(&third, false)), "peer_cap");
+        // Total cap (3).
+        assert!(learn(&entry("q1", "q", "http://q.svc.example", true), false).is_ok());
+        assert_eq!(
+            reason(learn(
+                &entry("q2", "q", "http://q2.svc.example", true),
+                false
+            )),
+            "total_cap"
+        );
+        // A known replica is not learned twice, and does not count against a cap.
+        let known = entry("x", "p", "http://10.0.0.5:9000", true);
+        assert_eq!(
+            learn(&known, false).unwrap(),
+            (learn(&e, true).unwrap().0, false)
+        );
+        assert_eq!(n.replica_count(), 4);
+    }
+
+    #[test]
+    fn loopback_is_allowed_on_a_loopback_mesh() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let e = entry("l", "p", "http://127.0.0.1:8001", true);
+        assert!(n.learn_replica(&e, false, &policy).is_ok());
+    }
+
+    #[test]
+    fn a_learned_replica_expires_with_its_origin_and_is_dropped_after_its_drain() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let mut p = member("p", 7001, false);
+        let me = member("a", 7000, true);
+        // p publishes "gone" as its home; this node learns it with origin p.
+        let id = (0..)
+            .map(|i| format!("gone{i}"))
+            .find(|id| {
+                crate::mesh::cluster::home_in(&[me.clone(), p.clone()], id, "eu")
+                    .unwrap()
+                    .0
+                    == "p"
+            })
+            .unwrap();
+        let e = entry(&id, "p", "http://127.0.0.1:8001", true);
+        p.replicas.insert(id.clone(), e.record.clone());
+        let (i, new) = n.learn_replica(&e, false, &policy).unwrap();
+        assert!(new);
+        let records = BTreeMap::from([(id.clone(), e.clone())]);
+        let live = vec![me.clone(), p.clone()];
+        let plan = n.apply_membership("a", &live, &records);
+        assert!(plan.expired.is_empty());
+        assert_eq!(n.lock().replicas[i].mesh.origin.as_deref(), Some("p"));
+        // p leaves: the replica drains (no new requests), keeps its index.
+        let plan = n.apply_membership("a", std::slice::from_ref(&me), &BTreeMap::new());
+        assert_eq!(plan.expired, vec![i]);
+        {
+            let core = n.lock();
+            assert!(core.replicas[i].removed);
+            assert_eq!(core.view.replica(i).unwrap().health, Health::Draining);
+        }
+        // Not dropped before DROP_AFTER, nor while a request is in flight.
+        let removed_at = n.lock().replicas[i].removed_at.unwrap();
+        assert_eq!(n.sweep_departed_at(removed_at + Duration::from_secs(1)), 0);
+        n.lock().view.replica_mut(i).unwrap().load.in_flight = 1;
+        let later = removed_at + super::super::registry::DROP_AFTER;
+        assert_eq!(n.sweep_departed_at(later), 0);
+        n.lock().view.replica_mut(i).unwrap().load.in_flight = 0;
+        // Then dropped: a tombstone with its memory freed.
+        assert_eq!(n.sweep_departed_at(later), 1);
+        {
+            let core = n.lock();
+            let rt = &core.replicas[i];
+            assert!(rt.dropped);
+            assert!(core.view.replica(i).unwrap().summary.is_none());
+            assert!(rt.cache.summary().filter_bytes() < 1024);
+            assert_eq!(core.view.index_of(&id), Some(i), "the index is stable");
+        }
+        assert_eq!(n.live_incarnation(i), None, "its watchers end");
+        assert_eq!(n.replica_count(), 2);
+        // Published again (p back): revived at the same index, with new watchers.
+        assert_eq!(n.learn_replica(&e, false, &policy).unwrap(), (i, true));
+        assert!(!n.lock().replicas[i].removed);
+        assert!(n.live_incarnation(i).is_some());
+    }
+}

@@ -145,7 +145,9 @@ async fn sync_loop(
         live_since: Instant::now(),
         policy: LearnPolicy::of(&node),
         ignored: Ignored::default(),
-        ignore_warn: Instant::now().checked_sub(WARN_EVERY).unwrap_or_else(Instant::now),
+        ignore_warn: Instant::now()
+            .checked_sub(WARN_EVERY)
+            .unwrap_or_else(Instant::now),
     };
     loop {
         let changed = async {

@@ -812,4 +812,67 @@ mod tests {
         assert_eq!((id, *to), (&theirs, live[1].gossip_addr));
         assert_eq!(keys, &vec![99]);
     }
+
+    #[test]
+    fn block_reports_only_from_region_members_and_only_at_the_home() {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = (0..8)
+            .map(|i| ReplicaConfig {
+                id: Some(format!("r{i}")),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        let node = Node::new(cfg).unwrap();
+        let live = vec![member("a", 7000, true), member("b", 7001, false)];
+        node.apply_membership("a", &live, &BTreeMap::new());
+        let handler = Handler(Arc::downgrade(&node));
+        let mine = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| home_in(&live, id, "eu").unwrap().0 == "a");
+        let theirs = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| home_in(&live, id, "eu").unwrap().0 == "b");
+        let holds = |id: &str, key: u64| {
+            let core = node.lock();
+            core.replicas[core.view.index_of(id).unwrap()]
+                .cache
+                .contains(BlockKey(key))
+        };
+        let report = |id: &str, key: u64| BlockReport {
+            replica_id: id.to_owned(),
+            keys: vec![key],
+        };
+        let b = live[1].gossip_addr;
+        let stranger: SocketAddr = "127.0.0.1:9999".parse().unwrap();
+        // Before b is known as a live member of the region, nobody's reports count.
+        assert!(mine.is_some() && theirs.is_some());
+        if let Some(id) = &mine {
+            handler.block_report(b, report(id, 1));
+            assert!(!holds(id, 1));
+        }
+        node.set_mesh_members(&live);
+        if let Some(id) = &mine {
+            handler.block_report(stranger, report(id, 2));
+            assert!(!holds(id, 2), "a stranger's report was taken");
+            handler.block_report(b, report(id, 3));
+            assert!(holds(id, 3), "a member's report at the home was refused");
+        }
+        if let Some(id) = &theirs {
+            handler.block_report(b, report(id, 4));
+            assert!(
+                !holds(id, 4),
+                "a report for a replica this node is not home of was taken"
+            );
+        }
+    }
 }

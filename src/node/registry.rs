@@ -167,7 +167,11 @@ impl Node {
     /// flight: frees their cache model, view summary and engine figures and forgets their
     /// metric series; the index stays, a tombstone. Returns how many it dropped.
     pub(super) fn sweep_departed(&self) -> usize {
-        let now = self.now();
+        self.sweep_departed_at(self.now())
+    }
+
+    /// [`Node::sweep_departed`] at core time `now`.
+    pub(super) fn sweep_departed_at(&self, now: Duration) -> usize {
         let mut dropped = Vec::new();
         {
             let mut guard = self.lock();

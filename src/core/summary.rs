@@ -457,7 +457,9 @@ impl ReplicaSummary {
                 "{k} hash functions (1..={MAX_BLOOM_HASHES})"
             )));
         }
-        if filter.len() == 0 {
+        // (Bloom's `is_empty` means "nothing inserted", not "no bits".)
+        let bits = filter.len();
+        if bits == 0 {
             return Err(SummaryError::Bounds("an empty bitmap".into()));
         }
         if s.capacity_items > MAX_SNAPSHOT_ITEMS {

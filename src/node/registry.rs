@@ -235,3 +235,57 @@ impl ReplicaRegistry for Node {
         Node::remove_replica(self, i)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DNS churn: a replica that left drains, is dropped to a tombstone after [`DROP_AFTER`]
+    /// with its memory freed, and comes back at the same index with a fresh model.
+    #[test]
+    fn a_departed_replica_is_dropped_after_its_drain_and_revived_at_its_index() {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("keep".into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000".to_owned())
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let spec = ReplicaConfig {
+            id: Some("dns-1".into()),
+            capacity_tokens: Some(1 << 24),
+            ..ReplicaConfig::from_url("http://10.0.0.2:8000".to_owned())
+        };
+        let (i, new) = node.add_replica(&spec).unwrap();
+        assert!(new);
+        let big = node.lock().replicas[i].cache.summary().filter_bytes();
+        node.remove_replica(i);
+        assert!(node.is_removed(i));
+        let left = node.lock().replicas[i].removed_at.unwrap();
+        assert_eq!(node.sweep_departed_at(left), 0, "drains first");
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER), 1);
+        {
+            let core = node.lock();
+            let rt = &core.replicas[i];
+            assert!(rt.dropped && rt.engine.is_none());
+            assert!(
+                rt.cache.summary().filter_bytes() * 100 < big,
+                "its model was freed"
+            );
+            assert_eq!(core.view.replica(i).unwrap().health, Health::Draining);
+        }
+        assert_eq!(node.live_incarnation(i), None);
+        // Dropped once only.
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER * 2), 0);
+        // Back in DNS: same index, revived (watchers start again), healthy, sized again.
+        assert_eq!(node.add_replica(&spec).unwrap(), (i, true));
+        assert!(!node.is_removed(i));
+        assert_eq!(node.lock().replicas[i].cache.summary().filter_bytes(), big);
+        assert_eq!(node.replica_count(), 2);
+        // The other replica was never touched.
+        assert!(!node.is_removed(0));
+    }
+}

@@ -82,8 +82,9 @@ impl Tier {
 
 /// Upper bound on the encoded size of any summary message a node will decode (16 MiB).
 pub const MAX_SUMMARY_MESSAGE_BYTES: usize = 16 << 20;
-/// Upper bound on the keys of one delta.
-pub const MAX_DELTA_KEYS: usize = 1 << 20;
+/// Upper bound on the keys of one delta: twice the home's addition log (65,536 keys by
+/// default), since a pulled delta is applied under the node's lock.
+pub const MAX_DELTA_KEYS: usize = 1 << 17;
 /// Smallest filter capacity, so a tiny replica still gets a usable filter.
 const MIN_CAPACITY_ITEMS: usize = 64;
 /// Most hash functions a peer's filter may declare. Every probe of a lookup runs once per hash
@@ -802,6 +803,19 @@ mod tests {
         empty.filter.truncate(BLOOM_HEADER_BYTES);
         empty.filter[1..9].copy_from_slice(&0u64.to_le_bytes());
         assert!(ReplicaSummary::from_snapshot(&empty, &cfg()).is_err());
+        // A delta is bounded to twice what a home's log can hold.
+        assert!(cfg().max_log_keys * 2 <= MAX_DELTA_KEYS);
+        let huge = SummaryMessage::Delta(SummaryDelta {
+            epoch: 1,
+            from_seq: 0,
+            to_seq: 1,
+            keys: vec![7; MAX_DELTA_KEYS + 1],
+            lower_tiers: false,
+        });
+        assert!(matches!(
+            SummaryMessage::decode(&huge.encode().unwrap()),
+            Err(SummaryError::TooManyKeys(_))
+        ));
         let mut items = good.clone();
         items.capacity_items = u64::MAX;
         assert!(matches!(

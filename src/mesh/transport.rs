@@ -517,7 +517,8 @@ impl QuicTransport {
 impl Inner {
     /// Blocked by fault injection, or refused for an identity mismatch.
     fn is_blocked(&self, peer: SocketAddr) -> bool {
-        lock(&self.blocked).contains(&peer) || self.is_refused(peer)
+        let blocked = lock(&self.blocked).contains(&peer);
+        blocked || self.is_refused(peer)
     }
 
     fn is_refused(&self, peer: SocketAddr) -> bool {

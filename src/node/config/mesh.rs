@@ -38,7 +38,9 @@ pub struct MeshSection {
     /// Directory made by `kvmesh certs` (`ca.pem`, `<cert_name>.pem`, `<cert_name>.key`).
     /// Either this or all of `ca`, `cert` and `key`. Default none.
     pub certs_dir: Option<PathBuf>,
-    /// Certificate name in `certs_dir`. Default: `node_id`.
+    /// Certificate name in `certs_dir`. Default: `node_id`. Whatever the file is called, the
+    /// certificate must name `node_id` (`kvmesh certs issue` names it after `--name`): the node
+    /// refuses to start otherwise.
     pub cert_name: Option<String>,
     /// Cluster CA certificate (PEM), instead of `certs_dir`. Default none.
     pub ca: Option<PathBuf>,

@@ -10,6 +10,10 @@
 //! 2 s / 100 ms), which declares a silent node dead after about `failure_detection`. Block
 //! reports are batched per home and replica and sent every `report_flush_interval`; RTTs to
 //! other regions are published every `rtt_interval` and read back as a region map.
+//!
+//! A member counts live only once it proved its node id on a direct connection (its certificate
+//! names it; see `transport`); a live-but-unproven peer is asked for a gossip round at once, so
+//! proving takes a round rather than waiting for chitchat's random peer choice.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -195,6 +199,9 @@ pub struct Mesh {
     schema_errors: Arc<AtomicU64>,
     reports: Arc<Mutex<ReportBatches>>,
     tasks: Vec<JoinHandle<()>>,
+    /// When each unverified live peer was last asked for a gossip round (see
+    /// [`Mesh::members`]).
+    probes: Mutex<HashMap<SocketAddr, std::time::Instant>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -315,6 +322,7 @@ impl Mesh {
             schema_errors,
             reports,
             tasks,
+            probes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -402,7 +410,43 @@ impl Mesh {
         };
         let errors = &self.schema_errors;
         let transport = &self.transport;
-        h.with_chitchat(|c| members_of(c, errors, transport)).await
+        let (members, unverified) = h
+            .with_chitchat(|c| {
+                let self_id = c.self_chitchat_id();
+                let unverified: Vec<SocketAddr> = c
+                    .live_nodes()
+                    .filter(|id| *id != self_id && !transport.is_verified(id))
+                    .map(|id| id.gossip_advertise_addr)
+                    .collect();
+                (members_of(c, errors, transport), unverified)
+            })
+            .await;
+        self.probe(h, &unverified);
+        members
+    }
+
+    /// Asks chitchat for a gossip round with live peers that have not proved their name yet:
+    /// their SynAck's digest verifies them (see `transport`), so a member turns live within a
+    /// round, not whenever random peer selection reaches it. At most 8 a call, each peer at
+    /// most once a second, never a refused one.
+    fn probe(&self, h: &ChitchatHandle, unverified: &[SocketAddr]) {
+        if unverified.is_empty() {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let mut probes = self.probes.lock().unwrap_or_else(|e| e.into_inner());
+        probes.retain(|_, t| now.duration_since(*t) < Duration::from_secs(10));
+        for addr in unverified.iter().take(8) {
+            let due = probes
+                .get(addr)
+                .is_none_or(|t| now.duration_since(*t) >= Duration::from_secs(1));
+            if due && !self.transport.is_refused(*addr) {
+                probes.insert(*addr, now);
+                if let Err(e) = h.gossip(*addr) {
+                    debug!(error = %e, "gossip round not requested");
+                }
+            }
+        }
     }
 
     /// A watch that fires when a node joins or leaves or publishes anything (not on bare

@@ -79,6 +79,14 @@ pub async fn start(
     if section.http_url.is_none() && http_addr.ip().is_unspecified() {
         tracing::warn!(%http_addr, "mesh.http_url not set and the HTTP front listens on a wildcard: peers cannot forward here; set mesh.http_url");
     }
+    let mesh_ip = section.advertise.unwrap_or(section.listen).ip();
+    if section.learn_replicas_from.is_empty()
+        && node.cfg.replicas.is_empty()
+        && node.cfg.dns.is_empty()
+        && !mesh_ip.is_loopback()
+    {
+        tracing::warn!("this node has no [[replicas]], no [[dns]] and no mesh.learn_replicas_from: it will learn no replica from its peers (set mesh.learn_replicas_from to the hosts or networks your engines live in)");
+    }
     let mesh = Arc::new(Mesh::start(cfg).await?);
     node.attach_mesh(Arc::clone(&mesh));
     let metrics = MeshMetrics::new(&node.metrics.registry)?;

@@ -561,35 +561,28 @@ impl Inner {
     /// Checks a gossip message's identity claims against the certificate's `names` (see the
     /// module doc). Returns false when the message must be dropped.
     fn check_identity(&self, peer: SocketAddr, names: &[String], body: &[u8]) -> bool {
-        let claimed = digest_ids(body);
-        let here: Vec<ChitchatId> = claimed
-            .into_iter()
-            .filter(|id| same_addr(id.gossip_advertise_addr, peer))
-            .collect();
-        if here.is_empty() {
-            return true;
+        match identity_verdict(peer, names, digest_ids(body)) {
+            Ok(named) => {
+                if !named.is_empty() {
+                    let mut verified = lock(&self.verified);
+                    if verified.len() + named.len() > MAX_VERIFIED {
+                        verified.clear();
+                    }
+                    verified.extend(named);
+                }
+                true
+            }
+            Err(claims) => {
+                bump(&self.stats.identity_refused);
+                let claims: Vec<&str> = claims.iter().map(|id| &*id.node_id).collect();
+                self.warn(
+                    "gossip message",
+                    peer,
+                    &format!("it claims node id {claims:?} but its certificate names {names:?}; peer refused for {REFUSE_FOR:?}"),
+                );
+                false
+            }
         }
-        let named: Vec<ChitchatId> = here
-            .iter()
-            .filter(|id| names.iter().any(|n| **n == *id.node_id))
-            .cloned()
-            .collect();
-        if named.is_empty() {
-            bump(&self.stats.identity_refused);
-            let claims: Vec<&str> = here.iter().map(|id| &*id.node_id).collect();
-            self.warn(
-                "gossip message",
-                peer,
-                &format!("it claims node id {claims:?} but its certificate names {names:?}; peer refused for {REFUSE_FOR:?}"),
-            );
-            return false;
-        }
-        let mut verified = lock(&self.verified);
-        if verified.len() + named.len() > MAX_VERIFIED {
-            verified.clear();
-        }
-        verified.extend(named);
-        true
     }
 
     fn warn(&self, what: &str, peer: SocketAddr, detail: &dyn std::fmt::Display) {
@@ -854,6 +847,31 @@ async fn accept_loop(inner: Arc<Inner>) {
                 }
             }
         });
+    }
+}
+
+/// The identity rule (module doc) for a message from `peer` whose certificate names `names` and
+/// whose digest lists `ids`: `Ok` with the ids it proves (advertised at `peer`, named by the
+/// certificate), or `Err` with what it claimed at `peer` when none of that is named.
+fn identity_verdict(
+    peer: SocketAddr,
+    names: &[String],
+    ids: Vec<ChitchatId>,
+) -> Result<Vec<ChitchatId>, Vec<ChitchatId>> {
+    let here: Vec<ChitchatId> = ids
+        .into_iter()
+        .filter(|id| same_addr(id.gossip_advertise_addr, peer))
+        .collect();
+    if here.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (named, other): (Vec<ChitchatId>, Vec<ChitchatId>) = here
+        .into_iter()
+        .partition(|id| names.iter().any(|n| **n == *id.node_id));
+    if named.is_empty() {
+        Err(other)
+    } else {
+        Ok(named)
     }
 }
 
@@ -1213,6 +1231,32 @@ mod tests {
             "[::ffff:127.0.0.1]:5".parse().unwrap(),
             "127.0.0.1:5".parse().unwrap()
         ));
+    }
+
+    #[test]
+    fn identity_verdict_binds_named_ids_and_refuses_impostors() {
+        let peer: SocketAddr = "127.0.0.1:7003".parse().unwrap();
+        let other: SocketAddr = "127.0.0.1:7004".parse().unwrap();
+        let id = |n: &str, g: u64, a: SocketAddr| ChitchatId::new(n.to_owned(), g, a);
+        let names = vec!["n3".to_owned()];
+        // The sender lists itself at its address, named: proven. Others' ids (at other
+        // addresses) are neither proven nor held against it.
+        let ok = identity_verdict(peer, &names, vec![id("n3", 2, peer), id("n1", 1, other)]);
+        assert_eq!(ok, Ok(vec![id("n3", 2, peer)]));
+        // A stale id of another node once at this address (port reuse) does not condemn it.
+        let reuse = identity_verdict(peer, &names, vec![id("n5", 1, peer), id("n3", 2, peer)]);
+        assert_eq!(reuse, Ok(vec![id("n3", 2, peer)]));
+        // Certificate for `spoof`, claiming n3 at its own address: refused.
+        let spoof = vec!["spoof".to_owned()];
+        let bad = identity_verdict(peer, &spoof, vec![id("n3", 9, peer), id("n1", 1, other)]);
+        assert_eq!(bad, Err(vec![id("n3", 9, peer)]));
+        // Nothing listed at the sender's address (an Ack, or NAT): nothing proven, nothing refused.
+        assert_eq!(
+            identity_verdict(peer, &spoof, vec![id("n1", 1, other)]),
+            Ok(vec![])
+        );
+        // A certificate without node names proves nothing.
+        assert!(identity_verdict(peer, &[], vec![id("n3", 1, peer)]).is_err());
     }
 
     #[test]

@@ -78,6 +78,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         health: WireHealth::Healthy,
         load: WireLoad::default(),
         summary,
+        origin: String::new(),
     }
 }
 
@@ -653,6 +654,121 @@ async fn srv_seed_discovery_joins_the_cluster() {
         .expect("watch never showed node a");
         assert!(changes.has_changed().is_ok());
         for m in [a, b] {
+            m.shutdown().await;
+        }
+    })
+    .await;
+}
+
+/// Issue #13: a node's `node_id` must be a name its certificate carries. A node with a valid
+/// cluster certificate issued for `spoof` that claims to be `n3` (a second live `n3`) is
+/// refused: `Mesh::start` will not start under that name, and a modified node that skips the
+/// check (the transport and chitchat driven by hand) is dropped by its peers, counted, and never
+/// counted live; the real `n3` stays the only one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_certificate_does_not_name_its_node_id_is_refused() {
+    use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatId, FailureDetectorConfig};
+    use kvmesh::mesh::certs::CertError;
+    use kvmesh::mesh::schema::{NodeRecord, KEY_NODE, SCHEMA_VERSION};
+    use kvmesh::mesh::transport::{QuicTransport, TransportConfig};
+
+    bounded(40, async {
+        let ca = ClusterCa::generate().unwrap();
+        let a = start(&ca, "a", "eu", &[]).await;
+        let b = start(&ca, "b", "eu", &[a.addr()]).await;
+        let n3 = start(&ca, "n3", "eu", &[a.addr()]).await;
+        for m in [&a, &b, &n3] {
+            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "n3"]))
+                .await
+                .expect("mesh did not converge");
+        }
+
+        // The unmodified node refuses to start, naming both names.
+        let spoof_identity = ca.issue("spoof").unwrap();
+        let cfg = MeshConfig::new(
+            "n3",
+            "eu",
+            "127.0.0.1:0".parse().unwrap(),
+            CLUSTER,
+            spoof_identity.clone(),
+        );
+        match Mesh::start(cfg).await {
+            Err(MeshError::Certs(e @ CertError::WrongName { .. })) => {
+                let msg = e.to_string();
+                assert!(msg.contains("spoof") && msg.contains("n3"), "{msg}");
+            }
+            other => panic!("a node named n3 with a cert for spoof started: {other:?}"),
+        }
+
+        // A modified node skips the check: same CA, valid certificate for `spoof`, gossiping
+        // as `n3` with a node record, seeded with a and b.
+        let quic = spoof_identity
+            .quic_configs(Duration::from_secs(10))
+            .unwrap();
+        let transport = QuicTransport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            quic,
+            TransportConfig::default(),
+        )
+        .unwrap();
+        let addr = transport.local_addr();
+        let record = NodeRecord {
+            schema: SCHEMA_VERSION,
+            region: "eu".into(),
+            zone: String::new(),
+            http_url: "http://spoof.example:8080".into(),
+            quic_addr: addr,
+            version: "x".into(),
+            generation: 1,
+        };
+        let config = ChitchatConfig {
+            chitchat_id: ChitchatId::new("n3".to_owned(), 1, addr),
+            cluster_id: CLUSTER.into(),
+            gossip_interval: GOSSIP,
+            listen_addr: addr,
+            seed_nodes: vec![a.addr().to_string(), b.addr().to_string()],
+            failure_detector_config: FailureDetectorConfig::default(),
+            marked_for_deletion_grace_period: Duration::from_secs(600),
+            catchup_callback: None,
+            extra_liveness_predicate: None,
+        };
+        let handle = spawn_chitchat(
+            config,
+            vec![(KEY_NODE.to_owned(), record.encode().unwrap())],
+            &transport,
+        )
+        .await
+        .unwrap();
+
+        // Its gossip reaches a and b, and is refused there.
+        wait_for(Duration::from_secs(5), || {
+            let refused = [&a, &b]
+                .iter()
+                .all(|m| m.stats().transport.identity_refused > 0);
+            async move { refused }
+        })
+        .await
+        .expect("the impostor's gossip was never refused");
+        // Over many gossip rounds, no node ever counts a second n3 live, nor one at the
+        // impostor's address; the real n3 stays live everywhere.
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(1500) {
+            for m in [&a, &b, &n3] {
+                let live = m.live_nodes().await;
+                let n3s: Vec<SocketAddr> = live
+                    .iter()
+                    .filter(|x| x.node_id == "n3")
+                    .map(|x| x.gossip_addr)
+                    .collect();
+                assert_eq!(n3s, vec![n3.addr()], "{} sees n3 at {n3s:?}", m.node_id());
+                assert!(live.iter().all(|x| x.gossip_addr != addr));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(a.transport().is_refused(addr));
+        handle.abort();
+        transport.close();
+        for m in [a, b, n3] {
             m.shutdown().await;
         }
     })

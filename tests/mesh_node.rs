@@ -880,3 +880,181 @@ async fn separate_processes_form_a_mesh_and_serve() {
     })
     .await;
 }
+
+/// A plain `Mesh` member (no HTTP front, no replicas of its own) named `name`, seeded with
+/// `seed`: stands for a member that publishes what it likes.
+async fn rogue_member(certs: &Path, name: &str, seed: SocketAddr) -> kvmesh::mesh::Mesh {
+    kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
+    let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(certs, name).unwrap();
+    let mut cfg = kvmesh::mesh::MeshConfig::new(
+        name,
+        "eu",
+        "127.0.0.1:0".parse().unwrap(),
+        "mesh-node-test",
+        identity,
+    );
+    cfg.seeds = vec![seed.to_string()];
+    cfg.gossip_interval = Duration::from_millis(100);
+    cfg.failure_detection = Duration::from_millis(FAILURE_DETECTION_MS);
+    kvmesh::mesh::Mesh::start(cfg).await.unwrap()
+}
+
+fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
+    use kvmesh::mesh::schema::{ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
+    ReplicaRecord {
+        url,
+        region: "eu".into(),
+        zone: String::new(),
+        pool: String::new(),
+        models: vec![MODEL.into()],
+        capacity_tokens: 100_000,
+        prefill_tokens_per_s: 10_000.0,
+        max_in_flight: 64,
+        health: WireHealth::Healthy,
+        load: WireLoad::default(),
+        summary: SummaryVersion {
+            epoch: 1,
+            seq: 0,
+            digest: 0,
+        },
+        origin: String::new(),
+    }
+}
+
+/// `name{label="value"}`'s value in `n`'s `/metrics` (0 when absent).
+async fn metric(c: &reqwest::Client, n: &RunningNode, series: &str) -> f64 {
+    let text = c
+        .get(format!("http://{}/metrics", n.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// Issue #13: a member that publishes 300 `replica:` records with URLs outside the allow-list
+/// (here: 10.66.x.y, while this node's own replicas and mesh are on loopback and
+/// `learn_replicas_from` is empty) gets none of them learned — no health checks, scrapes or
+/// prompts go there — even for the ids it is the rendezvous home of; each is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_publishing_300_replicas_outside_the_allow_list_gets_none_learned() {
+    bounded(60, async {
+        let c = client();
+        let certs = certs();
+        let r = replica("own").await;
+        let n1 = mesh_node(
+            certs.path(),
+            "n1",
+            "eu",
+            &[],
+            &[("own".into(), r.base_url())],
+        )
+        .await;
+        let rogue = rogue_member(certs.path(), "rogue", mesh_addr(&n1)).await;
+        // Ids the rogue is home of: only the allow-list stands in the way.
+        let ids: Vec<String> = (0..)
+            .map(|i| format!("bogus-{i}"))
+            .filter(|id| kvmesh::mesh::home::home_node(id, ["n1", "rogue"]) == Some("rogue"))
+            .take(300)
+            .collect();
+        for (k, id) in ids.iter().enumerate() {
+            let url = format!("http://10.66.{}.{}:8000", k / 256, k % 256);
+            rogue.publish_replica(id, &rogue_record(url)).await.unwrap();
+        }
+        rogue
+            .publish_homes(&kvmesh::mesh::schema::HomesRecord {
+                count: 300,
+                round: 1,
+            })
+            .await
+            .unwrap();
+        let series = "kvmesh_mesh_records_ignored_total{reason=\"not_allowed\"}";
+        let t0 = Instant::now();
+        while metric(&c, &n1, series).await < 300.0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "not all 300 were refused: {} (replicas: {})",
+                metric(&c, &n1, series).await,
+                n1.node.replica_count()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // A few more rounds: still only its own replica, and each record counted once.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(live_members(&n1).contains(&"rogue".to_owned()));
+        assert_eq!(n1.node.replica_count(), 1, "a bogus replica was learned");
+        let ids_seen: Vec<String> = n1.node.state().replicas.into_iter().map(|r| r.id).collect();
+        assert_eq!(ids_seen, vec!["own".to_owned()]);
+        assert_eq!(metric(&c, &n1, series).await, 300.0);
+        let (status, _) = complete(&c, n1.addr, "hello", &[]).await;
+        assert_eq!(status, 200);
+        rogue.shutdown().await;
+        n1.shutdown().await;
+        r.shutdown().await;
+    })
+    .await;
+}
+
+/// Issue #13: only a replica's rendezvous home may publish its record. A member that is not the
+/// home of replica `r` publishes a record for it claiming it unhealthy and swamped: the node
+/// that routes to `r` (a follower: another node is `r`'s home) ignores it, counts it, keeps
+/// routing there, and never pulls a summary from the impostor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_record_published_by_a_non_home_is_ignored() {
+    use kvmesh::mesh::home::home_node;
+    bounded(60, async {
+        let c = client();
+        let certs = certs();
+        let nodes = ["n1", "n2", "rogue"];
+        // A replica whose home is n2 among the three.
+        let id = (0..)
+            .map(|i| format!("r{i}"))
+            .find(|id| home_node(id, nodes) == Some("n2"))
+            .unwrap();
+        let r = replica(&id).await;
+        let n1 = mesh_node(certs.path(), "n1", "eu", &[], &[(id.clone(), r.base_url())]).await;
+        let n2 = mesh_node(certs.path(), "n2", "eu", &[mesh_addr(&n1)], &[]).await;
+        let rogue = rogue_member(certs.path(), "rogue", mesh_addr(&n1)).await;
+        // The impostor's record: unhealthy, swamped, with a newer summary to pull from it; and
+        // an URL nobody can learn (so n2, the home, never takes it from there).
+        let mut rec = rogue_record("ftp://rogue.example/".into());
+        rec.health = kvmesh::mesh::schema::WireHealth::Unhealthy;
+        rec.load.waiting = 50_000;
+        rec.summary.epoch = u64::MAX / 2;
+        rogue.publish_replica(&id, &rec).await.unwrap();
+        let t0 = Instant::now();
+        let series = "kvmesh_mesh_records_ignored_total{reason=\"not_home\"}";
+        while metric(&c, &n1, series).await < 1.0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the non-home record was never ignored: members {:?}",
+                live_members(&n1)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // For several rounds after: n1 sees n2 as the home, the replica healthy with its own
+        // figures, no summary at the impostor's epoch, and requests are served there.
+        let t1 = Instant::now();
+        while t1.elapsed() < Duration::from_millis(1500) {
+            let st = n1.node.state();
+            let rs = st.replicas.iter().find(|x| x.id == id).unwrap();
+            assert_eq!(rs.health, "healthy", "the impostor's health was applied");
+            assert!(rs.waiting < 50_000, "the impostor's load was applied");
+            let home = homes(&n1).into_iter().find(|(x, _)| *x == id).unwrap().1;
+            assert!(home.is_empty() || home == "n2", "home {home}");
+            assert!(view_version(&n1, &id).is_none_or(|(e, _)| e < u64::MAX / 2));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (status, h) = complete(&c, n1.addr, "hello there", &[]).await;
+        assert_eq!((status, header(&h, ROUTED)), (200, id.clone()));
+        rogue.shutdown().await;
+        n2.shutdown().await;
+        n1.shutdown().await;
+        r.shutdown().await;
+    })
+    .await;
+}

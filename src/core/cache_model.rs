@@ -29,6 +29,13 @@ use lru::LruCache;
 use super::keys::BlockKey;
 use super::summary::{ReplicaSummary, SummaryConfig, SummaryError, Tier};
 
+/// Most blocks a cache model is sized for, whatever the replica claims (a scrape, a gossiped
+/// record or a config): 4 Mi blocks — 64 Mi tokens at 16-token blocks, beyond any engine's KV
+/// pool — so its filter is at most a few MiB. A model is only ever *sized* by this: the LRU
+/// allocates as keys arrive, never up front, so a hostile capacity cannot make the node
+/// preallocate gigabytes.
+pub const MAX_CAPACITY_BLOCKS: usize = 1 << 22;
+
 /// Where a cache model's knowledge comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheSource {
@@ -41,7 +48,8 @@ pub enum CacheSource {
 /// Settings of a cache model.
 #[derive(Clone, Debug)]
 pub struct CacheModelConfig {
-    /// Blocks the replica can hold (its KV capacity in tokens / tokens per block).
+    /// Blocks the replica can hold (its KV capacity in tokens / tokens per block); clamped to
+    /// 1..=[`MAX_CAPACITY_BLOCKS`] by [`CacheModel::new`].
     pub capacity_blocks: usize,
     /// Approximate mode: a key not routed again within this long is presumed evicted.
     /// Default 600 s (engines under load evict sooner through capacity, which the LRU models).
@@ -91,15 +99,17 @@ impl CacheModel {
     pub fn new(
         source: CacheSource,
         epoch: u64,
-        cfg: CacheModelConfig,
+        mut cfg: CacheModelConfig,
         summary_cfg: SummaryConfig,
     ) -> Result<Self, SummaryError> {
-        let capacity = cfg.capacity_blocks.max(1);
+        cfg.capacity_blocks = cfg.capacity_blocks.clamp(1, MAX_CAPACITY_BLOCKS);
+        let capacity = cfg.capacity_blocks;
         let summary = ReplicaSummary::new(epoch, capacity, &summary_cfg)?;
         let entries = match source {
             CacheSource::Exact => LruCache::unbounded(),
+            // Sparse: memory follows the keys actually held, not the claimed capacity.
             CacheSource::Approximate => {
-                LruCache::new(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN))
+                LruCache::sparse(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN))
             }
         };
         Ok(CacheModel {
@@ -296,6 +306,22 @@ mod tests {
     }
 
     const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_hostile_capacity_is_clamped_and_not_preallocated() {
+        // usize::MAX blocks (a gossiped or scraped capacity of 2^64 tokens) builds a model
+        // sized at the bound, and allocates nothing per block until keys arrive.
+        let m = model(CacheSource::Approximate, usize::MAX);
+        assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
+        assert!(
+            m.summary().filter_bytes() < 8 << 20,
+            "{}",
+            m.summary().filter_bytes()
+        );
+        assert!(m.is_empty());
+        let zero = model(CacheSource::Approximate, 0);
+        assert_eq!(zero.summary().capacity_items(), 64);
+    }
 
     #[test]
     fn restart_epoch_supersedes_and_keeps_live_keys() {

@@ -21,8 +21,9 @@
 //! rolling upgrade an old node therefore sees only a replica's GPU-held blocks.
 //!
 //! Invariants: never a false negative; a delta applies only to its own epoch and only without a
-//! gap; decoding a peer's message is bounded ([`MAX_SUMMARY_MESSAGE_BYTES`], [`MAX_DELTA_KEYS`]),
-//! refuses a foreign Bloom seed, and returns an error rather than panicking.
+//! gap; decoding a peer's message is bounded ([`MAX_SUMMARY_MESSAGE_BYTES`], [`MAX_DELTA_KEYS`],
+//! [`MAX_BLOOM_HASHES`] hash functions, a non-empty bitmap, [`MAX_SNAPSHOT_ITEMS`]), refuses a
+//! foreign Bloom seed, and returns an error rather than panicking.
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
@@ -81,10 +82,18 @@ impl Tier {
 
 /// Upper bound on the encoded size of any summary message a node will decode (16 MiB).
 pub const MAX_SUMMARY_MESSAGE_BYTES: usize = 16 << 20;
-/// Upper bound on the keys of one delta.
-pub const MAX_DELTA_KEYS: usize = 1 << 20;
+/// Upper bound on the keys of one delta: twice the home's addition log (65,536 keys by
+/// default), since a pulled delta is applied under the node's lock.
+pub const MAX_DELTA_KEYS: usize = 1 << 17;
 /// Smallest filter capacity, so a tiny replica still gets a usable filter.
 const MIN_CAPACITY_ITEMS: usize = 64;
+/// Most hash functions a peer's filter may declare. Every probe of a lookup runs once per hash
+/// function under the node's lock, so a peer's `k` is bounded: a false-positive rate of 1e-9
+/// needs 30, the default 1% needs 7.
+pub const MAX_BLOOM_HASHES: u32 = 64;
+/// Most items a peer's snapshot may claim its filter was sized for (2^32: more than any bitmap
+/// under [`MAX_SUMMARY_MESSAGE_BYTES`] can answer for).
+pub const MAX_SNAPSHOT_ITEMS: u64 = 1 << 32;
 
 /// How summaries are built; must be equal on every node of a cluster.
 #[derive(Clone, Debug, PartialEq)]
@@ -135,6 +144,9 @@ pub enum SummaryError {
     /// A delta carries more keys than we accept.
     #[error("summary delta with {0} keys exceeds the limit")]
     TooManyKeys(usize),
+    /// A peer's filter declares a geometry out of bounds (hash functions, bitmap size or items).
+    #[error("summary filter out of bounds: {0}")]
+    Bounds(String),
     /// msgpack decoding failed.
     #[error("malformed summary message: {0}")]
     Decode(#[from] rmp_serde::decode::Error),
@@ -437,6 +449,25 @@ impl ReplicaSummary {
         let filter = Bloom::from_slice(&s.filter).map_err(SummaryError::Filter)?;
         if filter.seed() != cfg.seed {
             return Err(SummaryError::SeedMismatch);
+        }
+        // A peer's geometry is bounded before anything probes it: `k` probes per lookup run
+        // under the node's lock, and an empty bitmap has nothing to probe.
+        let k = filter.number_of_hash_functions();
+        if !(1..=MAX_BLOOM_HASHES).contains(&k) {
+            return Err(SummaryError::Bounds(format!(
+                "{k} hash functions (1..={MAX_BLOOM_HASHES})"
+            )));
+        }
+        // (Bloom's `is_empty` means "nothing inserted", not "no bits".)
+        let bits = filter.len();
+        if bits == 0 {
+            return Err(SummaryError::Bounds("an empty bitmap".into()));
+        }
+        if s.capacity_items > MAX_SNAPSHOT_ITEMS {
+            return Err(SummaryError::Bounds(format!(
+                "{} items (at most {MAX_SNAPSHOT_ITEMS})",
+                s.capacity_items
+            )));
         }
         let geometry = FilterGeometry::of(&filter);
         Ok(ReplicaSummary {
@@ -752,6 +783,45 @@ mod tests {
         };
         assert!(ReplicaSummary::from_snapshot(&bad, &cfg()).is_err());
         assert!(SummaryMessage::decode(&[0xc1, 0xff, 0x00]).is_err());
+        // A peer's `k` is bounded (the header's bytes 9..13, little-endian): 2^32 - 1 probes per
+        // lookup under the node's lock is refused, and so is 0.
+        let good = ReplicaSummary::new(1, 100, &cfg()).unwrap().snapshot();
+        for k in [0u32, MAX_BLOOM_HASHES + 1, u32::MAX] {
+            let mut hostile = good.clone();
+            hostile.filter[9..13].copy_from_slice(&k.to_le_bytes());
+            let r = ReplicaSummary::from_snapshot(&hostile, &cfg());
+            assert!(r.is_err(), "k = {k}");
+            if k > 0 {
+                assert!(matches!(r, Err(SummaryError::Bounds(_))), "k = {k}");
+            }
+        }
+        let mut at_bound = good.clone();
+        at_bound.filter[9..13].copy_from_slice(&MAX_BLOOM_HASHES.to_le_bytes());
+        assert!(ReplicaSummary::from_snapshot(&at_bound, &cfg()).is_ok());
+        // An empty bitmap and an absurd item count are refused too.
+        let mut empty = good.clone();
+        empty.filter.truncate(BLOOM_HEADER_BYTES);
+        empty.filter[1..9].copy_from_slice(&0u64.to_le_bytes());
+        assert!(ReplicaSummary::from_snapshot(&empty, &cfg()).is_err());
+        // A delta is bounded to twice what a home's log can hold.
+        assert!(cfg().max_log_keys * 2 <= MAX_DELTA_KEYS);
+        let huge = SummaryMessage::Delta(SummaryDelta {
+            epoch: 1,
+            from_seq: 0,
+            to_seq: 1,
+            keys: vec![7; MAX_DELTA_KEYS + 1],
+            lower_tiers: false,
+        });
+        assert!(matches!(
+            SummaryMessage::decode(&huge.encode().unwrap()),
+            Err(SummaryError::TooManyKeys(_))
+        ));
+        let mut items = good.clone();
+        items.capacity_items = u64::MAX;
+        assert!(matches!(
+            ReplicaSummary::from_snapshot(&items, &cfg()),
+            Err(SummaryError::Bounds(_))
+        ));
         assert!(matches!(
             SummaryMessage::decode(&vec![0u8; MAX_SUMMARY_MESSAGE_BYTES + 1]),
             Err(SummaryError::TooLarge(_))

@@ -249,6 +249,16 @@ impl View {
         }
     }
 
+    /// Forgets a departed replica's summary, overlay and engine load (its index stays, a
+    /// tombstone; see the node's registry).
+    pub fn clear_summary(&mut self, i: usize) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.summary = None;
+            r.overlay = Default::default();
+            r.load = ReplicaLoad::default();
+        }
+    }
+
     /// Sets a replica's summary (owned, or shared with other views).
     pub fn set_summary(&mut self, i: usize, summary: impl Into<Arc<ReplicaSummary>>) {
         if let Some(r) = self.replicas.get_mut(i) {

@@ -4,11 +4,15 @@
 //! Every QUIC connection in the mesh is mutual TLS against one cluster CA, so a process without a
 //! certificate from that CA can neither join gossip nor pull summaries. chitchat only hands the
 //! transport a `SocketAddr` to dial, never a name, so every node certificate carries one
-//! cluster-wide DNS SAN ([`CLUSTER_SAN`]) and clients verify that name; the node's own name goes in
-//! the subject CN for operators.
+//! cluster-wide DNS SAN ([`CLUSTER_SAN`]) and clients verify that name. The node's own name goes
+//! in the subject CN for operators and in a URI SAN `urn:kvmesh:node:<name>` ([`NODE_URI_PREFIX`])
+//! for the mesh: a node's `node_id` must be one of its certificate's node names
+//! ([`node_names`]: those URIs, plus any DNS SAN other than the cluster SAN), which the node
+//! checks at start and every peer checks on each connection (see `transport`).
 //!
 //! `kvmesh certs init` / `kvmesh certs issue` write PEM files for a quick start; production
-//! deployments may bring certificates from their own PKI as long as they carry the SAN.
+//! deployments may bring certificates from their own PKI as long as they carry the cluster SAN and
+//! name the node (the URI, or the node id as a DNS SAN).
 //!
 //! Connections are TLS 1.3 only, with the ring provider passed explicitly and client
 //! certificates required and verified against the CA; ALPN is [`ALPN`]. Key files are written
@@ -30,6 +34,8 @@ use rustls::RootCertStore;
 
 /// The DNS name in every node certificate, and the name every client verifies.
 pub const CLUSTER_SAN: &str = "kvmesh.mesh.internal";
+/// Prefix of the URI SAN that names a node: `urn:kvmesh:node:<node_id>`.
+pub const NODE_URI_PREFIX: &str = "urn:kvmesh:node:";
 /// The ALPN protocol of mesh connections; bumped when the stream formats change incompatibly.
 pub const ALPN: &[u8] = b"kvmesh/1";
 /// Common name of CAs made by [`ClusterCa::generate`]; `issue` rebuilds the issuer from it.
@@ -75,6 +81,14 @@ pub enum CertError {
     /// A node name that cannot be a file name or a CN.
     #[error("invalid node name {0:?}: use 1-64 of [A-Za-z0-9._-]")]
     BadName(String),
+    /// The certificate does not name the node id it is used for.
+    #[error("the node certificate names {names:?}, not node_id {node_id:?}: issue one for it (`kvmesh certs issue {node_id}`) or set node_id to a name the certificate carries")]
+    WrongName {
+        /// The configured node id.
+        node_id: String,
+        /// The node names the certificate carries.
+        names: Vec<String>,
+    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CertError + '_ {
@@ -174,13 +188,16 @@ impl ClusterCa {
         Ok((cert, key))
     }
 
-    /// A certificate for node `name` (CN = name, SAN = [`CLUSTER_SAN`], server + client auth),
-    /// verified against this CA before it is returned.
+    /// A certificate for node `name` (CN = name, SANs = [`CLUSTER_SAN`] and
+    /// `urn:kvmesh:node:<name>`, server + client auth), verified against this CA before it is
+    /// returned.
     pub fn issue(&self, name: &str) -> Result<NodeIdentity, CertError> {
         check_name(name)?;
         let ca_key = KeyPair::from_pem(&self.key_pem)?;
         let issuer = Issuer::new(ca_params()?, ca_key);
         let mut p = CertificateParams::new(vec![CLUSTER_SAN.to_owned()])?;
+        let uri = rcgen::string::Ia5String::try_from(format!("{NODE_URI_PREFIX}{name}"))?;
+        p.subject_alt_names.push(rcgen::SanType::URI(uri));
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, name);
         p.distinguished_name = dn;
@@ -258,6 +275,25 @@ pub fn issue_in_dir(dir: &Path, name: &str) -> Result<(PathBuf, PathBuf), CertEr
     write_new(&cert, &id.cert_pem, false)?;
     write_new(&key, &id.key_pem, true)?;
     Ok((cert, key))
+}
+
+/// The node names a certificate carries: its `urn:kvmesh:node:<name>` URI SANs, and its DNS
+/// SANs other than [`CLUSTER_SAN`]. Empty when the certificate does not parse (a peer's
+/// certificate has already been verified against the CA by then) or names no node.
+pub fn node_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    let Ok(ee) = webpki::EndEntityCert::try_from(cert) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = ee
+        .valid_uri_names()
+        .filter_map(|u| u.strip_prefix(NODE_URI_PREFIX))
+        .chain(ee.valid_dns_names().filter(|d| *d != CLUSTER_SAN))
+        .filter(|n| !n.is_empty() && n.len() <= 255)
+        .map(str::to_owned)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// What a node needs for mTLS: the cluster CA, its certificate and its key (all PEM).
@@ -374,6 +410,25 @@ impl NodeIdentity {
         Ok(())
     }
 
+    /// The node names this identity's certificate carries ([`node_names`] of the leaf).
+    pub fn node_names(&self) -> Result<Vec<String>, CertError> {
+        Ok(node_names(&self.chain()?[0]))
+    }
+
+    /// Checks that the certificate names `node_id` (see [`node_names`]): a node refuses to start
+    /// under a name its certificate does not carry, as its peers would refuse it.
+    pub fn verify_name(&self, node_id: &str) -> Result<(), CertError> {
+        let names = self.node_names()?;
+        if names.iter().any(|n| n == node_id) {
+            Ok(())
+        } else {
+            Err(CertError::WrongName {
+                node_id: node_id.to_owned(),
+                names,
+            })
+        }
+    }
+
     /// rustls server and client configurations: TLS 1.3 only, ring provider, client certificates
     /// required and verified against the CA, ALPN [`ALPN`].
     pub fn rustls_configs(
@@ -440,6 +495,15 @@ mod tests {
         );
         assert!(foreign.verify_chain().is_err());
         assert!(matches!(ca.issue("../etc"), Err(CertError::BadName(_))));
+        // The node's name is in the certificate, and only that one.
+        assert_eq!(id.node_names().unwrap(), vec!["node-a".to_owned()]);
+        id.verify_name("node-a").unwrap();
+        assert!(matches!(
+            id.verify_name("n3"),
+            Err(CertError::WrongName { .. })
+        ));
+        let msg = id.verify_name("n3").unwrap_err().to_string();
+        assert!(msg.contains("node-a") && msg.contains("n3"), "{msg}");
         assert!(matches!(ca.issue(""), Err(CertError::BadName(_))));
     }
 

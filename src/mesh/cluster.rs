@@ -10,6 +10,10 @@
 //! 2 s / 100 ms), which declares a silent node dead after about `failure_detection`. Block
 //! reports are batched per home and replica and sent every `report_flush_interval`; RTTs to
 //! other regions are published every `rtt_interval` and read back as a region map.
+//!
+//! A member counts live only once it proved its node id on a direct connection (its certificate
+//! names it; see `transport`); a live-but-unproven peer is asked for a gossip round at once, so
+//! proving takes a round rather than waiting for chitchat's random peer choice.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -134,7 +138,8 @@ pub struct Member {
     pub generation: u64,
     /// Gossip (and QUIC) address.
     pub gossip_addr: SocketAddr,
-    /// Whether the failure detector counts it live (this node always is).
+    /// Whether the failure detector counts it live and it proved its node id on a direct
+    /// connection (its certificate names it; see `transport`). This node always is.
     pub live: bool,
     /// Whether this is the local node.
     pub is_self: bool,
@@ -168,6 +173,9 @@ pub struct ReplicaEntry {
     pub publisher_addr: SocketAddr,
     /// The record.
     pub record: ReplicaRecord,
+    /// Whether the publisher is the replica's rendezvous home over `live` (see
+    /// [`replicas_in_region`]): only the home's record is authoritative.
+    pub home: bool,
 }
 
 /// Counters of the mesh.
@@ -191,6 +199,9 @@ pub struct Mesh {
     schema_errors: Arc<AtomicU64>,
     reports: Arc<Mutex<ReportBatches>>,
     tasks: Vec<JoinHandle<()>>,
+    /// When each unverified live peer was last asked for a gossip round (see
+    /// [`Mesh::members`]).
+    probes: Mutex<HashMap<SocketAddr, std::time::Instant>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -234,6 +245,9 @@ impl Mesh {
             )));
         }
         cfg.identity.verify_chain()?;
+        // Peers refuse a node whose certificate does not name its node id: refuse to start
+        // under such a name at once, with the reason, rather than join and be ignored.
+        cfg.identity.verify_name(&cfg.node_id)?;
         let seed_nodes = if seeds::has_srv(&cfg.seeds) {
             let resolver = match cfg.dns_server {
                 Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
@@ -308,6 +322,7 @@ impl Mesh {
             schema_errors,
             reports,
             tasks,
+            probes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -394,7 +409,44 @@ impl Mesh {
             return Vec::new();
         };
         let errors = &self.schema_errors;
-        h.with_chitchat(|c| members_of(c, errors)).await
+        let transport = &self.transport;
+        let (members, unverified) = h
+            .with_chitchat(|c| {
+                let self_id = c.self_chitchat_id();
+                let unverified: Vec<SocketAddr> = c
+                    .live_nodes()
+                    .filter(|id| *id != self_id && !transport.is_verified(id))
+                    .map(|id| id.gossip_advertise_addr)
+                    .collect();
+                (members_of(c, errors, transport), unverified)
+            })
+            .await;
+        self.probe(h, &unverified);
+        members
+    }
+
+    /// Asks chitchat for a gossip round with live peers that have not proved their name yet:
+    /// their SynAck's digest verifies them (see `transport`), so a member turns live within a
+    /// round, not whenever random peer selection reaches it. At most 8 a call, each peer at
+    /// most once a second, never a refused one.
+    fn probe(&self, h: &ChitchatHandle, unverified: &[SocketAddr]) {
+        if unverified.is_empty() {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let mut probes = self.probes.lock().unwrap_or_else(|e| e.into_inner());
+        probes.retain(|_, t| now.duration_since(*t) < Duration::from_secs(10));
+        for addr in unverified.iter().take(8) {
+            let due = probes
+                .get(addr)
+                .is_none_or(|t| now.duration_since(*t) >= Duration::from_secs(1));
+            if due && !self.transport.is_refused(*addr) {
+                probes.insert(*addr, now);
+                if let Err(e) = h.gossip(*addr) {
+                    debug!(error = %e, "gossip round not requested");
+                }
+            }
+        }
     }
 
     /// A watch that fires when a node joins or leaves or publishes anything (not on bare
@@ -415,7 +467,8 @@ impl Mesh {
     }
 
     /// Replicas of `region` published by live members. When two live members publish the same
-    /// replica (a home handover in progress), the current rendezvous home wins.
+    /// replica (a home handover in progress), the current rendezvous home wins; an entry whose
+    /// publisher is not the home has `home == false`.
     pub async fn replicas_in_region(&self, region: &str) -> Vec<ReplicaEntry> {
         replicas_in_region(&self.live_nodes().await, region)
     }
@@ -547,9 +600,20 @@ impl Drop for Mesh {
     }
 }
 
-fn members_of(c: &chitchat::Chitchat, errors: &AtomicU64) -> Vec<Member> {
+fn members_of(
+    c: &chitchat::Chitchat,
+    errors: &AtomicU64,
+    transport: &QuicTransport,
+) -> Vec<Member> {
     let self_id = c.self_chitchat_id().clone();
-    let live: std::collections::HashSet<&ChitchatId> = c.live_nodes().collect();
+    let states = c.node_states();
+    transport.retain_verified(|id| states.contains_key(id));
+    // Live for the failure detector, and (peers) verified: a member whose certificate never
+    // named it on a direct connection is not trusted with routing state.
+    let live: std::collections::HashSet<&ChitchatId> = c
+        .live_nodes()
+        .filter(|id| **id == self_id || transport.is_verified(id))
+        .collect();
     let count_err = |what: &str, id: &ChitchatId, e: &SchemaError| {
         errors.fetch_add(1, Ordering::Relaxed);
         debug!(node = %id.node_id, "skipping malformed {what}: {e}");
@@ -644,21 +708,22 @@ pub fn replicas_in_region(live: &[Member], region: &str) -> Vec<ReplicaEntry> {
                 publisher: m.node_id.clone(),
                 publisher_addr: addr,
                 record: r.clone(),
+                home: false,
             });
         }
     }
     by_id
         .into_iter()
         .filter_map(|(id, mut entries)| {
-            if entries.len() > 1 {
-                if let Some((home, _)) = home_in(live, &id, region) {
-                    if let Some(i) = entries.iter().position(|e| e.publisher == home) {
-                        return Some(entries.swap_remove(i));
-                    }
+            if let Some((home, _)) = home_in(live, &id, region) {
+                if let Some(i) = entries.iter().position(|e| e.publisher == home) {
+                    let mut e = entries.swap_remove(i);
+                    e.home = true;
+                    return Some(e);
                 }
-                // No publisher is the home: take the newest summary.
-                entries.sort_by_key(|e| (e.record.summary.epoch, e.record.summary.seq));
             }
+            // No publisher is the home: the newest summary, marked as not authoritative.
+            entries.sort_by_key(|e| (e.record.summary.epoch, e.record.summary.seq));
             entries.pop()
         })
         .collect()
@@ -690,7 +755,7 @@ async fn rtt_loop(
         tick.tick().await;
         let rtts = transport.rtts();
         let mut c = chitchat.lock().await;
-        let live: Vec<Member> = members_of(&c, &errors)
+        let live: Vec<Member> = members_of(&c, &errors, &transport)
             .into_iter()
             .filter(|m| m.live)
             .collect();

@@ -48,6 +48,28 @@ pub const KEY_RTT: &str = "rtt";
 /// Key of the homes marker.
 pub const KEY_HOMES: &str = "homes";
 
+/// Bounds on the numbers a peer's records carry: a decoded value outside them is refused like a
+/// malformed one (and counted by the reader), so nothing downstream sizes memory or loops by an
+/// unchecked peer number. Generous against any real engine, tiny against `u64::MAX`.
+pub mod bounds {
+    /// Most KV capacity a replica record may claim, in tokens (2^32; cache models are clamped
+    /// further, see `core::cache_model::MAX_CAPACITY_BLOCKS`).
+    pub const MAX_CAPACITY_TOKENS: u64 = 1 << 32;
+    /// Most prefill throughput a record may claim, tokens per second.
+    pub const MAX_PREFILL_TOKENS_PER_S: f64 = 1e9;
+    /// Most in-flight requests a record may allow, and most requests any count may claim
+    /// (waiting, running, in flight, records published).
+    pub const MAX_REQUESTS: u32 = 1 << 20;
+    /// Most prompt tokens a record may claim queued for prefill.
+    pub const MAX_QUEUED_TOKENS: u64 = 1 << 40;
+    /// Most models a record may list.
+    pub const MAX_MODELS: usize = 256;
+    /// Highest KV usage a record may claim (a fraction; a little above 1 is rounding).
+    pub const MAX_KV_USAGE: f32 = 1.5;
+    /// Largest RTT a record may claim, in ms.
+    pub const MAX_RTT_MS: f32 = 600_000.0;
+}
+
 /// Errors encoding or decoding a gossip value.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -62,6 +84,16 @@ pub enum SchemaError {
     /// A replica id that is empty or longer than [`MAX_REPLICA_ID_BYTES`].
     #[error("invalid replica id {0:?} (1..={MAX_REPLICA_ID_BYTES} bytes)")]
     BadReplicaId(String),
+    /// A decoded number outside its bound (see [`bounds`]).
+    #[error("decode {what}: {field} = {value} is out of bounds")]
+    OutOfBounds {
+        /// Which record.
+        what: &'static str,
+        /// Which field.
+        field: &'static str,
+        /// The value, as text.
+        value: String,
+    },
     /// msgpack encoding failed.
     #[error("encode {what}: {source}")]
     Encode {
@@ -108,6 +140,24 @@ fn decode<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T, SchemaE
         .decode(s)
         .map_err(|source| SchemaError::Base64 { what, source })?;
     rmp_serde::from_slice(&bytes).map_err(|source| SchemaError::Decode { what, source })
+}
+
+/// `Ok` when `ok`, else [`SchemaError::OutOfBounds`] for `field` = `value`.
+fn bound(
+    what: &'static str,
+    field: &'static str,
+    ok: bool,
+    value: impl std::fmt::Display,
+) -> Result<(), SchemaError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(SchemaError::OutOfBounds {
+            what,
+            field,
+            value: value.to_string(),
+        })
+    }
 }
 
 /// The `node` record: who a node is and where to reach it.
@@ -246,6 +296,12 @@ pub struct ReplicaRecord {
     pub load: WireLoad,
     /// Summary version held by the home node.
     pub summary: SummaryVersion,
+    /// The node that has the replica from its own configuration or DNS and vouches for it
+    /// ("" = the publisher itself). A replica learned from gossip is kept only while this node
+    /// is a live member, so replicas a departed node introduced leave with it. Added after
+    /// version 1: absent reads as "".
+    #[serde(default)]
+    pub origin: String,
 }
 
 impl ReplicaRecord {
@@ -268,6 +324,7 @@ impl ReplicaRecord {
             health: health.into(),
             load: load.into(),
             summary,
+            origin: String::new(),
         }
     }
 
@@ -290,9 +347,58 @@ impl ReplicaRecord {
     pub fn encode(&self) -> Result<String, SchemaError> {
         encode("replica", self)
     }
-    /// Decodes a peer's value.
+    /// Decodes a peer's value; numbers outside [`bounds`] are refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
-        decode("replica", s)
+        let r: ReplicaRecord = decode("replica", s)?;
+        // (The origin is a node id: bounded by the value's size like every string here.)
+        r.check()?;
+        Ok(r)
+    }
+
+    /// Whether every number is within [`bounds`].
+    pub fn check(&self) -> Result<(), SchemaError> {
+        use bounds::*;
+        let w = "replica";
+        bound(
+            w,
+            "capacity_tokens",
+            self.capacity_tokens <= MAX_CAPACITY_TOKENS,
+            self.capacity_tokens,
+        )?;
+        let p = self.prefill_tokens_per_s;
+        bound(
+            w,
+            "prefill_tokens_per_s",
+            p.is_finite() && (0.0..=MAX_PREFILL_TOKENS_PER_S).contains(&p),
+            p,
+        )?;
+        bound(
+            w,
+            "max_in_flight",
+            self.max_in_flight <= MAX_REQUESTS,
+            self.max_in_flight,
+        )?;
+        bound(
+            w,
+            "models",
+            self.models.len() <= MAX_MODELS,
+            self.models.len(),
+        )?;
+        let l = &self.load;
+        bound(w, "load.waiting", l.waiting <= MAX_REQUESTS, l.waiting)?;
+        bound(w, "load.running", l.running <= MAX_REQUESTS, l.running)?;
+        bound(
+            w,
+            "load.kv_usage",
+            l.kv_usage.is_finite() && (0.0..=MAX_KV_USAGE).contains(&l.kv_usage),
+            l.kv_usage,
+        )?;
+        bound(
+            w,
+            "load.queued_prefill_tokens",
+            l.queued_prefill_tokens <= MAX_QUEUED_TOKENS,
+            l.queued_prefill_tokens,
+        )
     }
 }
 
@@ -333,9 +439,13 @@ impl InflightRecord {
     pub fn encode(&self) -> Result<String, SchemaError> {
         encode("inflight", self)
     }
-    /// Decodes a peer's value.
+    /// Decodes a peer's value; a count over [`bounds::MAX_REQUESTS`] is refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
-        decode("inflight", s)
+        let r: InflightRecord = decode("inflight", s)?;
+        for c in r.counts.values() {
+            bound("inflight", "counts", *c <= bounds::MAX_REQUESTS, c)?;
+        }
+        Ok(r)
     }
 }
 
@@ -353,9 +463,11 @@ impl HomesRecord {
     pub fn encode(&self) -> Result<String, SchemaError> {
         encode("homes", self)
     }
-    /// Decodes a peer's value.
+    /// Decodes a peer's value; a count over [`bounds::MAX_REQUESTS`] is refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
-        decode("homes", s)
+        let r: HomesRecord = decode("homes", s)?;
+        bound("homes", "count", r.count <= bounds::MAX_REQUESTS, r.count)?;
+        Ok(r)
     }
 }
 
@@ -371,9 +483,15 @@ impl RttRecord {
     pub fn encode(&self) -> Result<String, SchemaError> {
         encode("rtt", self)
     }
-    /// Decodes a peer's value.
+    /// Decodes a peer's value; an RTT that is not a finite 0..=[`bounds::MAX_RTT_MS`] is
+    /// refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
-        decode("rtt", s)
+        let r: RttRecord = decode("rtt", s)?;
+        for ms in r.ms.values() {
+            let ok = ms.is_finite() && (0.0..=bounds::MAX_RTT_MS).contains(ms);
+            bound("rtt", "ms", ok, ms)?;
+        }
+        Ok(r)
     }
 }
 
@@ -404,6 +522,7 @@ mod tests {
                 seq: 42,
                 digest: u64::MAX,
             },
+            origin: String::new(),
         }
     }
 
@@ -452,6 +571,57 @@ mod tests {
         assert!(rec.counts.contains_key("replica-0499"));
         let min_kept = rec.counts.values().min().copied().unwrap();
         assert!(min_kept > 400);
+    }
+
+    #[test]
+    fn out_of_bounds_numbers_are_refused() {
+        type Edit = fn(&mut ReplicaRecord);
+        let cases: [(&str, Edit); 9] = [
+            ("capacity_tokens", |r| r.capacity_tokens = u64::MAX),
+            ("prefill_tokens_per_s", |r| {
+                r.prefill_tokens_per_s = f64::NAN
+            }),
+            ("prefill_tokens_per_s", |r| r.prefill_tokens_per_s = -1.0),
+            ("max_in_flight", |r| r.max_in_flight = u32::MAX),
+            ("models", |r| {
+                r.models = vec![String::new(); bounds::MAX_MODELS + 1]
+            }),
+            ("load.waiting", |r| r.load.waiting = u32::MAX),
+            ("load.running", |r| r.load.running = u32::MAX),
+            ("load.kv_usage", |r| r.load.kv_usage = f32::INFINITY),
+            ("load.queued_prefill_tokens", |r| {
+                r.load.queued_prefill_tokens = u64::MAX
+            }),
+        ];
+        for (field, edit) in cases {
+            let mut r = record();
+            edit(&mut r);
+            // Encoded as a peer would (encode does not check: a hostile peer would not either).
+            let bytes = rmp_serde::to_vec_named(&r).unwrap();
+            let s = base64::engine::general_purpose::STANDARD.encode(bytes);
+            match ReplicaRecord::decode(&s) {
+                Err(SchemaError::OutOfBounds { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        // At the bounds: accepted.
+        let mut r = record();
+        r.capacity_tokens = bounds::MAX_CAPACITY_TOKENS;
+        r.max_in_flight = bounds::MAX_REQUESTS;
+        assert!(ReplicaRecord::decode(&r.encode().unwrap()).is_ok());
+        let bad_inflight = InflightRecord {
+            counts: BTreeMap::from([("r".to_owned(), u32::MAX)]),
+        };
+        assert!(InflightRecord::decode(&bad_inflight.encode().unwrap()).is_err());
+        let bad_rtt = RttRecord {
+            ms: BTreeMap::from([("eu".to_owned(), f32::NAN)]),
+        };
+        assert!(RttRecord::decode(&bad_rtt.encode().unwrap()).is_err());
+        let bad_homes = HomesRecord {
+            count: u32::MAX,
+            round: 1,
+        };
+        assert!(HomesRecord::decode(&bad_homes.encode().unwrap()).is_err());
     }
 
     #[test]

@@ -172,6 +172,7 @@ impl Node {
                 .with_label_values(&[&self.id_of(i)])
                 .set(healthy as i64);
         }
+        self.sweep_departed();
     }
 
     /// Switches replica `i`'s cache model between exact (events up) and approximate (events down),

@@ -21,7 +21,7 @@
 //! `[[mesh.distance]]` pinned on top. Summary pulls give up after ten rounds (1–5 s) and are
 //! retried by a later round.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,12 +29,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::config::MeshSection;
+use super::learned::{Ignored, LearnError, LearnPolicy};
 use super::mesh_state::PullKind;
 use super::metrics::MeshMetrics;
 use super::state::Node;
-use crate::mesh::cluster::replicas_in_region;
+use crate::mesh::cluster::{home_in, replicas_in_region};
 use crate::mesh::schema::{HomesRecord, InflightRecord};
-use crate::mesh::transport::StatsSnapshot;
+use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
 use crate::mesh::{Member, Mesh};
 use crate::shutdown::stopped;
 
@@ -80,6 +81,14 @@ pub async fn start(
         &node.cfg.cluster_id,
         peer_url,
     )?;
+    let mesh_ip = section.advertise.unwrap_or(section.listen).ip();
+    if section.learn_replicas_from.is_empty()
+        && node.cfg.replicas.is_empty()
+        && node.cfg.dns.is_empty()
+        && !mesh_ip.is_loopback()
+    {
+        tracing::warn!("this node has no [[replicas]], no [[dns]] and no mesh.learn_replicas_from: it will learn no replica from its peers (set mesh.learn_replicas_from to the hosts or networks your engines live in)");
+    }
     let mesh = Arc::new(Mesh::start(cfg).await?);
     node.attach_mesh(Arc::clone(&mesh));
     let metrics = MeshMetrics::new(&node.metrics.registry)?;
@@ -112,6 +121,12 @@ struct LoopState {
     /// Live members (id, generation) at the last round, and since when they are unchanged.
     live_ids: Vec<(String, u64)>,
     live_since: Instant,
+    /// What may be learned from peers' records.
+    policy: LearnPolicy,
+    /// Ignored records already counted.
+    ignored: Ignored,
+    /// When an ignored record was last logged at warn level.
+    ignore_warn: Instant,
 }
 
 async fn sync_loop(
@@ -138,6 +153,11 @@ async fn sync_loop(
         unpublishable: BTreeSet::new(),
         live_ids: Vec::new(),
         live_since: Instant::now(),
+        policy: LearnPolicy::of(&node),
+        ignored: Ignored::default(),
+        ignore_warn: Instant::now()
+            .checked_sub(WARN_EVERY)
+            .unwrap_or_else(Instant::now),
     };
     loop {
         let changed = async {
@@ -158,6 +178,24 @@ async fn sync_loop(
         }
         sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
         tokio::time::sleep(spacing).await;
+    }
+}
+
+/// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
+/// per `WARN_EVERY`.
+fn note_ignored(st: &mut LoopState, metrics: &MeshMetrics, publisher: &str, err: &LearnError) {
+    if !st.ignored.first(publisher, err) {
+        return;
+    }
+    metrics
+        .records_ignored
+        .with_label_values(&[err.reason()])
+        .inc();
+    if st.ignore_warn.elapsed() >= WARN_EVERY {
+        st.ignore_warn = Instant::now();
+        tracing::warn!(from = %publisher, error = %err, "replica record ignored (more within {WARN_EVERY:?} are only counted)");
+    } else {
+        tracing::debug!(from = %publisher, error = %err, "replica record ignored");
     }
 }
 
@@ -208,14 +246,36 @@ async fn sync_once(
             records.insert(e.id.clone(), e);
         }
     }
+    let self_id = mesh.node_id();
+    // Records of live members that are not the replica's home (and not a stand-in for this
+    // node, its home): kept out of the view, counted once each.
+    let mut published: HashSet<(String, String)> = HashSet::new();
+    for m in live.iter().filter(|m| !m.is_self) {
+        for (id, r) in &m.replicas {
+            published.insert((id.clone(), m.node_id.clone()));
+            let home = home_in(&live, id, &r.region).map(|(h, _)| h);
+            if home.as_deref() != Some(m.node_id.as_str()) && home.as_deref() != Some(self_id) {
+                let err = LearnError::NotHome {
+                    id: id.clone(),
+                    publisher: m.node_id.clone(),
+                };
+                note_ignored(st, metrics, &m.node_id, &err);
+            }
+        }
+    }
+    st.ignored.retain(&published);
     for e in records.values() {
-        match node.learn_replica(e) {
+        if e.publisher == self_id {
+            continue;
+        }
+        let me_home = home_in(&live, &e.id, &e.record.region).is_some_and(|(h, _)| h == self_id);
+        match node.learn_replica(e, me_home, &st.policy) {
             Ok((i, true)) => {
                 tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
                 super::watchers::spawn_replica_watchers(node, stop, i);
             }
             Ok(_) => {}
-            Err(err) => tracing::debug!(replica = %e.id, error = %err, "replica record not usable"),
+            Err(err) => note_ignored(st, metrics, &e.publisher, &err),
         }
     }
 
@@ -226,6 +286,9 @@ async fn sync_once(
     node.set_regions(map);
 
     let plan = node.apply_membership(mesh.node_id(), &live, &records);
+    if !plan.expired.is_empty() {
+        metrics.learned_expired.inc_by(plan.expired.len() as u64);
+    }
     for (id, record) in &plan.publish {
         match mesh.publish_replica(id, record).await {
             Ok(()) => {

@@ -51,7 +51,6 @@ use crate::mesh::load_share::LoadUpdate;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
 use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
-use crate::replicas::entry::ReplicaConfig;
 
 /// Wall-clock milliseconds (summary epochs are wall-clock based so a new home supersedes).
 fn now_ms() -> u64 {
@@ -178,9 +177,27 @@ impl Node {
                 })
             })
             .collect();
+        let members_in = members
+            .iter()
+            .filter(|m| m.live && !m.is_self)
+            .filter_map(|m| {
+                let n = m.node.as_ref()?;
+                Some((n.region.clone(), n.quic_addr))
+            })
+            .collect();
         let mut st = self.status();
         st.members = json;
         st.peers = peers;
+        st.members_in = members_in;
+    }
+
+    /// Whether `addr` is the QUIC address of a live (verified) member of `region`, HTTP front
+    /// or not.
+    pub(super) fn is_member_in(&self, region: &str, addr: SocketAddr) -> bool {
+        self.status()
+            .members_in
+            .iter()
+            .any(|(r, a)| r == region && *a == addr)
     }
 
     /// Live peers of `region` that take forwarded requests.
@@ -204,49 +221,6 @@ impl Node {
     /// Replaces the view's region distances.
     pub(super) fn set_regions(&self, map: RegionMap) {
         self.lock().view.regions = map;
-    }
-
-    /// Adds a replica known only from a peer's record. Returns its index and whether it is new.
-    pub(super) fn learn_replica(&self, e: &ReplicaEntry) -> anyhow::Result<(usize, bool)> {
-        if let Some(i) = self.lock().view.index_of(&e.id) {
-            return Ok((i, false));
-        }
-        let r = &e.record;
-        let spec = ReplicaConfig {
-            url: r.url.clone(),
-            id: Some(e.id.clone()),
-            region: Some(r.region.clone()),
-            zone: r.zone.clone(),
-            pool: r.pool.clone(),
-            models: r.models.clone(),
-            capacity_tokens: Some(r.capacity_tokens.max(1)),
-            prefill_tokens_per_s: if r.prefill_tokens_per_s.is_finite()
-                && r.prefill_tokens_per_s > 0.0
-            {
-                r.prefill_tokens_per_s
-            } else {
-                50_000.0
-            },
-            max_in_flight: r.max_in_flight.max(1),
-            // The home subscribes to the engine's events; a learner only reads the summary.
-            kv_events: None,
-        };
-        let url = reqwest::Url::parse(&spec.url)?;
-        anyhow::ensure!(
-            matches!(url.scheme(), "http" | "https"),
-            "replica {} has a non-http URL",
-            e.id
-        );
-        let (i, new) = self.add_replica(&spec)?;
-        let mut core = self.lock();
-        if let Some(rt) = core.replicas.get_mut(i) {
-            if new {
-                // Its home decides; until this node is home it is a follower.
-                rt.mesh.learned = true;
-                rt.mesh.home = false;
-            }
-        }
-        Ok((i, new))
     }
 
     /// One membership round, under the lock: decide homes, fold records into the view, and say
@@ -279,11 +253,39 @@ impl Node {
             }
             let home = home_in(live, &info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
+            if rt.mesh.learned {
+                // A learned replica stays while the node that vouches for it is live and some
+                // live member publishes it (this node, as its home, included); else it drains
+                // and is dropped (`learned.rs`, `registry.rs`).
+                if let Some(e) = records.get(&info.id).filter(|e| e.home) {
+                    rt.mesh.origin = Some(super::learned::origin_of(e));
+                }
+                let origin_live = rt
+                    .mesh
+                    .origin
+                    .as_ref()
+                    .is_some_and(|o| live.iter().any(|m| m.node_id == *o));
+                let published = me_home
+                    || live
+                        .iter()
+                        .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
+                if !(origin_live && published) {
+                    tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
+                    rt.removed = true;
+                    rt.removed_at = Some(now);
+                    if rt.mesh.published.take().is_some() {
+                        plan.unpublish.push(info.id.clone());
+                    }
+                    plan.expired.push(i);
+                    core.view.set_health(i, Health::Draining);
+                    continue;
+                }
+            }
             if me_home {
                 let mut restart = None;
                 if !rt.mesh.home {
                     // Gained: supersede the previous home's epoch, keep what this node routed.
-                    let pulled = rt.mesh.pulled.map_or(0, |(e, _)| e + 1);
+                    let pulled = rt.mesh.pulled.map_or(0, |(e, _)| e.saturating_add(1));
                     restart = Some(wall.max(pulled));
                     tracing::info!(replica = %info.id, "became home");
                 }
@@ -295,7 +297,7 @@ impl Node {
                     .map(|r| r.summary.epoch)
                     .max();
                 if let Some(t) = theirs.filter(|t| *t >= ours) {
-                    restart = Some(restart.unwrap_or(0).max(t + 1));
+                    restart = Some(restart.unwrap_or(0).max(t.saturating_add(1)));
                 }
                 if let Some(epoch) = restart {
                     if let Err(e) = rt.cache.restart_epoch(epoch) {
@@ -363,6 +365,10 @@ impl Node {
                     }
                 }
                 match records.get(&info.id).filter(|e| e.publisher != self_id) {
+                    // Published, but not by its home (per this node's membership): ignored.
+                    // What the home last said stands until the home publishes (a handover, or
+                    // memberships that differ for a round).
+                    Some(e) if !e.home => {}
                     Some(e) => {
                         let rec = &e.record;
                         rt.mesh.remote_health = Some(rec.health.into());
@@ -560,7 +566,9 @@ fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> Re
         queued_prefill_tokens: rt.pending_prefill_tokens,
         ..*load
     };
-    ReplicaRecord::new(info, rt.effective_health(), &own, version)
+    let mut record = ReplicaRecord::new(info, rt.effective_health(), &own, version);
+    record.origin = rt.mesh.origin.clone().unwrap_or_default();
+    record
 }
 
 /// Answers peers' summary requests and takes their block reports.
@@ -583,16 +591,33 @@ impl MeshHandler for Handler {
             return;
         };
         let now = node.now();
+        let refused = |reason: &str| {
+            if let Some(m) = node.mesh_slot().metrics.get() {
+                m.reports_refused.with_label_values(&[reason]).inc();
+            }
+        };
+        // Only the region's live members route to its replicas.
+        if !node.is_member_in(&node.cfg.region, from) {
+            refused("not_a_region_member");
+            return;
+        }
         let keys: Vec<BlockKey> = report.keys.iter().copied().map(BlockKey).collect();
         let mut core = node.lock();
         let Some(i) = core.view.index_of(&report.replica_id) else {
+            drop(core);
+            refused("unknown_replica");
             tracing::debug!(%from, replica = %report.replica_id, "block report for an unknown replica");
             return;
         };
         let Some(rt) = core.replicas.get_mut(i) else {
             return;
         };
-        // Recorded even when not home (any more): the model is this node's if it becomes home.
+        // Only the home's model takes reports (a handover's keys arrive once it is home).
+        if !rt.mesh.home || rt.removed {
+            drop(core);
+            refused("not_home");
+            return;
+        }
         if !rt.learn_reported(&keys, now) {
             return;
         }
@@ -616,6 +641,7 @@ mod tests {
     use crate::core::summary::SummaryConfig;
     use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
     use crate::node::config::{MeshSection, NodeConfig};
+    use crate::replicas::entry::ReplicaConfig;
     use std::time::Duration;
 
     fn member(id: &str, port: u16, is_self: bool) -> Member {
@@ -711,6 +737,7 @@ mod tests {
             publisher: "b".into(),
             publisher_addr: live[1].gossip_addr,
             record: rec.clone(),
+            home: true,
         };
         let records = BTreeMap::from([(theirs.clone(), entry)]);
         let plan = node.apply_membership("a", &live, &records);
@@ -784,5 +811,68 @@ mod tests {
             .unwrap();
         assert_eq!((id, *to), (&theirs, live[1].gossip_addr));
         assert_eq!(keys, &vec![99]);
+    }
+
+    #[test]
+    fn block_reports_only_from_region_members_and_only_at_the_home() {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = (0..8)
+            .map(|i| ReplicaConfig {
+                id: Some(format!("r{i}")),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        let node = Node::new(cfg).unwrap();
+        let live = vec![member("a", 7000, true), member("b", 7001, false)];
+        node.apply_membership("a", &live, &BTreeMap::new());
+        let handler = Handler(Arc::downgrade(&node));
+        let mine = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| home_in(&live, id, "eu").unwrap().0 == "a");
+        let theirs = (0..8)
+            .map(|i| format!("r{i}"))
+            .find(|id| home_in(&live, id, "eu").unwrap().0 == "b");
+        let holds = |id: &str, key: u64| {
+            let core = node.lock();
+            core.replicas[core.view.index_of(id).unwrap()]
+                .cache
+                .contains(BlockKey(key))
+        };
+        let report = |id: &str, key: u64| BlockReport {
+            replica_id: id.to_owned(),
+            keys: vec![key],
+        };
+        let b = live[1].gossip_addr;
+        let stranger: SocketAddr = "127.0.0.1:9999".parse().unwrap();
+        // Before b is known as a live member of the region, nobody's reports count.
+        assert!(mine.is_some() && theirs.is_some());
+        if let Some(id) = &mine {
+            handler.block_report(b, report(id, 1));
+            assert!(!holds(id, 1));
+        }
+        node.set_mesh_members(&live);
+        if let Some(id) = &mine {
+            handler.block_report(stranger, report(id, 2));
+            assert!(!holds(id, 2), "a stranger's report was taken");
+            handler.block_report(b, report(id, 3));
+            assert!(holds(id, 3), "a member's report at the home was refused");
+        }
+        if let Some(id) = &theirs {
+            handler.block_report(b, report(id, 4));
+            assert!(
+                !holds(id, 4),
+                "a report for a replica this node is not home of was taken"
+            );
+        }
     }
 }

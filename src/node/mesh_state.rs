@@ -43,6 +43,11 @@ pub struct ReplicaMesh {
     pub remote_queued: u64,
     /// Learned from gossip only (not in this node's config or DNS).
     pub learned: bool,
+    /// Learned: the peer whose record introduced it (its per-peer cap counts it).
+    pub learned_from: Option<String>,
+    /// Learned: the node that has it from its own configuration; it is kept only while that
+    /// node is a live member. `None` for this node's own replicas.
+    pub origin: Option<String>,
     /// Version of the view's summary copy pulled from the home (followers).
     pub pulled: Option<(u64, u64)>,
     /// A pull is in flight.
@@ -62,6 +67,8 @@ impl Default for ReplicaMesh {
             remote_health: None,
             remote_queued: 0,
             learned: false,
+            learned_from: None,
+            origin: None,
             pulled: None,
             pulling: false,
             updated_at: None,
@@ -104,6 +111,8 @@ pub(super) struct Status {
     pub(super) members: Vec<MemberJson>,
     /// Live peers that take forwarded requests.
     pub(super) peers: Vec<Peer>,
+    /// Every live peer's (region, QUIC address): who may send block reports.
+    pub(super) members_in: Vec<(String, SocketAddr)>,
 }
 
 /// The node's mesh slot: the running mesh (if any) and what the sync loop last learned.
@@ -151,6 +160,8 @@ pub struct MeshPlan {
     /// Handovers: (replica id, new home's address, this node's live keys for it), sent as block
     /// reports so the new home's model starts with what the old home knew.
     pub handover: Vec<(String, SocketAddr, Vec<u64>)>,
+    /// Learned replicas that expired this round (now draining), by index.
+    pub expired: Vec<usize>,
 }
 
 /// Kind of an applied pull (for metrics).

@@ -261,8 +261,10 @@ pub struct MeshMetrics {
     pub sync_bytes_received: IntCounter,
     /// `kvmesh_mesh_block_reports_total{direction}`.
     pub reports: IntCounterVec,
-    /// `kvmesh_mesh_dropped_total{reason}`: malformed/oversized input, undecodable gossip
-    /// values, blocked or undeliverable messages, failed dials and handshakes.
+    /// `kvmesh_mesh_dropped_total{reason}`: malformed/oversized input, undecodable or
+    /// out-of-bounds gossip values, blocked or undeliverable messages, failed dials and
+    /// handshakes, gossip from a peer whose certificate does not name the node it claims
+    /// (`identity_refused`).
     pub dropped: IntCounterVec,
     /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
     pub pulls: IntCounterVec,
@@ -280,6 +282,18 @@ pub struct MeshMetrics {
     /// `clamped`, `tip_dropped` (a routed prefix for an unknown replica, out of bounds, or with
     /// the tip store full).
     pub load_refused: IntCounterVec,
+    /// `kvmesh_mesh_records_ignored_total{reason}`: peers' `replica:` records not learned or
+    /// not applied, once per (replica, publisher, reason): `not_home` (the publisher is not
+    /// the replica's rendezvous home), `bad_url`, `not_allowed` (host outside
+    /// `mesh.learn_replicas_from` and this node's own replica hosts), `peer_cap`, `total_cap`,
+    /// `registry`.
+    pub records_ignored: IntCounterVec,
+    /// `kvmesh_mesh_block_reports_refused_total{reason}`: `not_a_region_member`,
+    /// `unknown_replica`, `not_home` (this node is not the replica's home).
+    pub reports_refused: IntCounterVec,
+    /// `kvmesh_mesh_learned_expired_total`: learned replicas that expired (their origin left or
+    /// no live member publishes them) and drain.
+    pub learned_expired: IntCounter,
 }
 
 impl MeshMetrics {
@@ -348,7 +362,24 @@ impl MeshMetrics {
                 "Peers' load claims ignored or cut to their bounds, by reason",
                 "reason",
             )?,
+            records_ignored: vec(
+                "kvmesh_mesh_records_ignored_total",
+                "Peers' replica records ignored, once per replica, publisher and reason",
+                "reason",
+            )?,
+            reports_refused: vec(
+                "kvmesh_mesh_block_reports_refused_total",
+                "Peers' block reports refused, by reason",
+                "reason",
+            )?,
+            learned_expired: IntCounter::new(
+                "kvmesh_mesh_learned_expired_total",
+                "Learned replicas expired (origin gone or unpublished), now draining",
+            )?,
         };
+        registry.register(Box::new(m.records_ignored.clone()))?;
+        registry.register(Box::new(m.reports_refused.clone()))?;
+        registry.register(Box::new(m.learned_expired.clone()))?;
         registry.register(Box::new(m.gossip_messages.clone()))?;
         registry.register(Box::new(m.gossip_bytes.clone()))?;
         registry.register(Box::new(m.sync_served.clone()))?;
@@ -368,7 +399,7 @@ impl MeshMetrics {
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
         let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
-        let labelled: [(&IntCounterVec, &str, u64); 17] = [
+        let labelled: [(&IntCounterVec, &str, u64); 18] = [
             (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
             (&self.gossip_messages, "received", d(|s| s.gossip_received)),
             (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
@@ -393,6 +424,7 @@ impl MeshMetrics {
                 "handshake_failure",
                 d(|s| s.handshake_failures),
             ),
+            (&self.dropped, "identity_refused", d(|s| s.identity_refused)),
             (
                 &self.dropped,
                 "bad_gossip_value",

@@ -12,7 +12,8 @@
 //! Layout (each file imports its siblings by path; this file only declares and re-exports):
 //! - `state.rs`: [`Node`] and the [`Core`] behind its one std mutex (view, router, per-replica
 //!   runtime); time, locking, endpoints.
-//! - `registry.rs`: [`Node::new`]; adding, bringing back and draining replicas.
+//! - `registry.rs`: [`Node::new`]; adding, bringing back, draining and dropping replicas.
+//! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
@@ -27,6 +28,7 @@
 
 pub mod config;
 mod feedback;
+mod learned;
 mod load_share;
 pub(crate) mod mesh_loop;
 mod mesh_roles;

@@ -3,9 +3,13 @@
 //!
 //! Indexes are append-only, like the view's: a replica that leaves is marked removed and drains
 //! (it takes no new requests, its in-flight ones finish), and one that comes back gets its old
-//! index and keeps what was learned about it.
+//! index. Once drained — nothing in flight and [`DROP_AFTER`] since it left — it is *dropped*:
+//! its index stays as a tombstone (id and URL), while its cache model, view summary, engine
+//! figures and metric series are freed and its watcher tasks end; coming back revives it with a
+//! fresh model. So DNS churn and expired learned replicas cost a tombstone each, not a model.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::config::NodeConfig;
 use super::mesh_state::ReplicaMesh;
@@ -15,6 +19,10 @@ use crate::core::view::{Health, ReplicaInfo};
 use crate::replicas::dns::ReplicaRegistry;
 use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::replicas::health::HealthTracker;
+
+/// Least time a departed replica drains before it is dropped (flapping DNS answers bring it
+/// back within this without rebuilding anything).
+pub const DROP_AFTER: Duration = Duration::from_secs(30);
 
 impl Node {
     /// Builds the node's state from a validated config, with the static replicas registered.
@@ -60,11 +68,24 @@ impl Node {
             }
             core.view.upsert(info);
             let back = std::mem::take(&mut rt.removed);
+            rt.removed_at = None;
+            let revived = std::mem::take(&mut rt.dropped);
+            if revived {
+                rt.incarnation += 1;
+                rt.cache = self.cache_model(
+                    CacheSource::Approximate,
+                    self.epoch_base.max(rt.cache.summary().epoch() + 1),
+                    capacity,
+                    core.view.tokens_per_block,
+                )?;
+                rt.summary_dirty = true;
+                rt.mesh = ReplicaMesh::default();
+            }
             core.view.set_health(i, rt.effective_health());
             if back {
                 tracing::info!(replica = %id, "replica back in the registry");
             }
-            return Ok((i, false));
+            return Ok((i, revived));
         }
         let i = core.view.upsert(info);
         let cache = self.cache_model(
@@ -84,6 +105,9 @@ impl Node {
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,
             removed: false,
+            removed_at: None,
+            dropped: false,
+            incarnation: 0,
             mesh: ReplicaMesh::default(),
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
@@ -105,10 +129,12 @@ impl Node {
     /// Takes a replica out of the registry: it gets no new requests (requests in flight finish).
     /// Its index stays valid; [`Node::add_replica`] with the same id brings it back.
     pub fn remove_replica(&self, i: usize) {
+        let now = self.now();
         let mut core = self.lock();
         if let Some(rt) = core.replicas.get_mut(i) {
             if !rt.removed {
                 rt.removed = true;
+                rt.removed_at = Some(now);
                 core.view.set_health(i, Health::Draining);
                 drop(core);
                 if let Some(ep) = self.endpoint(i) {
@@ -126,6 +152,77 @@ impl Node {
     pub(super) fn is_removed(&self, i: usize) -> bool {
         self.lock().replicas.get(i).is_none_or(|rt| rt.removed)
     }
+
+    /// Replica `i`'s incarnation while it is not dropped (its watcher tasks run while this
+    /// stays what they started with).
+    pub(super) fn live_incarnation(&self, i: usize) -> Option<u64> {
+        self.lock()
+            .replicas
+            .get(i)
+            .filter(|rt| !rt.dropped)
+            .map(|rt| rt.incarnation)
+    }
+
+    /// Drops replicas that left the registry at least [`DROP_AFTER`] ago and have nothing in
+    /// flight: frees their cache model, view summary and engine figures and forgets their
+    /// metric series; the index stays, a tombstone. Returns how many it dropped.
+    pub(super) fn sweep_departed(&self) -> usize {
+        self.sweep_departed_at(self.now())
+    }
+
+    /// [`Node::sweep_departed`] at core time `now`.
+    pub(super) fn sweep_departed_at(&self, now: Duration) -> usize {
+        let mut dropped = Vec::new();
+        {
+            let mut guard = self.lock();
+            let core = &mut *guard;
+            for (i, rt) in core.replicas.iter_mut().enumerate() {
+                let due = rt.removed
+                    && !rt.dropped
+                    && rt
+                        .removed_at
+                        .is_some_and(|t| now.saturating_sub(t) >= DROP_AFTER);
+                let idle = core.view.replica(i).is_some_and(|r| r.load.in_flight == 0)
+                    && rt.pending_prefill_tokens == 0;
+                if !(due && idle) {
+                    continue;
+                }
+                // The smallest model there is: one block, a 64-item filter.
+                match self.cache_model(CacheSource::Approximate, rt.cache.summary().epoch(), 0, 1) {
+                    Ok(m) => rt.cache = m,
+                    Err(e) => {
+                        tracing::warn!(replica = %self.id_of(i), error = %e, "cannot drop a replica's model");
+                        continue;
+                    }
+                }
+                rt.dropped = true;
+                rt.incarnation += 1;
+                rt.engine = None;
+                rt.summary_dirty = false;
+                rt.health = HealthTracker::new();
+                rt.peer_in_flight = 0;
+                rt.peer_pending_tokens = 0;
+                let published = rt.mesh.published.take();
+                rt.mesh = ReplicaMesh {
+                    home: false,
+                    learned: rt.mesh.learned,
+                    published,
+                    ..ReplicaMesh::default()
+                };
+                core.view.clear_summary(i);
+                core.view.set_health(i, Health::Draining);
+                dropped.push(i);
+            }
+        }
+        for &i in &dropped {
+            let id = self.id_of(i);
+            tracing::info!(replica = %id, "departed replica dropped (drained; its memory freed)");
+            for vec in [&self.metrics.replica_healthy, &self.metrics.in_flight] {
+                let _ = vec.remove_label_values(&[&id]);
+            }
+        }
+        dropped.len()
+    }
 }
 
 // What a DNS source needs of the node (`replicas::dns`).
@@ -136,5 +233,59 @@ impl ReplicaRegistry for Node {
 
     fn remove_replica(&self, i: usize) {
         Node::remove_replica(self, i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DNS churn: a replica that left drains, is dropped to a tombstone after [`DROP_AFTER`]
+    /// with its memory freed, and comes back at the same index with a fresh model.
+    #[test]
+    fn a_departed_replica_is_dropped_after_its_drain_and_revived_at_its_index() {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("keep".into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000".to_owned())
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let spec = ReplicaConfig {
+            id: Some("dns-1".into()),
+            capacity_tokens: Some(1 << 24),
+            ..ReplicaConfig::from_url("http://10.0.0.2:8000".to_owned())
+        };
+        let (i, new) = node.add_replica(&spec).unwrap();
+        assert!(new);
+        let big = node.lock().replicas[i].cache.summary().filter_bytes();
+        node.remove_replica(i);
+        assert!(node.is_removed(i));
+        let left = node.lock().replicas[i].removed_at.unwrap();
+        assert_eq!(node.sweep_departed_at(left), 0, "drains first");
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER), 1);
+        {
+            let core = node.lock();
+            let rt = &core.replicas[i];
+            assert!(rt.dropped && rt.engine.is_none());
+            assert!(
+                rt.cache.summary().filter_bytes() * 100 < big,
+                "its model was freed"
+            );
+            assert_eq!(core.view.replica(i).unwrap().health, Health::Draining);
+        }
+        assert_eq!(node.live_incarnation(i), None);
+        // Dropped once only.
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER * 2), 0);
+        // Back in DNS: same index, revived (watchers start again), healthy, sized again.
+        assert_eq!(node.add_replica(&spec).unwrap(), (i, true));
+        assert!(!node.is_removed(i));
+        assert_eq!(node.lock().replicas[i].cache.summary().filter_bytes(), big);
+        assert_eq!(node.replica_count(), 2);
+        // The other replica was never touched.
+        assert!(!node.is_removed(0));
     }
 }

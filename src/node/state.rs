@@ -54,8 +54,16 @@ pub struct ReplicaRuntime {
     pub capacity_configured: bool,
     /// Latest scrape, if any succeeded.
     pub engine: Option<EngineLoad>,
-    /// Left the registry (DNS no longer lists it): takes no new requests.
+    /// Left the registry (DNS no longer lists it, or a learned replica expired): takes no new
+    /// requests.
     pub removed: bool,
+    /// When it left the registry (core time).
+    pub removed_at: Option<Duration>,
+    /// Dropped after its drain: a tombstone keeping the index, its memory (cache model, view
+    /// summary, scrape) freed and its watcher tasks ended. Coming back revives it.
+    pub dropped: bool,
+    /// Bumped whenever it is dropped or revived: watcher tasks of an older incarnation exit.
+    pub incarnation: u64,
     /// Mesh role and sync state (home or follower); a single node is home of everything.
     pub mesh: ReplicaMesh,
 }

@@ -77,19 +77,54 @@ pub async fn check_all(node: &Arc<Node>, replicas: impl Iterator<Item = usize>) 
 }
 
 /// Spawns the watcher tasks of replica `i`: health checks and scrapes on their intervals, and
-/// its KV-event subscriber if configured, until `stop` turns true.
+/// its KV-event subscriber if configured, until `stop` turns true or the replica is dropped
+/// (`registry.rs`; a revived replica gets new ones).
 pub(super) fn spawn_replica_watchers(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
+    let Some(incarnation) = node.live_incarnation(i) else {
+        return;
+    };
     spawn_kv_events(node, stop, i);
     let period = Duration::from_millis(node.cfg.health.interval_ms);
-    spawn_every(node, stop, period, move |n| async move {
+    spawn_replica_every(node, stop, period, i, incarnation, move |n| async move {
         check_once(&n, i).await
     });
     if node.cfg.scrape.interval_ms > 0 {
         let period = Duration::from_millis(node.cfg.scrape.interval_ms);
-        spawn_every(node, stop, period, move |n| async move {
+        spawn_replica_every(node, stop, period, i, incarnation, move |n| async move {
             scrape_once(&n, i).await
         });
     }
+}
+
+/// [`spawn_every`] for replica `i`'s incarnation `incarnation`: ends when it is dropped.
+fn spawn_replica_every<F, Fut>(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    period: Duration,
+    i: usize,
+    incarnation: u64,
+    f: F,
+) where
+    F: Fn(Arc<Node>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let node = Arc::clone(node);
+    let mut stop = stop.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(period);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => {
+                    if node.live_incarnation(i) != Some(incarnation) {
+                        break;
+                    }
+                    f(Arc::clone(&node)).await
+                }
+                _ = stopped(&mut stop) => break,
+            }
+        }
+    });
 }
 
 /// Spawns every watcher: per registered replica, health checks and scrapes; for the node, the

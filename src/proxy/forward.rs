@@ -215,7 +215,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     let key_tenant = match &node.secrets.api_keys {
         None => None,
         Some(keys) => {
-            let key = super::bearer(&parts.headers).ok_or_else(ApiError::missing_api_key)?;
+            let key = super::auth::bearer(&parts.headers).ok_or_else(ApiError::missing_api_key)?;
             Some(
                 keys.get(&key_digest(key.as_bytes()))
                     .ok_or_else(ApiError::missing_api_key)?

@@ -5,6 +5,7 @@
 //! node starts knowing which replicas are up, binds, and returns a [`RunningNode`] whose
 //! [`RunningNode::shutdown`] stops accepting and drains in-flight requests up to a deadline.
 
+mod auth;
 mod blame;
 pub mod error;
 pub mod forward;
@@ -29,6 +30,7 @@ use crate::node::mesh_loop::{self, MeshRuntime};
 use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
 use crate::replicas::dns::DnsSource;
+use auth::authorized;
 use error::ApiError;
 use listener::{Listener, ListenerConfig};
 
@@ -92,33 +94,6 @@ async fn metrics(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response 
         )
             .into_response(),
         Err(e) => ApiError::internal(format!("cannot render metrics: {e}")).into_response(),
-    }
-}
-
-/// Constant-time comparison, so the token cannot be guessed byte by byte from response times.
-fn token_matches(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len()
-        && given
-            .iter()
-            .zip(expected)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-}
-
-/// The request's bearer token, if any.
-pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-}
-
-/// Passes when no token is required or the request bears it.
-fn authorized(headers: &HeaderMap, expected: Option<&str>) -> Result<(), ApiError> {
-    match expected {
-        None => Ok(()),
-        Some(t) if token_matches(bearer(headers).unwrap_or("").as_bytes(), t.as_bytes()) => Ok(()),
-        Some(_) => Err(ApiError::unauthorized()),
     }
 }
 

@@ -155,7 +155,7 @@ impl DnsConfig {
 /// needs from the node it feeds.
 pub trait ReplicaRegistry: Send + Sync {
     /// Registers a replica, or updates (and brings back) the one with the same id. Returns its
-    /// index and whether it is new.
+    /// index and whether it is new (or revived after it was dropped: its watchers start again).
     fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)>;
     /// Takes replica `i` out of the registry: it drains.
     fn remove_replica(&self, i: usize);

@@ -41,7 +41,9 @@ pub struct MeshSection {
     /// Directory made by `kvmesh certs` (`ca.pem`, `<cert_name>.pem`, `<cert_name>.key`).
     /// Either this or all of `ca`, `cert` and `key`. Default none.
     pub certs_dir: Option<PathBuf>,
-    /// Certificate name in `certs_dir`. Default: `node_id`.
+    /// Certificate name in `certs_dir`. Default: `node_id`. Whatever the file is called, the
+    /// certificate must name `node_id` (`kvmesh certs issue` names it after `--name`): the node
+    /// refuses to start otherwise.
     pub cert_name: Option<String>,
     /// Cluster CA certificate (PEM), instead of `certs_dir`. Default none.
     pub ca: Option<PathBuf>,
@@ -64,6 +66,20 @@ pub struct MeshSection {
     /// `mesh/load_share.rs`); 0 turns load sharing off (peers' load then comes only from the
     /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
     pub load_share_interval_ms: u64,
+    /// Where replicas learned from peers' gossip may live: hosts (`vllm-3.internal`,
+    /// `10.0.0.7`), CIDRs (`10.0.0.0/8`, `fd00::/8`), DNS suffixes (`.svc.cluster.local`), or
+    /// `*` for anywhere. A learned replica gets this node's health checks, scrapes and prompts
+    /// (with their `Authorization` headers), so by default only hosts this node already talks
+    /// to are allowed: those of its own `[[replicas]]` and of the replicas its `[[dns]]` sources
+    /// resolved — plus loopback when the mesh itself is on loopback (a one-machine cluster).
+    /// Entries here add to that. Default none.
+    pub learn_replicas_from: Vec<String>,
+    /// Most replicas this node learns from any one publishing peer; more are ignored (counted
+    /// in `kvmesh_mesh_records_ignored_total{reason="peer_cap"}`). Default 256.
+    pub max_learned_replicas_per_peer: usize,
+    /// Most replicas this node learns from gossip in all; more are ignored (counted with
+    /// `reason="total_cap"`). Default 1,024.
+    pub max_learned_replicas: usize,
 }
 
 impl Default for MeshSection {
@@ -86,6 +102,9 @@ impl Default for MeshSection {
             warmup_timeout_ms: 5_000,
             distance: Vec::new(),
             load_share_interval_ms: 2,
+            learn_replicas_from: Vec::new(),
+            max_learned_replicas_per_peer: 256,
+            max_learned_replicas: 1024,
         }
     }
 }
@@ -156,6 +175,17 @@ impl MeshSection {
                      certificates (`kvmesh certs init --dir D`, `kvmesh certs issue --dir D --name N`)",
                 ))
             }
+        }
+        for (n, rule) in self.learn_replicas_from.iter().enumerate() {
+            if let Err(e) = crate::mesh::allow::AllowRule::parse(rule) {
+                return Err(invalid(format!("mesh.learn_replicas_from[{n}]"), e));
+            }
+        }
+        if self.max_learned_replicas_per_peer > self.max_learned_replicas {
+            return Err(invalid(
+                "mesh.max_learned_replicas_per_peer",
+                "must not exceed mesh.max_learned_replicas",
+            ));
         }
         for (n, d) in self.distance.iter().enumerate() {
             if d.a.is_empty() || d.b.is_empty() {
@@ -276,6 +306,14 @@ mod tests {
                 "mesh.distance[0].ms",
             ),
             ("[mesh]\nnode_id = \"n\"\nplaintext = true", "plaintext"),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nlearn_replicas_from = [\"10.0.0.0/33\"]",
+                "mesh.learn_replicas_from[0]",
+            ),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nmax_learned_replicas = 1",
+                "mesh.max_learned_replicas_per_peer",
+            ),
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");

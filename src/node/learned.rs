@@ -1,0 +1,496 @@
+//! Replicas learned from peers' gossip: who may introduce one, where it may live, how many, and
+//! when it goes.
+//!
+//! Exists because a learned replica gets this node's health checks, scrapes and clients' prompts,
+//! so a member must not be able to point the mesh anywhere. A record is learned only when:
+//! - its publisher is the replica's rendezvous home (`ReplicaEntry::home`), or this node is the
+//!   home and the publisher stands in for a replica in its own configuration (see
+//!   `mesh_roles.rs`); otherwise it is ignored (`not_home`);
+//! - its URL is http(s) with a host the allow-list admits (`not_allowed`, `bad_url`): this
+//!   node's own replicas' hosts (static or DNS-found), loopback when the mesh is on loopback,
+//!   and `[mesh] learn_replicas_from` (`mesh/allow.rs`);
+//! - the publisher has introduced fewer than `max_learned_replicas_per_peer` replicas here
+//!   (`peer_cap`) and this node holds fewer than `max_learned_replicas` learned ones
+//!   (`total_cap`).
+//!
+//! Each learned replica has an *origin*: the node that has it from its own configuration (the
+//! record's `origin`, or its publisher). It is kept only while the origin is a live member and
+//! some live member publishes it; then it drains and, once drained, is dropped (see
+//! `registry.rs`), so replicas a departed node introduced leave with it. Ignored records are
+//! counted once per (replica, publisher, reason) in `kvmesh_mesh_records_ignored_total{reason}`.
+
+use std::collections::HashSet;
+
+use super::state::Node;
+use crate::mesh::allow::{self, AllowRule};
+use crate::mesh::ReplicaEntry;
+use crate::replicas::entry::ReplicaConfig;
+
+/// Why a peer's replica record was not learned (the metric's `reason`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LearnError {
+    /// The publisher is not the replica's home (and this node is not its home either).
+    #[error("replica {id}: published by {publisher}, not its home")]
+    NotHome {
+        /// Replica id.
+        id: String,
+        /// Publisher's node id.
+        publisher: String,
+    },
+    /// The URL is not an http(s) URL with a host.
+    #[error("replica {id}: URL {url:?} is not an http(s) URL with a host")]
+    BadUrl {
+        /// Replica id.
+        id: String,
+        /// The URL.
+        url: String,
+    },
+    /// The URL's host is not on the allow-list.
+    #[error("replica {id}: host {host:?} is not in mesh.learn_replicas_from nor a host of this node's own replicas")]
+    NotAllowed {
+        /// Replica id.
+        id: String,
+        /// The host.
+        host: String,
+    },
+    /// The publisher introduced `mesh.max_learned_replicas_per_peer` already.
+    #[error("replica {id}: {publisher} already introduced {cap} replicas here (mesh.max_learned_replicas_per_peer)")]
+    PeerCap {
+        /// Replica id.
+        id: String,
+        /// Publisher's node id.
+        publisher: String,
+        /// The cap.
+        cap: usize,
+    },
+    /// This node holds `mesh.max_learned_replicas` learned replicas already.
+    #[error("replica {id}: {cap} learned replicas already (mesh.max_learned_replicas)")]
+    TotalCap {
+        /// Replica id.
+        id: String,
+        /// The cap.
+        cap: usize,
+    },
+    /// The registry refused it (e.g. a bad cache model size).
+    #[error("replica {id}: {reason}")]
+    Registry {
+        /// Replica id.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl LearnError {
+    /// The metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            LearnError::NotHome { .. } => "not_home",
+            LearnError::BadUrl { .. } => "bad_url",
+            LearnError::NotAllowed { .. } => "not_allowed",
+            LearnError::PeerCap { .. } => "peer_cap",
+            LearnError::TotalCap { .. } => "total_cap",
+            LearnError::Registry { .. } => "registry",
+        }
+    }
+}
+
+/// The learned-replica policy of a node, from its `[mesh]` table.
+#[derive(Clone, Debug, Default)]
+pub struct LearnPolicy {
+    rules: Vec<AllowRule>,
+    loopback: bool,
+    per_peer: usize,
+    total: usize,
+}
+
+impl LearnPolicy {
+    /// The policy of `node`'s configuration (none without a mesh: nothing is learned then).
+    pub fn of(node: &Node) -> LearnPolicy {
+        let Some(m) = &node.cfg.mesh else {
+            return LearnPolicy::default();
+        };
+        let mesh_ip = m.advertise.unwrap_or(m.listen).ip();
+        LearnPolicy {
+            // Validated with the configuration; a bad entry cannot reach here.
+            rules: m
+                .learn_replicas_from
+                .iter()
+                .filter_map(|r| AllowRule::parse(r).ok())
+                .collect(),
+            loopback: mesh_ip.is_loopback(),
+            per_peer: m.max_learned_replicas_per_peer,
+            total: m.max_learned_replicas,
+        }
+    }
+}
+
+/// The node that vouches for an entry's replica: the record's origin when its home says so,
+/// else the publisher itself (a stand-in vouches for itself only).
+pub(super) fn origin_of(e: &ReplicaEntry) -> String {
+    if e.home && !e.record.origin.is_empty() {
+        e.record.origin.clone()
+    } else {
+        e.publisher.clone()
+    }
+}
+
+impl Node {
+    /// Learns a replica from a peer's record, or says why not (see the module doc). `me_home`:
+    /// this node is the replica's home. Returns its index and whether watcher tasks must be
+    /// started for it (new, or back after being dropped).
+    pub(super) fn learn_replica(
+        &self,
+        e: &ReplicaEntry,
+        me_home: bool,
+        policy: &LearnPolicy,
+    ) -> Result<(usize, bool), LearnError> {
+        let id = e.id.clone();
+        if !e.home && !me_home {
+            return Err(LearnError::NotHome {
+                id,
+                publisher: e.publisher.clone(),
+            });
+        }
+        let r = &e.record;
+        let bad_url = || LearnError::BadUrl {
+            id: e.id.clone(),
+            url: r.url.chars().take(200).collect(),
+        };
+        let url = reqwest::Url::parse(&r.url).map_err(|_| bad_url())?;
+        let host = match url.host_str() {
+            Some(h) if matches!(url.scheme(), "http" | "https") => h.to_owned(),
+            _ => return Err(bad_url()),
+        };
+        let dropped = {
+            let core = self.lock();
+            let index = core.view.index_of(&id);
+            let existing = index.and_then(|i| core.replicas.get(i));
+            match existing {
+                // Known and in the registry, or configured here (a DNS source took it out:
+                // gossip does not bring it back).
+                Some(rt) if !rt.removed || !rt.mesh.learned => {
+                    return Ok((index.unwrap_or_default(), false));
+                }
+                Some(rt) => rt.dropped,
+                None => false,
+            }
+        };
+        let allowed = policy.rules.iter().any(|rule| rule.matches(&host))
+            || (policy.loopback && allow::is_loopback(&host))
+            || self.own_host(&host);
+        if !allowed {
+            return Err(LearnError::NotAllowed { id, host });
+        }
+        let (from_peer, learned) = {
+            let core = self.lock();
+            let active = core
+                .replicas
+                .iter()
+                .filter(|rt| rt.mesh.learned && !rt.removed);
+            active.fold((0usize, 0usize), |(p, t), rt| {
+                let mine = rt.mesh.learned_from.as_deref() == Some(e.publisher.as_str());
+                (p + usize::from(mine), t + 1)
+            })
+        };
+        if from_peer >= policy.per_peer {
+            return Err(LearnError::PeerCap {
+                id,
+                publisher: e.publisher.clone(),
+                cap: policy.per_peer,
+            });
+        }
+        if learned >= policy.total {
+            return Err(LearnError::TotalCap {
+                id,
+                cap: policy.total,
+            });
+        }
+        let spec = ReplicaConfig {
+            url: r.url.clone(),
+            id: Some(id.clone()),
+            region: Some(r.region.clone()),
+            zone: r.zone.clone(),
+            pool: r.pool.clone(),
+            models: r.models.clone(),
+            capacity_tokens: Some(r.capacity_tokens.max(1)),
+            prefill_tokens_per_s: if r.prefill_tokens_per_s.is_finite()
+                && r.prefill_tokens_per_s > 0.0
+            {
+                r.prefill_tokens_per_s
+            } else {
+                50_000.0
+            },
+            max_in_flight: r.max_in_flight.max(1),
+            // The home subscribes to the engine's events; a learner only reads the summary.
+            kv_events: None,
+        };
+        let (i, new) = self
+            .add_replica(&spec)
+            .map_err(|err| LearnError::Registry {
+                id: id.clone(),
+                reason: err.to_string(),
+            })?;
+        let mut core = self.lock();
+        if let Some(rt) = core.replicas.get_mut(i) {
+            // Its home decides; until this node is home it is a follower.
+            rt.mesh.learned = true;
+            if new {
+                rt.mesh.home = false;
+            }
+            rt.mesh.learned_from = Some(e.publisher.clone());
+            rt.mesh.origin = Some(origin_of(e));
+        }
+        Ok((i, new || dropped))
+    }
+
+    /// Whether `host` is the host of one of this node's own replicas (configured, or found by
+    /// its DNS sources), in the registry now.
+    fn own_host(&self, host: &str) -> bool {
+        let core = self.lock();
+        let endpoints = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
+        core.replicas
+            .iter()
+            .zip(endpoints.iter())
+            .filter(|(rt, _)| !rt.mesh.learned && !rt.removed)
+            .any(|(_, ep)| {
+                reqwest::Url::parse(&ep.base)
+                    .ok()
+                    .and_then(|u| u.host_str().map(|h| allow::same_host(h, host)))
+                    .unwrap_or(false)
+            })
+    }
+}
+
+/// Remembers which ignored records were counted, so a record ignored every round counts once.
+#[derive(Debug, Default)]
+pub(super) struct Ignored {
+    seen: HashSet<(String, String, &'static str)>,
+}
+
+/// Most (replica, publisher, reason) triples remembered; past it the set restarts (recounting).
+const MAX_IGNORED: usize = 16_384;
+
+impl Ignored {
+    /// Whether this is the first time `err` is seen for `publisher` (so it is counted and logged).
+    pub(super) fn first(&mut self, publisher: &str, err: &LearnError) -> bool {
+        if self.seen.len() >= MAX_IGNORED {
+            self.seen.clear();
+        }
+        let id = match err {
+            LearnError::NotHome { id, .. }
+            | LearnError::BadUrl { id, .. }
+            | LearnError::NotAllowed { id, .. }
+            | LearnError::PeerCap { id, .. }
+            | LearnError::TotalCap { id, .. }
+            | LearnError::Registry { id, .. } => id.clone(),
+        };
+        self.seen.insert((id, publisher.to_owned(), err.reason()))
+    }
+
+    /// Forgets everything about replicas no longer published, so a record that returns is
+    /// counted again.
+    pub(super) fn retain(&mut self, published: &HashSet<(String, String)>) {
+        self.seen
+            .retain(|(id, p, _)| published.contains(&(id.clone(), p.clone())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::view::Health;
+    use crate::mesh::schema::{InflightRecord, SCHEMA_VERSION};
+    use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
+    use crate::mesh::Member;
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::collections::BTreeMap;
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn node(listen: &str) -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = vec![ReplicaConfig {
+            id: Some("own".into()),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url("http://10.0.0.5:8000".to_owned())
+        }];
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            listen: listen.parse().unwrap(),
+            certs_dir: Some("/nonexistent".into()),
+            learn_replicas_from: vec![".svc.example".into()],
+            max_learned_replicas_per_peer: 2,
+            max_learned_replicas: 3,
+            ..MeshSection::default()
+        });
+        Node::new(cfg).unwrap()
+    }
+
+    fn entry(id: &str, publisher: &str, url: &str, home: bool) -> ReplicaEntry {
+        ReplicaEntry {
+            id: id.into(),
+            publisher: publisher.into(),
+            publisher_addr: "127.0.0.1:9".parse().unwrap(),
+            record: ReplicaRecord {
+                url: url.into(),
+                region: "eu".into(),
+                zone: String::new(),
+                pool: String::new(),
+                models: vec!["m".into()],
+                capacity_tokens: 1000,
+                prefill_tokens_per_s: 1000.0,
+                max_in_flight: 8,
+                health: WireHealth::Healthy,
+                load: WireLoad::default(),
+                summary: SummaryVersion::default(),
+                origin: String::new(),
+            },
+            home,
+        }
+    }
+
+    fn member(id: &str, port: u16, is_self: bool) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: String::new(),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: BTreeMap::new(),
+            inflight: InflightRecord::default(),
+            rtt: Default::default(),
+            homes: None,
+        }
+    }
+
+    #[test]
+    fn learning_needs_the_home_an_allowed_host_and_room_under_the_caps() {
+        let n = node("10.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let learn = |e: &ReplicaEntry, me_home| n.learn_replica(e, me_home, &policy);
+        let reason = |r: Result<(usize, bool), LearnError>| r.unwrap_err().reason();
+        // Not the home's record, and this node is not the home either.
+        let e = entry("x", "p", "http://10.0.0.5:9000", false);
+        assert_eq!(reason(learn(&e, false)), "not_home");
+        // This node is the home: a stand-in's record may introduce it.
+        assert!(learn(&e, true).unwrap().1);
+        // Hosts: loopback is not allowed on a mesh that is not on loopback; an unknown host
+        // is not; a bad scheme is a bad URL.
+        for (url, why) in [
+            ("http://127.0.0.1:8000", "not_allowed"),
+            ("http://[::1]:8000", "not_allowed"),
+            ("http://169.254.169.254/", "not_allowed"),
+            ("ftp://10.0.0.5/", "bad_url"),
+            ("not a url", "bad_url"),
+        ] {
+            assert_eq!(
+                reason(learn(&entry("y", "p", url, true), false)),
+                why,
+                "{url}"
+            );
+        }
+        // The allow-list's suffix.
+        assert!(learn(&entry("s1", "p", "http://v.svc.example:8000", true), false).is_ok());
+        // Per-peer cap (2): p introduced x and s1.
+        let third = entry("s2", "p", "http://w.svc.example:8000", true);
+        assert_eq!(reason(learn(&third, false)), "peer_cap");
+        // Total cap (3).
+        assert!(learn(&entry("q1", "q", "http://q.svc.example", true), false).is_ok());
+        assert_eq!(
+            reason(learn(
+                &entry("q2", "q", "http://q2.svc.example", true),
+                false
+            )),
+            "total_cap"
+        );
+        // A known replica is not learned twice, and does not count against a cap.
+        let known = entry("x", "p", "http://10.0.0.5:9000", true);
+        assert_eq!(
+            learn(&known, false).unwrap(),
+            (learn(&e, true).unwrap().0, false)
+        );
+        assert_eq!(n.replica_count(), 4);
+    }
+
+    #[test]
+    fn loopback_is_allowed_on_a_loopback_mesh() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let e = entry("l", "p", "http://127.0.0.1:8001", true);
+        assert!(n.learn_replica(&e, false, &policy).is_ok());
+    }
+
+    #[test]
+    fn a_learned_replica_expires_with_its_origin_and_is_dropped_after_its_drain() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let mut p = member("p", 7001, false);
+        let me = member("a", 7000, true);
+        // p publishes "gone" as its home; this node learns it with origin p.
+        let id = (0..)
+            .map(|i| format!("gone{i}"))
+            .find(|id| {
+                crate::mesh::cluster::home_in(&[me.clone(), p.clone()], id, "eu")
+                    .unwrap()
+                    .0
+                    == "p"
+            })
+            .unwrap();
+        let e = entry(&id, "p", "http://127.0.0.1:8001", true);
+        p.replicas.insert(id.clone(), e.record.clone());
+        let (i, new) = n.learn_replica(&e, false, &policy).unwrap();
+        assert!(new);
+        let records = BTreeMap::from([(id.clone(), e.clone())]);
+        let live = vec![me.clone(), p.clone()];
+        let plan = n.apply_membership("a", &live, &records);
+        assert!(plan.expired.is_empty());
+        assert_eq!(n.lock().replicas[i].mesh.origin.as_deref(), Some("p"));
+        // p leaves: the replica drains (no new requests), keeps its index.
+        let plan = n.apply_membership("a", std::slice::from_ref(&me), &BTreeMap::new());
+        assert_eq!(plan.expired, vec![i]);
+        {
+            let core = n.lock();
+            assert!(core.replicas[i].removed);
+            assert_eq!(core.view.replica(i).unwrap().health, Health::Draining);
+        }
+        // Not dropped before DROP_AFTER, nor while a request is in flight.
+        let removed_at = n.lock().replicas[i].removed_at.unwrap();
+        assert_eq!(n.sweep_departed_at(removed_at + Duration::from_secs(1)), 0);
+        n.lock().view.replica_mut(i).unwrap().load.in_flight = 1;
+        let later = removed_at + super::super::registry::DROP_AFTER;
+        assert_eq!(n.sweep_departed_at(later), 0);
+        n.lock().view.replica_mut(i).unwrap().load.in_flight = 0;
+        // Then dropped: a tombstone with its memory freed.
+        assert_eq!(n.sweep_departed_at(later), 1);
+        {
+            let core = n.lock();
+            let rt = &core.replicas[i];
+            assert!(rt.dropped);
+            assert!(core.view.replica(i).unwrap().summary.is_none());
+            assert!(rt.cache.summary().filter_bytes() < 1024);
+            assert_eq!(core.view.index_of(&id), Some(i), "the index is stable");
+        }
+        assert_eq!(n.live_incarnation(i), None, "its watchers end");
+        assert_eq!(n.replica_count(), 2);
+        // Published again (p back): revived at the same index, with new watchers.
+        assert_eq!(n.learn_replica(&e, false, &policy).unwrap(), (i, true));
+        assert!(!n.lock().replicas[i].removed);
+        assert!(n.live_incarnation(i).is_some());
+    }
+}

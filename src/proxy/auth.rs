@@ -1,0 +1,35 @@
+//! Bearer tokens: the admin and metrics tokens, and where API keys are read from.
+//!
+//! Exists so every check compares in constant time and reads the header one way.
+
+use axum::http::{header, HeaderMap};
+
+use super::error::ApiError;
+
+/// Constant-time comparison, so the token cannot be guessed byte by byte from response times.
+fn token_matches(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// The request's bearer token, if any.
+pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// Passes when no token is required or the request bears it.
+pub(super) fn authorized(headers: &HeaderMap, expected: Option<&str>) -> Result<(), ApiError> {
+    match expected {
+        None => Ok(()),
+        Some(t) if token_matches(bearer(headers).unwrap_or("").as_bytes(), t.as_bytes()) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized()),
+    }
+}
+

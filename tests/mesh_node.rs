@@ -78,6 +78,20 @@ async fn mesh_node_with(
     replicas: &[(String, String)],
     http_url: Option<String>,
 ) -> RunningNode {
+    proxy::spawn(mesh_config(certs, name, region, seeds, replicas, http_url))
+        .await
+        .unwrap()
+}
+
+/// The configuration [`mesh_node_with`] starts.
+fn mesh_config(
+    certs: &Path,
+    name: &str,
+    region: &str,
+    seeds: &[SocketAddr],
+    replicas: &[(String, String)],
+    http_url: Option<String>,
+) -> NodeConfig {
     // A restarted node keeps its certificate.
     if !certs.join(format!("{name}.pem")).exists() {
         kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
@@ -113,7 +127,7 @@ async fn mesh_node_with(
         http_url,
         ..MeshSection::default()
     });
-    proxy::spawn(cfg).await.unwrap()
+    cfg
 }
 
 fn mesh_addr(n: &RunningNode) -> SocketAddr {
@@ -1055,6 +1069,104 @@ async fn a_replica_record_published_by_a_non_home_is_ignored() {
         n2.shutdown().await;
         n1.shutdown().await;
         r.shutdown().await;
+    })
+    .await;
+}
+
+/// A tenant's `max_cluster_share` holds across the mesh: the requests it has open at one node
+/// count at the others (through the gossiped `inflight` records), so N nodes do not allow N
+/// times the share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_share_of_the_cluster_holds_across_nodes() {
+    bounded(30, async {
+        let dir = certs();
+        // Real-time replicas: a long completion stays in flight.
+        let mut reps = Vec::new();
+        for id in ["r0", "r1"] {
+            let mut cfg = ReplicaConfig {
+                id: id.into(),
+                exit_on_crash: false,
+                ..ReplicaConfig::default()
+            };
+            cfg.engine.time_scale = 1.0;
+            reps.push(replica::spawn(cfg).await.unwrap());
+        }
+        let list: Vec<(String, String)> =
+            reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
+        let with_quota = |mut cfg: NodeConfig| {
+            for r in &mut cfg.replicas {
+                r.max_in_flight = 4;
+            }
+            // 8 slots in the cluster: acme may hold 2.
+            cfg.tenants.insert(
+                "acme".into(),
+                kvmesh::core::tenants::TenantConfig {
+                    max_cluster_share: Some(0.25),
+                    ..Default::default()
+                },
+            );
+            cfg
+        };
+        let a = proxy::spawn(with_quota(mesh_config(
+            dir.path(),
+            "a",
+            "eu",
+            &[],
+            &list,
+            None,
+        )))
+        .await
+        .unwrap();
+        let seed = [mesh_addr(&a)];
+        let b = proxy::spawn(with_quota(mesh_config(
+            dir.path(),
+            "b",
+            "eu",
+            &seed,
+            &list,
+            None,
+        )))
+        .await
+        .unwrap();
+        wait_for(Duration::from_secs(10), || a.node.ready() && b.node.ready())
+            .await
+            .expect("the mesh never became ready");
+        let http = client();
+        let open = |addr: SocketAddr, n: usize| {
+            http.post(format!("http://{addr}/v1/completions"))
+                .header("x-tenant-id", "acme")
+                .json(
+                    &json!({"model": MODEL, "prompt": text(&format!("long {n}"), 512),
+                              "max_tokens": 4000, "stream": true}),
+                )
+                .send()
+        };
+        // Two long streams at a: acme's whole share.
+        let mut held = Vec::new();
+        for n in 0..2 {
+            let resp = open(a.addr, n).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            held.push(resp);
+        }
+        // b learns them within a few gossip rounds and refuses a third.
+        let mut refused = false;
+        for n in 2..40 {
+            let resp = open(b.addr, n).await.unwrap();
+            if resp.status() == 429 {
+                refused = true;
+                break;
+            }
+            drop(resp);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(refused, "b never counted a's requests against acme's share");
+        drop(held);
+        for n in [a, b] {
+            n.shutdown().await;
+        }
+        for r in reps {
+            r.shutdown().await;
+        }
     })
     .await;
 }

@@ -36,6 +36,9 @@ pub struct Tenants {
     default: TenantConfig,
     /// tenant → (replica index → in flight, total in flight).
     usage: HashMap<String, (HashMap<usize, u32>, u32)>,
+    /// tenant → in flight at the other nodes (their gossiped `inflight` records), for
+    /// tenants with a cluster share.
+    peer_usage: HashMap<String, u32>,
 }
 
 impl Tenants {
@@ -45,6 +48,7 @@ impl Tenants {
             configs,
             default,
             usage: HashMap::new(),
+            peer_usage: HashMap::new(),
         }
     }
 
@@ -77,12 +81,32 @@ impl Tenants {
         self.in_flight(t, i) < cap
     }
 
-    /// Whether `tenant` may send one more request given `cluster_slots` in-flight slots in all.
+    /// Whether `tenant` may send one more request given `cluster_slots` in-flight slots in all:
+    /// its requests here and at the other nodes stay under its share.
     pub fn cluster_allows(&self, tenant: Option<&str>, cluster_slots: u64) -> bool {
         let (Some(t), Some(share)) = (tenant, self.config(tenant).max_cluster_share) else {
             return true;
         };
-        (self.total_in_flight(t) as f64) < share * cluster_slots as f64
+        let peers = self.peer_usage.get(t).copied().unwrap_or(0);
+        let held = u64::from(self.total_in_flight(t)) + u64::from(peers);
+        (held as f64) < share * cluster_slots as f64
+    }
+
+    /// This node's in-flight counts of the tenants that have a cluster share, for gossip.
+    pub fn shared_usage(&self) -> impl Iterator<Item = (&str, u32)> + '_ {
+        self.usage
+            .iter()
+            .filter(|(t, _)| {
+                self.configs
+                    .get(*t)
+                    .is_some_and(|c| c.max_cluster_share.is_some())
+            })
+            .map(|(t, (_, total))| (t.as_str(), *total))
+    }
+
+    /// The other nodes' in-flight counts per tenant (replaces the previous ones).
+    pub fn set_peer_usage(&mut self, usage: HashMap<String, u32>) {
+        self.peer_usage = usage;
     }
 
     /// A request of `tenant` started on replica `i`.
@@ -140,5 +164,29 @@ mod tests {
         t.finished("acme", 0);
         t.finished("acme", 0);
         assert_eq!(t.total_in_flight("acme"), 0);
+    }
+
+    #[test]
+    fn a_cluster_share_counts_the_other_nodes_requests() {
+        let acme = TenantConfig {
+            max_cluster_share: Some(0.5),
+            ..Default::default()
+        };
+        let mut t = Tenants::new(
+            HashMap::from([("acme".to_owned(), acme)]),
+            TenantConfig::default(),
+        );
+        t.started("acme", 0);
+        t.started("beta", 0);
+        assert!(
+            t.cluster_allows(Some("acme"), 4),
+            "1 of the 2 slots acme may hold"
+        );
+        // Another node holds one more: the share is full everywhere.
+        t.set_peer_usage(HashMap::from([("acme".to_owned(), 1)]));
+        assert!(!t.cluster_allows(Some("acme"), 4));
+        // Only tenants with a cluster share are gossiped.
+        let shared: Vec<_> = t.shared_usage().collect();
+        assert_eq!(shared, vec![("acme", 1)]);
     }
 }

@@ -410,11 +410,21 @@ pub fn replica_key(id: &str) -> Result<String, SchemaError> {
     Ok(format!("{REPLICA_PREFIX}{id}"))
 }
 
-/// The `inflight` record: this node's in-flight requests per replica.
+/// Most tenants an `inflight` record carries (only those with a cluster-wide share).
+pub const MAX_RECORD_TENANTS: usize = 32;
+/// Longest tenant name an `inflight` record carries.
+pub const MAX_TENANT_BYTES: usize = 64;
+
+/// The `inflight` record: this node's in-flight requests per replica, and per tenant for the
+/// tenants whose quota is a share of the cluster (so every node enforces it cluster-wide).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InflightRecord {
     /// Replica id → in-flight requests (non-zero only).
     pub counts: BTreeMap<String, u32>,
+    /// Tenant → in-flight requests at this node (non-zero only; at most
+    /// [`MAX_RECORD_TENANTS`] names of at most [`MAX_TENANT_BYTES`]).
+    #[serde(default)]
+    pub tenants: BTreeMap<String, u32>,
 }
 
 impl InflightRecord {
@@ -435,6 +445,24 @@ impl InflightRecord {
         rec
     }
 
+    /// Adds the largest non-zero tenant counts that still fit (names over
+    /// [`MAX_TENANT_BYTES`] are left out).
+    pub fn with_tenants(mut self, tenants: impl IntoIterator<Item = (String, u32)>) -> Self {
+        let mut all: Vec<(String, u32)> = tenants
+            .into_iter()
+            .filter(|(t, c)| *c > 0 && t.len() <= MAX_TENANT_BYTES)
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        for (t, c) in all.into_iter().take(MAX_RECORD_TENANTS) {
+            self.tenants.insert(t.clone(), c);
+            if self.encode().is_err() {
+                self.tenants.remove(&t);
+                break;
+            }
+        }
+        self
+    }
+
     /// Encodes for gossip; errors when over the limit.
     pub fn encode(&self) -> Result<String, SchemaError> {
         encode("inflight", self)
@@ -442,8 +470,13 @@ impl InflightRecord {
     /// Decodes a peer's value; a count over [`bounds::MAX_REQUESTS`] is refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
         let r: InflightRecord = decode("inflight", s)?;
-        for c in r.counts.values() {
+        for c in r.counts.values().chain(r.tenants.values()) {
             bound("inflight", "counts", *c <= bounds::MAX_REQUESTS, c)?;
+        }
+        let n = r.tenants.len();
+        bound("inflight", "tenants", n <= MAX_RECORD_TENANTS, n)?;
+        for t in r.tenants.keys() {
+            bound("inflight", "tenants", t.len() <= MAX_TENANT_BYTES, t.len())?;
         }
         Ok(r)
     }
@@ -611,8 +644,22 @@ mod tests {
         assert!(ReplicaRecord::decode(&r.encode().unwrap()).is_ok());
         let bad_inflight = InflightRecord {
             counts: BTreeMap::from([("r".to_owned(), u32::MAX)]),
+            ..Default::default()
         };
         assert!(InflightRecord::decode(&bad_inflight.encode().unwrap()).is_err());
+        let bad_tenant = InflightRecord {
+            tenants: BTreeMap::from([("t".to_owned(), u32::MAX)]),
+            ..Default::default()
+        };
+        assert!(InflightRecord::decode(&bad_tenant.encode().unwrap()).is_err());
+        let many_tenants = InflightRecord {
+            tenants: (0..40).map(|i| (format!("t{i}"), 1)).collect(),
+            ..Default::default()
+        };
+        assert!(InflightRecord::decode(&many_tenants.encode().unwrap()).is_err());
+        let fitted = InflightRecord::default().with_tenants((0..40).map(|i| (format!("t{i}"), i)));
+        assert_eq!(fitted.tenants.len(), MAX_RECORD_TENANTS);
+        assert!(InflightRecord::decode(&fitted.encode().unwrap()).is_ok());
         let bad_rtt = RttRecord {
             ms: BTreeMap::from([("eu".to_owned(), f32::NAN)]),
         };

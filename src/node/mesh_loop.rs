@@ -285,6 +285,7 @@ async fn sync_once(
     }
     node.set_regions(map);
 
+    node.set_peer_tenant_usage(&live);
     let plan = node.apply_membership(mesh.node_id(), &live, &records);
     if !plan.expired.is_empty() {
         metrics.learned_expired.inc_by(plan.expired.len() as u64);

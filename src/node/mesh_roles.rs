@@ -33,7 +33,7 @@
 //! reports. When the old home died instead, what only it knew is lost, bounded by overlays and
 //! re-reported routes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -494,7 +494,8 @@ impl Node {
         }
     }
 
-    /// This node's in-flight counts for gossip.
+    /// This node's in-flight counts for gossip: per replica, and per tenant with a cluster
+    /// share.
     pub(super) fn inflight_record(&self) -> InflightRecord {
         let core = self.lock();
         InflightRecord::fit(
@@ -503,6 +504,28 @@ impl Node {
                 .iter()
                 .map(|r| (r.info.id.clone(), r.load.in_flight)),
         )
+        .with_tenants(
+            core.router
+                .tenants
+                .shared_usage()
+                .map(|(t, c)| (t.to_owned(), c)),
+        )
+    }
+
+    /// The other live nodes' in-flight requests per tenant (their `inflight` records), so a
+    /// tenant's cluster share holds across nodes.
+    pub(super) fn set_peer_tenant_usage(&self, live: &[Member]) {
+        let mut usage: HashMap<String, u32> = HashMap::new();
+        for m in live.iter().filter(|m| !m.is_self) {
+            for (t, c) in &m.inflight.tenants {
+                // Only configured tenants: names a peer sends cannot grow this map.
+                if self.tenant_cfgs.contains_key(t) {
+                    let e = usage.entry(t.clone()).or_default();
+                    *e = e.saturating_add(*c);
+                }
+            }
+        }
+        self.lock().router.tenants.set_peer_usage(usage);
     }
 
     /// The `mesh` section of `/admin/state`.

@@ -32,4 +32,3 @@ pub(super) fn authorized(headers: &HeaderMap, expected: Option<&str>) -> Result<
         Some(_) => Err(ApiError::unauthorized()),
     }
 }
-

@@ -76,6 +76,8 @@ enum Fake {
     Poison,
     /// Accepts completions and never answers (health checks still pass).
     Hang,
+    /// Closes the connection on every completion, answering nothing.
+    Reset,
 }
 
 /// A raw-TCP replica: completions per `mode`, else a minimal completion; `/health` and
@@ -124,6 +126,9 @@ async fn fake_replica_seen(mode: Fake) -> (SocketAddr, Arc<Mutex<Vec<String>>>) 
                     let completion = head.starts_with("post");
                     if completion {
                         heads.lock().unwrap().push(head.clone());
+                    }
+                    if completion && matches!(mode, Fake::Reset) {
+                        return;
                     }
                     if let (Fake::BodyLimit(limit), true) = (mode, completion) {
                         if len > limit {
@@ -585,6 +590,32 @@ async fn clients_can_use_https() {
         assert_eq!(resp.version(), reqwest::Version::HTTP_2);
         // Plain HTTP to the TLS port gets nowhere.
         assert!(client().get(url(&node, "/health")).send().await.is_err());
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// What a client is told about a failed upstream names no replica and no address.
+#[tokio::test]
+async fn error_bodies_name_no_replica_and_no_address() {
+    bounded(async {
+        let addr = fake_replica(Fake::Reset).await;
+        let node = proxy::spawn(node_config(&[format!("http://{addr}")]))
+            .await
+            .unwrap();
+        let c = client();
+        let resp = c
+            .post(url(&node, "/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "hi", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 502);
+        let body = resp.text().await.unwrap();
+        assert!(body.contains("the replica failed"), "{body}");
+        for secret in ["127.0.0.1", &addr.port().to_string(), "r0"] {
+            assert!(!body.contains(secret), "{secret} in {body}");
+        }
         node.shutdown().await;
     })
     .await;

@@ -211,3 +211,20 @@ pub(super) fn is_failure(status: StatusCode) -> bool {
             | StatusCode::GATEWAY_TIMEOUT
     )
 }
+
+/// An upstream error with its causes (`error sending request: connection refused`), never its
+/// URL: what a client may be told.
+pub(super) fn upstream_cause(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}

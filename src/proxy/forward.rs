@@ -26,7 +26,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
 use super::blame::{Attempts, Failure};
-use super::error::{is_failure, ApiError};
+use super::error::{is_failure, upstream_cause, ApiError};
 use super::listener::conn_info;
 use super::region_forward;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
@@ -438,7 +438,10 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 } else {
                     Failure::Transport
                 };
-                (failure, format!("the replica failed: {}", e.without_url()))
+                (
+                    failure,
+                    format!("the replica failed: {}", upstream_cause(e)),
+                )
             }
             Err(_) => {
                 ticket.failed(&keys);

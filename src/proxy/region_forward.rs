@@ -20,7 +20,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use rand::seq::SliceRandom;
 
-use super::error::{is_failure, ApiError};
+use super::error::{is_failure, upstream_cause, ApiError};
 use crate::core::router::ForwardReason;
 use crate::node::{Node, Peer};
 
@@ -91,7 +91,7 @@ pub async fn forward(
                 ));
             }
             Ok(Ok(resp)) => format!("answered {}", resp.status()),
-            Ok(Err(e)) => format!("failed: {e}"),
+            Ok(Err(e)) => format!("failed: {}", upstream_cause(e)),
             Err(_) => format!("sent nothing within {first_byte:?}"),
         };
         tracing::warn!(%region, peer = %peer.node_id, url = %peer.http_url, error = %last, "forward attempt failed");

@@ -29,6 +29,11 @@ use lru::LruCache;
 use super::keys::BlockKey;
 use super::summary::{ReplicaSummary, SummaryConfig, SummaryError, Tier};
 
+/// Largest capacity (blocks) a cache model is sized for, whatever the configuration, a scrape or
+/// a peer's record says: 2^22 blocks (a 5 MiB Bloom filter at 1%, under the summary message
+/// limit). The filter is preallocated at this size; the LRU grows with use, never preallocated.
+pub const MAX_CAPACITY_BLOCKS: usize = 1 << 22;
+
 /// Where a cache model's knowledge comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheSource {
@@ -94,12 +99,15 @@ impl CacheModel {
         cfg: CacheModelConfig,
         summary_cfg: SummaryConfig,
     ) -> Result<Self, SummaryError> {
-        let capacity = cfg.capacity_blocks.max(1);
+        let mut cfg = cfg;
+        cfg.capacity_blocks = cfg.capacity_blocks.clamp(1, MAX_CAPACITY_BLOCKS);
+        let capacity = cfg.capacity_blocks;
         let summary = ReplicaSummary::new(epoch, capacity, &summary_cfg)?;
         let entries = match source {
             CacheSource::Exact => LruCache::unbounded(),
+            // Sparse: the map grows with the keys routed, not with what the capacity claims.
             CacheSource::Approximate => {
-                LruCache::new(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN))
+                LruCache::sparse(NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN))
             }
         };
         Ok(CacheModel {
@@ -241,7 +249,11 @@ impl CacheModel {
     /// current tier (so keys that changed tier shed their old tier's key).
     fn rebuild(&mut self, epoch: u64) -> Result<(), SummaryError> {
         // Size the new filter for what is live now, but never below the configured capacity.
-        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
+        let items = self
+            .cfg
+            .capacity_blocks
+            .max(self.entries.len())
+            .clamp(1, MAX_CAPACITY_BLOCKS);
         let mut next = ReplicaSummary::new(epoch, items, &self.summary_cfg)?;
         let mut by_tier: [Vec<BlockKey>; 3] = Default::default();
         for (k, slot) in self.entries.iter().rev() {
@@ -389,6 +401,16 @@ mod tests {
         assert_eq!(m.summary().tier_of(BlockKey(5)), Some(Tier::Cpu));
         m.remove(&ks(0..40));
         assert!(m.is_empty());
+    }
+
+    #[test]
+    fn an_absurd_capacity_is_clamped_not_allocated() {
+        // 10^15 blocks (a scraped or gossiped number) would preallocate petabytes.
+        let m = model(CacheSource::Approximate, 1_000_000_000_000_000);
+        assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
+        assert!(m.summary().filter_bytes() <= 8 << 20);
+        let m = model(CacheSource::Exact, usize::MAX);
+        assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
     }
 
     #[test]

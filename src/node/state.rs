@@ -155,7 +155,8 @@ pub struct Node {
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
-    (tokens / u64::from(tokens_per_block.max(1))).max(1) as usize
+    // The cache model clamps it (`MAX_CAPACITY_BLOCKS`); here it only must not wrap.
+    usize::try_from((tokens / u64::from(tokens_per_block.max(1))).max(1)).unwrap_or(usize::MAX)
 }
 
 /// Token mode if configured and loadable; otherwise text mode, with the reason logged.

@@ -7,6 +7,7 @@
 //! `KvEventSink` in `feedback.rs`, `ReplicaRegistry` in `registry.rs` — so nothing under
 //! `replicas/` knows the node.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +38,21 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     node.active_check(i, ok, models);
 }
 
+/// Unix ms of the last warning about refused scrape values (process-wide: one per 10 s).
+static LAST_REFUSED_WARN: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a warning rate-limited by `last` (unix ms) may be logged now; at most once per 10 s.
+fn warn_due(last: &AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let prev = last.load(Ordering::Relaxed);
+    now.saturating_sub(prev) >= 10_000
+        && last
+            .compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
 /// One scrape of replica `i`'s `/metrics`.
 pub(super) async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
@@ -51,6 +67,15 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
         Ok(load) => {
             if load.skipped_lines > 0 {
                 node.metrics.scrape_skipped_lines.inc_by(load.skipped_lines);
+            }
+            if load.refused_values > 0 {
+                node.metrics
+                    .scrape_refused
+                    .with_label_values(&[id])
+                    .inc_by(load.refused_values);
+                if warn_due(&LAST_REFUSED_WARN) {
+                    tracing::warn!(replica = %id, refused = load.refused_values, "scrape values out of bounds refused (further ones counted, not logged, for 10 s)");
+                }
             }
             if let Err(e) = node.apply_scrape(i, load) {
                 tracing::warn!(replica = %id, error = %e, "cannot apply scrape");

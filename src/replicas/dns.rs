@@ -101,6 +101,12 @@ pub struct DnsKvEvents {
     /// Default 1.
     #[serde(default = "default_dp_ranks")]
     pub dp_ranks: u16,
+    /// Largest event message accepted (bytes); see `KvEventsSource`. Default 4 MiB.
+    #[serde(default = "super::kv_events::default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Live messages buffered during a replay (bytes); see `KvEventsSource`. Default 64 MiB.
+    #[serde(default = "super::kv_events::default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
 }
 
 fn default_dp_ranks() -> u16 {
@@ -116,6 +122,8 @@ impl DnsKvEvents {
             replay: self.replay_port.map(tcp),
             topic: self.topic.clone(),
             dp_ranks: self.dp_ranks,
+            max_message_bytes: self.max_message_bytes,
+            max_buffered_bytes: self.max_buffered_bytes,
         }
     }
 }

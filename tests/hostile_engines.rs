@@ -116,9 +116,10 @@ async fn an_absurd_cache_config_is_refused_and_counted() {
     .await;
 }
 
-/// A raw TCP "publisher": ZMTP greeting and READY, then one frame header declaring `declared`
-/// bytes and nothing more. Counts the connections it accepted and the ones the peer closed.
-async fn hostile_publisher(declared: u64) -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+/// A raw TCP "publisher": ZMTP greeting and READY, then (if `declared`) one frame header
+/// declaring that many bytes and nothing more. Counts the connections it accepted and the ones
+/// the peer closed.
+async fn hostile_publisher(declared: Option<u64>) -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -143,11 +144,12 @@ async fn hostile_publisher(declared: u64) -> (u16, Arc<AtomicUsize>, Arc<AtomicU
                 ready.extend_from_slice(b"Socket-Type");
                 ready.extend_from_slice(&3u32.to_be_bytes());
                 ready.extend_from_slice(b"PUB");
-                let mut huge = vec![0x02];
-                huge.extend_from_slice(&declared.to_be_bytes());
                 let mut out = greeting.to_vec();
                 out.extend_from_slice(&ready);
-                out.extend_from_slice(&huge);
+                if let Some(declared) = declared {
+                    out.push(0x02);
+                    out.extend_from_slice(&declared.to_be_bytes());
+                }
                 if s.write_all(&out).await.is_err() {
                     return;
                 }
@@ -175,7 +177,7 @@ async fn hostile_publisher(declared: u64) -> (u16, Arc<AtomicUsize>, Arc<AtomicU
 async fn a_publisher_declaring_a_huge_frame_is_dropped_without_allocating_it() {
     init();
     bounded(async {
-        let (port, accepted, closed) = hostile_publisher(1 << 40).await;
+        let (port, accepted, closed) = hostile_publisher(Some(1 << 40)).await;
         let addr = engine("vllm:num_requests_running 0\n").await;
         let mut cfg = node_config();
         cfg.replicas = vec![NodeReplica {
@@ -205,6 +207,120 @@ async fn a_publisher_declaring_a_huge_frame_is_dropped_without_allocating_it() {
             .await
             .unwrap();
         assert!(health.status().is_success());
+        assert!(node.shutdown().await);
+    })
+    .await;
+}
+
+/// A minimal authoritative DNS server on loopback UDP: SRV answers from `srv` (target, port),
+/// A answers 127.0.0.1 for any other name, TTL 1 s.
+async fn fake_dns(srv: Arc<std::sync::Mutex<Vec<(String, u16)>>>) -> SocketAddr {
+    fn put_name(out: &mut Vec<u8>, name: &str) {
+        for label in name.trim_end_matches('.').split('.') {
+            out.push(label.len() as u8);
+            out.extend_from_slice(label.as_bytes());
+        }
+        out.push(0);
+    }
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        loop {
+            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
+                return;
+            };
+            let q = &buf[..n];
+            if n < 12 {
+                continue;
+            }
+            let mut p = 12;
+            while p < n && q[p] != 0 {
+                p += q[p] as usize + 1;
+            }
+            let qend = p + 5;
+            if qend > n {
+                continue;
+            }
+            let qtype = u16::from_be_bytes([q[p + 1], q[p + 2]]);
+            let rr = |kind: u16, rdata: Vec<u8>| {
+                let mut a = vec![0xc0, 0x0c];
+                a.extend_from_slice(&kind.to_be_bytes());
+                a.extend_from_slice(&1u16.to_be_bytes());
+                a.extend_from_slice(&1u32.to_be_bytes());
+                a.extend_from_slice(&(rdata.len() as u16).to_be_bytes());
+                a.extend_from_slice(&rdata);
+                a
+            };
+            let mut answers: Vec<Vec<u8>> = Vec::new();
+            match qtype {
+                33 => {
+                    for (target, port) in srv.lock().unwrap().iter() {
+                        let mut rd = vec![0, 10, 0, 10];
+                        rd.extend_from_slice(&port.to_be_bytes());
+                        put_name(&mut rd, target);
+                        answers.push(rr(33, rd));
+                    }
+                }
+                1 => answers.push(rr(1, vec![127, 0, 0, 1])),
+                _ => {}
+            }
+            let mut resp = Vec::with_capacity(512);
+            resp.extend_from_slice(&q[..2]);
+            resp.extend_from_slice(&[0x85, 0x80]);
+            resp.extend_from_slice(&1u16.to_be_bytes());
+            resp.extend_from_slice(&(answers.len() as u16).to_be_bytes());
+            resp.extend_from_slice(&[0, 0, 0, 0]);
+            resp.extend_from_slice(&q[12..qend]);
+            for a in answers {
+                resp.extend_from_slice(&a);
+            }
+            let _ = sock.send_to(&resp, peer).await;
+        }
+    });
+    addr
+}
+
+/// Before: `[[dns]] kv_events` built an event source per address found, but only static
+/// `[[replicas]]` got a subscriber: the publisher never saw a connection. After: each
+/// DNS-found replica subscribes, unsubscribes when it leaves DNS, and subscribes again when it
+/// comes back.
+#[tokio::test]
+async fn dns_found_replicas_subscribe_to_kv_events_and_stop_when_they_leave() {
+    init();
+    bounded(async {
+        // Both replicas resolve to 127.0.0.1, so both subscribe to this one publisher port.
+        let (port, accepted, closed) = hostile_publisher(None).await;
+        let a = engine("vllm:num_requests_running 0\n").await;
+        let b = engine("vllm:num_requests_running 0\n").await;
+        let srv = Arc::new(std::sync::Mutex::new(vec![
+            ("a.sim.test.".to_owned(), a.port()),
+            ("b.sim.test.".to_owned(), b.port()),
+        ]));
+        let dns = fake_dns(srv.clone()).await;
+        let mut cfg = node_config();
+        cfg.dns = NodeConfig::from_toml(&format!(
+            "[[dns]]\nname = \"_http._tcp.sim.test.\"\nnameserver = \"{dns}\"\nmin_refresh_ms = 100\nkv_events = {{ port = {port} }}\n"
+        ))
+        .unwrap()
+        .dns;
+        let node = proxy::spawn(cfg).await.unwrap();
+        wait_for("both DNS-found replicas to subscribe", || {
+            accepted.load(Ordering::SeqCst) >= 2
+        })
+        .await;
+        assert_eq!(closed.load(Ordering::SeqCst), 0);
+
+        // `a` leaves DNS: its subscription ends; `b`'s stays.
+        srv.lock().unwrap().remove(0);
+        wait_for("a's subscription to end", || closed.load(Ordering::SeqCst) >= 1).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(closed.load(Ordering::SeqCst), 1);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "no resubscription while gone");
+
+        // It comes back: subscribed again.
+        srv.lock().unwrap().push(("a.sim.test.".to_owned(), a.port()));
+        wait_for("a to subscribe again", || accepted.load(Ordering::SeqCst) >= 3).await;
         assert!(node.shutdown().await);
     })
     .await;

@@ -8,7 +8,7 @@
 //! [`Duration`] since the node started, from a monotonic clock. What the node *does* with this
 //! state sits beside it, one concern a file (see `node/mod.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -152,6 +152,8 @@ pub struct Node {
     pub(super) epoch_base: u64,
     /// Mesh membership, when the node runs one (see `mesh_state.rs`).
     pub(super) mesh: NodeMesh,
+    /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one.
+    pub(super) kv_watched: Mutex<HashSet<usize>>,
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
@@ -241,6 +243,7 @@ impl Node {
             summary_cfg,
             epoch_base,
             mesh: NodeMesh::default(),
+            kv_watched: Mutex::new(HashSet::new()),
             cfg,
         });
         Ok(node)

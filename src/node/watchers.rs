@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use super::state::Node;
 use crate::replicas::dns::{self, DnsSource};
-use crate::replicas::kv_events::{self, KvEventSink};
+use crate::replicas::kv_events::{self, KvEventSink, KvEventsSource};
 use crate::replicas::probe;
 use crate::shutdown::stopped;
 
@@ -154,7 +154,11 @@ where
     });
 }
 
-/// Starts the KV-event subscriber of replica `i` if its config has `kv_events`.
+/// How often a KV-event supervisor looks whether its replica left (or came back).
+const KV_REGISTRY_POLL: Duration = Duration::from_millis(200);
+
+/// Starts the KV-event subscriber of a static replica `i` if its `[[replicas]]` entry has
+/// `kv_events` (DNS-found replicas get theirs from their source, in [`run_dns`]).
 fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
@@ -166,20 +170,75 @@ fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
         .find(|r| r.effective_id() == *ep.id)
         .and_then(|r| r.kv_events.clone());
     if let Some(source) = source {
-        if node.tokenizer.is_none() {
-            tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
-        }
-        let sink: Arc<dyn KvEventSink> = Arc::clone(node) as Arc<dyn KvEventSink>;
-        tokio::spawn(kv_events::run(
-            sink,
-            node.kv_metrics.clone(),
-            i,
-            ep.id,
-            source,
-            stop.clone(),
-        ));
+        ensure_kv_events(node, stop, i, source);
     }
 }
+
+/// Makes sure replica `i` has a KV-event supervisor: it subscribes while the replica is in the
+/// registry, stops (back to the approximate model) when it leaves, subscribes again when it
+/// comes back, until `stop` turns true. At most one per replica; later calls are no-ops.
+pub(super) fn ensure_kv_events(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    i: usize,
+    source: KvEventsSource,
+) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    if !node
+        .kv_watched
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(i)
+    {
+        return;
+    }
+    if node.tokenizer.is_none() {
+        tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
+    }
+    let node = Arc::clone(node);
+    let mut stop = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            // Wait until the replica is in the registry.
+            while node.is_removed(i) {
+                tokio::select! {
+                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                    _ = stopped(&mut stop) => return,
+                }
+            }
+            let (leave, leave_rx) = watch::channel(false);
+            let sink: Arc<dyn KvEventSink> = Arc::clone(&node) as Arc<dyn KvEventSink>;
+            let mut sub = tokio::spawn(kv_events::run(
+                sink,
+                node.kv_metrics.clone(),
+                i,
+                Arc::clone(&ep.id),
+                source.clone(),
+                leave_rx,
+            ));
+            let node_stopped = loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
+                        if node.is_removed(i) {
+                            tracing::info!(replica = %ep.id, "replica left the registry: KV-event subscription ends");
+                            break false;
+                        }
+                    }
+                    _ = stopped(&mut stop) => break true,
+                    _ = &mut sub => break false,
+                }
+            };
+            let _ = leave.send(true);
+            let _ = sub.await;
+            if node_stopped {
+                return;
+            }
+        }
+    });
+}
+
 /// Keeps a source's replicas in the registry until `stop` turns true, first resolving after
 /// `next`.
 async fn run_dns(
@@ -188,6 +247,11 @@ async fn run_dns(
     mut next: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
+    // The source's replicas (from the resolution before serving, then from each one) get their
+    // KV-event subscribers; ones seen before are no-ops.
+    for (i, kv) in source.kv_events_members() {
+        ensure_kv_events(&node, &stop, i, kv);
+    }
     loop {
         tokio::select! {
             _ = tokio::time::sleep(next) => {}
@@ -195,10 +259,13 @@ async fn run_dns(
         }
         let (added, wait) = source.sync(node.as_ref()).await;
         next = wait;
+        for &i in &added {
+            spawn_replica_watchers(&node, &stop, i);
+        }
+        for (i, kv) in source.kv_events_members() {
+            ensure_kv_events(&node, &stop, i, kv);
+        }
         if !added.is_empty() {
-            for &i in &added {
-                spawn_replica_watchers(&node, &stop, i);
-            }
             check_all(&node, added.into_iter()).await;
         }
     }

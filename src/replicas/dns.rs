@@ -230,6 +230,24 @@ impl DnsSource {
         })
     }
 
+    /// The replicas this source lists now that have `kv_events`, with their event sources
+    /// (index, source at the replica's address).
+    pub fn kv_events_members(&self) -> Vec<(usize, KvEventsSource)> {
+        let Some(kv) = &self.cfg.kv_events else {
+            return Vec::new();
+        };
+        let mut out: Vec<(usize, KvEventsSource)> = self
+            .members
+            .iter()
+            .filter_map(|(id, i)| {
+                let addr = id.parse::<SocketAddr>().ok()?;
+                Some((*i, kv.at(addr.ip())))
+            })
+            .collect();
+        out.sort_by_key(|(i, _)| *i);
+        out
+    }
+
     /// The configured name.
     pub fn name(&self) -> &str {
         &self.cfg.name

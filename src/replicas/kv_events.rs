@@ -506,6 +506,14 @@ pub async fn run(
     for r in readers {
         r.abort();
     }
+    // The stream is gone: the model goes back to approximate, so a later subscription starts
+    // from a fresh exact model instead of adding to this one.
+    if lp.exact {
+        if let Err(e) = lp.sink.set_exact(lp.i, false, &lp.index.tiered_keys()) {
+            tracing::warn!(replica = %id, error = %e, "cannot switch cache model");
+        }
+    }
+    lp.metrics.up.with_label_values(&[&id]).set(0);
 }
 
 struct EventLoop {

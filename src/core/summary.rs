@@ -83,6 +83,9 @@ impl Tier {
 pub const MAX_SUMMARY_MESSAGE_BYTES: usize = 16 << 20;
 /// Upper bound on the keys of one delta.
 pub const MAX_DELTA_KEYS: usize = 1 << 20;
+/// Upper bound on a peer's filter's hash functions (probes per key): 7 at the default 1% rate,
+/// 30 at 10^-9. More would make every lookup under the node's lock loop that many times.
+pub const MAX_BLOOM_HASHES: u32 = 32;
 /// Smallest filter capacity, so a tiny replica still gets a usable filter.
 const MIN_CAPACITY_ITEMS: usize = 64;
 
@@ -438,6 +441,9 @@ impl ReplicaSummary {
         if filter.seed() != cfg.seed {
             return Err(SummaryError::SeedMismatch);
         }
+        if !(1..=MAX_BLOOM_HASHES).contains(&filter.number_of_hash_functions()) {
+            return Err(SummaryError::Filter("hash function count out of bounds"));
+        }
         let geometry = FilterGeometry::of(&filter);
         Ok(ReplicaSummary {
             epoch: s.epoch,
@@ -696,6 +702,25 @@ mod tests {
         assert_eq!(s.hit(&k), 5);
         assert_eq!(s.hit(&k[6..]), 4);
         assert_eq!(s.hit(&[]), 0);
+    }
+
+    #[test]
+    fn a_snapshot_claiming_billions_of_hash_functions_is_refused() {
+        let s = ReplicaSummary::new(1, 100, &cfg()).unwrap();
+        let mut snap = s.snapshot();
+        // bloomfilter 3's header: version u8, bitmap length u64 LE, then k u32 LE.
+        for k in [u32::MAX, MAX_BLOOM_HASHES + 1, 0] {
+            snap.filter[9..13].copy_from_slice(&k.to_le_bytes());
+            assert!(
+                matches!(
+                    ReplicaSummary::from_snapshot(&snap, &cfg()),
+                    Err(SummaryError::Filter(_))
+                ),
+                "k = {k}"
+            );
+        }
+        snap.filter[9..13].copy_from_slice(&MAX_BLOOM_HASHES.to_le_bytes());
+        assert!(ReplicaSummary::from_snapshot(&snap, &cfg()).is_ok());
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! A structure-aware mutation fuzzer for every decoder that reads outside bytes, on the stable
 //! toolchain: gossip values, summary messages and requests, block reports, load updates, KV
-//! events (and the index they feed), the ZMTP frame reader, Prometheus text, request bodies and
-//! the node configuration.
+//! events (and the index they feed), the ZMTP frame reader, Prometheus text, `/v1/models`
+//! answers, request bodies and the node configuration.
 //!
 //! Each [`Target`] starts from valid encodings of its type (built with the project's own
 //! encoders) and mutates them with a seeded RNG — bit flips, interesting bytes, truncation,
@@ -41,7 +41,8 @@ use crate::mesh::schema::{
 use crate::mesh::sync::{BlockReport, SummaryRequest, MAX_REPORT_KEYS};
 use crate::node::config::NodeConfig;
 use crate::replicas::kv_index::{EventIndex, MAX_BLOCKS_PER_RANK};
-use crate::replicas::prom::{self, MAX_BLOCK_SIZE, MAX_CAPACITY_TOKENS, MAX_REQUESTS};
+use crate::replicas::probe;
+use crate::replicas::prom::{self, MAX_BLOCK_SIZE, MAX_CAPACITY_TOKENS};
 use crate::replicas::zmtp::{self, ZmtpLimits};
 
 /// Most inputs kept in a target's corpus.
@@ -161,6 +162,14 @@ pub fn targets() -> Vec<Target> {
             name: "prometheus",
             seeds: seeds_prom,
             run: run_prom,
+            text: true,
+        },
+        Target {
+            name: "models_list",
+            seeds: || {
+                vec![br#"{"object":"list","data":[{"id":"meta-llama/Llama-3.1-8B","object":"model","max_model_len":8192},{"id":"lora-a","parent":"x"}]}"#.to_vec()]
+            },
+            run: run_models,
             text: true,
         },
         Target {
@@ -689,12 +698,11 @@ fn run_kv(bytes: &[u8]) -> Result<bool, String> {
     }
     for e in &batch.events {
         match e {
-            KvEvent::BlockStored(s) => {
+            KvEvent::BlockStored(s)
                 if s.block_hashes.len() > MAX_HASHES_PER_EVENT
-                    || s.token_ids.len() > MAX_TOKENS_PER_EVENT
-                {
-                    return Err("stored event over its caps".into());
-                }
+                    || s.token_ids.len() > MAX_TOKENS_PER_EVENT =>
+            {
+                return Err("stored event over its caps".into());
             }
             KvEvent::BlockRemoved(r) if r.block_hashes.len() > MAX_HASHES_PER_EVENT => {
                 return Err("removed event over its cap".into());
@@ -793,8 +801,23 @@ fn run_prom(bytes: &[u8]) -> Result<bool, String> {
             return Err(format!("request count {v}"));
         }
     }
-    let _ = MAX_REQUESTS;
     Ok(l.skipped_lines == 0)
+}
+
+fn run_models(bytes: &[u8]) -> Result<bool, String> {
+    match probe::parse_models(&String::from_utf8_lossy(bytes)) {
+        Ok((ids, _)) => {
+            if ids.len() > probe::MAX_MODELS
+                || ids
+                    .iter()
+                    .any(|i| i.is_empty() || i.len() > probe::MAX_MODEL_ID_BYTES)
+            {
+                return Err(format!("{} model ids", ids.len()));
+            }
+            Ok(true)
+        }
+        Err(_) => Ok(false),
+    }
 }
 
 // ---- request bodies ----

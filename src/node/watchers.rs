@@ -227,7 +227,8 @@ pub(super) fn ensure_kv_events(
                         }
                     }
                     _ = stopped(&mut stop) => break true,
-                    _ = &mut sub => break false,
+                    // The subscriber gave up on its own (bad endpoints, logged): so do we.
+                    _ = &mut sub => return,
                 }
             };
             let _ = leave.send(true);

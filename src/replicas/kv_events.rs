@@ -745,5 +745,29 @@ mod tests {
             };
             assert_eq!(s.validate().unwrap_err().0, field, "{bad}");
         }
+        for (s, field) in [
+            (
+                KvEventsSource {
+                    max_message_bytes: 10,
+                    ..KvEventsSource::new("tcp://a:1")
+                },
+                "max_message_bytes",
+            ),
+            (
+                KvEventsSource {
+                    max_buffered_bytes: usize::MAX,
+                    ..KvEventsSource::new("tcp://a:1")
+                },
+                "max_buffered_bytes",
+            ),
+        ] {
+            assert_eq!(s.validate().unwrap_err().0, field);
+        }
+        let parsed: KvEventsSource =
+            toml::from_str("endpoint = \"tcp://a:1\"\nmax_message_bytes = 65536\n").unwrap();
+        assert_eq!(
+            (parsed.max_message_bytes, parsed.max_buffered_bytes),
+            (65536, DEFAULT_MAX_BUFFERED_BYTES)
+        );
     }
 }

@@ -754,6 +754,8 @@ fn run_zmtp(bytes: &[u8]) -> Result<bool, String> {
                 if frames.len() > limits.max_frames || total > limits.max_message_bytes {
                     return Err(format!("{} frames, {total} bytes", frames.len()));
                 }
+                // A replay reply, as the DEALER reads it.
+                let _ = crate::replicas::kv_events::parse_replay_reply(frames);
                 accepted = true;
             }
             Err(_) => break,

@@ -194,7 +194,8 @@ impl KvEventsSource {
 pub struct KvMetrics {
     /// `kvmesh_kv_events_batches_total{replica}`: batches applied.
     pub batches: IntCounterVec,
-    /// `kvmesh_kv_events_malformed_total{replica}`: messages dropped (bad frames or payload).
+    /// `kvmesh_kv_events_malformed_total{replica}`: messages dropped (bad frames or payload),
+    /// and connections dropped for breaking the ZMTP limits or protocol.
     pub malformed: IntCounterVec,
     /// `kvmesh_kv_events_clears_total{replica,reason}`: stream resets (gap, history lost,
     /// restart, engine's AllBlocksCleared).
@@ -403,7 +404,7 @@ async fn replay(endpoint: String, limits: ZmtpLimits, rank: usize, id: u64, from
 /// marker. Accepts `["", seq, payload]` (the upstream publisher's documented form) and
 /// `["", topic, seq, payload]` (what vLLM 0.32 actually sends, captured in
 /// `tests/data/vllm-0.32-kv-events.json`, end marker `["", "", ff×8, ""]`).
-fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
+pub fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
     if frames.first().is_some_and(|f| f.is_empty()) {
         frames.remove(0);
     }

@@ -30,8 +30,8 @@ use crate::core::summary::{
     MAX_SUMMARY_MESSAGE_BYTES,
 };
 use crate::kv_events::wire::{
-    decode_batch, encode_batch, encode_batch_legacy, KvEvent, MAX_EVENTS_PER_BATCH,
-    MAX_HASHES_PER_EVENT, MAX_TOKENS_PER_EVENT,
+    decode_batch, encode_batch, encode_batch_legacy, KvEvent, END_OF_REPLAY_SEQ,
+    MAX_EVENTS_PER_BATCH, MAX_HASHES_PER_EVENT, MAX_TOKENS_PER_EVENT,
 };
 use crate::mesh::load_share::{LoadEntry, LoadShareConfig, LoadUpdate, PeerLoads, RoutedTip};
 use crate::mesh::schema::{
@@ -680,8 +680,30 @@ fn hex(s: &str) -> Vec<u8> {
 const GOLDEN_ARRAY: &str = "93cb3ff8000000000000939aab426c6f636b53746f72656492cfffffffffffffffff07c0940102030402c0a3475055c0c0c094ac426c6f636b52656d6f7665649107a3475055c091b0416c6c426c6f636b73436c656172656400";
 const GOLDEN_MAP: &str = "93cb3ff80000000000009389a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfffffffffffffffff07b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6502a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f6964780083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739107a66d656469756da347505581a474797065b0416c6c426c6f636b73436c656172656400";
 
+/// Real vLLM 0.32 messages (`tests/data/vllm-0.32-kv-events.json`): each live message's frames.
+fn captured_frames() -> Vec<Vec<Vec<u8>>> {
+    let text = include_str!("../../tests/data/vllm-0.32-kv-events.json");
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Vec::new();
+    };
+    v.get("live")
+        .and_then(|l| l.as_array())
+        .map(|msgs| {
+            msgs.iter()
+                .filter_map(|m| m.as_array())
+                .map(|frames| frames.iter().filter_map(|f| f.as_str()).map(hex).collect())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn seeds_kv() -> Vec<Vec<u8>> {
     let mut out = vec![hex(GOLDEN_ARRAY), hex(GOLDEN_MAP)];
+    out.extend(
+        captured_frames()
+            .into_iter()
+            .filter_map(|f| f.get(2).cloned()),
+    );
     if let Ok(batch) = decode_batch(&hex(GOLDEN_MAP)) {
         out.push(encode_batch(&batch));
         out.push(encode_batch_legacy(&batch));
@@ -727,15 +749,22 @@ fn run_kv(bytes: &[u8]) -> Result<bool, String> {
 fn seeds_zmtp() -> Vec<Vec<u8>> {
     let seq = 7u64.to_be_bytes();
     let payload = hex(GOLDEN_ARRAY);
-    vec![
-        zmtp::encode_message(&[b"", &seq, &payload]).to_vec(),
-        zmtp::encode_message(&[b"", b"kv@pod", &seq, &[0u8; 300]]).to_vec(),
-        {
-            let mut v = vec![0x04, 5, 4, b'P', b'I', b'N', b'G'];
-            v.extend_from_slice(&zmtp::encode_message(&[b"x", b"y"]));
-            v
-        },
-    ]
+    let captured = captured_frames().into_iter().map(|frames| {
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        zmtp::encode_message(&refs).to_vec()
+    });
+    captured
+        .chain([
+            zmtp::encode_message(&[b"", &END_OF_REPLAY_SEQ, b""]).to_vec(),
+            zmtp::encode_message(&[b"", &seq, &payload]).to_vec(),
+            zmtp::encode_message(&[b"", b"kv@pod", &seq, &[0u8; 300]]).to_vec(),
+            {
+                let mut v = vec![0x04, 5, 4, b'P', b'I', b'N', b'G'];
+                v.extend_from_slice(&zmtp::encode_message(&[b"x", b"y"]));
+                v
+            },
+        ])
+        .collect()
 }
 
 fn run_zmtp(bytes: &[u8]) -> Result<bool, String> {
@@ -900,6 +929,14 @@ mod tests {
                 r.first_finding
             );
         }
+    }
+
+    #[test]
+    fn the_captured_vllm_messages_seed_the_kv_targets() {
+        let kv = seeds_kv();
+        assert!(kv.len() >= 7, "{}", kv.len());
+        assert!(kv.iter().all(|b| run_kv(b) == Ok(true)));
+        assert!(seeds_zmtp().iter().all(|b| run_zmtp(b) == Ok(true)));
     }
 
     #[test]

@@ -212,6 +212,53 @@ async fn a_publisher_declaring_a_huge_frame_is_dropped_without_allocating_it() {
     .await;
 }
 
+/// The same on the replay (DEALER) side: the live stream is fine, the replay endpoint declares
+/// a 2^40-byte frame in its first reply. Before: the allocation aborted the node. After: the
+/// replay fails, the replica's event-fed blocks are cleared (reason `gap`), the node goes on.
+#[tokio::test]
+async fn a_replay_endpoint_declaring_a_huge_frame_fails_the_replay_only() {
+    init();
+    bounded(async {
+        let (sub_port, sub_accepted, _) = hostile_publisher(None).await;
+        let (replay_port, replay_accepted, replay_closed) = hostile_publisher(Some(1 << 40)).await;
+        let addr = engine("vllm:num_requests_running 0\n").await;
+        let mut cfg = node_config();
+        cfg.replicas = vec![NodeReplica {
+            id: Some("r0".into()),
+            kv_events: Some(KvEventsSource {
+                replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
+                ..KvEventsSource::new(format!("tcp://127.0.0.1:{sub_port}"))
+            }),
+            ..NodeReplica::from_url(format!("http://{addr}"))
+        }];
+        let node = proxy::spawn(cfg).await.unwrap();
+        let clears = || {
+            node.node
+                .kv_metrics
+                .clears
+                .with_label_values(&["r0", "gap"])
+                .get()
+        };
+        wait_for("the failed replay to clear", || {
+            replay_closed.load(Ordering::SeqCst) >= 1 && clears() >= 1
+        })
+        .await;
+        assert_eq!(
+            sub_accepted.load(Ordering::SeqCst),
+            1,
+            "the live stream stays up"
+        );
+        assert!(replay_accepted.load(Ordering::SeqCst) >= 1);
+        // With the replay over, the live stream alone makes the model exact.
+        wait_for("the stream up", || {
+            node.node.kv_metrics.up.with_label_values(&["r0"]).get() == 1
+        })
+        .await;
+        assert!(node.shutdown().await);
+    })
+    .await;
+}
+
 /// A minimal authoritative DNS server on loopback UDP: SRV answers from `srv` (target, port),
 /// A answers 127.0.0.1 for any other name, TTL 1 s.
 async fn fake_dns(srv: Arc<std::sync::Mutex<Vec<(String, u16)>>>) -> SocketAddr {

@@ -116,10 +116,18 @@ async fn an_absurd_cache_config_is_refused_and_counted() {
     .await;
 }
 
-/// A raw TCP "publisher": ZMTP greeting and READY, then (if `declared`) one frame header
-/// declaring that many bytes and nothing more. Counts the connections it accepted and the ones
-/// the peer closed.
+/// A raw TCP "publisher": ZMTP greeting and READY (as a PUB), then (if `declared`) one frame
+/// header declaring that many bytes and nothing more. Counts the connections it accepted and the
+/// ones the peer closed.
 async fn hostile_publisher(declared: Option<u64>) -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    hostile_peer(b"PUB", declared).await
+}
+
+/// The same as any socket type (`ROUTER` for a replay endpoint).
+async fn hostile_peer(
+    socket_type: &'static [u8],
+    declared: Option<u64>,
+) -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -138,12 +146,12 @@ async fn hostile_publisher(declared: Option<u64>) -> (u16, Arc<AtomicUsize>, Arc
                 greeting[9] = 0x7f;
                 greeting[10] = 3;
                 greeting[12..16].copy_from_slice(b"NULL");
-                let mut ready = vec![0x04, 25, 5];
+                let mut ready = vec![0x04, 22 + socket_type.len() as u8, 5];
                 ready.extend_from_slice(b"READY");
                 ready.push(11);
                 ready.extend_from_slice(b"Socket-Type");
-                ready.extend_from_slice(&3u32.to_be_bytes());
-                ready.extend_from_slice(b"PUB");
+                ready.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+                ready.extend_from_slice(socket_type);
                 let mut out = greeting.to_vec();
                 out.extend_from_slice(&ready);
                 if let Some(declared) = declared {

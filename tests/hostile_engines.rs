@@ -228,7 +228,8 @@ async fn a_replay_endpoint_declaring_a_huge_frame_fails_the_replay_only() {
     init();
     bounded(async {
         let (sub_port, sub_accepted, _) = hostile_publisher(None).await;
-        let (replay_port, replay_accepted, replay_closed) = hostile_publisher(Some(1 << 40)).await;
+        let (replay_port, replay_accepted, replay_closed) =
+            hostile_peer(b"ROUTER", Some(1 << 40)).await;
         let addr = engine("vllm:num_requests_running 0\n").await;
         let mut cfg = node_config();
         cfg.replicas = vec![NodeReplica {

@@ -64,8 +64,7 @@ async fn node_for(r: &ReplicaHandle) -> RunningNode {
         kv_events: Some(KvEventsSource {
             endpoint: format!("tcp://127.0.0.1:{}", r.kv_events_port.unwrap()),
             replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
-            topic: String::new(),
-            dp_ranks: 1,
+            ..KvEventsSource::new("")
         }),
         ..NodeReplica::from_url(r.base_url())
     }];
@@ -425,8 +424,7 @@ async fn node_with_publisher(
             replay: publisher
                 .replay_port()
                 .map(|p| format!("tcp://127.0.0.1:{p}")),
-            topic: String::new(),
-            dp_ranks: 1,
+            ..KvEventsSource::new("")
         }),
         ..NodeReplica::from_url(r.base_url())
     }];

@@ -5,6 +5,7 @@
 pub mod bench_cli;
 pub mod demo;
 pub mod fleet;
+pub mod fuzz;
 pub mod replay;
 pub mod report;
 pub mod sim;

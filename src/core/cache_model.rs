@@ -251,7 +251,11 @@ impl CacheModel {
     /// current tier (so keys that changed tier shed their old tier's key).
     fn rebuild(&mut self, epoch: u64) -> Result<(), SummaryError> {
         // Size the new filter for what is live now, but never below the configured capacity.
-        let items = self.cfg.capacity_blocks.max(self.entries.len()).max(1);
+        let items = self
+            .cfg
+            .capacity_blocks
+            .max(self.entries.len())
+            .clamp(1, MAX_CAPACITY_BLOCKS);
         let mut next = ReplicaSummary::new(epoch, items, &self.summary_cfg)?;
         let mut by_tier: [Vec<BlockKey>; 3] = Default::default();
         for (k, slot) in self.entries.iter().rev() {
@@ -415,6 +419,16 @@ mod tests {
         assert_eq!(m.summary().tier_of(BlockKey(5)), Some(Tier::Cpu));
         m.remove(&ks(0..40));
         assert!(m.is_empty());
+    }
+
+    #[test]
+    fn an_absurd_capacity_is_clamped_not_allocated() {
+        // 10^15 blocks (a scraped or gossiped number) would preallocate petabytes.
+        let m = model(CacheSource::Approximate, 1_000_000_000_000_000);
+        assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
+        assert!(m.summary().filter_bytes() <= 8 << 20);
+        let m = model(CacheSource::Exact, usize::MAX);
+        assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
     }
 
     #[test]

@@ -730,6 +730,25 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_claiming_billions_of_hash_functions_is_refused() {
+        let s = ReplicaSummary::new(1, 100, &cfg()).unwrap();
+        let mut snap = s.snapshot();
+        // bloomfilter 3's header: version u8, bitmap length u64 LE, then k u32 LE.
+        for k in [u32::MAX, MAX_BLOOM_HASHES + 1, 0] {
+            snap.filter[9..13].copy_from_slice(&k.to_le_bytes());
+            assert!(
+                matches!(
+                    ReplicaSummary::from_snapshot(&snap, &cfg()),
+                    Err(SummaryError::Bounds(_) | SummaryError::Filter(_))
+                ),
+                "k = {k}"
+            );
+        }
+        snap.filter[9..13].copy_from_slice(&MAX_BLOOM_HASHES.to_le_bytes());
+        assert!(ReplicaSummary::from_snapshot(&snap, &cfg()).is_ok());
+    }
+
+    #[test]
     fn follower_catches_up_by_delta_then_snapshot() {
         let c = SummaryConfig {
             max_log_keys: 8,

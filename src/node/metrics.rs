@@ -44,6 +44,9 @@ pub struct Metrics {
     pub scrape_errors: IntCounterVec,
     /// `kvmesh_scrape_skipped_lines_total`: unparseable lines in replicas' `/metrics`.
     pub scrape_skipped_lines: IntCounter,
+    /// `kvmesh_scrape_refused_values_total{replica}`: scraped values outside their bound
+    /// (`replicas::prom`'s `MAX_*`), refused.
+    pub scrape_refused: IntCounterVec,
     /// Decision quality: branches, hits given up, prediction error.
     pub decisions: DecisionMetrics,
 }
@@ -207,6 +210,14 @@ impl Metrics {
             "kvmesh_scrape_skipped_lines_total",
             "Unparseable lines in replicas' /metrics",
         )?;
+        let scrape_refused = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_scrape_refused_values_total",
+                "Values in replicas' /metrics outside their bound, refused",
+            ),
+            &["replica"],
+        )?;
+        registry.register(Box::new(scrape_refused.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(hit_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
@@ -234,6 +245,7 @@ impl Metrics {
             upstream_failures,
             scrape_errors,
             scrape_skipped_lines,
+            scrape_refused,
             decisions,
         })
     }

@@ -8,7 +8,7 @@
 //! [`Duration`] since the node started, from a monotonic clock. What the node *does* with this
 //! state sits beside it, one concern a file (see `node/mod.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -166,10 +166,13 @@ pub struct Node {
     pub body_budget: tokio::sync::Semaphore,
     /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
     pub peer_client: std::sync::OnceLock<reqwest::Client>,
+    /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one.
+    pub(super) kv_watched: Mutex<HashSet<usize>>,
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
-    (tokens / u64::from(tokens_per_block.max(1))).max(1) as usize
+    // The cache model clamps it (`MAX_CAPACITY_BLOCKS`); here it only must not wrap.
+    usize::try_from((tokens / u64::from(tokens_per_block.max(1))).max(1)).unwrap_or(usize::MAX)
 }
 
 /// Token mode if configured and loadable; otherwise text mode, with the reason logged.
@@ -261,6 +264,7 @@ impl Node {
             secrets,
             body_budget: tokio::sync::Semaphore::new(body_kib),
             peer_client: std::sync::OnceLock::new(),
+            kv_watched: Mutex::new(HashSet::new()),
             cfg,
         });
         Ok(node)

@@ -7,6 +7,7 @@
 //! `KvEventSink` in `feedback.rs`, `ReplicaRegistry` in `registry.rs` — so nothing under
 //! `replicas/` knows the node.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use tokio::sync::watch;
 
 use super::state::Node;
 use crate::replicas::dns::{self, DnsSource};
-use crate::replicas::kv_events::{self, KvEventSink};
+use crate::replicas::kv_events::{self, KvEventSink, KvEventsSource};
 use crate::replicas::probe;
 use crate::shutdown::stopped;
 
@@ -37,6 +38,21 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     node.active_check(i, ok, models);
 }
 
+/// Unix ms of the last warning about refused scrape values (process-wide: one per 10 s).
+static LAST_REFUSED_WARN: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a warning rate-limited by `last` (unix ms) may be logged now; at most once per 10 s.
+fn warn_due(last: &AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let prev = last.load(Ordering::Relaxed);
+    now.saturating_sub(prev) >= 10_000
+        && last
+            .compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
 /// One scrape of replica `i`'s `/metrics`.
 pub(super) async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
@@ -51,6 +67,15 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
         Ok(load) => {
             if load.skipped_lines > 0 {
                 node.metrics.scrape_skipped_lines.inc_by(load.skipped_lines);
+            }
+            if load.refused_values > 0 {
+                node.metrics
+                    .scrape_refused
+                    .with_label_values(&[id])
+                    .inc_by(load.refused_values);
+                if warn_due(&LAST_REFUSED_WARN) {
+                    tracing::warn!(replica = %id, refused = load.refused_values, "scrape values out of bounds refused (further ones counted, not logged, for 10 s)");
+                }
             }
             if let Err(e) = node.apply_scrape(i, load) {
                 tracing::warn!(replica = %id, error = %e, "cannot apply scrape");
@@ -164,7 +189,11 @@ where
     });
 }
 
-/// Starts the KV-event subscriber of replica `i` if its config has `kv_events`.
+/// How often a KV-event supervisor looks whether its replica left (or came back).
+const KV_REGISTRY_POLL: Duration = Duration::from_millis(200);
+
+/// Starts the KV-event subscriber of a static replica `i` if its `[[replicas]]` entry has
+/// `kv_events` (DNS-found replicas get theirs from their source, in [`run_dns`]).
 fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
@@ -176,20 +205,76 @@ fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
         .find(|r| r.effective_id() == *ep.id)
         .and_then(|r| r.kv_events.clone());
     if let Some(source) = source {
-        if node.tokenizer.is_none() {
-            tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
-        }
-        let sink: Arc<dyn KvEventSink> = Arc::clone(node) as Arc<dyn KvEventSink>;
-        tokio::spawn(kv_events::run(
-            sink,
-            node.kv_metrics.clone(),
-            i,
-            ep.id,
-            source,
-            stop.clone(),
-        ));
+        ensure_kv_events(node, stop, i, source);
     }
 }
+
+/// Makes sure replica `i` has a KV-event supervisor: it subscribes while the replica is in the
+/// registry, stops (back to the approximate model) when it leaves, subscribes again when it
+/// comes back, until `stop` turns true. At most one per replica; later calls are no-ops.
+pub(super) fn ensure_kv_events(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    i: usize,
+    source: KvEventsSource,
+) {
+    let Some(ep) = node.endpoint(i) else {
+        return;
+    };
+    if !node
+        .kv_watched
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(i)
+    {
+        return;
+    }
+    if node.tokenizer.is_none() {
+        tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
+    }
+    let node = Arc::clone(node);
+    let mut stop = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            // Wait until the replica is in the registry.
+            while node.is_removed(i) {
+                tokio::select! {
+                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                    _ = stopped(&mut stop) => return,
+                }
+            }
+            let (leave, leave_rx) = watch::channel(false);
+            let sink: Arc<dyn KvEventSink> = Arc::clone(&node) as Arc<dyn KvEventSink>;
+            let mut sub = tokio::spawn(kv_events::run(
+                sink,
+                node.kv_metrics.clone(),
+                i,
+                Arc::clone(&ep.id),
+                source.clone(),
+                leave_rx,
+            ));
+            let node_stopped = loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
+                        if node.is_removed(i) {
+                            tracing::info!(replica = %ep.id, "replica left the registry: KV-event subscription ends");
+                            break false;
+                        }
+                    }
+                    _ = stopped(&mut stop) => break true,
+                    // The subscriber gave up on its own (bad endpoints, logged): so do we.
+                    _ = &mut sub => return,
+                }
+            };
+            let _ = leave.send(true);
+            let _ = sub.await;
+            if node_stopped {
+                return;
+            }
+        }
+    });
+}
+
 /// Keeps a source's replicas in the registry until `stop` turns true, first resolving after
 /// `next`.
 async fn run_dns(
@@ -198,6 +283,11 @@ async fn run_dns(
     mut next: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
+    // The source's replicas (from the resolution before serving, then from each one) get their
+    // KV-event subscribers; ones seen before are no-ops.
+    for (i, kv) in source.kv_events_members() {
+        ensure_kv_events(&node, &stop, i, kv);
+    }
     loop {
         tokio::select! {
             _ = tokio::time::sleep(next) => {}
@@ -205,10 +295,13 @@ async fn run_dns(
         }
         let (added, wait) = source.sync(node.as_ref()).await;
         next = wait;
+        for &i in &added {
+            spawn_replica_watchers(&node, &stop, i);
+        }
+        for (i, kv) in source.kv_events_members() {
+            ensure_kv_events(&node, &stop, i, kv);
+        }
         if !added.is_empty() {
-            for &i in &added {
-                spawn_replica_watchers(&node, &stop, i);
-            }
             check_all(&node, added.into_iter()).await;
         }
     }

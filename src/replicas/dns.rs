@@ -101,6 +101,12 @@ pub struct DnsKvEvents {
     /// Default 1.
     #[serde(default = "default_dp_ranks")]
     pub dp_ranks: u16,
+    /// Largest event message accepted (bytes); see `KvEventsSource`. Default 4 MiB.
+    #[serde(default = "super::kv_events::default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Live messages buffered during a replay (bytes); see `KvEventsSource`. Default 64 MiB.
+    #[serde(default = "super::kv_events::default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
 }
 
 fn default_dp_ranks() -> u16 {
@@ -116,6 +122,8 @@ impl DnsKvEvents {
             replay: self.replay_port.map(tcp),
             topic: self.topic.clone(),
             dp_ranks: self.dp_ranks,
+            max_message_bytes: self.max_message_bytes,
+            max_buffered_bytes: self.max_buffered_bytes,
         }
     }
 }
@@ -220,6 +228,24 @@ impl DnsSource {
             resolver,
             members: HashSet::new(),
         })
+    }
+
+    /// The replicas this source lists now that have `kv_events`, with their event sources
+    /// (index, source at the replica's address).
+    pub fn kv_events_members(&self) -> Vec<(usize, KvEventsSource)> {
+        let Some(kv) = &self.cfg.kv_events else {
+            return Vec::new();
+        };
+        let mut out: Vec<(usize, KvEventsSource)> = self
+            .members
+            .iter()
+            .filter_map(|(id, i)| {
+                let addr = id.parse::<SocketAddr>().ok()?;
+                Some((*i, kv.at(addr.ip())))
+            })
+            .collect();
+        out.sort_by_key(|(i, _)| *i);
+        out
     }
 
     /// The configured name.

@@ -25,20 +25,26 @@
 //! (captured in `tests/data/vllm-0.32-kv-events.json`), until the end marker; [`REPLAY_TIMEOUT`]
 //! of silence fails the replay. Malformed messages are dropped, counted, and warned about at
 //! most once per 10 s per replica.
+//!
+//! **Bounds.** Both sockets are this crate's own ZMTP client (`zmtp.rs`), which checks every
+//! declared frame length against `max_message_bytes` before allocating and drops a peer that
+//! breaks it (counted as malformed, reconnected with backoff). At most [`CHANNEL_DEPTH`]
+//! messages wait between the sockets and the event loop, and a replay buffers live messages up
+//! to `max_buffered_bytes`: a replica's stream holds at most
+//! `CHANNEL_DEPTH × max_message_bytes + max_buffered_bytes` of the node's memory.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::StreamExt;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::kv_index::{EventIndex, Op};
 use super::kv_stream::{Action, SeqTracker};
+use super::zmtp::{SocketType, ZmtpConnection, ZmtpError, ZmtpLimits};
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
 use crate::kv_events::{decode_batch, END_OF_REPLAY_SEQ};
@@ -51,6 +57,14 @@ pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(5);
 /// At most one warning per replica per this long about malformed messages.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// Messages in flight between a replica's sockets and its event loop.
+pub const CHANNEL_DEPTH: usize = 64;
+/// Default `max_message_bytes`: a vLLM step's batch is kilobytes; 4 MiB is ~800k token ids.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// Default `max_buffered_bytes` of live messages held during a replay.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 << 20;
+/// Largest `max_message_bytes` / `max_buffered_bytes` a configuration may set (1 GiB).
+pub const MAX_LIMIT_BYTES: usize = 1 << 30;
 
 /// `kv_events = { ... }` of a replica in the node config: where its engine publishes KV events.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -70,10 +84,28 @@ pub struct KvEventsSource {
     /// Default 1.
     #[serde(default = "one_rank")]
     pub dp_ranks: u16,
+    /// Largest event message (all frames) accepted, in bytes; a peer declaring more is
+    /// disconnected before anything is allocated. Default 4 MiB.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Live messages buffered while a replay runs, in bytes (besides the 4,096-message cap);
+    /// past it the replay is abandoned and the replica cleared. Default 64 MiB.
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
 }
 
 fn one_rank() -> u16 {
     1
+}
+
+/// Default of `max_message_bytes`.
+pub fn default_max_message_bytes() -> usize {
+    DEFAULT_MAX_MESSAGE_BYTES
+}
+
+/// Default of `max_buffered_bytes`.
+pub fn default_max_buffered_bytes() -> usize {
+    DEFAULT_MAX_BUFFERED_BYTES
 }
 
 /// `tcp://host:port` split into host and port.
@@ -102,10 +134,39 @@ fn offset(endpoint: &str, rank: u16) -> Result<String, String> {
 }
 
 impl KvEventsSource {
-    /// Checks the endpoints and rank count; the message names the field at fault.
+    /// A source at `endpoint` with every default.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        KvEventsSource {
+            endpoint: endpoint.into(),
+            replay: None,
+            topic: String::new(),
+            dp_ranks: 1,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+        }
+    }
+
+    /// The frame limits of this source's sockets.
+    pub fn limits(&self) -> ZmtpLimits {
+        ZmtpLimits {
+            max_frame_bytes: self.max_message_bytes,
+            max_message_bytes: self.max_message_bytes,
+            max_frames: 8,
+        }
+    }
+
+    /// Checks the endpoints, rank count and limits; the message names the field at fault.
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
         if self.dp_ranks == 0 {
             return Err(("dp_ranks", "must be at least 1".into()));
+        }
+        for (field, v) in [
+            ("max_message_bytes", self.max_message_bytes),
+            ("max_buffered_bytes", self.max_buffered_bytes),
+        ] {
+            if !(1024..=MAX_LIMIT_BYTES).contains(&v) {
+                return Err((field, format!("must be in 1024..={MAX_LIMIT_BYTES}")));
+            }
         }
         let last = self.dp_ranks - 1;
         offset(&self.endpoint, last).map_err(|e| ("endpoint", e))?;
@@ -133,7 +194,8 @@ impl KvEventsSource {
 pub struct KvMetrics {
     /// `kvmesh_kv_events_batches_total{replica}`: batches applied.
     pub batches: IntCounterVec,
-    /// `kvmesh_kv_events_malformed_total{replica}`: messages dropped (bad frames or payload).
+    /// `kvmesh_kv_events_malformed_total{replica}`: messages dropped (bad frames or payload),
+    /// and connections dropped for breaking the ZMTP limits or protocol.
     pub malformed: IntCounterVec,
     /// `kvmesh_kv_events_clears_total{replica,reason}`: stream resets (gap, history lost,
     /// restart, engine's AllBlocksCleared).
@@ -230,81 +292,89 @@ async fn send(tx: &Tx, rank: usize, input: Input) -> bool {
     tx.send((rank, input)).await.is_ok()
 }
 
-/// Keeps a SUB socket connected to `endpoint` and forwards what it receives.
-async fn sub_reader(endpoint: String, topic: String, rank: usize, tx: Tx) {
+/// The problem to count when a connection ends with `e`, if the peer is at fault.
+fn peer_fault(e: &ZmtpError) -> Option<&'static str> {
+    match e {
+        ZmtpError::FrameTooLarge { .. } => Some("frame over max_message_bytes"),
+        ZmtpError::MessageTooLarge(_) => Some("message over its limits"),
+        ZmtpError::Greeting(_) => Some("bad ZMTP greeting"),
+        ZmtpError::Handshake(_) => Some("bad ZMTP frame or command"),
+        _ => None,
+    }
+}
+
+/// Keeps a SUB connection to `endpoint` and forwards what it receives; reconnects with backoff.
+async fn sub_reader(endpoint: String, topic: String, limits: ZmtpLimits, rank: usize, tx: Tx) {
     let mut backoff = Duration::from_millis(50);
-    let (mut sub, mut monitor) = loop {
-        let mut sub = SubSocket::new();
-        let monitor = sub.monitor();
-        match sub.connect(&endpoint).await {
-            Ok(()) => break (sub, monitor),
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        let connected = async {
+            let mut conn =
+                ZmtpConnection::connect(&endpoint, SocketType::Sub, limits, REPLAY_TIMEOUT).await?;
+            conn.subscribe(topic.as_bytes()).await?;
+            Ok::<_, ZmtpError>(conn)
+        };
+        let mut conn = match connected.await {
+            Ok(c) => c,
             Err(e) => {
                 tracing::debug!(%endpoint, error = %e, "KV event SUB connect failed; retrying");
+                if let Some(why) = peer_fault(&e) {
+                    if !send(&tx, rank, Input::Bad(why)).await {
+                        return;
+                    }
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_CONNECT_BACKOFF);
-                if tx.is_closed() {
-                    return;
-                }
+                continue;
+            }
+        };
+        if !send(&tx, rank, Input::Connected).await {
+            return;
+        }
+        let ended = loop {
+            let msg = tokio::select! {
+                m = conn.recv() => m,
+                _ = tx.closed() => return,
+            };
+            let input = match msg {
+                Ok(mut frames) => match (frames.len(), frames.get(1).and_then(|f| seq_of(f))) {
+                    (3, Some(seq)) => Input::Live(seq, frames.swap_remove(2)),
+                    (3, None) => Input::Bad("sequence frame is not 8 bytes"),
+                    _ => Input::Bad("not 3 frames"),
+                },
+                Err(e) => break e,
+            };
+            // A healthy stream resets the backoff.
+            backoff = Duration::from_millis(50);
+            if !send(&tx, rank, input).await {
+                return;
+            }
+        };
+        tracing::debug!(%endpoint, error = %ended, "KV event SUB connection ended");
+        if let Some(why) = peer_fault(&ended) {
+            if !send(&tx, rank, Input::Bad(why)).await {
+                return;
             }
         }
-    };
-    if let Err(e) = sub.subscribe(&topic).await {
-        tracing::warn!(%endpoint, error = %e, "KV event subscribe failed");
-        return;
-    }
-    if !send(&tx, rank, Input::Connected).await {
-        return;
-    }
-    loop {
-        tokio::select! {
-            msg = sub.recv() => {
-                let input = match msg {
-                    Ok(m) => {
-                        let mut frames = m.into_vec();
-                        match (frames.len(), frames.get(1).and_then(|f| seq_of(f))) {
-                            (3, Some(seq)) => Input::Live(seq, frames.swap_remove(2)),
-                            (3, None) => Input::Bad("sequence frame is not 8 bytes"),
-                            _ => Input::Bad("not 3 frames"),
-                        }
-                    }
-                    Err(e) => {
-                        tracing::debug!(%endpoint, error = %e, "KV event receive failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                if !send(&tx, rank, input).await {
-                    return;
-                }
-            }
-            ev = monitor.next() => {
-                let input = match ev {
-                    Some(SocketEvent::Connected(..)) => Input::Connected,
-                    Some(SocketEvent::Disconnected(_)) => Input::Disconnected,
-                    Some(_) => continue,
-                    None => return,
-                };
-                if !send(&tx, rank, input).await {
-                    return;
-                }
-            }
-            _ = tx.closed() => return,
+        if !send(&tx, rank, Input::Disconnected).await {
+            return;
         }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_CONNECT_BACKOFF);
     }
 }
 
 /// One replay exchange on a fresh DEALER: `["", from]` → `["", seq, payload]`… `["", ff×8, ""]`.
-async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
+async fn replay(endpoint: String, limits: ZmtpLimits, rank: usize, id: u64, from: u64, tx: Tx) {
     let timed_out = |_| "timed out".to_owned();
     let exchange = async {
-        let mut dealer = DealerSocket::new();
-        tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(&endpoint))
-            .await
-            .map_err(timed_out)?
-            .map_err(|e| e.to_string())?;
-        let request = vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())];
-        let request = ZmqMessage::try_from(request).map_err(|_| "empty request".to_owned())?;
-        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(request))
+        let mut dealer =
+            ZmtpConnection::connect(&endpoint, SocketType::Dealer, limits, REPLAY_TIMEOUT)
+                .await
+                .map_err(|e| e.to_string())?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(&[b"", &from.to_be_bytes()]))
             .await
             .map_err(timed_out)?
             .map_err(|e| e.to_string())?;
@@ -312,8 +382,7 @@ async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
             let frames = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
                 .await
                 .map_err(timed_out)?
-                .map_err(|e| e.to_string())?
-                .into_vec();
+                .map_err(|e| e.to_string())?;
             match parse_replay_reply(frames)? {
                 None => return Ok(()),
                 Some((seq, payload)) => {
@@ -335,7 +404,7 @@ async fn replay(endpoint: String, rank: usize, id: u64, from: u64, tx: Tx) {
 /// marker. Accepts `["", seq, payload]` (the upstream publisher's documented form) and
 /// `["", topic, seq, payload]` (what vLLM 0.32 actually sends, captured in
 /// `tests/data/vllm-0.32-kv-events.json`, end marker `["", "", ff×8, ""]`).
-fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
+pub fn parse_replay_reply(mut frames: Vec<Bytes>) -> Result<Option<(u64, Bytes)>, String> {
     if frames.first().is_some_and(|f| f.is_empty()) {
         frames.remove(0);
     }
@@ -390,7 +459,8 @@ pub async fn run(
             return;
         }
     };
-    let (tx, mut rx) = mpsc::channel::<(usize, Input)>(1024);
+    let (tx, mut rx) = mpsc::channel::<(usize, Input)>(CHANNEL_DEPTH);
+    let limits = source.limits();
     let mut ranks = Vec::with_capacity(endpoints.len());
     let mut readers = Vec::with_capacity(endpoints.len());
     for (r, (sub, replay_ep)) in endpoints.into_iter().enumerate() {
@@ -398,11 +468,13 @@ pub async fn run(
         readers.push(tokio::spawn(sub_reader(
             sub,
             source.topic.clone(),
+            limits,
             r,
             tx.clone(),
         )));
         ranks.push(Rank {
-            tracker: SeqTracker::new(replay_ep.is_some()),
+            tracker: SeqTracker::new(replay_ep.is_some())
+                .with_max_buffered_bytes(source.max_buffered_bytes),
             replay_endpoint: replay_ep,
             connected: false,
             replay_id: 0,
@@ -419,6 +491,7 @@ pub async fn run(
         tx,
         next_replay: 1,
         exact: false,
+        limits,
         last_warn: None,
         reported: Default::default(),
     };
@@ -434,6 +507,14 @@ pub async fn run(
     for r in readers {
         r.abort();
     }
+    // The stream is gone: the model goes back to approximate, so a later subscription starts
+    // from a fresh exact model instead of adding to this one.
+    if lp.exact {
+        if let Err(e) = lp.sink.set_exact(lp.i, false, &lp.index.tiered_keys()) {
+            tracing::warn!(replica = %id, error = %e, "cannot switch cache model");
+        }
+    }
+    lp.metrics.up.with_label_values(&[&id]).set(0);
 }
 
 struct EventLoop {
@@ -446,6 +527,7 @@ struct EventLoop {
     tx: Tx,
     next_replay: u64,
     exact: bool,
+    limits: ZmtpLimits,
     last_warn: Option<Instant>,
     /// Index counters already added to the metrics.
     reported: HashMap<&'static str, u64>,
@@ -524,7 +606,14 @@ impl EventLoop {
         self.next_replay += 1;
         r.replay_id = id;
         tracing::debug!(replica = %self.id, rank, from, "requesting KV event replay");
-        tokio::spawn(replay(endpoint, rank, id, from, self.tx.clone()));
+        tokio::spawn(replay(
+            endpoint,
+            self.limits,
+            rank,
+            id,
+            from,
+            self.tx.clone(),
+        ));
     }
 
     fn count_clear(&self, reason: &str) {
@@ -627,10 +716,9 @@ mod tests {
     #[test]
     fn endpoints_offset_by_rank() {
         let s = KvEventsSource {
-            endpoint: "tcp://10.0.0.1:5557".into(),
             replay: Some("tcp://10.0.0.1:5558".into()),
-            topic: String::new(),
             dp_ranks: 2,
+            ..KvEventsSource::new("tcp://10.0.0.1:5557")
         };
         s.validate().unwrap();
         assert_eq!(
@@ -653,12 +741,34 @@ mod tests {
             ("tcp://a:65535", "endpoint"),
         ] {
             let s = KvEventsSource {
-                endpoint: bad.into(),
-                replay: None,
-                topic: String::new(),
                 dp_ranks: 2,
+                ..KvEventsSource::new(bad)
             };
             assert_eq!(s.validate().unwrap_err().0, field, "{bad}");
         }
+        for (s, field) in [
+            (
+                KvEventsSource {
+                    max_message_bytes: 10,
+                    ..KvEventsSource::new("tcp://a:1")
+                },
+                "max_message_bytes",
+            ),
+            (
+                KvEventsSource {
+                    max_buffered_bytes: usize::MAX,
+                    ..KvEventsSource::new("tcp://a:1")
+                },
+                "max_buffered_bytes",
+            ),
+        ] {
+            assert_eq!(s.validate().unwrap_err().0, field);
+        }
+        let parsed: KvEventsSource =
+            toml::from_str("endpoint = \"tcp://a:1\"\nmax_message_bytes = 65536\n").unwrap();
+        assert_eq!(
+            (parsed.max_message_bytes, parsed.max_buffered_bytes),
+            (65536, DEFAULT_MAX_BUFFERED_BYTES)
+        );
     }
 }

@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 
+use super::prom::MAX_BLOCK_SIZE;
 use crate::core::keys::{chain_tokens, BlockKey, Namespace};
 use crate::kv_events::msgpack::Value;
 use crate::kv_events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
@@ -232,7 +233,9 @@ impl EventIndex {
         }
         let n = e.block_hashes.len();
         let bs = e.block_size as usize;
-        if n == 0 || bs == 0 || e.token_ids.len() != n * bs {
+        // The block size also sizes token mode's keys: bounded like a scraped one.
+        if n == 0 || bs == 0 || e.block_size as u64 > MAX_BLOCK_SIZE || e.token_ids.len() != n * bs
+        {
             self.stats.malformed += 1;
             return;
         }
@@ -503,6 +506,20 @@ mod tests {
         idx.apply(0, &batch(vec![removed(vec![14], "GPU")]), &mut ops);
         assert_eq!(ops, vec![Op::Remove(vec![want[3]])]);
         assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn an_absurd_block_size_is_malformed_not_learned() {
+        let bs = MAX_BLOCK_SIZE as u32 + 1;
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        idx.apply(
+            0,
+            &batch(vec![stored(vec![1], None, vec![7; bs as usize], bs)]),
+            &mut ops,
+        );
+        assert!(ops.is_empty());
+        assert_eq!((idx.block_size(), idx.stats().malformed), (None, 1));
     }
 
     #[test]

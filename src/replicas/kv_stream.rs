@@ -14,7 +14,8 @@
 //! - no replay endpoint → a gap clears the replica (unknown blocks only lower its scores);
 //! - at startup, replay from 0 so blocks stored before the node started are known.
 //!
-//! Live messages that arrive during a replay are buffered, at most [`MAX_BUFFERED`]; past that
+//! Live messages that arrive during a replay are buffered, at most [`MAX_BUFFERED`] of them and
+//! at most `max_buffered_bytes` (default [`DEFAULT_MAX_BUFFERED_BYTES`]) of payload; past either
 //! the replay is abandoned and the replica cleared. The one promise, checked by a randomised
 //! test: between two clears, applied sequences strictly increase.
 
@@ -25,6 +26,8 @@ use bytes::Bytes;
 /// Live messages held while a replay is running; past this the replay is abandoned (the live
 /// stream outran it) and the replica cleared.
 pub const MAX_BUFFERED: usize = 4096;
+/// Default bound on the payload bytes buffered during a replay.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 << 20;
 
 /// What the I/O loop must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +83,8 @@ enum Mode {
         got_reply: bool,
         /// Live messages that arrived meanwhile, in arrival order.
         buffered: VecDeque<(u64, Bytes)>,
+        /// Their payload bytes.
+        buffered_bytes: usize,
     },
 }
 
@@ -91,6 +96,7 @@ pub struct SeqTracker {
     expect: Option<u64>,
     mode: Mode,
     can_replay: bool,
+    max_buffered_bytes: usize,
 }
 
 impl SeqTracker {
@@ -100,7 +106,14 @@ impl SeqTracker {
             expect: None,
             mode: Mode::Live,
             can_replay,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
         }
+    }
+
+    /// The same, buffering at most `bytes` of payload during a replay.
+    pub fn with_max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.max_buffered_bytes = bytes;
+        self
     }
 
     /// Whether a replay is in progress.
@@ -123,18 +136,26 @@ impl SeqTracker {
     }
 
     fn begin_replay(&mut self, from: u64, buffered: VecDeque<(u64, Bytes)>) -> Vec<Action> {
+        let buffered_bytes = buffered.iter().map(|(_, p)| p.len()).sum();
         self.mode = Mode::Replaying {
             from,
             got_reply: false,
             buffered,
+            buffered_bytes,
         };
         vec![Action::RequestReplay { from }]
     }
 
     /// A live message from the SUB socket.
     pub fn live(&mut self, seq: u64, payload: Bytes) -> Vec<Action> {
-        if let Mode::Replaying { buffered, .. } = &mut self.mode {
-            if buffered.len() >= MAX_BUFFERED {
+        if let Mode::Replaying {
+            buffered,
+            buffered_bytes,
+            ..
+        } = &mut self.mode
+        {
+            let bytes = buffered_bytes.saturating_add(payload.len());
+            if buffered.len() >= MAX_BUFFERED || bytes > self.max_buffered_bytes {
                 // The replay is not keeping up; give it up and restart from the live stream.
                 self.mode = Mode::Live;
                 self.expect = Some(seq + 1);
@@ -143,6 +164,7 @@ impl SeqTracker {
                     Action::Apply { seq, payload },
                 ];
             }
+            *buffered_bytes = bytes;
             buffered.push_back((seq, payload));
             return Vec::new();
         }
@@ -403,6 +425,20 @@ mod tests {
         assert!(t.replayed(0, p(0)).is_empty());
         assert!(t.replay_done().is_empty());
         assert!(t.replay_failed().is_empty());
+    }
+
+    #[test]
+    fn buffered_bytes_are_bounded_too() {
+        // Ten 1 MiB messages against a 4 MiB budget: the fifth abandons the replay.
+        let mut t = SeqTracker::new(true).with_max_buffered_bytes(4 << 20);
+        t.start();
+        let big = |s: u64| Bytes::from(vec![s as u8; 1 << 20]);
+        for s in 0..4u64 {
+            assert!(t.live(100 + s, big(s)).is_empty());
+        }
+        let got = t.live(104, big(4));
+        assert_eq!(got[0], Action::Clear(ClearReason::ReplayOverflow));
+        assert!(!t.replaying());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! - [`dns`]: DNS sources (SRV or A/AAAA, TTL re-resolve) and the registry they feed.
 //! - [`kv_stream`], [`kv_index`], [`kv_events`]: an engine's KV-event stream, from ZMQ frames to
 //!   cache-model operations, through the [`kv_events::KvEventSink`] the node implements.
+//! - [`zmtp`]: the bounded ZMTP 3 client (SUB, DEALER) those streams read through.
 
 pub mod dns;
 pub mod entry;
@@ -18,3 +19,4 @@ pub mod kv_index;
 pub mod kv_stream;
 pub mod probe;
 pub mod prom;
+pub mod zmtp;

@@ -3,6 +3,11 @@
 //! Exists because the node needs four or five gauges from each replica every second and nothing
 //! else: a full exposition-format parser would be more code to trust than this. Lines it cannot
 //! read are skipped and counted — a replica's output must never crash or stall a node.
+//!
+//! Every number it passes on has a stated bound (the `MAX_*` constants below): a value outside
+//! it — `num_gpu_blocks="1000000000000000"`, a negative queue, a usage of 7 — is refused, counted
+//! in [`EngineLoad::refused_values`], and the figure keeps what the other lines said. One bad
+//! line from one replica must not size anything the node allocates.
 
 /// Load figures read from one scrape; `None` where the engine exported nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -21,7 +26,22 @@ pub struct EngineLoad {
     pub block_size: Option<u64>,
     /// Lines that could not be parsed.
     pub skipped_lines: u64,
+    /// Values read but outside their bound (see the `MAX_*` constants), refused.
+    pub refused_values: u64,
 }
+
+/// Largest `block_size` (tokens per KV block) accepted from `vllm:cache_config_info`. Engines
+/// use 1..=256; anything past this is a broken or hostile exporter.
+pub const MAX_BLOCK_SIZE: u64 = 4096;
+/// Largest `num_gpu_blocks` accepted from one `vllm:cache_config_info` line (2^26 blocks, far
+/// past any single engine's KV pool).
+pub const MAX_GPU_BLOCKS: u64 = 1 << 26;
+/// Largest KV capacity (tokens) a scrape may report, summed over engines: 2^34 (17 G tokens).
+pub const MAX_CAPACITY_TOKENS: u64 = 1 << 34;
+/// Largest waiting or running request count accepted from one sample.
+pub const MAX_REQUESTS: f64 = 1e7;
+/// KV usage is a fraction: 0..=1 (a little slack for rounding).
+pub const MAX_KV_USAGE: f64 = 1.0 + 1e-6;
 
 /// One sample: metric name, the raw label block (without braces) and the value.
 #[derive(Debug, PartialEq)]
@@ -119,7 +139,8 @@ fn max(slot: &mut Option<f64>, v: f64) {
     *slot = Some(slot.map_or(v, |s| s.max(v)));
 }
 
-/// Reads the load figures of a vLLM or SGLang `/metrics` body.
+/// Reads the load figures of a vLLM or SGLang `/metrics` body. Values outside their bound are
+/// refused and counted in [`EngineLoad::refused_values`].
 pub fn parse_engine_load(text: &str) -> EngineLoad {
     let mut load = EngineLoad::default();
     let mut legacy_usage = None;
@@ -135,28 +156,27 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
         if !s.value.is_finite() {
             continue;
         }
+        let requests = (0.0..=MAX_REQUESTS).contains(&s.value);
+        let usage = (0.0..=MAX_KV_USAGE).contains(&s.value);
         match s.name {
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" if requests => {
                 add(&mut load.waiting, s.value)
             }
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" if requests => {
                 add(&mut load.running, s.value)
             }
-            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => max(&mut load.kv_usage, s.value),
-            "vllm:gpu_cache_usage_perc" => max(&mut legacy_usage, s.value),
-            "vllm:cache_config_info" => {
-                let blocks = label(s.labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
-                let size = label(s.labels, "block_size").and_then(|v| v.parse::<u64>().ok());
-                if let Some(z) = size.filter(|z| *z > 0) {
-                    load.block_size = Some(z);
-                }
-                if let (Some(b), Some(z)) = (blocks, size) {
-                    let cap = b.saturating_mul(z);
-                    if cap > 0 {
-                        load.capacity_tokens = Some(load.capacity_tokens.unwrap_or(0) + cap);
-                    }
-                }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" if usage => {
+                max(&mut load.kv_usage, s.value.min(1.0))
             }
+            "vllm:gpu_cache_usage_perc" if usage => max(&mut legacy_usage, s.value.min(1.0)),
+            "vllm:num_requests_waiting"
+            | "sglang:num_queue_reqs"
+            | "vllm:num_requests_running"
+            | "sglang:num_running_reqs"
+            | "vllm:kv_cache_usage_perc"
+            | "sglang:token_usage"
+            | "vllm:gpu_cache_usage_perc" => load.refused_values += 1,
+            "vllm:cache_config_info" => cache_config(&mut load, s.labels),
             _ => {}
         }
     }
@@ -164,6 +184,42 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
         load.kv_usage = legacy_usage;
     }
     load
+}
+
+/// `vllm:cache_config_info`'s `block_size` and `num_gpu_blocks` labels, each within its bound;
+/// the capacity they give adds to the other engines' up to [`MAX_CAPACITY_TOKENS`].
+fn cache_config(load: &mut EngineLoad, labels: &str) {
+    // A label that does not parse as a number ("None" before profiling) says nothing; one that
+    // parses out of bounds is refused.
+    let bounded = |key: &str, max: u64| -> Result<Option<u64>, ()> {
+        match label(labels, key).map(|v| v.trim().parse::<u64>()) {
+            Some(Ok(v)) if (1..=max).contains(&v) => Ok(Some(v)),
+            Some(Ok(_)) => Err(()),
+            // Out of u64 range is out of bounds too; other text says nothing.
+            Some(Err(e)) if *e.kind() == std::num::IntErrorKind::PosOverflow => Err(()),
+            Some(Err(_)) | None => Ok(None),
+        }
+    };
+    let size = bounded("block_size", MAX_BLOCK_SIZE);
+    let blocks = bounded("num_gpu_blocks", MAX_GPU_BLOCKS);
+    let (size, blocks) = match (size, blocks) {
+        (Ok(z), Ok(b)) => (z, b),
+        _ => {
+            load.refused_values += 1;
+            return;
+        }
+    };
+    if let Some(z) = size {
+        load.block_size = Some(z);
+    }
+    if let (Some(b), Some(z)) = (blocks, size) {
+        let total = load.capacity_tokens.unwrap_or(0).saturating_add(b * z);
+        if total > MAX_CAPACITY_TOKENS {
+            load.refused_values += 1;
+        } else {
+            load.capacity_tokens = Some(total);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -213,6 +269,46 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234 1700000000000
         assert_eq!(l.running, Some(1.0));
         assert_eq!(l.waiting, None);
         assert_eq!(l.skipped_lines, 5);
+    }
+
+    #[test]
+    fn out_of_bound_numbers_are_refused_and_counted() {
+        let l = parse_engine_load(concat!(
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1000000000000000\"} 1\n",
+            "vllm:cache_config_info{block_size=\"99999999999999999999999\",num_gpu_blocks=\"10\"} 1\n",
+            "vllm:cache_config_info{block_size=\"0\",num_gpu_blocks=\"10\"} 1\n",
+            "vllm:num_requests_waiting -3\n",
+            "vllm:num_requests_running 1e12\n",
+            "vllm:kv_cache_usage_perc 7\n",
+        ));
+        assert_eq!(l.refused_values, 6);
+        assert_eq!(
+            (
+                l.capacity_tokens,
+                l.block_size,
+                l.waiting,
+                l.running,
+                l.kv_usage
+            ),
+            (None, None, None, None, None)
+        );
+        // A good engine line next to a bad one still counts; the sum is bounded too.
+        let l = parse_engine_load(concat!(
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1000\"} 1\n",
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n",
+            "vllm:num_requests_running 2\n",
+        ));
+        assert_eq!(
+            (l.capacity_tokens, l.block_size, l.running),
+            (Some(16_000), Some(16), Some(2.0))
+        );
+        assert_eq!(l.refused_values, 0);
+        let line = format!(
+            "vllm:cache_config_info{{block_size=\"256\",num_gpu_blocks=\"{MAX_GPU_BLOCKS}\"}} 1\n"
+        );
+        let l = parse_engine_load(&line.repeat(3));
+        assert_eq!(l.capacity_tokens, Some(MAX_CAPACITY_TOKENS));
+        assert_eq!(l.refused_values, 2);
     }
 
     #[test]

@@ -371,22 +371,22 @@ async fn a_body_that_trickles_in_gets_408() {
     .await;
 }
 
-/// Thousands of idle connections cannot keep others out: past `server.max_connections` the
+/// 2,000 idle connections cannot keep others out: past `server.max_connections` the
 /// least recently active connection is closed to admit the next, and past the open-files limit
 /// the node never stops accepting (it raises the limit and caps connections below it).
 #[tokio::test]
 async fn idle_connections_do_not_keep_health_out() {
     bounded(async {
-        // As under `ulimit -n 2048`: a node that held 1,100 idle connections (2,200 descriptors
-        // in this process, both ends) could not accept `/health`.
+        // As under `ulimit -n 3000`: a node holding 2,000 idle connections (4,000 descriptors
+        // in this process, both ends) ran out of descriptors and could not accept `/health`.
         let (_, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE).unwrap();
-        rlimit::setrlimit(rlimit::Resource::NOFILE, 2048.min(hard), hard).unwrap();
+        rlimit::setrlimit(rlimit::Resource::NOFILE, 3000.min(hard), hard).unwrap();
         let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
         let mut cfg = node_config(&urls);
         cfg.server.max_connections = 512;
         let node = proxy::spawn(cfg).await.unwrap();
         let mut idle = Vec::new();
-        for _ in 0..1_100 {
+        for _ in 0..2_000 {
             match tokio::net::TcpStream::connect(node.addr).await {
                 Ok(s) => idle.push(s),
                 Err(e) => panic!("connect {}: {e}", idle.len()),

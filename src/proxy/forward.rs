@@ -584,6 +584,12 @@ impl BodyState {
             .requests
             .with_label_values(&[id, self.node.policy.as_str(), "stream_aborted"])
             .inc();
+        // A stream that broke after its first byte is the replica's doing.
+        self.node
+            .metrics
+            .upstream_failures
+            .with_label_values(&["replica"])
+            .inc();
         self.node.request_failed(i);
     }
 }

@@ -79,6 +79,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         load: WireLoad::default(),
         summary,
         origin: String::new(),
+        kv_events: None,
     }
 }
 

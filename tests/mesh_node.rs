@@ -932,6 +932,7 @@ fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
             digest: 0,
         },
         origin: String::new(),
+        kv_events: None,
     }
 }
 
@@ -1162,6 +1163,93 @@ async fn a_tenant_share_of_the_cluster_holds_across_nodes() {
         assert!(refused, "b never counted a's requests against acme's share");
         drop(held);
         for n in [a, b] {
+            n.shutdown().await;
+        }
+        for r in reps {
+            r.shutdown().await;
+        }
+    })
+    .await;
+}
+
+/// A replica learned from gossip follows its engine's KV events where it is homed: its record
+/// carries the event ports (at the replica URL's host), so whichever node becomes its home
+/// subscribes, and the other learners do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_home_of_a_learned_replica_follows_its_kv_events() {
+    bounded(40, async {
+        let dir = certs();
+        let mut reps = Vec::new();
+        for i in 0..3 {
+            let mut cfg = ReplicaConfig {
+                id: format!("k{i}"),
+                exit_on_crash: false,
+                kv_events: Some(kvmesh::replica::config::KvEventsConfig::default()),
+                ..ReplicaConfig::default()
+            };
+            cfg.engine.time_scale = 50.0;
+            reps.push(replica::spawn(cfg).await.unwrap());
+        }
+        let list: Vec<(String, String)> =
+            reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
+        let mut a_cfg = mesh_config(dir.path(), "a", "eu", &[], &list, None);
+        for (r, h) in a_cfg.replicas.iter_mut().zip(&reps) {
+            r.kv_events = Some(kvmesh::node::config::KvEventsSource {
+                endpoint: format!("tcp://127.0.0.1:{}", h.kv_events_port.unwrap()),
+                replay: h.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+                ..kvmesh::node::config::KvEventsSource::new("")
+            });
+        }
+        let a = proxy::spawn(a_cfg).await.unwrap();
+        let seed = [mesh_addr(&a)];
+        // b and c have no replicas of their own: they learn a's.
+        let b = mesh_node(dir.path(), "b", "eu", &seed, &[]).await;
+        let c = mesh_node(dir.path(), "c", "eu", &seed, &[]).await;
+        let nodes = [("a", &a), ("b", &b), ("c", &c)];
+        wait_for(Duration::from_secs(15), || {
+            nodes.iter().all(|(_, n)| {
+                n.node.ready()
+                    && n.node.state().mesh.is_some_and(|m| {
+                        m.replicas.len() == 3 && m.replicas.iter().all(|r| !r.home.is_empty())
+                    })
+            })
+        })
+        .await
+        .expect("every node knows every replica and its home");
+        let homes: Vec<(String, String)> = a
+            .node
+            .state()
+            .mesh
+            .unwrap()
+            .replicas
+            .iter()
+            .map(|r| (r.id.clone(), r.home.clone()))
+            .collect();
+        let learned_homes: Vec<_> = homes.iter().filter(|(_, h)| h != "a").collect();
+        assert!(
+            !learned_homes.is_empty(),
+            "every replica is homed at its origin: {homes:?}"
+        );
+        let source = |n: &RunningNode, id: &str| {
+            n.node
+                .state()
+                .replicas
+                .iter()
+                .find(|r| r.id == id)
+                .map(|r| r.cache_source.clone())
+                .unwrap_or_default()
+        };
+        for (id, home) in &learned_homes {
+            let (_, home_node) = nodes.iter().find(|(name, _)| name == home).unwrap();
+            let t = wait_for(Duration::from_secs(10), || source(home_node, id) == "exact").await;
+            assert!(t.is_some(), "{id}'s home {home} never followed its events");
+            for (name, n) in &nodes {
+                if name != home && *name != "a" {
+                    assert_eq!(source(n, id), "approximate", "{id} at {name}, a follower");
+                }
+            }
+        }
+        for n in [a, b, c] {
             n.shutdown().await;
         }
         for r in reps {

@@ -472,6 +472,12 @@ fn replica_record() -> ReplicaRecord {
             digest: u64::MAX,
         },
         origin: "n1".into(),
+        kv_events: Some(crate::mesh::schema::WireKvEvents {
+            port: 5557,
+            replay_port: Some(5558),
+            topic: "kv".into(),
+            dp_ranks: 2,
+        }),
     }
 }
 

@@ -302,7 +302,30 @@ pub struct ReplicaRecord {
     /// version 1: absent reads as "".
     #[serde(default)]
     pub origin: String,
+    /// Where the engine publishes its KV events, at the replica URL's host, so whichever node
+    /// becomes home subscribes. Added after version 1: absent reads as none.
+    #[serde(default)]
+    pub kv_events: Option<WireKvEvents>,
 }
+
+/// A replica's KV-event ports as gossiped: the host is always the replica URL's (which the
+/// learned-replica allow-list has vetted), never a peer's choice.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireKvEvents {
+    /// PUB port (rank 0).
+    pub port: u16,
+    /// ROUTER replay port (rank 0), if any.
+    pub replay_port: Option<u16>,
+    /// Topic prefix (at most [`MAX_TOPIC_BYTES`]).
+    pub topic: String,
+    /// Data-parallel ranks (1..=[`MAX_DP_RANKS`]).
+    pub dp_ranks: u16,
+}
+
+/// Longest KV-event topic a record carries.
+pub const MAX_TOPIC_BYTES: usize = 64;
+/// Most data-parallel ranks a record may claim (each is a connection).
+pub const MAX_DP_RANKS: u16 = 64;
 
 impl ReplicaRecord {
     /// A record from the core's types.
@@ -325,6 +348,7 @@ impl ReplicaRecord {
             load: load.into(),
             summary,
             origin: String::new(),
+            kv_events: None,
         }
     }
 
@@ -352,6 +376,24 @@ impl ReplicaRecord {
         let r: ReplicaRecord = decode("replica", s)?;
         // (The origin is a node id: bounded by the value's size like every string here.)
         r.check()?;
+        if let Some(k) = &r.kv_events {
+            bound("replica", "kv_events.port", k.port > 0, k.port)?;
+            bound(
+                "replica",
+                "kv_events.topic",
+                k.topic.len() <= MAX_TOPIC_BYTES,
+                k.topic.len(),
+            )?;
+            bound(
+                "replica",
+                "kv_events.dp_ranks",
+                (1..=MAX_DP_RANKS).contains(&k.dp_ranks)
+                    && u32::from(k.port) + u32::from(k.dp_ranks) <= 65_536
+                    && k.replay_port
+                        .is_none_or(|p| p > 0 && u32::from(p) + u32::from(k.dp_ranks) <= 65_536),
+                k.dp_ranks,
+            )?;
+        }
         Ok(r)
     }
 
@@ -556,6 +598,7 @@ mod tests {
                 digest: u64::MAX,
             },
             origin: String::new(),
+            kv_events: None,
         }
     }
 
@@ -647,6 +690,43 @@ mod tests {
             ..Default::default()
         };
         assert!(InflightRecord::decode(&bad_inflight.encode().unwrap()).is_err());
+        let mut kv = record();
+        kv.kv_events = Some(WireKvEvents {
+            port: 5557,
+            replay_port: Some(5558),
+            topic: String::new(),
+            dp_ranks: 2,
+        });
+        assert!(ReplicaRecord::decode(&kv.encode().unwrap()).is_ok());
+        for bad in [
+            WireKvEvents {
+                port: 0,
+                replay_port: None,
+                topic: String::new(),
+                dp_ranks: 1,
+            },
+            WireKvEvents {
+                port: 5557,
+                replay_port: None,
+                topic: "t".repeat(65),
+                dp_ranks: 1,
+            },
+            WireKvEvents {
+                port: 5557,
+                replay_port: None,
+                topic: String::new(),
+                dp_ranks: 0,
+            },
+            WireKvEvents {
+                port: 65_535,
+                replay_port: None,
+                topic: String::new(),
+                dp_ranks: 4,
+            },
+        ] {
+            kv.kv_events = Some(bad);
+            assert!(ReplicaRecord::decode(&kv.encode().unwrap()).is_err());
+        }
         let bad_tenant = InflightRecord {
             tenants: BTreeMap::from([("t".to_owned(), u32::MAX)]),
             ..Default::default()

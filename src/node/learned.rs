@@ -222,8 +222,11 @@ impl Node {
                 50_000.0
             },
             max_in_flight: r.max_in_flight.max(1),
-            // The home subscribes to the engine's events; a learner only reads the summary.
-            kv_events: None,
+            // Subscribed to only while this node is its home (`watchers.rs`).
+            kv_events: r
+                .kv_events
+                .as_ref()
+                .and_then(|k| super::kv_gossip::from_wire(&r.url, k)),
         };
         let (i, new) = self
             .add_replica(&spec)
@@ -350,6 +353,7 @@ mod tests {
                 load: WireLoad::default(),
                 summary: SummaryVersion::default(),
                 origin: String::new(),
+                kv_events: None,
             },
             home,
         }

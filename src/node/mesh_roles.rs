@@ -591,6 +591,10 @@ fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> Re
     };
     let mut record = ReplicaRecord::new(info, rt.effective_health(), &own, version);
     record.origin = rt.mesh.origin.clone().unwrap_or_default();
+    record.kv_events = rt
+        .kv_source
+        .as_ref()
+        .and_then(|k| super::kv_gossip::to_wire(&info.url, k));
     record
 }
 

@@ -28,6 +28,7 @@
 
 pub mod config;
 mod feedback;
+mod kv_gossip;
 mod learned;
 mod load_share;
 pub(crate) mod mesh_loop;

@@ -67,6 +67,9 @@ impl Node {
                 }
             }
             core.view.upsert(info);
+            if r.kv_events.is_some() {
+                rt.kv_source = r.kv_events.clone();
+            }
             let back = std::mem::take(&mut rt.removed);
             rt.removed_at = None;
             let revived = std::mem::take(&mut rt.dropped);
@@ -109,6 +112,7 @@ impl Node {
             dropped: false,
             incarnation: 0,
             mesh: ReplicaMesh::default(),
+            kv_source: r.kv_events.clone(),
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
         endpoints.push(Endpoint {
@@ -151,6 +155,15 @@ impl Node {
     /// Whether replica `i` is out of the registry.
     pub(super) fn is_removed(&self, i: usize) -> bool {
         self.lock().replicas.get(i).is_none_or(|rt| rt.removed)
+    }
+
+    /// Whether this node should follow replica `i`'s KV events: it is in the registry and, when
+    /// learned from gossip, this node is its home (its own replicas it follows as before).
+    pub(super) fn kv_events_wanted(&self, i: usize) -> bool {
+        self.lock()
+            .replicas
+            .get(i)
+            .is_some_and(|rt| !rt.removed && (!rt.mesh.learned || rt.mesh.home))
     }
 
     /// Replica `i`'s incarnation while it is not dropped (its watcher tasks run while this

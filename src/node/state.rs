@@ -26,7 +26,7 @@ use crate::core::tenants::{TenantConfig, Tenants};
 use crate::core::view::{Health, View};
 use crate::mesh::load_share::{LoadShareConfig, PeerLoads};
 use crate::replicas::health::HealthTracker;
-use crate::replicas::kv_events::KvMetrics;
+use crate::replicas::kv_events::{KvEventsSource, KvMetrics};
 use crate::replicas::prom::EngineLoad;
 use crate::tokenize::TokenMode;
 
@@ -66,6 +66,9 @@ pub struct ReplicaRuntime {
     pub incarnation: u64,
     /// Mesh role and sync state (home or follower); a single node is home of everything.
     pub mesh: ReplicaMesh,
+    /// Where its engine publishes KV events: from the config, a DNS source or (learned) the
+    /// home's record. Published in its record, so any node that becomes home subscribes.
+    pub kv_source: Option<KvEventsSource>,
 }
 
 impl ReplicaRuntime {

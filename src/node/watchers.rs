@@ -195,15 +195,11 @@ const KV_REGISTRY_POLL: Duration = Duration::from_millis(200);
 /// Starts the KV-event subscriber of a static replica `i` if its `[[replicas]]` entry has
 /// `kv_events` (DNS-found replicas get theirs from their source, in [`run_dns`]).
 fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
-    let Some(ep) = node.endpoint(i) else {
-        return;
-    };
     let source = node
-        .cfg
+        .lock()
         .replicas
-        .iter()
-        .find(|r| r.effective_id() == *ep.id)
-        .and_then(|r| r.kv_events.clone());
+        .get(i)
+        .and_then(|rt| rt.kv_source.clone());
     if let Some(source) = source {
         ensure_kv_events(node, stop, i, source);
     }
@@ -236,8 +232,8 @@ pub(super) fn ensure_kv_events(
     let mut stop = stop.clone();
     tokio::spawn(async move {
         loop {
-            // Wait until the replica is in the registry.
-            while node.is_removed(i) {
+            // Wait until the replica is in the registry (and, learned, homed here).
+            while !node.kv_events_wanted(i) {
                 tokio::select! {
                     _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
                     _ = stopped(&mut stop) => return,
@@ -256,8 +252,8 @@ pub(super) fn ensure_kv_events(
             let node_stopped = loop {
                 tokio::select! {
                     _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
-                        if node.is_removed(i) {
-                            tracing::info!(replica = %ep.id, "replica left the registry: KV-event subscription ends");
+                        if !node.kv_events_wanted(i) {
+                            tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
                             break false;
                         }
                     }

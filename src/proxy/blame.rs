@@ -9,8 +9,9 @@
 //! - a connect error at once (it says nothing about the request);
 //! - any other failure (reset mid-upload, first-byte timeout, 5xx) when another replica then took
 //!   the same request, or when it was the request's only attempt;
-//! - never when the request failed on two or more replicas and succeeded nowhere: then the
-//!   request is blamed (counted in `kvmesh_upstream_failures_total{blame="request"}`).
+//! - never when the request failed on two or more replicas and succeeded nowhere, nor when a
+//!   big body (over 1 MiB) was cut mid-upload wherever it was tried: then the request is blamed
+//!   (counted in `kvmesh_upstream_failures_total{blame="request"}`).
 //!
 //! A hung or broken replica is still ejected: the next replica serves its requests, which blames
 //! it. A stream that breaks after its first byte is always the replica's (see `forward.rs`).
@@ -55,12 +56,14 @@ impl Attempts {
         }
     }
 
-    /// No replica answered. Returns whether the request is blamed instead of the replicas.
-    pub(super) fn gave_up(self, node: &Arc<Node>) -> bool {
+    /// No replica answered. Returns whether the request is blamed instead of the replicas:
+    /// it failed on two or more, or — `big_body` — every try was cut mid-upload (a size limit
+    /// before the engine does that; a dead replica shows in connect errors and checks instead).
+    pub(super) fn gave_up(self, node: &Arc<Node>, big_body: bool) -> bool {
         let mut replicas: Vec<usize> = self.pending.iter().map(|(i, _)| *i).collect();
         replicas.sort_unstable();
         replicas.dedup();
-        if replicas.len() >= 2 {
+        if replicas.len() >= 2 || (big_body && self.all_cut()) {
             node.metrics
                 .upstream_failures
                 .with_label_values(&["request"])

@@ -462,8 +462,9 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     }
     // Every attempt failed.
     let cut = attempts.all_cut();
-    let request_blamed = attempts.gave_up(node);
-    if request_blamed && cut && body.len() > LIKELY_REFUSED_BODY_BYTES {
+    let big = body.len() > LIKELY_REFUSED_BODY_BYTES;
+    let request_blamed = attempts.gave_up(node, big);
+    if request_blamed && cut && big {
         // Replicas (or proxies before them) commonly cut the connection on a body over their
         // limit instead of answering 413.
         return Err(ApiError::refused_as_too_large(body.len()));

@@ -1258,3 +1258,85 @@ async fn the_home_of_a_learned_replica_follows_its_kv_events() {
     })
     .await;
 }
+
+/// With API keys on every node, a forwarded request keeps the tenant its key named: the
+/// forwarding node checked the key and passes the tenant over the mesh's mutual TLS (the
+/// client's key itself stays at the first node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_tenants_survive_forwarding() {
+    bounded(30, async {
+        let dir = certs();
+        let rb = replica("rb0").await;
+        let keys = dir.path().join("api-keys");
+        std::fs::write(&keys, "acme sk-acme-0123456789abcdef\n").unwrap();
+        let with_keys = |mut cfg: NodeConfig| {
+            cfg.auth.api_keys_file = Some(keys.clone());
+            // Only acme's pool may serve acme: a request without its tenant would be refused.
+            cfg.tenants.insert(
+                "acme".into(),
+                kvmesh::core::tenants::TenantConfig {
+                    pools: vec!["gold".into()],
+                    ..Default::default()
+                },
+            );
+            for r in &mut cfg.replicas {
+                r.pool = "gold".into();
+            }
+            cfg
+        };
+        // a1 has no replicas: everything is forwarded to b1.
+        let a1 = proxy::spawn(with_keys(mesh_config(
+            dir.path(),
+            "a1",
+            "a",
+            &[],
+            &[],
+            None,
+        )))
+        .await
+        .unwrap();
+        let seed = [mesh_addr(&a1)];
+        let b1 = proxy::spawn(with_keys(mesh_config(
+            dir.path(),
+            "b1",
+            "b",
+            &seed,
+            &[(rb.id.clone(), rb.base_url())],
+            None,
+        )))
+        .await
+        .unwrap();
+        wait_for(Duration::from_secs(10), || {
+            a1.node.ready()
+                && a1
+                    .node
+                    .state()
+                    .replicas
+                    .iter()
+                    .any(|r| r.id == "rb0" && r.health == "healthy")
+        })
+        .await
+        .expect("a1 learns region b's replica");
+        let http = client();
+        let resp = http
+            .post(format!("http://{}/v1/completions", a1.addr))
+            .bearer_auth("sk-acme-0123456789abcdef")
+            .json(&json!({"model": MODEL, "prompt": text("keyed", 512), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+        let resp = http
+            .post(format!("http://{}/v1/completions", a1.addr))
+            .json(&json!({"model": MODEL, "prompt": text("keyless", 512), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401);
+        for n in [a1, b1] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+    })
+    .await;
+}

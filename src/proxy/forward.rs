@@ -211,9 +211,15 @@ fn forwardable(headers: &HeaderMap) -> HeaderMap {
 async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
-    // With API keys the key names the tenant; a tenant header proves nothing.
+    // With API keys the key names the tenant; a tenant header proves nothing. A request a mesh
+    // peer forwarded was checked there: its tenant travels in `TENANT_HEADER`.
+    let from_peer = parts
+        .extensions
+        .get::<super::listener::ConnInfo>()
+        .is_some_and(|c| c.peer);
     let key_tenant = match &node.secrets.api_keys {
         None => None,
+        Some(_) if from_peer => header_str(&parts.headers, region_forward::TENANT_HEADER),
         Some(keys) => {
             let key = super::auth::bearer(&parts.headers).ok_or_else(ApiError::missing_api_key)?;
             Some(
@@ -351,6 +357,10 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             // Also after local attempts failed: nothing reached the client yet, and another
             // region beats an error.
             (Decision::Forward { region, reason }, _) if node.in_mesh() => {
+                let mut headers = headers.clone();
+                if let Some(v) = tenant.and_then(|t| HeaderValue::from_str(t).ok()) {
+                    headers.insert(HeaderName::from_static(region_forward::TENANT_HEADER), v);
+                }
                 return region_forward::forward(node, &region, reason, path, &headers, body.clone())
                     .await;
             }

@@ -27,6 +27,9 @@ use crate::node::{Node, Peer};
 /// Request header marking a request another node already forwarded (its value is the hop
 /// count, always 1). A request carrying it is never forwarded again.
 pub const HOP_HEADER: &str = "x-kvmesh-hop";
+/// Request header carrying the tenant of a forwarded request, which the forwarding node decided
+/// (by API key when keys are on). Read only from a peer's connection.
+pub const TENANT_HEADER: &str = "x-kvmesh-tenant";
 /// Peers whose RTTs differ by less than this many ms count as equally near when forwarding.
 const FORWARD_RTT_STEP_MS: u128 = 5;
 

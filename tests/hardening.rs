@@ -624,3 +624,47 @@ async fn error_bodies_name_no_replica_and_no_address() {
     })
     .await;
 }
+
+/// With hedging on, a streamed request whose replica is late is also sent to the next best one,
+/// and the first answer wins: a hung replica costs `hedge_after_ms`, not the first-byte timeout.
+#[tokio::test]
+async fn a_late_streamed_request_is_hedged_and_the_first_answer_wins() {
+    bounded(async {
+        let urls = vec![
+            format!("http://{}", fake_replica(Fake::Hang).await),
+            format!("http://{}", fake_replica(Fake::Poison).await),
+        ];
+        let mut cfg = node_config(&urls);
+        cfg.timeouts.stream_first_byte_ms = 10_000;
+        cfg.retry.hedge_after_ms = 100;
+        cfg.policy = "round-robin".into();
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        for i in 0..6 {
+            let t0 = std::time::Instant::now();
+            assert_eq!(complete(&c, &node, &format!("hedged {i}"), true).await, 200);
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "request {i}: {:?}",
+                t0.elapsed()
+            );
+        }
+        let m = c
+            .get(url(&node, "/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let won: f64 = m
+            .lines()
+            .find_map(|l| l.strip_prefix("kvmesh_hedges_total{outcome=\"hedge_won\"} "))
+            .unwrap_or("0")
+            .parse()
+            .unwrap();
+        assert!(won >= 1.0, "{m}");
+        node.shutdown().await;
+    })
+    .await;
+}

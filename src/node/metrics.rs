@@ -37,6 +37,9 @@ pub struct Metrics {
     pub retries: IntCounter,
     /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
     pub ejections: IntCounterVec,
+    /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
+    /// (`first_won`, `hedge_won`).
+    pub hedges: IntCounterVec,
     /// `kvmesh_upstream_failures_total{blame}`: failed attempts, by whom they were held against:
     /// `replica` (counts towards its ejection) or `request` (its content failed everywhere).
     pub upstream_failures: IntCounterVec,
@@ -192,6 +195,13 @@ impl Metrics {
             Opts::new("kvmesh_ejections_total", "Passive outlier ejections"),
             &["replica"],
         )?;
+        let hedges = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_hedges_total",
+                "Streamed requests hedged at a second replica after retry.hedge_after_ms, by outcome",
+            ),
+            &["outcome"],
+        )?;
         let upstream_failures = IntCounterVec::new(
             Opts::new(
                 "kvmesh_upstream_failures_total",
@@ -228,6 +238,7 @@ impl Metrics {
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(ejections.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
+        registry.register(Box::new(hedges.clone()))?;
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
         let decisions = DecisionMetrics::new(&registry)?;
@@ -243,6 +254,7 @@ impl Metrics {
             retries,
             ejections,
             upstream_failures,
+            hedges,
             scrape_errors,
             scrape_skipped_lines,
             scrape_refused,

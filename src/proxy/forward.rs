@@ -378,27 +378,73 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             // A retry found no other candidate: answer with what the last attempt got.
             _ => break,
         };
-        let i = routed.replica;
-        let endpoint = ticket.endpoint().clone();
-        let replica_id: &str = &endpoint.id;
+        let (mut routed, mut ticket) = (routed, ticket);
+        let mut i = routed.replica;
+        let mut endpoint = ticket.endpoint().clone();
         if attempt > 0 {
             node.metrics.retries.inc();
         }
         tracing::debug!(
-            replica = %replica_id, hit_blocks = routed.hit_blocks, reason = routed.reason.as_str(),
+            replica = %endpoint.id, hit_blocks = routed.hit_blocks, reason = routed.reason.as_str(),
             attempt, "routed"
         );
-        let url = format!("{}{}", endpoint.base, path);
-        let send = node
-            .client
-            .post(url)
-            .headers(headers.clone())
-            .body(body.clone())
-            .send();
         let sent_at = Instant::now();
+        let mut send = send_to(node, &endpoint, path, &headers, &body);
+        let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
+        // `None`: nothing within the first-byte timeout.
+        let answer = if attempt == 0
+            && fields.stream == Some(true)
+            && !hedge_after.is_zero()
+            && hedge_after < first_byte
+        {
+            match tokio::time::timeout(hedge_after, &mut send).await {
+                Ok(r) => Some(r),
+                Err(_) => {
+                    // Late: the same request to the next best replica; the first answer wins
+                    // and the other is dropped (its engine sees the connection close). The
+                    // loser is not blamed: slow is not failed.
+                    let exclude = [i];
+                    let left = first_byte - hedge_after;
+                    match node.route(&RouteRequest {
+                        exclude: &exclude,
+                        ..route_req
+                    }) {
+                        (Decision::Route(r2), Some(t2)) => {
+                            let e2 = t2.endpoint().clone();
+                            let hedge = send_to(node, &e2, path, &headers, &body);
+                            node.metrics.hedges.with_label_values(&["sent"]).inc();
+                            match tokio::time::timeout(left, futures::future::select(send, hedge))
+                                .await
+                            {
+                                Ok(futures::future::Either::Left((r, _))) => {
+                                    node.metrics.hedges.with_label_values(&["first_won"]).inc();
+                                    t2.failed(&keys);
+                                    Some(r)
+                                }
+                                Ok(futures::future::Either::Right((r, _))) => {
+                                    node.metrics.hedges.with_label_values(&["hedge_won"]).inc();
+                                    std::mem::replace(&mut ticket, t2).failed(&keys);
+                                    tried.push(i);
+                                    (i, routed, endpoint) = (r2.replica, r2, e2);
+                                    Some(r)
+                                }
+                                Err(_) => {
+                                    t2.failed(&keys);
+                                    None
+                                }
+                            }
+                        }
+                        _ => tokio::time::timeout(left, send).await.ok(),
+                    }
+                }
+            }
+        } else {
+            tokio::time::timeout(first_byte, send).await.ok()
+        };
+        let replica_id: &str = &endpoint.id;
         // What the client is told stays free of replica names and addresses; the log has them.
-        let (failure, error) = match tokio::time::timeout(first_byte, send).await {
-            Ok(Ok(resp)) if !is_failure(resp.status()) => {
+        let (failure, error) = match answer {
+            Some(Ok(resp)) if !is_failure(resp.status()) => {
                 let first_byte_s = sent_at.elapsed().as_secs_f64();
                 node.metrics
                     .first_byte_seconds
@@ -433,7 +479,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 }
                 return Ok(out);
             }
-            Ok(Ok(resp)) => {
+            Some(Ok(resp)) => {
                 let msg = format!("the replica answered {}", resp.status());
                 if let Some((_, earlier, _)) = last_failed_response.take() {
                     earlier.failed(&keys);
@@ -441,7 +487,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 last_failed_response = Some((resp, ticket, routed.hit_blocks));
                 (Failure::Status, msg)
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 ticket.failed(&keys);
                 let failure = if e.is_connect() {
                     Failure::Connect
@@ -453,7 +499,7 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                     format!("the replica failed: {}", upstream_cause(e)),
                 )
             }
-            Err(_) => {
+            None => {
                 ticket.failed(&keys);
                 (
                     Failure::Timeout,
@@ -484,6 +530,24 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         return Ok(respond(node, resp, ticket, hit, Vec::new()));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
+}
+
+/// Sends the request's original bytes to replica `endpoint`.
+fn send_to(
+    node: &Node,
+    endpoint: &crate::node::Endpoint,
+    path: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = reqwest::Result<reqwest::Response>> + Send>>
+{
+    Box::pin(
+        node.client
+            .post(format!("{}{}", endpoint.base, path))
+            .headers(headers.clone())
+            .body(body.clone())
+            .send(),
+    )
 }
 
 fn decision_header(d: &crate::core::router::Routed) -> String {

@@ -190,6 +190,10 @@ pub struct RetryConfig {
     pub max_attempts: u32,
     /// No new attempt starts this long (ms) after the request arrived. Default 30,000.
     pub budget_ms: u64,
+    /// A streamed request with no response headers after this long (ms) is also sent to the
+    /// next best replica; the first answer wins and the other is dropped. It costs a duplicate
+    /// prefill per hedge, and a replica that only lost races is not ejected. 0 = off. Default 0.
+    pub hedge_after_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -197,6 +201,7 @@ impl Default for RetryConfig {
         RetryConfig {
             max_attempts: 3,
             budget_ms: 30_000,
+            hedge_after_ms: 0,
         }
     }
 }
@@ -300,6 +305,7 @@ impl NodeConfig {
             ),
             ("timeouts.idle_ms".into(), self.timeouts.idle_ms),
             ("retry.budget_ms".into(), self.retry.budget_ms),
+            ("retry.hedge_after_ms".into(), self.retry.hedge_after_ms),
             ("health.interval_ms".into(), self.health.interval_ms),
             ("health.timeout_ms".into(), self.health.timeout_ms),
             (

@@ -68,6 +68,17 @@ pub mod bounds {
     pub const MAX_KV_USAGE: f32 = 1.5;
     /// Largest RTT a record may claim, in ms.
     pub const MAX_RTT_MS: f32 = 600_000.0;
+    /// How far past this node's wall clock a summary epoch may be, in ms. Epochs are
+    /// wall-clock milliseconds, bumped by one at each handover; a new home starts above every
+    /// epoch it sees, so an unbounded one from a member would push every later home's there.
+    pub const MAX_EPOCH_LEAD_MS: u64 = 86_400_000;
+}
+
+/// Wall-clock milliseconds, for the epoch bound.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Errors encoding or decoding a gossip value.
@@ -376,6 +387,9 @@ impl ReplicaRecord {
         let r: ReplicaRecord = decode("replica", s)?;
         // (The origin is a node id: bounded by the value's size like every string here.)
         r.check()?;
+        let epoch = r.summary.epoch;
+        let latest = wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
+        bound("replica", "summary.epoch", epoch <= latest, epoch)?;
         if let Some(k) = &r.kv_events {
             bound("replica", "kv_events.port", k.port > 0, k.port)?;
             bound(
@@ -690,6 +704,11 @@ mod tests {
             ..Default::default()
         };
         assert!(InflightRecord::decode(&bad_inflight.encode().unwrap()).is_err());
+        let mut future = record();
+        future.summary.epoch = u64::MAX / 2;
+        assert!(ReplicaRecord::decode(&future.encode().unwrap()).is_err());
+        future.summary.epoch = wall_ms() + 3_600_000;
+        assert!(ReplicaRecord::decode(&future.encode().unwrap()).is_ok());
         let mut kv = record();
         kv.kv_events = Some(WireKvEvents {
             port: 5557,

@@ -157,13 +157,14 @@ impl Node {
         self.lock().replicas.get(i).is_none_or(|rt| rt.removed)
     }
 
-    /// Whether this node should follow replica `i`'s KV events: it is in the registry and, when
-    /// learned from gossip, this node is its home (its own replicas it follows as before).
+    /// Whether this node should follow replica `i`'s KV events: it is in the registry and this
+    /// node is its home (always, without a mesh). Followers use the home's summary, so one
+    /// subscription per replica serves the whole region.
     pub(super) fn kv_events_wanted(&self, i: usize) -> bool {
         self.lock()
             .replicas
             .get(i)
-            .is_some_and(|rt| !rt.removed && (!rt.mesh.learned || rt.mesh.home))
+            .is_some_and(|rt| !rt.removed && rt.mesh.home)
     }
 
     /// Replica `i`'s incarnation while it is not dropped (its watcher tasks run while this

@@ -103,6 +103,29 @@ impl SocketType {
             SocketType::Dealer => b"DEALER",
         }
     }
+
+    /// Whether a peer announcing `peer` may talk to this socket type (ZMTP 3.0's table).
+    fn accepts(self, peer: &[u8]) -> bool {
+        match self {
+            SocketType::Sub => matches!(peer, b"PUB" | b"XPUB"),
+            SocketType::Dealer => matches!(peer, b"ROUTER" | b"DEALER" | b"REP"),
+        }
+    }
+}
+
+/// The `Socket-Type` property of a `READY` command's properties (after the command name).
+fn socket_type_property(mut props: &[u8]) -> Option<&[u8]> {
+    while let Some((&name_len, rest)) = props.split_first() {
+        let name = rest.get(..usize::from(name_len))?;
+        let rest = &rest[usize::from(name_len)..];
+        let len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let value = rest.get(4..4usize.checked_add(len)?)?;
+        if name.eq_ignore_ascii_case(b"Socket-Type") {
+            return Some(value);
+        }
+        props = &rest[4 + len..];
+    }
+    None
 }
 
 /// `tcp://host:port` → (host without IPv6 brackets, port).
@@ -286,7 +309,16 @@ impl ZmtpConnection {
             }
             let body = read_body(&mut stream, len as usize).await?;
             match body.split_first() {
-                Some((5, rest)) if rest.starts_with(b"READY") => {}
+                Some((5, rest)) if rest.starts_with(b"READY") => {
+                    let peer = socket_type_property(&rest[5..]).unwrap_or_default();
+                    if !socket_type.accepts(peer) {
+                        return Err(ZmtpError::Handshake(format!(
+                            "peer socket type {:?} cannot talk to {:?}",
+                            String::from_utf8_lossy(peer),
+                            String::from_utf8_lossy(socket_type.name())
+                        )));
+                    }
+                }
                 Some((5, rest)) if rest.starts_with(b"ERROR") => {
                     return Err(ZmtpError::Handshake(format!(
                         "peer refused: {}",
@@ -332,6 +364,20 @@ mod tests {
             .build()
             .map(|rt| rt.block_on(f))
             .expect("runtime")
+    }
+
+    #[test]
+    fn the_peers_socket_type_must_match() {
+        // Our own READY, as a peer would send it: a DEALER is fine for a DEALER, not for a SUB.
+        let frame = ready(SocketType::Dealer);
+        let props = &frame[2 + 6..];
+        assert_eq!(socket_type_property(props), Some(&b"DEALER"[..]));
+        assert!(SocketType::Dealer.accepts(b"DEALER"));
+        assert!(!SocketType::Sub.accepts(b"DEALER"));
+        assert!(SocketType::Sub.accepts(b"PUB"));
+        // Truncated or absurd lengths read as "none", never out of bounds.
+        assert_eq!(socket_type_property(&[11, b'S']), None);
+        assert_eq!(socket_type_property(&[0, 0xff, 0xff, 0xff, 0xff]), None);
     }
 
     #[test]

@@ -420,14 +420,18 @@ pub(crate) mod tests {
     }
 
     fn mode(name: &str, block_size: Option<u32>) -> TokenMode {
-        let (path, cfg) = write_test_tokenizer(&temp_dir(name));
-        TokenMode::load(&TokenizerConfig {
+        let dir = temp_dir(name);
+        let (path, cfg) = write_test_tokenizer(&dir);
+        let m = TokenMode::load(&TokenizerConfig {
             path,
             chat_template_config: Some(cfg),
             block_size,
             models: vec!["m".into()],
         })
-        .unwrap()
+        .unwrap();
+        // Loaded into memory: the files are not needed any more.
+        let _ = std::fs::remove_dir_all(&dir);
+        m
     }
 
     #[test]

@@ -493,6 +493,7 @@ pub async fn run(
         exact: false,
         limits,
         last_warn: None,
+        last_replay_warn: None,
         reported: Default::default(),
     };
     loop {
@@ -529,6 +530,8 @@ struct EventLoop {
     exact: bool,
     limits: ZmtpLimits,
     last_warn: Option<Instant>,
+    /// When a failed replay was last logged.
+    last_replay_warn: Option<Instant>,
     /// Index counters already added to the metrics.
     reported: HashMap<&'static str, u64>,
 }
@@ -562,7 +565,12 @@ impl EventLoop {
             }
             Input::ReplayDone(id) if id == r.replay_id => r.tracker.replay_done(),
             Input::ReplayFailed(id, e) if id == r.replay_id => {
-                tracing::warn!(replica = %self.id, rank, error = %e, "KV event replay failed");
+                // A publisher that keeps failing replays must not flood the log either.
+                let now = Instant::now();
+                if self.last_replay_warn.is_none_or(|t| now - t >= WARN_EVERY) {
+                    self.last_replay_warn = Some(now);
+                    tracing::warn!(replica = %self.id, rank, error = %e, "KV event replay failed (further failures logged at most every 10 s; see kvmesh_kv_events_clears_total)");
+                }
                 r.tracker.replay_failed()
             }
             Input::Replayed(..) | Input::ReplayDone(_) | Input::ReplayFailed(..) => Vec::new(),

@@ -58,7 +58,11 @@ cp "$bin" "$ctx/kvmesh"
 # The HTTP client will not build without system roots (see Containerfile.local).
 cp /etc/ssl/certs/ca-certificates.crt "$ctx/ca-certificates.crt"
 
+old=$("${bah[@]}" images -q "$tag" 2>/dev/null || true)
 "${bah[@]}" bud --isolation chroot -f "$root/deploy/container/Containerfile.local" -t "$tag" "$ctx"
+# The previous build under this tag is now dangling: remove it (vfs keeps a full copy per image).
+new=$("${bah[@]}" images -q "$tag")
+if [ -n "$old" ] && [ "$old" != "$new" ]; then "${bah[@]}" rmi "$old" >/dev/null || true; fi
 
 # A fresh working container each run (the name is fixed so a re-run replaces it).
 name=kvmesh-image-test

@@ -52,7 +52,10 @@ fn systemd_unit_verifies() {
     // `verify` insists that ExecStart's binary exists: point it at the one cargo built. The file
     // keeps its name, since `verify` derives the unit name (and %d) from it.
     let unit = std::fs::read_to_string(repo().join("deploy/systemd/kvmesh.service")).unwrap();
-    assert!(unit.contains("/usr/local/bin/kvmesh serve"), "ExecStart changed?");
+    assert!(
+        unit.contains("/usr/local/bin/kvmesh serve"),
+        "ExecStart changed?"
+    );
     let unit = unit.replace("/usr/local/bin/kvmesh", env!("CARGO_BIN_EXE_kvmesh"));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvmesh.service");
@@ -65,7 +68,10 @@ fn systemd_unit_verifies() {
     )
     .expect("systemd-analyze verify took over 60 s");
     // It reports problems on stderr, possibly with status 0: any output is a failure.
-    assert!(ok && out.trim().is_empty(), "systemd-analyze verify:\n{out}");
+    assert!(
+        ok && out.trim().is_empty(),
+        "systemd-analyze verify:\n{out}"
+    );
 }
 
 #[test]
@@ -73,7 +79,10 @@ fn systemd_unit_outlasts_the_drain() {
     let unit = std::fs::read_to_string(repo().join("deploy/systemd/kvmesh.service")).unwrap();
     let stop: u64 = directive(&unit, "TimeoutStopSec")[0].parse().unwrap();
     let drain = NodeConfig::default().drain_s;
-    assert!(stop > drain, "TimeoutStopSec={stop} must exceed drain_s={drain}");
+    assert!(
+        stop > drain,
+        "TimeoutStopSec={stop} must exceed drain_s={drain}"
+    );
     assert_eq!(directive(&unit, "LimitNOFILE"), ["1048576"]);
     assert_eq!(directive(&unit, "CapabilityBoundingSet"), [""]);
 }
@@ -102,7 +111,11 @@ fn check_containerfile(path: &Path) {
     let runtime: String = text.lines().skip(last_from).collect::<Vec<_>>().join("\n");
 
     let entry = directive(&runtime, "ENTRYPOINT");
-    assert_eq!(entry.len(), 1, "{name}: one ENTRYPOINT in the runtime stage");
+    assert_eq!(
+        entry.len(),
+        1,
+        "{name}: one ENTRYPOINT in the runtime stage"
+    );
     assert!(
         entry[0].starts_with("[\"/") && entry[0].contains("kvmesh\""),
         "{name}: ENTRYPOINT must be the exec form naming the kvmesh binary: {}",
@@ -124,7 +137,10 @@ fn check_containerfile(path: &Path) {
     let http = format!("{}/tcp", NodeConfig::default().listen.port());
     let mesh = format!("{}/udp", MeshSection::default().listen.port());
     for port in [http, mesh] {
-        assert!(exposed.contains(&port), "{name}: EXPOSE lacks {port}: {exposed:?}");
+        assert!(
+            exposed.contains(&port),
+            "{name}: EXPOSE lacks {port}: {exposed:?}"
+        );
     }
 }
 
@@ -135,5 +151,8 @@ fn containerfiles_run_kvmesh_as_non_root_on_the_default_ports() {
     check_containerfile(&dir.join("Containerfile.local"));
     // The full build runs in a builder image and copies the binary into a scratch stage.
     let full = std::fs::read_to_string(dir.join("Containerfile")).unwrap();
-    assert!(full.contains("AS build") && full.contains("FROM scratch"), "multi-stage");
+    assert!(
+        full.contains("AS build") && full.contains("FROM scratch"),
+        "multi-stage"
+    );
 }

@@ -104,11 +104,12 @@ fn check_containerfile(path: &Path) {
     let text = std::fs::read_to_string(path).unwrap();
     let name = path.display();
     // The runtime stage is the one after the last FROM.
-    let last_from = text
-        .lines()
+    let lines: Vec<&str> = text.lines().collect();
+    let last_from = lines
+        .iter()
         .rposition(|l| l.trim_start().starts_with("FROM "))
         .unwrap_or_else(|| panic!("{name}: no FROM"));
-    let runtime: String = text.lines().skip(last_from).collect::<Vec<_>>().join("\n");
+    let runtime = lines[last_from..].join("\n");
 
     let entry = directive(&runtime, "ENTRYPOINT");
     assert_eq!(

@@ -4,8 +4,8 @@
 # 1. A static binary on the host: glibc with crt-static on the gnu target (works with this crate
 #    set: nothing links a C library dynamically; ring's C/asm is compiled in). The image then
 #    needs no libc (no fallback to copying shared libraries was needed). Static glibc loads no
-#    NSS plugins: names resolve through /etc/hosts and DNS only (the serve test below resolves
-#    localhost inside the image).
+#    NSS plugins; /etc/hosts works (the serve test below resolves localhost inside the image),
+#    DNS through /etc/resolv.conf was not tested here (no resolver reachable).
 # 2. `buildah bud` of deploy/container/Containerfile.local (FROM scratch) in vfs storage with
 #    chroot isolation (what works on this machine: no overlay, no cgroups for a runtime).
 # 3. Runs `kvmesh --version` and `kvmesh certs init`/`issue` inside the image (`buildah run`),

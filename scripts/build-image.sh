@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the kvmesh runtime image here, without pulling any base image, and tests it:
-#   scripts/build-image.sh [--no-build] [--tag NAME]
+#   scripts/build-image.sh [--no-build] [--tag NAME] [--port N]
 # 1. A static binary on the host: glibc with crt-static on the gnu target (works with this crate
 #    set: nothing links a C library dynamically; ring's C/asm is compiled in). The image then
 #    needs no libc (no fallback to copying shared libraries was needed). Static glibc loads no

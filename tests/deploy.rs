@@ -157,3 +157,151 @@ fn containerfiles_run_kvmesh_as_non_root_on_the_default_ports() {
         "multi-stage"
     );
 }
+
+/// The metric names `expr` mentions (histogram series reduced to their family).
+fn metric_families(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(pos) = expr[i..].find("kvmesh_") {
+        let start = i + pos;
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_lowercase() || bytes[end] == b'_') {
+            end += 1;
+        }
+        let name = &expr[start..end];
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        out.push(family.to_owned());
+        i = end;
+    }
+    out
+}
+
+/// Every metric the Grafana dashboard queries is one a live node exports: two regions, a node
+/// without replicas forwarding to one with a replica that publishes KV events, after streamed
+/// and plain requests at both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_queries_only_metrics_nodes_export() {
+    use kvmesh::node::config::{KvEventsSource, ReplicaConfig as NodeReplica};
+    use kvmesh::proxy;
+    use kvmesh::replica::{self, config::KvEventsConfig, ReplicaConfig};
+    let run = async {
+        proxy::install_crypto_provider();
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(repo().join("deploy/grafana/kvmesh.json")).unwrap(),
+        )
+        .unwrap();
+        let mut wanted = std::collections::BTreeSet::new();
+        for p in dash["panels"].as_array().unwrap() {
+            for t in p["targets"].as_array().unwrap() {
+                wanted.extend(metric_families(t["expr"].as_str().unwrap()));
+            }
+        }
+        assert!(wanted.len() > 20, "{wanted:?}");
+
+        let certs = tempfile::tempdir().unwrap();
+        kvmesh::mesh::certs::init_dir(certs.path()).unwrap();
+        let mut rcfg = ReplicaConfig {
+            id: "rb0".into(),
+            exit_on_crash: false,
+            kv_events: Some(KvEventsConfig::default()),
+            ..ReplicaConfig::default()
+        };
+        rcfg.engine.time_scale = 50.0;
+        let rb = replica::spawn(rcfg).await.unwrap();
+        let node = |name: &str, region: &str, seeds: Vec<String>, replicas: Vec<NodeReplica>| {
+            kvmesh::mesh::certs::issue_in_dir(certs.path(), name).unwrap();
+            let mut cfg = NodeConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                region: region.into(),
+                drain_s: 2,
+                replicas,
+                ..NodeConfig::default()
+            };
+            cfg.health.interval_ms = 100;
+            cfg.scrape.interval_ms = 100;
+            cfg.mesh = Some(MeshSection {
+                node_id: name.into(),
+                listen: "127.0.0.1:0".parse().unwrap(),
+                seeds,
+                certs_dir: Some(certs.path().to_owned()),
+                ..MeshSection::default()
+            });
+            proxy::spawn(cfg)
+        };
+        let b1 = node(
+            "b1",
+            "b",
+            vec![],
+            vec![NodeReplica {
+                id: Some("rb0".into()),
+                kv_events: Some(KvEventsSource {
+                    endpoint: format!("tcp://127.0.0.1:{}", rb.kv_events_port.unwrap()),
+                    ..KvEventsSource::new("")
+                }),
+                ..NodeReplica::from_url(rb.base_url())
+            }],
+        )
+        .await
+        .unwrap();
+        let seed = b1.node.mesh().unwrap().addr().to_string();
+        let a1 = node("a1", "a", vec![seed], vec![]).await.unwrap();
+        let http = reqwest::Client::new();
+        let mut forwarded = false;
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            for (n, stream) in [(&a1, true), (&a1, false), (&b1, true), (&b1, false)] {
+                let resp = http
+                    .post(format!("http://{}/v1/completions", n.addr))
+                    .json(&serde_json::json!({"model": "sim-llama-8b",
+                        "prompt": "a shared prefix for the dashboard ".repeat(20),
+                        "max_tokens": 2, "stream": stream}))
+                    .send()
+                    .await;
+                if let Ok(r) = resp {
+                    forwarded |= std::ptr::eq(n, &a1) && r.status() == 200;
+                    let _ = r.bytes().await;
+                }
+            }
+            if forwarded {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(forwarded, "a1 never forwarded to region b");
+        // A few gossip rounds for the mesh counters.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut exported = std::collections::BTreeSet::new();
+        for n in [&a1, &b1] {
+            let text = http
+                .get(format!("http://{}/metrics", n.addr))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            exported.extend(
+                text.lines()
+                    .filter_map(|l| l.strip_prefix("# TYPE "))
+                    .filter_map(|l| l.split(' ').next())
+                    .map(str::to_owned),
+            );
+        }
+        let missing: Vec<_> = wanted.difference(&exported).collect();
+        assert!(
+            missing.is_empty(),
+            "the dashboard queries metrics no node exports: {missing:?}"
+        );
+        for n in [a1, b1] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+    };
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("test exceeded its time bound");
+}

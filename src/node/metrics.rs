@@ -242,6 +242,13 @@ impl Metrics {
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
         let decisions = DecisionMetrics::new(&registry)?;
+        // Fixed label sets exist at 0 from the start (dashboards and alerts see them at once).
+        for blame in ["replica", "request"] {
+            upstream_failures.with_label_values(&[blame]).reset();
+        }
+        for outcome in ["sent", "first_won", "hedge_won"] {
+            hedges.with_label_values(&[outcome]).reset();
+        }
         Ok(Metrics {
             registry,
             requests,
@@ -417,6 +424,20 @@ impl MeshMetrics {
         registry.register(Box::new(m.load_updates.clone()))?;
         registry.register(Box::new(m.load_bytes.clone()))?;
         registry.register(Box::new(m.load_refused.clone()))?;
+        // Fixed label sets exist at 0 from the start.
+        for kind in ["delta", "snapshot", "ignored", "error"] {
+            m.pulls.with_label_values(&[kind]).reset();
+        }
+        for reason in [
+            "not_home",
+            "bad_url",
+            "not_allowed",
+            "peer_cap",
+            "total_cap",
+            "registry",
+        ] {
+            m.records_ignored.with_label_values(&[reason]).reset();
+        }
         Ok(m)
     }
 
@@ -455,10 +476,9 @@ impl MeshMetrics {
                 schema.1.saturating_sub(schema.0),
             ),
         ];
+        // Every series is created (at 0 until something happens), so dashboards see them all.
         for (counter, label, n) in labelled {
-            if n > 0 {
-                counter.with_label_values(&[label]).inc_by(n);
-            }
+            counter.with_label_values(&[label]).inc_by(n);
         }
         self.sync_served.inc_by(d(|s| s.sync_served));
         self.sync_bytes_sent.inc_by(d(|s| s.sync_bytes_sent));

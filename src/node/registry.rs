@@ -126,6 +126,12 @@ impl Node {
             .with_label_values(&[&id])
             .set(1);
         self.metrics.in_flight.with_label_values(&[&id]).set(0);
+        // Present at 0 from the start, so dashboards and alerts see the series before the first.
+        self.metrics.ejections.with_label_values(&[&id]).reset();
+        self.metrics
+            .scrape_refused
+            .with_label_values(&[&id])
+            .reset();
         tracing::info!(replica = %id, url = %r.url, "replica registered");
         Ok((i, true))
     }
@@ -234,6 +240,8 @@ impl Node {
             for vec in [&self.metrics.replica_healthy, &self.metrics.in_flight] {
                 let _ = vec.remove_label_values(&[&id]);
             }
+            let _ = self.metrics.ejections.remove_label_values(&[&id]);
+            let _ = self.metrics.scrape_refused.remove_label_values(&[&id]);
         }
         dropped.len()
     }

@@ -265,7 +265,16 @@ impl KvMetrics {
                 "Requests keyed by text although token mode is configured, by reason",
                 &["reason"],
             )?,
-        })
+        }
+        .with_fixed_labels())
+    }
+
+    /// Fixed label values exist at 0 from the start.
+    fn with_fixed_labels(self) -> Self {
+        for reason in ["other_model", "load", "template", "encode", "unsupported"] {
+            self.token_fallbacks.with_label_values(&[reason]).reset();
+        }
+        self
     }
 }
 
@@ -459,6 +468,8 @@ pub async fn run(
             return;
         }
     };
+    // At 0 from the start, so dashboards and alerts see the series.
+    metrics.malformed.with_label_values(&[&id]).reset();
     let (tx, mut rx) = mpsc::channel::<(usize, Input)>(CHANNEL_DEPTH);
     let limits = source.limits();
     let mut ranks = Vec::with_capacity(endpoints.len());

@@ -301,8 +301,13 @@ async fn a_mesh_under_load_loses_no_request_that_had_not_started() {
 
         // kill -9 a replica (streams on it are cut).
         let r3 = reps[3].take().unwrap();
+        // Completions at r3 between reading its count and its end are not counted there; at
+        // most the successes clients saw in that window.
+        let before = tally.snapshot();
         served_by_dead += served(&c, &r3).await;
         r3.shutdown().await;
+        let after = tally.snapshot();
+        let uncounted = (after[0] + after[1]) - (before[0] + before[1]);
         tokio::time::sleep(phase).await;
         row(
             "kill -9 replica r3",
@@ -407,8 +412,8 @@ async fn a_mesh_under_load_loses_no_request_that_had_not_started() {
         // after its node died, a node's retry after a timeout.
         let slack = cut + retried + node_retries;
         assert!(
-            served_total >= ok + retried && served_total <= ok + retried + slack,
-            "served {served_total}, clients {} + at most {slack} twice",
+            served_total + uncounted >= ok + retried && served_total <= ok + retried + slack,
+            "served {served_total} (+ at most {uncounted} uncounted at r3), clients {} + at most {slack} twice",
             ok + retried
         );
         for n in nodes.into_iter().flatten() {

@@ -2,7 +2,8 @@
 //! systemd unit passes `systemd-analyze verify` (where that tool exists; skipped with a message
 //! otherwise), and both Containerfiles run `kvmesh` as a non-root user and expose the ports the
 //! default configuration listens on. `scripts/build-image.sh` builds and runs the image itself
-//! (it needs buildah and a release build, so it is not run here).
+//! (it needs buildah and a release build, so it is not run here). `scripts/validate-k8s.sh`
+//! renders and validates the Kubernetes manifests of `deploy/k8s/` where kubectl is installed.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -156,6 +157,35 @@ fn containerfiles_run_kvmesh_as_non_root_on_the_default_ports() {
         full.contains("AS build") && full.contains("FROM scratch"),
         "multi-stage"
     );
+}
+
+/// `scripts/validate-k8s.sh` renders both region overlays of `deploy/k8s/` with `kubectl
+/// kustomize` and, where `kubernetes-validate` is installed, validates them against the
+/// Kubernetes schemas (the script says when it skips that). Skipped where kubectl is missing.
+#[test]
+fn k8s_overlays_render_and_validate() {
+    let probe = Command::new("kubectl")
+        .args(["version", "--client"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: kubectl is not installed");
+        return;
+    }
+    let (ok, out) = run_bounded(
+        &mut Command::new(repo().join("scripts/validate-k8s.sh")),
+        Duration::from_secs(60),
+    )
+    .expect("scripts/validate-k8s.sh took over 60 s");
+    eprintln!("{out}");
+    assert!(ok, "scripts/validate-k8s.sh failed:\n{out}");
+    for region in ["eu", "us"] {
+        assert!(
+            out.contains(&format!("validate-k8s: {region}: rendered")),
+            "{region} not rendered:\n{out}"
+        );
+    }
 }
 
 /// The metric names `expr` mentions (histogram series reduced to their family).

@@ -90,10 +90,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Replica(args) => {
             let config = args.into_config()?;
-            kvmesh::replica::run(config, async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+            kvmesh::replica::run(config, kvmesh::shutdown::signalled()).await?;
         }
         Command::Serve(args) => kvmesh::proxy::serve(args).await?,
         Command::Status { node, token_file } => {

@@ -253,38 +253,12 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     })
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot watch SIGTERM");
-                    std::future::pending::<()>().await
-                }
-            }
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-}
-
 /// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = NodeConfig::from_args(&args)?;
     let running = spawn(cfg).await?;
     println!("kvmesh node listening on http://{}", running.addr);
-    shutdown_signal().await;
+    crate::shutdown::signalled().await;
     tracing::info!("shutting down: draining in-flight requests");
     running.shutdown().await;
     Ok(())

@@ -49,12 +49,18 @@ fn certs() -> tempfile::TempDir {
 }
 
 async fn replica(id: &str) -> ReplicaHandle {
+    replica_with(id, |_| {}).await
+}
+
+/// A simulated replica `id`, 50× faster than real time unless `adjust` says otherwise.
+async fn replica_with(id: &str, adjust: impl FnOnce(&mut ReplicaConfig)) -> ReplicaHandle {
     let mut cfg = ReplicaConfig {
         id: id.into(),
         exit_on_crash: false,
         ..ReplicaConfig::default()
     };
     cfg.engine.time_scale = 50.0;
+    adjust(&mut cfg);
     replica::spawn(cfg).await.unwrap()
 }
 
@@ -1098,13 +1104,7 @@ async fn a_tenant_share_of_the_cluster_holds_across_nodes() {
         // Real-time replicas: a long completion stays in flight.
         let mut reps = Vec::new();
         for id in ["r0", "r1"] {
-            let mut cfg = ReplicaConfig {
-                id: id.into(),
-                exit_on_crash: false,
-                ..ReplicaConfig::default()
-            };
-            cfg.engine.time_scale = 1.0;
-            reps.push(replica::spawn(cfg).await.unwrap());
+            reps.push(replica_with(id, |c| c.engine.time_scale = 1.0).await);
         }
         let list: Vec<(String, String)> =
             reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();
@@ -1195,14 +1195,10 @@ async fn the_home_of_a_learned_replica_follows_its_kv_events() {
         let dir = certs();
         let mut reps = Vec::new();
         for i in 0..3 {
-            let mut cfg = ReplicaConfig {
-                id: format!("k{i}"),
-                exit_on_crash: false,
-                kv_events: Some(kvmesh::replica::config::KvEventsConfig::default()),
-                ..ReplicaConfig::default()
+            let events = |c: &mut ReplicaConfig| {
+                c.kv_events = Some(kvmesh::replica::config::KvEventsConfig::default())
             };
-            cfg.engine.time_scale = 50.0;
-            reps.push(replica::spawn(cfg).await.unwrap());
+            reps.push(replica_with(&format!("k{i}"), events).await);
         }
         let list: Vec<(String, String)> =
             reps.iter().map(|r| (r.id.clone(), r.base_url())).collect();

@@ -695,8 +695,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn homes_publish_followers_pull_and_apply() {
+    /// Node `a` of region `eu` with replicas `r0..r7` (the mesh is never started).
+    fn eight_replicas_at_node_a() -> NodeConfig {
         crate::proxy::install_crypto_provider();
         let mut cfg = NodeConfig {
             region: "eu".into(),
@@ -714,6 +714,12 @@ mod tests {
             certs_dir: Some("/nonexistent".into()),
             ..MeshSection::default()
         });
+        cfg
+    }
+
+    #[test]
+    fn homes_publish_followers_pull_and_apply() {
+        let cfg = eight_replicas_at_node_a();
         let node = Node::new(cfg.clone()).unwrap();
         let live = vec![member("a", 7000, true), member("b", 7001, false)];
         let plan = node.apply_membership("a", &live, &BTreeMap::new());
@@ -842,23 +848,7 @@ mod tests {
 
     #[test]
     fn block_reports_only_from_region_members_and_only_at_the_home() {
-        crate::proxy::install_crypto_provider();
-        let mut cfg = NodeConfig {
-            region: "eu".into(),
-            ..NodeConfig::default()
-        };
-        cfg.replicas = (0..8)
-            .map(|i| ReplicaConfig {
-                id: Some(format!("r{i}")),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
-            })
-            .collect();
-        cfg.mesh = Some(MeshSection {
-            node_id: "a".into(),
-            certs_dir: Some("/nonexistent".into()),
-            ..MeshSection::default()
-        });
+        let cfg = eight_replicas_at_node_a();
         let node = Node::new(cfg).unwrap();
         let live = vec![member("a", 7000, true), member("b", 7001, false)];
         node.apply_membership("a", &live, &BTreeMap::new());

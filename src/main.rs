@@ -30,6 +30,8 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         token_file: Option<std::path::PathBuf>,
     },
+    /// List, add, drain or remove replicas on a running node (and its region).
+    Replicas(kvmesh::proxy::admin_cli::ReplicasArgs),
     /// Simulate router nodes and replicas in virtual time on a trace; compare policies.
     Sim(kvmesh::bench::sim_cli::SimArgs),
     /// Replay a workload against OpenAI-compatible endpoints (or in-process fleets per policy)
@@ -94,20 +96,29 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Serve(args) => kvmesh::proxy::serve(args).await?,
         Command::Status { node, token_file } => {
-            let token = match token_file {
-                Some(path) => Some(
-                    std::fs::read_to_string(&path)
-                        .with_context(|| format!("cannot read {}", path.display()))?
-                        .lines()
-                        .next()
-                        .unwrap_or("")
-                        .trim()
-                        .to_owned(),
-                ),
-                None => std::env::var(kvmesh::node::config::server::ADMIN_TOKEN_ENV).ok(),
-            };
+            let token = admin_token(token_file.as_deref())?;
             print!("{}", kvmesh::proxy::status(&node, token.as_deref()).await?);
+        }
+        Command::Replicas(args) => {
+            let token = admin_token(args.token_file.as_deref())?;
+            print!("{}", kvmesh::proxy::admin_cli::run(args, token).await?);
         }
     }
     Ok(())
+}
+
+/// The admin token: the first line of `file`, else `KVMESH_ADMIN_TOKEN`.
+fn admin_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    Ok(match file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_owned(),
+        ),
+        None => std::env::var(kvmesh::node::config::server::ADMIN_TOKEN_ENV).ok(),
+    })
 }

@@ -303,6 +303,13 @@ impl Router {
         &self.cfg
     }
 
+    /// Replaces the spill bar and cost parameters (a configuration reload). The policy and
+    /// the RNG stay: changing policy is a restart.
+    pub fn set_params(&mut self, spill_after_s: f64, cost: CostModel) {
+        self.cfg.spill_after_s = spill_after_s;
+        self.cfg.cost = cost;
+    }
+
     /// Decides where `req` goes, given what `view` says at `now`.
     pub fn route(&mut self, view: &View, req: &RouteRequest<'_>, now: Duration) -> Decision {
         let tenant_cfg = self.tenants.config(req.tenant);

@@ -52,6 +52,16 @@ impl Tenants {
         }
     }
 
+    /// Replaces the policies (a configuration reload); the in-flight counts stay, so requests
+    /// routed under the old quotas still release what they hold. A lowered quota only stops
+    /// new requests.
+    pub fn reconfigure(&mut self, configs: HashMap<String, TenantConfig>, default: TenantConfig) {
+        self.configs = configs;
+        self.default = default;
+        // Peer counts of tenants no longer shared are dropped with their names.
+        self.peer_usage.retain(|t, _| self.configs.contains_key(t));
+    }
+
     /// The config of `tenant` (the default for unknown or absent tenants).
     pub fn config(&self, tenant: Option<&str>) -> &TenantConfig {
         tenant

@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 use crate::core::regions::RegionMap;
 use crate::core::summary::SummaryMessage;
 
+use super::admin::{self, AdminRecord, ADMIN_PREFIX, MAX_ADMIN_RECORDS};
 use super::certs::{CertError, NodeIdentity};
 use super::home;
 use super::schema::{
@@ -153,6 +154,8 @@ pub struct Member {
     pub rtt: RttRecord,
     /// Its homes marker, once it published one.
     pub homes: Option<HomesRecord>,
+    /// The operator commands it took, by replica id (at most [`MAX_ADMIN_RECORDS`] read).
+    pub admin: BTreeMap<String, AdminRecord>,
 }
 
 impl Member {
@@ -377,6 +380,11 @@ impl Mesh {
     /// Withdraws a replica record (this node stopped being its home, or the replica is gone).
     pub async fn unpublish_replica(&self, id: &str) -> Result<(), MeshError> {
         let key = schema::replica_key(id)?;
+        self.delete(key).await;
+        Ok(())
+    }
+
+    async fn delete(&self, key: String) {
         if let Some(h) = self.chitchat() {
             h.with_chitchat(|c| {
                 let s = c.self_node_state();
@@ -386,6 +394,21 @@ impl Mesh {
             })
             .await;
         }
+    }
+
+    /// Publishes an operator command for replica `id` (see `admin.rs`); errors, without
+    /// publishing, when the id or the encoded record is too large.
+    pub async fn publish_admin(&self, id: &str, record: &AdminRecord) -> Result<(), MeshError> {
+        let key = admin::admin_key(id)?;
+        let value = record.encode()?;
+        self.set(key, value).await;
+        Ok(())
+    }
+
+    /// Withdraws the operator command for replica `id` (superseded, or the oldest over the cap).
+    pub async fn unpublish_admin(&self, id: &str) -> Result<(), MeshError> {
+        let key = admin::admin_key(id)?;
+        self.delete(key).await;
         Ok(())
     }
 
@@ -658,6 +681,18 @@ fn members_of(
                 .map_err(|e| count_err("homes", id, &e))
                 .ok()
         });
+        let mut admin = BTreeMap::new();
+        for (key, v) in state.iter_prefix(ADMIN_PREFIX).take(MAX_ADMIN_RECORDS) {
+            let Some(rid) = key.strip_prefix(ADMIN_PREFIX) else {
+                continue;
+            };
+            match AdminRecord::decode(&v.value) {
+                Ok(r) => {
+                    admin.insert(rid.to_owned(), r);
+                }
+                Err(e) => count_err("admin", id, &e),
+            }
+        }
         out.push(Member {
             node_id: id.node_id.to_string(),
             generation: id.generation_id,
@@ -669,6 +704,7 @@ fn members_of(
             inflight,
             rtt,
             homes,
+            admin,
         });
     }
     out.sort_by(|a, b| {

@@ -6,6 +6,7 @@
 //! QUIC streams of the same endpoint. Nothing here decides anything: the node feeds what the
 //! mesh learns into the core's `View`.
 //!
+//! - [`admin`]: operator commands (`kvmesh replicas add|drain|rm`) as `admin:<id>` records.
 //! - [`allow`]: the allow-list of hosts replicas learned from gossip may live at.
 //! - [`certs`]: cluster CA and node certificates; rustls/quinn configurations (mTLS, TLS 1.3).
 //! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
@@ -18,6 +19,7 @@
 //! - [`load_share`]: in-flight load sent to the region's nodes as QUIC datagrams, and merged.
 //! - [`cluster`]: [`Mesh`], the handle the node holds.
 
+pub mod admin;
 pub mod allow;
 pub mod certs;
 pub mod cluster;

@@ -75,7 +75,7 @@ pub mod bounds {
 }
 
 /// Wall-clock milliseconds, for the epoch bound.
-fn wall_ms() -> u64 {
+pub(super) fn wall_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -131,7 +131,7 @@ pub enum SchemaError {
     },
 }
 
-fn encode<T: Serialize>(what: &'static str, v: &T) -> Result<String, SchemaError> {
+pub(super) fn encode<T: Serialize>(what: &'static str, v: &T) -> Result<String, SchemaError> {
     let bytes =
         rmp_serde::to_vec_named(v).map_err(|source| SchemaError::Encode { what, source })?;
     // Check the length before allocating the string: base64 grows by 4/3, rounded up.
@@ -142,7 +142,7 @@ fn encode<T: Serialize>(what: &'static str, v: &T) -> Result<String, SchemaError
     Ok(base64::engine::general_purpose::STANDARD.encode(bytes))
 }
 
-fn decode<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T, SchemaError> {
+pub(super) fn decode<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T, SchemaError> {
     // A peer's oversized value is refused before any parsing, like ours would have been.
     if s.len() > MAX_VALUE_BYTES {
         return Err(SchemaError::TooLarge { what, len: s.len() });
@@ -154,7 +154,7 @@ fn decode<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T, SchemaE
 }
 
 /// `Ok` when `ok`, else [`SchemaError::OutOfBounds`] for `field` = `value`.
-fn bound(
+pub(super) fn bound(
     what: &'static str,
     field: &'static str,
     ok: bool,
@@ -333,6 +333,30 @@ pub struct WireKvEvents {
     pub dp_ranks: u16,
 }
 
+impl WireKvEvents {
+    /// Whether the ports, topic and ranks are within bounds (`what`: the record, for errors).
+    pub fn check(&self, what: &'static str) -> Result<(), SchemaError> {
+        bound(what, "kv_events.port", self.port > 0, self.port)?;
+        bound(
+            what,
+            "kv_events.topic",
+            self.topic.len() <= MAX_TOPIC_BYTES,
+            self.topic.len(),
+        )?;
+        let ranks = u32::from(self.dp_ranks);
+        bound(
+            what,
+            "kv_events.dp_ranks",
+            (1..=MAX_DP_RANKS).contains(&self.dp_ranks)
+                && u32::from(self.port) + ranks <= 65_536
+                && self
+                    .replay_port
+                    .is_none_or(|p| p > 0 && u32::from(p) + ranks <= 65_536),
+            self.dp_ranks,
+        )
+    }
+}
+
 /// Longest KV-event topic a record carries.
 pub const MAX_TOPIC_BYTES: usize = 64;
 /// Most data-parallel ranks a record may claim (each is a connection).
@@ -391,22 +415,7 @@ impl ReplicaRecord {
         let latest = wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
         bound("replica", "summary.epoch", epoch <= latest, epoch)?;
         if let Some(k) = &r.kv_events {
-            bound("replica", "kv_events.port", k.port > 0, k.port)?;
-            bound(
-                "replica",
-                "kv_events.topic",
-                k.topic.len() <= MAX_TOPIC_BYTES,
-                k.topic.len(),
-            )?;
-            bound(
-                "replica",
-                "kv_events.dp_ranks",
-                (1..=MAX_DP_RANKS).contains(&k.dp_ranks)
-                    && u32::from(k.port) + u32::from(k.dp_ranks) <= 65_536
-                    && k.replay_port
-                        .is_none_or(|p| p > 0 && u32::from(p) + u32::from(k.dp_ranks) <= 65_536),
-                k.dp_ranks,
-            )?;
+            k.check("replica")?;
         }
         Ok(r)
     }

@@ -176,10 +176,7 @@ impl Node {
                 None => false,
             }
         };
-        let allowed = policy.rules.iter().any(|rule| rule.matches(&host))
-            || (policy.loopback && allow::is_loopback(&host))
-            || self.own_host(&host);
-        if !allowed {
+        if !self.host_allowed(policy, &host) {
             return Err(LearnError::NotAllowed { id, host });
         }
         let (from_peer, learned) = {
@@ -245,6 +242,14 @@ impl Node {
             rt.mesh.origin = Some(origin_of(e));
         }
         Ok((i, new || dropped))
+    }
+
+    /// Whether a replica at `host` may be taken from a peer: `mesh.learn_replicas_from`,
+    /// loopback on a loopback mesh, or a host of this node's own replicas.
+    pub(super) fn host_allowed(&self, policy: &LearnPolicy, host: &str) -> bool {
+        policy.rules.iter().any(|rule| rule.matches(host))
+            || (policy.loopback && allow::is_loopback(host))
+            || self.own_host(host)
     }
 
     /// Whether `host` is the host of one of this node's own replicas (configured, or found by
@@ -380,6 +385,7 @@ mod tests {
             inflight: InflightRecord::default(),
             rtt: Default::default(),
             homes: None,
+            admin: Default::default(),
         }
     }
 

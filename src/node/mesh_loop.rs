@@ -279,6 +279,18 @@ async fn sync_once(
         }
     }
 
+    // Operator commands: the region's peers' newer ones apply here, this node's own go out.
+    node.apply_admin_records(&live, &st.policy);
+    for (id, record) in node.take_admin_outbox() {
+        let done = match &record {
+            Some(r) => mesh.publish_admin(&id, r).await,
+            None => mesh.unpublish_admin(&id).await,
+        };
+        if let Err(e) = done {
+            tracing::warn!(replica = %id, error = %e, "operator command not published");
+        }
+    }
+
     let mut map = mesh.region_map().await;
     for d in &section.distance {
         map.configure(&d.a, &d.b, d.ms);

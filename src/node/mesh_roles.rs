@@ -516,15 +516,17 @@ impl Node {
     /// tenant's cluster share holds across nodes.
     pub(super) fn set_peer_tenant_usage(&self, live: &[Member]) {
         let mut usage: HashMap<String, u32> = HashMap::new();
+        let configured = self.tenant_cfgs.read().unwrap_or_else(|p| p.into_inner());
         for m in live.iter().filter(|m| !m.is_self) {
             for (t, c) in &m.inflight.tenants {
                 // Only configured tenants: names a peer sends cannot grow this map.
-                if self.tenant_cfgs.contains_key(t) {
+                if configured.contains_key(t) {
                     let e = usage.entry(t.clone()).or_default();
                     *e = e.saturating_add(*c);
                 }
             }
         }
+        drop(configured);
         self.lock().router.tenants.set_peer_usage(usage);
     }
 
@@ -692,6 +694,7 @@ mod tests {
             inflight: InflightRecord::default(),
             rtt: Default::default(),
             homes: None,
+            admin: Default::default(),
         }
     }
 

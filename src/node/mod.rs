@@ -13,6 +13,9 @@
 //! - `state.rs`: [`Node`] and the [`Core`] behind its one std mutex (view, router, per-replica
 //!   runtime); time, locking, endpoints.
 //! - `registry.rs`: [`Node::new`]; adding, bringing back, draining and dropping replicas.
+//! - `admin.rs`: operator commands — add, drain, remove replicas at run time, mesh-wide.
+//! - `reload.rs`: [`Node::reload`] — replicas, tenants and routing parameters from a reloaded
+//!   configuration (SIGHUP).
 //! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
@@ -26,6 +29,7 @@
 //! - [`config`]: `NodeConfig` and `kvmesh serve`'s flags, assembling the sections the
 //!   subsystems own.
 
+mod admin;
 pub mod config;
 mod feedback;
 mod kv_gossip;
@@ -36,13 +40,16 @@ mod mesh_roles;
 mod mesh_state;
 mod metrics;
 mod registry;
+mod reload;
 mod routing;
 mod snapshot;
 mod state;
 pub(crate) mod watchers;
 
+pub use admin::{AdminError, AdminOutcome, AdminReplica};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
+pub use reload::ReloadReport;
 pub use routing::Ticket;
 pub use snapshot::{NodeState, ReplicaStateJson};
 pub use state::{Core, Endpoint, Node, ReplicaRuntime};

@@ -55,17 +55,20 @@ impl Node {
             max_in_flight: r.max_in_flight,
         };
         if let Some(i) = core.view.index_of(&id) {
-            // Keep what was learned (discovered models, scraped capacity) unless configured.
             let rt = &mut core.replicas[i];
+            // Keep what is known (discovered models, scraped capacity, a peer's record) unless
+            // this entry configures it; the entry decides what later checks may rediscover.
             let mut info = info;
             if let Some(old) = core.view.replica(i) {
-                if !rt.models_configured {
+                if r.models.is_empty() {
                     info.models = old.info.models.clone();
                 }
-                if !rt.capacity_configured {
+                if r.capacity_tokens.is_none() {
                     info.capacity_tokens = old.info.capacity_tokens;
                 }
             }
+            rt.models_configured = !r.models.is_empty();
+            rt.capacity_configured = r.capacity_tokens.is_some();
             core.view.upsert(info);
             if r.kv_events.is_some() {
                 rt.kv_source = r.kv_events.clone();
@@ -113,6 +116,7 @@ impl Node {
             incarnation: 0,
             mesh: ReplicaMesh::default(),
             kv_source: r.kv_events.clone(),
+            admin_drained: false,
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
         endpoints.push(Endpoint {

@@ -69,13 +69,16 @@ pub struct ReplicaRuntime {
     /// Where its engine publishes KV events: from the config, a DNS source or (learned) the
     /// home's record. Published in its record, so any node that becomes home subscribes.
     pub kv_source: Option<KvEventsSource>,
+    /// Drained by an operator command (`admin.rs`): takes nothing new until added again, even
+    /// when a DNS answer or a peer's record brings it back into the registry.
+    pub admin_drained: bool,
 }
 
 impl ReplicaRuntime {
-    /// Health for routing: draining once removed, else what checks and ejection say, made worse
+    /// Health for routing: draining once removed or drained by an operator, else what checks and ejection say, made worse
     /// by what the replica's home node publishes when another node is its home.
     pub fn effective_health(&self) -> Health {
-        if self.removed {
+        if self.removed || self.admin_drained {
             Health::Draining
         } else {
             worst(self.health.health(), self.mesh.remote_health)
@@ -153,9 +156,10 @@ pub struct Node {
     /// Time zero of the core's clock ([`Node::now`]).
     pub(super) start: Instant,
     /// Tenants by name (isolation and quotas), as configured.
-    pub(super) tenant_cfgs: HashMap<String, TenantConfig>,
+    /// (Replaced by a configuration reload, `reload.rs`.)
+    pub(super) tenant_cfgs: RwLock<HashMap<String, TenantConfig>>,
     /// The settings of a tenant not in `tenant_cfgs`.
-    pub(super) default_tenant: TenantConfig,
+    pub(super) default_tenant: RwLock<TenantConfig>,
     /// The cluster-wide summary settings (Bloom seed), for every cache model.
     pub(super) summary_cfg: SummaryConfig,
     /// First summary epoch of a new cache model: wall-clock ms at start, so a restarted node's
@@ -171,6 +175,13 @@ pub struct Node {
     pub peer_client: std::sync::OnceLock<reqwest::Client>,
     /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one.
     pub(super) kv_watched: Mutex<HashSet<usize>>,
+    /// The `[[replicas]]` of the configuration last loaded (`reload.rs` diffs against it).
+    pub(super) configured: Mutex<Vec<crate::replicas::entry::ReplicaConfig>>,
+    /// Operator commands applied and to publish (`admin.rs`).
+    pub(super) admin: Mutex<super::admin::AdminBook>,
+    /// The node's stop signal, once it runs: replicas added at run time start their watcher
+    /// tasks under it.
+    pub stop_signal: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>>,
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
@@ -259,8 +270,8 @@ impl Node {
                 pending_tips: Vec::new(),
             }),
             start: Instant::now(),
-            tenant_cfgs: cfg.tenants.clone(),
-            default_tenant: cfg.default_tenant.clone(),
+            tenant_cfgs: RwLock::new(cfg.tenants.clone()),
+            default_tenant: RwLock::new(cfg.default_tenant.clone()),
             summary_cfg,
             epoch_base,
             mesh: NodeMesh::default(),
@@ -268,6 +279,9 @@ impl Node {
             body_budget: tokio::sync::Semaphore::new(body_kib),
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashSet::new()),
+            configured: Mutex::new(cfg.replicas.clone()),
+            admin: Mutex::new(super::admin::AdminBook::default()),
+            stop_signal: std::sync::OnceLock::new(),
             cfg,
         });
         Ok(node)
@@ -307,10 +321,17 @@ impl Node {
 
     /// Whether `tenant`'s requests get their own key namespace.
     pub fn tenant_isolated(&self, tenant: Option<&str>) -> bool {
-        tenant
-            .and_then(|t| self.tenant_cfgs.get(t))
-            .unwrap_or(&self.default_tenant)
-            .isolated
+        let configs = self.tenant_cfgs.read().unwrap_or_else(|p| p.into_inner());
+        match tenant.and_then(|t| configs.get(t)) {
+            Some(c) => c.isolated,
+            None => {
+                drop(configs);
+                self.default_tenant
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .isolated
+            }
+        }
     }
 }
 

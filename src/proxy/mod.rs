@@ -5,6 +5,8 @@
 //! node starts knowing which replicas are up, binds, and returns a [`RunningNode`] whose
 //! [`RunningNode::shutdown`] stops accepting and drains in-flight requests up to a deadline.
 
+pub mod admin;
+pub mod admin_cli;
 mod auth;
 mod blame;
 pub mod error;
@@ -44,6 +46,9 @@ pub fn app(node: Arc<Node>) -> axum::Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/admin/state", get(admin_state))
+        .route("/admin/replicas", get(admin::list).post(admin::add))
+        .route("/admin/replicas/{id}", axum::routing::delete(admin::remove))
+        .route("/admin/replicas/{id}/drain", post(admin::drain))
         .fallback(not_found)
         .with_state(node)
 }
@@ -149,6 +154,13 @@ impl RunningNode {
         drained
     }
 
+    /// Reads the configuration again from `args` (its file and flags) and applies what may
+    /// change at run time (`Node::reload`); an invalid file changes nothing.
+    pub fn reload(&self, args: &ServeArgs) -> anyhow::Result<crate::node::ReloadReport> {
+        let cfg = NodeConfig::from_args(args).context("reading the configuration")?;
+        self.node.reload(&cfg)
+    }
+
     /// Stops at once, like a crash: the mesh goes silent and the listener closes without
     /// draining (tests of node death).
     pub async fn kill(self) {
@@ -201,6 +213,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         peer: false,
     };
     let (stop, stop_rx) = watch::channel(false);
+    let _ = node.stop_signal.set(stop_rx.clone());
     // The peer listener: forwarded requests arrive here, inside the cluster's mutual TLS.
     let (peer_server, peer_url) = match &node.cfg.mesh {
         Some(section) => {
@@ -253,12 +266,26 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     })
 }
 
-/// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains.
+/// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains; SIGHUP reloads the
+/// configuration file (`RunningNode::reload`).
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = NodeConfig::from_args(&args)?;
+    let mut hangups = crate::shutdown::Hangups::watch();
     let running = spawn(cfg).await?;
     println!("kvmesh node listening on http://{}", running.addr);
-    crate::shutdown::signalled().await;
+    let stop = crate::shutdown::signalled();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = hangups.next() => {
+                tracing::info!("SIGHUP: reloading the configuration");
+                if let Err(e) = running.reload(&args) {
+                    tracing::warn!(error = %format!("{e:#}"), "reload failed; the node runs on as it was");
+                }
+            }
+        }
+    }
     tracing::info!("shutting down: draining in-flight requests");
     running.shutdown().await;
     Ok(())

@@ -380,42 +380,13 @@ impl NodeConfig {
         }
         let mut ids = std::collections::HashSet::new();
         for (n, r) in self.replicas.iter().enumerate() {
-            let key = |f: &str| format!("replicas[{n}].{f}");
-            let url = reqwest::Url::parse(&r.url)
-                .map_err(|e| invalid(key("url"), format!("'{}': {e}", r.url)))?;
-            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-                return Err(invalid(
-                    key("url"),
-                    format!("'{}' must be an http(s) URL with a host", r.url),
-                ));
-            }
+            let prefix = format!("replicas[{n}]");
+            validate_replica(&prefix, r)?;
             if !ids.insert(r.effective_id()) {
                 return Err(invalid(
-                    key("id"),
+                    format!("{prefix}.id"),
                     format!("duplicate replica id '{}'", r.effective_id()),
                 ));
-            }
-            if r.region.as_deref() == Some("") {
-                return Err(invalid(
-                    key("region"),
-                    "must not be empty (omit it instead)",
-                ));
-            }
-            if r.models.iter().any(String::is_empty) {
-                return Err(invalid(key("models"), "model names must not be empty"));
-            }
-            if r.capacity_tokens == Some(0) {
-                return Err(invalid(key("capacity_tokens"), "must be at least 1"));
-            }
-            if !r.prefill_tokens_per_s.is_finite() || r.prefill_tokens_per_s <= 0.0 {
-                return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
-            }
-            if r.max_in_flight == 0 {
-                return Err(invalid(key("max_in_flight"), "must be at least 1"));
-            }
-            if let Some(kv) = &r.kv_events {
-                kv.validate()
-                    .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
             }
         }
         if let Some(t) = &self.tokenizer {
@@ -562,6 +533,46 @@ impl NodeConfig {
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.timeouts.connect_ms)
     }
+}
+
+/// Checks one replica's fields (`[[replicas]]` entries, and replicas added at run time); errors
+/// name `prefix.field`.
+pub fn validate_replica(prefix: &str, r: &ReplicaConfig) -> Result<(), ConfigError> {
+    let key = |f: &str| format!("{prefix}.{f}");
+    let url = reqwest::Url::parse(&r.url)
+        .map_err(|e| invalid(key("url"), format!("'{}': {e}", r.url)))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(invalid(
+            key("url"),
+            format!("'{}' must be an http(s) URL with a host", r.url),
+        ));
+    }
+    if r.id.as_deref() == Some("") {
+        return Err(invalid(key("id"), "must not be empty (omit it instead)"));
+    }
+    if r.region.as_deref() == Some("") {
+        return Err(invalid(
+            key("region"),
+            "must not be empty (omit it instead)",
+        ));
+    }
+    if r.models.iter().any(String::is_empty) {
+        return Err(invalid(key("models"), "model names must not be empty"));
+    }
+    if r.capacity_tokens == Some(0) {
+        return Err(invalid(key("capacity_tokens"), "must be at least 1"));
+    }
+    if !r.prefill_tokens_per_s.is_finite() || r.prefill_tokens_per_s <= 0.0 {
+        return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
+    }
+    if r.max_in_flight == 0 {
+        return Err(invalid(key("max_in_flight"), "must be at least 1"));
+    }
+    if let Some(kv) = &r.kv_events {
+        kv.validate()
+            .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
+    }
+    Ok(())
 }
 
 /// `kvmesh serve` flags; each overrides the config file's value.

@@ -1,0 +1,218 @@
+//! Configuration reload (SIGHUP): the replicas, tenants and routing parameters of a running
+//! node change without a restart and without failing a request.
+//!
+//! Exists because operators edit the config file (or its ConfigMap) and expect `systemctl
+//! reload` to apply it. What reloads: `[[replicas]]` (new ones register and start their checks,
+//! changed ones update, missing ones drain like a DNS departure), `[tenants]` and
+//! `default_tenant` (requests already routed keep what they hold; new quotas apply to the next
+//! request), and `spill_after_s`, `w_load_s`, `affinity_credit_s`, `tier_weights` and
+//! `overlay_ttl_s`. Everything else is read at start: a reload that changes it says so in the
+//! report and the log, and applies the rest.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::config::NodeConfig;
+use super::state::Node;
+use crate::core::cost::CostModel;
+use crate::replicas::entry::ReplicaConfig;
+
+/// What a reload did.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ReloadReport {
+    /// Replicas registered.
+    pub added: Vec<String>,
+    /// Replicas whose settings changed.
+    pub updated: Vec<String>,
+    /// Replicas no longer configured: they drain.
+    pub removed: Vec<String>,
+    /// Whether the tenants changed.
+    pub tenants: bool,
+    /// Whether routing parameters changed.
+    pub routing: bool,
+    /// Settings that changed but take effect only at restart.
+    pub restart_needed: Vec<&'static str>,
+}
+
+impl Node {
+    /// Applies what a reloaded configuration may change at run time (see the module doc).
+    pub fn reload(self: &Arc<Self>, new: &NodeConfig) -> anyhow::Result<ReloadReport> {
+        new.validate()?;
+        let mut report = ReloadReport {
+            restart_needed: restart_needed(&self.cfg, new),
+            ..ReloadReport::default()
+        };
+
+        // Replicas: diff the configured list by id.
+        let mut configured = self.configured.lock().unwrap_or_else(|p| p.into_inner());
+        let old: HashMap<String, &ReplicaConfig> =
+            configured.iter().map(|r| (r.effective_id(), r)).collect();
+        let mut fresh = Vec::new();
+        for r in &new.replicas {
+            let id = r.effective_id();
+            match old.get(&id) {
+                Some(o) if same_replica(o, r) => {}
+                Some(_) => {
+                    self.add_replica(r)?;
+                    report.updated.push(id);
+                }
+                None => {
+                    let (i, started) = self.add_replica(r)?;
+                    if started {
+                        fresh.push(i);
+                    }
+                    report.added.push(id);
+                }
+            }
+        }
+        let kept: std::collections::HashSet<String> = new
+            .replicas
+            .iter()
+            .map(ReplicaConfig::effective_id)
+            .collect();
+        for id in old.keys().filter(|id| !kept.contains(*id)) {
+            let index = self.lock().view.index_of(id);
+            if let Some(i) = index {
+                self.remove_replica(i);
+            }
+            report.removed.push(id.clone());
+        }
+        *configured = new.replicas.clone();
+        drop(configured);
+        if let Some(stop) = self.stop_signal.get() {
+            for i in fresh {
+                super::watchers::spawn_replica_watchers(self, stop, i);
+            }
+        }
+
+        // Tenants.
+        // (One lock at a time: the request path reads these apart from the core lock.)
+        let tenants_changed = {
+            let mut cfgs = self.tenant_cfgs.write().unwrap_or_else(|p| p.into_inner());
+            let changed = *cfgs != new.tenants;
+            *cfgs = new.tenants.clone();
+            changed
+        } | {
+            let mut default = self
+                .default_tenant
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let changed = *default != new.default_tenant;
+            *default = new.default_tenant.clone();
+            changed
+        };
+        if tenants_changed {
+            self.lock()
+                .router
+                .tenants
+                .reconfigure(new.tenants.clone(), new.default_tenant.clone());
+            report.tenants = true;
+        }
+
+        // Routing parameters.
+        {
+            let mut core = self.lock();
+            let cost = CostModel {
+                w_load_s: new.w_load_s,
+                affinity_credit_s: new.affinity_credit_s,
+                tier_weights: new.tier_weights,
+            };
+            let rc = core.router.config();
+            let ttl = Duration::from_secs(new.overlay_ttl_s);
+            if rc.spill_after_s != new.spill_after_s
+                || rc.cost != cost
+                || core.view.overlay_ttl != ttl
+            {
+                core.router.set_params(new.spill_after_s, cost);
+                core.view.overlay_ttl = ttl;
+                report.routing = true;
+            }
+        }
+        tracing::info!(
+            added = report.added.len(),
+            updated = report.updated.len(),
+            removed = report.removed.len(),
+            tenants = report.tenants,
+            routing = report.routing,
+            "configuration reloaded"
+        );
+        if !report.restart_needed.is_empty() {
+            tracing::warn!(settings = ?report.restart_needed, "changed settings that apply only at restart were left as they are");
+        }
+        Ok(report)
+    }
+}
+
+/// Whether two replica entries configure the same thing.
+fn same_replica(a: &ReplicaConfig, b: &ReplicaConfig) -> bool {
+    a.url == b.url
+        && a.region == b.region
+        && a.zone == b.zone
+        && a.pool == b.pool
+        && a.models == b.models
+        && a.capacity_tokens == b.capacity_tokens
+        && a.prefill_tokens_per_s == b.prefill_tokens_per_s
+        && a.max_in_flight == b.max_in_flight
+        && a.kv_events == b.kv_events
+}
+
+/// The settings read only at start that differ between `old` and `new`.
+fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let mut differs = |name: &'static str, a: String, b: String| {
+        if a != b {
+            out.push(name);
+        }
+    };
+    differs("listen", old.listen.to_string(), new.listen.to_string());
+    differs("region", old.region.clone(), new.region.clone());
+    differs("zone", old.zone.clone(), new.zone.clone());
+    differs("cluster_id", old.cluster_id.clone(), new.cluster_id.clone());
+    differs("policy", old.policy.clone(), new.policy.clone());
+    differs("seed", old.seed.to_string(), new.seed.to_string());
+    differs(
+        "block_bytes",
+        old.block_bytes.to_string(),
+        new.block_bytes.to_string(),
+    );
+    differs(
+        "max_body_bytes",
+        old.max_body_bytes.to_string(),
+        new.max_body_bytes.to_string(),
+    );
+    differs(
+        "server",
+        format!("{:?}", old.server),
+        format!("{:?}", new.server),
+    );
+    differs("auth", format!("{:?}", old.auth), format!("{:?}", new.auth));
+    differs(
+        "timeouts",
+        format!("{:?}", old.timeouts),
+        format!("{:?}", new.timeouts),
+    );
+    differs(
+        "retry",
+        format!("{:?}", old.retry),
+        format!("{:?}", new.retry),
+    );
+    differs(
+        "health",
+        format!("{:?}", old.health),
+        format!("{:?}", new.health),
+    );
+    differs(
+        "scrape",
+        format!("{:?}", old.scrape),
+        format!("{:?}", new.scrape),
+    );
+    differs("dns", format!("{:?}", old.dns), format!("{:?}", new.dns));
+    differs("mesh", format!("{:?}", old.mesh), format!("{:?}", new.mesh));
+    differs(
+        "tokenizer",
+        format!("{:?}", old.tokenizer),
+        format!("{:?}", new.tokenizer),
+    );
+    out
+}

@@ -1,0 +1,160 @@
+//! The runtime admin API (token-protected like `/admin/state`): list, add, drain and remove
+//! replicas. `kvmesh replicas …` calls it; the node applies each command and shares it with its
+//! region (`node/admin.rs`).
+//!
+//! - `GET /admin/replicas` — the replicas of this node's region as it sees them.
+//! - `POST /admin/replicas` — a `[[replicas]]` entry as JSON: add, or update (and end a drain).
+//! - `POST /admin/replicas/{id}/drain` — no new requests; in-flight ones finish.
+//! - `DELETE /admin/replicas/{id}` — drain, then drop from the registry.
+//!
+//! `?wait_s=N` (at most [`MAX_WAIT_S`]) on drain and delete answers once nothing is in flight
+//! to the replica through the region's nodes, or after N seconds (`"drained": false`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+
+use super::auth::authorized;
+use super::error::ApiError;
+use crate::mesh::admin::AdminOp;
+use crate::node::watchers::check_all;
+use crate::node::{AdminError, AdminOutcome, AdminReplica, Node};
+use crate::replicas::entry::ReplicaConfig;
+
+/// Longest `wait_s` a drain may ask for.
+pub const MAX_WAIT_S: u64 = 600;
+
+/// `?wait_s=` of drain and delete.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct WaitQuery {
+    /// Seconds to wait for the replica's in-flight requests to finish (0: answer at once).
+    #[serde(default)]
+    pub wait_s: u64,
+}
+
+/// The answer to a command.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct CommandAnswer {
+    /// What was done.
+    #[serde(flatten)]
+    pub outcome: AdminOutcome,
+    /// With `wait_s`: whether nothing was in flight any more when it answered.
+    pub drained: Option<bool>,
+}
+
+fn refused(e: AdminError) -> ApiError {
+    match e {
+        AdminError::NotFound(_) => ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: e.to_string(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "replica_not_found",
+            retry_after_s: None,
+        },
+        AdminError::OtherRegion { .. } => ApiError {
+            status: StatusCode::CONFLICT,
+            message: e.to_string(),
+            kind: "invalid_request_error",
+            param: Some("region"),
+            code: "other_region",
+            retry_after_s: None,
+        },
+        AdminError::Invalid(m) => ApiError::bad_request(m, None),
+    }
+}
+
+/// `GET /admin/replicas`.
+pub async fn list(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+) -> Result<Json<Vec<AdminReplica>>, ApiError> {
+    authorized(&headers, node.secrets.admin_token.as_deref())?;
+    Ok(Json(node.admin_replicas()))
+}
+
+/// `POST /admin/replicas`.
+pub async fn add(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Json<CommandAnswer>), ApiError> {
+    authorized(&headers, node.secrets.admin_token.as_deref())?;
+    let spec: ReplicaConfig = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("not a replica description: {e}"), None))?;
+    let id = spec.effective_id();
+    let outcome = node
+        .admin_command(AdminOp::Add, &id, Some(&spec))
+        .map_err(refused)?;
+    if outcome.new {
+        // Answer once it was checked (health, models), so it is routable when the call returns.
+        let index = node.lock().view.index_of(&id);
+        check_all(&node, index.into_iter()).await;
+    }
+    let status = if outcome.new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(CommandAnswer {
+            outcome,
+            drained: None,
+        }),
+    ))
+}
+
+/// `POST /admin/replicas/{id}/drain`.
+pub async fn drain(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Result<Json<CommandAnswer>, ApiError> {
+    command(node, headers, AdminOp::Drain, id, q).await
+}
+
+/// `DELETE /admin/replicas/{id}`.
+pub async fn remove(
+    State(node): State<Arc<Node>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Result<Json<CommandAnswer>, ApiError> {
+    command(node, headers, AdminOp::Remove, id, q).await
+}
+
+async fn command(
+    node: Arc<Node>,
+    headers: HeaderMap,
+    op: AdminOp,
+    id: String,
+    q: WaitQuery,
+) -> Result<Json<CommandAnswer>, ApiError> {
+    authorized(&headers, node.secrets.admin_token.as_deref())?;
+    if q.wait_s > MAX_WAIT_S {
+        return Err(ApiError::bad_request(
+            format!("wait_s must be at most {MAX_WAIT_S}"),
+            Some("wait_s"),
+        ));
+    }
+    let mut outcome = node.admin_command(op, &id, None).map_err(refused)?;
+    let drained = if q.wait_s > 0 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(q.wait_s);
+        loop {
+            outcome.in_flight = node.replica_in_flight(&id);
+            if outcome.in_flight == 0 || tokio::time::Instant::now() >= deadline {
+                break Some(outcome.in_flight == 0);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    } else {
+        None
+    };
+    Ok(Json(CommandAnswer { outcome, drained }))
+}

@@ -13,9 +13,10 @@
 //! the learned-replica allow-list. Commands live in memory: a node restarted alone takes them
 //! back from its peers' records, a whole region restarted starts from its configuration files.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::admin_book::AdminBook;
 use super::learned::LearnPolicy;
 use super::state::Node;
 use crate::core::view::Health;
@@ -26,17 +27,6 @@ use crate::replicas::entry::ReplicaConfig;
 /// Most replica ids whose last applied command is remembered; past it, ids no live member
 /// publishes a command for are forgotten.
 const MAX_APPLIED: usize = 16_384;
-
-/// What this node knows of operator commands.
-#[derive(Debug, Default)]
-pub struct AdminBook {
-    /// Replica id → (stamp, node id) of the newest command applied here.
-    applied: HashMap<String, (u64, String)>,
-    /// This node's own commands, published as `admin:<id>` (at most `MAX_ADMIN_RECORDS`).
-    own: BTreeMap<String, AdminRecord>,
-    /// Own records to publish (`Some`) or withdraw (`None`) at the next gossip round.
-    outbox: Vec<(String, Option<AdminRecord>)>,
-}
 
 /// Why a command was refused (the admin API's 4xx).
 #[derive(Debug, thiserror::Error)]

@@ -30,6 +30,7 @@
 //!   subsystems own.
 
 mod admin;
+mod admin_book;
 pub mod config;
 mod feedback;
 mod kv_gossip;

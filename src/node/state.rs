@@ -178,7 +178,7 @@ pub struct Node {
     /// The `[[replicas]]` of the configuration last loaded (`reload.rs` diffs against it).
     pub(super) configured: Mutex<Vec<crate::replicas::entry::ReplicaConfig>>,
     /// Operator commands applied and to publish (`admin.rs`).
-    pub(super) admin: Mutex<super::admin::AdminBook>,
+    pub(super) admin: Mutex<super::admin_book::AdminBook>,
     /// The node's stop signal, once it runs: replicas added at run time start their watcher
     /// tasks under it.
     pub stop_signal: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>>,
@@ -280,7 +280,7 @@ impl Node {
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashSet::new()),
             configured: Mutex::new(cfg.replicas.clone()),
-            admin: Mutex::new(super::admin::AdminBook::default()),
+            admin: Mutex::new(super::admin_book::AdminBook::default()),
             stop_signal: std::sync::OnceLock::new(),
             cfg,
         });

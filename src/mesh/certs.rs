@@ -17,6 +17,13 @@
 //! Connections are TLS 1.3 only, with the ring provider passed explicitly and client
 //! certificates required and verified against the CA; ALPN is [`ALPN`]. Key files are written
 //! with mode 0600 (on Unix) and an existing file is never overwritten.
+//!
+//! The node's own certificate is presented through a [`ReloadableCert`] (see `cert_resolver`),
+//! so a renewed certificate can replace it without a restart; [`NodeIdentity::validated_key`]
+//! is the one gate, at start and at every reload: it chains to the CA, carries the cluster SAN,
+//! names the node and its key matches. The CA (the roots the verifiers trust) is fixed at start:
+//! `ca_pem` may hold several CAs (every certificate in it is trusted), which is how a CA is
+//! rotated — a rolling restart with both CAs in the bundle.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -27,10 +34,15 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
 };
+use rustls::client::danger::ServerCertVerifier;
+use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
+use rustls::sign::CertifiedKey;
 use rustls::RootCertStore;
+
+use super::cert_resolver::{certified_key, ReloadableCert};
 
 /// The DNS name in every node certificate, and the name every client verifies.
 pub const CLUSTER_SAN: &str = "kvmesh.mesh.internal";
@@ -410,6 +422,48 @@ impl NodeIdentity {
         Ok(())
     }
 
+    /// Checks that the node certificate is valid for [`CLUSTER_SAN`] as a server certificate
+    /// under the CA: the name and purpose every peer dialling this node verifies.
+    pub fn verify_cluster_name(&self) -> Result<(), CertError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier =
+            WebPkiServerVerifier::builder_with_provider(Arc::new(self.roots()?), provider)
+                .build()
+                .map_err(|e| CertError::Verifier(e.to_string()))?;
+        let chain = self.chain()?;
+        let name =
+            ServerName::try_from(CLUSTER_SAN).map_err(|e| CertError::Verifier(e.to_string()))?;
+        verifier.verify_server_cert(&chain[0], &chain[1..], &name, &[], UnixTime::now())?;
+        Ok(())
+    }
+
+    /// Everything a node checks before presenting this identity as `node_id`, at start and at
+    /// every reload: the chain reaches the CA as a client certificate and as a server
+    /// certificate for [`CLUSTER_SAN`], the certificate names `node_id`, and the key is the
+    /// certificate's. Returns the certificate and key ready to present.
+    pub fn validated_key(&self, node_id: &str) -> Result<CertifiedKey, CertError> {
+        self.verify_chain()?;
+        self.verify_cluster_name()?;
+        self.verify_name(node_id)?;
+        self.certified_key()
+    }
+
+    /// This identity's certificate chain and key as rustls presents them (the key checked
+    /// against the certificate, nothing else; see [`NodeIdentity::validated_key`]).
+    pub fn certified_key(&self) -> Result<CertifiedKey, CertError> {
+        Ok(certified_key(self.chain()?, self.key()?)?)
+    }
+
+    /// The same CA with another certificate and key (`fresh`'s): what a reload validates, since
+    /// the roots the running verifiers trust do not change until a restart.
+    pub fn with_leaf_of(&self, fresh: &NodeIdentity) -> NodeIdentity {
+        NodeIdentity {
+            ca_pem: self.ca_pem.clone(),
+            cert_pem: fresh.cert_pem.clone(),
+            key_pem: fresh.key_pem.clone(),
+        }
+    }
+
     /// The node names this identity's certificate carries ([`node_names`] of the leaf).
     pub fn node_names(&self) -> Result<Vec<String>, CertError> {
         Ok(node_names(&self.chain()?[0]))
@@ -430,25 +484,34 @@ impl NodeIdentity {
     }
 
     /// rustls server and client configurations: TLS 1.3 only, ring provider, client certificates
-    /// required and verified against the CA, ALPN [`ALPN`].
+    /// required and verified against the CA, ALPN [`ALPN`]; this identity's certificate is
+    /// presented through a [`ReloadableCert`] of its own (see [`NodeIdentity::rustls_configs_with`]
+    /// to share one).
     pub fn rustls_configs(
         &self,
     ) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
+        self.rustls_configs_with(ReloadableCert::new(self.certified_key()?))
+    }
+
+    /// [`NodeIdentity::rustls_configs`] presenting `cert` on both sides, so replacing its content
+    /// changes what new handshakes present. Only the CA is taken from `self`.
+    pub fn rustls_configs_with(
+        &self,
+        cert: Arc<ReloadableCert>,
+    ) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let roots = Arc::new(self.roots()?);
-        let chain = self.chain()?;
-        let key = self.key()?;
         let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
             .map_err(|e| CertError::Verifier(e.to_string()))?;
         let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_client_cert_verifier(verifier)
-            .with_single_cert(chain.clone(), key.clone_key())?;
+            .with_cert_resolver(cert.clone());
         let mut client = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_root_certificates(roots)
-            .with_client_auth_cert(chain, key)?;
+            .with_client_cert_resolver(cert);
         server.alpn_protocols = vec![ALPN.to_vec()];
         client.alpn_protocols = vec![ALPN.to_vec()];
         Ok((server, client))
@@ -457,8 +520,18 @@ impl NodeIdentity {
     /// quinn configurations over [`NodeIdentity::rustls_configs`], with `idle_timeout` and a
     /// keep-alive of a third of it (keep-alives also keep RTT samples fresh).
     pub fn quic_configs(&self, idle_timeout: Duration) -> Result<QuicConfigs, CertError> {
+        self.quic_configs_with(idle_timeout, ReloadableCert::new(self.certified_key()?))
+    }
+
+    /// [`NodeIdentity::quic_configs`] presenting `cert` (see
+    /// [`NodeIdentity::rustls_configs_with`]).
+    pub fn quic_configs_with(
+        &self,
+        idle_timeout: Duration,
+        cert: Arc<ReloadableCert>,
+    ) -> Result<QuicConfigs, CertError> {
         use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-        let (s, c) = self.rustls_configs()?;
+        let (s, c) = self.rustls_configs_with(cert)?;
         let mut tc = quinn::TransportConfig::default();
         let idle = quinn::IdleTimeout::try_from(idle_timeout)
             .map_err(|e| CertError::Quic(e.to_string()))?;
@@ -505,6 +578,47 @@ mod tests {
         let msg = id.verify_name("n3").unwrap_err().to_string();
         assert!(msg.contains("node-a") && msg.contains("n3"), "{msg}");
         assert!(matches!(ca.issue(""), Err(CertError::BadName(_))));
+    }
+
+    #[test]
+    fn validated_key_requires_the_cluster_san_the_node_name_and_the_matching_key() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue("n1").unwrap();
+        id.validated_key("n1").unwrap();
+        assert!(matches!(
+            id.validated_key("n2"),
+            Err(CertError::WrongName { .. })
+        ));
+        // Signed by the CA and naming n1, but without the cluster SAN peers dial by.
+        let issuer = Issuer::new(
+            ca_params().unwrap(),
+            KeyPair::from_pem(&ca.key_pem).unwrap(),
+        );
+        let mut p = CertificateParams::new(vec!["other.example".to_owned()]).unwrap();
+        let uri = rcgen::string::Ia5String::try_from(format!("{NODE_URI_PREFIX}n1")).unwrap();
+        p.subject_alt_names.push(rcgen::SanType::URI(uri));
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &issuer).unwrap();
+        let no_san = NodeIdentity::from_pem(ca.cert_pem.clone(), cert.pem(), key.serialize_pem());
+        no_san.verify_chain().unwrap();
+        no_san.verify_name("n1").unwrap();
+        assert!(no_san.verify_cluster_name().is_err());
+        assert!(no_san.validated_key("n1").is_err());
+        // The right certificate with another key.
+        let other = ca.issue("n1").unwrap();
+        let mixed = NodeIdentity::from_pem(ca.cert_pem.clone(), id.cert_pem.clone(), other.key_pem);
+        assert!(matches!(
+            mixed.validated_key("n1"),
+            Err(CertError::Tls(rustls::Error::InconsistentKeys(_)))
+        ));
+        // A reload keeps the CA it started with, whatever the fresh files hold.
+        let foreign = ClusterCa::generate().unwrap().issue("n1").unwrap();
+        assert!(foreign.validated_key("n1").is_ok());
+        assert!(id.with_leaf_of(&foreign).validated_key("n1").is_err());
     }
 
     #[test]

@@ -29,6 +29,7 @@ use crate::core::regions::RegionMap;
 use crate::core::summary::SummaryMessage;
 
 use super::admin::{self, AdminRecord, ADMIN_PREFIX, MAX_ADMIN_RECORDS};
+use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity};
 use super::home;
 use super::schema::{
@@ -76,6 +77,10 @@ pub struct MeshConfig {
     pub report_flush_interval: Duration,
     /// Certificates for mTLS.
     pub identity: NodeIdentity,
+    /// Where the endpoint's certificate is held, when the caller wants to replace it later (a
+    /// reload; see `cert_resolver`): `Mesh::start` fills it with `identity`'s validated
+    /// certificate. `None`: the mesh keeps its own, fixed for its lifetime.
+    pub cert: Option<Arc<ReloadableCert>>,
     /// Transport tuning.
     pub transport: TransportConfig,
 }
@@ -105,6 +110,7 @@ impl MeshConfig {
             rtt_interval: Duration::from_secs(2),
             report_flush_interval: Duration::from_millis(50),
             identity,
+            cert: None,
             transport: TransportConfig::default(),
         }
     }
@@ -247,10 +253,17 @@ impl Mesh {
                 cfg.failure_detection, cfg.gossip_interval
             )));
         }
-        cfg.identity.verify_chain()?;
-        // Peers refuse a node whose certificate does not name its node id: refuse to start
-        // under such a name at once, with the reason, rather than join and be ignored.
-        cfg.identity.verify_name(&cfg.node_id)?;
+        // Peers refuse a node whose certificate does not chain to the CA, lacks the cluster SAN
+        // or does not name its node id: refuse to start so at once, with the reason, rather
+        // than join and be ignored. A reload makes the same checks (`validated_key`).
+        let key = cfg.identity.validated_key(&cfg.node_id)?;
+        let cert = match &cfg.cert {
+            Some(cert) => {
+                cert.replace(key);
+                Arc::clone(cert)
+            }
+            None => ReloadableCert::new(key),
+        };
         let seed_nodes = if seeds::has_srv(&cfg.seeds) {
             let resolver = match cfg.dns_server {
                 Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
@@ -261,7 +274,9 @@ impl Mesh {
         } else {
             cfg.seeds.clone()
         };
-        let quic = cfg.identity.quic_configs(cfg.transport.idle_timeout)?;
+        let quic = cfg
+            .identity
+            .quic_configs_with(cfg.transport.idle_timeout, cert)?;
         let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
         let bound = transport.local_addr();
         let advertise = cfg.advertise_addr.unwrap_or(bound);

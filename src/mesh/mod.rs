@@ -9,6 +9,8 @@
 //! - [`admin`]: operator commands (`kvmesh replicas add|drain|rm`) as `admin:<id>` records.
 //! - [`allow`]: the allow-list of hosts replicas learned from gossip may live at.
 //! - [`certs`]: cluster CA and node certificates; rustls/quinn configurations (mTLS, TLS 1.3).
+//! - [`cert_resolver`]: the certificate every TLS configuration presents, replaceable at run
+//!   time (rotation without restart).
 //! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
 //!   partition injection.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
@@ -21,6 +23,7 @@
 
 pub mod admin;
 pub mod allow;
+pub mod cert_resolver;
 pub mod certs;
 pub mod cluster;
 pub mod home;

@@ -15,16 +15,26 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{DigitallySignedStruct, SignatureScheme};
 
+use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity, CLUSTER_SAN};
 
-/// rustls configurations for the peer HTTPS listener and the client that forwards to peers.
+/// rustls configurations for the peer HTTPS listener and the client that forwards to peers,
+/// presenting `id`'s certificate through a resolver of their own (see [`https_configs_with`]).
 pub fn https_configs(
     id: &NodeIdentity,
 ) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
+    https_configs_with(id, ReloadableCert::new(id.certified_key()?))
+}
+
+/// [`https_configs`] presenting `cert` on both sides — the node shares the one its QUIC
+/// endpoint presents, so one reload rotates every mesh connection. Only the CA is taken from
+/// `id`.
+pub fn https_configs_with(
+    id: &NodeIdentity,
+    cert: Arc<ReloadableCert>,
+) -> Result<(rustls::ServerConfig, rustls::ClientConfig), CertError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let roots = Arc::new(id.roots()?);
-    let chain = id.chain()?;
-    let key = id.key()?;
     let client_verifier =
         WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
@@ -32,7 +42,7 @@ pub fn https_configs(
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(client_verifier)
-        .with_single_cert(chain.clone(), key.clone_key())?;
+        .with_cert_resolver(cert.clone());
     server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     let inner = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
         .build()
@@ -41,7 +51,7 @@ pub fn https_configs(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(ClusterNameVerifier { inner }))
-        .with_client_auth_cert(chain, key)?;
+        .with_client_cert_resolver(cert);
     client.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok((server, client))
 }

@@ -16,7 +16,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::admin_book::AdminBook;
 use super::learned::LearnPolicy;
 use super::state::Node;
 use crate::core::view::Health;

@@ -33,6 +33,7 @@ use super::learned::{Ignored, LearnError, LearnPolicy};
 use super::mesh_state::PullKind;
 use super::metrics::MeshMetrics;
 use super::state::Node;
+use crate::mesh::cert_resolver::ReloadableCert;
 use crate::mesh::cluster::{home_in, replicas_in_region};
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
@@ -61,9 +62,12 @@ impl MeshRuntime {
 }
 
 /// Starts the mesh for `node` (whose HTTP front is bound at `http_addr`) and its sync loop.
+/// `cert`, when given, is what the QUIC endpoint presents, shared with the caller so that a
+/// reload replaces it (see `MeshConfig::cert`).
 pub async fn start(
     node: &Arc<Node>,
     peer_url: String,
+    cert: Option<Arc<ReloadableCert>>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Option<MeshRuntime>> {
     let Some(section) = node.cfg.mesh.clone() else {
@@ -75,12 +79,13 @@ pub async fn start(
     {
         tracing::warn!(%peer_url, "mesh.http_url not set and the peer listener is on a wildcard: peers cannot forward here; set mesh.http_url");
     }
-    let cfg = section.mesh_config(
+    let mut cfg = section.mesh_config(
         &node.cfg.region,
         &node.cfg.zone,
         &node.cfg.cluster_id,
         peer_url,
     )?;
+    cfg.cert = cert;
     let mesh_ip = section.advertise.unwrap_or(section.listen).ip();
     if section.learn_replicas_from.is_empty()
         && node.cfg.replicas.is_empty()

@@ -50,6 +50,9 @@ pub struct Metrics {
     /// `kvmesh_scrape_refused_values_total{replica}`: scraped values outside their bound
     /// (`replicas::prom`'s `MAX_*`), refused.
     pub scrape_refused: IntCounterVec,
+    /// `kvmesh_cert_reloads_total{result}`: certificate reloads, `ok` or `error` (refused: the
+    /// certificates in use stayed).
+    pub cert_reloads: IntCounterVec,
     /// Decision quality: branches, hits given up, prediction error.
     pub decisions: DecisionMetrics,
 }
@@ -227,6 +230,14 @@ impl Metrics {
             ),
             &["replica"],
         )?;
+        let cert_reloads = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_cert_reloads_total",
+                "Certificate reloads, by result (error: refused, the certificates in use stayed)",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(cert_reloads.clone()))?;
         registry.register(Box::new(scrape_refused.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(hit_blocks.clone()))?;
@@ -249,6 +260,9 @@ impl Metrics {
         for outcome in ["sent", "first_won", "hedge_won"] {
             hedges.with_label_values(&[outcome]).reset();
         }
+        for result in ["ok", "error"] {
+            cert_reloads.with_label_values(&[result]).reset();
+        }
         Ok(Metrics {
             registry,
             requests,
@@ -265,6 +279,7 @@ impl Metrics {
             scrape_errors,
             scrape_skipped_lines,
             scrape_refused,
+            cert_reloads,
             decisions,
         })
     }

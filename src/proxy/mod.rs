@@ -124,6 +124,9 @@ pub struct RunningNode {
     server: Listener,
     peer_server: Option<Listener>,
     mesh: Option<MeshRuntime>,
+    /// The certificates it presents, and where to reload them from (shared with the file
+    /// watcher of `server.cert_reload_interval_s`).
+    certs: Arc<tls::Certificates>,
 }
 
 impl RunningNode {
@@ -159,6 +162,16 @@ impl RunningNode {
     pub fn reload(&self, args: &ServeArgs) -> anyhow::Result<crate::node::ReloadReport> {
         let cfg = NodeConfig::from_args(args).context("reading the configuration")?;
         self.node.reload(&cfg)
+    }
+
+    /// Re-reads every configured certificate from its files — the client listener's
+    /// (`server.tls_cert` / `server.tls_key`) and the mesh's (QUIC and peer HTTPS) — and makes new
+    /// handshakes present it; established connections continue. Each is validated first (key
+    /// matches; for the mesh also the CA loaded at start, the cluster SAN and this node's id):
+    /// one that fails keeps the certificate in use, is warned about, and makes this an error.
+    /// Counted in `kvmesh_cert_reloads_total{result}`. The CA is not reloaded.
+    pub fn reload_certificates(&self) -> anyhow::Result<()> {
+        self.certs.reload()
     }
 
     /// Stops at once, like a crash: the mesh goes silent and the listener closes without
@@ -199,11 +212,15 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let server_cfg = &node.cfg.server;
-    let client_tls = match (&server_cfg.tls_cert, &server_cfg.tls_key) {
-        (Some(cert), Some(key)) => Some(Arc::new(
-            tls::server_config(cert, key).context("server.tls_cert / server.tls_key")?,
-        )),
+    let client_cert = match (&server_cfg.tls_cert, &server_cfg.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(tls::ClientCert::load(cert, key).context("server.tls_cert / server.tls_key")?)
+        }
         _ => None,
+    };
+    let client_tls = match &client_cert {
+        Some(c) => Some(Arc::new(tls::server_config(c.live())?)),
+        None => None,
     };
     let listener_cfg = ListenerConfig {
         header_read_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
@@ -215,10 +232,18 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     let (stop, stop_rx) = watch::channel(false);
     let _ = node.stop_signal.set(stop_rx.clone());
     // The peer listener: forwarded requests arrive here, inside the cluster's mutual TLS.
-    let (peer_server, peer_url) = match &node.cfg.mesh {
-        Some(section) => {
+    // One certificate for every mesh connection (QUIC both ways, peer HTTPS both ways), so one
+    // reload rotates them all.
+    let mesh_cert = node
+        .cfg
+        .mesh
+        .as_ref()
+        .map(tls::MeshCert::load)
+        .transpose()?;
+    let (peer_server, peer_url) = match (&node.cfg.mesh, &mesh_cert) {
+        (Some(section), Some(cert)) => {
             let (server_tls, client_tls) =
-                crate::mesh::peer_tls::https_configs(&section.identity()?)
+                crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
                     .context("mesh certificates for the peer listener")?;
             let peer_client = reqwest::Client::builder()
                 .use_preconfigured_tls(client_tls)
@@ -246,14 +271,32 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
             let url = format!("https://{}", peer.addr);
             (Some(peer), url)
         }
-        None => (None, String::new()),
+        _ => (None, String::new()),
     };
     let server = Listener::serve(tcp, app(Arc::clone(&node)), listener_cfg, stop_rx.clone())?;
     let addr = server.addr;
     // The mesh starts once the peer address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.
-    let mesh = mesh_loop::start(&node, peer_url, stop_rx.clone()).await?;
+    let mesh = mesh_loop::start(
+        &node,
+        peer_url,
+        mesh_cert.as_ref().map(tls::MeshCert::live),
+        stop_rx.clone(),
+    )
+    .await?;
     spawn_watchers(&node, &stop_rx, dns);
+    let certs = Arc::new(tls::Certificates {
+        client: client_cert,
+        mesh: mesh_cert,
+        reloads: node.metrics.cert_reloads.clone(),
+    });
+    if node.cfg.server.cert_reload_interval_s > 0 {
+        tokio::spawn(tls::watch_files(
+            Arc::clone(&certs),
+            Duration::from_secs(node.cfg.server.cert_reload_interval_s),
+            stop_rx.clone(),
+        ));
+    }
     tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
     Ok(RunningNode {
         addr,
@@ -263,6 +306,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         server,
         peer_server,
         mesh,
+        certs,
     })
 }
 
@@ -282,6 +326,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 tracing::info!("SIGHUP: reloading the configuration");
                 if let Err(e) = running.reload(&args) {
                     tracing::warn!(error = %format!("{e:#}"), "reload failed; the node runs on as it was");
+                }
+                if let Err(e) = running.reload_certificates() {
+                    tracing::warn!(error = %format!("{e:#}"), "certificate reload failed; the old ones stay in use");
                 }
             }
         }

@@ -216,6 +216,22 @@ impl MeshSection {
         })
     }
 
+    /// The node certificate and key files [`MeshSection::identity`] reads (the CA's aside), for
+    /// noticing that they changed; `None` when no certificates are configured.
+    pub fn cert_files(&self) -> Option<(PathBuf, PathBuf)> {
+        match (&self.certs_dir, &self.cert, &self.key) {
+            (Some(dir), _, _) => {
+                let name = self.cert_name.as_deref().unwrap_or(&self.node_id);
+                Some((
+                    dir.join(format!("{name}.pem")),
+                    dir.join(format!("{name}.key")),
+                ))
+            }
+            (None, Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
+            _ => None,
+        }
+    }
+
     /// The mesh library's configuration for a node of `region`/`zone` whose HTTP front is at
     /// `http_url` (used when `http_url` is not configured).
     pub fn mesh_config(

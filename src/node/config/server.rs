@@ -49,6 +49,11 @@ pub struct ServerConfig {
     pub tls_cert: Option<PathBuf>,
     /// PEM private key for HTTPS on `listen`. Default none.
     pub tls_key: Option<PathBuf>,
+    /// Every this many seconds, check whether the certificate and key files (`tls_cert` /
+    /// `tls_key`, and the mesh's node certificate and key) changed (modification time, size)
+    /// and reload them if so, as `RunningNode::reload_certificates` does. Default 0: off
+    /// (reload on SIGHUP only).
+    pub cert_reload_interval_s: u64,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +66,7 @@ impl Default for ServerConfig {
             http2_max_streams: 256,
             tls_cert: None,
             tls_key: None,
+            cert_reload_interval_s: 0,
         }
     }
 }
@@ -84,6 +90,12 @@ impl ServerConfig {
         }
         if !(1..=10_000).contains(&self.http2_max_streams) {
             return Err(invalid("server.http2_max_streams", "must be 1..=10000"));
+        }
+        if self.cert_reload_interval_s > MAX_MS / 1000 {
+            return Err(invalid(
+                "server.cert_reload_interval_s",
+                format!("must be 0 (off) or up to {}", MAX_MS / 1000),
+            ));
         }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(invalid(
@@ -332,6 +344,11 @@ mod tests {
         assert!(s.validate().is_err());
         let s = ServerConfig {
             tls_cert: Some("a.pem".into()),
+            ..ServerConfig::default()
+        };
+        assert!(s.validate().is_err());
+        let s = ServerConfig {
+            cert_reload_interval_s: 86_401,
             ..ServerConfig::default()
         };
         assert!(s.validate().is_err());

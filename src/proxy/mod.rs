@@ -30,6 +30,7 @@ use crate::node::mesh_loop::{self, MeshRuntime};
 use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
 use crate::replicas::dns::DnsSource;
+use crate::replicas::k8s::{K8sMetrics, K8sSource};
 use auth::authorized;
 use error::ApiError;
 use listener::{Listener, ListenerConfig};
@@ -181,6 +182,18 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         let (_, next) = source.sync(node.as_ref()).await;
         dns.push((source, next));
     }
+    // List Kubernetes sources once too (a failed list starts empty and retries in the watch
+    // loop); their metrics are registered once per node, for all of them.
+    let mut kubernetes = Vec::with_capacity(node.cfg.kubernetes.len());
+    if !node.cfg.kubernetes.is_empty() {
+        let metrics = K8sMetrics::new(&node.metrics.registry)?;
+        for (n, k) in node.cfg.kubernetes.iter().enumerate() {
+            let mut source = K8sSource::new(k.clone(), metrics.clone())
+                .with_context(|| format!("kubernetes[{n}]"))?;
+            source.initial_sync(node.as_ref()).await;
+            kubernetes.push(source);
+        }
+    }
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
     check_all(&node, 0..node.replica_count()).await;
     let tcp = tokio::net::TcpListener::bind(listen)
@@ -240,7 +253,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     // The mesh starts once the peer address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.
     let mesh = mesh_loop::start(&node, peer_url, stop_rx.clone()).await?;
-    spawn_watchers(&node, &stop_rx, dns);
+    spawn_watchers(&node, &stop_rx, dns, kubernetes);
     tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
     Ok(RunningNode {
         addr,

@@ -1646,6 +1646,32 @@ mod tests {
         }
     }
 
+    /// An https API server needs a CA bundle with a certificate in it, read at start.
+    #[test]
+    fn an_https_api_server_trusts_the_ca_file_only_if_it_holds_a_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.crt");
+        let cert =
+            rcgen::generate_simple_self_signed(vec!["kubernetes.default.svc".into()]).unwrap();
+        std::fs::write(&ca, cert.cert.pem()).unwrap();
+        let mut c =
+            cfg("namespace = \"n\"\nservice = \"v\"\napi_server = \"https://127.0.0.1:6443\"");
+        c.ca_file = ca.clone();
+        let metrics = K8sMetrics::new(&Registry::new()).unwrap();
+        let src = K8sSource::new(c.clone(), metrics.clone()).unwrap();
+        assert!(src.send_token, "the token goes over https only");
+        std::fs::write(&ca, "not a certificate").unwrap();
+        assert!(matches!(
+            K8sSource::new(c.clone(), metrics.clone()),
+            Err(K8sError::Ca { .. })
+        ));
+        c.ca_file = dir.path().join("missing.crt");
+        assert!(matches!(
+            K8sSource::new(c, metrics),
+            Err(K8sError::Ca { .. })
+        ));
+    }
+
     /// A source's registry diff: new endpoints are added once, departed ones removed once.
     #[test]
     fn reconcile_adds_new_endpoints_and_drains_departed_ones() {

@@ -90,9 +90,10 @@ pub async fn start(
     if section.learn_replicas_from.is_empty()
         && node.cfg.replicas.is_empty()
         && node.cfg.dns.is_empty()
+        && node.cfg.kubernetes.is_empty()
         && !mesh_ip.is_loopback()
     {
-        tracing::warn!("this node has no [[replicas]], no [[dns]] and no mesh.learn_replicas_from: it will learn no replica from its peers (set mesh.learn_replicas_from to the hosts or networks your engines live in)");
+        tracing::warn!("this node has no [[replicas]], no [[dns]], no [[kubernetes]] and no mesh.learn_replicas_from: it will learn no replica from its peers (set mesh.learn_replicas_from to the hosts or networks your engines live in)");
     }
     let mesh = Arc::new(Mesh::start(cfg).await?);
     node.attach_mesh(Arc::clone(&mesh));

@@ -1,5 +1,6 @@
 //! The registry: which replicas the node routes to. Static ones come from the config, others
-//! from DNS sources (`node/watchers.rs`) or from peers' gossip (`node/mesh_roles.rs`).
+//! from DNS and Kubernetes sources (`node/watchers.rs`) or from peers' gossip
+//! (`node/mesh_roles.rs`).
 //!
 //! Indexes are append-only, like the view's: a replica that leaves is marked removed and drains
 //! (it takes no new requests, its in-flight ones finish), and one that comes back gets its old
@@ -251,7 +252,7 @@ impl Node {
     }
 }
 
-// What a DNS source needs of the node (`replicas::dns`).
+// What a DNS or Kubernetes source needs of the node (`replicas::dns`, `replicas::k8s`).
 impl ReplicaRegistry for Node {
     fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
         Node::add_replica(self, spec)

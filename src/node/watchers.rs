@@ -1,7 +1,8 @@
 //! The node's watcher tasks: per replica, active health checks and `/metrics` scrapes on their
-//! intervals and its KV-event subscriber; per DNS source, the resolver loop; for the node, the
-//! summary/overlay/ejection upkeep. Each task asks the replica (`replicas::probe`, the KV-event
-//! stream, DNS) and hands the answer to the node's state (`feedback.rs`, `registry.rs`).
+//! intervals and its KV-event subscriber; per DNS source, the resolver loop; per Kubernetes
+//! source, its list-and-watch loop; for the node, the summary/overlay/ejection upkeep. Each task
+//! asks the replica (`replicas::probe`, the KV-event stream, DNS, the Kubernetes API) and hands
+//! the answer to the node's state (`feedback.rs`, `registry.rs`).
 //!
 //! The replica layer feeds the node through narrow traits the node implements —
 //! `KvEventSink` in `feedback.rs`, `ReplicaRegistry` in `registry.rs` — so nothing under
@@ -15,6 +16,7 @@ use tokio::sync::watch;
 
 use super::state::Node;
 use crate::replicas::dns::{self, DnsSource};
+use crate::replicas::k8s::K8sSource;
 use crate::replicas::kv_events::{self, KvEventSink, KvEventsSource};
 use crate::replicas::probe;
 use crate::shutdown::stopped;
@@ -153,12 +155,13 @@ fn spawn_replica_every<F, Fut>(
 }
 
 /// Spawns every watcher: per registered replica, health checks and scrapes; for the node, the
-/// summary/overlay/ejection upkeep; per DNS source, the resolver loop. All stop when `stop`
-/// turns true.
+/// summary/overlay/ejection upkeep; per DNS source, the resolver loop; per Kubernetes source,
+/// its list-and-watch loop. All stop when `stop` turns true.
 pub fn spawn_watchers(
     node: &Arc<Node>,
     stop: &watch::Receiver<bool>,
     dns: Vec<(dns::DnsSource, Duration)>,
+    kubernetes: Vec<K8sSource>,
 ) {
     for i in 0..node.replica_count() {
         spawn_replica_watchers(node, stop, i);
@@ -167,6 +170,9 @@ pub fn spawn_watchers(
     spawn_every(node, stop, period, |n| async move { n.tick() });
     for (source, next) in dns {
         tokio::spawn(run_dns(Arc::clone(node), source, next, stop.clone()));
+    }
+    for source in kubernetes {
+        tokio::spawn(run_k8s(Arc::clone(node), source, stop.clone()));
     }
 }
 
@@ -193,7 +199,8 @@ where
 const KV_REGISTRY_POLL: Duration = Duration::from_millis(200);
 
 /// Starts the KV-event subscriber of a static replica `i` if its `[[replicas]]` entry has
-/// `kv_events` (DNS-found replicas get theirs from their source, in [`run_dns`]).
+/// `kv_events` (DNS- and Kubernetes-found replicas get theirs from their source, in
+/// [`run_dns`] and [`run_k8s`]).
 fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
     let source = node
         .lock()
@@ -291,6 +298,31 @@ async fn run_dns(
         }
         let (added, wait) = source.sync(node.as_ref()).await;
         next = wait;
+        for &i in &added {
+            spawn_replica_watchers(&node, &stop, i);
+        }
+        for (i, kv) in source.kv_events_members() {
+            ensure_kv_events(&node, &stop, i, kv);
+        }
+        if !added.is_empty() {
+            check_all(&node, added.into_iter()).await;
+        }
+    }
+}
+
+/// Keeps a Kubernetes source's replicas in the registry until `stop` turns true: the source
+/// lists and watches (reconnecting, keeping its set through API outages); each change starts
+/// the watchers of replicas new to the node and checks them at once.
+async fn run_k8s(node: Arc<Node>, mut source: K8sSource, mut stop: watch::Receiver<bool>) {
+    // The replicas of the list before serving get their KV-event subscribers first.
+    for (i, kv) in source.kv_events_members() {
+        ensure_kv_events(&node, &stop, i, kv);
+    }
+    loop {
+        let added = tokio::select! {
+            added = source.next_change(node.as_ref()) => added,
+            _ = stopped(&mut stop) => return,
+        };
         for &i in &added {
             spawn_replica_watchers(&node, &stop, i);
         }

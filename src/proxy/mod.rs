@@ -32,6 +32,7 @@ use crate::node::mesh_loop::{self, MeshRuntime};
 use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
 use crate::replicas::dns::DnsSource;
+use crate::replicas::k8s::{K8sMetrics, K8sSource};
 use auth::authorized;
 use error::ApiError;
 use listener::{Listener, ListenerConfig};
@@ -206,6 +207,18 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         let (_, next) = source.sync(node.as_ref()).await;
         dns.push((source, next));
     }
+    // List Kubernetes sources once too (a failed list starts empty and retries in the watch
+    // loop); their metrics are registered once per node, for all of them.
+    let mut kubernetes = Vec::with_capacity(node.cfg.kubernetes.len());
+    if !node.cfg.kubernetes.is_empty() {
+        let metrics = K8sMetrics::new(&node.metrics.registry)?;
+        for (n, k) in node.cfg.kubernetes.iter().enumerate() {
+            let mut source = K8sSource::new(k.clone(), metrics.clone())
+                .with_context(|| format!("kubernetes[{n}]"))?;
+            source.initial_sync(node.as_ref()).await;
+            kubernetes.push(source);
+        }
+    }
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
     check_all(&node, 0..node.replica_count()).await;
     let tcp = tokio::net::TcpListener::bind(listen)
@@ -284,7 +297,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         stop_rx.clone(),
     )
     .await?;
-    spawn_watchers(&node, &stop_rx, dns);
+    spawn_watchers(&node, &stop_rx, dns, kubernetes);
     let certs = Arc::new(tls::Certificates {
         client: client_cert,
         mesh: mesh_cert,

@@ -7,6 +7,7 @@
 //! - [`prom`]: the Prometheus text reader for vLLM / SGLang load names.
 //! - [`health`]: the sans-IO health state machine (active checks + passive ejection).
 //! - [`dns`]: DNS sources (SRV or A/AAAA, TTL re-resolve) and the registry they feed.
+//! - [`k8s`]: Kubernetes sources (EndpointSlices, listed and watched) feeding the same registry.
 //! - [`kv_stream`], [`kv_index`], [`kv_events`]: an engine's KV-event stream, from ZMQ frames to
 //!   cache-model operations, through the [`kv_events::KvEventSink`] the node implements.
 //! - [`zmtp`]: the bounded ZMTP 3 client (SUB, DEALER) those streams read through.
@@ -14,6 +15,7 @@
 pub mod dns;
 pub mod entry;
 pub mod health;
+pub mod k8s;
 pub mod kv_events;
 pub mod kv_index;
 pub mod kv_stream;

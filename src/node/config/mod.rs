@@ -30,6 +30,7 @@ pub use server::{AuthConfig, Secrets, ServerConfig};
 pub use crate::replicas::dns::{DnsConfig, DnsKvEvents, DnsRecord};
 pub use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 pub use crate::replicas::health::HealthConfig;
+pub use crate::replicas::k8s::KubernetesConfig;
 pub use crate::replicas::kv_events::KvEventsSource;
 pub use crate::replicas::probe::ScrapeConfig;
 
@@ -104,6 +105,8 @@ pub struct NodeConfig {
     pub replicas: Vec<ReplicaConfig>,
     /// DNS sources of replicas, re-resolved on their records' TTL. Default none.
     pub dns: Vec<DnsConfig>,
+    /// Kubernetes sources of replicas: EndpointSlices, listed and watched. Default none.
+    pub kubernetes: Vec<KubernetesConfig>,
     /// Per-tenant policies, by tenant id.
     pub tenants: HashMap<String, TenantConfig>,
     /// Policy for tenants not listed (and requests without a tenant).
@@ -146,6 +149,7 @@ impl Default for NodeConfig {
             drain_s: 30,
             replicas: Vec::new(),
             dns: Vec::new(),
+            kubernetes: Vec::new(),
             tenants: HashMap::new(),
             default_tenant: TenantConfig::default(),
             mesh: None,
@@ -437,6 +441,10 @@ impl NodeConfig {
                 return Err(invalid(key("max_in_flight"), "must be at least 1"));
             }
         }
+        for (n, k) in self.kubernetes.iter().enumerate() {
+            k.validate()
+                .map_err(|(field, msg)| invalid(format!("kubernetes[{n}].{field}"), msg))?;
+        }
         for (name, t) in self
             .tenants
             .iter()
@@ -520,10 +528,14 @@ impl NodeConfig {
         };
         cfg.apply_args(args)?;
         // A mesh node may learn every replica from its peers' gossip.
-        if cfg.replicas.is_empty() && cfg.dns.is_empty() && cfg.mesh.is_none() {
+        if cfg.replicas.is_empty()
+            && cfg.dns.is_empty()
+            && cfg.kubernetes.is_empty()
+            && cfg.mesh.is_none()
+        {
             return Err(invalid(
                 "replicas",
-                "no replica configured (use [[replicas]] or [[dns]] in the config, or --replica URL)",
+                "no replica configured (use [[replicas]], [[dns]] or [[kubernetes]] in the config, or --replica URL)",
             ));
         }
         Ok(cfg)
@@ -671,6 +683,18 @@ mod tests {
             ("listen = \"nowhere\"", "listen"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
+            (
+                "[[kubernetes]]\nnamespace = \"serving\"",
+                "kubernetes[0].service",
+            ),
+            (
+                "[[kubernetes]]\nnamespace = \"s\"\nservice = \"v\"\nmax_backoff_ms = 1",
+                "kubernetes[0].max_backoff_ms",
+            ),
+            (
+                "[[kubernetes]]\nnamespace = \"s\"\nservce = \"v\"",
+                "servce",
+            ),
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
             assert!(e.contains(key), "{toml:?} → {e}");
@@ -766,6 +790,30 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("between 0 and 1") && e.contains("1.5"), "{e}");
+    }
+
+    /// `serve` refuses a node without any replica source, and a `[[kubernetes]]` source is one.
+    #[test]
+    fn a_kubernetes_source_alone_is_a_replica_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.toml");
+        let args = ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        };
+        std::fs::write(&path, "").unwrap();
+        let e = NodeConfig::from_args(&args).unwrap_err().to_string();
+        assert!(e.contains("no replica configured"), "{e}");
+        std::fs::write(
+            &path,
+            "[[kubernetes]]\nnamespace = \"serving\"\nservice = \"vllm\"\nport_name = \"http\"\n",
+        )
+        .unwrap();
+        let cfg = NodeConfig::from_args(&args).unwrap();
+        assert_eq!(
+            cfg.kubernetes[0].selector(),
+            "kubernetes.io/service-name=vllm"
+        );
     }
 
     #[test]

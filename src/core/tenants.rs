@@ -148,6 +148,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_reconfigured_quota_applies_to_new_requests_and_keeps_the_counts() {
+        let capped = |n| TenantConfig {
+            max_in_flight_per_replica: Some(n),
+            ..Default::default()
+        };
+        let mut t = Tenants::new(
+            HashMap::from([("acme".to_owned(), capped(1))]),
+            TenantConfig::default(),
+        );
+        t.started("acme", 0);
+        assert!(!t.replica_allows(Some("acme"), 0));
+        t.reconfigure(
+            HashMap::from([("acme".to_owned(), capped(2))]),
+            TenantConfig::default(),
+        );
+        assert_eq!(t.in_flight("acme", 0), 1, "a reload forgets no request");
+        assert!(t.replica_allows(Some("acme"), 0));
+        t.started("acme", 0);
+        assert!(!t.replica_allows(Some("acme"), 0));
+        // Dropped from the config: the default (no cap) applies; releases still balance.
+        t.reconfigure(HashMap::new(), TenantConfig::default());
+        assert!(t.replica_allows(Some("acme"), 0));
+        t.finished("acme", 0);
+        t.finished("acme", 0);
+        assert_eq!(t.total_in_flight("acme"), 0);
+    }
+
+    #[test]
     fn quotas_count_in_flight() {
         let acme = TenantConfig {
             max_in_flight_per_replica: Some(2),

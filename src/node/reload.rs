@@ -216,3 +216,70 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
     );
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::tenants::TenantConfig;
+
+    fn cfg(replicas: &[(&str, &str)]) -> NodeConfig {
+        let mut c = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        c.replicas = replicas
+            .iter()
+            .map(|(id, pool)| ReplicaConfig {
+                id: Some((*id).into()),
+                pool: (*pool).into(),
+                ..ReplicaConfig::from_url(format!("http://10.0.0.5:80{}", id.len()))
+            })
+            .collect();
+        c
+    }
+
+    #[test]
+    fn a_reload_registers_updates_and_drains_replicas_and_says_what_needs_a_restart() {
+        crate::proxy::install_crypto_provider();
+        let old = cfg(&[("a", "p"), ("bb", "p")]);
+        let node = Node::new(old.clone()).unwrap();
+        let same = node.reload(&old).unwrap();
+        assert_eq!(
+            same,
+            ReloadReport::default(),
+            "an unchanged file changes nothing"
+        );
+
+        let mut new = cfg(&[("a", "q"), ("ccc", "p")]);
+        new.tenants.insert("acme".into(), TenantConfig::default());
+        new.spill_after_s = 3.0;
+        new.policy = "round-robin".into();
+        let r = node.reload(&new).unwrap();
+        assert_eq!(r.added, vec!["ccc"]);
+        assert_eq!(r.updated, vec!["a"]);
+        assert_eq!(r.removed, vec!["bb"]);
+        assert!(r.tenants && r.routing);
+        assert_eq!(r.restart_needed, vec!["policy"]);
+        let core = node.lock();
+        let pool = |id: &str| {
+            let i = core.view.index_of(id).unwrap();
+            (
+                core.view.replica(i).unwrap().info.pool.clone(),
+                core.replicas[i].removed,
+            )
+        };
+        assert_eq!(pool("a"), ("q".to_owned(), false));
+        assert_eq!(
+            pool("bb"),
+            ("p".to_owned(), true),
+            "a replica left out drains"
+        );
+        assert_eq!(pool("ccc"), ("p".to_owned(), false));
+        assert_eq!(core.router.config().spill_after_s, 3.0);
+        drop(core);
+        // An invalid file is refused whole.
+        let mut bad = new.clone();
+        bad.block_bytes = 0;
+        assert!(node.reload(&bad).is_err());
+    }
+}

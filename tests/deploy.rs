@@ -189,6 +189,33 @@ fn k8s_overlays_render_and_validate() {
 }
 
 /// The metric names `expr` mentions (histogram series reduced to their family).
+#[test]
+fn the_k8s_node_configs_are_valid_once_the_pod_fills_them_in() {
+    // What the StatefulSet's downward API sets (no other test reads these names).
+    std::env::set_var("POD_IP", "10.1.2.3");
+    std::env::set_var("POD_NAME", "kvmesh-0");
+    for file in [
+        "deploy/k8s/base/node.toml",
+        "deploy/k8s/overlays/eu/node.toml",
+        "deploy/k8s/overlays/us/node.toml",
+    ] {
+        let cfg =
+            NodeConfig::from_file(&repo().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let mesh: MeshSection = cfg.mesh.unwrap_or_else(|| panic!("{file}: no [mesh]"));
+        assert_eq!(mesh.node_id, "kvmesh-0", "{file}");
+        assert_eq!(
+            mesh.advertise,
+            Some("10.1.2.3:7946".parse().unwrap()),
+            "{file}"
+        );
+        assert_eq!(
+            mesh.http_url.as_deref(),
+            Some("https://10.1.2.3:8443"),
+            "{file}"
+        );
+    }
+}
+
 fn metric_families(expr: &str) -> Vec<String> {
     let mut out = Vec::new();
     let bytes = expr.as_bytes();

@@ -1,4 +1,5 @@
-//! Node configuration: a TOML file, with CLI flags for the common case layered on top.
+//! Node configuration: a TOML file (`${NAME}` reads the environment, `env.rs`), with CLI flags for
+//! the common case layered on top.
 //!
 //! Exists so that a node either starts fully and correctly configured or not at all: unknown keys
 //! are refused (`deny_unknown_fields`), every value is validated, and every error names the key it
@@ -17,6 +18,7 @@ use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::tokenize::TokenizerConfig;
 
+mod env;
 pub mod error;
 pub mod mesh;
 pub mod server;
@@ -210,18 +212,35 @@ impl Default for RetryConfig {
     }
 }
 
+/// Largest config file read.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
 impl NodeConfig {
     /// Parses TOML text (unknown keys refused) and validates it.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         Self::parse(text, None)
     }
 
-    /// Reads, parses and validates a config file.
+    /// Reads a config file (at most [`MAX_CONFIG_BYTES`]), replaces `${NAME}` with environment
+    /// variables (`env.rs`), parses and validates it.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        use std::io::Read;
+        let read_err = |source| ConfigError::Read {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .map_err(read_err)?
+            .take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(read_err)?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(read_err(std::io::Error::other(format!(
+                "larger than {MAX_CONFIG_BYTES} bytes"
+            ))));
+        }
+        let text = env::expand(&text, |name| std::env::var(name).ok())?;
         Self::parse(&text, Some(path.to_owned()))
     }
 

@@ -308,6 +308,8 @@ async fn sync_once(
     if !plan.expired.is_empty() {
         metrics.learned_expired.inc_by(plan.expired.len() as u64);
     }
+    metrics.summaries_behind.set(plan.behind as i64);
+    metrics.summary_age_max.set(node.summary_age_max_s());
     for (id, record) in &plan.publish {
         match mesh.publish_replica(id, record).await {
             Ok(()) => {

@@ -572,6 +572,20 @@ impl Node {
     }
 }
 
+impl Node {
+    /// Seconds since the oldest summary this node follows (another node is home) last changed.
+    pub(super) fn summary_age_max_s(&self) -> f64 {
+        let now = self.now();
+        let core = self.lock();
+        core.replicas
+            .iter()
+            .filter(|rt| !rt.mesh.home && !rt.removed)
+            .filter_map(|rt| rt.mesh.updated_at)
+            .map(|t| now.saturating_sub(t).as_secs_f64())
+            .fold(0.0, f64::max)
+    }
+}
+
 /// The record this node publishes for a replica, from its own model, health and load.
 fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> ReplicaRecord {
     let s = rt.cache.summary();

@@ -340,6 +340,14 @@ pub struct MeshMetrics {
     /// `kvmesh_mesh_learned_expired_total`: learned replicas that expired (their origin left or
     /// no live member publishes them) and drain.
     pub learned_expired: IntCounter,
+    /// `kvmesh_mesh_summaries_behind`: replicas of this region whose home published a newer
+    /// summary than this node holds (a pull is due or running); stays above 0 only when pulls
+    /// fail.
+    pub summaries_behind: IntGauge,
+    /// `kvmesh_mesh_summary_age_max_seconds`: the longest time since a summary this node
+    /// follows (another node is its home) last changed; high for an idle replica, so alert on
+    /// `summaries_behind` instead.
+    pub summary_age_max: prometheus::Gauge,
 }
 
 impl MeshMetrics {
@@ -422,7 +430,17 @@ impl MeshMetrics {
                 "kvmesh_mesh_learned_expired_total",
                 "Learned replicas expired (origin gone or unpublished), now draining",
             )?,
+            summaries_behind: IntGauge::new(
+                "kvmesh_mesh_summaries_behind",
+                "Replicas whose home published a newer summary than this node holds",
+            )?,
+            summary_age_max: prometheus::Gauge::new(
+                "kvmesh_mesh_summary_age_max_seconds",
+                "Longest time since a followed replica's summary last changed",
+            )?,
         };
+        registry.register(Box::new(m.summaries_behind.clone()))?;
+        registry.register(Box::new(m.summary_age_max.clone()))?;
         registry.register(Box::new(m.records_ignored.clone()))?;
         registry.register(Box::new(m.reports_refused.clone()))?;
         registry.register(Box::new(m.learned_expired.clone()))?;

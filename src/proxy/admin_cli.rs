@@ -197,7 +197,12 @@ fn render_list(list: &[AdminReplica]) -> String {
         "replica", "health", "pool", "infl", "peers"
     );
     for r in list {
-        let mut health = r.health.clone();
+        // `*`: an operator's drain holds it; "removed": out of the registry, dropped once idle.
+        let mut health = if r.removed {
+            "removed".to_owned()
+        } else {
+            r.health.clone()
+        };
         if r.drained {
             health.push('*');
         }

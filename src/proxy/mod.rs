@@ -10,8 +10,10 @@ mod blame;
 pub mod error;
 pub mod forward;
 pub mod listener;
+pub mod otel;
 pub mod region_forward;
 mod tls;
+mod trace_span;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,7 +27,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use tokio::sync::watch;
 
-use crate::node::config::{NodeConfig, ServeArgs};
+use crate::node::config::NodeConfig;
 use crate::node::mesh_loop::{self, MeshRuntime};
 use crate::node::watchers::{check_all, spawn_watchers};
 use crate::node::{Node, NodeState};
@@ -174,6 +176,19 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     install_crypto_provider();
     let listen = cfg.listen;
     let node = Node::new(cfg)?;
+    if node.cfg.tracing.enabled() {
+        // The process's export counters, on this node's `/metrics`.
+        let stats = otel::stats()?;
+        for c in [&stats.exported, &stats.dropped, &stats.failed] {
+            node.metrics.registry.register(Box::new(c.clone()))?;
+        }
+        match node.cfg.tracing.traces_url() {
+            Some(url) if otel::installed() => {
+                tracing::info!(%url, sample_ratio = node.cfg.tracing.sample_ratio, "exporting traces");
+            }
+            _ => tracing::warn!("[tracing] is on but no trace export pipeline is installed"),
+        }
+    }
     // Resolve DNS sources once, so the node starts with their replicas.
     let mut dns = Vec::with_capacity(node.cfg.dns.len());
     for d in &node.cfg.dns {
@@ -253,9 +268,9 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     })
 }
 
-/// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains.
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cfg = NodeConfig::from_args(&args)?;
+/// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains. The caller installs the trace
+/// export pipeline (`otel::Pipeline`) in its subscriber first, and shuts it down after.
+pub async fn serve(cfg: NodeConfig) -> anyhow::Result<()> {
     let running = spawn(cfg).await?;
     println!("kvmesh node listening on http://{}", running.addr);
     crate::shutdown::signalled().await;

@@ -14,9 +14,9 @@
 //! traces its requests only when its own `[tracing]` is on *and* a pipeline is installed, so
 //! several in-process nodes (tests, fleets) each keep their own setting.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::{Context, KeyValue};
@@ -37,6 +37,9 @@ use crate::node::config::TracingConfig;
 
 /// The `tracing` target of the request spans: the only spans the OpenTelemetry layer exports.
 pub const TARGET: &str = "kvmesh::otel";
+
+/// A failing collector is logged at most this often (every failure is counted).
+const FAILURE_WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// Extra time [`Pipeline::shutdown`] allows beyond one export's timeout for the final flush.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
@@ -139,13 +142,10 @@ impl Pipeline {
             .with_max_export_batch_size(cfg.max_export_batch_spans)
             .with_scheduled_delay(Duration::from_millis(cfg.schedule_delay_ms))
             .build();
-        let processor = BatchSpanProcessor::builder(Counted {
-            inner: exporter,
-            queued: Arc::clone(&queued),
-            stats: stats.clone(),
-        })
-        .with_batch_config(batch)
-        .build();
+        let processor =
+            BatchSpanProcessor::builder(Counted::new(exporter, Arc::clone(&queued), stats.clone()))
+                .with_batch_config(batch)
+                .build();
         let provider = SdkTracerProvider::builder()
             .with_span_processor(Gate {
                 inner: processor,
@@ -253,6 +253,22 @@ struct Counted<E> {
     inner: E,
     queued: Arc<AtomicUsize>,
     stats: ExportStats,
+    /// When the exporter was built (the clock of `warned_at_s`).
+    started: Instant,
+    /// Seconds after `started` of the last failure warning; 0 = none yet.
+    warned_at_s: AtomicU64,
+}
+
+impl<E> Counted<E> {
+    fn new(inner: E, queued: Arc<AtomicUsize>, stats: ExportStats) -> Self {
+        Counted {
+            inner,
+            queued,
+            stats,
+            started: Instant::now(),
+            warned_at_s: AtomicU64::new(0),
+        }
+    }
 }
 
 impl<E: SpanExporter> SpanExporter for Counted<E> {
@@ -262,7 +278,16 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
         self.queued.fetch_sub(n, Ordering::AcqRel);
         match &result {
             Ok(()) => self.stats.exported.inc_by(n as u64),
-            Err(_) => self.stats.failed.inc_by(n as u64),
+            Err(e) => {
+                self.stats.failed.inc_by(n as u64);
+                // Counted every time; told at most once per `FAILURE_WARN_EVERY`.
+                let now = self.started.elapsed().as_secs();
+                let last = self.warned_at_s.load(Ordering::Relaxed);
+                if last == 0 || now >= last + FAILURE_WARN_EVERY.as_secs() {
+                    self.warned_at_s.store(now.max(1), Ordering::Relaxed);
+                    tracing::warn!(error = %e, spans = n, "trace export failed");
+                }
+            }
         }
         result
     }
@@ -356,11 +381,7 @@ mod tests {
 
         // A refused batch still frees its slots, counted as failed.
         let batch: Vec<SpanData> = std::mem::take(&mut *held.lock().unwrap());
-        let refusing = Counted {
-            inner: Collector(false),
-            queued: Arc::clone(&queued),
-            stats: stats.clone(),
-        };
+        let refusing = Counted::new(Collector(false), Arc::clone(&queued), stats.clone());
         assert!(futures::executor::block_on(refusing.export(batch)).is_err());
         assert_eq!(queued.load(Ordering::Relaxed), 0);
         assert_eq!((stats.failed.get(), stats.exported.get()), (2, 0));
@@ -368,11 +389,7 @@ mod tests {
         end_one();
         let batch: Vec<SpanData> = std::mem::take(&mut *held.lock().unwrap());
         assert_eq!(batch.len(), 1, "room again after the export");
-        let accepting = Counted {
-            inner: Collector(true),
-            queued: Arc::clone(&queued),
-            stats: stats.clone(),
-        };
+        let accepting = Counted::new(Collector(true), Arc::clone(&queued), stats.clone());
         assert!(futures::executor::block_on(accepting.export(batch)).is_ok());
         assert_eq!(stats.exported.get(), 1);
         assert_eq!(stats.dropped.get(), 1);

@@ -13,6 +13,10 @@
 //! mesh, a first-attempt `Forward` answers 503. The request's block keys move into the response
 //! body stream (no copy), whose first chunk hands them to `Ticket::first_byte` (none for a
 //! non-2xx answer).
+//!
+//! When the node traces (`trace_span.rs`), the request runs inside its `kvmesh.route` span, each
+//! attempt's `traceparent` is its own `kvmesh.upstream` span, and the body stream holds the
+//! request span until it ends; otherwise none of that exists.
 
 use std::cell::RefCell;
 use std::sync::Arc;

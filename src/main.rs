@@ -2,7 +2,9 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -73,10 +75,22 @@ async fn main() -> anyhow::Result<()> {
         Command::Demo(_) | Command::Sim(_) | Command::Bench(_) => "warn",
         _ => "info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
-        )
+    // `serve` reads its configuration before logging starts: `[tracing]` (or
+    // OTEL_EXPORTER_OTLP_ENDPOINT) decides whether the subscriber gets the OpenTelemetry layer.
+    let serve_cfg = match &cli.command {
+        Command::Serve(args) => Some(kvmesh::node::config::NodeConfig::from_args(args)?),
+        _ => None,
+    };
+    let otel = match &serve_cfg {
+        Some(cfg) => kvmesh::proxy::otel::Pipeline::start(&cfg.tracing)?,
+        None => None,
+    };
+    let fmt = tracing_subscriber::fmt::layer().with_filter(
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
+    );
+    tracing_subscriber::registry()
+        .with(fmt)
+        .with(otel.as_ref().map(|p| p.layer()))
         .init();
     match cli.command {
         Command::Sim(args) => kvmesh::bench::sim_cli::main(args)?,
@@ -94,7 +108,15 @@ async fn main() -> anyhow::Result<()> {
             let config = args.into_config()?;
             kvmesh::replica::run(config, kvmesh::shutdown::signalled()).await?;
         }
-        Command::Serve(args) => kvmesh::proxy::serve(args).await?,
+        Command::Serve(args) => {
+            let cfg = serve_cfg.context("serve configuration")?;
+            let served = kvmesh::proxy::serve(cfg, &args).await;
+            // Flush queued spans whatever the outcome; it blocks, so not on a runtime worker.
+            if let Some(p) = otel {
+                let _ = tokio::task::spawn_blocking(move || p.shutdown()).await;
+            }
+            served?;
+        }
         Command::Status { node, token_file } => {
             let token = admin_token(token_file.as_deref())?;
             print!("{}", kvmesh::proxy::status(&node, token.as_deref()).await?);

@@ -208,6 +208,16 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         format!("{:?}", new.scrape),
     );
     differs("dns", format!("{:?}", old.dns), format!("{:?}", new.dns));
+    differs(
+        "kubernetes",
+        format!("{:?}", old.kubernetes),
+        format!("{:?}", new.kubernetes),
+    );
+    differs(
+        "tracing",
+        format!("{:?}", old.tracing),
+        format!("{:?}", new.tracing),
+    );
     differs("mesh", format!("{:?}", old.mesh), format!("{:?}", new.mesh));
     differs(
         "tokenizer",

@@ -80,6 +80,7 @@ impl Node {
                     endpoint,
                     tenant: req.tenant.map(str::to_owned),
                     pending_tokens: uncached,
+                    hit_tokens: cached,
                     started: false,
                 })
             }
@@ -142,6 +143,8 @@ pub struct Ticket {
     endpoint: Endpoint,
     tenant: Option<String>,
     pending_tokens: u64,
+    /// Prompt tokens the decision believed cached there (its hit blocks in tokens).
+    hit_tokens: u64,
     /// [`Ticket::first_byte`] ran.
     started: bool,
 }
@@ -155,6 +158,12 @@ impl Ticket {
     /// The replica's address.
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
+    }
+
+    /// Prompt tokens the decision believed cached at the replica (hit blocks × tokens per
+    /// block), for traces.
+    pub fn hit_tokens(&self) -> u64 {
+        self.hit_tokens
     }
 
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no

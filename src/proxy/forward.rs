@@ -13,6 +13,10 @@
 //! mesh, a first-attempt `Forward` answers 503. The request's block keys move into the response
 //! body stream (no copy), whose first chunk hands them to `Ticket::first_byte` (none for a
 //! non-2xx answer).
+//!
+//! When the node traces (`trace_span.rs`), the request runs inside its `kvmesh.route` span, each
+//! attempt's `traceparent` is its own `kvmesh.upstream` span, and the body stream holds the
+//! request span until it ends; otherwise none of that exists.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -24,11 +28,13 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
+use tracing::{Instrument, Span};
 
 use super::blame::{Attempts, Failure};
 use super::error::{is_failure, upstream_cause, ApiError};
 use super::listener::conn_info;
 use super::region_forward;
+use super::trace_span::{self, RequestTrace};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};
@@ -87,7 +93,24 @@ async fn handle(node: Arc<Node>, path: &'static str, mut req: Request) -> Respon
         req.headers_mut().remove(region_forward::HOP_HEADER);
     }
     let hop = req.headers().contains_key(region_forward::HOP_HEADER);
-    match proxy(&node, path, req).await {
+    // `None` unless the node traces: then nothing below costs anything for tracing.
+    let trace = RequestTrace::start(&node, path, req.headers(), hop);
+    let result = match &trace {
+        Some(t) => {
+            // Events inside (a failed attempt, say) become events of the request's span.
+            proxy(&node, path, req, Some(t))
+                .instrument(t.span().clone())
+                .await
+        }
+        None => proxy(&node, path, req, None).await,
+    };
+    if let Some(t) = &trace {
+        t.finish(match &result {
+            Ok(r) => r.status(),
+            Err(e) => e.status,
+        });
+    }
+    match result {
         Ok(mut r) => {
             // Echoed so the client (and tests) can see the request crossed regions.
             if hop && node.cfg.debug_headers {
@@ -208,7 +231,12 @@ fn forwardable(headers: &HeaderMap) -> HeaderMap {
     out
 }
 
-async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Response, ApiError> {
+async fn proxy(
+    node: &Arc<Node>,
+    path: &'static str,
+    req: Request,
+    trace: Option<&RequestTrace>,
+) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
     // With API keys the key names the tenant; a tenant header proves nothing. A request a mesh
@@ -304,6 +332,9 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
         })
     });
     let prompt_tokens = prompt_tokens.map_err(|e| ApiError::bad_request(e.to_string(), None))?;
+    if let Some(t) = trace {
+        t.request(model, tenant, prompt_tokens);
+    }
     let route_req = RouteRequest {
         model,
         keys: &keys,
@@ -361,8 +392,19 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 if let Some(v) = tenant.and_then(|t| HeaderValue::from_str(t).ok()) {
                     headers.insert(HeaderName::from_static(region_forward::TENANT_HEADER), v);
                 }
-                return region_forward::forward(node, &region, reason, path, &headers, body.clone())
-                    .await;
+                if let Some(t) = trace {
+                    t.forwarding(&region, reason);
+                }
+                return region_forward::forward(
+                    node,
+                    &region,
+                    reason,
+                    path,
+                    &headers,
+                    body.clone(),
+                    trace.map(RequestTrace::span),
+                )
+                .await;
             }
             (Decision::Forward { region, .. }, _) if attempt == 0 => {
                 return Err(ApiError::unavailable(format!(
@@ -388,6 +430,14 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             replica = %endpoint.id, hit_blocks = routed.hit_blocks, reason = routed.reason.as_str(),
             attempt, "routed"
         );
+        // The attempt's span is the replica's parent: its context replaces the client's.
+        let mut attempt_span = None;
+        if let Some(t) = trace {
+            t.routed(&routed, &endpoint.id, ticket.hit_tokens(), attempt + 1);
+            let span = t.attempt(&endpoint.id, attempt + 1);
+            trace_span::inject(&span, &mut headers);
+            attempt_span = Some(span);
+        }
         let sent_at = Instant::now();
         let mut send = std::pin::pin!(send_to(node, &endpoint, path, &headers, &body));
         let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
@@ -411,7 +461,22 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                     }) {
                         (Decision::Route(r2), Some(t2)) => {
                             let e2 = t2.endpoint().clone();
-                            let hedge = std::pin::pin!(send_to(node, &e2, path, &headers, &body));
+                            // The hedge is an attempt of its own, with its own span.
+                            let mut hedge_span = None;
+                            let hedge_headers = trace.map(|t| {
+                                let span = t.attempt(&e2.id, attempt + 2);
+                                let mut h = headers.clone();
+                                trace_span::inject(&span, &mut h);
+                                hedge_span = Some(span);
+                                h
+                            });
+                            let hedge = std::pin::pin!(send_to(
+                                node,
+                                &e2,
+                                path,
+                                hedge_headers.as_ref().unwrap_or(&headers),
+                                &body
+                            ));
                             node.metrics.hedges.with_label_values(&["sent"]).inc();
                             match tokio::time::timeout(left, futures::future::select(send, hedge))
                                 .await
@@ -425,6 +490,12 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                                     node.metrics.hedges.with_label_values(&["hedge_won"]).inc();
                                     std::mem::replace(&mut ticket, t2).failed(&keys);
                                     tried.push(i);
+                                    if let Some(t) = trace {
+                                        t.routed(&r2, &e2.id, ticket.hit_tokens(), attempt + 2);
+                                    }
+                                    // The first attempt's span ends (unanswered); the
+                                    // hedge's records the outcome.
+                                    attempt_span = hedge_span;
                                     (i, routed, endpoint) = (r2.replica, r2, e2);
                                     Some(r)
                                 }
@@ -442,6 +513,15 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             tokio::time::timeout(first_byte, send).await.ok()
         };
         let replica_id: &str = &endpoint.id;
+        if let Some(span) = attempt_span.take() {
+            let (status, error) = match &answer {
+                Some(Ok(resp)) => (Some(resp.status()), None),
+                Some(Err(e)) if e.is_connect() => (None, Some("connect")),
+                Some(Err(_)) => (None, Some("transport")),
+                None => (None, Some("timeout")),
+            };
+            trace_span::attempt_done(&span, status, error);
+        }
         // What the client is told stays free of replica names and addresses; the log has them.
         let (failure, error) = match answer {
             Some(Ok(resp)) if !is_failure(resp.status()) => {
@@ -470,7 +550,8 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                 // The keys go with the response: its first byte records them (see
                 // `Ticket::first_byte`). Nothing else needs them once a replica answered.
                 let keys = std::mem::take(&mut keys);
-                let mut out = respond(node, resp, ticket, routed.hit_blocks, keys);
+                let span = trace.map(|t| t.span().clone());
+                let mut out = respond(node, resp, ticket, routed.hit_blocks, keys, span);
                 if node.cfg.debug_headers {
                     if let Ok(v) = HeaderValue::from_str(&decision_header(&routed)) {
                         out.headers_mut()
@@ -527,7 +608,8 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     }
     // A replica's own error answer is more useful to the client than ours.
     if let Some((resp, ticket, hit)) = last_failed_response {
-        return Ok(respond(node, resp, ticket, hit, Vec::new()));
+        let span = trace.map(|t| t.span().clone());
+        return Ok(respond(node, resp, ticket, hit, Vec::new(), span));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
 }
@@ -563,13 +645,14 @@ fn decision_header(d: &crate::core::router::Routed) -> String {
 /// the body ends (or the client goes away). The body's first chunk signals the ticket's first
 /// byte with the request's block `keys`, which count as cached there only if the replica
 /// accepted the request (a success status); a body that fails before its first chunk records
-/// nothing.
+/// nothing. `span`, the request's span when the node traces, stays open until the body ends.
 fn respond(
     node: &Arc<Node>,
     resp: reqwest::Response,
     ticket: Ticket,
     hit_blocks: u32,
     mut keys: Vec<BlockKey>,
+    span: Option<Span>,
 ) -> Response {
     let status = resp.status();
     if !status.is_success() {
@@ -599,6 +682,7 @@ fn respond(
         idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
         node: Arc::clone(node),
         done: false,
+        _span: span,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -644,6 +728,8 @@ struct BodyState {
     idle: Duration,
     node: Arc<Node>,
     done: bool,
+    /// The request's span when the node traces: it ends when the body does.
+    _span: Option<Span>,
 }
 
 impl BodyState {

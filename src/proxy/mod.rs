@@ -12,8 +12,10 @@ mod blame;
 pub mod error;
 pub mod forward;
 pub mod listener;
+pub mod otel;
 pub mod region_forward;
 mod tls;
+mod trace_span;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -200,6 +202,19 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     install_crypto_provider();
     let listen = cfg.listen;
     let node = Node::new(cfg)?;
+    if node.cfg.tracing.enabled() {
+        // The process's export counters, on this node's `/metrics`.
+        let stats = otel::stats()?;
+        for c in [&stats.exported, &stats.dropped, &stats.failed] {
+            node.metrics.registry.register(Box::new(c.clone()))?;
+        }
+        match node.cfg.tracing.traces_url() {
+            Some(url) if otel::installed() => {
+                tracing::info!(%url, sample_ratio = node.cfg.tracing.sample_ratio, "exporting traces");
+            }
+            _ => tracing::warn!("[tracing] is on but no trace export pipeline is installed"),
+        }
+    }
     // Resolve DNS sources once, so the node starts with their replicas.
     let mut dns = Vec::with_capacity(node.cfg.dns.len());
     for d in &node.cfg.dns {
@@ -324,9 +339,10 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
 }
 
 /// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains; SIGHUP reloads the
-/// configuration file (`RunningNode::reload`).
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cfg = NodeConfig::from_args(&args)?;
+/// configuration `args` name (`RunningNode::reload`). `cfg` is what `args` gave at start. The
+/// caller installs the trace export pipeline (`otel::Pipeline`) in its subscriber first, and shuts
+/// it down after.
+pub async fn serve(cfg: NodeConfig, args: &ServeArgs) -> anyhow::Result<()> {
     let mut hangups = crate::shutdown::Hangups::watch();
     let running = spawn(cfg).await?;
     println!("kvmesh node listening on http://{}", running.addr);
@@ -337,7 +353,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             _ = &mut stop => break,
             _ = hangups.next() => {
                 tracing::info!("SIGHUP: reloading the configuration");
-                if let Err(e) = running.reload(&args) {
+                if let Err(e) = running.reload(args) {
                     tracing::warn!(error = %format!("{e:#}"), "reload failed; the node runs on as it was");
                 }
                 if let Err(e) = running.reload_certificates() {

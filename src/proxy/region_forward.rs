@@ -9,6 +9,9 @@
 //! (random among equally near ones, unmeasured ones last); one that fails before answering
 //! (connect error, timeout, 500/502/503/504) gives way to the next, and when none is left the
 //! answer is 503.
+//!
+//! When the node traces, each try of a peer is a client span `kvmesh.forward` whose context is
+//! the forwarded request's `traceparent`: the receiving node's span continues the same trace.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,8 +22,10 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
 use rand::seq::SliceRandom;
+use tracing::Span;
 
 use super::error::{is_failure, upstream_cause, ApiError};
+use super::trace_span;
 use crate::core::router::ForwardReason;
 use crate::node::{Node, Peer};
 
@@ -39,7 +44,9 @@ pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
 /// Forwards a request the router sent to `region`: to a live node there (nearest by QUIC RTT in
 /// 5 ms steps, random among equally near ones, unmeasured ones last), with the hop header; a node
 /// that fails before answering (connect error, first-byte timeout, 500/502/503/504) gives way to
-/// the next; the answer streams back unbuffered.
+/// the next; the answer streams back unbuffered. `trace` is the request's span when the node
+/// traces: each try gets a child span, sent on as the request's trace context, and the request
+/// span stays open while the answer streams.
 pub async fn forward(
     node: &Arc<Node>,
     region: &str,
@@ -47,6 +54,7 @@ pub async fn forward(
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
+    trace: Option<&Span>,
 ) -> Result<Response, ApiError> {
     let metrics = node.mesh_slot().metrics.get();
     let count = |outcome: &str| {
@@ -77,20 +85,39 @@ pub async fn forward(
         ));
     };
     for peer in &peers {
+        let span = trace.map(|parent| {
+            let span = trace_span::forward_span(parent, region, &peer.node_id);
+            trace_span::inject(&span, &mut headers);
+            span
+        });
         let send = client
             .post(format!("{}{path}", peer.http_url))
             .headers(headers.clone())
             .body(body.clone())
             .send();
-        let last = match tokio::time::timeout(first_byte, send).await {
+        let answer = tokio::time::timeout(first_byte, send).await;
+        if let Some(span) = &span {
+            let (status, error) = match &answer {
+                Ok(Ok(resp)) => (Some(resp.status()), None),
+                Ok(Err(e)) if e.is_connect() => (None, Some("connect")),
+                Ok(Err(_)) => (None, Some("transport")),
+                Err(_) => (None, Some("timeout")),
+            };
+            trace_span::attempt_done(span, status, error);
+        }
+        let last = match answer {
             Ok(Ok(resp)) if !is_failure(resp.status()) => {
                 tracing::debug!(%region, peer = %peer.node_id, ?reason, "forwarded");
                 count("ok");
+                if let Some(t) = trace {
+                    t.record("kvmesh.forwarded_to", peer.node_id.as_str());
+                }
                 return Ok(stream_back(
                     node,
                     resp,
                     &peer.node_id,
                     node.cfg.debug_headers,
+                    trace.cloned(),
                 ));
             }
             Ok(Ok(resp)) => format!("answered {}", resp.status()),
@@ -107,8 +134,15 @@ pub async fn forward(
     )))
 }
 
-/// Streams another node's answer back, cutting it after the idle timeout.
-fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str, debug: bool) -> Response {
+/// Streams another node's answer back, cutting it after the idle timeout; `span` (the request's,
+/// when the node traces) ends with the stream.
+fn stream_back(
+    node: &Arc<Node>,
+    resp: reqwest::Response,
+    peer: &str,
+    debug: bool,
+    span: Option<Span>,
+) -> Response {
     let status = resp.status();
     let mut headers = HeaderMap::with_capacity(resp.headers().len() + 1);
     for (k, v) in resp.headers() {
@@ -124,23 +158,26 @@ fn stream_back(node: &Arc<Node>, resp: reqwest::Response, peer: &str, debug: boo
     }
     let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
     let inner = Box::pin(resp.bytes_stream());
-    let stream = futures::stream::unfold((inner, false), move |(mut inner, done)| async move {
-        if done {
-            return None;
-        }
-        match tokio::time::timeout(idle, inner.next()).await {
-            Ok(Some(Ok(chunk))) => Some((Ok(chunk), (inner, false))),
-            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e)), (inner, true))),
-            Ok(None) => None,
-            Err(_) => Some((
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "no data from the forwarded node",
+    let stream = futures::stream::unfold(
+        (inner, false, span),
+        move |(mut inner, done, span)| async move {
+            if done {
+                return None;
+            }
+            match tokio::time::timeout(idle, inner.next()).await {
+                Ok(Some(Ok(chunk))) => Some((Ok(chunk), (inner, false, span))),
+                Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e)), (inner, true, span))),
+                Ok(None) => None,
+                Err(_) => Some((
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no data from the forwarded node",
+                    )),
+                    (inner, true, span),
                 )),
-                (inner, true),
-            )),
-        }
-    });
+            }
+        },
+    );
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = status;
     *out.headers_mut() = headers;

@@ -21,11 +21,13 @@ use crate::tokenize::TokenizerConfig;
 mod env;
 pub mod error;
 pub mod mesh;
+pub mod otel;
 pub mod server;
 
 use error::invalid;
 pub use error::ConfigError;
 pub use mesh::{DistanceConfig, MeshSection};
+pub use otel::TracingConfig;
 pub use server::{AuthConfig, Secrets, ServerConfig};
 // The sections other subsystems own, assembled here (re-exported so that one path names every
 // part of a node's configuration).
@@ -118,6 +120,8 @@ pub struct NodeConfig {
     /// Token mode: the model's tokenizer and chat template, so request keys match the keys of
     /// engine KV events. Default none (text mode).
     pub tokenizer: Option<TokenizerConfig>,
+    /// OpenTelemetry trace export of routed requests (`[tracing]`). Default off.
+    pub tracing: TracingConfig,
 }
 
 impl Default for NodeConfig {
@@ -156,6 +160,7 @@ impl Default for NodeConfig {
             default_tenant: TenantConfig::default(),
             mesh: None,
             tokenizer: None,
+            tracing: TracingConfig::default(),
         }
     }
 }
@@ -492,6 +497,7 @@ impl NodeConfig {
         if let Some(m) = &self.mesh {
             m.validate()?;
         }
+        self.tracing.validate()?;
         Ok(())
     }
 
@@ -545,6 +551,8 @@ impl NodeConfig {
             Some(path) => NodeConfig::from_file(path)?,
             None => NodeConfig::default(),
         };
+        // OpenTelemetry's standard variables, read here at the edge only.
+        cfg.tracing.apply_env(|k| std::env::var(k).ok());
         cfg.apply_args(args)?;
         // A mesh node may learn every replica from its peers' gossip.
         if cfg.replicas.is_empty()

@@ -139,18 +139,23 @@ impl Node {
                 op,
                 spec: wire,
             };
-            // `to_spec` checked that the record encodes.
-            book.own.insert(id.to_owned(), record.clone());
-            book.outbox.push((id.to_owned(), Some(record)));
-            while book.own.len() > admin::MAX_ADMIN_RECORDS {
-                let oldest = book
-                    .own
-                    .iter()
-                    .min_by_key(|(_, r)| r.stamp_ms)
-                    .map(|(k, _)| k.clone());
-                let Some(oldest) = oldest else { break };
-                book.own.remove(&oldest);
-                book.outbox.push((oldest, None));
+            // Only a mesh node publishes (its sync loop empties the outbox); `to_spec` checked
+            // that the record encodes. The outbox keeps one entry per replica: the latest.
+            if self.cfg.mesh.is_some() {
+                book.own.insert(id.to_owned(), record.clone());
+                book.outbox.retain(|(k, _)| k != id);
+                book.outbox.push((id.to_owned(), Some(record)));
+                while book.own.len() > admin::MAX_ADMIN_RECORDS {
+                    let oldest = book
+                        .own
+                        .iter()
+                        .min_by_key(|(_, r)| r.stamp_ms)
+                        .map(|(k, _)| k.clone());
+                    let Some(oldest) = oldest else { break };
+                    book.own.remove(&oldest);
+                    book.outbox.retain(|(k, _)| *k != oldest);
+                    book.outbox.push((oldest, None));
+                }
             }
         }
         self.mesh_slot().changed.notify_one();
@@ -294,7 +299,7 @@ impl Node {
         core.replicas
             .iter()
             .enumerate()
-            .filter(|(_, rt)| !rt.dropped || rt.admin_drained)
+            .filter(|(_, rt)| !rt.dropped)
             .filter_map(|(i, rt)| {
                 let r = core.view.replica(i)?;
                 (r.info.region == local).then(|| AdminReplica {

@@ -70,6 +70,20 @@ impl Node {
             }
             rt.models_configured = !r.models.is_empty();
             rt.capacity_configured = r.capacity_tokens.is_some();
+            // A new URL for the same id (a reload, an operator's `add`): new requests go there,
+            // and its health starts over; requests in flight finish where they are.
+            let moved = core
+                .view
+                .replica(i)
+                .is_some_and(|old| old.info.url != info.url);
+            if moved {
+                let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+                if let Some(ep) = endpoints.get_mut(i) {
+                    ep.base = Arc::from(r.url.trim_end_matches('/'));
+                }
+                rt.health = HealthTracker::new();
+                tracing::info!(replica = %id, url = %r.url, "replica moved to a new URL");
+            }
             core.view.upsert(info);
             if r.kv_events.is_some() {
                 rt.kv_source = r.kv_events.clone();

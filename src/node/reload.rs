@@ -287,6 +287,12 @@ mod tests {
         assert_eq!(pool("ccc"), ("p".to_owned(), false));
         assert_eq!(core.router.config().spill_after_s, 3.0);
         drop(core);
+        // The same id at a new URL: new requests go to the new one.
+        let mut moved = new.clone();
+        moved.replicas[0].url = "http://10.0.0.9:8000".into();
+        assert_eq!(node.reload(&moved).unwrap().updated, vec!["a"]);
+        let i = node.lock().view.index_of("a").unwrap();
+        assert_eq!(&*node.endpoint(i).unwrap().base, "http://10.0.0.9:8000");
         // An invalid file is refused whole.
         let mut bad = new.clone();
         bad.block_bytes = 0;

@@ -35,6 +35,8 @@ pub const ROUTED_HEADER: &str = crate::proxy::forward::REPLICA_HEADER;
 pub const CACHED_HEADER: &str = "x-kvmesh-cached-tokens";
 /// Session header sent with requests that belong to a session or agent run.
 pub const SESSION_HEADER: &str = "x-session-id";
+/// Affinity-key header sent with requests that name one (RAG: the leading document).
+pub const AFFINITY_HEADER: &str = "x-affinity-key";
 /// Tenant header sent with requests that name a tenant.
 pub const TENANT_HEADER: &str = "x-tenant-id";
 
@@ -406,6 +408,9 @@ async fn send(
     if let Some(s) = &req.session {
         http = http.header(SESSION_HEADER, s);
     }
+    if let Some(k) = &req.affinity {
+        http = http.header(AFFINITY_HEADER, k);
+    }
     if let Some(t) = &req.tenant {
         http = http.header(TENANT_HEADER, t);
     }
@@ -587,6 +592,7 @@ mod tests {
             segments: vec![(1, 16)],
             output_tokens: 1,
             session: None,
+            affinity: None,
             tenant: None,
         };
         let cfg = ReplayConfig {

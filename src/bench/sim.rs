@@ -516,6 +516,7 @@ impl<'a> Sim<'a> {
                 keys: &self.keys,
                 prompt_tokens: prompt_tokens as u64,
                 session: req.session.as_deref(),
+                affinity_key: req.affinity.as_deref(),
                 tenant: req.tenant.as_deref(),
                 forwarded,
                 exclude: &[],

@@ -54,6 +54,11 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: u64,
     /// Session or agent-run id, for affinity.
     pub session: Option<&'a str>,
+    /// What the prompt is about beyond its text, e.g. the retrieved documents' ids: when no
+    /// candidate's cache holds more of the prompt than the others', the key's rendezvous
+    /// replica gets the affinity credit, so requests about the same documents land together
+    /// on every node even before any of them is cached (`affinity.rs`).
+    pub affinity_key: Option<&'a str>,
     /// Tenant id, for pools and quotas.
     pub tenant: Option<&'a str>,
     /// Already forwarded once by another region's node: never forward again.
@@ -455,6 +460,19 @@ impl Router {
                 self.candidates[p].cost_s -= cost.affinity_credit_s;
                 preferred = Some(p);
             }
+        } else if let Some(key) = req.affinity_key {
+            // Only while caches do not tell the candidates apart: a replica holding more of the
+            // prompt wins on its own.
+            let hits = self.candidates.iter().map(|c| c.hit_blocks);
+            let undecided = hits.clone().max() == hits.min();
+            if undecided {
+                if let Some(p) =
+                    affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))
+                {
+                    self.candidates[p].cost_s -= cost.affinity_credit_s;
+                    preferred = Some(p);
+                }
+            }
         }
 
         let pick = self.policy.pick(
@@ -567,6 +585,7 @@ mod tests {
             keys,
             prompt_tokens: keys.len() as u64 * 64,
             session: None,
+            affinity_key: None,
             tenant: None,
             forwarded: false,
             exclude: &[],
@@ -953,6 +972,7 @@ mod tests {
         let keys: Vec<BlockKey> = Vec::new(); // short prompt: no cache signal at all
         let session = RouteRequest {
             session: Some("chat-42"),
+            affinity_key: None,
             ..req(&keys)
         };
         let mut picks = Vec::new();
@@ -978,6 +998,69 @@ mod tests {
             );
         }
         assert!(picks.windows(2).all(|w| w[0] == w[1]), "{picks:?}");
+    }
+
+    #[test]
+    fn an_affinity_key_sends_cold_prompts_about_one_document_to_one_replica_on_every_node() {
+        let mut v = View::new("eu", 64);
+        for i in 0..5 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        // Every replica holds the shared instruction prompt: caches do not tell them apart.
+        let system = prompt_keys("answer from the documents below ");
+        for i in 0..5 {
+            let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+            s.insert(&system);
+            v.set_summary(i, s);
+        }
+        let mut chosen = Vec::new();
+        for (seed, question) in ["what is X", "who wrote Y", "when did Z"]
+            .iter()
+            .enumerate()
+        {
+            let mut r = Router::new(
+                RouterConfig {
+                    seed: seed as u64,
+                    ..Default::default()
+                },
+                Tenants::default(),
+            );
+            let mut keys = system.clone();
+            keys.extend(prompt_keys(&format!("doc-7 text, then {question}")));
+            let about_doc_7 = RouteRequest {
+                affinity_key: Some("doc-7"),
+                ..req(&keys)
+            };
+            let d = routed(r.route(&v, &about_doc_7, NOW));
+            assert!(d.affinity, "{d:?}");
+            chosen.push(d.replica);
+        }
+        assert!(chosen.windows(2).all(|w| w[0] == w[1]), "{chosen:?}");
+    }
+
+    #[test]
+    fn a_replica_holding_more_of_the_prompt_beats_the_affinity_key() {
+        let mut v = View::new("eu", 64);
+        for i in 0..5 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys = prompt_keys("doc-7 is cached on r3 ");
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        v.set_summary(3, s);
+        let mut r = router(PolicyKind::P2cCache);
+        for key in ["doc-7", "doc-8", "doc-9"] {
+            let d = routed(r.route(
+                &v,
+                &RouteRequest {
+                    affinity_key: Some(key),
+                    ..req(&keys)
+                },
+                NOW,
+            ));
+            assert_eq!(d.replica, 3, "the key {key} pulled it off the cache");
+            assert!(!d.affinity);
+        }
     }
 
     #[test]

@@ -340,6 +340,7 @@ async fn proxy(
         keys: &keys,
         prompt_tokens,
         session,
+        affinity_key: header_str(&parts.headers, &node.cfg.affinity_header),
         tenant,
         // A request another node forwarded is served here or refused, never forwarded again.
         forwarded: parts.headers.contains_key(region_forward::HOP_HEADER),

@@ -90,6 +90,7 @@ pub fn agent(p: &AgentParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, W
             segments: run.segments.clone(),
             output_tokens: action,
             session: Some(format!("agent-run-{}", run.id)),
+            affinity: None,
             tenant: None,
         });
         run.last_output = action;

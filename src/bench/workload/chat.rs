@@ -91,6 +91,7 @@ pub fn chat(p: &ChatParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, Wor
             segments: s.segments.clone(),
             output_tokens: output,
             session: Some(format!("chat-{}", s.id)),
+            affinity: None,
             tenant: None,
         });
         s.last_output = output;

@@ -31,6 +31,7 @@ pub fn from_trace(trace: &[TraceRequest], dequantize: bool) -> Vec<WorkloadReque
                 segments,
                 output_tokens: u32::try_from(r.output_length).unwrap_or(u32::MAX),
                 session: None,
+                affinity: None,
                 tenant: None,
             }
         })

@@ -85,6 +85,8 @@ pub fn rag(p: &RagParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, Workl
             segments,
             output_tokens: tokens_in(&mut rng, p.output_tokens),
             session: None,
+            // What a RAG application knows and sends: the document its prompt leads with.
+            affinity: chosen.first().map(|d| format!("doc-{d}")),
             tenant: None,
         });
     }

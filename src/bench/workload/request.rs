@@ -19,6 +19,10 @@ pub struct WorkloadRequest {
     pub output_tokens: u32,
     /// Session or agent-run id, sent as `x-session-id`.
     pub session: Option<String>,
+    /// What the prompt is about beyond its text (a RAG request's top document), sent as
+    /// `x-affinity-key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<String>,
     /// Tenant id, sent as `x-tenant-id`.
     pub tenant: Option<String>,
 }

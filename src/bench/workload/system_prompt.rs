@@ -86,6 +86,7 @@ pub fn system_prompt(
             segments,
             output_tokens: tokens_in(&mut rng, p.output_tokens),
             session: None,
+            affinity: None,
             tenant: None,
         });
     }

@@ -77,6 +77,7 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
             segments,
             output_tokens: tokens_in(&mut rng, p.output_tokens),
             session: None,
+            affinity: None,
             tenant: Some(tenant),
         });
     }

@@ -91,6 +91,7 @@ pub fn zipf(p: &ZipfParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, Wor
             segments,
             output_tokens: tokens_in(&mut rng, p.output_tokens),
             session: None,
+            affinity: None,
             tenant: None,
         });
     }

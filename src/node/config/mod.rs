@@ -76,6 +76,11 @@ pub struct NodeConfig {
     /// Header carrying the session id for affinity (the body's `user` is the fallback). Default
     /// `x-session-id`.
     pub session_header: String,
+    /// Header carrying an affinity key, e.g. the ids of a RAG request's documents: when no
+    /// replica's cache holds more of the prompt than another's, requests with the same key go to
+    /// the same replica (`RouteRequest::affinity_key`). Ignored when a session is named. Default
+    /// `x-affinity-key`.
+    pub affinity_header: String,
     /// Header carrying the tenant id. Default `x-tenant-id`.
     pub tenant_header: String,
     /// Forward to another region when every local queue exceeds this (seconds). Default 10.
@@ -140,6 +145,7 @@ impl Default for NodeConfig {
             server: ServerConfig::default(),
             auth: AuthConfig::default(),
             session_header: "x-session-id".into(),
+            affinity_header: "x-affinity-key".into(),
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
             w_load_s: 0.005,
@@ -285,6 +291,7 @@ impl NodeConfig {
         }
         for (key, v) in [
             ("session_header", &self.session_header),
+            ("affinity_header", &self.affinity_header),
             ("tenant_header", &self.tenant_header),
         ] {
             if axum::http::HeaderName::from_bytes(v.as_bytes()).is_err() {

@@ -104,6 +104,7 @@ fn route(node: &Arc<Node>, keys: &[BlockKey]) -> Option<usize> {
         keys,
         prompt_tokens: keys.len() as u64 * 64,
         session: None,
+        affinity_key: None,
         tenant: None,
         forwarded: false,
         exclude: &[],

@@ -256,6 +256,7 @@ async fn blocks_count_from_the_predicted_prefill_end_and_are_learned_at_the_firs
         keys,
         prompt_tokens: 5_000,
         session: None,
+        affinity_key: None,
         tenant: None,
         forwarded: false,
         exclude: &[],

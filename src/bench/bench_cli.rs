@@ -11,6 +11,7 @@ use clap::Args;
 use super::fleet::{run_fleet_comparison, FleetConfig};
 use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
+use super::tenant_args::{split_markdown, split_records, TenantArgs};
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
 
@@ -20,6 +21,10 @@ pub struct BenchArgs {
     /// The workload (trace or synthetic family) and its rate, size and seed.
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    /// Fleet runs: tenant KV quotas and the replicas' KV cache size; any run: a tenant
+    /// reported apart.
+    #[command(flatten)]
+    pub tenants: TenantArgs,
     /// Base URL(s) to replay against, comma-separated; requests are spread over them uniformly
     /// at random (as a mesh's clients do). Example: http://127.0.0.1:8080
     #[arg(long, value_delimiter = ',')]
@@ -107,14 +112,24 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         modes.iter().filter(|m| **m).count() == 1,
         "give exactly one of --url, --compare or --compare-policies"
     );
+    anyhow::ensure!(
+        !args.compare_policies.is_empty()
+            || (args.tenants.kv_shares.is_empty() && args.tenants.kv_capacity_tokens.is_none()),
+        "--tenant-kv-share and --kv-capacity-tokens configure an in-process fleet \
+         (--compare-policies); for --url targets set them in the nodes' and replicas' configs"
+    );
     let runs: Vec<RunResult> = if !args.compare_policies.is_empty() {
         let mut engine = super::sim_cli::parse_preset(&args.preset)?.config();
         engine.time_scale = args.time_scale;
+        if let Some(tokens) = args.tenants.kv_capacity_tokens {
+            engine.kv_capacity_tokens = tokens;
+        }
         let fleet = FleetConfig {
             replicas: args.replicas,
             nodes: args.nodes,
             time_scale: args.time_scale,
             engine,
+            tenants: args.tenants.tenant_configs()?,
             ..FleetConfig::default()
         };
         run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base).await?
@@ -143,6 +158,19 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
     };
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     println!("{}", report::markdown(&reports));
+    if let Some(tenant) = &args.tenants.split_tenant {
+        let splits: Vec<_> = runs
+            .iter()
+            .map(|r| {
+                let split = split_records(&r.records, &workload.requests, tenant, r.time_scale);
+                (r.label.clone(), split)
+            })
+            .collect();
+        println!(
+            "{}",
+            split_markdown(splits.iter().map(|(l, s)| (l.as_str(), s)))
+        );
+    }
     let files = report::write_all(&args.out, &runs)?;
     eprintln!(
         "wrote {}",

@@ -6,6 +6,7 @@
 //! nobody runs. The demo starts its multi-region fleets with the same pieces ([`MeshCerts`],
 //! [`wait_ready`]).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,7 @@ use anyhow::Context;
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::workload::request::WorkloadRequest;
 use crate::core::policy::PolicyKind;
+use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
 use crate::mesh::certs;
 use crate::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
@@ -34,6 +36,8 @@ pub struct FleetConfig {
     pub engine: EngineConfig,
     /// Model name served. Default "sim-llama-8b".
     pub model: String,
+    /// Tenant policies of every node (`[tenants.<name>]`). Default none.
+    pub tenants: HashMap<String, TenantConfig>,
 }
 
 impl Default for FleetConfig {
@@ -44,6 +48,7 @@ impl Default for FleetConfig {
             time_scale: 10.0,
             engine: EngineConfig::default(),
             model: "sim-llama-8b".into(),
+            tenants: HashMap::new(),
         }
     }
 }
@@ -166,6 +171,7 @@ pub async fn run_fleet(
                 policy: policy.as_str().into(),
                 seed: replay_cfg.seed.wrapping_add(n as u64),
                 drain_s: 5,
+                tenants: fleet.tenants.clone(),
                 ..NodeConfig::default()
             };
             cfg.health.interval_ms = 200;

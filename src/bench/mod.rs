@@ -14,5 +14,6 @@ pub mod sim_cli;
 pub mod sim_config;
 pub mod sim_gossip;
 pub mod stats;
+pub mod tenant_args;
 pub mod trace;
 pub mod workload;

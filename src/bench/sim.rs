@@ -17,6 +17,10 @@
 //!   (errors); the replicas it was home for keep their last published load and summary until the
 //!   others detect the failure (`failure_detection`), then a new home (rendezvous over the
 //!   region's live nodes) starts a fresh cache model in a new epoch.
+//! - tenant KV shares (`max_kv_share`): the home's cache model attributes each routed request's
+//!   blocks to its tenant, as a live home does for its own requests; here every request's
+//!   blocks reach the home with their tenant (a live home learns its peers' blocks untagged,
+//!   see `core::cache_model`), and the shares travel with the summary, a gossip round late.
 //!
 //! What a node knows, as a live node knows it: its own routing at once; the other nodes' of its
 //! region `load_share_delay` later (load sharing); the engines' waiting/running/KV usage as their
@@ -38,7 +42,7 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-pub use super::sim_config::{NodeFailure, SimConfig, SimError, SimReport};
+pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_gossip::{epidemic_hops, NodeLag, Published};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
@@ -49,7 +53,7 @@ use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
-use crate::core::tenants::Tenants;
+use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
 use crate::core::view::{ReplicaInfo, View};
 use crate::engine_sim::prefix_cache::block_hashes;
 use crate::engine_sim::{tokenize, Engine, Output, Request};
@@ -237,6 +241,13 @@ struct Sim<'a> {
     /// When the engines were last scraped.
     scraped: Option<Duration>,
     summaries: Vec<Published<Arc<ReplicaSummary>>>,
+    /// Tenant KV shares of each replica as its home publishes them (only while some tenant
+    /// has a KV quota).
+    kv_shares: Vec<Published<Arc<[f32]>>>,
+    /// The tenant policies, for the KV slot of each request's blocks.
+    tenants: Tenants,
+    /// Requests a KV quota steered.
+    kv_steered: usize,
     /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
     shares: VecDeque<Share>,
 
@@ -244,6 +255,9 @@ struct Sim<'a> {
     /// Block keys of each request until its first token, when they join the home's cache model.
     routed_keys: Vec<Vec<BlockKey>>,
     ttft: Vec<f64>,
+    /// Per request: (time to first token or NaN, prompt tokens, cached tokens), for the tenant
+    /// split.
+    per_request: Vec<(f64, u64, u64)>,
     latency: Vec<f64>,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -320,7 +334,7 @@ impl<'a> Sim<'a> {
                     };
                     NodeRouting {
                         view,
-                        router: Router::new(rc, Tenants::default()),
+                        router: Router::new(rc, tenants(cfg)),
                         synced: None,
                     }
                 });
@@ -364,10 +378,14 @@ impl<'a> Sim<'a> {
             loads: Published::default(),
             scraped: None,
             summaries: (0..cfg.replicas).map(|_| Published::default()).collect(),
+            kv_shares: (0..cfg.replicas).map(|_| Published::default()).collect(),
+            tenants: tenants(cfg),
+            kv_steered: 0,
             shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
             routed_keys: vec![Vec::new(); reqs.len()],
             ttft: Vec::with_capacity(reqs.len()),
+            per_request: vec![(f64::NAN, 0, 0); reqs.len()],
             latency: Vec::with_capacity(reqs.len()),
             prompt_tokens: 0,
             cached_tokens: 0,
@@ -523,7 +541,10 @@ impl<'a> Sim<'a> {
             };
             let nr = self.nodes[node].routing.as_mut()?;
             match nr.router.route(&nr.view, &rr, now) {
-                Decision::Route(d) => return Some((node, d.replica, d.hit_blocks, extra)),
+                Decision::Route(d) => {
+                    self.kv_steered += usize::from(d.kv_steered);
+                    return Some((node, d.replica, d.hit_blocks, extra));
+                }
                 Decision::Forward { region, .. } => {
                     let g: usize = region.strip_prefix("region-")?.parse().ok()?;
                     let targets: Vec<usize> = self
@@ -560,6 +581,14 @@ impl<'a> Sim<'a> {
         let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
             return;
         };
+        // Shares travel with the summaries, every gossip round (loads only change per scrape).
+        if self.tenants.any_kv_quota() {
+            for &r in &self.region_replicas[node.region] {
+                if let Some(shares) = self.kv_shares[r].as_of(source) {
+                    nr.view.set_kv_shares(r, shares);
+                }
+            }
+        }
         let Some((at, loads)) = self.loads.as_of_timed(source) else {
             return;
         };
@@ -605,13 +634,19 @@ impl<'a> Sim<'a> {
                     let keys = std::mem::take(&mut self.routed_keys[id as usize]);
                     // A report to a dead home is lost.
                     if !self.orphaned[r] {
-                        self.models[r].record_routed(&keys, now);
+                        let slot = self
+                            .tenants
+                            .kv_slot(self.reqs[id as usize].tenant.as_deref());
+                        self.models[r].record_routed_by(&keys, slot, now);
                     }
                     self.prompt_tokens += p as u64;
                     self.cached_tokens += c as u64;
+                    let ttft = (now - f.arrival + f.extra).as_secs_f64();
                     if !f.lost {
-                        self.ttft.push((now - f.arrival + f.extra).as_secs_f64());
+                        self.ttft.push(ttft);
                     }
+                    self.per_request[id as usize] =
+                        (if f.lost { f64::NAN } else { ttft }, p as u64, c as u64);
                     self.pending_prefill[r] =
                         self.pending_prefill[r].saturating_sub(f.uncached_tokens);
                     if let Some(nr) = self.nodes[f.node].routing.as_mut() {
@@ -697,6 +732,11 @@ impl<'a> Sim<'a> {
                     .is_none_or(|p| (p.epoch(), p.seq()) != (s.epoch(), s.seq()));
                 if changed {
                     self.summaries[r].publish(now, Arc::new(s.clone()), horizon);
+                }
+                if self.tenants.any_kv_quota() {
+                    let mut shares = [0.0f32; KV_SLOTS];
+                    self.models[r].tenant_shares(0.0, &mut shares);
+                    self.kv_shares[r].publish(now, Arc::from(&shares[..]), horizon);
                 }
             }
         }
@@ -844,8 +884,43 @@ impl<'a> Sim<'a> {
         (best.1, best.2)
     }
 
+    /// `split_tenant`'s requests and the others', apart.
+    fn tenant_split(&self) -> Option<TenantSplit> {
+        let tenant = self.cfg.split_tenant.clone()?;
+        let group = |this: bool| {
+            let (mut ttft, mut prompt, mut cached) = (Vec::new(), 0u64, 0u64);
+            for (req, &(t, p, c)) in self.reqs.iter().zip(&self.per_request) {
+                if (req.tenant.as_deref() == Some(tenant.as_str())) != this || p == 0 {
+                    continue;
+                }
+                prompt += p;
+                cached += c;
+                if !t.is_nan() {
+                    ttft.push(t);
+                }
+            }
+            GroupStats {
+                requests: ttft.len(),
+                hit_token_ratio: if prompt == 0 {
+                    0.0
+                } else {
+                    cached as f64 / prompt as f64
+                },
+                ttft: Distribution::of(&mut ttft),
+            }
+        };
+        Some(TenantSplit {
+            this: group(true),
+            others: group(false),
+            tenant,
+        })
+    }
+
     fn report(mut self, virtual_time: Duration) -> SimReport {
+        let tenant_split = self.tenant_split();
         SimReport {
+            kv_steered: self.kv_steered,
+            tenant_split,
             policy: if self.cfg.oracle {
                 CENTRAL_GREEDY.into()
             } else {
@@ -877,6 +952,11 @@ impl<'a> Sim<'a> {
             virtual_seconds: virtual_time.as_secs_f64(),
         }
     }
+}
+
+/// The tenant policies every node of `cfg` holds.
+fn tenants(cfg: &SimConfig) -> Tenants {
+    Tenants::new(cfg.tenants.clone(), TenantConfig::default())
 }
 
 /// An empty approximate cache model, as a (new) home node starts one.
@@ -958,6 +1038,66 @@ mod tests {
             rr.ttft.mean
         );
         assert!(p2c.hit_token_ratio > rr.hit_token_ratio);
+    }
+
+    #[test]
+    fn a_kv_quota_on_a_100x_tenant_gives_the_small_tenants_their_hits_back() {
+        // The tenants family with one tenant at 100× each small one's rate, on caches small
+        // enough for its unique user messages to flush the small tenants' system prompts.
+        let params = |absent| workload::TenantsParams {
+            big_skew: 100.0,
+            user_tokens: (512, 2048),
+            big_absent: absent,
+            ..Default::default()
+        };
+        let gen = workload::GenParams {
+            rate: 8.0,
+            requests: 3000,
+            seed: 1,
+        };
+        let with_big = workload::tenants(&params(false), &gen).unwrap();
+        let without_big = workload::tenants(&params(true), &gen).unwrap();
+        let cfg = |quota: Option<f64>| {
+            let mut cfg = SimConfig {
+                replicas: 8,
+                split_tenant: Some("big".into()),
+                ..Default::default()
+            };
+            cfg.engine.kv_capacity_tokens = 28_672;
+            if let Some(q) = quota {
+                cfg.tenants.insert(
+                    "big".into(),
+                    TenantConfig {
+                        max_kv_share: Some(q),
+                        ..Default::default()
+                    },
+                );
+            }
+            cfg
+        };
+        let small = |w: &[WorkloadRequest], quota| {
+            let r = run(w, &cfg(quota)).unwrap();
+            assert_eq!(r.errors, 0, "a quota never rejects");
+            (r.tenant_split.unwrap().others, r.kv_steered)
+        };
+        let (alone, _) = small(&without_big, None);
+        let (flushed, steered_off) = small(&with_big, None);
+        let (quota, steered) = small(&with_big, Some(0.1));
+        assert_eq!(steered_off, 0);
+        assert!(steered > 0);
+        assert_eq!(alone.requests, quota.requests);
+        assert!(
+            flushed.hit_token_ratio < 0.9 * alone.hit_token_ratio,
+            "the big tenant flushes them: {} vs {} alone",
+            flushed.hit_token_ratio,
+            alone.hit_token_ratio
+        );
+        assert!(
+            quota.hit_token_ratio > flushed.hit_token_ratio,
+            "the quota gives hits back: {} vs {} without",
+            quota.hit_token_ratio,
+            flushed.hit_token_ratio
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ use clap::Args;
 use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
+use super::tenant_args::{split_markdown, TenantArgs};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
@@ -23,6 +24,9 @@ pub struct SimArgs {
     /// The workload (trace or synthetic family) and its rate, size and seed.
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    /// Tenant KV quotas, the replicas' KV cache size and a tenant reported apart.
+    #[command(flatten)]
+    pub tenants: TenantArgs,
     /// Mooncake-format JSONL trace (same as `--workload trace:PATH`).
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -92,6 +96,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     let loaded = args.workload.load()?;
     let workload = loaded.requests;
     let preset = parse_preset(&args.preset)?;
+    let mut engine = preset.config();
+    if let Some(tokens) = args.tenants.kv_capacity_tokens {
+        engine.kv_capacity_tokens = tokens;
+    }
     let policies = if args.policy.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
@@ -111,8 +119,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         gossip_fanout: args.fanout,
         failures: args.failures.clone(),
         failure_detection: Duration::from_millis(args.failure_detection_ms),
-        engine: preset.config(),
+        engine,
         arrival_speedup: args.speedup,
+        tenants: args.tenants.tenant_configs()?,
+        split_tenant: args.tenants.split_tenant.clone(),
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -171,6 +181,22 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         reports.push(report);
     }
     let mut table = markdown(&reports, ideal);
+    let splits: Vec<_> = reports
+        .iter()
+        .filter_map(|r| Some((r.policy.as_str(), r.tenant_split.as_ref()?)))
+        .collect();
+    if !splits.is_empty() {
+        table.push('\n');
+        table.push_str(&split_markdown(splits));
+        let steered: Vec<String> = reports
+            .iter()
+            .map(|r| format!("{} {}", r.policy, r.kv_steered))
+            .collect();
+        table.push_str(&format!(
+            "\nRequests a KV quota steered: {}\n",
+            steered.join(", ")
+        ));
+    }
     let n = base
         .max_requests
         .unwrap_or(workload.len())

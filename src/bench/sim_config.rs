@@ -1,6 +1,7 @@
 //! What `kvmesh sim` is asked to simulate ([`SimConfig`], [`NodeFailure`]) and what a run
 //! measured ([`SimReport`]).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -8,6 +9,7 @@ use serde::Serialize;
 use super::stats::Distribution;
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
+use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
 
 /// A node that fails during the run.
@@ -92,6 +94,13 @@ pub struct SimConfig {
     /// `mesh/load_share.rs`: flush interval plus half a round trip); `None` = load sharing off,
     /// peers' requests are then seen only in the engines' scraped counts. Default 2 ms.
     pub load_share_delay: Option<Duration>,
+    /// Tenant policies of every node (`[tenants.<name>]`; unlisted tenants get the default,
+    /// no limits). KV quotas (`max_kv_share`) steer on each replica's tenant shares as its home's
+    /// cache model estimates them, published with its summary. Default none.
+    pub tenants: HashMap<String, TenantConfig>,
+    /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
+    /// `big` of the tenants family. Default none.
+    pub split_tenant: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -116,6 +125,8 @@ impl Default for SimConfig {
             oracle: false,
             scrape_interval: Duration::from_secs(1),
             load_share_delay: Some(Duration::from_millis(2)),
+            tenants: HashMap::new(),
+            split_tenant: None,
         }
     }
 }
@@ -201,6 +212,32 @@ pub struct SimReport {
     pub load_max_over_mean: f64,
     /// Virtual time from the first arrival to the last completion, seconds.
     pub virtual_seconds: f64,
+    /// Requests a tenant's KV quota steered off some replica.
+    pub kv_steered: usize,
+    /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
+    pub tenant_split: Option<TenantSplit>,
+}
+
+/// One tenant's requests and the others', measured apart.
+#[derive(Clone, Debug, Serialize)]
+pub struct TenantSplit {
+    /// The tenant split off.
+    pub tenant: String,
+    /// Its requests.
+    pub this: GroupStats,
+    /// Every other request.
+    pub others: GroupStats,
+}
+
+/// Hit ratio and TTFT of a group of requests.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GroupStats {
+    /// Requests that got a first token.
+    pub requests: usize,
+    /// Their prompt tokens served from prefix caches ÷ their prompt tokens.
+    pub hit_token_ratio: f64,
+    /// Their times to first token, seconds.
+    pub ttft: Distribution,
 }
 
 /// A simulation that failed to start.

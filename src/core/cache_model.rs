@@ -20,6 +20,16 @@
 //! exceed `rebuild_stale_fraction` (default 25%) of the filter's capacity, or when more than 1.5×
 //! that capacity was inserted; it holds exactly the live set, each key under its current tier.
 //! [`CacheModel::restart_epoch`] (a node that just became home) never goes back in epoch.
+//!
+//! Tenant occupancy (KV quotas, `tenants.rs`): each live block carries the KV slot of the tenant
+//! whose request *last touched* it, and the model counts blocks per slot. Last touch, not first
+//! store, because the LRU order is by last touch: the tenant whose requests keep a block resident
+//! is the one its eviction pressure is charged to, and a tenant that stops using a prefix stops
+//! paying for it. An approximate model learns the tenant with each routed request
+//! ([`CacheModel::record_routed_by`]); block reports, handovers and KV events carry none, so those
+//! blocks stay [`KV_UNATTRIBUTED`] unless a routed request of this node later claims them
+//! ([`CacheModel::attribute`]: an exact model's blocks, matched by key at the first byte).
+//! [`CacheModel::tenant_share`] estimates a slot's share of the replica's cache from that.
 
 use std::num::NonZeroUsize;
 use std::time::Duration;
@@ -28,6 +38,7 @@ use lru::LruCache;
 
 use super::keys::BlockKey;
 use super::summary::{ReplicaSummary, SummaryConfig, SummaryError, Tier};
+use super::tenants::{KV_SLOTS, KV_UNATTRIBUTED};
 
 /// Most blocks a cache model is sized for, whatever the replica claims (a scrape, a gossiped
 /// record or a config): 4 Mi blocks — 64 Mi tokens at 16-token blocks, beyond any engine's KV
@@ -78,6 +89,8 @@ struct Slot {
     /// The best tier it is held in (always GPU in approximate mode: routed blocks are computed
     /// into the GPU pool).
     tier: Tier,
+    /// KV slot of the tenant whose request last touched it ([`KV_UNATTRIBUTED`] when unknown).
+    tenant: u8,
 }
 
 /// One replica's cache model.
@@ -91,6 +104,8 @@ pub struct CacheModel {
     summary: ReplicaSummary,
     /// Keys in the filter that the replica no longer holds.
     stale: usize,
+    /// Live blocks per KV slot (sums to `entries.len()`).
+    tenant_blocks: [u32; KV_SLOTS],
 }
 
 impl CacheModel {
@@ -119,7 +134,85 @@ impl CacheModel {
             entries,
             summary,
             stale: 0,
+            tenant_blocks: [0; KV_SLOTS],
         })
+    }
+
+    /// A live block of slot `tenant` left (evicted, removed, expired or retagged).
+    fn uncount(&mut self, tenant: u8) {
+        if let Some(c) = self.tenant_blocks.get_mut(tenant as usize) {
+            *c = c.saturating_sub(1);
+        }
+    }
+
+    /// A live block of slot `tenant` arrived (or was retagged to it).
+    fn count(&mut self, tenant: u8) {
+        if let Some(c) = self.tenant_blocks.get_mut(tenant as usize) {
+            *c = c.saturating_add(1);
+        }
+    }
+
+    /// Live blocks attributed to KV slot `tenant`.
+    pub fn tenant_blocks(&self, tenant: u8) -> usize {
+        self.tenant_blocks
+            .get(tenant as usize)
+            .map_or(0, |c| *c as usize)
+    }
+
+    /// The estimated share (0..=1) of the replica's KV cache that slot `tenant`'s blocks hold:
+    /// its share of the blocks whose tenant this model knows, times how full the cache is
+    /// (live blocks over capacity, at most 1). On the home of an approximate model the live set
+    /// includes the other nodes' reports, so the fill is the replica's, and the mix is this
+    /// node's routing, which is the fleet's when clients spread over the nodes. Elsewhere the
+    /// live set is this node's own requests only, so the fill — and the share — is a lower
+    /// bound: a quota binds there later, never sooner.
+    pub fn tenant_share(&self, tenant: u8) -> f64 {
+        self.tenant_share_filled(tenant, 0.0)
+    }
+
+    /// [`CacheModel::tenant_share`] with the cache known to be at least `min_fill` full (0..=1):
+    /// a follower passes what the home's summary implies, so that every node of the mesh
+    /// estimates about the same shares (see `node::routing`).
+    pub fn tenant_share_filled(&self, tenant: u8, min_fill: f64) -> f64 {
+        let live = self.entries.len();
+        let attributed = live.saturating_sub(self.tenant_blocks(KV_UNATTRIBUTED));
+        if attributed == 0 || tenant == KV_UNATTRIBUTED {
+            return 0.0;
+        }
+        let fill = (live as f64 / self.cfg.capacity_blocks.max(1) as f64)
+            .max(min_fill)
+            .clamp(0.0, 1.0);
+        self.tenant_blocks(tenant) as f64 / attributed as f64 * fill
+    }
+
+    /// Every slot's [`CacheModel::tenant_share_filled`], into `out` (one per slot, `KV_SLOTS`
+    /// at most).
+    pub fn tenant_shares(&self, min_fill: f64, out: &mut [f32]) {
+        for (slot, o) in out.iter_mut().enumerate().take(KV_SLOTS) {
+            *o = self.tenant_share_filled(slot as u8, min_fill) as f32;
+        }
+    }
+
+    /// Blocks the replica holds at most, as this model is sized.
+    pub fn capacity_blocks(&self) -> usize {
+        self.cfg.capacity_blocks
+    }
+
+    /// Exact mode: the blocks a routed request of KV slot `tenant` brought or touched, at its
+    /// first byte. Keys the engine's events have stored are (re)attributed to it; keys not held
+    /// yet (their store event comes later) stay as the events leave them, unattributed. Moves
+    /// no key in the LRU order: events, not guesses, say what the engine holds.
+    pub fn attribute(&mut self, keys: &[BlockKey], tenant: u8) {
+        for k in keys {
+            let Some(slot) = self.entries.peek_mut(&k.0) else {
+                continue;
+            };
+            let old = std::mem::replace(&mut slot.tenant, tenant);
+            if old != tenant {
+                self.uncount(old);
+                self.count(tenant);
+            }
+        }
     }
 
     /// Where this model's knowledge comes from.
@@ -161,11 +254,20 @@ impl CacheModel {
     /// hold them and touch its existing ones, so they all become most recently used — the first
     /// block most of all: engines evict the tails of chains first, which keeps the cache
     /// prefix-closed, so the keys are touched from last to first.
+    /// Their tenant is unknown (a peer's block report, a handover): see
+    /// [`CacheModel::record_routed_by`].
     pub fn record_routed(&mut self, keys: &[BlockKey], now: Duration) {
+        self.record_routed_by(keys, KV_UNATTRIBUTED, now);
+    }
+
+    /// [`CacheModel::record_routed`] for a request of KV slot `tenant`: its blocks, new or
+    /// touched, are attributed to it (last touch).
+    pub fn record_routed_by(&mut self, keys: &[BlockKey], tenant: u8, now: Duration) {
         self.expire(now);
         let slot = Slot {
             touched: now,
             tier: Tier::Gpu,
+            tenant,
         };
         for k in keys.iter().rev() {
             if let Some((old, old_slot)) = self.entries.push(k.0, slot) {
@@ -173,7 +275,9 @@ impl CacheModel {
                 if old != k.0 || old_slot.tier != Tier::Gpu {
                     self.stale += 1;
                 }
+                self.uncount(old_slot.tenant);
             }
+            self.count(tenant);
         }
         self.summary.insert(keys);
     }
@@ -188,11 +292,26 @@ impl CacheModel {
     /// key (stale in the filter until the next epoch) plus an add of the new one.
     pub fn store_tier(&mut self, keys: &[BlockKey], tier: Tier, now: Duration) {
         for k in keys {
-            let slot = Slot { touched: now, tier };
-            if let Some(old) = self.entries.put(k.0, slot) {
-                if old.tier != tier {
+            // A move keeps the block's tenant; a new block's is unknown until a routed request
+            // claims it (`attribute`).
+            if let Some(slot) = self.entries.get_mut(&k.0) {
+                if slot.tier != tier {
                     self.stale += 1;
                 }
+                slot.tier = tier;
+                slot.touched = now;
+            } else {
+                let slot = Slot {
+                    touched: now,
+                    tier,
+                    tenant: KV_UNATTRIBUTED,
+                };
+                if let Some((_, evicted)) = self.entries.push(k.0, slot) {
+                    // Only a bounded (approximate) LRU evicts here.
+                    self.stale += 1;
+                    self.uncount(evicted.tenant);
+                }
+                self.count(KV_UNATTRIBUTED);
             }
         }
         self.summary.insert_tier(keys, tier);
@@ -201,8 +320,9 @@ impl CacheModel {
     /// Exact mode: blocks the engine evicted.
     pub fn remove(&mut self, keys: &[BlockKey]) {
         for k in keys {
-            if self.entries.pop(&k.0).is_some() {
+            if let Some(slot) = self.entries.pop(&k.0) {
                 self.stale += 1;
+                self.uncount(slot.tenant);
             }
         }
     }
@@ -211,6 +331,7 @@ impl CacheModel {
     pub fn clear(&mut self) -> Result<(), SummaryError> {
         self.entries.clear();
         self.stale = 0;
+        self.tenant_blocks = [0; KV_SLOTS];
         self.summary = ReplicaSummary::new(
             self.summary.epoch() + 1,
             self.cfg.capacity_blocks.max(1),
@@ -228,7 +349,9 @@ impl CacheModel {
             if now.saturating_sub(slot.touched) <= self.cfg.ttl {
                 break;
             }
-            self.entries.pop_lru();
+            if let Some((_, slot)) = self.entries.pop_lru() {
+                self.uncount(slot.tenant);
+            }
             self.stale += 1;
         }
     }
@@ -429,6 +552,74 @@ mod tests {
         assert!(m.summary().filter_bytes() <= 8 << 20);
         let m = model(CacheSource::Exact, usize::MAX);
         assert_eq!(m.summary().capacity_items(), MAX_CAPACITY_BLOCKS);
+    }
+
+    /// The per-slot counts equal a recount of the live set's tags.
+    fn assert_counts_match(m: &CacheModel) {
+        let mut recount = [0u32; KV_SLOTS];
+        for (_, slot) in m.entries.iter() {
+            recount[slot.tenant as usize] += 1;
+        }
+        assert_eq!(recount, m.tenant_blocks);
+    }
+
+    #[test]
+    fn blocks_belong_to_the_tenant_that_last_touched_them_and_leave_with_eviction() {
+        const BIG: u8 = 2;
+        const SMALL: u8 = 3;
+        let mut m = model(CacheSource::Approximate, 10);
+        m.record_routed_by(&ks(0..4), SMALL, S);
+        assert_eq!(m.tenant_blocks(SMALL), 4);
+        assert!((m.tenant_share(SMALL) - 0.4).abs() < 1e-9, "4 of 10 blocks");
+        // The big tenant touches the small one's first two blocks (a shared prefix): they are
+        // its now, since its requests are what keeps them resident.
+        m.record_routed_by(&ks(0..2), BIG, 2 * S);
+        assert_eq!((m.tenant_blocks(BIG), m.tenant_blocks(SMALL)), (2, 2));
+        // Its new blocks evict the LRU ones, the small tenant's tail.
+        m.record_routed_by(&ks(100..108), BIG, 3 * S);
+        assert_eq!(m.len(), 10);
+        assert_eq!((m.tenant_blocks(BIG), m.tenant_blocks(SMALL)), (10, 0));
+        assert!((m.tenant_share(BIG) - 1.0).abs() < 1e-9);
+        assert_counts_match(&m);
+        // A peer's report has no tenant: it fills the cache but belongs to nobody, so the
+        // shares are the known mix scaled by the fill.
+        m.record_routed(&ks(200..205), 4 * S);
+        assert_eq!(m.tenant_blocks(KV_UNATTRIBUTED), 5);
+        assert!(
+            (m.tenant_share(BIG) - 1.0).abs() < 1e-9,
+            "all it knows is big's, cache full"
+        );
+        assert_eq!(m.tenant_share(KV_UNATTRIBUTED), 0.0);
+        // TTL expiry releases the counts too.
+        m.expire(1000 * S);
+        assert!(m.is_empty());
+        assert_eq!(m.tenant_blocks, [0; KV_SLOTS]);
+        assert_eq!(m.tenant_share(BIG), 0.0);
+    }
+
+    #[test]
+    fn exact_blocks_are_unattributed_until_a_routed_request_claims_them() {
+        const T: u8 = 5;
+        let mut m = model(CacheSource::Exact, 8);
+        m.store(&ks(0..4), S);
+        assert_eq!(m.tenant_blocks(KV_UNATTRIBUTED), 4);
+        assert_eq!(m.tenant_share(T), 0.0);
+        // The request that brought 0..3 and a block the engine has not reported (9).
+        m.attribute(&[BlockKey(0), BlockKey(1), BlockKey(2), BlockKey(9)], T);
+        assert_eq!(m.tenant_blocks(T), 3);
+        assert!(!m.contains(BlockKey(9)), "a claim adds nothing");
+        // 3 of the 4 blocks it knows the tenant of... 3 of 3 attributed, cache half full.
+        assert!((m.tenant_share(T) - 0.5).abs() < 1e-9);
+        // Known (say, from the home's summary) to be full: the same mix, a full cache.
+        assert!((m.tenant_share_filled(T, 1.0) - 1.0).abs() < 1e-9);
+        // An offload keeps the tenant; an eviction drops it; a clear resets everything.
+        m.store_tier(&ks(0..1), Tier::Cpu, 2 * S);
+        assert_eq!(m.tenant_blocks(T), 3);
+        m.remove(&ks(1..2));
+        assert_eq!(m.tenant_blocks(T), 2);
+        assert_counts_match(&m);
+        m.clear().unwrap();
+        assert_eq!(m.tenant_blocks, [0; KV_SLOTS]);
     }
 
     #[test]

@@ -4,6 +4,20 @@
 //! region), then each candidate's hit and predicted cost, then region spill, then the policy.
 //! The router reads the view and never changes it: the driver records the decision
 //! ([`View::record_routed`], [`Tenants::started`]) once the request is really sent.
+//!
+//! KV quotas (`max_kv_share`, see `tenants.rs`) steer, they never reject. A candidate where the
+//! tenant's estimated cache share is at or over its quota is *over*, unless the request's whole
+//! prompt is already held there (it brings no block, so it flushes nobody and keeps its hit).
+//! When some candidate is not over, the over ones are dropped: the tenant goes elsewhere. When
+//! every candidate is over, only those where its share is within [`KV_DOMINATED_MARGIN`] of its
+//! largest stay: the tenant's overflow goes to the replicas it already fills — its de-facto pool
+//! — rather than spreading over all of them; unless they queue [`KV_OVERFLOW_S`] longer than
+//! the others, when the policy chooses among all (so the pool grows with the tenant's load). Steering cannot shrink what a tenant's traffic
+//! brings, only where it lands; a tenant whose new blocks outrun what the others evict cannot
+//! stay under its share everywhere, and spreading it evenly would put it over everywhere and
+//! flush every replica. So the quota holds on the replicas it was steered off (there the others'
+//! blocks evict its old ones, and it comes back only while under its share), and its surplus
+//! is confined to the few it dominates.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +31,17 @@ use super::keys::BlockKey;
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::tenants::Tenants;
 use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, View};
+
+/// When a tenant is over its KV share on every candidate, the candidates whose share is within
+/// this of its largest stay (its de-facto pool); a wider margin spreads its surplus over more
+/// replicas, for load, at the price of flushing them. 0.1: a replica it holds 10 points less of
+/// than its fullest is not yet one it dominates.
+pub const KV_DOMINATED_MARGIN: f32 = 0.1;
+
+/// ... unless the cheapest of those is predicted this many seconds slower than the cheapest
+/// candidate: then the policy picks among all of them, so a confined tenant's latency stays
+/// bounded (and the replica it overflows to becomes one it dominates, if it keeps coming).
+pub const KV_OVERFLOW_S: f64 = 0.25;
 
 /// Router settings.
 #[derive(Clone, Debug)]
@@ -88,6 +113,8 @@ pub struct Routed {
     pub cost_s: f64,
     /// The policy's reason.
     pub reason: Reason,
+    /// The tenant's KV quota took candidates away (see the module doc).
+    pub kv_steered: bool,
 }
 
 /// Which consideration decided, for operators (`kvmesh_decisions_total{branch}`).
@@ -281,6 +308,9 @@ pub struct Router {
     scratch: HitScratch,
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
+    /// The tenant's KV share at each candidate, aligned with `candidates`, or -1 where the
+    /// request brings no block (reused buffer; filled only for a tenant with a KV quota).
+    kv_shares: Vec<f32>,
     /// Per replica of the view, for the current decision: serves the model, healthy, in the
     /// local region, not excluded (pools and quotas are checked apart).
     local: Vec<bool>,
@@ -297,6 +327,7 @@ impl Router {
             candidates: Vec::new(),
             scratch: HitScratch::default(),
             tip_hits: Vec::new(),
+            kv_shares: Vec::new(),
             local: Vec::new(),
             facts: StaticFacts::default(),
             cfg,
@@ -369,6 +400,8 @@ impl Router {
         // Without a per-replica cap every replica allows the tenant: no lookup per replica.
         let per_replica_cap =
             req.tenant.is_some() && tenant_cfg.max_in_flight_per_replica.is_some();
+        let kv_quota = self.tenants.kv_quota(req.tenant);
+        self.kv_shares.clear();
 
         let uses_cache = self.policy.uses_cache();
         let cost = self.cfg.cost;
@@ -408,6 +441,14 @@ impl Router {
             } else {
                 (0, 0.0)
             };
+            if let Some((slot, _)) = kv_quota {
+                let brings_nothing = hit_blocks as usize >= req.keys.len();
+                self.kv_shares.push(if brings_nothing {
+                    -1.0
+                } else {
+                    r.kv_share(slot)
+                });
+            }
             let queue_s = cost.queue_s(r);
             let cost_s =
                 queue_s + cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
@@ -429,6 +470,11 @@ impl Router {
                 self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY)
             };
         }
+
+        let kv_steered = match kv_quota {
+            Some((_, quota)) => self.steer_kv(quota as f32),
+            None => false,
+        };
 
         // Spill: every local candidate is full or queues too long, and some region is better off.
         let least_queue = self
@@ -508,7 +554,54 @@ impl Router {
             },
             cost_s: chosen.cost_s,
             reason: pick.reason,
+            kv_steered,
         })
+    }
+
+    /// Applies a KV quota of `quota` to the candidates (their shares in `kv_shares`): drops those
+    /// over it when some are not, else keeps those the tenant dominates (module doc). Never
+    /// leaves none. Returns whether it dropped any.
+    fn steer_kv(&mut self, quota: f32) -> bool {
+        let shares = &self.kv_shares;
+        debug_assert_eq!(shares.len(), self.candidates.len());
+        let over = |s: f32| s >= quota;
+        let keep_from = if shares.iter().any(|s| !over(*s)) {
+            // Keep the ones under (a share of -1, bringing nothing, is under any quota).
+            f32::NEG_INFINITY
+        } else {
+            let floor =
+                shares.iter().copied().fold(f32::NEG_INFINITY, f32::max) - KV_DOMINATED_MARGIN;
+            let cost_where = |dominated: bool| {
+                self.candidates
+                    .iter()
+                    .zip(shares)
+                    .filter(|(_, s)| !dominated || **s >= floor)
+                    .map(|(c, _)| c.cost_s)
+                    .fold(f64::INFINITY, f64::min)
+            };
+            if cost_where(true) - cost_where(false) > KV_OVERFLOW_S {
+                // Its replicas queue too long: it overflows to the others, by the policy.
+                return false;
+            }
+            floor
+        };
+        let keep = |s: f32| {
+            if keep_from == f32::NEG_INFINITY {
+                !over(s)
+            } else {
+                s >= keep_from
+            }
+        };
+        let before = self.candidates.len();
+        let mut kept = 0;
+        for (j, &share) in shares.iter().enumerate() {
+            if keep(share) {
+                self.candidates.swap(kept, j);
+                kept += 1;
+            }
+        }
+        self.candidates.truncate(kept.max(1));
+        kept < before
     }
 
     fn forward_or_reject(
@@ -914,6 +1007,120 @@ mod tests {
         assert!(matches!(r.route(&v, &req(&keys), NOW), Decision::Route(_)));
     }
 
+    /// A router whose tenant "big" may hold at most `share` of any replica's KV cache.
+    fn kv_quota_router(share: f64) -> Router {
+        Router::new(
+            RouterConfig::default(),
+            Tenants::new(
+                HashMap::from([(
+                    "big".to_owned(),
+                    TenantConfig {
+                        max_kv_share: Some(share),
+                        ..Default::default()
+                    },
+                )]),
+                TenantConfig::default(),
+            ),
+        )
+    }
+
+    #[test]
+    fn a_tenant_over_its_kv_share_goes_where_it_is_under_but_keeps_a_full_hit() {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let mut r = kv_quota_router(0.5);
+        let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
+        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
+        // Over on r0, r1, r3; under on r2.
+        for (i, s) in [0.9f32, 0.6, 0.2, 0.5].into_iter().enumerate() {
+            shares[slot as usize] = s;
+            v.set_kv_shares(i, &shares);
+        }
+        let keys = prompt_keys("big tenant prompt ");
+        fn big(keys: &[BlockKey]) -> RouteRequest<'_> {
+            RouteRequest {
+                tenant: Some("big"),
+                ..req(keys)
+            }
+        }
+        for k in 0..50u64 {
+            let mut own = keys.clone();
+            own.push(BlockKey(k)); // a unique tail: new blocks wherever it goes
+            let d = routed(r.route(&v, &big(&own), NOW));
+            assert_eq!(d.replica, 2, "the only replica under the share");
+            assert!(d.kv_steered);
+        }
+        // Another tenant (and a client-made name) is not steered.
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..200u64 {
+            let own = [BlockKey(1000 + k)];
+            let other = RouteRequest {
+                tenant: Some("small-1"),
+                ..req(&own)
+            };
+            let d = routed(r.route(&v, &other, NOW));
+            assert!(!d.kv_steered);
+            seen.insert(d.replica);
+        }
+        assert_eq!(seen.len(), 4);
+        // A prompt r0 holds whole brings nothing there: the hit is kept.
+        v.record_routed(0, &keys, NOW - Duration::from_secs(1));
+        let d = routed(r.route(&v, &big(&keys), NOW));
+        assert_eq!((d.replica, d.hit_blocks as usize), (0, keys.len()));
+        // One more block than r0 holds: r0 is over again, so the request goes to r2.
+        let mut longer = keys.clone();
+        longer.push(BlockKey(7));
+        assert_eq!(routed(r.route(&v, &big(&longer), NOW)).replica, 2);
+    }
+
+    #[test]
+    fn a_tenant_over_its_kv_share_everywhere_stays_on_the_replicas_it_dominates() {
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let mut r = kv_quota_router(0.3);
+        let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
+        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
+        for (i, s) in [0.35f32, 0.95, 0.31, 0.88].into_iter().enumerate() {
+            shares[slot as usize] = s;
+            v.set_kv_shares(i, &shares);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..200u64 {
+            let own = [BlockKey(k)];
+            let d = routed(r.route(
+                &v,
+                &RouteRequest {
+                    tenant: Some("big"),
+                    ..req(&own)
+                },
+                NOW,
+            ));
+            seen.insert(d.replica);
+        }
+        // r1 (0.95) and r3 (0.88, within 0.1 of it); never r0 or r2, and never rejected.
+        assert_eq!(seen, std::collections::HashSet::from([1, 3]));
+        // Without the quota the same tenant spreads over all four.
+        let mut free = router(PolicyKind::P2cCache);
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..200u64 {
+            let own = [BlockKey(k)];
+            let d = free.route(
+                &v,
+                &RouteRequest {
+                    tenant: Some("big"),
+                    ..req(&own)
+                },
+                NOW,
+            );
+            seen.insert(routed(d).replica);
+        }
+        assert_eq!(seen.len(), 4);
+    }
+
     #[test]
     fn tenants_use_their_pools_in_order_and_their_quotas() {
         let mut v = View::new("eu", 64);
@@ -926,6 +1133,7 @@ mod tests {
             pools: vec!["acme".into(), "shared".into()],
             max_in_flight_per_replica: Some(1),
             max_cluster_share: None,
+            max_kv_share: None,
         };
         let mut r = Router::new(
             RouterConfig::default(),

@@ -5,6 +5,15 @@
 //! flight through this node: per replica (so one tenant cannot fill a replica's batch) and as a
 //! share of the cluster's in-flight slots. An isolated tenant gets its own key namespace, so no
 //! other tenant's request can be routed by (or reveal) its cached prompts.
+//!
+//! KV occupancy quotas (`max_kv_share`) bound a tenant's share of each replica's prefix cache,
+//! so one tenant's traffic cannot flush the others' cached prompts. The cache model attributes
+//! each live block to a *KV slot* (`cache_model.rs`): one per tenant with a `max_kv_share`
+//! ([`Tenants::kv_slot`]), one for every other tenant ([`KV_OTHER`]) and one for blocks whose
+//! tenant is unknown ([`KV_UNATTRIBUTED`]: peers' block reports, KV events no routed request
+//! matched). Slots are few and fixed ([`KV_SLOTS`]) because tenant names come from clients: a
+//! name only gets a slot from the configuration, never from a request. The router steers on
+//! these shares (`router.rs`); a quota never rejects a request.
 
 use std::collections::HashMap;
 
@@ -27,7 +36,23 @@ pub struct TenantConfig {
     /// Default: no cap.
     #[serde(default)]
     pub max_cluster_share: Option<f64>,
+    /// Largest share (0..=1) of any one replica's KV cache the tenant's blocks may hold: a
+    /// replica where it holds more takes none of its requests that would bring new blocks
+    /// while another candidate is under the share (see `router.rs`). Never rejects. Default:
+    /// no cap.
+    #[serde(default)]
+    pub max_kv_share: Option<f64>,
 }
+
+/// KV slots a cache model tracks: [`KV_UNATTRIBUTED`], [`KV_OTHER`], then one per tenant with
+/// a `max_kv_share` (at most `KV_SLOTS - 2` of them; more are refused by the config check and,
+/// past the cap, share [`KV_OTHER`], unenforced).
+pub const KV_SLOTS: usize = 64;
+/// Blocks whose tenant is unknown: another node routed them (block reports carry no tenant),
+/// an exact model's engine stored them and no routed request claimed them, or a handover.
+pub const KV_UNATTRIBUTED: u8 = 0;
+/// Blocks of requests from tenants without a `max_kv_share` (or with no tenant).
+pub const KV_OTHER: u8 = 1;
 
 /// Tenant policies and this node's in-flight counts per tenant.
 #[derive(Clone, Debug, Default)]
@@ -39,17 +64,73 @@ pub struct Tenants {
     /// tenant → in flight at the other nodes (their gossiped `inflight` records), for
     /// tenants with a cluster share.
     peer_usage: HashMap<String, u32>,
+    /// Tenants with a KV share, by slot − 2. Append-only (a reload never renumbers a slot the
+    /// cache models' counts refer to), at most `KV_SLOTS - 2`.
+    kv_names: Vec<String>,
+    /// tenant → (its KV slot, its `max_kv_share`), for tenants configured with one now.
+    kv_quota: HashMap<String, (u8, f64)>,
 }
 
 impl Tenants {
     /// Tenants with their configs; unknown tenants get `default`.
     pub fn new(configs: HashMap<String, TenantConfig>, default: TenantConfig) -> Self {
-        Tenants {
+        let mut t = Tenants {
             configs,
             default,
             usage: HashMap::new(),
             peer_usage: HashMap::new(),
+            kv_names: Vec::new(),
+            kv_quota: HashMap::new(),
+        };
+        t.assign_kv_slots();
+        t
+    }
+
+    /// Gives each tenant configured with a `max_kv_share` a KV slot: its old one, else the next
+    /// free one, in name order (so every node and simulator run numbers them alike).
+    fn assign_kv_slots(&mut self) {
+        let mut named: Vec<(&String, f64)> = self
+            .configs
+            .iter()
+            .filter_map(|(n, c)| c.max_kv_share.map(|s| (n, s)))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(b.0));
+        self.kv_quota.clear();
+        for (name, share) in named {
+            let slot = match self.kv_names.iter().position(|n| n == name) {
+                Some(p) => p,
+                None if self.kv_names.len() < KV_SLOTS - 2 => {
+                    self.kv_names.push(name.clone());
+                    self.kv_names.len() - 1
+                }
+                None => {
+                    tracing::warn!(tenant = %name, "more tenants with max_kv_share than KV slots: unenforced");
+                    continue;
+                }
+            };
+            // At most KV_SLOTS − 2 names, so the slot fits a u8.
+            self.kv_quota
+                .insert(name.clone(), ((slot + 2) as u8, share.clamp(0.0, 1.0)));
         }
+    }
+
+    /// The KV slot a block routed for `tenant` is attributed to: its own when it has a
+    /// `max_kv_share`, else [`KV_OTHER`].
+    pub fn kv_slot(&self, tenant: Option<&str>) -> u8 {
+        self.kv_quota(tenant).map_or(KV_OTHER, |(slot, _)| slot)
+    }
+
+    /// `tenant`'s KV slot and `max_kv_share`, when it has one.
+    pub fn kv_quota(&self, tenant: Option<&str>) -> Option<(u8, f64)> {
+        if self.kv_quota.is_empty() {
+            return None;
+        }
+        tenant.and_then(|t| self.kv_quota.get(t)).copied()
+    }
+
+    /// Whether any tenant has a `max_kv_share` (else nobody needs the shares).
+    pub fn any_kv_quota(&self) -> bool {
+        !self.kv_quota.is_empty()
     }
 
     /// Replaces the policies (a configuration reload); the in-flight counts stay, so requests
@@ -60,6 +141,7 @@ impl Tenants {
         self.default = default;
         // Peer counts of tenants no longer shared are dropped with their names.
         self.peer_usage.retain(|t, _| self.configs.contains_key(t));
+        self.assign_kv_slots();
     }
 
     /// The config of `tenant` (the default for unknown or absent tenants).
@@ -146,6 +228,48 @@ impl Tenants {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_slots_come_from_the_config_only_and_survive_a_reload() {
+        let share = |s| TenantConfig {
+            max_kv_share: Some(s),
+            ..Default::default()
+        };
+        let mut t = Tenants::new(
+            HashMap::from([
+                ("zeta".to_owned(), share(0.5)),
+                ("alpha".to_owned(), share(0.25)),
+                ("plain".to_owned(), TenantConfig::default()),
+            ]),
+            TenantConfig::default(),
+        );
+        // Name order: every node numbers the slots alike.
+        assert_eq!(t.kv_quota(Some("alpha")), Some((2, 0.25)));
+        assert_eq!(t.kv_quota(Some("zeta")), Some((3, 0.5)));
+        assert_eq!(t.kv_slot(Some("plain")), KV_OTHER);
+        assert_eq!(t.kv_slot(Some("made-up-by-a-client")), KV_OTHER);
+        assert_eq!(t.kv_slot(None), KV_OTHER);
+        // A reload drops alpha and adds beta: zeta keeps slot 3, beta gets a new one (the
+        // counts of slot 2 may still be alpha's).
+        t.reconfigure(
+            HashMap::from([
+                ("zeta".to_owned(), share(0.75)),
+                ("beta".to_owned(), share(2.0)),
+            ]),
+            TenantConfig::default(),
+        );
+        assert_eq!(t.kv_quota(Some("zeta")), Some((3, 0.75)));
+        assert_eq!(t.kv_quota(Some("beta")), Some((4, 1.0)), "clamped to 1");
+        assert_eq!(t.kv_quota(Some("alpha")), None);
+        // Slots are bounded: past the cap a tenant goes unenforced rather than growing them.
+        let many: HashMap<String, TenantConfig> = (0..KV_SLOTS)
+            .map(|i| (format!("t{i:03}"), share(0.5)))
+            .collect();
+        let t = Tenants::new(many, TenantConfig::default());
+        assert_eq!(t.kv_quota(Some("t000")), Some((2, 0.5)));
+        assert_eq!(t.kv_quota(Some("t061")), Some((63, 0.5)));
+        assert_eq!(t.kv_quota(Some("t062")), None);
+    }
 
     #[test]
     fn a_reconfigured_quota_applies_to_new_requests_and_keeps_the_counts() {

@@ -116,6 +116,10 @@ pub struct ReplicaState {
     pub seed: u64,
     /// Keys just routed here by this node: when they start and stop counting.
     overlay: HashMap<u64, OverlayEntry>,
+    /// Estimated share (0..=1) of its KV cache held by each KV slot (`tenants.rs`), from the
+    /// cache model (`CacheModel::tenant_shares`); empty until set, i.e. while no tenant has a
+    /// `max_kv_share`.
+    kv_shares: Vec<f32>,
 }
 
 impl ReplicaState {
@@ -125,6 +129,11 @@ impl ReplicaState {
         self.overlay
             .get(&key.0)
             .is_some_and(|e| e.ready <= now && now < e.until)
+    }
+
+    /// The estimated share of its KV cache held by KV slot `slot` (0 when unknown).
+    pub fn kv_share(&self, slot: u8) -> f32 {
+        self.kv_shares.get(slot as usize).copied().unwrap_or(0.0)
     }
 }
 
@@ -192,6 +201,7 @@ impl View {
             summary: None,
             seed,
             overlay: HashMap::new(),
+            kv_shares: Vec::new(),
         });
         i
     }
@@ -256,6 +266,15 @@ impl View {
             r.summary = None;
             r.overlay = Default::default();
             r.load = ReplicaLoad::default();
+            r.kv_shares = Vec::new();
+        }
+    }
+
+    /// Sets the estimated KV-cache share of each KV slot at replica `i` (`shares[slot]`).
+    pub fn set_kv_shares(&mut self, i: usize, shares: &[f32]) {
+        if let Some(r) = self.replicas.get_mut(i) {
+            r.kv_shares.clear();
+            r.kv_shares.extend_from_slice(shares);
         }
     }
 

@@ -163,6 +163,10 @@ impl Node {
                 reopened.push(i);
             }
         }
+        // Shares move with reports, events and expiry too, not only with this node's requests.
+        for i in 0..core.replicas.len() {
+            super::routing::refresh_kv_shares(core, i);
+        }
         drop(guard);
         for i in reopened {
             tracing::info!(replica = %self.id_of(i), "ejection over, half-open");

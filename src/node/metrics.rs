@@ -74,6 +74,9 @@ pub struct DecisionMetrics {
     pub late: Histogram,
     /// `…{direction="early"}`: earlier than predicted, by how much.
     pub early: Histogram,
+    /// `kvmesh_kv_quota_steered_total`: requests a tenant's KV quota (`max_kv_share`) moved off
+    /// replicas where it held more than its share.
+    pub kv_steered: IntCounter,
 }
 
 impl DecisionMetrics {
@@ -103,6 +106,11 @@ impl DecisionMetrics {
         registry.register(Box::new(branches.clone()))?;
         registry.register(Box::new(hits.clone()))?;
         registry.register(Box::new(error.clone()))?;
+        let kv_steered = IntCounter::new(
+            "kvmesh_kv_quota_steered_total",
+            "Requests a tenant's KV quota (max_kv_share) moved off replicas where it held more than its share",
+        )?;
+        registry.register(Box::new(kv_steered.clone()))?;
         let b = |x: Branch| branches.with_label_values(&[x.as_str()]);
         Ok(DecisionMetrics {
             branch: Branch::ALL.map(b),
@@ -110,6 +118,7 @@ impl DecisionMetrics {
             best_hit_tokens: hits.with_label_values(&["best"]),
             late: error.with_label_values(&["late"]),
             early: error.with_label_values(&["early"]),
+            kv_steered,
         })
     }
 
@@ -121,6 +130,9 @@ impl DecisionMetrics {
             .unwrap_or(0);
         self.branch[i].inc();
         if let Decision::Route(r) = d {
+            if r.kv_steered {
+                self.kv_steered.inc();
+            }
             if let Some(best) = r.best_hit_blocks {
                 let tpb = u64::from(tokens_per_block);
                 self.chosen_hit_tokens.inc_by(u64::from(r.hit_blocks) * tpb);

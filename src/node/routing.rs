@@ -11,6 +11,12 @@
 //! the response's first byte ([`Ticket::first_byte`]) into the replica's approximate cache model
 //! and the block report to a remote home. A request that fails before its first byte records
 //! nothing there.
+//!
+//! KV quotas: the first byte also attributes the request's blocks to its tenant's KV slot in
+//! this node's cache model (an approximate model learns them with the slot; an exact one tags
+//! those its engine's events already stored) and refreshes the view's tenant shares there, which
+//! the router steers on. A share is this node's tenant mix at the replica times the cache's
+//! fill as the home's summary shows it, so the nodes of a mesh agree on it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +25,7 @@ use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::router::{Decision, RouteRequest};
+use crate::core::tenants::KV_SLOTS;
 use crate::tokenize::token_namespace;
 
 /// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
@@ -79,6 +86,7 @@ impl Node {
                     replica: i,
                     endpoint,
                     tenant: req.tenant.map(str::to_owned),
+                    kv_slot: core.router.tenants.kv_slot(req.tenant),
                     pending_tokens: uncached,
                     hit_tokens: cached,
                     started: false,
@@ -142,6 +150,8 @@ pub struct Ticket {
     replica: usize,
     endpoint: Endpoint,
     tenant: Option<String>,
+    /// The KV slot its blocks are attributed to (`core::tenants`), fixed at routing.
+    kv_slot: u8,
     pending_tokens: u64,
     /// Prompt tokens the decision believed cached there (its hit blocks in tokens).
     hit_tokens: u64,
@@ -192,10 +202,13 @@ impl Ticket {
             return;
         };
         if rt.cache.source() == CacheSource::Approximate {
-            rt.cache.record_routed(keys, now);
+            rt.cache.record_routed_by(keys, self.kv_slot, now);
             rt.summary_dirty = true;
+        } else {
+            rt.cache.attribute(keys, self.kv_slot);
         }
         let target = rt.mesh.report_target();
+        refresh_kv_shares(core, self.replica);
         drop(guard);
         self.node.after_first_byte(self.replica, target, keys);
     }
@@ -212,6 +225,32 @@ impl Ticket {
         let now = self.node.now();
         self.node.lock().view.routed_failed(self.replica, keys, now);
     }
+}
+
+/// Copies replica `i`'s tenant KV shares from its cache model into the view, when some tenant
+/// has a KV quota (else nobody reads them).
+pub(super) fn refresh_kv_shares(core: &mut Core, i: usize) {
+    if !core.router.tenants.any_kv_quota() {
+        return;
+    }
+    let Some(rt) = core.replicas.get(i) else {
+        return;
+    };
+    // A follower's model holds only its own requests' blocks, so its own fill would be a
+    // fraction of the replica's; the summary it pulled from the home says how many keys the
+    // replica's current epoch took (live plus evicted-since, an overestimate by at most the
+    // rebuild threshold). With it every node scales the same mix by about the same fill, and
+    // the nodes agree on where a tenant is over (and which replicas it dominates).
+    let min_fill = core
+        .view
+        .replica(i)
+        .and_then(|r| r.summary.as_deref())
+        .map_or(0.0, |s| {
+            s.inserted() as f64 / rt.cache.capacity_blocks().max(1) as f64
+        });
+    let mut shares = [0.0f32; KV_SLOTS];
+    rt.cache.tenant_shares(min_fill, &mut shares);
+    core.view.set_kv_shares(i, &shares);
 }
 
 fn release_pending(core: &mut Core, i: usize, tokens: u64) {

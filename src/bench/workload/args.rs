@@ -43,7 +43,8 @@ pub struct WorkloadArgs {
     /// chunk_tokens, system_tokens, question_tokens, output_tokens; agent: concurrent_runs, steps,
     /// system_tokens, task_tokens, observation_tokens, action_tokens; zipf: prefixes, hot_weight,
     /// zipf_s, prefix_tokens, suffix_tokens, output_tokens; tenants: big_share,
-    /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens.
+    /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens,
+    /// big_skew (big tenant's rate ÷ one small tenant's), big_absent (true: drop its requests).
     /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
@@ -173,6 +174,8 @@ family_params!(TenantsParams {
     num small_system_tokens,
     range user_tokens,
     range output_tokens,
+    num big_skew,
+    num big_absent,
 });
 
 /// Builds a synthetic family with its defaults overridden by `pairs` (`KEY=VALUE`).

@@ -1,4 +1,9 @@
 //! The tenants family: one big tenant with a fixed system prompt, many small ones.
+//!
+//! `big_skew` sets the big tenant's rate as a multiple of one small tenant's (the KV-quota
+//! figures use 100×), and `big_absent` drops its requests from the very same draw, so the small
+//! tenants' requests and arrival times are identical with and without it: the baseline a quota
+//! is measured against.
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -24,6 +29,12 @@ pub struct TenantsParams {
     pub user_tokens: (u32, u32),
     /// Output length range. Default 64..=256 tokens.
     pub output_tokens: (u32, u32),
+    /// When > 0, the big tenant's request rate as a multiple of one small tenant's; it sets
+    /// `big_share` to `big_skew / (big_skew + small_tenants)`. Default 0 (use `big_share`).
+    pub big_skew: f64,
+    /// Generate as usual, then drop the big tenant's requests: the small tenants' requests
+    /// are the same ones at the same times. Default false.
+    pub big_absent: bool,
 }
 
 impl Default for TenantsParams {
@@ -35,6 +46,8 @@ impl Default for TenantsParams {
             small_system_tokens: 1024,
             user_tokens: (64, 512),
             output_tokens: (64, 256),
+            big_skew: 0.0,
+            big_absent: false,
         }
     }
 }
@@ -46,6 +59,16 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
     if !(0.0..=1.0).contains(&p.big_share) {
         return Err(WorkloadError::Invalid("big_share must be in [0, 1]".into()));
     }
+    if !(p.big_skew.is_finite() && p.big_skew >= 0.0) {
+        return Err(WorkloadError::Invalid(
+            "big_skew must be a number ≥ 0".into(),
+        ));
+    }
+    let big_share = if p.big_skew > 0.0 {
+        p.big_skew / (p.big_skew + p.small_tenants as f64)
+    } else {
+        p.big_share
+    };
     check_range("user_tokens", p.user_tokens)?;
     check_range("output_tokens", p.output_tokens)?;
     let mut rng = SmallRng::seed_from_u64(gen.seed);
@@ -56,7 +79,7 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
     let mut out = Vec::with_capacity(gen.requests);
     for i in 0..gen.requests {
         let mut segments = Vec::new();
-        let tenant = if rng.random_bool(p.big_share) {
+        let tenant = if rng.random_bool(big_share) {
             push_text(
                 &mut segments,
                 FAMILY_TENANTS,
@@ -81,6 +104,9 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
             tenant: Some(tenant),
         });
     }
+    if p.big_absent {
+        out.retain(|r| r.tenant.as_deref() != Some("big"));
+    }
     Ok(out)
 }
 
@@ -88,6 +114,39 @@ pub fn tenants(p: &TenantsParams, gen: &GenParams) -> Result<Vec<WorkloadRequest
 mod tests {
     use super::*;
     use crate::bench::workload::testing::*;
+
+    #[test]
+    fn a_skewed_big_tenant_is_that_many_small_ones_and_its_absence_changes_nothing_else() {
+        let skewed = TenantsParams {
+            big_skew: 100.0,
+            small_tenants: 10,
+            ..Default::default()
+        };
+        let with = tenants(&skewed, &gen(5000)).unwrap();
+        let big = with
+            .iter()
+            .filter(|r| r.tenant.as_deref() == Some("big"))
+            .count();
+        let per_small = (with.len() - big) as f64 / 10.0;
+        let ratio = big as f64 / per_small;
+        assert!((ratio - 100.0).abs() < 15.0, "{ratio}");
+        let without = tenants(
+            &TenantsParams {
+                big_absent: true,
+                ..skewed
+            },
+            &gen(5000),
+        )
+        .unwrap();
+        let small: Vec<_> = with
+            .iter()
+            .filter(|r| r.tenant.as_deref() != Some("big"))
+            .collect();
+        assert_eq!(small.len(), without.len());
+        assert!(small.iter().zip(&without).all(|(a, b)| {
+            a.at_s == b.at_s && a.segments == b.segments && a.tenant == b.tenant
+        }));
+    }
 
     #[test]
     fn tenants_big_one_shares_one_prompt_small_ones_their_own() {

@@ -493,6 +493,32 @@ impl NodeConfig {
                     ));
                 }
             }
+            if let Some(s) = t.max_kv_share {
+                if !(0.0..=1.0).contains(&s) {
+                    return Err(invalid(format!("{name}.max_kv_share"), "must be in [0, 1]"));
+                }
+            }
+        }
+        if self.default_tenant.max_kv_share.is_some() {
+            // Unlisted tenants share one KV slot: a per-tenant share cannot be counted for them.
+            return Err(invalid(
+                "default_tenant.max_kv_share",
+                "is per named tenant: set it under [tenants.<name>]",
+            ));
+        }
+        let kv_named = self
+            .tenants
+            .values()
+            .filter(|t| t.max_kv_share.is_some())
+            .count();
+        if kv_named > crate::core::tenants::KV_SLOTS - 2 {
+            return Err(invalid(
+                "tenants.<name>.max_kv_share",
+                format!(
+                    "at most {} tenants may have one ({kv_named} do)",
+                    crate::core::tenants::KV_SLOTS - 2
+                ),
+            ));
         }
         self.server.validate()?;
         if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
@@ -713,6 +739,18 @@ mod tests {
             (
                 "[tenants.acme]\nmax_cluster_share = 2.0",
                 "tenants.acme.max_cluster_share",
+            ),
+            (
+                "[tenants.acme]\nmax_kv_share = 1.5",
+                "tenants.acme.max_kv_share",
+            ),
+            (
+                "[tenants.acme]\nmax_kv_share = -0.1",
+                "tenants.acme.max_kv_share",
+            ),
+            (
+                "[default_tenant]\nmax_kv_share = 0.5",
+                "default_tenant.max_kv_share",
             ),
             ("listen = \"nowhere\"", "listen"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),

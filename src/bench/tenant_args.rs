@@ -146,6 +146,7 @@ mod tests {
             segments: vec![(1, 100)],
             output_tokens: 1,
             session: None,
+            affinity: None,
             tenant: Some(t.into()),
         };
         let workload = vec![w("big"), w("small-0"), w("small-1")];

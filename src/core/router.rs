@@ -83,6 +83,10 @@ pub struct Routed {
     pub cost_s: f64,
     /// The policy's reason.
     pub reason: Reason,
+    /// The data-parallel rank of the replica to name, when the driver knows which rank holds
+    /// the prefix (the node, at the replica's home, from its exact per-rank cache model; see
+    /// `dp_rank.rs`). The router itself sees only merged summaries and leaves it `None`.
+    pub dp_rank: Option<u16>,
 }
 
 /// Which consideration decided, for operators (`kvmesh_decisions_total{branch}`).
@@ -490,6 +494,7 @@ impl Router {
             },
             cost_s: chosen.cost_s,
             reason: pick.reason,
+            dp_rank: None,
         })
     }
 

@@ -389,7 +389,14 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
             attempt, "routed"
         );
         let sent_at = Instant::now();
-        let mut send = std::pin::pin!(send_to(node, &endpoint, path, &headers, &body));
+        let mut send = std::pin::pin!(send_to(
+            node,
+            &endpoint,
+            ticket.rank(),
+            path,
+            &headers,
+            &body
+        ));
         let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
         // `None`: nothing within the first-byte timeout.
         let answer = if attempt == 0
@@ -411,7 +418,14 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
                     }) {
                         (Decision::Route(r2), Some(t2)) => {
                             let e2 = t2.endpoint().clone();
-                            let hedge = std::pin::pin!(send_to(node, &e2, path, &headers, &body));
+                            let hedge = std::pin::pin!(send_to(
+                                node,
+                                &e2,
+                                t2.rank(),
+                                path,
+                                &headers,
+                                &body
+                            ));
                             node.metrics.hedges.with_label_values(&["sent"]).inc();
                             match tokio::time::timeout(left, futures::future::select(send, hedge))
                                 .await
@@ -532,19 +546,25 @@ async fn proxy(node: &Arc<Node>, path: &'static str, req: Request) -> Result<Res
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
 }
 
-/// Sends the request's original bytes to replica `endpoint` (pinned by the caller, on its stack).
+/// Sends the request's original bytes to replica `endpoint` (pinned by the caller, on its stack),
+/// naming the data-parallel `rank` the node chose, if any (header, or body field for SGLang).
 fn send_to(
     node: &Node,
     endpoint: &crate::node::Endpoint,
+    rank: Option<crate::node::RankTarget>,
     path: &str,
     headers: &HeaderMap,
     body: &Bytes,
 ) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
-    node.client
+    let req = node
+        .client
         .post(format!("{}{}", endpoint.base, path))
-        .headers(headers.clone())
-        .body(body.clone())
-        .send()
+        .headers(headers.clone());
+    match rank {
+        Some(rank) => rank.apply(req, body),
+        None => req.body(body.clone()),
+    }
+    .send()
 }
 
 fn decision_header(d: &crate::core::router::Routed) -> String {

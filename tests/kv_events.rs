@@ -353,6 +353,8 @@ fn captured_real_vllm_events_index_to_the_prompts_keys() {
                     model.remove(x);
                 }),
                 Op::Clear => model.clear(),
+                // One rank: the index keeps no rank sets.
+                Op::Ranks(_) => panic!("rank sets from a one-rank index"),
             }
         }
         // After each request the model holds every block of its prompt, keyed as token mode

@@ -14,6 +14,7 @@ use super::report;
 use super::tenant_args::{split_markdown, split_records, TenantArgs};
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
+use crate::replicas::kv_events::RankRouting;
 
 /// Arguments of `kvmesh bench`.
 #[derive(Debug, Args)]
@@ -47,6 +48,14 @@ pub struct BenchArgs {
     /// and reported times are model seconds.
     #[arg(long, default_value_t = 10.0)]
     pub time_scale: f64,
+    /// Fleet: data-parallel ranks per replica (each rank one engine of the preset); above 1,
+    /// replicas publish KV events per rank and nodes follow them in token mode.
+    #[arg(long, default_value_t = 1)]
+    pub dp_ranks: u16,
+    /// Fleet with --dp-ranks > 1: how nodes name the rank, `header`, `body` or `off` (the
+    /// replica's own balancer picks); several (`header,off`) run one fleet each per policy.
+    #[arg(long, value_delimiter = ',', default_value = "header")]
+    pub dp_rank_routing: Vec<String>,
     /// Fleet: engine preset, `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -76,6 +85,16 @@ pub struct BenchArgs {
     /// Directory for bench-report.json, bench-report.md and the SVG charts.
     #[arg(long, default_value = "kvmesh-out")]
     pub out: PathBuf,
+}
+
+/// `header`, `body` or `off`.
+fn parse_rank_routing(s: &str) -> anyhow::Result<RankRouting> {
+    match s.trim() {
+        "header" => Ok(RankRouting::Header),
+        "body" => Ok(RankRouting::Body),
+        "off" => Ok(RankRouting::Off),
+        other => anyhow::bail!("--dp-rank-routing: '{other}' is not header, body or off"),
+    }
 }
 
 /// Runs `kvmesh bench`.
@@ -124,15 +143,38 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(tokens) = args.tenants.kv_capacity_tokens {
             engine.kv_capacity_tokens = tokens;
         }
-        let fleet = FleetConfig {
-            replicas: args.replicas,
-            nodes: args.nodes,
-            time_scale: args.time_scale,
-            engine,
-            tenants: args.tenants.tenant_configs()?,
-            ..FleetConfig::default()
+        let tenants = args.tenants.tenant_configs()?;
+        anyhow::ensure!(
+            (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
+            "--dp-ranks must be within 1..={}",
+            crate::replica::MAX_DP_RANKS
+        );
+        let routings = if args.dp_ranks > 1 {
+            args.dp_rank_routing
+                .iter()
+                .map(|s| parse_rank_routing(s))
+                .collect::<anyhow::Result<Vec<_>>>()?
+        } else {
+            vec![RankRouting::Off]
         };
-        run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base).await?
+        let mut runs = Vec::new();
+        for rank_routing in routings {
+            let fleet = FleetConfig {
+                replicas: args.replicas,
+                nodes: args.nodes,
+                time_scale: args.time_scale,
+                engine: engine.clone(),
+                tenants: tenants.clone(),
+                dp_ranks: args.dp_ranks,
+                rank_routing,
+                ..FleetConfig::default()
+            };
+            runs.extend(
+                run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base)
+                    .await?,
+            );
+        }
+        runs
     } else {
         let sets: Vec<Vec<String>> = if args.url.is_empty() {
             args.compare

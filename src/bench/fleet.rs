@@ -20,6 +20,8 @@ use crate::engine_sim::EngineConfig;
 use crate::mesh::certs;
 use crate::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::proxy::{self, RunningNode};
+use crate::replicas::kv_events::{KvEventsSource, RankRouting};
+use crate::tokenize::{TokenizerConfig, BUILTIN_SIM};
 
 /// An in-process fleet: simulated replicas behind kvmesh nodes, meshed when there are several.
 #[derive(Clone, Debug)]
@@ -38,6 +40,13 @@ pub struct FleetConfig {
     pub model: String,
     /// Tenant policies of every node (`[tenants.<name>]`). Default none.
     pub tenants: HashMap<String, TenantConfig>,
+    /// Data-parallel ranks per replica (each an `engine`). With more than one, replicas publish
+    /// KV events per rank and nodes follow them in token mode (`builtin:kvmesh-sim`), so their
+    /// cache models are exact and know which rank holds what. Default 1 (no events, text mode).
+    pub dp_ranks: u16,
+    /// With `dp_ranks` > 1: how nodes name the rank (`Off`: the replica's balancer picks).
+    /// Default header.
+    pub rank_routing: RankRouting,
 }
 
 impl Default for FleetConfig {
@@ -49,6 +58,8 @@ impl Default for FleetConfig {
             engine: EngineConfig::default(),
             model: "sim-llama-8b".into(),
             tenants: HashMap::new(),
+            dp_ranks: 1,
+            rank_routing: RankRouting::Header,
         }
     }
 }
@@ -125,6 +136,29 @@ pub async fn wait_ready(nodes: &[RunningNode]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Waits until some node follows each of the first `replicas` replicas' KV events (its cache
+/// model of it is exact), so a run starts with the models it measures.
+async fn wait_exact(nodes: &[RunningNode], replicas: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let exact = (0..replicas).all(|i| {
+            nodes.iter().any(|n| {
+                n.node.lock().replicas.get(i).is_some_and(|rt| {
+                    rt.cache.source() == crate::core::cache_model::CacheSource::Exact
+                })
+            })
+        });
+        if exact {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "KV events not followed after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Starts a fresh fleet (cold caches) for `policy`, replays `workload` through its nodes and
 /// stops it. `replay.targets`, `model`, `speedup` (multiplied by the time scale), `time_scale`
 /// and `label` (when left "run") are set from the fleet.
@@ -157,12 +191,17 @@ pub async fn run_fleet(
                 model: fleet.model.clone(),
                 engine: fleet.engine.clone(),
                 exit_on_crash: false,
+                dp_ranks: fleet.dp_ranks,
+                kv_events: (fleet.dp_ranks > 1).then(crate::replica::KvEventsConfig::default),
                 ..Default::default()
             };
             cfg.engine.time_scale = fleet.time_scale;
             replicas.push(crate::replica::spawn(cfg).await?);
         }
-        let prefill_rate = 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
+        // A replica's rate is its ranks' together (each rank is one engine).
+        let ranks = f64::from(fleet.dp_ranks.max(1));
+        let prefill_rate = ranks * 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
+        let multi_rank = fleet.dp_ranks > 1;
         for (n, name) in names.iter().enumerate() {
             let mut cfg = NodeConfig {
                 listen: ([127, 0, 0, 1], 0).into(),
@@ -176,12 +215,32 @@ pub async fn run_fleet(
             };
             cfg.health.interval_ms = 200;
             cfg.scrape.interval_ms = 100;
+            if multi_rank {
+                // Keys equal to the events' keys, so the per-rank models answer.
+                cfg.tokenizer = Some(TokenizerConfig {
+                    path: BUILTIN_SIM.into(),
+                    chat_template_config: None,
+                    block_size: u32::try_from(fleet.engine.block_tokens).ok(),
+                    models: vec![fleet.model.clone()],
+                });
+            }
             cfg.replicas = replicas
                 .iter()
                 .map(|r| NodeReplica {
                     id: Some(r.id.clone()),
                     models: vec![fleet.model.clone()],
-                    capacity_tokens: Some(fleet.engine.kv_capacity_tokens as u64),
+                    capacity_tokens: Some(
+                        fleet.engine.kv_capacity_tokens as u64 * u64::from(fleet.dp_ranks.max(1)),
+                    ),
+                    kv_events: r
+                        .kv_events_port
+                        .filter(|_| multi_rank)
+                        .map(|port| KvEventsSource {
+                            replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+                            dp_ranks: fleet.dp_ranks,
+                            rank_routing: Some(fleet.rank_routing),
+                            ..KvEventsSource::new(format!("tcp://127.0.0.1:{port}"))
+                        }),
                     // Model-time rate: the node's cost model then works in model seconds, like
                     // its w_load and spill thresholds.
                     prefill_tokens_per_s: prefill_rate,
@@ -195,7 +254,17 @@ pub async fn run_fleet(
             nodes.push(proxy::spawn(cfg).await?);
         }
         wait_ready(&nodes).await?;
-        let label = if replay_cfg.label == ReplayConfig::default().label {
+        if multi_rank {
+            wait_exact(&nodes, fleet.replicas).await?;
+        }
+        let label = if replay_cfg.label == ReplayConfig::default().label && multi_rank {
+            let how = match fleet.rank_routing {
+                RankRouting::Header => "header",
+                RankRouting::Body => "body",
+                RankRouting::Off => "off",
+            };
+            format!("{} dp={} rank={how}", policy.as_str(), fleet.dp_ranks)
+        } else if replay_cfg.label == ReplayConfig::default().label {
             policy.as_str().to_owned()
         } else {
             replay_cfg.label.clone()

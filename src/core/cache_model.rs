@@ -16,6 +16,11 @@
 //! after the next epoch. Approximate models have no tiers: routed blocks, block reports and a
 //! handover's keys all count as GPU-held.
 //!
+//! Exact models of a replica with several data-parallel ranks also keep, per block, the set of
+//! ranks holding it ([`CacheModel::set_ranks`], from the KV-event index); the summary stays one
+//! per replica (any rank), and [`CacheModel::rank_runs`] tells the home node how much of a
+//! request's prefix each rank holds, to name the rank (`dp_rank.rs`).
+//!
 //! Rebuild rules ([`CacheModel::maybe_rebuild`], on a timer): a new epoch starts when stale keys
 //! exceed `rebuild_stale_fraction` (default 25%) of the filter's capacity, or when more than 1.5×
 //! that capacity was inserted; it holds exactly the live set, each key under its current tier.
@@ -91,6 +96,9 @@ struct Slot {
     tier: Tier,
     /// KV slot of the tenant whose request last touched it ([`KV_UNATTRIBUTED`] when unknown).
     tenant: u8,
+    /// Data-parallel ranks holding it (bit r = rank r), for exact models of multi-rank replicas;
+    /// 0 when not known (approximate mode, one rank).
+    ranks: u64,
 }
 
 /// One replica's cache model.
@@ -268,6 +276,7 @@ impl CacheModel {
             touched: now,
             tier: Tier::Gpu,
             tenant,
+            ranks: 0,
         };
         for k in keys.iter().rev() {
             if let Some((old, old_slot)) = self.entries.push(k.0, slot) {
@@ -292,8 +301,8 @@ impl CacheModel {
     /// key (stale in the filter until the next epoch) plus an add of the new one.
     pub fn store_tier(&mut self, keys: &[BlockKey], tier: Tier, now: Duration) {
         for k in keys {
-            // A move keeps the block's tenant; a new block's is unknown until a routed request
-            // claims it (`attribute`).
+            // A move keeps the block's tenant and the ranks holding it; a new block's tenant is
+            // unknown until a routed request claims it (`attribute`).
             if let Some(slot) = self.entries.get_mut(&k.0) {
                 if slot.tier != tier {
                     self.stale += 1;
@@ -305,6 +314,7 @@ impl CacheModel {
                     touched: now,
                     tier,
                     tenant: KV_UNATTRIBUTED,
+                    ranks: 0,
                 };
                 if let Some((_, evicted)) = self.entries.push(k.0, slot) {
                     // Only a bounded (approximate) LRU evicts here.
@@ -315,6 +325,27 @@ impl CacheModel {
             }
         }
         self.summary.insert_tier(keys, tier);
+    }
+
+    /// Exact mode, multi-rank replica: the new sets of ranks holding these blocks (bit r =
+    /// rank r). Keys not held are ignored (their store comes first); recency is unchanged.
+    pub fn set_ranks(&mut self, sets: &[(BlockKey, u64)]) {
+        for (k, ranks) in sets {
+            if let Some(s) = self.entries.peek_mut(&k.0) {
+                s.ranks = *ranks;
+            }
+        }
+    }
+
+    /// The ranks holding `key` (bit r = rank r; 0 when not held or not known).
+    pub fn ranks_of(&self, key: BlockKey) -> u64 {
+        self.entries.peek(&key.0).map_or(0, |s| s.ranks)
+    }
+
+    /// How many leading `keys` each of `ranks` data-parallel ranks holds (see
+    /// [`super::dp_rank::rank_runs`]); all zero without rank sets.
+    pub fn rank_runs(&self, keys: &[BlockKey], ranks: usize) -> Vec<usize> {
+        super::dp_rank::rank_runs(keys.len(), ranks, |j| self.ranks_of(keys[j]))
     }
 
     /// Exact mode: blocks the engine evicted.
@@ -620,6 +651,34 @@ mod tests {
         assert_counts_match(&m);
         m.clear().unwrap();
         assert_eq!(m.tenant_blocks, [0; KV_SLOTS]);
+    }
+
+    #[test]
+    fn ranks_follow_stores_and_tier_moves_and_give_each_rank_its_run() {
+        let mut m = model(CacheSource::Exact, 64);
+        let keys = ks(0..6);
+        m.store(&keys, S);
+        // Rank 0 holds the whole prompt, rank 2 the first two blocks.
+        let mut sets: Vec<(BlockKey, u64)> = keys.iter().map(|k| (*k, 0b001)).collect();
+        sets[0].1 |= 0b100;
+        sets[1].1 |= 0b100;
+        m.set_ranks(&sets);
+        assert_eq!(m.rank_runs(&keys, 3), vec![6, 0, 2]);
+        // An offload of block 5 keeps who holds it.
+        m.store_tier(&keys[5..], Tier::Cpu, 2 * S);
+        assert_eq!(m.ranks_of(keys[5]), 0b001);
+        // Rank 0 loses its tail: rank 2's run is now the longer one of the two.
+        m.set_ranks(&[(keys[2], 0), (keys[3], 0)]);
+        assert_eq!(m.rank_runs(&keys, 3), vec![2, 0, 2]);
+        // Keys not held take no rank set; removed keys hold none.
+        m.set_ranks(&[(BlockKey(99), 1)]);
+        assert_eq!(m.ranks_of(BlockKey(99)), 0);
+        m.remove(&keys[..1]);
+        assert_eq!(m.rank_runs(&keys, 3), vec![0, 0, 0]);
+        // An approximate model knows no ranks.
+        let mut a = model(CacheSource::Approximate, 64);
+        a.record_routed(&keys, S);
+        assert_eq!(a.rank_runs(&keys, 2), vec![0, 0]);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
 //! - [`cost`]: the predicted-seconds formula.
+//! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
@@ -19,6 +20,7 @@
 pub mod affinity;
 pub mod cache_model;
 pub mod cost;
+pub mod dp_rank;
 pub mod keys;
 pub mod peer_tips;
 pub mod policy;

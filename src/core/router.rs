@@ -115,6 +115,10 @@ pub struct Routed {
     pub reason: Reason,
     /// The tenant's KV quota took candidates away (see the module doc).
     pub kv_steered: bool,
+    /// The data-parallel rank of the replica to name, when the driver knows which rank holds
+    /// the prefix (the node, at the replica's home, from its exact per-rank cache model; see
+    /// `dp_rank.rs`). The router itself sees only merged summaries and leaves it `None`.
+    pub dp_rank: Option<u16>,
 }
 
 /// Which consideration decided, for operators (`kvmesh_decisions_total{branch}`).
@@ -555,6 +559,7 @@ impl Router {
             cost_s: chosen.cost_s,
             reason: pick.reason,
             kv_steered,
+            dp_rank: None,
         })
     }
 

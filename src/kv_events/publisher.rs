@@ -42,6 +42,9 @@ pub enum PublisherError {
         /// The cause.
         source: zeromq::ZmqError,
     },
+    /// A data-parallel rank's port (base + rank) is past 65535.
+    #[error("port {0} + rank {1} is past 65535")]
+    PortRange(u16, u16),
 }
 
 type Ring = Arc<Mutex<VecDeque<(u64, Bytes)>>>;

@@ -253,6 +253,7 @@ impl Node {
                 Op::Store(keys, tier) => rt.cache.store_tier(keys, *tier, now),
                 Op::Remove(keys) => rt.cache.remove(keys),
                 Op::Clear => rt.cache.clear()?,
+                Op::Ranks(sets) => rt.cache.set_ranks(sets),
             }
         }
         rt.summary_dirty = true;

@@ -62,6 +62,8 @@ pub(super) fn from_wire(url: &str, wire: &WireKvEvents) -> Option<KvEventsSource
         replay: wire.replay_port.map(tcp),
         topic: wire.topic.clone(),
         dp_ranks: wire.dp_ranks,
+        // Not gossiped: a new home of a learned replica uses the default.
+        rank_routing: None,
         max_message_bytes: default_max_message_bytes(),
         max_buffered_bytes: default_max_buffered_bytes(),
     })
@@ -77,6 +79,7 @@ mod tests {
             replay: replay.map(str::to_owned),
             topic: "kv".into(),
             dp_ranks: 2,
+            rank_routing: None,
             max_message_bytes: default_max_message_bytes(),
             max_buffered_bytes: default_max_buffered_bytes(),
         }

@@ -51,6 +51,6 @@ pub use admin::{AdminError, AdminOutcome, AdminReplica};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
 pub use reload::ReloadReport;
-pub use routing::Ticket;
+pub use routing::{RankTarget, Ticket, DP_RANK_FIELD, DP_RANK_HEADER};
 pub use snapshot::{NodeState, ReplicaStateJson};
 pub use state::{Core, Endpoint, Node, ReplicaRuntime};

@@ -132,6 +132,8 @@ impl Node {
             mesh: ReplicaMesh::default(),
             kv_source: r.kv_events.clone(),
             admin_drained: false,
+            rank_loads: Vec::new(),
+            rank_rotate: 0,
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
         endpoints.push(Endpoint {

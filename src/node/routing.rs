@@ -17,16 +17,101 @@
 //! those its engine's events already stored) and refreshes the view's tenant shares there, which
 //! the router steers on. A share is this node's tenant mix at the replica times the cache's
 //! fill as the home's summary shows it, so the nodes of a mesh agree on it.
+//!
+//! Data-parallel ranks: when this node's model of the chosen replica is exact (it is the home
+//! and the replica's KV events, per rank, are up) and the replica has several ranks with rank
+//! routing on, the decision also names the rank (`core::dp_rank`: the rank's own hit and this
+//! node's queued prefill and requests there), and the [`Ticket`] carries it to the proxy as a
+//! [`RankTarget`]. A follower has only the home's merged summary, so it names no rank and the
+//! engine's balancer picks: rank sets stay off the gossip, which keeps its values small.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
+use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
 use crate::core::router::{Decision, RouteRequest};
 use crate::core::tenants::KV_SLOTS;
+use crate::replicas::kv_events::RankRouting;
 use crate::tokenize::token_namespace;
+
+/// vLLM's request header naming the data-parallel rank to run on.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// SGLang's request body field naming the data-parallel rank.
+pub const DP_RANK_FIELD: &str = "data_parallel_rank";
+
+/// The data-parallel rank a request is sent to, and how the replica is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankTarget {
+    /// The rank.
+    pub rank: u16,
+    /// Header or body field (never [`RankRouting::Off`]).
+    pub how: RankRouting,
+}
+
+impl RankTarget {
+    /// `req` with the rank named and `body` attached: the header, or the body re-serialized
+    /// with `data_parallel_rank` set (a body that is not a JSON object goes as it is: the
+    /// request was parsed as one already, so this does not happen).
+    pub fn apply(&self, req: reqwest::RequestBuilder, body: &Bytes) -> reqwest::RequestBuilder {
+        match self.how {
+            RankRouting::Header => req
+                .header(DP_RANK_HEADER, self.rank.to_string())
+                .body(body.clone()),
+            RankRouting::Body => {
+                match serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body) {
+                    Ok(mut map) => {
+                        map.insert(DP_RANK_FIELD.to_owned(), self.rank.into());
+                        match serde_json::to_vec(&map) {
+                            Ok(v) => req.body(v),
+                            Err(_) => req.body(body.clone()),
+                        }
+                    }
+                    Err(_) => req.body(body.clone()),
+                }
+            }
+            RankRouting::Off => req.body(body.clone()),
+        }
+    }
+}
+
+/// The rank to name for a request routed to replica `i`, if this node knows the replica's ranks
+/// (exact model, rank routing on); advances the rotation.
+fn choose_rank(core: &mut Core, i: usize, req: &RouteRequest<'_>) -> Option<RankTarget> {
+    let w_load_s = core.router.config().cost.w_load_s;
+    let tokens_per_block = core.view.tokens_per_block;
+    let rate = core.view.replica(i)?.info.prefill_tokens_per_s;
+    let rt = core.replicas.get_mut(i)?;
+    let source = rt.kv_source.as_ref()?;
+    let how = source.rank_routing();
+    let ranks = usize::from(source.dp_ranks).min(MAX_RANKS);
+    if how == RankRouting::Off || ranks <= 1 || rt.cache.source() != CacheSource::Exact {
+        return None;
+    }
+    let runs = rt.cache.rank_runs(req.keys, ranks);
+    if rt.rank_loads.len() < ranks {
+        rt.rank_loads.resize(ranks, RankLoad::default());
+    }
+    let rotate = rt.rank_rotate;
+    rt.rank_rotate = rt.rank_rotate.wrapping_add(1);
+    let rank = pick_rank(
+        &runs,
+        &rt.rank_loads[..ranks],
+        req.prompt_tokens,
+        tokens_per_block,
+        rate,
+        w_load_s,
+        rotate,
+    )?;
+    Some(RankTarget {
+        rank: u16::try_from(rank).ok()?,
+        how,
+    })
+}
 
 /// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
 /// simulator): a wildly overloaded estimate must not park keys for hours.
@@ -42,11 +127,13 @@ impl Node {
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
-        let decision = core.router.route(&core.view, req, now);
+        let mut decision = core.router.route(&core.view, req, now);
         let tokens_per_block = core.view.tokens_per_block;
-        let ticket = match &decision {
+        let ticket = match &mut decision {
             Decision::Route(d) => {
                 let i = d.replica;
+                let target = choose_rank(core, i, req);
+                d.dp_rank = target.map(|t| t.rank);
                 let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
                 let uncached = req.prompt_tokens.saturating_sub(cached);
                 // Its blocks count in the overlay once its prefill is predicted done: the prefill
@@ -66,6 +153,10 @@ impl Node {
                 }
                 let rt = &mut core.replicas[i];
                 rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
+                if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
+                    l.pending_tokens = l.pending_tokens.saturating_add(uncached);
+                    l.in_flight = l.in_flight.saturating_add(1);
+                }
                 let pending = rt.queued_estimate();
                 if let Some(r) = core.view.replica_mut(i) {
                     r.load.queued_prefill_tokens = pending;
@@ -90,6 +181,7 @@ impl Node {
                     pending_tokens: uncached,
                     hit_tokens: cached,
                     started: false,
+                    rank: target,
                 })
             }
             _ => None,
@@ -157,6 +249,8 @@ pub struct Ticket {
     hit_tokens: u64,
     /// [`Ticket::first_byte`] ran.
     started: bool,
+    /// The data-parallel rank named, if any (its load is released with the ticket's).
+    rank: Option<RankTarget>,
 }
 
 impl Ticket {
@@ -176,6 +270,11 @@ impl Ticket {
         self.hit_tokens
     }
 
+    /// The data-parallel rank to name to the replica, if any.
+    pub fn rank(&self) -> Option<RankTarget> {
+        self.rank
+    }
+
     /// The replica sent its first byte: its prefill is done, so the request's prompt tokens no
     /// longer count as queued there, and its blocks (`keys`) are now in the engine's prefix
     /// cache: the overlay counts them from now if it predicted later, an approximate cache
@@ -191,7 +290,7 @@ impl Ticket {
         let now = self.node.now();
         let mut guard = self.node.lock();
         let core = &mut *guard;
-        release_pending(core, self.replica, tokens);
+        release_pending(core, self.replica, tokens, self.rank, false);
         self.node.mesh.load_changed.notify_one();
         if keys.is_empty() {
             return;
@@ -253,8 +352,22 @@ pub(super) fn refresh_kv_shares(core: &mut Core, i: usize) {
     core.view.set_kv_shares(i, &shares);
 }
 
-fn release_pending(core: &mut Core, i: usize, tokens: u64) {
+/// Releases `tokens` of replica `i`'s queued prefill (and of the named `rank`'s, with the
+/// request itself when `finished`).
+fn release_pending(
+    core: &mut Core,
+    i: usize,
+    tokens: u64,
+    rank: Option<RankTarget>,
+    finished: bool,
+) {
     if let Some(rt) = core.replicas.get_mut(i) {
+        if let Some(l) = rank.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
+            l.pending_tokens = l.pending_tokens.saturating_sub(tokens);
+            if finished {
+                l.in_flight = l.in_flight.saturating_sub(1);
+            }
+        }
         rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_sub(tokens);
         let pending = rt.queued_estimate();
         if let Some(r) = core.view.replica_mut(i) {
@@ -266,7 +379,13 @@ fn release_pending(core: &mut Core, i: usize, tokens: u64) {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut core = self.node.lock();
-        release_pending(&mut core, self.replica, self.pending_tokens);
+        release_pending(
+            &mut core,
+            self.replica,
+            self.pending_tokens,
+            self.rank,
+            true,
+        );
         core.view.finished(self.replica);
         if let Some(t) = &self.tenant {
             core.router.tenants.finished(t, self.replica);

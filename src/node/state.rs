@@ -17,6 +17,7 @@ use super::mesh_state::{worst, NodeMesh, ReplicaMesh};
 use super::metrics::Metrics;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
+use crate::core::dp_rank::RankLoad;
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
@@ -72,6 +73,11 @@ pub struct ReplicaRuntime {
     /// Drained by an operator command (`admin.rs`): takes nothing new until added again, even
     /// when a DNS answer or a peer's record brings it back into the registry.
     pub admin_drained: bool,
+    /// This node's load on each data-parallel rank it named (`routing.rs`), grown as ranks are
+    /// named (at most `kv_source.dp_ranks` ≤ 64 entries).
+    pub rank_loads: Vec<RankLoad>,
+    /// Rotates the rank chosen among equal costs (cold prefixes spread over the ranks).
+    pub rank_rotate: usize,
 }
 
 impl ReplicaRuntime {

@@ -440,7 +440,14 @@ async fn proxy(
             attempt_span = Some(span);
         }
         let sent_at = Instant::now();
-        let mut send = std::pin::pin!(send_to(node, &endpoint, path, &headers, &body));
+        let mut send = std::pin::pin!(send_to(
+            node,
+            &endpoint,
+            ticket.rank(),
+            path,
+            &headers,
+            &body
+        ));
         let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
         // `None`: nothing within the first-byte timeout.
         let answer = if attempt == 0
@@ -474,6 +481,7 @@ async fn proxy(
                             let hedge = std::pin::pin!(send_to(
                                 node,
                                 &e2,
+                                t2.rank(),
                                 path,
                                 hedge_headers.as_ref().unwrap_or(&headers),
                                 &body
@@ -615,19 +623,25 @@ async fn proxy(
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
 }
 
-/// Sends the request's original bytes to replica `endpoint` (pinned by the caller, on its stack).
+/// Sends the request's original bytes to replica `endpoint` (pinned by the caller, on its stack),
+/// naming the data-parallel `rank` the node chose, if any (header, or body field for SGLang).
 fn send_to(
     node: &Node,
     endpoint: &crate::node::Endpoint,
+    rank: Option<crate::node::RankTarget>,
     path: &str,
     headers: &HeaderMap,
     body: &Bytes,
 ) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
-    node.client
+    let req = node
+        .client
         .post(format!("{}{}", endpoint.base, path))
-        .headers(headers.clone())
-        .body(body.clone())
-        .send()
+        .headers(headers.clone());
+    match rank {
+        Some(rank) => rank.apply(req, body),
+        None => req.body(body.clone()),
+    }
+    .send()
 }
 
 fn decision_header(d: &crate::core::router::Routed) -> String {

@@ -6,7 +6,7 @@ use anyhow::Context;
 
 use crate::engine_sim::Preset;
 
-use super::config::{KvEventsConfig, ReplicaConfig};
+use super::config::{KvEventsConfig, ReplicaConfig, MAX_DP_RANKS};
 
 /// `kvmesh replica` flags. Flags override the `--config` file, which overrides the defaults.
 #[derive(Debug, Clone, clap::Args)]
@@ -41,6 +41,10 @@ pub struct ReplicaArgs {
     /// Topic frame of KV event messages.
     #[arg(long, requires = "kv_events_port")]
     pub kv_topic: Option<String>,
+    /// Data-parallel ranks (independent engines behind this address; rank r publishes KV
+    /// events on the KV-event port + r).
+    #[arg(long)]
+    pub dp_ranks: Option<u16>,
     /// Fault: probability of answering 500.
     #[arg(long)]
     pub fault_error_rate: Option<f64>,
@@ -106,6 +110,13 @@ impl ReplicaArgs {
                 kv.topic = topic;
             }
         }
+        if let Some(n) = self.dp_ranks {
+            cfg.dp_ranks = n;
+        }
+        anyhow::ensure!(
+            (1..=MAX_DP_RANKS).contains(&cfg.dp_ranks),
+            "--dp-ranks must be within 1..={MAX_DP_RANKS}"
+        );
         let f = &mut cfg.faults;
         if let Some(v) = self.fault_error_rate {
             anyhow::ensure!(
@@ -194,6 +205,9 @@ mod tests {
         assert!(parse(&["--time-scale", "1e-300"]).is_err());
         assert!(parse(&["--preset", "nope"]).is_err());
         assert!(parse(&["--kv-replay-port", "1"]).is_err());
+        assert_eq!(parse(&["--dp-ranks", "4"]).unwrap().dp_ranks, 4);
+        assert!(parse(&["--dp-ranks", "0"]).is_err());
+        assert!(parse(&["--dp-ranks", "65"]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

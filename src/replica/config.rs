@@ -7,6 +7,9 @@ use crate::engine_sim::EngineConfig;
 
 use super::faults::FaultConfig;
 
+/// Most data-parallel ranks a simulated replica runs (as many as a node follows per replica).
+pub const MAX_DP_RANKS: u16 = 64;
+
 /// Everything a replica needs to run. All fields have defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -27,6 +30,13 @@ pub struct ReplicaConfig {
     pub default_max_tokens: u32,
     /// KV events over ZMQ; `None` (the default) disables them.
     pub kv_events: Option<KvEventsConfig>,
+    /// Data-parallel ranks: this many independent engines (each with `engine`'s capacity and
+    /// batch) behind one address, as vLLM's `--data-parallel-size`. Rank r publishes its KV
+    /// events on `kv_events.port + r` (replay port + r). A request names its rank with the
+    /// `X-data-parallel-rank` header (vLLM) or a `data_parallel_rank` body field (SGLang);
+    /// otherwise the replica's own balancer picks the rank with the fewest requests in flight
+    /// (round-robin among equals), like vLLM's internal DP load balancer. 1..=64; default 1.
+    pub dp_ranks: u16,
     /// Fault injection; all off by default.
     pub faults: FaultConfig,
     /// Whether the crash fault exits the process (true, the CLI's behaviour) or only stops this
@@ -45,6 +55,7 @@ impl Default for ReplicaConfig {
             max_body_bytes: 8 << 20,
             default_max_tokens: 16,
             kv_events: None,
+            dp_ranks: 1,
             faults: FaultConfig::default(),
             exit_on_crash: true,
         }

@@ -1,6 +1,7 @@
 //! The real-time driver: one tokio task owns the engine model and runs it against the wall clock,
 //! waking at the engine's next event time (already divided by the time scale) or when a request
-//! arrives. Handlers talk to it by message, so the sans-IO model needs no locking.
+//! arrives. Handlers talk to it by message, so the sans-IO model needs no locking. A replica with
+//! several data-parallel ranks runs one driver per rank, each with its own engine and publisher.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,9 +34,10 @@ pub enum Command {
     ResetPrefixCache(tokio::sync::oneshot::Sender<bool>),
 }
 
-/// Runs until every command sender is dropped.
+/// Runs data-parallel rank `rank`'s engine until every command sender is dropped.
 pub async fn run(
     cfg: EngineConfig,
+    rank: u16,
     mut rx: mpsc::UnboundedReceiver<Command>,
     metrics: Metrics,
     publisher: Option<Arc<KvPublisher>>,
@@ -108,14 +110,14 @@ pub async fn run(
         }
         if let Some(publisher) = &publisher {
             for batch in engine.take_kv_batches() {
-                publisher.publish(to_wire(batch.events, block_size));
+                publisher.publish(to_wire(batch.events, block_size, rank));
             }
         }
-        metrics.update(&engine.stats());
+        metrics.update_rank(usize::from(rank), &engine.stats());
     }
 }
 
-fn to_wire(events: Vec<CacheEvent>, block_size: u32) -> EventBatch {
+fn to_wire(events: Vec<CacheEvent>, block_size: u32, rank: u16) -> EventBatch {
     let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
@@ -147,6 +149,6 @@ fn to_wire(events: Vec<CacheEvent>, block_size: u32) -> EventBatch {
     EventBatch {
         ts,
         events,
-        data_parallel_rank: Some(0),
+        data_parallel_rank: Some(i64::from(rank)),
     }
 }

@@ -1,9 +1,12 @@
 //! HTTP handlers: the OpenAI-compatible surface, vLLM's tokenizer endpoints, health/load/metrics
 //! probes and the fault admin endpoint. Completions are handed to the driver task; responses follow
 //! the engine model's timing (headers and the first chunk leave when the first token exists).
+//! With several data-parallel ranks a completion goes to the rank it names (`X-data-parallel-rank`
+//! header, vLLM; `data_parallel_rank` body field, SGLang) or, naming none, to the rank with the
+//! fewest requests in flight: the engine's own balancer, which knows nothing of prefixes.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,8 +40,12 @@ pub struct Shared {
     pub max_body_bytes: usize,
     /// Default `max_tokens`.
     pub default_max_tokens: u32,
-    /// Channel to the engine driver.
-    pub driver: mpsc::UnboundedSender<Command>,
+    /// Channels to the engine drivers, one per data-parallel rank (at least one).
+    pub drivers: Vec<mpsc::UnboundedSender<Command>>,
+    /// Completion requests in flight per rank (the balancer's load signal).
+    pub rank_in_flight: Vec<Arc<AtomicI64>>,
+    /// Where the balancer's round-robin among equally loaded ranks goes next.
+    pub next_rank: AtomicUsize,
     /// Metrics registry.
     pub metrics: Metrics,
     /// Fault state.
@@ -171,16 +178,75 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn reset_prefix_cache(State(s): State<Arc<Shared>>) -> Response {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    if s.driver.send(Command::ResetPrefixCache(tx)).is_err() {
-        return unavailable("engine stopped");
+    // Every rank's cache; the answer is OK only if all were cleared.
+    let mut all = true;
+    for driver in &s.drivers {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if driver.send(Command::ResetPrefixCache(tx)).is_err() {
+            return unavailable("engine stopped");
+        }
+        match rx.await {
+            Ok(cleared) => all &= cleared,
+            Err(_) => return unavailable("engine stopped"),
+        }
     }
-    match rx.await {
-        Ok(true) => StatusCode::OK.into_response(),
-        Ok(false) => ApiError::bad_request("the prefix cache is in use by running requests", None)
-            .into_response(),
-        Err(_) => unavailable("engine stopped"),
+    if all {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::bad_request("the prefix cache is in use by running requests", None)
+            .into_response()
     }
+}
+
+/// vLLM's header naming the data-parallel rank a request must run on.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// SGLang's body field naming the data-parallel rank.
+pub const DP_RANK_FIELD: &str = "data_parallel_rank";
+/// Response header: the rank that served the request.
+pub const SERVED_RANK_HEADER: &str = "x-kvmesh-dp-rank";
+
+/// The rank a request names (header first, then body field), if any; an unparsable or
+/// out-of-range rank is a client error, as in vLLM.
+fn named_rank(s: &Shared, headers: &HeaderMap, body: &Value) -> Result<Option<usize>, ApiError> {
+    let ranks = s.drivers.len();
+    let bad = || {
+        ApiError::bad_request(
+            format!("the data-parallel rank must be an integer in 0..{ranks}"),
+            Some(DP_RANK_FIELD),
+        )
+    };
+    let named = if let Some(v) = headers.get(DP_RANK_HEADER) {
+        let r = v.to_str().ok().and_then(|v| v.trim().parse::<usize>().ok());
+        Some(r.ok_or_else(bad)?)
+    } else {
+        match body.get(DP_RANK_FIELD) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|r| usize::try_from(r).ok())
+                    .ok_or_else(bad)?,
+            ),
+        }
+    };
+    match named {
+        Some(r) if r >= ranks => Err(bad()),
+        other => Ok(other),
+    }
+}
+
+/// The engine's own balancer: the rank with the fewest requests in flight, round-robin among
+/// equals (vLLM's internal DP balancer also goes by queue lengths, not by cached prefixes).
+fn balanced_rank(s: &Shared) -> usize {
+    let n = s.rank_in_flight.len().max(1);
+    let start = s.next_rank.fetch_add(1, Ordering::Relaxed) % n;
+    (0..n)
+        .map(|k| (start + k) % n)
+        .min_by_key(|r| {
+            s.rank_in_flight
+                .get(*r)
+                .map_or(i64::MAX, |c| c.load(Ordering::Relaxed))
+        })
+        .unwrap_or(0)
 }
 
 async fn get_faults(State(s): State<Arc<Shared>>) -> Json<Value> {
@@ -295,15 +361,28 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
         }
     }
     let in_flight = InFlight::new(&s.in_flight);
-    let parsed = match read_body(&s, &headers, body)
-        .await
-        .and_then(|v| match kind {
-            Kind::Completion => openai::parse_completion(&v, s.default_max_tokens),
-            Kind::Chat => openai::parse_chat(&v, s.default_max_tokens),
-        }) {
+    let body = match read_body(&s, &headers, body).await {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    let parsed = match kind {
+        Kind::Completion => openai::parse_completion(&body, s.default_max_tokens),
+        Kind::Chat => openai::parse_chat(&body, s.default_max_tokens),
+    };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    let rank = match named_rank(&s, &headers, &body) {
+        Ok(Some(r)) => r,
+        Ok(None) => balanced_rank(&s),
+        Err(e) => return e.into_response(),
+    };
+    drop(body);
+    let (Some(driver), Some(rank_load)) = (s.drivers.get(rank), s.rank_in_flight.get(rank)) else {
+        return unavailable("engine stopped");
+    };
+    let rank_in_flight = InFlight::new(rank_load);
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel::<Update>();
     let req = Request {
@@ -311,7 +390,7 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
         prompt: parsed.prompt,
         max_tokens: parsed.max_tokens,
     };
-    if s.driver.send(Command::Submit { req, tx }).is_err() {
+    if driver.send(Command::Submit { req, tx }).is_err() {
         return unavailable("engine stopped");
     }
     // Dropping `rx` (client gone) makes the driver cancel the request at its next output.
@@ -351,7 +430,7 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
             parsed.include_usage,
             cached,
             prompt_tokens,
-            in_flight,
+            (in_flight, rank_in_flight),
         )
     } else {
         let mut generated = 1;
@@ -365,7 +444,7 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
                 None => return unavailable("engine stopped mid-request"),
             }
         }
-        drop(in_flight);
+        drop((in_flight, rank_in_flight));
         s.metrics.success.inc();
         let usage = Usage {
             prompt: prompt_tokens,
@@ -379,6 +458,7 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
         ("x-kvmesh-replica", s.id.clone()),
         ("x-kvmesh-cached-tokens", cached.to_string()),
         ("x-kvmesh-prompt-tokens", prompt_tokens.to_string()),
+        (SERVED_RANK_HEADER, rank.to_string()),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {
             h.insert(name, v);
@@ -396,7 +476,7 @@ fn stream_response(
     include_usage: bool,
     cached: usize,
     prompt_tokens: usize,
-    in_flight: InFlight,
+    in_flight: (InFlight, InFlight),
 ) -> Response {
     let (body_tx, body_rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {

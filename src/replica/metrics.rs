@@ -30,6 +30,8 @@ pub struct Metrics {
     /// How late the driver ran engine steps versus the model's schedule, seconds: the instrument's
     /// own fidelity (large values mean the replica process, not the model, is the bottleneck).
     pub driver_lag: Histogram,
+    /// The latest stats of each data-parallel rank's engine, summed into the gauges.
+    ranks: std::sync::Arc<std::sync::Mutex<Vec<EngineStats>>>,
 }
 
 impl Metrics {
@@ -117,19 +119,45 @@ impl Metrics {
             ttft,
             success,
             driver_lag,
+            ranks: Default::default(),
         })
     }
 
-    /// Mirrors the engine's gauges and counters.
+    /// Mirrors the engine's gauges and counters (a replica with one data-parallel rank).
     pub fn update(&self, stats: &EngineStats) {
-        self.running.set(stats.running as i64);
-        self.waiting.set(stats.waiting as i64);
-        self.kv_usage.set(stats.kv_usage);
-        let q = stats
+        self.update_rank(0, stats);
+    }
+
+    /// Mirrors data-parallel rank `rank`'s engine: the replica's gauges and counters are the
+    /// sums over its ranks (KV usage their mean), as one `/metrics` per replica shows them.
+    pub fn update_rank(&self, rank: usize, stats: &EngineStats) {
+        let total = {
+            let Ok(mut ranks) = self.ranks.lock() else {
+                return;
+            };
+            if ranks.len() <= rank {
+                ranks.resize(rank + 1, EngineStats::default());
+            }
+            ranks[rank] = *stats;
+            let mut t = EngineStats::default();
+            for s in ranks.iter() {
+                t.running += s.running;
+                t.waiting += s.waiting;
+                t.kv_usage += s.kv_usage;
+                t.prefix_query_tokens += s.prefix_query_tokens;
+                t.prefix_hit_tokens += s.prefix_hit_tokens;
+            }
+            t.kv_usage /= ranks.len().max(1) as f64;
+            t
+        };
+        self.running.set(total.running as i64);
+        self.waiting.set(total.waiting as i64);
+        self.kv_usage.set(total.kv_usage);
+        let q = total
             .prefix_query_tokens
             .saturating_sub(self.prefix_queries.get());
         self.prefix_queries.inc_by(q);
-        let h = stats
+        let h = total
             .prefix_hit_tokens
             .saturating_sub(self.prefix_hits.get());
         self.prefix_hits.inc_by(h);

@@ -122,6 +122,7 @@ impl DnsKvEvents {
             replay: self.replay_port.map(tcp),
             topic: self.topic.clone(),
             dp_ranks: self.dp_ranks,
+            rank_routing: None,
             max_message_bytes: self.max_message_bytes,
             max_buffered_bytes: self.max_buffered_bytes,
         }

@@ -42,7 +42,7 @@ use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 
-use super::kv_index::{EventIndex, Op};
+use super::kv_index::{EventIndex, Op, MAX_TRACKED_RANKS};
 use super::kv_stream::{Action, SeqTracker};
 use super::zmtp::{SocketType, ZmtpConnection, ZmtpError, ZmtpLimits};
 use crate::core::keys::BlockKey;
@@ -84,6 +84,13 @@ pub struct KvEventsSource {
     /// Default 1.
     #[serde(default = "one_rank")]
     pub dp_ranks: u16,
+    /// How the home node names the data-parallel rank holding a request's prefix: `"header"`
+    /// (vLLM's `X-data-parallel-rank`), `"body"` (SGLang's `data_parallel_rank` field; the body
+    /// is then re-serialized with it) or `"off"` (the engine's own balancer picks). Default:
+    /// `"header"` when `dp_ranks` > 1, else `"off"`. Only a node whose cache model of the
+    /// replica follows its events names a rank.
+    #[serde(default)]
+    pub rank_routing: Option<RankRouting>,
     /// Largest event message (all frames) accepted, in bytes; a peer declaring more is
     /// disconnected before anything is allocated. Default 4 MiB.
     #[serde(default = "default_max_message_bytes")]
@@ -92,6 +99,18 @@ pub struct KvEventsSource {
     /// past it the replay is abandoned and the replica cleared. Default 64 MiB.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: usize,
+}
+
+/// How a request names the data-parallel rank it must run on (`kv_events.rank_routing`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RankRouting {
+    /// vLLM: the `X-data-parallel-rank` request header; the body passes byte for byte.
+    Header,
+    /// SGLang: a `data_parallel_rank` field added to the JSON body.
+    Body,
+    /// Name no rank.
+    Off,
 }
 
 fn one_rank() -> u16 {
@@ -141,8 +160,19 @@ impl KvEventsSource {
             replay: None,
             topic: String::new(),
             dp_ranks: 1,
+            rank_routing: None,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+        }
+    }
+
+    /// How requests name a rank: as configured, else header with several ranks; always off
+    /// with one rank.
+    pub fn rank_routing(&self) -> RankRouting {
+        match self.rank_routing {
+            _ if self.dp_ranks <= 1 => RankRouting::Off,
+            Some(r) => r,
+            None => RankRouting::Header,
         }
     }
 
@@ -157,8 +187,12 @@ impl KvEventsSource {
 
     /// Checks the endpoints, rank count and limits; the message names the field at fault.
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
-        if self.dp_ranks == 0 {
-            return Err(("dp_ranks", "must be at least 1".into()));
+        // Rank sets are 64-bit masks (`kv_index::MAX_TRACKED_RANKS`), as gossip bounds them.
+        if !(1..=MAX_TRACKED_RANKS).contains(&usize::from(self.dp_ranks)) {
+            return Err((
+                "dp_ranks",
+                format!("must be within 1..={MAX_TRACKED_RANKS}"),
+            ));
         }
         for (field, v) in [
             ("max_message_bytes", self.max_message_bytes),
@@ -692,7 +726,16 @@ impl EventLoop {
             .all(|r| r.connected && !r.tracker.replaying());
         if up != self.exact {
             match self.sink.set_exact(self.i, up, &self.index.tiered_keys()) {
-                Ok(()) => self.exact = up,
+                Ok(()) => {
+                    self.exact = up;
+                    // A new exact model of a multi-rank replica learns who holds what.
+                    let sets = self.index.rank_sets();
+                    if up && !sets.is_empty() {
+                        if let Err(e) = self.sink.apply_ops(self.i, &[Op::Ranks(sets)]) {
+                            tracing::warn!(replica = %self.id, error = %e, "cannot apply rank sets");
+                        }
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(replica = %self.id, error = %e, "cannot switch cache model")
                 }

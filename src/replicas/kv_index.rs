@@ -11,7 +11,10 @@
 //! held while any rank holds it in any tier, so the index counts holders and reports a key as
 //! removed only when the last one lets go. A key's tier for the summary is the best tier any
 //! holder has it in; when that changes (offload: the GPU copy goes while a CPU copy stays) the
-//! index emits the key again with its new tier. Sans-IO: [`EventIndex::apply`] returns the cache-model
+//! index emits the key again with its new tier. With more than one rank it also keeps, per key,
+//! the set of ranks holding it (a 64-bit mask; ranks ≤ 64) and after each batch emits the new
+//! sets of the keys whose set changed ([`Op::Ranks`]), so the node's cache model can say which
+//! rank holds a request's prefix and route to that rank. Sans-IO: [`EventIndex::apply`] returns the cache-model
 //! operations ([`Op`]) for the node to carry out under its lock.
 //!
 //! Rules: only KV-cache group 0 / full attention is indexed (hybrid models' other groups are
@@ -54,6 +57,22 @@ pub enum Op {
     Remove(Vec<BlockKey>),
     /// Nothing is held any more: start a new, empty epoch.
     Clear,
+    /// Keys still held whose set of holding ranks changed, with the new set (bit r = rank r),
+    /// after this batch's stores and removals. Only for replicas with more than one rank.
+    Ranks(Vec<(BlockKey, u64)>),
+}
+
+/// Most data-parallel ranks whose holding the index tells apart (the bits of a mask); a node
+/// follows at most this many per replica (`schema::bounds`).
+pub const MAX_TRACKED_RANKS: usize = 64;
+
+/// Bit of `rank` in a rank mask (0 for a rank past [`MAX_TRACKED_RANKS`], never configured).
+pub fn rank_bit(rank: usize) -> u64 {
+    if rank < MAX_TRACKED_RANKS {
+        1u64 << rank
+    } else {
+        0
+    }
 }
 
 /// Counters of what the index skipped, for metrics and tests.
@@ -90,6 +109,8 @@ struct Holders {
     count: u32,
     /// Entries holding it in each tier, indexed by `Tier as usize`.
     per_tier: [u32; 3],
+    /// Ranks with at least one entry holding it (bit r = rank r).
+    ranks: u64,
 }
 
 impl Holders {
@@ -117,6 +138,12 @@ pub struct EventIndex {
     ranks: Vec<HashMap<u64, Entry>>,
     /// Per key, which (rank, engine hash) entries hold it, in which tiers.
     holders: HashMap<u64, Holders>,
+    /// Entries of one rank holding a key beyond its first (two engine hashes of one content,
+    /// which a prefix cache should not have): (key, rank) → how many more. Keeps a rank's bit
+    /// until its last entry for the key goes; empty in practice.
+    extra: HashMap<(u64, usize), u32>,
+    /// Keys whose rank set changed in the batch being applied (multi-rank replicas only).
+    changed: Vec<u64>,
     /// Tokens per block of the last `BlockStored` seen.
     block_size: Option<u32>,
     stats: IndexStats,
@@ -159,6 +186,23 @@ impl EventIndex {
             .collect()
     }
 
+    /// The ranks holding `key` (bit r = rank r; 0 if none).
+    pub fn ranks_of(&self, key: BlockKey) -> u64 {
+        self.holders.get(&key.0).map_or(0, |h| h.ranks)
+    }
+
+    /// Every key held with the ranks holding it (to seed a new cache model); empty for a
+    /// replica with one rank, whose model needs no ranks.
+    pub fn rank_sets(&self) -> Vec<(BlockKey, u64)> {
+        if self.ranks.len() <= 1 {
+            return Vec::new();
+        }
+        self.holders
+            .iter()
+            .map(|(k, h)| (BlockKey(*k), h.ranks))
+            .collect()
+    }
+
     /// The best tier `key` is held in, if held.
     pub fn tier(&self, key: BlockKey) -> Option<Tier> {
         self.holders.get(&key.0).and_then(Holders::best)
@@ -194,21 +238,74 @@ impl EventIndex {
             match event {
                 KvEvent::BlockStored(e) => self.stored(rank, e, ops),
                 KvEvent::BlockRemoved(e) => self.removed(rank, e, ops),
-                KvEvent::AllBlocksCleared => self.clear_rank(rank, ops),
+                KvEvent::AllBlocksCleared => self.clear_rank_ops(rank, ops),
                 KvEvent::Unknown(_) => {}
             }
         }
+        self.push_rank_changes(ops);
     }
 
     /// Forgets everything `rank` held (its stream was reset).
     pub fn clear_rank(&mut self, rank: usize, ops: &mut Vec<Op>) {
+        self.clear_rank_ops(rank, ops);
+        self.push_rank_changes(ops);
+    }
+
+    /// Emits the new rank sets of the keys whose set changed, once each, if still held (a key
+    /// gone is in a `Remove` or `Clear` already).
+    fn push_rank_changes(&mut self, ops: &mut Vec<Op>) {
+        if self.changed.is_empty() {
+            return;
+        }
+        let mut changed = std::mem::take(&mut self.changed);
+        changed.sort_unstable();
+        changed.dedup();
+        let sets: Vec<(BlockKey, u64)> = changed
+            .iter()
+            .filter_map(|k| Some((BlockKey(*k), self.holders.get(k)?.ranks)))
+            .collect();
+        changed.clear();
+        self.changed = changed;
+        if !sets.is_empty() {
+            ops.push(Op::Ranks(sets));
+        }
+    }
+
+    /// Notes that `rank` now holds `key` through one more entry.
+    fn hold_rank(&mut self, key: u64, rank: usize) {
+        let Some(h) = self.holders.get_mut(&key) else {
+            return;
+        };
+        let bit = rank_bit(rank);
+        if h.ranks & bit != 0 {
+            *self.extra.entry((key, rank)).or_insert(0) += 1;
+        } else {
+            h.ranks |= bit;
+            if self.ranks.len() > 1 {
+                self.changed.push(key);
+            }
+        }
+    }
+
+    fn clear_rank_ops(&mut self, rank: usize, ops: &mut Vec<Op>) {
+        let multi = self.ranks.len() > 1;
         let Some(blocks) = self.ranks.get_mut(rank) else {
             return;
         };
         let mut gone = Vec::new();
         let mut moved: [Vec<BlockKey>; 3] = Default::default();
         for (_, e) in blocks.drain() {
-            match release(&mut self.holders, e) {
+            let before = self.holders.get(&e.key).map(|h| h.ranks);
+            let released = release(&mut self.holders, &mut self.extra, e, rank);
+            if multi
+                && self
+                    .holders
+                    .get(&e.key)
+                    .is_some_and(|h| Some(h.ranks) != before)
+            {
+                self.changed.push(e.key);
+            }
+            match released {
                 Release::Last => gone.push(BlockKey(e.key)),
                 Release::Moved(t) => moved[t as usize].push(BlockKey(e.key)),
                 Release::Kept => {}
@@ -259,6 +356,9 @@ impl EventIndex {
             },
         };
         let mut new = Vec::with_capacity(n);
+        // Keys this rank gained an entry for (their rank sets are updated after the loop, which
+        // borrows the rank's blocks).
+        let mut fresh = Vec::new();
         for (hash, tokens) in e.block_hashes.iter().zip(e.token_ids.chunks_exact(bs)) {
             let key = chain_tokens(prev, tokens);
             prev = key;
@@ -298,8 +398,12 @@ impl EventIndex {
                     if h.best() != before {
                         new.push(BlockKey(key));
                     }
+                    fresh.push(key);
                 }
             }
+        }
+        for key in fresh {
+            self.hold_rank(key, rank);
         }
         if !new.is_empty() {
             ops.push(Op::Store(new, tier));
@@ -312,6 +416,7 @@ impl EventIndex {
             return;
         }
         let b = bit(Tier::from_medium(e.medium.as_deref()));
+        let multi = self.ranks.len() > 1;
         let blocks = &mut self.ranks[rank];
         let mut gone = Vec::new();
         let mut moved: [Vec<BlockKey>; 3] = Default::default();
@@ -339,7 +444,18 @@ impl EventIndex {
             let gone_entry = *entry;
             blocks.remove(hash);
             self.stats.removed += 1;
-            match release(&mut self.holders, gone_entry) {
+            let key = gone_entry.key;
+            let before = self.holders.get(&key).map(|h| h.ranks);
+            let released = release(&mut self.holders, &mut self.extra, gone_entry, rank);
+            if multi
+                && self
+                    .holders
+                    .get(&key)
+                    .is_some_and(|h| Some(h.ranks) != before)
+            {
+                self.changed.push(key);
+            }
+            match released {
                 Release::Last => gone.push(BlockKey(gone_entry.key)),
                 Release::Moved(t) => moved[t as usize].push(BlockKey(gone_entry.key)),
                 Release::Kept => {}
@@ -363,11 +479,24 @@ enum Release {
     Kept,
 }
 
-/// Drops holder entry `e` (all its tiers) of its key.
-fn release(holders: &mut HashMap<u64, Holders>, e: Entry) -> Release {
+/// Drops holder entry `e` (all its tiers) of its key, which `rank` held it through.
+fn release(
+    holders: &mut HashMap<u64, Holders>,
+    extra: &mut HashMap<(u64, usize), u32>,
+    e: Entry,
+    rank: usize,
+) -> Release {
     let Some(h) = holders.get_mut(&e.key) else {
         return Release::Kept;
     };
+    // The rank keeps its bit while another of its entries holds the key.
+    match extra.get_mut(&(e.key, rank)) {
+        Some(n) if *n > 1 => *n -= 1,
+        Some(_) => {
+            extra.remove(&(e.key, rank));
+        }
+        None => h.ranks &= !rank_bit(rank),
+    }
     if h.count <= 1 {
         holders.remove(&e.key);
         return Release::Last;
@@ -621,12 +750,25 @@ mod tests {
             &batch(vec![stored(vec![9], None, tokens.clone(), 4)]),
             &mut ops,
         );
-        assert_eq!(ops, vec![Op::Store(want.clone(), Tier::Gpu)]);
+        // Held from rank 0, then from ranks 0 and 1 (the CPU copy changes neither).
+        assert_eq!(
+            ops,
+            vec![
+                Op::Store(want.clone(), Tier::Gpu),
+                Op::Ranks(vec![(want[0], 0b01)]),
+                Op::Ranks(vec![(want[0], 0b11)])
+            ]
+        );
         assert_eq!(idx.tier_counts(), (2, 1, 0));
         ops.clear();
         idx.apply(0, &batch(vec![removed(vec![1], "GPU")]), &mut ops);
         idx.apply(0, &batch(vec![removed(vec![1], "CPU")]), &mut ops);
-        assert!(ops.is_empty(), "rank 1 still holds it");
+        assert_eq!(
+            ops,
+            vec![Op::Ranks(vec![(want[0], 0b10)])],
+            "rank 1 still holds it"
+        );
+        ops.clear();
         idx.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), &mut ops);
         assert_eq!(ops, vec![Op::Clear]);
         assert!(idx.is_empty());
@@ -662,6 +804,7 @@ mod tests {
                     Op::Store(k, t) => model.store_tier(k, *t, now),
                     Op::Remove(k) => model.remove(k),
                     Op::Clear => model.clear().unwrap(),
+                    Op::Ranks(sets) => model.set_ranks(sets),
                 }
             }
             ops
@@ -783,6 +926,9 @@ mod tests {
         ) {
             let mut idx = EventIndex::new(2);
             let mut model: HashMap<BlockKey, Tier> = HashMap::new();
+            // What a cache model learns of each key's ranks from the operations: a new key
+            // starts unknown (0), `Ranks` sets it.
+            let mut masks: HashMap<BlockKey, u64> = HashMap::new();
             for (kind, rank, h, parent, tok, medium) in events {
                 let medium = ["GPU", "CPU", "DISK"][medium as usize];
                 let event = match kind {
@@ -798,16 +944,103 @@ mod tests {
                 idx.apply(rank, &batch(vec![event]), &mut ops);
                 for op in ops {
                     match op {
-                        Op::Store(k, t) => model.extend(k.into_iter().map(|k| (k, t))),
-                        Op::Remove(k) => for x in k { model.remove(&x); },
-                        Op::Clear => model.clear(),
+                        Op::Store(k, t) => {
+                            for key in &k {
+                                masks.entry(*key).or_insert(0);
+                            }
+                            model.extend(k.into_iter().map(|k| (k, t)))
+                        }
+                        Op::Remove(k) => for x in k { model.remove(&x); masks.remove(&x); },
+                        Op::Clear => { model.clear(); masks.clear(); }
+                        Op::Ranks(sets) => for (k, m) in sets {
+                            if let Some(slot) = masks.get_mut(&k) {
+                                *slot = m;
+                            }
+                        },
                     }
                 }
                 let want: HashMap<BlockKey, Tier> = idx.tiered_keys().into_iter().collect();
                 proptest::prop_assert_eq!(&model, &want);
+                for k in want.keys() {
+                    proptest::prop_assert_eq!(masks.get(k).copied(), Some(idx.ranks_of(*k)), "ranks of {:?}", k);
+                    proptest::prop_assert_ne!(idx.ranks_of(*k), 0);
+                }
                 let keys: HashSet<BlockKey> = idx.keys().into_iter().collect();
                 proptest::prop_assert_eq!(keys.len(), want.len());
             }
+        }
+    }
+
+    #[test]
+    fn each_key_knows_its_ranks_and_changes_are_emitted_once_per_batch() {
+        let tokens = vec![1, 2, 3, 4, 5, 6, 7, 8];
+        let want = expected(&tokens, 4);
+        let mut idx = EventIndex::new(4);
+        let mut ops = Vec::new();
+        idx.apply(
+            1,
+            &batch(vec![stored(vec![10, 11], None, tokens.clone(), 4)]),
+            &mut ops,
+        );
+        assert_eq!(
+            ops.drain(..).map(sorted).collect::<Vec<_>>(),
+            vec![
+                Op::Store(want.clone(), Tier::Gpu),
+                sorted(Op::Ranks(vec![(want[0], 0b10), (want[1], 0b10)]))
+            ]
+        );
+        // Rank 3 stores the first block under its own hash: no new key, only a rank change.
+        ops.clear();
+        idx.apply(
+            3,
+            &batch(vec![stored(vec![30], None, tokens[..4].to_vec(), 4)]),
+            &mut ops,
+        );
+        assert_eq!(ops, vec![Op::Ranks(vec![(want[0], 0b1010)])]);
+        assert_eq!(idx.ranks_of(want[1]), 0b10);
+        // Rank 1 evicts both: block 0 stays (rank 3), block 1 goes.
+        ops.clear();
+        idx.apply(1, &batch(vec![removed(vec![11, 10], "GPU")]), &mut ops);
+        assert_eq!(
+            ops,
+            vec![
+                Op::Remove(vec![want[1]]),
+                Op::Ranks(vec![(want[0], 0b1000)])
+            ]
+        );
+        // A rank holding one content under two hashes keeps its bit until both go.
+        ops.clear();
+        idx.apply(
+            3,
+            &batch(vec![stored(vec![31], None, tokens[..4].to_vec(), 4)]),
+            &mut ops,
+        );
+        assert!(ops.is_empty(), "{ops:?}");
+        idx.apply(3, &batch(vec![removed(vec![30], "GPU")]), &mut ops);
+        assert!(ops.is_empty(), "{ops:?}");
+        assert_eq!(idx.ranks_of(want[0]), 0b1000);
+        idx.clear_rank(3, &mut ops);
+        assert_eq!(ops, vec![Op::Clear]);
+        // One rank: the index keeps no rank sets and emits none.
+        let mut one = EventIndex::new(1);
+        ops.clear();
+        one.apply(
+            0,
+            &batch(vec![stored(vec![1], None, tokens[..4].to_vec(), 4)]),
+            &mut ops,
+        );
+        assert_eq!(ops, vec![Op::Store(want[..1].to_vec(), Tier::Gpu)]);
+        assert!(one.rank_sets().is_empty());
+    }
+
+    /// `Op::Ranks` with its keys in key order (the index sorts them by key value).
+    fn sorted(op: Op) -> Op {
+        match op {
+            Op::Ranks(mut sets) => {
+                sets.sort_unstable_by_key(|(k, _)| k.0);
+                Op::Ranks(sets)
+            }
+            other => other,
         }
     }
 

@@ -22,6 +22,11 @@
 //! learned from the events' `block_size` or `vllm:cache_config_info`, and then becomes the view's
 //! `tokens_per_block`.
 //!
+//! `path = "builtin:kvmesh-sim"` selects the simulated replica's own rule instead of a file (one
+//! token per 4 bytes, `engine_sim::tokens`), so a node in front of `kvmesh replica` fleets keys
+//! completions exactly as their KV events do (chat requests, which it has no template for, use
+//! text mode): what tests and `kvmesh bench --dp-ranks` fleets need to exercise exact models.
+//!
 //! An isolated tenant's token keys include the tenant, so they never match event keys (only the
 //! node's own overlay): isolation wins over engine truth.
 
@@ -47,7 +52,8 @@ pub fn token_namespace(
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct TokenizerConfig {
-    /// The model's `tokenizer.json` (required).
+    /// The model's `tokenizer.json` (required), or `builtin:kvmesh-sim` for the simulated
+    /// replica's 4-bytes-per-token rule ([`BUILTIN_SIM`]).
     pub path: PathBuf,
     /// The model's `tokenizer_config.json`, for its `chat_template`, `bos_token` and
     /// `eos_token`. Default: none, and chat requests use text mode.
@@ -97,9 +103,20 @@ impl TokenizeError {
     }
 }
 
+/// The `[tokenizer].path` that selects the simulated replica's tokenization.
+pub const BUILTIN_SIM: &str = "builtin:kvmesh-sim";
+
+/// Where token ids come from.
+enum Encoder {
+    /// The model's Hugging Face tokenizer.
+    Hf(Box<tokenizers::Tokenizer>),
+    /// `engine_sim::tokens::tokenize`: the simulated replica's rule.
+    Sim,
+}
+
 /// The loaded tokenizer, chat template and block size of a node in token mode.
 pub struct TokenMode {
-    tokenizer: tokenizers::Tokenizer,
+    tokenizer: Encoder,
     template: Option<ChatTemplate>,
     /// 0 = unknown yet.
     block_size: AtomicU32,
@@ -250,8 +267,14 @@ fn token_ids(v: &Json) -> Option<Vec<u32>> {
 impl TokenMode {
     /// Loads the tokenizer and, if configured, the chat template.
     pub fn load(cfg: &TokenizerConfig) -> Result<Self, TokenizeError> {
-        let tokenizer =
-            tokenizers::Tokenizer::from_file(&cfg.path).map_err(|e| load_error(&cfg.path, e))?;
+        let tokenizer = if cfg.path.as_os_str() == BUILTIN_SIM {
+            Encoder::Sim
+        } else {
+            Encoder::Hf(Box::new(
+                tokenizers::Tokenizer::from_file(&cfg.path)
+                    .map_err(|e| load_error(&cfg.path, e))?,
+            ))
+        };
         let template = cfg
             .chat_template_config
             .as_deref()
@@ -325,10 +348,13 @@ impl TokenMode {
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
-            .encode(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+        match &self.tokenizer {
+            Encoder::Hf(t) => t
+                .encode(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TokenizeError::Encode(e.to_string())),
+            Encoder::Sim => Ok(crate::engine_sim::tokens::tokenize(text)),
+        }
     }
 
     /// Appends the request's block keys to `out` and returns its prompt tokens. `Err` means
@@ -513,5 +539,31 @@ pub(crate) mod tests {
         })
         .unwrap_err();
         assert!(matches!(e, TokenizeError::Load { .. }), "{e}");
+    }
+
+    #[test]
+    fn the_builtin_sim_tokenizer_keys_like_the_simulated_replica() {
+        let tm = TokenMode::load(&TokenizerConfig {
+            path: BUILTIN_SIM.into(),
+            chat_template_config: None,
+            block_size: Some(2),
+            models: vec![],
+        })
+        .unwrap();
+        let text = "0123456789abcdefXY";
+        let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
+        let mut got = Vec::new();
+        let n = tm
+            .request_keys(body.as_bytes(), token_namespace(None, None, None), &mut got)
+            .unwrap();
+        let ids = crate::engine_sim::tokens::tokenize(text);
+        assert_eq!(n, ids.len() as u64);
+        let mut want = Vec::new();
+        token_block_keys(token_namespace(None, None, None), &ids, 2, &mut want);
+        assert_eq!((got.len(), &got), (2, &want));
+        // No chat template: chat requests use text mode.
+        let chat =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        assert!(tm.request_tokens(chat.to_string().as_bytes()).is_err());
     }
 }

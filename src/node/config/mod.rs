@@ -693,6 +693,7 @@ pub struct ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replicas::kv_events::RankRouting;
 
     #[test]
     fn durations_that_would_overflow_are_refused() {
@@ -782,6 +783,24 @@ mod tests {
         let kv = c.replicas[0].kv_events.as_ref().unwrap();
         assert_eq!((kv.dp_ranks, kv.topic.as_str()), (2, ""));
         assert_eq!(c.tokenizer.as_ref().unwrap().block_size, Some(32));
+        // Several ranks name the rank by header unless told otherwise; one rank never does.
+        assert_eq!(kv.rank_routing(), RankRouting::Header);
+        let body = NodeConfig::from_toml(
+            "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:1\", dp_ranks = 4, rank_routing = \"body\" }",
+        )
+        .unwrap();
+        let kv = body.replicas[0].kv_events.as_ref().unwrap();
+        assert_eq!(kv.rank_routing(), RankRouting::Body);
+        let one = NodeConfig::from_toml(
+            "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:1\", rank_routing = \"header\" }",
+        )
+        .unwrap();
+        let kv = one.replicas[0].kv_events.as_ref().unwrap();
+        assert_eq!(kv.rank_routing(), RankRouting::Off);
+        assert!(NodeConfig::from_toml(
+            "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://a:1\", rank_routing = \"sideways\" }",
+        )
+        .is_err());
         for (toml, key) in [
             (
                 "[[replicas]]\nurl = \"http://a:1\"\nkv_events = { endpoint = \"tcp://*:5557\" }",

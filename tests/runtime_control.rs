@@ -426,6 +426,17 @@ async fn commands_need_the_token_and_bad_ones_get_a_clear_4xx() {
             );
         }
 
+        // `add` on a known id updates it in place: here its pool and capacity.
+        let resp = call(reqwest::Method::POST, "/admin/replicas")
+            .json(&json!({"url": url(&r1), "id": "r1", "pool": "premium", "max_in_flight": 8}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(listed(&n, "r1").is_some_and(|r| r.pool == "premium"));
+        let i = n.node.lock().view.index_of("r1").unwrap();
+        assert_eq!(n.node.lock().view.replica(i).unwrap().info.max_in_flight, 8);
+
         // Removed: out of routing at once, listed as removed until dropped.
         let resp = call(reqwest::Method::DELETE, "/admin/replicas/r2?wait_s=5")
             .send()

@@ -343,11 +343,17 @@ impl Router {
         &self.cfg
     }
 
-    /// Replaces the spill bar and cost parameters (a configuration reload). The policy and
-    /// the RNG stay: changing policy is a restart.
+    /// Replaces the spill bar and cost parameters (a configuration reload); the RNG stays.
     pub fn set_params(&mut self, spill_after_s: f64, cost: CostModel) {
         self.cfg.spill_after_s = spill_after_s;
         self.cfg.cost = cost;
+    }
+
+    /// Switches to policy `kind` (a configuration reload), with fresh policy state (a rotation
+    /// counter, a hash ring): the next decision is the new policy's first.
+    pub fn set_policy(&mut self, kind: PolicyKind) {
+        self.policy = kind.build();
+        self.cfg.policy = kind;
     }
 
     /// Decides where `req` goes, given what `view` says at `now`.

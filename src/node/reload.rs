@@ -5,8 +5,8 @@
 //! reload` to apply it. What reloads: `[[replicas]]` (new ones register and start their checks,
 //! changed ones update, missing ones drain like a DNS departure), `[tenants]` and
 //! `default_tenant` (requests already routed keep what they hold; new quotas apply to the next
-//! request), and `spill_after_s`, `w_load_s`, `affinity_credit_s`, `tier_weights` and
-//! `overlay_ttl_s`. Everything else is read at start: a reload that changes it says so in the
+//! request), and `policy` (fresh policy state), `spill_after_s`, `w_load_s`,
+//! `affinity_credit_s`, `tier_weights` and `overlay_ttl_s`. Everything else is read at start: a reload that changes it says so in the
 //! report and the log, and applies the rest.
 
 use std::collections::HashMap;
@@ -120,12 +120,22 @@ impl Node {
             };
             let rc = core.router.config();
             let ttl = Duration::from_secs(new.overlay_ttl_s);
+            let policy = new.policy_kind()?;
             if rc.spill_after_s != new.spill_after_s
                 || rc.cost != cost
                 || core.view.overlay_ttl != ttl
             {
                 core.router.set_params(new.spill_after_s, cost);
                 core.view.overlay_ttl = ttl;
+                report.routing = true;
+            }
+            if core.router.config().policy != policy {
+                core.router.set_policy(policy);
+                self.policy.store(
+                    super::state::policy_index(policy),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                tracing::info!(policy = policy.as_str(), "routing policy switched");
                 report.routing = true;
             }
         }
@@ -169,7 +179,6 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
     differs("region", old.region.clone(), new.region.clone());
     differs("zone", old.zone.clone(), new.zone.clone());
     differs("cluster_id", old.cluster_id.clone(), new.cluster_id.clone());
-    differs("policy", old.policy.clone(), new.policy.clone());
     differs("seed", old.seed.to_string(), new.seed.to_string());
     differs(
         "block_bytes",
@@ -269,7 +278,8 @@ mod tests {
         assert_eq!(r.updated, vec!["a"]);
         assert_eq!(r.removed, vec!["bb"]);
         assert!(r.tenants && r.routing);
-        assert_eq!(r.restart_needed, vec!["policy"]);
+        assert!(r.restart_needed.is_empty(), "{:?}", r.restart_needed);
+        assert_eq!(node.policy(), crate::core::policy::PolicyKind::RoundRobin);
         let core = node.lock();
         let pool = |id: &str| {
             let i = core.view.index_of(id).unwrap();
@@ -286,15 +296,27 @@ mod tests {
         );
         assert_eq!(pool("ccc"), ("p".to_owned(), false));
         assert_eq!(core.router.config().spill_after_s, 3.0);
+        assert_eq!(
+            core.router.config().policy,
+            crate::core::policy::PolicyKind::RoundRobin
+        );
         drop(core);
+        // What only a restart applies is named, and the rest still applies.
+        let mut later = new.clone();
+        later.block_bytes = 512;
+        later.spill_after_s = 4.0;
+        let r = node.reload(&later).unwrap();
+        assert_eq!(r.restart_needed, vec!["block_bytes"]);
+        assert!(r.routing);
+        later.block_bytes = new.block_bytes;
         // The same id at a new URL: new requests go to the new one.
-        let mut moved = new.clone();
+        let mut moved = later.clone();
         moved.replicas[0].url = "http://10.0.0.9:8000".into();
         assert_eq!(node.reload(&moved).unwrap().updated, vec!["a"]);
         let i = node.lock().view.index_of("a").unwrap();
         assert_eq!(&*node.endpoint(i).unwrap().base, "http://10.0.0.9:8000");
         // An invalid file is refused whole.
-        let mut bad = new.clone();
+        let mut bad = moved.clone();
         bad.block_bytes = 0;
         assert!(node.reload(&bad).is_err());
     }

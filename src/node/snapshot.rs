@@ -82,7 +82,7 @@ impl Node {
         drop(core);
         NodeState {
             region: self.cfg.region.clone(),
-            policy: self.policy.as_str().to_owned(),
+            policy: self.policy().as_str().to_owned(),
             uptime_s: self.now().as_secs_f64(),
             replicas,
             mesh: self.mesh_state(),

@@ -145,8 +145,9 @@ pub struct Endpoint {
 pub struct Node {
     /// The validated configuration.
     pub cfg: NodeConfig,
-    /// The routing policy.
-    pub policy: PolicyKind,
+    /// The routing policy (as `PolicyKind::ALL` index; a reload may switch it): read it with
+    /// [`Node::policy`].
+    pub(super) policy: std::sync::atomic::AtomicU8,
     /// Replica endpoints, by view index (append-only, like the view).
     pub(super) endpoints: RwLock<Vec<Endpoint>>,
     /// HTTP client for replicas (pooled connections).
@@ -188,6 +189,14 @@ pub struct Node {
     /// The node's stop signal, once it runs: replicas added at run time start their watcher
     /// tasks under it.
     pub stop_signal: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// `kind`'s index in `PolicyKind::ALL` (what [`Node::policy`] stores).
+pub(super) fn policy_index(kind: PolicyKind) -> u8 {
+    PolicyKind::ALL
+        .iter()
+        .position(|k| *k == kind)
+        .map_or(0, |i| i as u8)
 }
 
 fn tokens_to_blocks(tokens: u64, tokens_per_block: u32) -> usize {
@@ -262,7 +271,7 @@ impl Node {
             .unwrap_or(usize::MAX)
             .min(tokio::sync::Semaphore::MAX_PERMITS);
         let node = Arc::new(Node {
-            policy,
+            policy: std::sync::atomic::AtomicU8::new(policy_index(policy)),
             endpoints: RwLock::new(Vec::with_capacity(cfg.replicas.len())),
             client,
             metrics,
@@ -291,6 +300,15 @@ impl Node {
             cfg,
         });
         Ok(node)
+    }
+
+    /// The routing policy now.
+    pub fn policy(&self) -> PolicyKind {
+        let i = self.policy.load(std::sync::atomic::Ordering::Relaxed);
+        PolicyKind::ALL
+            .get(usize::from(i))
+            .copied()
+            .unwrap_or(PolicyKind::P2cCache)
     }
 
     /// Replica `i`'s address.

@@ -132,7 +132,7 @@ async fn handle(node: Arc<Node>, path: &'static str, mut req: Request) -> Respon
             };
             node.metrics
                 .requests
-                .with_label_values(&["", node.policy.as_str(), outcome])
+                .with_label_values(&["", node.policy().as_str(), outcome])
                 .inc();
             e.into_response()
         }
@@ -360,7 +360,7 @@ async fn proxy(
         }
     }
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
-    let policy = node.policy.as_str();
+    let policy = node.policy().as_str();
 
     let mut tried: Vec<usize> = Vec::new();
     let mut attempts = Attempts::default();
@@ -755,7 +755,7 @@ impl BodyState {
         self.node
             .metrics
             .requests
-            .with_label_values(&[id, self.node.policy.as_str(), "stream_aborted"])
+            .with_label_values(&[id, self.node.policy().as_str(), "stream_aborted"])
             .inc();
         // A stream that broke after its first byte is the replica's doing.
         self.node

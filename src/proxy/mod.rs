@@ -325,7 +325,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
             stop_rx.clone(),
         ));
     }
-    tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy.as_str(), "node listening");
+    tracing::info!(%addr, replicas = node.replica_count(), policy = node.policy().as_str(), "node listening");
     Ok(RunningNode {
         addr,
         peer_addr: peer_server.as_ref().map(|p| p.addr),

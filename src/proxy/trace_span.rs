@@ -52,7 +52,7 @@ impl RequestTrace {
             http.response.status_code = Empty,
             kvmesh.node = node.cfg.mesh.as_ref().map_or("", |m| m.node_id.as_str()),
             kvmesh.region = node.cfg.region.as_str(),
-            kvmesh.policy = node.policy.as_str(),
+            kvmesh.policy = node.policy().as_str(),
             kvmesh.hop = hop,
             kvmesh.model = Empty,
             kvmesh.tenant = Empty,

@@ -51,6 +51,8 @@ async fn node_for(r: &ReplicaHandle, rank_routing: Option<RankRouting>) -> Runni
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_s: 2,
+        // The decision header names the rank the node chose.
+        debug_headers: true,
         tokenizer: Some(TokenizerConfig {
             path: BUILTIN_SIM.into(),
             chat_template_config: None,
@@ -255,6 +257,7 @@ async fn a_conversation_follows_its_rank_with_rank_routing_and_scatters_without(
         }
         // A follow-up re-prefills only the last, partial block: 8+4t blocks of 12+4t cached.
         assert!(with > 0.6, "hit ratio with rank routing {with:.3}");
+        assert!(node.node.metrics.decisions.dp_rank_named.get() > 0);
         let metrics_header = {
             let resp = reqwest::Client::new()
                 .post(format!("http://{}/v1/completions", node.addr))
@@ -263,7 +266,17 @@ async fn a_conversation_follows_its_rank_with_rank_routing_and_scatters_without(
                 .await
                 .unwrap();
             let rank = resp.headers().get("x-kvmesh-dp-rank").cloned();
+            let decision = resp
+                .headers()
+                .get("x-kvmesh-decision")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .unwrap_or_default();
             resp.bytes().await.unwrap();
+            assert!(
+                decision.ends_with(&format!("; dp_rank={}", ranks[0][0])),
+                "the node's decision names the rank: {decision:?}"
+            );
             rank
         };
         assert_eq!(
@@ -277,6 +290,7 @@ async fn a_conversation_follows_its_rank_with_rank_routing_and_scatters_without(
         let r = dp_replica().await;
         let node = node_for(&r, Some(RankRouting::Off)).await;
         let (without, ranks) = conversations(&node, 5).await;
+        assert_eq!(node.node.metrics.decisions.dp_rank_named.get(), 0);
         eprintln!("hit ratio with rank routing {with:.3}, without {without:.3}");
         assert!(
             ranks.iter().any(|rs| rs.iter().any(|r| *r != rs[0])),

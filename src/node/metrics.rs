@@ -77,6 +77,9 @@ pub struct DecisionMetrics {
     /// `kvmesh_kv_quota_steered_total`: requests a tenant's KV quota (`max_kv_share`) moved off
     /// replicas where it held more than its share.
     pub kv_steered: IntCounter,
+    /// `kvmesh_dp_rank_named_total`: requests sent naming a data-parallel rank (the replica's
+    /// home, with an exact per-rank model; `kv_events.rank_routing`).
+    pub dp_rank_named: IntCounter,
 }
 
 impl DecisionMetrics {
@@ -111,6 +114,11 @@ impl DecisionMetrics {
             "Requests a tenant's KV quota (max_kv_share) moved off replicas where it held more than its share",
         )?;
         registry.register(Box::new(kv_steered.clone()))?;
+        let dp_rank_named = IntCounter::new(
+            "kvmesh_dp_rank_named_total",
+            "Requests sent naming the data-parallel rank that holds their prefix",
+        )?;
+        registry.register(Box::new(dp_rank_named.clone()))?;
         let b = |x: Branch| branches.with_label_values(&[x.as_str()]);
         Ok(DecisionMetrics {
             branch: Branch::ALL.map(b),
@@ -119,6 +127,7 @@ impl DecisionMetrics {
             late: error.with_label_values(&["late"]),
             early: error.with_label_values(&["early"]),
             kv_steered,
+            dp_rank_named,
         })
     }
 

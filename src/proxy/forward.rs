@@ -560,9 +560,10 @@ async fn proxy(
                 // `Ticket::first_byte`). Nothing else needs them once a replica answered.
                 let keys = std::mem::take(&mut keys);
                 let span = trace.map(|t| t.span().clone());
+                let rank = ticket.rank().map(|r| r.rank);
                 let mut out = respond(node, resp, ticket, routed.hit_blocks, keys, span);
                 if node.cfg.debug_headers {
-                    if let Ok(v) = HeaderValue::from_str(&decision_header(&routed)) {
+                    if let Ok(v) = HeaderValue::from_str(&decision_header(&routed, rank)) {
                         out.headers_mut()
                             .insert(HeaderName::from_static(DECISION_HEADER), v);
                     }
@@ -638,18 +639,22 @@ fn send_to(
         .post(format!("{}{}", endpoint.base, path))
         .headers(headers.clone());
     match rank {
-        Some(rank) => rank.apply(req, body),
+        Some(rank) => {
+            node.metrics.decisions.dp_rank_named.inc();
+            rank.apply(req, body)
+        }
         None => req.body(body.clone()),
     }
     .send()
 }
 
-fn decision_header(d: &crate::core::router::Routed) -> String {
+fn decision_header(d: &crate::core::router::Routed, dp_rank: Option<u16>) -> String {
     let best = d
         .best_hit_blocks
         .map_or_else(|| "-".to_owned(), |b| b.to_string());
+    let rank = dp_rank.map_or_else(String::new, |r| format!("; dp_rank={r}"));
     format!(
-        "branch={}; hit={}; best={best}; predicted_ms={:.1}",
+        "branch={}; hit={}; best={best}; predicted_ms={:.1}{rank}",
         d.branch().as_str(),
         d.hit_blocks,
         d.predicted_s * 1000.0

@@ -247,27 +247,8 @@ impl KubernetesConfig {
         if !(1..=MAX_ENDPOINTS_LIMIT).contains(&self.max_endpoints) {
             return err("max_endpoints", "must be 1 to 65,536");
         }
-        if self.region.as_deref() == Some("") {
-            return err("region", "must not be empty (omit it instead)");
-        }
-        if self.models.iter().any(String::is_empty) {
-            return err("models", "model names must not be empty");
-        }
-        if self.capacity_tokens == Some(0) {
-            return err("capacity_tokens", "must be at least 1");
-        }
-        if !self.prefill_tokens_per_s.is_finite() || self.prefill_tokens_per_s <= 0.0 {
-            return err("prefill_tokens_per_s", "must be > 0");
-        }
-        if self.max_in_flight == 0 {
-            return err("max_in_flight", "must be at least 1");
-        }
-        if let Some(kv) = &self.kv_events {
-            // Checked as the source of a replica at a placeholder address: same rules.
-            kv.at(IpAddr::from([127, 0, 0, 1]))
-                .validate()
-                .map_err(|(field, msg)| (kv_field(field), msg))?;
-        }
+        // The replica fields (region, models, capacity, speed, KV events) are checked by the
+        // node's configuration on the replica an endpoint becomes (`validate_replica`).
         Ok(())
     }
 
@@ -311,15 +292,6 @@ impl KubernetesConfig {
 }
 
 /// `kv_events.<field>` for a field `KvEventsSource::validate` names.
-fn kv_field(field: &str) -> &'static str {
-    match field {
-        "dp_ranks" => "kv_events.dp_ranks",
-        "max_message_bytes" => "kv_events.max_message_bytes",
-        "max_buffered_bytes" => "kv_events.max_buffered_bytes",
-        "replay" => "kv_events.replay_port",
-        _ => "kv_events.port",
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The API's shapes (`discovery.k8s.io/v1`). Every field optional: what is missing or mistyped
@@ -1624,10 +1596,6 @@ mod tests {
             (
                 "namespace = \"n\"\nservice = \"v\"\nmax_endpoints = 100000",
                 "max_endpoints",
-            ),
-            (
-                "namespace = \"n\"\nservice = \"v\"\nkv_events = { port = 5557, dp_ranks = 0 }",
-                "kv_events.dp_ranks",
             ),
         ] {
             assert_eq!(cfg(text).validate().unwrap_err().0, field, "{text}");

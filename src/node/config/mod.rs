@@ -223,6 +223,11 @@ impl Default for RetryConfig {
     }
 }
 
+/// Where a discovery source's replica template is checked (`validate_replica` on the replica it
+/// would make there).
+const PLACEHOLDER: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8000);
+
 /// Largest config file read.
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
@@ -449,32 +454,18 @@ impl NodeConfig {
                     "must be at least min_refresh_ms",
                 ));
             }
-            if d.region.as_deref() == Some("") {
-                return Err(invalid(
-                    key("region"),
-                    "must not be empty (omit it instead)",
-                ));
-            }
-            if d.capacity_tokens == Some(0) {
-                return Err(invalid(key("capacity_tokens"), "must be at least 1"));
-            }
-            if let Some(kv) = &d.kv_events {
-                // Checked as the source of a replica at a placeholder address: same rules.
-                let at = std::net::IpAddr::from([127, 0, 0, 1]);
-                kv.at(at)
-                    .validate()
-                    .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
-            }
-            if !d.prefill_tokens_per_s.is_finite() || d.prefill_tokens_per_s <= 0.0 {
-                return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
-            }
-            if d.max_in_flight == 0 {
-                return Err(invalid(key("max_in_flight"), "must be at least 1"));
-            }
+            // The fields every found replica shares: checked on one at a placeholder address.
+            validate_replica(&format!("dns[{n}]"), &d.replica(PLACEHOLDER))?;
         }
         for (n, k) in self.kubernetes.iter().enumerate() {
             k.validate()
                 .map_err(|(field, msg)| invalid(format!("kubernetes[{n}].{field}"), msg))?;
+            let found = crate::replicas::k8s::Found {
+                id: PLACEHOLDER.to_string(),
+                addr: PLACEHOLDER,
+                zone: None,
+            };
+            validate_replica(&format!("kubernetes[{n}]"), &k.replica(&found))?;
         }
         for (name, t) in self
             .tenants
@@ -767,6 +758,18 @@ mod tests {
             (
                 "[[kubernetes]]\nnamespace = \"s\"\nservce = \"v\"",
                 "servce",
+            ),
+            (
+                "[[kubernetes]]\nnamespace = \"s\"\nservice = \"v\"\nkv_events = { port = 5557, dp_ranks = 0 }",
+                "kubernetes[0].kv_events.dp_ranks",
+            ),
+            (
+                "[[kubernetes]]\nnamespace = \"s\"\nservice = \"v\"\nmax_in_flight = 0",
+                "kubernetes[0].max_in_flight",
+            ),
+            (
+                "[[dns]]\nname = \"x.\"\nrecord = \"srv\"\nmodels = [\"\"]",
+                "dns[0].models",
             ),
         ] {
             let e = NodeConfig::from_toml(toml).unwrap_err().to_string();

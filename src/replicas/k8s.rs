@@ -291,8 +291,6 @@ impl KubernetesConfig {
     }
 }
 
-/// `kv_events.<field>` for a field `KvEventsSource::validate` names.
-
 // ---------------------------------------------------------------------------------------------
 // The API's shapes (`discovery.k8s.io/v1`). Every field optional: what is missing or mistyped
 // makes that slice or endpoint drop, never the stream.

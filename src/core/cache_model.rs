@@ -344,7 +344,7 @@ impl CacheModel {
 
     /// How many leading `keys` each of `ranks` data-parallel ranks holds (see
     /// [`super::dp_rank::rank_runs`]); all zero without rank sets.
-    pub fn rank_runs(&self, keys: &[BlockKey], ranks: usize) -> Vec<usize> {
+    pub fn rank_runs(&self, keys: &[BlockKey], ranks: usize) -> super::dp_rank::RankRuns {
         super::dp_rank::rank_runs(keys.len(), ranks, |j| self.ranks_of(keys[j]))
     }
 

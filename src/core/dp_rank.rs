@@ -34,14 +34,17 @@ pub struct RankLoad {
 /// first loses a member, and starting again from there with what is left. If an engine broke
 /// prefix-closedness the result could be a little off; it is a hint (the engine does the real
 /// lookup), never a correctness matter.
-pub fn rank_runs(n: usize, ranks: usize, mask_at: impl Fn(usize) -> u64) -> Vec<usize> {
+pub fn rank_runs(n: usize, ranks: usize, mask_at: impl Fn(usize) -> u64) -> RankRuns {
     let ranks = ranks.min(MAX_RANKS);
     let all = if ranks == MAX_RANKS {
         u64::MAX
     } else {
         (1u64 << ranks) - 1
     };
-    let mut runs = vec![0usize; ranks];
+    let mut runs = RankRuns {
+        runs: [0; MAX_RANKS],
+        len: ranks,
+    };
     if n == 0 {
         return runs;
     }
@@ -75,13 +78,40 @@ pub fn rank_runs(n: usize, ranks: usize, mask_at: impl Fn(usize) -> u64) -> Vec<
         let mut ended = set & !left;
         while ended != 0 {
             let r = ended.trailing_zeros() as usize;
-            runs[r] = hi;
+            runs.runs[r] = hi;
             ended &= ended - 1;
         }
         set = left;
         pos = hi;
     }
     runs
+}
+
+/// Each rank's leading run, by rank (`rank_runs`): on the stack, since the request path asks for
+/// it on every decision at a multi-rank replica's home.
+#[derive(Clone, Copy)]
+pub struct RankRuns {
+    runs: [usize; MAX_RANKS],
+    len: usize,
+}
+
+impl std::ops::Deref for RankRuns {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.runs[..self.len]
+    }
+}
+
+impl std::fmt::Debug for RankRuns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl PartialEq<Vec<usize>> for RankRuns {
+    fn eq(&self, other: &Vec<usize>) -> bool {
+        **self == other[..]
+    }
 }
 
 /// The rank to send a request to: the least predicted seconds to first token, given each rank's

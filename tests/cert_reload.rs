@@ -8,11 +8,10 @@
 //! resumption off), reading the certificate the node presented. Loopback only; every test is
 //! bounded by `tokio::time::timeout`.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvmesh::mesh::certs::{self, NodeIdentity, CLUSTER_SAN};
 use kvmesh::mesh::sync::RESP_BAD_REQUEST;
@@ -24,17 +23,11 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::client::TlsStream;
 
-async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(secs), f)
-        .await
-        .expect("test exceeded its time bound")
-}
+mod common;
+use common::{bounded, wait_for};
 
 fn init() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    common::init_logs();
     proxy::install_crypto_provider();
 }
 
@@ -219,18 +212,6 @@ fn live_members(n: &RunningNode) -> Vec<String> {
     live
 }
 
-/// Polls `cond` every 20 ms until it holds or `limit` passes.
-async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_listener_presents_a_reloaded_certificate_to_new_connections_only() {
     init();
@@ -297,12 +278,16 @@ async fn with_a_reload_interval_changed_files_are_picked_up_once_they_fit() {
         // A renewal caught half-way (new certificate, old key): refused, A stays.
         std::fs::write(&cert_file, &b.0).unwrap();
         let refused = r#"kvmesh_cert_reloads_total{result="error"} 1"#;
-        assert!(wait_for(Duration::from_secs(5), || metric(&node, refused)).await);
+        assert!(wait_for(Duration::from_secs(5), || metric(&node, refused))
+            .await
+            .is_some());
         assert_eq!(seen().await, leaf(&a.0));
         // The key arrives: the next look reloads, with no call.
         std::fs::write(&key_file, &b.1).unwrap();
         let ok = r#"kvmesh_cert_reloads_total{result="ok"} 1"#;
-        assert!(wait_for(Duration::from_secs(5), || metric(&node, ok)).await);
+        assert!(wait_for(Duration::from_secs(5), || metric(&node, ok))
+            .await
+            .is_some());
         assert_eq!(seen().await, leaf(&b.0));
         // Unchanged files are not reloaded again.
         tokio::time::sleep(Duration::from_millis(2_500)).await;
@@ -336,7 +321,8 @@ async fn a_rotated_mesh_certificate_is_used_by_every_new_mesh_handshake_and_the_
         assert!(
             wait_for(Duration::from_secs(10), || live_members(&n1) == pair
                 && live_members(&n2) == pair)
-            .await,
+            .await
+            .is_some(),
             "the first two nodes never met"
         );
         let old = leaf(&std::fs::read_to_string(&n1_files[1]).unwrap());
@@ -424,7 +410,8 @@ async fn a_rotated_mesh_certificate_is_used_by_every_new_mesh_handshake_and_the_
             wait_for(Duration::from_secs(10), || [&n1, &n2, &n3]
                 .iter()
                 .all(|n| live_members(n) == all))
-            .await,
+            .await
+            .is_some(),
             "n3 did not join: {:?} {:?} {:?}",
             live_members(&n1),
             live_members(&n2),

@@ -12,10 +12,13 @@ use kvmesh::core::keys::{token_block_keys, BlockKey};
 use kvmesh::engine_sim::tokens::tokenize;
 use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::proxy::{self, RunningNode};
-use kvmesh::replica::{self, KvEventsConfig, ReplicaConfig, ReplicaHandle};
+use kvmesh::replica::{KvEventsConfig, ReplicaHandle};
 use kvmesh::replicas::kv_events::{KvEventsSource, RankRouting};
 use kvmesh::tokenize::{token_namespace, TokenizerConfig, BUILTIN_SIM};
 use serde_json::json;
+
+mod common;
+use common::sim_replica;
 
 const LIMIT: Duration = Duration::from_secs(60);
 const MODEL: &str = "sim-llama-8b";
@@ -25,25 +28,16 @@ const BLOCK_BYTES: usize = BLOCK_TOKENS * 4;
 const RANKS: u16 = 4;
 
 async fn bounded<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .expect("test exceeded its time bound")
+    common::bounded(LIMIT.as_secs(), f).await
 }
 
 async fn dp_replica() -> ReplicaHandle {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let mut cfg = ReplicaConfig {
-        id: "r0".into(),
-        exit_on_crash: false,
-        dp_ranks: RANKS,
-        kv_events: Some(KvEventsConfig::default()),
-        ..ReplicaConfig::default()
-    };
-    cfg.engine.time_scale = 50.0;
-    replica::spawn(cfg).await.unwrap()
+    common::init_logs();
+    sim_replica("r0", |c| {
+        c.dp_ranks = RANKS;
+        c.kv_events = Some(KvEventsConfig::default());
+    })
+    .await
 }
 
 async fn node_for(r: &ReplicaHandle, rank_routing: Option<RankRouting>) -> RunningNode {

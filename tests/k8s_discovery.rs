@@ -18,9 +18,12 @@ use axum::routing::get;
 use bytes::Bytes;
 use kvmesh::node::config::NodeConfig;
 use kvmesh::proxy::{self, RunningNode};
-use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
+use kvmesh::replica::ReplicaHandle;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
+
+mod common;
+use common::{client, sim_replica};
 
 const LIMIT: Duration = Duration::from_secs(40);
 const ROUTED: &str = "x-kvmesh-routed-to";
@@ -30,31 +33,14 @@ const WATCH_DATA: &str = include_str!("data/k8s-endpointslice-watch.jsonl");
 const COLLECTION: &str = "/apis/discovery.k8s.io/v1/namespaces/serving/endpointslices";
 
 async fn bounded<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .expect("test exceeded its time bound")
-}
-
-fn client() -> reqwest::Client {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    proxy::install_crypto_provider();
-    reqwest::Client::builder().build().unwrap()
+    common::bounded(LIMIT.as_secs(), f).await
 }
 
 /// Simulated replicas, `time_scale` times faster than real time.
 async fn replicas(n: usize, time_scale: f64) -> Vec<ReplicaHandle> {
     let mut out = Vec::new();
     for i in 0..n {
-        let mut cfg = ReplicaConfig {
-            id: format!("r{i}"),
-            exit_on_crash: false,
-            ..ReplicaConfig::default()
-        };
-        cfg.engine.time_scale = time_scale;
-        out.push(replica::spawn(cfg).await.unwrap());
+        out.push(sim_replica(&format!("r{i}"), |c| c.engine.time_scale = time_scale).await);
     }
     out
 }

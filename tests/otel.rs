@@ -7,7 +7,6 @@
 //! apart by the trace id it chose. Every test is bounded by `tokio::time::timeout`.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -24,13 +23,10 @@ use serde_json::json;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-const MODEL: &str = "fake-model";
+mod common;
+use common::bounded;
 
-async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(secs), f)
-        .await
-        .expect("test exceeded its time bound")
-}
+const MODEL: &str = "fake-model";
 
 /// One exported span, as the collector decoded it (ids in lowercase hex).
 #[derive(Clone, Debug)]

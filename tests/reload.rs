@@ -9,8 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 use serde_json::json;
+
+mod common;
+use common::{free_tcp_port, sim_replica};
 
 const MODEL: &str = "sim-llama-8b";
 
@@ -22,24 +24,6 @@ impl Drop for Node {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-async fn replica(id: &str) -> ReplicaHandle {
-    let mut cfg = ReplicaConfig {
-        id: id.into(),
-        exit_on_crash: false,
-        ..ReplicaConfig::default()
-    };
-    cfg.engine.time_scale = 50.0;
-    replica::spawn(cfg).await.unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The node's config: replicas (id, url, pool), and tenant `acme` limited to `pools`.
@@ -102,9 +86,9 @@ async fn complete(c: &reqwest::Client, port: u16, i: usize) -> (u16, String, Ins
 async fn sighup_applies_a_changed_tenant_policy_under_load_with_no_failed_request() {
     tokio::time::timeout(Duration::from_secs(60), async {
         kvmesh::proxy::install_crypto_provider();
-        let ra = replica("ra").await;
-        let rb = replica("rb").await;
-        let rc = replica("rc").await;
+        let ra = sim_replica("ra", |_| {}).await;
+        let rb = sim_replica("rb", |_| {}).await;
+        let rc = sim_replica("rc", |_| {}).await;
         let (ua, ub, uc) = (
             format!("http://{}", ra.addr),
             format!("http://{}", rb.addr),
@@ -112,7 +96,7 @@ async fn sighup_applies_a_changed_tenant_policy_under_load_with_no_failed_reques
         );
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("node.toml");
-        let port = free_port();
+        let port = free_tcp_port();
         write_config(
             &cfg,
             port,

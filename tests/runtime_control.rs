@@ -3,7 +3,6 @@
 //! finish; bad commands get OpenAI-style 4xx answers. In-process nodes on loopback (real QUIC
 //! with mTLS, real HTTP) in front of simulated replicas; every test bounded in time.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -11,40 +10,18 @@ use std::time::{Duration, Instant};
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::AdminReplica;
 use kvmesh::proxy::{self, RunningNode};
-use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
+use kvmesh::replica::ReplicaHandle;
 use serde_json::{json, Value};
+
+mod common;
+use common::{bounded, client, sim_replica, wait_for};
 
 const ROUTED: &str = "x-kvmesh-routed-to";
 const MODEL: &str = "sim-llama-8b";
 
-async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(secs), f)
-        .await
-        .expect("test exceeded its time bound")
-}
-
-fn client() -> reqwest::Client {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    proxy::install_crypto_provider();
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(20))
-        .build()
-        .unwrap()
-}
-
 /// A simulated replica `id`, 50× faster than real time, answering `latency_ms` late.
 async fn replica(id: &str, latency_ms: u64) -> ReplicaHandle {
-    let mut cfg = ReplicaConfig {
-        id: id.into(),
-        exit_on_crash: false,
-        ..ReplicaConfig::default()
-    };
-    cfg.engine.time_scale = 50.0;
-    cfg.faults.added_latency_ms = latency_ms;
-    replica::spawn(cfg).await.unwrap()
+    sim_replica(id, |c| c.faults.added_latency_ms = latency_ms).await
 }
 
 fn url(r: &ReplicaHandle) -> String {
@@ -108,18 +85,6 @@ async fn two_nodes(dir: &Path, replicas: &[(&str, String)]) -> (RunningNode, Run
     .await;
     assert!(met.is_some(), "the two nodes never met");
     (n1, n2)
-}
-
-/// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
-async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        if cond() {
-            return Some(t0.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    None
 }
 
 async fn complete(c: &reqwest::Client, node: SocketAddr, prompt: &str) -> (u16, String) {

@@ -1,0 +1,65 @@
+//! Helpers the integration tests share: a time bound, an HTTP client, simulated replicas,
+//! polling, a free port. Each test binary compiles this module and uses part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
+
+/// Runs `f`, failing the test if it takes more than `secs` seconds.
+pub async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+/// Logs to the test's output, filtered by `RUST_LOG` (once per binary).
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// An HTTP client with a 20 s timeout (rustls' provider installed; logs on).
+pub fn client() -> reqwest::Client {
+    init_logs();
+    kvmesh::proxy::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("HTTP client")
+}
+
+/// A simulated replica `id`, 50× faster than real time unless `adjust` says otherwise.
+pub async fn sim_replica(id: &str, adjust: impl FnOnce(&mut ReplicaConfig)) -> ReplicaHandle {
+    let mut cfg = ReplicaConfig {
+        id: id.into(),
+        exit_on_crash: false,
+        ..ReplicaConfig::default()
+    };
+    cfg.engine.time_scale = 50.0;
+    adjust(&mut cfg);
+    replica::spawn(cfg).await.expect("simulated replica")
+}
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
+pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if cond() {
+            return Some(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// A TCP port free on 127.0.0.1 a moment ago.
+pub fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}

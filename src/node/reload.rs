@@ -169,71 +169,44 @@ fn same_replica(a: &ReplicaConfig, b: &ReplicaConfig) -> bool {
 
 /// The settings read only at start that differ between `old` and `new`.
 fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
-    let mut out = Vec::new();
-    let mut differs = |name: &'static str, a: String, b: String| {
-        if a != b {
-            out.push(name);
-        }
-    };
-    differs("listen", old.listen.to_string(), new.listen.to_string());
-    differs("region", old.region.clone(), new.region.clone());
-    differs("zone", old.zone.clone(), new.zone.clone());
-    differs("cluster_id", old.cluster_id.clone(), new.cluster_id.clone());
-    differs("seed", old.seed.to_string(), new.seed.to_string());
-    differs(
-        "block_bytes",
-        old.block_bytes.to_string(),
-        new.block_bytes.to_string(),
-    );
-    differs(
-        "max_body_bytes",
-        old.max_body_bytes.to_string(),
-        new.max_body_bytes.to_string(),
-    );
-    differs(
-        "server",
-        format!("{:?}", old.server),
-        format!("{:?}", new.server),
-    );
-    differs("auth", format!("{:?}", old.auth), format!("{:?}", new.auth));
-    differs(
-        "timeouts",
-        format!("{:?}", old.timeouts),
-        format!("{:?}", new.timeouts),
-    );
-    differs(
-        "retry",
-        format!("{:?}", old.retry),
-        format!("{:?}", new.retry),
-    );
-    differs(
-        "health",
-        format!("{:?}", old.health),
-        format!("{:?}", new.health),
-    );
-    differs(
-        "scrape",
-        format!("{:?}", old.scrape),
-        format!("{:?}", new.scrape),
-    );
-    differs("dns", format!("{:?}", old.dns), format!("{:?}", new.dns));
-    differs(
-        "kubernetes",
-        format!("{:?}", old.kubernetes),
-        format!("{:?}", new.kubernetes),
-    );
-    differs(
-        "tracing",
-        format!("{:?}", old.tracing),
-        format!("{:?}", new.tracing),
-    );
-    differs("mesh", format!("{:?}", old.mesh), format!("{:?}", new.mesh));
-    differs(
-        "tokenizer",
-        format!("{:?}", old.tokenizer),
-        format!("{:?}", new.tokenizer),
-    );
-    out
+    let changed = [
+        ("listen", old.listen != new.listen),
+        ("region", old.region != new.region),
+        ("zone", old.zone != new.zone),
+        ("cluster_id", old.cluster_id != new.cluster_id),
+        ("seed", old.seed != new.seed),
+        ("block_bytes", old.block_bytes != new.block_bytes),
+        ("max_body_bytes", old.max_body_bytes != new.max_body_bytes),
+        ("debug_headers", old.debug_headers != new.debug_headers),
+        ("admin_token", old.admin_token != new.admin_token),
+        ("session_header", old.session_header != new.session_header),
+        (
+            "affinity_header",
+            old.affinity_header != new.affinity_header,
+        ),
+        ("tenant_header", old.tenant_header != new.tenant_header),
+        ("cache_ttl_s", old.cache_ttl_s != new.cache_ttl_s),
+        (
+            "summary_interval_ms",
+            old.summary_interval_ms != new.summary_interval_ms,
+        ),
+        ("drain_s", old.drain_s != new.drain_s),
+        ("server", old.server != new.server),
+        ("auth", old.auth != new.auth),
+        ("timeouts", old.timeouts != new.timeouts),
+        ("retry", old.retry != new.retry),
+        ("health", old.health != new.health),
+        ("scrape", old.scrape != new.scrape),
+        ("dns", old.dns != new.dns),
+        ("kubernetes", old.kubernetes != new.kubernetes),
+        ("mesh", old.mesh != new.mesh),
+        ("tokenizer", old.tokenizer != new.tokenizer),
+        ("tracing", old.tracing != new.tracing),
+    ];
+    changed
+        .into_iter()
+        .filter_map(|(name, differs)| differs.then_some(name))
+        .collect()
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ pub enum DnsRecord {
 
 /// Replicas found in DNS. Every address found becomes a replica with id `ip:port`; replicas
 /// that disappear from the answer stop taking new requests (draining).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DnsConfig {
     /// Name to resolve, e.g. `_http._tcp.vllm.ns.svc.cluster.local.` (required).

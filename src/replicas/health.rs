@@ -122,7 +122,7 @@ impl Default for HealthTracker {
 }
 
 /// Health checking.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
     /// Interval of active `GET /health` checks (ms). Default 1,000.

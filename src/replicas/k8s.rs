@@ -70,7 +70,7 @@ pub const DEFAULT_CA_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount
 /// Replicas found in a namespace's EndpointSlices. Every routable endpoint becomes a replica
 /// with id `<pod>@<ip>:<port>` (`<ip>:<port>` without a pod reference); endpoints that leave,
 /// turn not-ready or start terminating drain.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
     /// Namespace of the EndpointSlices (required).

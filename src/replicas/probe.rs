@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::prom::{self, EngineLoad};
 
 /// Load scraping.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ScrapeConfig {
     /// Interval of `GET /metrics` scrapes (ms); 0 disables scraping. Default 1,000.

@@ -16,7 +16,7 @@ use crate::mesh::certs::NodeIdentity;
 use crate::mesh::MeshConfig;
 
 /// `[mesh]`: membership, gossip and certificates.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MeshSection {
     /// Unique, stable node id (required; `--node-id`). Restarts keep it; the mesh tells runs
@@ -110,7 +110,7 @@ impl Default for MeshSection {
 }
 
 /// `[[mesh.distance]]`: the distance between two regions, in ms of round trip.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DistanceConfig {
     /// One region (required).

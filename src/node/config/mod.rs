@@ -172,7 +172,7 @@ impl Default for NodeConfig {
 }
 
 /// Upstream timeouts, all in milliseconds.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TimeoutConfig {
     /// TCP connect to a replica. Default 2,000.
@@ -200,7 +200,7 @@ impl Default for TimeoutConfig {
 }
 
 /// Failover of requests whose replica failed before the client saw a byte.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryConfig {
     /// Attempts per request, the first included. Default 3.

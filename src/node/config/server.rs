@@ -27,7 +27,7 @@ const MAX_API_KEYS: usize = 100_000;
 const MAX_MS: u64 = 86_400_000;
 
 /// `[server]`: limits on client connections and optional HTTPS.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// Time a client has to send a whole request head, and the longest an idle keep-alive
@@ -109,7 +109,7 @@ impl ServerConfig {
 
 /// `[auth]`: who may call what. Tokens and keys are read from files (or the environment) when
 /// the node starts.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// File holding the bearer token `/admin/*` requires (first line). `KVMESH_ADMIN_TOKEN`

@@ -775,3 +775,44 @@ async fn a_node_whose_certificate_does_not_name_its_node_id_is_refused() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_under_overlong_replica_ids_are_dropped_and_counted() {
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        let a = start(&ca, "a", "eu", &[]).await;
+        let b = start(&ca, "b", "eu", &[a.addr()]).await;
+        // Valid values under keys no correct node writes: ids over 128 bytes.
+        let long = "x".repeat(300);
+        let value = record("eu", SummaryVersion::default()).encode().unwrap();
+        a.publish_unchecked(&format!("replica:{long}"), &value)
+            .await;
+        let drain = kvmesh::mesh::admin::AdminRecord {
+            stamp_ms: 1,
+            op: kvmesh::mesh::admin::AdminOp::Drain,
+            spec: None,
+        };
+        a.publish_unchecked(&format!("admin:{long}"), &drain.encode().unwrap())
+            .await;
+        // A well-formed record after them, to know when gossip has carried them over.
+        a.publish_replica("r1", &record("eu", SummaryVersion::default()))
+            .await
+            .unwrap();
+        wait_for(Duration::from_secs(5), || async {
+            b.members()
+                .await
+                .iter()
+                .any(|m| m.node_id == "a" && m.replicas.contains_key("r1"))
+        })
+        .await
+        .expect("a's records never reached b");
+        let members = b.members().await;
+        let from_a = members.iter().find(|m| m.node_id == "a").unwrap();
+        assert_eq!(from_a.replicas.len(), 1, "{:?}", from_a.replicas.keys());
+        assert!(from_a.admin.is_empty());
+        assert!(b.stats().schema_errors >= 2, "{:?}", b.stats());
+        b.shutdown().await;
+        a.shutdown().await;
+    })
+    .await;
+}

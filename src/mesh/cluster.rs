@@ -420,6 +420,13 @@ impl Mesh {
         Ok(())
     }
 
+    /// Publishes `value` under `key` as it is, bypassing every check: fault injection, so tests
+    /// can play a peer that publishes what a correct node never would.
+    #[doc(hidden)]
+    pub async fn publish_unchecked(&self, key: &str, value: &str) {
+        self.set(key.to_owned(), value.to_owned()).await;
+    }
+
     /// Withdraws the operator command for replica `id` (superseded, or the oldest over the cap).
     pub async fn unpublish_admin(&self, id: &str) -> Result<(), MeshError> {
         let key = admin::admin_key(id)?;
@@ -668,6 +675,15 @@ fn members_of(
             let Some(rid) = key.strip_prefix(REPLICA_PREFIX) else {
                 continue;
             };
+            // The id comes from the key, which no value limit bounds.
+            if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
+                count_err(
+                    "key",
+                    id,
+                    &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
+                );
+                continue;
+            }
             match ReplicaRecord::decode(&v.value) {
                 Ok(r) => {
                     replicas.insert(rid.to_owned(), r);
@@ -701,6 +717,15 @@ fn members_of(
             let Some(rid) = key.strip_prefix(ADMIN_PREFIX) else {
                 continue;
             };
+            // The id comes from the key, which no value limit bounds.
+            if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
+                count_err(
+                    "key",
+                    id,
+                    &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
+                );
+                continue;
+            }
             match AdminRecord::decode(&v.value) {
                 Ok(r) => {
                     admin.insert(rid.to_owned(), r);

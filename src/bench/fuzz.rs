@@ -472,6 +472,11 @@ fn replica_record() -> ReplicaRecord {
             digest: u64::MAX,
         },
         origin: "n1".into(),
+        pd: Some(crate::mesh::schema::WirePd {
+            role: crate::core::role::Role::Prefill,
+            bootstrap_port: Some(8998),
+            engine_id: "engine-0".into(),
+        }),
         kv_events: Some(crate::mesh::schema::WireKvEvents {
             port: 5557,
             replay_port: Some(5558),

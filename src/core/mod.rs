@@ -15,6 +15,7 @@
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
+//! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
 
 pub mod affinity;
@@ -22,10 +23,12 @@ pub mod cache_model;
 pub mod cost;
 pub mod dp_rank;
 pub mod keys;
+pub mod pd;
 pub mod peer_tips;
 pub mod policy;
 pub mod prompt;
 pub mod regions;
+pub mod role;
 pub mod router;
 pub mod summary;
 pub mod tenants;

@@ -29,6 +29,7 @@ use super::affinity;
 use super::cost::CostModel;
 use super::keys::BlockKey;
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
+use super::role::Leg;
 use super::tenants::Tenants;
 use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, View};
 
@@ -356,8 +357,21 @@ impl Router {
         self.cfg.policy = kind;
     }
 
-    /// Decides where `req` goes, given what `view` says at `now`.
+    /// Decides where `req` goes, given what `view` says at `now`: the whole request, to a
+    /// replica that can run it all (not a prefill-only one; see `role.rs`).
     pub fn route(&mut self, view: &View, req: &RouteRequest<'_>, now: Duration) -> Decision {
+        self.route_leg(view, req, now, Leg::Whole)
+    }
+
+    /// Decides where `leg` of `req` goes: as [`Router::route`], among the replicas whose role
+    /// takes that leg (the prefill of a disaggregated request: `pd.rs`).
+    pub fn route_leg(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        leg: Leg,
+    ) -> Decision {
         let tenant_cfg = self.tenants.config(req.tenant);
         let pools = &tenant_cfg.pools;
         let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
@@ -373,6 +387,7 @@ impl Router {
         for (i, r) in view.replicas().iter().enumerate() {
             let (serves_model, in_region) = self.facts.get(i, &r.info);
             let local = serves_model
+                && r.info.pd.role.serves(leg)
                 && r.health == Health::Healthy
                 && in_region
                 && !req.exclude.contains(&i);
@@ -392,7 +407,13 @@ impl Router {
             return Decision::Reject(RejectReason::OverQuota);
         }
         if !local_usable {
-            return self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY);
+            return self.forward_or_reject(
+                view,
+                req,
+                ForwardReason::NoLocalReplica,
+                f64::INFINITY,
+                leg,
+            );
         }
 
         // The tenant's first pool (in tier order) that has a usable local replica.
@@ -477,7 +498,7 @@ impl Router {
             return if quota_blocked {
                 Decision::Reject(RejectReason::OverQuota)
             } else {
-                self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY)
+                self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY, leg)
             };
         }
 
@@ -499,7 +520,7 @@ impl Router {
         if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
             let bar = if all_full { f64::INFINITY } else { least_queue };
             if let Some(region) =
-                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s))
+                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg)
             {
                 return Decision::Forward {
                     region,
@@ -621,9 +642,10 @@ impl Router {
         req: &RouteRequest<'_>,
         reason: ForwardReason,
         bar: f64,
+        leg: Leg,
     ) -> Decision {
         if !req.forwarded {
-            if let Some(region) = self.nearest_region_under(view, req, bar) {
+            if let Some(region) = self.nearest_region_under(view, req, bar, leg) {
                 return Decision::Forward { region, reason };
             }
         }
@@ -631,16 +653,20 @@ impl Router {
     }
 
     /// The nearest other region with a healthy, non-full replica of the model in the tenant's
-    /// pools whose queue is under `bar` seconds.
+    /// pools whose queue is under `bar` seconds, and which can take `leg` (requests cross
+    /// regions whole: the region's node may then split them again).
     fn nearest_region_under(
         &self,
         view: &View,
         req: &RouteRequest<'_>,
         bar: f64,
+        leg: Leg,
     ) -> Option<String> {
         let pools = &self.tenants.config(req.tenant).pools;
+        let leg = if leg == Leg::Prefill { Leg::Whole } else { leg };
         let ok = |r: &ReplicaState| {
             r.info.region != view.local_region
+                && r.info.pd.role.serves(leg)
                 && r.health == Health::Healthy
                 && r.info.models.iter().any(|m| m == req.model)
                 && (pools.is_empty() || pools.contains(&r.info.pool))

@@ -35,6 +35,7 @@ use std::time::Duration;
 use super::keys::BlockKey;
 use super::peer_tips::PeerTips;
 use super::regions::RegionMap;
+use super::role::PdFacts;
 use super::summary::{FilterBits, FilterGeometry, KeyHasher, KeyHashes, ReplicaSummary, Tier};
 
 /// Static facts about a replica.
@@ -58,6 +59,8 @@ pub struct ReplicaInfo {
     pub prefill_tokens_per_s: f64,
     /// In-flight requests above which the replica counts as full. Default 256.
     pub max_in_flight: u32,
+    /// Its part in prefill/decode disaggregation (`role.rs`). Default `both`, no bootstrap.
+    pub pd: PdFacts,
 }
 
 /// Health as the node sees it.
@@ -822,6 +825,7 @@ pub(crate) mod testing {
             capacity_tokens: 450_000,
             prefill_tokens_per_s: 50_000.0,
             max_in_flight: 256,
+            pd: super::PdFacts::default(),
         }
     }
 }

@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::schema::{self, bounds, SchemaError, WireKvEvents, MAX_REPLICA_ID_BYTES};
+use super::schema::{self, bounds, SchemaError, WireKvEvents, WirePd, MAX_REPLICA_ID_BYTES};
 
 /// Gossip key prefix of admin records.
 pub const ADMIN_PREFIX: &str = "admin:";
@@ -70,6 +70,9 @@ pub struct AdminSpec {
     /// KV-event ports at the URL's host, if any.
     #[serde(default)]
     pub kv_events: Option<WireKvEvents>,
+    /// Disaggregation facts; absent (older nodes) = `both`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd: Option<WirePd>,
 }
 
 /// One `admin:<id>` record.
@@ -140,6 +143,9 @@ impl AdminRecord {
         if let Some(k) = &s.kv_events {
             k.check(w)?;
         }
+        if let Some(p) = &s.pd {
+            p.check(w)?;
+        }
         Ok(())
     }
 }
@@ -175,6 +181,7 @@ mod tests {
                 prefill_tokens_per_s: 50_000.0,
                 max_in_flight: 256,
                 kv_events: None,
+                pd: None,
             }),
         }
     }

@@ -29,6 +29,7 @@ use base64::Engine as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::core::role::{PdFacts, Role, MAX_ENGINE_ID_BYTES};
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
 
 /// Version of this schema, carried in [`NodeRecord::schema`].
@@ -317,6 +318,61 @@ pub struct ReplicaRecord {
     /// becomes home subscribes. Added after version 1: absent reads as none.
     #[serde(default)]
     pub kv_events: Option<WireKvEvents>,
+    /// Its prefill/decode disaggregation facts. Added after version 1: absent (and `None`,
+    /// which is never written, so older nodes read no new key) means `both`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd: Option<WirePd>,
+}
+
+/// A replica's disaggregation facts as gossiped (`core/role.rs`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePd {
+    /// Role.
+    #[serde(default)]
+    pub role: Role,
+    /// KV bootstrap port at the replica URL's host, if any.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// Mooncake engine id (at most [`MAX_ENGINE_ID_BYTES`]).
+    #[serde(default)]
+    pub engine_id: String,
+}
+
+impl WirePd {
+    /// The wire form of `pd`; `None` for the default (`both`, nothing else), which is what an
+    /// absent field reads as.
+    pub fn of(pd: &PdFacts) -> Option<WirePd> {
+        (*pd != PdFacts::default()).then(|| WirePd {
+            role: pd.role,
+            bootstrap_port: pd.bootstrap_port,
+            engine_id: pd.engine_id.clone(),
+        })
+    }
+
+    /// The core's facts.
+    pub fn facts(&self) -> PdFacts {
+        PdFacts {
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
+            engine_id: self.engine_id.clone(),
+        }
+    }
+
+    /// Whether the port and the engine id are within bounds (`what`: the record, for errors).
+    pub fn check(&self, what: &'static str) -> Result<(), SchemaError> {
+        bound(
+            what,
+            "pd.bootstrap_port",
+            self.bootstrap_port != Some(0),
+            self.bootstrap_port.unwrap_or(0),
+        )?;
+        bound(
+            what,
+            "pd.engine_id",
+            self.engine_id.len() <= MAX_ENGINE_ID_BYTES,
+            self.engine_id.len(),
+        )
+    }
 }
 
 /// A replica's KV-event ports as gossiped: the host is always the replica URL's (which the
@@ -384,6 +440,7 @@ impl ReplicaRecord {
             summary,
             origin: String::new(),
             kv_events: None,
+            pd: WirePd::of(&info.pd),
         }
     }
 
@@ -399,6 +456,7 @@ impl ReplicaRecord {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            pd: self.pd.as_ref().map(WirePd::facts).unwrap_or_default(),
         }
     }
 
@@ -416,6 +474,9 @@ impl ReplicaRecord {
         bound("replica", "summary.epoch", epoch <= latest, epoch)?;
         if let Some(k) = &r.kv_events {
             k.check("replica")?;
+        }
+        if let Some(p) = &r.pd {
+            p.check("replica")?;
         }
         Ok(r)
     }
@@ -622,6 +683,7 @@ mod tests {
             },
             origin: String::new(),
             kv_events: None,
+            pd: None,
         }
     }
 
@@ -644,6 +706,41 @@ mod tests {
         let info = r.info("r1");
         let back = ReplicaRecord::new(&info, Health::Healthy, &r.load.to_load(0), r.summary);
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn a_role_rides_in_the_record_and_an_older_record_reads_as_both() {
+        let mut r = record();
+        let mut info = r.info("r0");
+        assert_eq!(info.pd, PdFacts::default(), "no pd field: both");
+        info.pd = PdFacts {
+            role: Role::Prefill,
+            bootstrap_port: Some(8998),
+            engine_id: "e-1".into(),
+        };
+        r.pd = WirePd::of(&info.pd);
+        let back = ReplicaRecord::decode(&r.encode().unwrap()).unwrap();
+        assert_eq!(back.info("r0").pd, info.pd);
+        // A default role is not written at all, so older nodes see the record they know.
+        r.pd = WirePd::of(&PdFacts::default());
+        assert!(r.pd.is_none());
+        // Out-of-bounds facts are refused.
+        for bad in [
+            WirePd {
+                role: Role::Decode,
+                bootstrap_port: Some(0),
+                engine_id: String::new(),
+            },
+            WirePd {
+                role: Role::Decode,
+                bootstrap_port: None,
+                engine_id: "e".repeat(65),
+            },
+        ] {
+            r.pd = Some(bad);
+            let s = encode("replica", &r).unwrap();
+            assert!(ReplicaRecord::decode(&s).is_err());
+        }
     }
 
     #[test]

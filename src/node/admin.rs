@@ -20,6 +20,7 @@ use super::learned::LearnPolicy;
 use super::state::Node;
 use crate::core::view::Health;
 use crate::mesh::admin::{self, AdminOp, AdminRecord, AdminSpec, MAX_ADMIN_MODELS};
+use crate::mesh::schema::WirePd;
 use crate::mesh::Member;
 use crate::replicas::entry::ReplicaConfig;
 
@@ -70,6 +71,9 @@ pub struct AdminReplica {
     pub region: String,
     /// Pool.
     pub pool: String,
+    /// Disaggregation role: `prefill`, `decode` or `both` (absent from older nodes: `both`).
+    #[serde(default = "both")]
+    pub role: String,
     /// Models it serves (configured, or discovered by health checks).
     pub models: Vec<String>,
     /// `healthy`, `unhealthy` or `draining`.
@@ -84,6 +88,10 @@ pub struct AdminReplica {
     pub peer_in_flight: u32,
     /// Known from a peer's gossip only.
     pub learned: bool,
+}
+
+fn both() -> String {
+    "both".into()
 }
 
 impl Node {
@@ -307,6 +315,7 @@ impl Node {
                     url: r.info.url.clone(),
                     region: r.info.region.clone(),
                     pool: r.info.pool.clone(),
+                    role: r.info.pd.role.as_str().to_owned(),
                     models: r.info.models.clone(),
                     health: health_name(r.health).to_owned(),
                     drained: rt.admin_drained,
@@ -375,6 +384,7 @@ fn to_spec(r: &ReplicaConfig) -> Result<AdminSpec, AdminError> {
         prefill_tokens_per_s: r.prefill_tokens_per_s,
         max_in_flight: r.max_in_flight,
         kv_events,
+        pd: WirePd::of(&r.pd()),
     };
     let check = AdminRecord {
         stamp_ms: 0,
@@ -401,6 +411,13 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
         capacity_tokens: s.capacity_tokens,
         prefill_tokens_per_s: s.prefill_tokens_per_s,
         max_in_flight: s.max_in_flight,
+        role: s.pd.as_ref().map(|p| p.role).unwrap_or_default(),
+        bootstrap_port: s.pd.as_ref().and_then(|p| p.bootstrap_port),
+        engine_id: s
+            .pd
+            .as_ref()
+            .map(|p| p.engine_id.clone())
+            .unwrap_or_default(),
         kv_events: s
             .kv_events
             .as_ref()

@@ -219,6 +219,13 @@ impl Node {
                 50_000.0
             },
             max_in_flight: r.max_in_flight.max(1),
+            role: r.pd.as_ref().map(|p| p.role).unwrap_or_default(),
+            bootstrap_port: r.pd.as_ref().and_then(|p| p.bootstrap_port),
+            engine_id: r
+                .pd
+                .as_ref()
+                .map(|p| p.engine_id.clone())
+                .unwrap_or_default(),
             // Subscribed to only while this node is its home (`watchers.rs`).
             kv_events: r
                 .kv_events
@@ -359,6 +366,7 @@ mod tests {
                 summary: SummaryVersion::default(),
                 origin: String::new(),
                 kv_events: None,
+                pd: None,
             },
             home,
         }

@@ -164,6 +164,7 @@ fn same_replica(a: &ReplicaConfig, b: &ReplicaConfig) -> bool {
         && a.capacity_tokens == b.capacity_tokens
         && a.prefill_tokens_per_s == b.prefill_tokens_per_s
         && a.max_in_flight == b.max_in_flight
+        && a.pd() == b.pd()
         && a.kv_events == b.kv_events
 }
 
@@ -202,6 +203,7 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("mesh", old.mesh != new.mesh),
         ("tokenizer", old.tokenizer != new.tokenizer),
         ("tracing", old.tracing != new.tracing),
+        ("pd", old.pd != new.pd),
     ];
     changed
         .into_iter()

@@ -50,6 +50,7 @@ impl Node {
                 url: r.info.url.clone(),
                 region: r.info.region.clone(),
                 pool: r.info.pool.clone(),
+                role: r.info.pd.role.as_str().to_owned(),
                 models: r.info.models.clone(),
                 health: match r.health {
                     Health::Healthy => "healthy",
@@ -117,6 +118,8 @@ pub struct ReplicaStateJson {
     pub region: String,
     /// Pool.
     pub pool: String,
+    /// Disaggregation role: `prefill`, `decode` or `both`.
+    pub role: String,
     /// Models served.
     pub models: Vec<String>,
     /// `healthy`, `unhealthy` or `draining`.

@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use super::admin::CommandAnswer;
+use crate::core::role::Role;
 use crate::node::AdminReplica;
 use crate::replicas::entry::ReplicaConfig;
 
@@ -58,6 +59,12 @@ pub enum ReplicasCommand {
         /// KV capacity in tokens (default: scraped).
         #[arg(long)]
         capacity_tokens: Option<u64>,
+        /// Disaggregation role: prefill, decode or both (default both).
+        #[arg(long)]
+        role: Option<String>,
+        /// A prefill replica's KV bootstrap port (SGLang, vLLM Mooncake; default 8998).
+        #[arg(long)]
+        bootstrap_port: Option<u16>,
     },
     /// Stop routing new requests to a replica; requests in flight finish.
     Drain {
@@ -103,6 +110,8 @@ pub async fn run(args: ReplicasArgs, token: Option<String>) -> anyhow::Result<St
             max_in_flight,
             prefill_tokens_per_s,
             capacity_tokens,
+            role,
+            bootstrap_port,
         } => {
             let mut spec = ReplicaConfig::from_url(url);
             spec.id = id;
@@ -120,6 +129,11 @@ pub async fn run(args: ReplicasArgs, token: Option<String>) -> anyhow::Result<St
             if let Some(p) = prefill_tokens_per_s {
                 spec.prefill_tokens_per_s = p;
             }
+            if let Some(r) = role {
+                spec.role = Role::parse(&r)
+                    .with_context(|| format!("--role {r}: expected prefill, decode or both"))?;
+            }
+            spec.bootstrap_port = bootstrap_port;
             client
                 .post(format!("{base}/admin/replicas"))
                 .json(&spec_json(&spec))
@@ -173,6 +187,13 @@ fn spec_json(r: &ReplicaConfig) -> serde_json::Value {
     if let Some(c) = r.capacity_tokens {
         v["capacity_tokens"] = c.into();
     }
+    v["role"] = r.role.as_str().into();
+    if let Some(p) = r.bootstrap_port {
+        v["bootstrap_port"] = p.into();
+    }
+    if !r.engine_id.is_empty() {
+        v["engine_id"] = r.engine_id.clone().into();
+    }
     v
 }
 
@@ -193,8 +214,8 @@ fn render_list(list: &[AdminReplica]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<24} {:<10} {:<8} {:>6} {:>6}  url",
-        "replica", "health", "pool", "infl", "peers"
+        "{:<24} {:<10} {:<8} {:<7} {:>6} {:>6}  url",
+        "replica", "health", "pool", "role", "infl", "peers"
     );
     for r in list {
         // `*`: an operator's drain holds it; "removed": out of the registry, dropped once idle.
@@ -208,10 +229,11 @@ fn render_list(list: &[AdminReplica]) -> String {
         }
         let _ = writeln!(
             out,
-            "{:<24} {:<10} {:<8} {:>6} {:>6}  {}{}",
+            "{:<24} {:<10} {:<8} {:<7} {:>6} {:>6}  {}{}",
             r.id,
             health,
             r.pool,
+            r.role,
             r.in_flight,
             r.peer_in_flight,
             r.url,

@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use super::entry::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
 use super::kv_events::KvEventsSource;
+use crate::core::role::Role;
 
 /// Which records a DNS source reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -78,6 +79,12 @@ pub struct DnsConfig {
     /// In-flight requests above which a replica counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// Role of the replicas it finds: `prefill`, `decode` or `both`. Default `both`.
+    #[serde(default)]
+    pub role: Role,
+    /// Their KV bootstrap port (prefill replicas; SGLang, vLLM Mooncake). Default none: 8998.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
     /// Where each discovered replica's engine publishes KV events, as ports on the replica's
     /// address: `kv_events = { port = 5557, replay_port = 5558, dp_ranks = 1 }`. Default none
     /// (approximate cache models from routed requests).
@@ -155,6 +162,10 @@ impl DnsConfig {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
+            // Engine ids differ per engine: a discovered prefill names its own in its answer.
+            engine_id: String::new(),
             kv_events: self.kv_events.as_ref().map(|k| k.at(addr.ip())),
         }
     }

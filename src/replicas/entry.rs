@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use super::kv_events::KvEventsSource;
+use crate::core::role::{PdFacts, Role};
 
 /// One replica of the registry: a `[[replicas]]` table, or a replica a DNS source found.
 #[derive(Clone, Debug, Deserialize)]
@@ -35,6 +36,17 @@ pub struct ReplicaConfig {
     /// In-flight requests above which it counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// Its part in prefill/decode disaggregation: `prefill`, `decode` or `both` (`docs/pd.md`).
+    /// Default `both`.
+    #[serde(default)]
+    pub role: Role,
+    /// A prefill replica's KV bootstrap port (SGLang, vLLM Mooncake). Default none: 8998.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// A prefill replica's vLLM Mooncake engine id (`remote_engine_id`), at most 64 bytes.
+    /// Default "": the one its prefill answer names.
+    #[serde(default)]
+    pub engine_id: String,
     /// The engine's KV-event endpoints; when set, the replica's cache model follows its events
     /// while the stream is up. Default none (approximate model only).
     #[serde(default)]
@@ -67,7 +79,19 @@ impl ReplicaConfig {
             capacity_tokens: None,
             prefill_tokens_per_s: default_prefill_rate(),
             max_in_flight: default_max_in_flight(),
+            role: Role::Both,
+            bootstrap_port: None,
+            engine_id: String::new(),
             kv_events: None,
+        }
+    }
+
+    /// Its disaggregation facts, as the core keeps them.
+    pub fn pd(&self) -> PdFacts {
+        PdFacts {
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
+            engine_id: self.engine_id.clone(),
         }
     }
 

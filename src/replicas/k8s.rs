@@ -40,6 +40,7 @@ use serde_json::value::RawValue;
 use super::dns::{DnsKvEvents, ReplicaRegistry};
 use super::entry::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
 use super::kv_events::KvEventsSource;
+use crate::core::role::Role;
 
 /// Largest watch event line read (bytes); a longer one is skipped and counted.
 pub const MAX_EVENT_LINE_BYTES: usize = 1 << 20;
@@ -143,6 +144,12 @@ pub struct KubernetesConfig {
     /// In-flight requests above which a replica counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// Role of the replicas it finds: `prefill`, `decode` or `both`. Default `both`.
+    #[serde(default)]
+    pub role: Role,
+    /// Their KV bootstrap port (prefill replicas; SGLang, vLLM Mooncake). Default none: 8998.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
     /// Where each replica's engine publishes KV events, as ports on the endpoint's address
     /// (as for `[[dns]]`). Default none.
     #[serde(default)]
@@ -286,6 +293,10 @@ impl KubernetesConfig {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
+            // Engine ids differ per engine: a discovered prefill names its own in its answer.
+            engine_id: String::new(),
             kv_events: self.kv_events.as_ref().map(|k| k.at(found.addr.ip())),
         }
     }

@@ -22,12 +22,14 @@ mod env;
 pub mod error;
 pub mod mesh;
 pub mod otel;
+pub mod pd;
 pub mod server;
 
 use error::invalid;
 pub use error::ConfigError;
 pub use mesh::{DistanceConfig, MeshSection};
 pub use otel::TracingConfig;
+pub use pd::{PdProtocol, PdSection};
 pub use server::{AuthConfig, Secrets, ServerConfig};
 // The sections other subsystems own, assembled here (re-exported so that one path names every
 // part of a node's configuration).
@@ -127,6 +129,8 @@ pub struct NodeConfig {
     pub tokenizer: Option<TokenizerConfig>,
     /// OpenTelemetry trace export of routed requests (`[tracing]`). Default off.
     pub tracing: TracingConfig,
+    /// Prefill/decode disaggregation (`[pd]`, `docs/pd.md`). Default off.
+    pub pd: PdSection,
 }
 
 impl Default for NodeConfig {
@@ -167,6 +171,7 @@ impl Default for NodeConfig {
             mesh: None,
             tokenizer: None,
             tracing: TracingConfig::default(),
+            pd: PdSection::default(),
         }
     }
 }
@@ -279,6 +284,7 @@ impl NodeConfig {
     /// Checks every value; the first problem found is returned, naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy_kind()?;
+        self.pd.validate()?;
         if self.region.is_empty() {
             return Err(invalid("region", "must not be empty"));
         }
@@ -630,6 +636,15 @@ pub fn validate_replica(prefix: &str, r: &ReplicaConfig) -> Result<(), ConfigErr
     }
     if r.max_in_flight == 0 {
         return Err(invalid(key("max_in_flight"), "must be at least 1"));
+    }
+    if r.bootstrap_port == Some(0) {
+        return Err(invalid(key("bootstrap_port"), "must be a port, 1-65535"));
+    }
+    if r.engine_id.len() > crate::core::role::MAX_ENGINE_ID_BYTES {
+        return Err(invalid(
+            key("engine_id"),
+            format!("at most {} bytes", crate::core::role::MAX_ENGINE_ID_BYTES),
+        ));
     }
     if let Some(kv) = &r.kv_events {
         kv.validate()

@@ -122,6 +122,9 @@ struct Seq {
     prefilled: usize,
     generated: u32,
     private_blocks: usize,
+    /// Its prompt's KV came from a prefill replica (disaggregation): only the last prompt
+    /// token is computed here, and the handed-over blocks enter the prefix cache.
+    transferred: bool,
 }
 
 impl Seq {
@@ -189,6 +192,23 @@ impl Engine {
 
     /// Queues a request that arrived at `now`.
     pub fn submit(&mut self, req: Request, now: Duration) -> Result<(), SubmitError> {
+        self.enqueue(req, now, false)
+    }
+
+    /// Queues a request whose prompt's KV cache a prefill replica computed and handed over (a
+    /// decode replica's side of disaggregation): it still needs its blocks (taken at admission,
+    /// like any request's), but computes only the last prompt token, as vLLM's decode does, and
+    /// the handed-over blocks enter the prefix cache (with their store events).
+    pub fn submit_with_kv(&mut self, req: Request, now: Duration) -> Result<(), SubmitError> {
+        self.enqueue(req, now, true)
+    }
+
+    fn enqueue(
+        &mut self,
+        req: Request,
+        now: Duration,
+        transferred: bool,
+    ) -> Result<(), SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -220,6 +240,7 @@ impl Engine {
                 prefilled: 0,
                 generated: 0,
                 private_blocks: 0,
+                transferred,
             },
         ));
         if self.step.is_none() {
@@ -376,10 +397,14 @@ impl Engine {
                 break;
             };
             seq.hit_blocks = hits;
-            seq.prefilled = hits * bs;
+            seq.prefilled = if seq.transferred {
+                seq.prompt.len() - 1
+            } else {
+                hits * bs
+            };
             seq.private_blocks = private;
             self.query_tokens += seq.prompt.len() as u64;
-            self.hit_tokens += seq.prefilled as u64;
+            self.hit_tokens += (hits * bs) as u64;
             self.running.insert(id, seq);
             self.order.push(id);
         }
@@ -681,6 +706,35 @@ mod tests {
         // Same outputs, each at about half the time (arrivals are not scaled, so compare the end).
         let ratio = a.last().unwrap().0.as_secs_f64() / c.last().unwrap().0.as_secs_f64();
         assert!(ratio > 1.5 && ratio < 2.1, "{ratio}");
+    }
+
+    #[test]
+    fn a_handed_over_prompt_decodes_at_once_and_enters_the_cache() {
+        let mut e = engine(EngineConfig {
+            record_kv_events: true,
+            ..EngineConfig::default()
+        });
+        let prompt: Vec<TokenId> = (0..4096).collect();
+        e.submit_with_kv(req(1, prompt.clone(), 2), Duration::ZERO)
+            .unwrap();
+        let out = run(&mut e);
+        let (handed, cached) = first_token_at(&out, 1);
+        assert_eq!(cached, 0, "nothing was in this engine's own cache");
+        let mut cold = engine(EngineConfig::default());
+        cold.submit(req(1, prompt.clone(), 2), Duration::ZERO)
+            .unwrap();
+        let (computed, _) = first_token_at(&run(&mut cold), 1);
+        assert!(handed * 10 < computed, "{handed:?} vs {computed:?}");
+        // The handed-over blocks are now a prefix hit, announced by store events.
+        let bs = e.config().block_tokens;
+        assert_eq!(
+            e.cached_prefix_tokens(&block_hashes(&prompt, bs)),
+            prompt.len() / bs * bs
+        );
+        assert!(e.take_kv_batches().iter().any(|b| b
+            .events
+            .iter()
+            .any(|ev| matches!(ev, CacheEvent::Stored { .. }))));
     }
 
     #[test]

@@ -45,6 +45,15 @@ pub struct ReplicaArgs {
     /// events on the KV-event port + r).
     #[arg(long)]
     pub dp_ranks: Option<u16>,
+    /// Disaggregation role: prefill, decode or both (`docs/pd.md`).
+    #[arg(long)]
+    pub role: Option<String>,
+    /// KV cache bytes per prompt token, for the modelled hand-over time.
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u64>,
+    /// The prefill-to-decode link in Gb/s, for the modelled hand-over time.
+    #[arg(long)]
+    pub link_gbps: Option<f64>,
     /// Fault: probability of answering 500.
     #[arg(long)]
     pub fault_error_rate: Option<f64>,
@@ -117,6 +126,19 @@ impl ReplicaArgs {
             (1..=MAX_DP_RANKS).contains(&cfg.dp_ranks),
             "--dp-ranks must be within 1..={MAX_DP_RANKS}"
         );
+        if let Some(r) = &self.role {
+            cfg.pd.role = crate::core::role::Role::parse(r)
+                .with_context(|| format!("--role {r}: expected prefill, decode or both"))?;
+        }
+        if let Some(b) = self.kv_bytes_per_token {
+            cfg.pd.kv_bytes_per_token = b;
+        }
+        if let Some(g) = self.link_gbps {
+            cfg.pd.link_gbps = g;
+        }
+        cfg.pd
+            .validate()
+            .map_err(|e| anyhow::anyhow!("pd settings: {e}"))?;
         let f = &mut cfg.faults;
         if let Some(v) = self.fault_error_rate {
             anyhow::ensure!(
@@ -206,6 +228,13 @@ mod tests {
         assert!(parse(&["--preset", "nope"]).is_err());
         assert!(parse(&["--kv-replay-port", "1"]).is_err());
         assert_eq!(parse(&["--dp-ranks", "4"]).unwrap().dp_ranks, 4);
+        let pd = parse(&["--role", "prefill", "--link-gbps", "400"])
+            .unwrap()
+            .pd;
+        assert_eq!(pd.role, crate::core::role::Role::Prefill);
+        assert_eq!(pd.link_gbps, 400.0);
+        assert!(parse(&["--role", "leader"]).is_err());
+        assert!(parse(&["--link-gbps", "0"]).is_err());
         assert!(parse(&["--dp-ranks", "0"]).is_err());
         assert!(parse(&["--dp-ranks", "65"]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine_sim::EngineConfig;
 
 use super::faults::FaultConfig;
+use super::pd::PdSimConfig;
 
 /// Most data-parallel ranks a simulated replica runs (as many as a node follows per replica).
 pub const MAX_DP_RANKS: u16 = 64;
@@ -39,6 +40,9 @@ pub struct ReplicaConfig {
     pub dp_ranks: u16,
     /// Fault injection; all off by default.
     pub faults: FaultConfig,
+    /// Prefill/decode disaggregation: role, KV bytes per token, link (`pd.rs`). Default: a
+    /// `both` replica.
+    pub pd: PdSimConfig,
     /// Whether the crash fault exits the process (true, the CLI's behaviour) or only stops this
     /// replica (false, for replicas run inside tests). Default true.
     pub exit_on_crash: bool,
@@ -57,6 +61,7 @@ impl Default for ReplicaConfig {
             kv_events: None,
             dp_ranks: 1,
             faults: FaultConfig::default(),
+            pd: PdSimConfig::default(),
             exit_on_crash: true,
         }
     }

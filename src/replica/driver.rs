@@ -27,6 +27,8 @@ pub enum Command {
         req: Request,
         /// Where its outputs go.
         tx: mpsc::UnboundedSender<Update>,
+        /// Its prompt's KV was handed over by a prefill replica (`pd.rs`).
+        handed_over: bool,
     },
     /// Drop a request (its client left).
     Cancel(u64),
@@ -73,9 +75,18 @@ pub async fn run(
         }
         for cmd in commands {
             match cmd {
-                Command::Submit { req, tx } => {
+                Command::Submit {
+                    req,
+                    tx,
+                    handed_over,
+                } => {
                     let id = req.id;
-                    match engine.submit(req, now) {
+                    let submitted = if handed_over {
+                        engine.submit_with_kv(req, now)
+                    } else {
+                        engine.submit(req, now)
+                    };
+                    match submitted {
                         Ok(()) => {
                             streams.insert(id, tx);
                         }

@@ -25,6 +25,7 @@ use super::driver::{Command, Update};
 use super::faults::{FaultPatch, Faults, Verdict};
 use super::metrics::Metrics;
 use super::openai::{self, ApiError, Kind, Meta, Usage, SSE_DONE};
+use super::pd::{self as pd_leg, Leg, PdSimConfig, Transfers};
 use super::tokenize_api::{self, Served};
 
 /// State shared by all handlers of one replica.
@@ -60,6 +61,18 @@ pub struct Shared {
     pub next_id: AtomicU64,
     /// Completion requests in flight (`/load`).
     pub in_flight: Arc<AtomicI64>,
+    /// Its own HTTP address (NIXL's `remote_host`/`remote_port` in a prefill's answer).
+    pub addr: std::net::SocketAddr,
+    /// The engine's time scale (transfer times shrink with it).
+    pub time_scale: f64,
+    /// Tokens per KV block (NIXL's `remote_block_ids`).
+    pub block_tokens: usize,
+    /// Disaggregation settings.
+    pub pd: PdSimConfig,
+    /// Prefill legs' hand-overs waiting for their decode replica.
+    pub transfers: Transfers,
+    /// Pulls a decode leg's KV from its prefill replica.
+    pub kv_client: reqwest::Client,
 }
 
 /// The replica's routes.
@@ -77,10 +90,44 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/kvmesh/kv/{key}", get(kv_hand_over))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "NotFoundError", "no such route")
         })
         .with_state(shared)
+}
+
+/// `GET /kvmesh/kv/{key}`: a decode replica pulls a prefill leg's KV cache (`pd.rs`).
+async fn kv_hand_over(
+    State(s): State<Arc<Shared>>,
+    axum::extract::Path(key): axum::extract::Path<String>,
+) -> Response {
+    let timeout = std::time::Duration::from_millis(s.pd.transfer_timeout_ms);
+    match pd_leg::hand_over(&s.transfers, &key, &s.pd, s.time_scale, timeout).await {
+        Ok(tokens) => Json(json!({ "tokens": tokens })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Pulls a decode leg's KV from `source`; the error to answer with when it cannot.
+async fn pull_kv(s: &Shared, source: &str) -> Result<(), ApiError> {
+    let unavailable = |why: String| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            format!("KV hand-over from {source} failed: {why}"),
+        )
+    };
+    let resp = s
+        .kv_client
+        .get(source)
+        .send()
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    if !resp.status().is_success() {
+        return Err(unavailable(resp.status().to_string()));
+    }
+    Ok(())
 }
 
 async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
@@ -369,10 +416,26 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
         Kind::Completion => openai::parse_completion(&body, s.default_max_tokens),
         Kind::Chat => openai::parse_chat(&body, s.default_max_tokens),
     };
-    let parsed = match parsed {
+    let mut parsed = match parsed {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    let leg = match pd_leg::leg(&body, s.pd.role, || s.next_request_id("nixl")) {
+        Ok(l) => l,
+        Err(e) => return e.into_response(),
+    };
+    if let Leg::Prefill { key, .. } = &leg {
+        // A prefill server computes the prompt and samples one token; the decode does the rest.
+        parsed.max_tokens = 1;
+        if s.transfers.slot(key).is_none() {
+            return unavailable("too many KV hand-overs waiting");
+        }
+    }
+    if let Leg::Decode { source } = &leg {
+        if let Err(e) = pull_kv(&s, source).await {
+            return e.into_response();
+        }
+    }
     let rank = match named_rank(&s, &headers, &body) {
         Ok(Some(r)) => r,
         Ok(None) => balanced_rank(&s),
@@ -390,7 +453,15 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
         prompt: parsed.prompt,
         max_tokens: parsed.max_tokens,
     };
-    if driver.send(Command::Submit { req, tx }).is_err() {
+    let handed_over = matches!(leg, Leg::Decode { .. });
+    if driver
+        .send(Command::Submit {
+            req,
+            tx,
+            handed_over,
+        })
+        .is_err()
+    {
         return unavailable("engine stopped");
     }
     // Dropping `rx` (client gone) makes the driver cancel the request at its next output.
@@ -399,7 +470,12 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
             cached_tokens,
             prompt_tokens,
             ..
-        })) => (cached_tokens, prompt_tokens),
+        })) => {
+            if let Leg::Prefill { key, .. } = &leg {
+                s.transfers.ready(key, prompt_tokens);
+            }
+            (cached_tokens, prompt_tokens)
+        }
         Some(Ok(other)) => {
             tracing::error!(?other, "first engine output was not a first token");
             return unavailable("engine protocol error");
@@ -451,7 +527,16 @@ async fn handle(s: Arc<Shared>, kind: Kind, headers: HeaderMap, body: Body) -> R
             cached,
             completion: generated,
         };
-        Json(meta.full_response(usage)).into_response()
+        let mut full = meta.full_response(usage);
+        if let Leg::Prefill { key, nixl: true } = &leg {
+            let blocks = prompt_tokens.div_ceil(s.block_tokens.max(1));
+            let params =
+                pd_leg::nixl_params(&s.id, &s.addr.ip().to_string(), s.addr.port(), key, blocks);
+            if let Some(o) = full.as_object_mut() {
+                o.insert("kv_transfer_params".into(), params);
+            }
+        }
+        Json(full).into_response()
     };
     let h = resp.headers_mut();
     for (name, value) in [

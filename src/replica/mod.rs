@@ -19,12 +19,14 @@ pub mod http;
 pub mod listener;
 pub mod metrics;
 pub mod openai;
+pub mod pd;
 pub mod tokenize_api;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Notify};
@@ -63,6 +65,9 @@ pub enum ReplicaError {
     /// `dp_ranks` is out of range.
     #[error("dp_ranks must be within 1..={MAX_DP_RANKS}, not {0}")]
     DpRanks(u16),
+    /// The `[pd]` settings are out of range.
+    #[error("pd: {0}")]
+    Pd(String),
 }
 
 /// A running replica. Dropping it does not stop it; call [`ReplicaHandle::shutdown`].
@@ -124,6 +129,7 @@ pub async fn spawn(config: ReplicaConfig) -> Result<ReplicaHandle, ReplicaError>
     if !(1..=MAX_DP_RANKS).contains(&config.dp_ranks) {
         return Err(ReplicaError::DpRanks(config.dp_ranks));
     }
+    config.pd.validate().map_err(ReplicaError::Pd)?;
     let publishers = match &config.kv_events {
         Some(kv) => start_publishers(&config.host, kv, config.dp_ranks).await?,
         None => Vec::new(),
@@ -154,6 +160,15 @@ pub async fn spawn(config: ReplicaConfig) -> Result<ReplicaHandle, ReplicaError>
         exit_on_crash: config.exit_on_crash,
         next_id: AtomicU64::new(0),
         in_flight: Arc::new(AtomicI64::new(0)),
+        addr,
+        time_scale: config.engine.time_scale,
+        block_tokens: config.engine.block_tokens,
+        pd: config.pd.clone(),
+        transfers: pd::Transfers::default(),
+        kv_client: reqwest::Client::builder()
+            .timeout(Duration::from_millis(config.pd.transfer_timeout_ms) * 2)
+            .build()
+            .map_err(|e| ReplicaError::Pd(format!("HTTP client: {e}")))?,
     });
     let app = http::router(shared);
     let listener = listener::FaultyListener::new(tcp, addr, faults, faults_changed);

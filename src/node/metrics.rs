@@ -40,6 +40,12 @@ pub struct Metrics {
     /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
     /// (`first_won`, `hedge_won`).
     pub hedges: IntCounterVec,
+    /// `kvmesh_pd_decisions_total{outcome}`: disaggregated requests, by how they ran: `pair`,
+    /// or whole for a reason (`bypass`, `no_prefill`, `no_decode`, `same_replica`, `no_pair`).
+    pub pd_decisions: IntCounterVec,
+    /// `kvmesh_pd_legs_failed_total{leg}`: prefill and decode legs that failed (`prefill`
+    /// before the decode started is retried on another prefill replica).
+    pub pd_legs_failed: IntCounterVec,
     /// `kvmesh_upstream_failures_total{blame}`: failed attempts, by whom they were held against:
     /// `replica` (counts towards its ejection) or `request` (its content failed everywhere).
     pub upstream_failures: IntCounterVec,
@@ -226,6 +232,20 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
+        let pd_decisions = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_pd_decisions_total",
+                "Requests under [pd], by outcome: pair, or whole and why",
+            ),
+            &["outcome"],
+        )?;
+        let pd_legs_failed = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_pd_legs_failed_total",
+                "Failed legs of disaggregated requests, by leg (prefill, decode)",
+            ),
+            &["leg"],
+        )?;
         let upstream_failures = IntCounterVec::new(
             Opts::new(
                 "kvmesh_upstream_failures_total",
@@ -271,6 +291,8 @@ impl Metrics {
         registry.register(Box::new(ejections.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(hedges.clone()))?;
+        registry.register(Box::new(pd_decisions.clone()))?;
+        registry.register(Box::new(pd_legs_failed.clone()))?;
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
         let decisions = DecisionMetrics::new(&registry)?;
@@ -297,6 +319,8 @@ impl Metrics {
             ejections,
             upstream_failures,
             hedges,
+            pd_decisions,
+            pd_legs_failed,
             scrape_errors,
             scrape_skipped_lines,
             scrape_refused,

@@ -34,7 +34,7 @@ use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
 use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
-use crate::core::router::{Decision, RouteRequest};
+use crate::core::router::{Decision, RouteRequest, Routed};
 use crate::core::tenants::KV_SLOTS;
 use crate::replicas::kv_events::RankRouting;
 use crate::tokenize::token_namespace;
@@ -113,6 +113,18 @@ fn choose_rank(core: &mut Core, i: usize, req: &RouteRequest<'_>) -> Option<Rank
     })
 }
 
+/// What a booked leg does at its replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Booking {
+    /// Runs the prompt: a whole request, or the prefill leg of a disaggregated one.
+    Whole,
+    /// Decodes a prompt a prefill replica computes, predicted handed over in `ready_in`.
+    Decode {
+        /// When the prompt's blocks are predicted to be at the decode replica.
+        ready_in: Duration,
+    },
+}
+
 /// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
 /// simulator): a wildly overloaded estimate must not park keys for hours.
 const MAX_READY_IN_S: f64 = 3600.0;
@@ -130,60 +142,7 @@ impl Node {
         let mut decision = core.router.route(&core.view, req, now);
         let tokens_per_block = core.view.tokens_per_block;
         let ticket = match &mut decision {
-            Decision::Route(d) => {
-                let i = d.replica;
-                let target = choose_rank(core, i, req);
-                d.dp_rank = target.map(|t| t.rank);
-                let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
-                let uncached = req.prompt_tokens.saturating_sub(cached);
-                // Its blocks count in the overlay once its prefill is predicted done: the prefill
-                // queued there before it (this request's own not yet added), then its own.
-                let ready_in = core.view.replica(i).map_or(0.0, |r| {
-                    core.router.config().cost.prefill_done_s(r, uncached)
-                });
-                let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
-                    .unwrap_or_default();
-                core.view.record_routed_ready(i, req.keys, now, ready_in);
-                // The region's other nodes learn this prefix with the next load update.
-                if let (Some(last), true) = (req.keys.last(), self.cfg.mesh.is_some()) {
-                    if core.pending_tips.len() < MAX_PENDING_TIPS {
-                        let blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
-                        core.pending_tips.push((i, last.0, blocks, now + ready_in));
-                    }
-                }
-                let rt = &mut core.replicas[i];
-                rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
-                if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
-                    l.pending_tokens = l.pending_tokens.saturating_add(uncached);
-                    l.in_flight = l.in_flight.saturating_add(1);
-                }
-                let pending = rt.queued_estimate();
-                if let Some(r) = core.view.replica_mut(i) {
-                    r.load.queued_prefill_tokens = pending;
-                }
-                if let Some(t) = req.tenant {
-                    core.router.tenants.started(t, i);
-                }
-                let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
-                    id: Arc::from("?"),
-                    base: Arc::from(""),
-                });
-                self.metrics
-                    .in_flight
-                    .with_label_values(&[&endpoint.id])
-                    .inc();
-                Some(Ticket {
-                    node: Arc::clone(self),
-                    replica: i,
-                    endpoint,
-                    tenant: req.tenant.map(str::to_owned),
-                    kv_slot: core.router.tenants.kv_slot(req.tenant),
-                    pending_tokens: uncached,
-                    hit_tokens: cached,
-                    started: false,
-                    rank: target,
-                })
-            }
+            Decision::Route(d) => Some(self.book(core, d, req, now, Booking::Whole)),
             _ => None,
         };
         drop(guard);
@@ -198,6 +157,88 @@ impl Node {
         }
         self.metrics.decisions.record(&decision, tokens_per_block);
         (decision, ticket)
+    }
+
+    /// Records leg `how` of `req` routed to `d.replica` (in-flight, overlay from the predicted
+    /// end of its prefill, and for a leg that prefills: queued prefill, tenant, the rank) and
+    /// returns the [`Ticket`] that releases it. `core` is the locked state.
+    pub(super) fn book(
+        self: &Arc<Self>,
+        core: &mut Core,
+        d: &mut Routed,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        how: Booking,
+    ) -> Ticket {
+        let i = d.replica;
+        let prefills = how == Booking::Whole;
+        let target = if prefills {
+            choose_rank(core, i, req)
+        } else {
+            None
+        };
+        d.dp_rank = target.map(|t| t.rank);
+        let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
+        let uncached = if prefills {
+            req.prompt_tokens.saturating_sub(cached)
+        } else {
+            0
+        };
+        // Its blocks count in the overlay once its prefill is predicted done: the prefill
+        // queued there before it (this request's own not yet added), then its own. A decode
+        // leg holds them once its prefill replica's prefill is done and handed over.
+        let ready_in = match how {
+            Booking::Whole => {
+                let s = core.view.replica(i).map_or(0.0, |r| {
+                    core.router.config().cost.prefill_done_s(r, uncached)
+                });
+                Duration::try_from_secs_f64(s.clamp(0.0, MAX_READY_IN_S)).unwrap_or_default()
+            }
+            Booking::Decode { ready_in } => ready_in,
+        };
+        core.view.record_routed_ready(i, req.keys, now, ready_in);
+        // The region's other nodes learn this prefix with the next load update.
+        if let (Some(last), true) = (req.keys.last(), self.cfg.mesh.is_some()) {
+            if core.pending_tips.len() < MAX_PENDING_TIPS {
+                let blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                core.pending_tips.push((i, last.0, blocks, now + ready_in));
+            }
+        }
+        if let Some(rt) = core.replicas.get_mut(i) {
+            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
+            if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
+                l.pending_tokens = l.pending_tokens.saturating_add(uncached);
+                l.in_flight = l.in_flight.saturating_add(1);
+            }
+            let pending = rt.queued_estimate();
+            if let Some(r) = core.view.replica_mut(i) {
+                r.load.queued_prefill_tokens = pending;
+            }
+        }
+        // The tenant's request counts once, on the leg that prefills.
+        let tenant = req.tenant.filter(|_| prefills);
+        if let Some(t) = tenant {
+            core.router.tenants.started(t, i);
+        }
+        let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
+            id: Arc::from("?"),
+            base: Arc::from(""),
+        });
+        self.metrics
+            .in_flight
+            .with_label_values(&[&endpoint.id])
+            .inc();
+        Ticket {
+            node: Arc::clone(self),
+            replica: i,
+            endpoint,
+            tenant: tenant.map(str::to_owned),
+            kv_slot: core.router.tenants.kv_slot(req.tenant),
+            pending_tokens: uncached,
+            hit_tokens: if prefills { cached } else { 0 },
+            started: false,
+            rank: target,
+        }
     }
 
     /// The node's token-mode keys for a request: appends them to `out` and returns the prompt's

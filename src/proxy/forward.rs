@@ -28,18 +28,21 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use tracing::{Instrument, Span};
+use tracing::Instrument;
 
 use super::blame::{Attempts, Failure};
 use super::error::{is_failure, upstream_cause, ApiError};
 use super::listener::conn_info;
+use super::pd;
+use super::pd_leg::PairCtx;
 use super::region_forward;
+use super::respond::{decision_header, is_hop_header, respond};
 use super::trace_span::{self, RequestTrace};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::prompt::RoutingFields;
 use crate::core::router::{Decision, RejectReason, RouteRequest};
 use crate::node::config::server::key_digest;
-use crate::node::{Node, Ticket};
+use crate::node::{Node, PdRoute, Ticket};
 
 thread_local! {
     /// Routing text buffer, reused by every request handled on this thread (rendering is
@@ -47,15 +50,7 @@ thread_local! {
     static TEXT: RefCell<String> = RefCell::new(String::with_capacity(16 * 1024));
 }
 
-/// Response header naming the replica the node sent the request to (distinct from the
-/// simulated replica's own `x-kvmesh-replica`, which a real engine does not send); only with
-/// `debug_headers = true`, like [`HIT_HEADER`].
-pub const REPLICA_HEADER: &str = "x-kvmesh-routed-to";
-/// Response header with the prefix blocks the node expected the replica to hold.
-pub const HIT_HEADER: &str = "x-kvmesh-hit-blocks";
-/// Response header explaining the decision, only with `debug_headers = true`:
-/// `branch=cache; hit=12; best=12; predicted_ms=35.1` (`best=-` for policies blind to caches).
-pub const DECISION_HEADER: &str = "x-kvmesh-decision";
+pub use super::respond::{DECISION_HEADER, HIT_HEADER, REPLICA_HEADER};
 
 /// Token-mode requests with a body over this many bytes are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 64 * 1024;
@@ -201,24 +196,6 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .get(name)
         .and_then(|v| v.to_str().ok())
         .filter(|s| !s.is_empty())
-}
-
-/// Hop-by-hop headers and ones the HTTP client sets itself.
-fn is_hop_header(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "host"
-            | "content-length"
-            | "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
 }
 
 fn forwardable(headers: &HeaderMap) -> HeaderMap {
@@ -372,14 +349,62 @@ async fn proxy(
     } else {
         node.cfg.timeouts.first_byte_ms
     });
+    // Under `[pd]` the body is rewritten per leg: parsed once, here.
+    let pd_on = node.cfg.pd.protocol.zip(node.cfg.pd.core());
+    let client_map = match pd_on {
+        Some(_) => Some(pd::json_object(&body).ok_or_else(pd::not_an_object)?),
+        None => None,
+    };
     for attempt in 0..node.cfg.retry.max_attempts {
         if attempt > 0 && started.elapsed() >= budget {
             break;
         }
-        let (decision, ticket) = node.route(&RouteRequest {
+        let attempt_req = RouteRequest {
             exclude: &tried,
             ..route_req
-        });
+        };
+        let (decision, ticket) = match (pd_on, &client_map) {
+            (Some((protocol, cfg)), Some(map)) => match node.route_pd(&attempt_req, &cfg) {
+                PdRoute::Whole {
+                    decision, ticket, ..
+                } => (decision, ticket),
+                PdRoute::Pair {
+                    pair,
+                    prefill,
+                    decode,
+                } => {
+                    if attempt > 0 {
+                        node.metrics.retries.inc();
+                    }
+                    let ctx = PairCtx {
+                        node,
+                        path,
+                        headers: &headers,
+                        body: map,
+                        first_byte,
+                        trace,
+                    };
+                    // The route request borrows `keys`; the legs take a copy into the answer.
+                    let mut leg_keys = keys.clone();
+                    let served =
+                        pd::serve_pair(&ctx, protocol, pair, prefill, decode, &mut leg_keys).await;
+                    match served {
+                        Ok(resp) => {
+                            attempts.succeeded(node);
+                            return Ok(resp);
+                        }
+                        Err(f) => {
+                            tracing::warn!(leg = f.leg, attempt, error = %f.error, "disaggregated leg failed");
+                            attempts.failed(node, f.replica, f.failure);
+                            tried.push(f.replica);
+                            last_error = Some(ApiError::bad_gateway(f.error));
+                            continue;
+                        }
+                    }
+                }
+            },
+            _ => node.route(&attempt_req),
+        };
         let (routed, ticket) = match (decision, ticket) {
             (Decision::Route(d), Some(t)) => (d, t),
             (Decision::Reject(RejectReason::UnknownModel), _) => {
@@ -646,128 +671,4 @@ fn send_to(
         None => req.body(body.clone()),
     }
     .send()
-}
-
-fn decision_header(d: &crate::core::router::Routed, dp_rank: Option<u16>) -> String {
-    let best = d
-        .best_hit_blocks
-        .map_or_else(|| "-".to_owned(), |b| b.to_string());
-    let rank = dp_rank.map_or_else(String::new, |r| format!("; dp_rank={r}"));
-    format!(
-        "branch={}; hit={}; best={best}; predicted_ms={:.1}{rank}",
-        d.branch().as_str(),
-        d.hit_blocks,
-        d.predicted_s * 1000.0
-    )
-}
-
-/// Streams a replica's response to the client as it arrives, holding the request's ticket until
-/// the body ends (or the client goes away). The body's first chunk signals the ticket's first
-/// byte with the request's block `keys`, which count as cached there only if the replica
-/// accepted the request (a success status); a body that fails before its first chunk records
-/// nothing. `span`, the request's span when the node traces, stays open until the body ends.
-fn respond(
-    node: &Arc<Node>,
-    resp: reqwest::Response,
-    ticket: Ticket,
-    hit_blocks: u32,
-    mut keys: Vec<BlockKey>,
-    span: Option<Span>,
-) -> Response {
-    let status = resp.status();
-    if !status.is_success() {
-        keys = Vec::new();
-    }
-    let mut headers = HeaderMap::with_capacity(resp.headers().len() + 2);
-    for (k, v) in resp.headers() {
-        if !is_hop_header(k) || k == header::CONTENT_LENGTH {
-            headers.append(k.clone(), v.clone());
-        }
-    }
-    // They tell a client what the node believes is cached, and internal replica names:
-    // debugging only.
-    if node.cfg.debug_headers {
-        if let Ok(v) = HeaderValue::from_str(&ticket.endpoint().id) {
-            headers.insert(HeaderName::from_static(REPLICA_HEADER), v);
-        }
-        headers.insert(
-            HeaderName::from_static(HIT_HEADER),
-            HeaderValue::from(hit_blocks),
-        );
-    }
-    let state = BodyState {
-        inner: Box::pin(resp.bytes_stream()),
-        ticket,
-        keys,
-        idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
-        node: Arc::clone(node),
-        done: false,
-        _span: span,
-    };
-    let stream = futures::stream::unfold(state, |mut st| async move {
-        if st.done {
-            return None;
-        }
-        match tokio::time::timeout(st.idle, st.inner.next()).await {
-            Ok(Some(Ok(chunk))) => {
-                // Only the first call counts; the keys are freed with it.
-                st.ticket.first_byte(&std::mem::take(&mut st.keys));
-                Some((Ok(chunk), st))
-            }
-            Ok(Some(Err(e))) => {
-                st.done = true;
-                st.aborted(&e.to_string());
-                Some((Err(std::io::Error::other(e)), st))
-            }
-            Ok(None) => None,
-            Err(_) => {
-                st.done = true;
-                let msg = format!("no data from the replica for {:?}", st.idle);
-                st.aborted(&msg);
-                Some((
-                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, msg)),
-                    st,
-                ))
-            }
-        }
-    });
-    let mut out = Response::new(Body::from_stream(stream));
-    *out.status_mut() = status;
-    *out.headers_mut() = headers;
-    out
-}
-
-type ByteStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send + 'static>>;
-
-struct BodyState {
-    inner: ByteStream,
-    ticket: Ticket,
-    /// The request's block keys until its first byte (then empty).
-    keys: Vec<BlockKey>,
-    idle: Duration,
-    node: Arc<Node>,
-    done: bool,
-    /// The request's span when the node traces: it ends when the body does.
-    _span: Option<Span>,
-}
-
-impl BodyState {
-    fn aborted(&self, why: &str) {
-        let i = self.ticket.replica();
-        let id: &str = &self.ticket.endpoint().id;
-        tracing::warn!(replica = %id, error = %why, "response stream aborted");
-        self.node
-            .metrics
-            .requests
-            .with_label_values(&[id, self.node.policy().as_str(), "stream_aborted"])
-            .inc();
-        // A stream that broke after its first byte is the replica's doing.
-        self.node
-            .metrics
-            .upstream_failures
-            .with_label_values(&["replica"])
-            .inc();
-        self.node.request_failed(i);
-    }
 }

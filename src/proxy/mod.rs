@@ -13,7 +13,12 @@ pub mod error;
 pub mod forward;
 pub mod listener;
 pub mod otel;
+pub mod pd;
+mod pd_leg;
+mod pd_sglang;
+mod pd_vllm;
 pub mod region_forward;
+mod respond;
 mod tls;
 mod trace_span;
 

@@ -71,8 +71,9 @@ pub struct Shared {
     pub pd: PdSimConfig,
     /// Prefill legs' hand-overs waiting for their decode replica.
     pub transfers: Transfers,
-    /// Pulls a decode leg's KV from its prefill replica.
-    pub kv_client: reqwest::Client,
+    /// Pulls a decode leg's KV from its prefill replica; made at the first decode leg (`None`
+    /// if it could not be), so other replicas need no TLS provider.
+    pub kv_client: std::sync::OnceLock<Option<reqwest::Client>>,
 }
 
 /// The replica's routes.
@@ -118,8 +119,18 @@ async fn pull_kv(s: &Shared, source: &str) -> Result<(), ApiError> {
             format!("KV hand-over from {source} failed: {why}"),
         )
     };
-    let resp = s
-        .kv_client
+    let client = s.kv_client.get_or_init(|| {
+        // reqwest is built without a default TLS provider: the process's, or ring.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::builder()
+            .timeout(std::time::Duration::from_millis(s.pd.transfer_timeout_ms) * 2)
+            .build()
+            .ok()
+    });
+    let client = client
+        .as_ref()
+        .ok_or_else(|| unavailable("no HTTP client".into()))?;
+    let resp = client
         .get(source)
         .send()
         .await

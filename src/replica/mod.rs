@@ -26,7 +26,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize};
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Notify};
@@ -165,10 +164,7 @@ pub async fn spawn(config: ReplicaConfig) -> Result<ReplicaHandle, ReplicaError>
         block_tokens: config.engine.block_tokens,
         pd: config.pd.clone(),
         transfers: pd::Transfers::default(),
-        kv_client: reqwest::Client::builder()
-            .timeout(Duration::from_millis(config.pd.transfer_timeout_ms) * 2)
-            .build()
-            .map_err(|e| ReplicaError::Pd(format!("HTTP client: {e}")))?,
+        kv_client: std::sync::OnceLock::new(),
     });
     let app = http::router(shared);
     let listener = listener::FaultyListener::new(tcp, addr, faults, faults_changed);

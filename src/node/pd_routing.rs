@@ -125,3 +125,92 @@ impl Node {
         route
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::keys::BlockKey;
+    use crate::core::role::Role;
+    use crate::node::config::{NodeConfig, ReplicaConfig};
+
+    fn node() -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        let replica = |id: &str, n: u8, role: Role| ReplicaConfig {
+            id: Some(id.into()),
+            models: vec!["m".into()],
+            role,
+            ..ReplicaConfig::from_url(format!("http://10.0.0.{n}:8000"))
+        };
+        cfg.replicas = vec![
+            replica("p0", 1, Role::Prefill),
+            replica("d0", 2, Role::Decode),
+        ];
+        Node::new(cfg).unwrap()
+    }
+
+    fn req(keys: &[BlockKey]) -> RouteRequest<'_> {
+        RouteRequest {
+            model: "m",
+            keys,
+            prompt_tokens: 4096,
+            session: None,
+            affinity_key: None,
+            tenant: Some("t"),
+            forwarded: false,
+            exclude: &[],
+        }
+    }
+
+    #[test]
+    fn a_pair_books_both_legs_and_each_ticket_releases_its_own() {
+        let n = node();
+        let keys: Vec<BlockKey> = (1..=64).map(BlockKey).collect();
+        let cfg = PdConfig {
+            bypass_uncached_tokens: 0,
+            ..PdConfig::default()
+        };
+        let PdRoute::Pair {
+            pair,
+            mut prefill,
+            decode,
+        } = n.route_pd(&req(&keys), &cfg)
+        else {
+            panic!("expected a pair");
+        };
+        let (p, d) = (pair.prefill.replica, pair.decode);
+        let load = |i: usize| {
+            let core = n.lock();
+            let r = core.view.replica(i).unwrap();
+            (r.load.in_flight, core.replicas[i].pending_prefill_tokens)
+        };
+        assert_eq!(
+            load(p),
+            (1, 4096),
+            "the prefill leg queues the prompt's prefill"
+        );
+        assert_eq!(
+            load(d),
+            (1, 0),
+            "the decode leg is in flight there, no prefill"
+        );
+        assert_eq!(decode.hit_tokens(), 0);
+        // The prefill is done: its prefill leaves the queue; its leg ends.
+        prefill.first_byte(&keys);
+        assert_eq!(load(p), (1, 0));
+        drop(prefill);
+        assert_eq!(load(p), (0, 0));
+        assert_eq!(load(d), (1, 0), "the decode still streams");
+        drop(decode);
+        assert_eq!(load(d), (0, 0));
+        let metrics = n.metrics.registry.gather();
+        let pairs = metrics
+            .iter()
+            .find(|m| m.name() == "kvmesh_pd_decisions_total")
+            .map(|m| m.get_metric().len());
+        assert_eq!(pairs, Some(1));
+    }
+}

@@ -73,13 +73,28 @@ pub(super) async fn serve(
                             finish_prefill_later(resp, t, keys.clone());
                         }
                     }
-                    Err(f) => return Err(f),
+                    Err(f) => {
+                        if let Some(t) = ticket {
+                            t.failed(keys);
+                        }
+                        decode.failed(keys);
+                        return Err(f);
+                    }
                 }
             }
             d = &mut d_send => break judged(d, pair.decode, "decode", limit),
         }
     };
-    let resp = decoded?;
+    let resp = match decoded {
+        Ok(r) => r,
+        Err(f) => {
+            if let Some(t) = prefill.take() {
+                t.failed(keys);
+            }
+            decode.failed(keys);
+            return Err(f);
+        }
+    };
     if let Some(t) = prefill.take() {
         // The decode answered first: the prefill leg finishes in the background.
         let keys = keys.clone();

@@ -144,12 +144,18 @@ pub(super) async fn serve(
             .map_err(|e| prefill_fail(Failure::Status, format!("prefill answer is not JSON: {e}")))
     };
     let answer = match tokio::time::timeout(limit, leg).await {
-        Ok(r) => r?,
-        Err(_) => {
-            return Err(prefill_fail(
-                Failure::Timeout,
-                format!("the prefill leg took over {limit:?}"),
-            ))
+        Ok(Ok(a)) => a,
+        outcome => {
+            // Neither leg put the prompt anywhere: their unconfirmed overlay keys go.
+            prefill.failed(keys);
+            decode.failed(keys);
+            return Err(match outcome {
+                Ok(Err(f)) => f,
+                _ => prefill_fail(
+                    Failure::Timeout,
+                    format!("the prefill leg took over {limit:?}"),
+                ),
+            });
         }
     };
     // The prefill is done: its blocks are in its cache; its leg's accounting goes.
@@ -184,12 +190,18 @@ pub(super) async fn serve(
         Some(v) => edited(ctx.body, &[("kv_transfer_params", Some(v))]),
         None => edited(ctx.body, &[]),
     };
-    let resp = judged(
+    let resp = match judged(
         tokio::time::timeout(ctx.first_byte, send_leg(ctx, &d_end, &extra, body)).await,
         pair.decode,
         "decode",
         ctx.first_byte,
-    )?;
+    ) {
+        Ok(r) => r,
+        Err(f) => {
+            decode.failed(keys);
+            return Err(f);
+        }
+    };
     let out = super::pd_leg::answer(ctx, resp, decode, pair.prefill.hit_blocks, keys);
     Ok((out, p_end.id.to_string(), d_end.id.to_string()))
 }

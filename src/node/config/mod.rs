@@ -870,6 +870,39 @@ mod tests {
     }
 
     #[test]
+    fn roles_come_from_replicas_and_discovery_sources_and_are_checked() {
+        use crate::core::role::Role;
+        let c = NodeConfig::from_toml(
+            "[[replicas]]\nurl = \"http://10.0.0.1:8000\"\nrole = \"prefill\"\nbootstrap_port = 9000\nengine_id = \"e1\"\n\
+             [[replicas]]\nurl = \"http://10.0.0.2:8000\"\n\
+             [[dns]]\nname = \"decode.svc.\"\nrole = \"decode\"\n\
+             [pd]\nprotocol = \"vllm-mooncake\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.replicas[0].pd().role, Role::Prefill);
+        assert_eq!(c.replicas[0].pd().bootstrap_port, Some(9000));
+        assert_eq!(c.replicas[0].pd().engine_id, "e1");
+        assert_eq!(c.replicas[1].pd(), crate::core::role::PdFacts::default());
+        let found = c.dns[0].replica(SocketAddr::from(([10, 1, 2, 3], 8000)));
+        assert_eq!(found.role, Role::Decode);
+        assert_eq!(c.pd.protocol, Some(PdProtocol::VllmMooncake));
+        for (toml, key) in [
+            (
+                "[[replicas]]\nurl = \"http://h:1\"\nrole = \"leader\"",
+                "role",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://h:1\"\nbootstrap_port = 0",
+                "replicas[0].bootstrap_port",
+            ),
+            ("[pd]\nprotocol = \"nixl\"", "protocol"),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
+    }
+
+    #[test]
     fn tier_weights_parse_default_and_are_checked() {
         let c = NodeConfig::from_toml("").unwrap();
         assert_eq!(c.tier_weights, TierWeights::default());

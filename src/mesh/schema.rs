@@ -14,7 +14,7 @@
 //! | key | published by | value | notes |
 //! |---|---|---|---|
 //! | `node` | every node | [`NodeRecord`]: `schema`, `region`, `zone`, `http_url`, `quic_addr`, `version`, `generation` | written once at start |
-//! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`} | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
+//! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`}, `pd` {`role`, `bootstrap_port`, `engine_id`} (absent = `both`) | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
 //! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
 //! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
 //! | `homes` | every node, after each round that changed its replica records | [`HomesRecord`]: `count` (replica records it publishes), `round` | chitchat delivers a node's keys in version order, so a peer holding `homes` holds every replica record written before it: `count` equal to the records received = caught up |

@@ -481,8 +481,8 @@ impl Router {
                 });
             }
             let queue_s = cost.queue_s(r);
-            let cost_s =
-                queue_s + cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
+            let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
+            let cost_s = queue_s + prefill_s;
             self.candidates.push(Candidate {
                 replica: i,
                 seed: r.seed,
@@ -492,6 +492,7 @@ impl Router {
                 in_flight: r.load.in_flight,
                 queue_s,
                 cost_s,
+                prefill_s,
             });
         }
         if self.candidates.is_empty() {

@@ -66,6 +66,7 @@ pub(crate) mod testing {
             in_flight: outstanding,
             queue_s,
             cost_s: queue_s + uncached / 50_000.0,
+            prefill_s: uncached / 50_000.0,
         }
     }
 

@@ -29,6 +29,9 @@ pub struct Candidate {
     pub queue_s: f64,
     /// Predicted seconds to first token: queue plus uncached prefill, minus any affinity credit.
     pub cost_s: f64,
+    /// Predicted seconds of prefill this request would add there (its uncached tokens at the
+    /// replica's prefill rate), without queue or credit: the fleet capacity it spends.
+    pub prefill_s: f64,
 }
 
 /// What a policy decides on.

@@ -20,7 +20,8 @@
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
 //!   `min_queue_s`, one more replica gets a warm-up — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token budget that refills at
-//!   `budget_share` of the region's prefill capacity. When the heat passes, in-flight warm-ups
+//!   `budget_share` of the region's prefill capacity, split evenly among the region's nodes
+//!   (each owns its share of the prefixes, so together they stay within the share). When the heat passes, in-flight warm-ups
 //!   are cancelled and the candidate is dropped.
 //!
 //! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
@@ -49,8 +50,9 @@ pub const PEER_TTL: Duration = Duration::from_secs(5);
 /// A warm-up not reported back by then is taken as failed (a lost completion must not block
 /// the (prefix, replica) pair forever).
 pub const WARM_TIMEOUT: Duration = Duration::from_secs(30);
-/// The budget holds at most this many seconds of its refill.
-const BUDGET_WINDOW_S: f64 = 2.0;
+/// The budget holds at most this many seconds of its refill: warm-ups may come in a burst (a
+/// new hot prefix wants several replicas at once) yet average `budget_share` over the window.
+const BUDGET_WINDOW_S: f64 = 10.0;
 /// Longest prefix a warm-up may carry, in blocks (a block report's cap).
 pub const MAX_WARM_BLOCKS: u32 = 8192;
 
@@ -408,16 +410,18 @@ impl HotPrefixes {
     /// Plans warm-ups and cancellations at `now` for the prefixes `owns` says this node owns
     /// (appended to `out`). `view` is this node's view: its local region's healthy replicas
     /// serving the prefix's model are the targets; holders are those whose hit (summary,
-    /// overlay, peers' tips) covers the prefix.
+    /// overlay, peers' tips) covers the prefix. `region_nodes` (the region's live nodes, this
+    /// one included) divides the budget.
     pub fn plan(
         &mut self,
         view: &View,
         cost: &CostModel,
         now: Duration,
+        region_nodes: usize,
         owns: impl Fn(u64) -> bool,
         out: &mut Vec<Action>,
     ) {
-        self.refill(view, now);
+        self.refill(view, now, region_nodes);
         let min_rate = self.cfg.min_rate;
         let mut i = 0;
         while i < self.candidates.len() {
@@ -450,15 +454,16 @@ impl HotPrefixes {
     }
 
     /// Refills the budget for the time since the last plan: `budget_share` of the local
-    /// region's healthy prefill capacity, held for at most [`BUDGET_WINDOW_S`].
-    fn refill(&mut self, view: &View, now: Duration) {
+    /// region's healthy prefill capacity over `region_nodes`, held for at most
+    /// [`BUDGET_WINDOW_S`].
+    fn refill(&mut self, view: &View, now: Duration, region_nodes: usize) {
         let capacity: f64 = view
             .replicas()
             .iter()
             .filter(|r| r.health == Health::Healthy && r.info.region == view.local_region)
             .map(|r| r.info.prefill_tokens_per_s.max(0.0))
             .sum();
-        let per_s = self.cfg.budget_share * capacity;
+        let per_s = self.cfg.budget_share * capacity / region_nodes.max(1) as f64;
         let cap = per_s * BUDGET_WINDOW_S;
         self.budget = match self.budget_at {
             None => cap,
@@ -690,7 +695,7 @@ mod tests {
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
         let w = warm_ups(&out);
         assert_eq!(w.len(), 1, "{out:?}");
         assert_eq!(w[0].replica, 1);
@@ -699,11 +704,11 @@ mod tests {
         assert_eq!(w[0].tokens, 8 * 4);
         // The next plan warms another replica, never the same pair twice while in flight.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1010), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(1010), 1, |_| true, &mut out);
         assert_eq!(warm_ups(&out)[0].replica, 3);
         // max_warming (2) in flight: nothing more until one ends.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1020), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(1020), 1, |_| true, &mut out);
         assert!(out.is_empty(), "{out:?}");
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
@@ -720,6 +725,7 @@ mod tests {
             &view(&keys[..8], 100),
             &CostModel::default(),
             ms(1000),
+            1,
             |_| true,
             &mut out,
         );
@@ -729,6 +735,7 @@ mod tests {
             &view(&keys[..8], 10_000),
             &CostModel::default(),
             ms(1000),
+            1,
             |_| false,
             &mut out,
         );
@@ -737,7 +744,7 @@ mod tests {
         let mut v = View::new("eu", 4);
         v.upsert(info("r0", "eu"));
         v.upsert(info("r1", "eu"));
-        h.plan(&v, &CostModel::default(), ms(1000), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
 
@@ -746,20 +753,33 @@ mod tests {
         let mut h = HotPrefixes::new(HotPrefixConfig {
             max_warming: 64,
             max_holders: 1024,
-            // 4 replicas × 50k tokens/s × 0.0001 = 20 tokens/s, 40 held: one 32-token warm-up.
+            // 4 replicas × 50k tokens/s × 0.0001 ÷ 5 nodes = 4 tokens/s, 40 held over 10 s:
+            // one 32-token warm-up.
             budget_share: 0.0001,
+            // Slow decay and a low bar, so the prefix stays hot while the budget refills.
+            tau_ms: 60_000,
+            min_rate: 0.5,
             ..on()
         });
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
         for t in 0..3 {
-            h.plan(&v, &CostModel::default(), ms(1000 + t), |_| true, &mut out);
+            h.plan(
+                &v,
+                &CostModel::default(),
+                ms(1000 + t),
+                5,
+                |_| true,
+                &mut out,
+            );
         }
         assert_eq!(warm_ups(&out).len(), 1);
         assert_eq!(h.stats().over_budget, 2);
-        // 1.6 s later the budget has refilled 32 tokens: one more.
-        h.plan(&v, &CostModel::default(), ms(2600), |_| true, &mut out);
+        // 6 s later the budget has refilled 24 tokens: with the 8 left, one more.
+        h.plan(&v, &CostModel::default(), ms(6990), 5, |_| true, &mut out);
+        assert_eq!(warm_ups(&out).len(), 1);
+        h.plan(&v, &CostModel::default(), ms(7010), 5, |_| true, &mut out);
         assert_eq!(warm_ups(&out).len(), 2);
     }
 
@@ -769,11 +789,11 @@ mod tests {
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
         let key = warm_ups(&out)[0].key;
         out.clear();
         // 25 s (12 τ) without a request: the rate has decayed to nothing.
-        h.plan(&v, &CostModel::default(), ms(26_000), |_| true, &mut out);
+        h.plan(&v, &CostModel::default(), ms(26_000), 1, |_| true, &mut out);
         assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
         assert_eq!(h.hot_count(ms(26_000)), 0);
         assert!(h.candidates.is_empty());

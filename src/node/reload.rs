@@ -202,6 +202,7 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("mesh", old.mesh != new.mesh),
         ("tokenizer", old.tokenizer != new.tokenizer),
         ("tracing", old.tracing != new.tracing),
+        ("hot_prefix", old.hot_prefix != new.hot_prefix),
     ];
     changed
         .into_iter()

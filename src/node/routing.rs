@@ -136,53 +136,9 @@ impl Node {
                 d.dp_rank = target.map(|t| t.rank);
                 let cached = d.hit_blocks as u64 * core.view.tokens_per_block as u64;
                 let uncached = req.prompt_tokens.saturating_sub(cached);
-                // Its blocks count in the overlay once its prefill is predicted done: the prefill
-                // queued there before it (this request's own not yet added), then its own.
-                let ready_in = core.view.replica(i).map_or(0.0, |r| {
-                    core.router.config().cost.prefill_done_s(r, uncached)
-                });
-                let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
-                    .unwrap_or_default();
-                core.view.record_routed_ready(i, req.keys, now, ready_in);
-                // The region's other nodes learn this prefix with the next load update.
-                if let (Some(last), true) = (req.keys.last(), self.cfg.mesh.is_some()) {
-                    if core.pending_tips.len() < MAX_PENDING_TIPS {
-                        let blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
-                        core.pending_tips.push((i, last.0, blocks, now + ready_in));
-                    }
-                }
-                let rt = &mut core.replicas[i];
-                rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
-                if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
-                    l.pending_tokens = l.pending_tokens.saturating_add(uncached);
-                    l.in_flight = l.in_flight.saturating_add(1);
-                }
-                let pending = rt.queued_estimate();
-                if let Some(r) = core.view.replica_mut(i) {
-                    r.load.queued_prefill_tokens = pending;
-                }
-                if let Some(t) = req.tenant {
-                    core.router.tenants.started(t, i);
-                }
-                let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
-                    id: Arc::from("?"),
-                    base: Arc::from(""),
-                });
-                self.metrics
-                    .in_flight
-                    .with_label_values(&[&endpoint.id])
-                    .inc();
-                Some(Ticket {
-                    node: Arc::clone(self),
-                    replica: i,
-                    endpoint,
-                    tenant: req.tenant.map(str::to_owned),
-                    kv_slot: core.router.tenants.kv_slot(req.tenant),
-                    pending_tokens: uncached,
-                    hit_tokens: cached,
-                    started: false,
-                    rank: target,
-                })
+                Some(
+                    self.record_route(core, i, req.keys, uncached, cached, req.tenant, target, now),
+                )
             }
             _ => None,
         };
@@ -198,6 +154,88 @@ impl Node {
         }
         self.metrics.decisions.record(&decision, tokens_per_block);
         (decision, ticket)
+    }
+
+    /// Records a request sent to replica `i` (its overlay from the predicted end of its
+    /// prefill, the tip for the region's other nodes, queued prefill, tenant, rank, in-flight)
+    /// and returns the [`Ticket`] that releases it.
+    #[allow(clippy::too_many_arguments)]
+    fn record_route(
+        self: &Arc<Self>,
+        core: &mut Core,
+        i: usize,
+        keys: &[BlockKey],
+        uncached: u64,
+        cached: u64,
+        tenant: Option<&str>,
+        target: Option<RankTarget>,
+        now: Duration,
+    ) -> Ticket {
+        // Its blocks count in the overlay once its prefill is predicted done: the prefill
+        // queued there before it (this request's own not yet added), then its own.
+        let ready_in = core.view.replica(i).map_or(0.0, |r| {
+            core.router.config().cost.prefill_done_s(r, uncached)
+        });
+        let ready_in =
+            Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S)).unwrap_or_default();
+        core.view.record_routed_ready(i, keys, now, ready_in);
+        // The region's other nodes learn this prefix with the next load update.
+        if let (Some(last), true) = (keys.last(), self.cfg.mesh.is_some()) {
+            if core.pending_tips.len() < MAX_PENDING_TIPS {
+                let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+                core.pending_tips.push((i, last.0, blocks, now + ready_in));
+            }
+        }
+        let rt = &mut core.replicas[i];
+        rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
+        if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
+            l.pending_tokens = l.pending_tokens.saturating_add(uncached);
+            l.in_flight = l.in_flight.saturating_add(1);
+        }
+        let pending = rt.queued_estimate();
+        if let Some(r) = core.view.replica_mut(i) {
+            r.load.queued_prefill_tokens = pending;
+        }
+        if let Some(t) = tenant {
+            core.router.tenants.started(t, i);
+        }
+        let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
+            id: Arc::from("?"),
+            base: Arc::from(""),
+        });
+        self.metrics
+            .in_flight
+            .with_label_values(&[&endpoint.id])
+            .inc();
+        Ticket {
+            node: Arc::clone(self),
+            replica: i,
+            endpoint,
+            tenant: tenant.map(str::to_owned),
+            kv_slot: core.router.tenants.kv_slot(tenant),
+            pending_tokens: uncached,
+            hit_tokens: cached,
+            started: false,
+            rank: target,
+        }
+    }
+
+    /// Records a request this node sends on its own — a hot-prefix warm-up of `keys`,
+    /// `tokens` of prefill — to replica `i` as a routed one, so the next decisions see its
+    /// load and, from its first byte, its blocks. `None` for an unknown replica.
+    pub fn route_to(self: &Arc<Self>, i: usize, keys: &[BlockKey], tokens: u64) -> Option<Ticket> {
+        let now = self.now();
+        let ticket = {
+            let mut guard = self.lock();
+            let core = &mut *guard;
+            core.view.replica(i)?;
+            if i >= core.replicas.len() {
+                return None;
+            }
+            self.record_route(core, i, keys, tokens, 0, None, None, now)
+        };
+        self.mesh.load_changed.notify_one();
+        Some(ticket)
     }
 
     /// The node's token-mode keys for a request: appends them to `out` and returns the prompt's

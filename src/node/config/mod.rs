@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::core::cost::TierWeights;
+use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::tokenize::TokenizerConfig;
@@ -127,6 +128,9 @@ pub struct NodeConfig {
     pub tokenizer: Option<TokenizerConfig>,
     /// OpenTelemetry trace export of routed requests (`[tracing]`). Default off.
     pub tracing: TracingConfig,
+    /// Hot-prefix detection and replication (`[hot_prefix]`, see `core::hot_prefix`):
+    /// detection always runs, warm-ups only with `enabled`. Default: warm-ups off.
+    pub hot_prefix: HotPrefixConfig,
 }
 
 impl Default for NodeConfig {
@@ -167,6 +171,7 @@ impl Default for NodeConfig {
             mesh: None,
             tokenizer: None,
             tracing: TracingConfig::default(),
+            hot_prefix: HotPrefixConfig::default(),
         }
     }
 }
@@ -522,6 +527,9 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
+        self.hot_prefix
+            .validate()
+            .map_err(|m| invalid("hot_prefix", m))?;
         Ok(())
     }
 

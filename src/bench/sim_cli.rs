@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
+use super::hot_args::{hot_markdown, HotArgs, HotRow};
 use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
-use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::Preset;
 
@@ -83,18 +83,9 @@ pub struct SimArgs {
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
-    /// Hot-prefix replication (`core::hot_prefix`, the node's `[hot_prefix]` defaults): `off`,
-    /// `on`, or `both` (each policy run without and with it; the latter labelled `+hot`).
-    #[arg(long, default_value = "off", value_parser = ["off", "on", "both"])]
-    pub hot_prefix: String,
-    /// Share of the region's prefill capacity warm-ups may spend (the node's
-    /// `hot_prefix.budget_share`).
-    #[arg(long, default_value_t = HotPrefixConfig::default().budget_share)]
-    pub hot_budget_share: f64,
-    /// Report the TTFT of the requests arriving in this window of workload time apart,
-    /// `START:LEN` in seconds, e.g. `20:10` for the first 10 s of the burst family's burst.
-    #[arg(long, value_parser = parse_window)]
-    pub window_s: Option<(f64, f64)>,
+    /// Hot-prefix replication and the burst window.
+    #[command(flatten)]
+    pub hot: HotArgs,
     /// Directory for `sim-report.json`, `sim-report.md` and the charts (`sim-ttft-cdf.svg`,
     /// `sim-hit-ratio.svg`).
     #[arg(long, default_value = "kvmesh-out")]
@@ -144,33 +135,20 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             },
             None => CostModel::default(),
         },
-        window: args.window_s,
+        window: args.hot.window_s,
         ..Default::default()
-    };
-    let hot = HotPrefixConfig {
-        enabled: true,
-        budget_share: args.hot_budget_share,
-        ..HotPrefixConfig::default()
-    };
-    let modes: &[bool] = match args.hot_prefix.as_str() {
-        "on" => &[true],
-        "both" => &[false, true],
-        _ => &[false],
     };
     let mut runs: Vec<(SimConfig, &str)> = Vec::new();
     for p in &policies {
-        for &on in modes {
+        for mode in args.hot.modes() {
+            let label = if mode.is_some() { " +hot" } else { "" };
             runs.push((
                 SimConfig {
                     policy: *p,
-                    hot_prefix: if on {
-                        hot.clone()
-                    } else {
-                        base.hot_prefix.clone()
-                    },
+                    hot_prefix: mode.unwrap_or_else(|| base.hot_prefix.clone()),
                     ..base.clone()
                 },
-                if on { " +hot" } else { "" },
+                label,
             ));
         }
     }
@@ -228,7 +206,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             steered.join(", ")
         ));
     }
-    if let Some(hot) = hot_markdown(&reports, base.window) {
+    if let Some(hot) = hot_table(&reports, base.window) {
         table.push('\n');
         table.push_str(&hot);
     }
@@ -271,49 +249,23 @@ pub fn parse_preset(name: &str) -> anyhow::Result<Preset> {
     }
 }
 
-/// `START:LEN` seconds.
-fn parse_window(s: &str) -> Result<(f64, f64), String> {
-    let (a, b) = s
-        .split_once(':')
-        .ok_or_else(|| format!("'{s}': expected START:LEN in seconds, e.g. 20:10"))?;
-    let num = |x: &str| {
-        x.trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|v| v.is_finite() && *v >= 0.0)
-            .ok_or_else(|| format!("'{s}': '{x}' is not a number of seconds ≥ 0"))
-    };
-    Ok((num(a)?, num(b)?))
-}
-
 /// The window's TTFT and the warm-ups' prefill, when a window was asked for or any run warmed.
-fn hot_markdown(reports: &[SimReport], window: Option<(f64, f64)>) -> Option<String> {
+fn hot_table(reports: &[SimReport], window: Option<(f64, f64)>) -> Option<String> {
     if window.is_none() && reports.iter().all(|r| r.warmups == 0) {
         return None;
     }
-    let head = match window {
-        Some((a, l)) => format!("TTFT {a}–{} s p50 | p99", a + l),
-        None => "window p50 | p99".into(),
-    };
-    let mut s = format!(
-        "| policy | {head} | run p99 (s) | warm-ups (cancelled) | warm-up prefill tokens | share of all prefill | hot prefixes (max) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
-    );
-    for r in reports {
-        let (p50, p99) = r
-            .window_ttft
-            .map_or((f64::NAN, f64::NAN), |d| (d.p50, d.p99));
-        s.push_str(&format!(
-            "| {} | {p50:.3} | {p99:.3} | {:.3} | {} ({}) | {} | {:.2}% | {} |\n",
-            r.policy,
-            r.ttft.p99,
-            r.warmups,
-            r.warmups_cancelled,
-            r.warmup_prefill_tokens,
-            r.warmup_prefill_share * 100.0,
-            r.hot_prefixes_max
-        ));
-    }
-    Some(s)
+    let rows: Vec<HotRow<'_>> = reports
+        .iter()
+        .map(|r| HotRow {
+            label: &r.policy,
+            window: r.window_ttft,
+            run_p99: r.ttft.p99,
+            warmups: r.warmups,
+            warmup_tokens: r.warmup_prefill_tokens,
+            share: r.warmup_prefill_share,
+        })
+        .collect();
+    Some(hot_markdown(&rows, window))
 }
 
 /// One Markdown table of the runs.

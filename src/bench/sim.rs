@@ -1606,4 +1606,49 @@ mod tests {
     fn p2c_cache_no_worse_than_round_robin_under_overload_full_size() {
         agent_overload(8, 200.0, 3000, 3, 8);
     }
+    /// Hot-prefix replication (docs/benchmarks.md, "Hot-prefix replication"): a prefix one
+    /// replica holds turns hot (1 → 100 requests/s). Without replication its first seconds
+    /// queue behind that holder until p2c-cache spills; with it, the owner warms more replicas
+    /// within the budget. Seed 1, 4,000 requests (the burst starts at 20 s, ~400 in).
+    #[test]
+    fn hot_prefix_replication_cuts_the_burst_p99_within_its_budget() {
+        use crate::bench::workload::{burst, BurstParams, GenParams};
+        use crate::core::hot_prefix::HotPrefixConfig;
+        let p = BurstParams {
+            lead_rate: 1.0,
+            ..BurstParams::default()
+        };
+        let gen = GenParams {
+            rate: 20.0,
+            requests: 4000,
+            seed: 1,
+        };
+        let w = burst(&p, &gen).unwrap();
+        let cfg = SimConfig {
+            window: Some((20.0, 10.0)),
+            ..Default::default()
+        };
+        let off = run(&w, &cfg).unwrap();
+        let on = run(
+            &w,
+            &SimConfig {
+                hot_prefix: HotPrefixConfig {
+                    enabled: true,
+                    ..HotPrefixConfig::default()
+                },
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!((off.warmups, off.warmup_prefill_tokens), (0, 0));
+        assert!(on.warmups > 0 && on.hot_prefixes_max >= 1, "{}", on.warmups);
+        assert!(
+            on.warmup_prefill_share < 0.05,
+            "{}",
+            on.warmup_prefill_share
+        );
+        let (a, b) = (off.window_ttft.unwrap(), on.window_ttft.unwrap());
+        assert_eq!(a.count, b.count);
+        assert!(b.p99 * 2.0 <= a.p99, "burst p99 {} with vs {} without", b.p99, a.p99);
+    }
 }

@@ -47,7 +47,7 @@ pub struct WorkloadArgs {
     /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens,
     /// big_skew (big tenant's rate ÷ one small tenant's), big_absent (true: drop its requests);
     /// burst: background_prefixes, prefix_tokens, burst_at_s, burst_s, burst_rate,
-    /// burst_prefix_tokens, suffix_tokens, output_tokens.
+    /// burst_prefix_tokens, lead_rate, suffix_tokens, output_tokens.
     /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
@@ -187,6 +187,7 @@ family_params!(BurstParams {
     num burst_s,
     num burst_rate,
     num burst_prefix_tokens,
+    num lead_rate,
     range suffix_tokens,
     range output_tokens,
 });

@@ -12,7 +12,9 @@ use super::synth::{check_range, positive, push_text, tokens_in, Arrivals, FAMILY
 
 /// Background requests (one of `background_prefixes` shared prefixes, uniformly, then a unique
 /// suffix) arrive at the generator's rate; from `burst_at_s` for `burst_s` seconds a new prefix
-/// of `burst_prefix_tokens` arrives on top at `burst_rate`, each with a unique suffix.
+/// of `burst_prefix_tokens` arrives on top at `burst_rate`, each with a unique suffix. With
+/// `lead_rate` > 0 the burst's prefix also trickles in at that rate before the burst (a prefix
+/// that is known, held by one replica, then turns hot).
 #[derive(Clone, Debug)]
 pub struct BurstParams {
     /// Background shared prefixes. Default 32.
@@ -27,6 +29,8 @@ pub struct BurstParams {
     pub burst_rate: f64,
     /// Its prefix length. Default 8,192 tokens.
     pub burst_prefix_tokens: u32,
+    /// Its rate before the burst, requests/s (0: none, a new prefix). Default 0.
+    pub lead_rate: f64,
     /// Suffix length range (both kinds). Default 64..=256 tokens.
     pub suffix_tokens: (u32, u32),
     /// Output length range. Default 32..=128 tokens.
@@ -42,6 +46,7 @@ impl Default for BurstParams {
             burst_s: 30.0,
             burst_rate: 100.0,
             burst_prefix_tokens: 8192,
+            lead_rate: 0.0,
             suffix_tokens: (64, 256),
             output_tokens: (32, 128),
         }
@@ -56,13 +61,10 @@ pub fn burst(p: &BurstParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, W
     gen.validate()?;
     positive("background_prefixes", p.background_prefixes)?;
     let finite = |v: f64| v.is_finite() && v >= 0.0;
-    if !(finite(p.burst_at_s)
-        && finite(p.burst_s)
-        && p.burst_rate.is_finite()
-        && p.burst_rate > 0.0)
-    {
+    let rates = p.burst_rate.is_finite() && p.burst_rate > 0.0 && finite(p.lead_rate);
+    if !(finite(p.burst_at_s) && finite(p.burst_s) && rates) {
         return Err(WorkloadError::Invalid(
-            "burst_at_s and burst_s must be ≥ 0 and burst_rate > 0".into(),
+            "burst_at_s, burst_s and lead_rate must be ≥ 0 and burst_rate > 0".into(),
         ));
     }
     check_range("suffix_tokens", p.suffix_tokens)?;
@@ -76,12 +78,26 @@ pub fn burst(p: &BurstParams, gen: &GenParams) -> Result<Vec<WorkloadRequest>, W
         t: p.burst_at_s,
         rate: p.burst_rate,
     };
+    let mut lead = Arrivals {
+        t: 0.0,
+        rate: p.lead_rate.max(1e-9),
+    };
     let (mut next_bg, mut next_hot) = (background.next(&mut rng), hot.next(&mut rng));
+    let mut next_lead = if p.lead_rate > 0.0 {
+        lead.next(&mut rng)
+    } else {
+        f64::INFINITY
+    };
     let end = p.burst_at_s + p.burst_s;
     let mut out = Vec::with_capacity(gen.requests);
     for i in 0..gen.requests {
-        let in_burst = next_hot < end && next_hot < next_bg;
-        let (at_s, prefix, tokens) = if in_burst {
+        let in_lead = next_lead < p.burst_at_s && next_lead < next_bg;
+        let in_burst = !in_lead && next_hot < end && next_hot < next_bg;
+        let (at_s, prefix, tokens) = if in_lead {
+            let at = next_lead;
+            next_lead = lead.next(&mut rng);
+            (at, BURST_PREFIX, p.burst_prefix_tokens)
+        } else if in_burst {
             let at = next_hot;
             next_hot = hot.next(&mut rng);
             (at, BURST_PREFIX, p.burst_prefix_tokens)

@@ -1649,6 +1649,11 @@ mod tests {
         );
         let (a, b) = (off.window_ttft.unwrap(), on.window_ttft.unwrap());
         assert_eq!(a.count, b.count);
-        assert!(b.p99 * 2.0 <= a.p99, "burst p99 {} with vs {} without", b.p99, a.p99);
+        assert!(
+            b.p99 * 2.0 <= a.p99,
+            "burst p99 {} with vs {} without",
+            b.p99,
+            a.p99
+        );
     }
 }

@@ -494,7 +494,7 @@ impl HotPrefixes {
         for (r, rep) in view.replicas().iter().enumerate() {
             if rep.health != Health::Healthy
                 || rep.info.region != view.local_region
-                || !rep.info.models.iter().any(|m| *m == c.model)
+                || !rep.info.models.contains(&c.model)
             {
                 continue;
             }

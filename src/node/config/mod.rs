@@ -919,6 +919,18 @@ mod tests {
     }
 
     #[test]
+    fn hot_prefix_parses_and_bad_values_name_the_key() {
+        let c = NodeConfig::from_toml("[hot_prefix]\nenabled = true\nmin_rate = 20.0").unwrap();
+        assert!(c.hot_prefix.enabled && c.hot_prefix.min_rate == 20.0);
+        assert!(!NodeConfig::default().hot_prefix.enabled, "off by default");
+        let e = NodeConfig::from_toml("[hot_prefix]\nbudget_share = 2.0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hot_prefix.budget_share"), "{e}");
+        assert!(NodeConfig::from_toml("[hot_prefix]\nnope = 1").is_err());
+    }
+
+    #[test]
     fn the_shipped_example_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/node.toml");
         let c = NodeConfig::from_file(&path).unwrap();

@@ -1,5 +1,9 @@
 //! Decision time and key hashing throughput.
 //!
+//! Hot-prefix sketch: one `HotPrefixes::observe` per request (what the request path adds with
+//! `[hot_prefix]`), over a stream of 1,000 distinct prefixes churning its 64 counters, and on
+//! a tracked hot prefix.
+//!
 //! Decision: a view of N replicas in one region, each with a summary that holds a shared
 //! 2-block system prompt, one of them also the whole prompt (the warm replica), loads varied.
 //! The keys are computed once outside the timed loop: this measures the decision alone.
@@ -10,6 +14,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvmesh::core::hot_prefix::{HotPrefixConfig, HotPrefixes, Observed};
 use kvmesh::core::keys::{text_block_keys, BlockKey, Namespace};
 use kvmesh::core::policy::PolicyKind;
 use kvmesh::core::router::{RouteRequest, Router, RouterConfig};
@@ -159,9 +164,56 @@ fn hashing(c: &mut Criterion) {
     g.finish();
 }
 
+fn hot_prefix(c: &mut Criterion) {
+    let mut g = c.benchmark_group("hot_prefix");
+    let ns = Namespace::new("llama", None, None, None);
+    // 1,000 prompts of 8 blocks, all with different first blocks: every observe misses a
+    // counter and replaces the lightest (the sketch's worst case).
+    let texts: Vec<String> = (0..1000).map(|i| format!("{i:>8}").repeat(256)).collect();
+    let keys: Vec<Vec<BlockKey>> = texts
+        .iter()
+        .map(|t| {
+            let mut k = Vec::new();
+            text_block_keys(ns, t.as_bytes(), 256, &mut k);
+            k
+        })
+        .collect();
+    let mut hot = HotPrefixes::new(HotPrefixConfig::default());
+    let mut t = Duration::ZERO;
+    let mut i = 0;
+    g.bench_function("observe/churn", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            t += Duration::from_micros(100);
+            let req = Observed {
+                model: "llama",
+                keys: black_box(&keys[i]),
+                text: Some(&texts[i]),
+                block_bytes: 256,
+            };
+            hot.observe(req, t);
+        })
+    });
+    // One prefix at a high rate: tracked as a candidate, so each observe also measures its
+    // shared run against the sample.
+    g.bench_function("observe/hot", |b| {
+        b.iter(|| {
+            t += Duration::from_micros(100);
+            let req = Observed {
+                model: "llama",
+                keys: black_box(&keys[0]),
+                text: Some(&texts[0]),
+                block_bytes: 256,
+            };
+            hot.observe(req, t);
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
-    targets = decisions, hashing
+    targets = decisions, hashing, hot_prefix
 }
 criterion_main!(benches);

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::fleet::{run_fleet_comparison, FleetConfig};
+use super::hot_args::{bench_row, hot_markdown, HotArgs};
 use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
 use super::tenant_args::{split_markdown, split_records, TenantArgs};
@@ -82,6 +83,11 @@ pub struct BenchArgs {
     /// No progress line.
     #[arg(long)]
     pub quiet: bool,
+    /// Fleet runs: hot-prefix replication (`--hot-prefix both` runs each policy without and
+    /// with; run such a fleet at `--time-scale 1`, as `[hot_prefix]` counts wall-clock time);
+    /// any run: `--window-s` reports the TTFT of a window of workload time apart.
+    #[command(flatten)]
+    pub hot: HotArgs,
     /// Directory for bench-report.json, bench-report.md and the SVG charts.
     #[arg(long, default_value = "kvmesh-out")]
     pub out: PathBuf,
@@ -158,8 +164,12 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
             vec![RankRouting::Off]
         };
         let mut runs = Vec::new();
-        for rank_routing in routings {
+        for (rank_routing, hot) in routings
+            .iter()
+            .flat_map(|r| args.hot.modes().into_iter().map(move |h| (*r, h)))
+        {
             let fleet = FleetConfig {
+                hot_prefix: hot.unwrap_or_default(),
                 replicas: args.replicas,
                 nodes: args.nodes,
                 time_scale: args.time_scale,
@@ -200,6 +210,15 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
     };
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     println!("{}", report::markdown(&reports));
+    let window = args.hot.window_s;
+    if window.is_some() || runs.iter().any(|r| r.warmups > 0) {
+        let rows: Vec<_> = runs
+            .iter()
+            .zip(&reports)
+            .map(|(run, rep)| bench_row(run, &workload.requests, window, rep.ttft.p99))
+            .collect();
+        println!("{}", hot_markdown(&rows, window));
+    }
     if let Some(tenant) = &args.tenants.split_tenant {
         let splits: Vec<_> = runs
             .iter()

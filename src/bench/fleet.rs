@@ -14,6 +14,7 @@ use anyhow::Context;
 
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::workload::request::WorkloadRequest;
+use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
@@ -47,6 +48,9 @@ pub struct FleetConfig {
     /// With `dp_ranks` > 1: how nodes name the rank (`Off`: the replica's balancer picks).
     /// Default header.
     pub rank_routing: RankRouting,
+    /// Every node's `[hot_prefix]`. Its times and rates are wall-clock: run a fleet with
+    /// warm-ups at `time_scale` 1. Default: warm-ups off.
+    pub hot_prefix: HotPrefixConfig,
 }
 
 impl Default for FleetConfig {
@@ -60,6 +64,7 @@ impl Default for FleetConfig {
             tenants: HashMap::new(),
             dp_ranks: 1,
             rank_routing: RankRouting::Header,
+            hot_prefix: HotPrefixConfig::default(),
         }
     }
 }
@@ -211,6 +216,7 @@ pub async fn run_fleet(
                 seed: replay_cfg.seed.wrapping_add(n as u64),
                 drain_s: 5,
                 tenants: fleet.tenants.clone(),
+                hot_prefix: fleet.hot_prefix.clone(),
                 ..NodeConfig::default()
             };
             cfg.health.interval_ms = 200;
@@ -264,6 +270,8 @@ pub async fn run_fleet(
                 RankRouting::Off => "off",
             };
             format!("{} dp={} rank={how}", policy.as_str(), fleet.dp_ranks)
+        } else if replay_cfg.label == ReplayConfig::default().label && fleet.hot_prefix.enabled {
+            format!("{} +hot", policy.as_str())
         } else if replay_cfg.label == ReplayConfig::default().label {
             policy.as_str().to_owned()
         } else {
@@ -279,6 +287,11 @@ pub async fn run_fleet(
         };
         let mut run = replay(workload, &cfg).await?;
         run.replicas = replicas.iter().map(|r| r.id.clone()).collect();
+        for n in &nodes {
+            let stats = n.node.lock().hot.stats();
+            run.warmups += stats.sent;
+            run.warmup_tokens += stats.tokens;
+        }
         anyhow::Ok(run)
     }
     .await;

@@ -6,6 +6,7 @@ pub mod bench_cli;
 pub mod demo;
 pub mod fleet;
 pub mod fuzz;
+pub mod hot_args;
 pub mod replay;
 pub mod report;
 pub mod sim;

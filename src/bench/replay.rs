@@ -142,6 +142,12 @@ pub struct RunResult {
     pub replicas: Vec<String>,
     /// Prefix-cache counter deltas, when metrics URLs were given and answered.
     pub metrics: Option<MetricsDelta>,
+    /// Hot-prefix warm-ups the fleet's nodes sent (fleet runs; 0 otherwise).
+    #[serde(default)]
+    pub warmups: u64,
+    /// Their prefill tokens.
+    #[serde(default)]
+    pub warmup_tokens: u64,
 }
 
 /// Why a replay could not run.
@@ -298,6 +304,8 @@ pub async fn replay(
         time_scale: cfg.time_scale,
         replicas: Vec::new(),
         metrics,
+        warmups: 0,
+        warmup_tokens: 0,
     })
 }
 

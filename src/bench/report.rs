@@ -470,6 +470,8 @@ mod tests {
                 hits: 1.0,
                 queries: 4.0,
             }),
+            warmups: 0,
+            warmup_tokens: 0,
         }
     }
 

@@ -21,6 +21,12 @@
 //!   blocks to its tenant, as a live home does for its own requests; here every request's
 //!   blocks reach the home with their tenant (a live home learns its peers' blocks untagged,
 //!   see `core::cache_model`), and the shares travel with the summary, a gossip round late.
+//! - hot-prefix replication (`hot_prefix.enabled`): every node counts what it routes in its
+//!   own `core::hot_prefix` detector; their heavy hitters travel once per gossip round (like
+//!   the live `hot` record); every load publication each node plans, and the warm-ups of the
+//!   prefixes it owns (rendezvous over its region's live nodes) go to the engines as
+//!   prefill-only requests, counted in the node's view, its peers' (load sharing) and the
+//!   home's cache model as a routed request is.
 //!
 //! What a node knows, as a live node knows it: its own routing at once; the other nodes' of its
 //! region `load_share_delay` later (load sharing); the engines' waiting/running/KV usage as their
@@ -48,6 +54,7 @@ use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
@@ -116,7 +123,25 @@ struct NodeRouting {
     router: Router,
     /// Publication time of the loads the view holds.
     synced: Option<Duration>,
+    /// The hot-prefix detector (replication on).
+    hot: Option<HotPrefixes>,
+    /// Publication time of the peers' heavy hitters it last applied.
+    hot_synced: Option<Duration>,
 }
+
+/// A warm-up an engine is running (engine request id = workload length + its index).
+struct WarmFlight {
+    node: usize,
+    key: u64,
+    replica: usize,
+    keys: Vec<BlockKey>,
+    uncached: u64,
+    /// Not finished and not cancelled.
+    live: bool,
+}
+
+/// Every live node's gossiped heavy hitters at one publication: (node, region, entries).
+type HotTops = Arc<Vec<(usize, usize, Vec<(u64, f32)>)>>;
 
 #[derive(Clone, Copy, Default)]
 struct InFlight {
@@ -271,6 +296,12 @@ struct Sim<'a> {
     per_replica: Vec<u64>,
     text: String,
     keys: Vec<BlockKey>,
+    /// Hot-prefix replication: the nodes' heavy hitters as gossip carries them.
+    hot_tops: Published<HotTops>,
+    warms: Vec<WarmFlight>,
+    warmup_tokens: u64,
+    warmups_cancelled: u64,
+    hot_max: usize,
 }
 
 impl<'a> Sim<'a> {
@@ -337,6 +368,11 @@ impl<'a> Sim<'a> {
                         view,
                         router: Router::new(rc, tenants(cfg)),
                         synced: None,
+                        hot: cfg
+                            .hot_prefix
+                            .enabled
+                            .then(|| HotPrefixes::new(cfg.hot_prefix.clone())),
+                        hot_synced: None,
                     }
                 });
                 SimNode {
@@ -399,6 +435,11 @@ impl<'a> Sim<'a> {
             per_replica: vec![0; cfg.replicas],
             text: String::new(),
             keys: Vec::new(),
+            hot_tops: Published::default(),
+            warms: Vec::new(),
+            warmup_tokens: 0,
+            warmups_cancelled: 0,
+            hot_max: 0,
         };
         for r in 0..cfg.replicas {
             sim.home[r] = sim.home_of(r);
@@ -477,6 +518,15 @@ impl<'a> Sim<'a> {
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
+            }
+            if let Some(h) = nr.hot.as_mut() {
+                let req = Observed {
+                    model: MODEL,
+                    keys: &self.keys,
+                    text: Some(&self.text),
+                    block_bytes: self.cfg.block_bytes,
+                };
+                h.observe(req, now);
             }
             self.share(now, node, r, 1, uncached as i64);
             if let (Some(last), Some(s)) = (self.keys.last(), self.shares.back_mut()) {
@@ -582,6 +632,16 @@ impl<'a> Sim<'a> {
         let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
             return;
         };
+        if let (Some(h), Some((at, tops))) = (nr.hot.as_mut(), self.hot_tops.as_of_timed(source)) {
+            if nr.hot_synced != Some(at) {
+                nr.hot_synced = Some(at);
+                for (m, region, top) in tops.iter() {
+                    if *m != n && *region == node.region {
+                        h.apply_peer(&format!("node-{m}"), top, now);
+                    }
+                }
+            }
+        }
         // Shares travel with the summaries, every gossip round (loads only change per scrape).
         if self.tenants.any_kv_quota() {
             for &r in &self.region_replicas[node.region] {
@@ -624,8 +684,19 @@ impl<'a> Sim<'a> {
             return; // superseded by an earlier wake
         }
         self.scheduled[r] = None;
+        let requests = self.reqs.len();
         for out in self.engines[r].advance(now) {
             match out {
+                Output::FirstToken {
+                    id,
+                    cached_tokens: c,
+                    prompt_tokens: p,
+                } if id as usize >= requests => {
+                    self.warm_first_token(id as usize - requests, p, c, now);
+                }
+                Output::Finished { id } if id as usize >= requests => {
+                    self.warm_finished(id as usize - requests, now);
+                }
                 Output::FirstToken {
                     id,
                     cached_tokens: c,
@@ -740,6 +811,9 @@ impl<'a> Sim<'a> {
                     self.kv_shares[r].publish(now, Arc::from(&shares[..]), horizon);
                 }
             }
+        }
+        if self.cfg.hot_prefix.enabled {
+            self.hot_tick(k, now, horizon);
         }
         if self.done < self.reqs.len() {
             self.push(
@@ -885,6 +959,177 @@ impl<'a> Sim<'a> {
         (best.1, best.2)
     }
 
+    /// Hot-prefix replication, every load publication: once per gossip round every live node's
+    /// heavy hitters are published; then every live node plans for the prefixes it owns.
+    fn hot_tick(&mut self, k: u64, now: Duration, horizon: Duration) {
+        if k.is_multiple_of(u64::from(LOAD_PUBLICATIONS_PER_INTERVAL)) {
+            let mut tops = Vec::with_capacity(self.live.len());
+            for &n in &self.live {
+                let node = &mut self.nodes[n];
+                if let Some(h) = node.routing.as_mut().and_then(|nr| nr.hot.as_mut()) {
+                    let mut top = Vec::new();
+                    h.gossip_top(now, &mut top);
+                    tops.push((n, node.region, top));
+                }
+            }
+            self.hot_tops.publish(now, Arc::new(tops), horizon);
+        }
+        let mut actions = Vec::new();
+        for n in self.live.clone() {
+            self.sync_view(n, now);
+            let region = self.nodes[n].region;
+            let ids: Vec<String> = self
+                .live
+                .iter()
+                .filter(|m| self.nodes[**m].region == region)
+                .map(|m| format!("node-{m}"))
+                .collect();
+            let me = format!("node-{n}");
+            let Some(nr) = self.nodes[n].routing.as_mut() else {
+                continue;
+            };
+            let Some(h) = nr.hot.as_mut() else {
+                continue;
+            };
+            let cost = nr.router.config().cost;
+            let owns = |key: u64| {
+                home_node(&format!("{key:016x}"), ids.iter().map(String::as_str)) == Some(&me)
+            };
+            h.plan(&nr.view, &cost, now, ids.len(), owns, &mut actions);
+            self.hot_max = self.hot_max.max(h.hot_count(now));
+            for a in actions.drain(..) {
+                match a {
+                    Action::WarmUp(w) => self.start_warm(n, w, now),
+                    Action::Cancel { key, replica } => self.cancel_warm(n, key, replica, now),
+                }
+            }
+        }
+    }
+
+    /// Node `n` sends warm-up `w` to its replica: accounted as a routed request is (in flight,
+    /// queued prefill, overlay from the predicted prefill end, shared with the region).
+    fn start_warm(&mut self, n: usize, w: WarmUp, now: Duration) {
+        let r = w.replica;
+        let prompt = tokenize(&w.prompt);
+        let uncached = prompt.len() as u64;
+        let id = self.reqs.len() + self.warms.len();
+        let request = Request {
+            id: id as u64,
+            prompt,
+            max_tokens: 1,
+        };
+        let submitted = self.engines[r].submit(request, now).is_ok();
+        let Some(nr) = self.nodes[n].routing.as_mut() else {
+            return;
+        };
+        if !submitted {
+            if let Some(h) = nr.hot.as_mut() {
+                h.warm_done(w.key, r, false);
+            }
+            return;
+        }
+        let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
+            nr.router.config().cost.prefill_done_s(rep, uncached)
+        });
+        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+        nr.view.record_routed_ready(r, &w.keys, now, ready_in);
+        if let Some(rep) = nr.view.replica_mut(r) {
+            rep.load.queued_prefill_tokens += uncached;
+        }
+        self.share(now, n, r, 1, uncached as i64);
+        if let (Some(last), Some(s)) = (w.keys.last(), self.shares.back_mut()) {
+            s.tip = Some((*last, w.keys.len() as u32, now + ready_in));
+        }
+        self.pending_prefill[r] += uncached;
+        self.warms.push(WarmFlight {
+            node: n,
+            key: w.key,
+            replica: r,
+            keys: w.keys,
+            uncached,
+            live: true,
+        });
+        self.schedule(r);
+    }
+
+    /// Node `n`'s planner cancelled its warm-up of `key` on `replica`: the engine drops it and
+    /// every count it added is taken back.
+    fn cancel_warm(&mut self, n: usize, key: u64, replica: usize, now: Duration) {
+        let Some(i) = self
+            .warms
+            .iter()
+            .position(|w| w.live && w.node == n && w.key == key && w.replica == replica)
+        else {
+            return;
+        };
+        self.warms[i].live = false;
+        self.warmups_cancelled += 1;
+        self.engines[replica].cancel((self.reqs.len() + i) as u64);
+        let uncached = self.warms[i].uncached;
+        self.pending_prefill[replica] = self.pending_prefill[replica].saturating_sub(uncached);
+        if let Some(nr) = self.nodes[n].routing.as_mut() {
+            nr.view.routed_failed(replica, &self.warms[i].keys, now);
+            nr.view.finished(replica);
+            if let Some(rep) = nr.view.replica_mut(replica) {
+                rep.load.queued_prefill_tokens =
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+            }
+        }
+        self.share(now, n, replica, -1, -(uncached as i64));
+        self.schedule(replica);
+    }
+
+    /// Warm-up `i` finished its prefill: the home's cache model learns its blocks, as it does
+    /// a routed request's, and its node's planner hears it.
+    fn warm_first_token(&mut self, i: usize, prompt: usize, cached: usize, now: Duration) {
+        let w = &mut self.warms[i];
+        let (n, r, key, uncached) = (w.node, w.replica, w.key, w.uncached);
+        let keys = std::mem::take(&mut w.keys);
+        self.warmup_tokens += prompt.saturating_sub(cached) as u64;
+        if !self.orphaned[r] {
+            self.models[r].record_routed(&keys, now);
+        }
+        self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
+        if let Some(nr) = self.nodes[n].routing.as_mut() {
+            nr.view.prefill_done(r, &keys, now);
+            if let Some(rep) = nr.view.replica_mut(r) {
+                rep.load.queued_prefill_tokens =
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+            }
+            if let Some(h) = nr.hot.as_mut() {
+                h.warm_done(key, r, true);
+            }
+        }
+        self.share(now, n, r, 0, -(uncached as i64));
+    }
+
+    /// Warm-up `i` ended (its one token).
+    fn warm_finished(&mut self, i: usize, now: Duration) {
+        let w = &mut self.warms[i];
+        if !w.live {
+            return;
+        }
+        w.live = false;
+        let (n, r) = (w.node, w.replica);
+        if let Some(nr) = self.nodes[n].routing.as_mut() {
+            nr.view.finished(r);
+        }
+        self.share(now, n, r, -1, 0);
+    }
+
+    /// Times to first token of the requests arriving in `SimConfig::window`.
+    fn window_ttft(&self) -> Option<Distribution> {
+        let (start, len) = self.cfg.window?;
+        let mut ttft: Vec<f64> = self
+            .reqs
+            .iter()
+            .zip(&self.per_request)
+            .filter(|(q, (t, _, _))| (start..start + len).contains(&q.at_s) && !t.is_nan())
+            .map(|(_, (t, _, _))| *t)
+            .collect();
+        Some(Distribution::of(&mut ttft))
+    }
+
     /// `split_tenant`'s requests and the others', apart.
     fn tenant_split(&self) -> Option<TenantSplit> {
         let tenant = self.cfg.split_tenant.clone()?;
@@ -919,7 +1164,20 @@ impl<'a> Sim<'a> {
 
     fn report(mut self, virtual_time: Duration) -> SimReport {
         let tenant_split = self.tenant_split();
+        let window_ttft = self.window_ttft();
+        let request_prefill = self.prompt_tokens.saturating_sub(self.cached_tokens);
+        let all_prefill = request_prefill + self.warmup_tokens;
         SimReport {
+            window_ttft,
+            warmups: self.warms.len() as u64,
+            warmups_cancelled: self.warmups_cancelled,
+            warmup_prefill_tokens: self.warmup_tokens,
+            warmup_prefill_share: if all_prefill == 0 {
+                0.0
+            } else {
+                self.warmup_tokens as f64 / all_prefill as f64
+            },
+            hot_prefixes_max: self.hot_max,
             kv_steered: self.kv_steered,
             tenant_split,
             policy: if self.cfg.oracle {
@@ -1348,5 +1606,55 @@ mod tests {
     #[ignore = "slow in debug builds; run with --release -- --ignored"]
     fn p2c_cache_no_worse_than_round_robin_under_overload_full_size() {
         agent_overload(8, 200.0, 3000, 3, 8);
+    }
+    /// Hot-prefix replication (docs/benchmarks.md, "Hot-prefix replication"): a prefix one
+    /// replica holds turns hot (1 → 100 requests/s). Without replication its first seconds
+    /// queue behind that holder until p2c-cache spills; with it, the owner warms more replicas
+    /// within the budget. Seed 1, 4,000 requests (the burst starts at 20 s, ~400 in).
+    #[test]
+    fn hot_prefix_replication_cuts_the_burst_p99_within_its_budget() {
+        use crate::bench::workload::{burst, BurstParams, GenParams};
+        use crate::core::hot_prefix::HotPrefixConfig;
+        let p = BurstParams {
+            lead_rate: 1.0,
+            ..BurstParams::default()
+        };
+        let gen = GenParams {
+            rate: 20.0,
+            requests: 4000,
+            seed: 1,
+        };
+        let w = burst(&p, &gen).unwrap();
+        let cfg = SimConfig {
+            window: Some((20.0, 10.0)),
+            ..Default::default()
+        };
+        let off = run(&w, &cfg).unwrap();
+        let on = run(
+            &w,
+            &SimConfig {
+                hot_prefix: HotPrefixConfig {
+                    enabled: true,
+                    ..HotPrefixConfig::default()
+                },
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!((off.warmups, off.warmup_prefill_tokens), (0, 0));
+        assert!(on.warmups > 0 && on.hot_prefixes_max >= 1, "{}", on.warmups);
+        assert!(
+            on.warmup_prefill_share < 0.05,
+            "{}",
+            on.warmup_prefill_share
+        );
+        let (a, b) = (off.window_ttft.unwrap(), on.window_ttft.unwrap());
+        assert_eq!(a.count, b.count);
+        assert!(
+            b.p99 * 2.0 <= a.p99,
+            "burst p99 {} with vs {} without",
+            b.p99,
+            a.p99
+        );
     }
 }

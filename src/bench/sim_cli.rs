@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
+use super::hot_args::{hot_markdown, HotArgs, HotRow};
 use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
@@ -82,6 +83,9 @@ pub struct SimArgs {
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
+    /// Hot-prefix replication and the burst window.
+    #[command(flatten)]
+    pub hot: HotArgs,
     /// Directory for `sim-report.json`, `sim-report.md` and the charts (`sim-ttft-cdf.svg`,
     /// `sim-hit-ratio.svg`).
     #[arg(long, default_value = "kvmesh-out")]
@@ -131,20 +135,23 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             },
             None => CostModel::default(),
         },
+        window: args.hot.window_s,
         ..Default::default()
     };
-    let mut runs: Vec<(SimConfig, &str)> = policies
-        .iter()
-        .map(|p| {
-            (
+    let mut runs: Vec<(SimConfig, &str)> = Vec::new();
+    for p in &policies {
+        for mode in args.hot.modes() {
+            let label = if mode.is_some() { " +hot" } else { "" };
+            runs.push((
                 SimConfig {
                     policy: *p,
+                    hot_prefix: mode.unwrap_or_else(|| base.hot_prefix.clone()),
                     ..base.clone()
                 },
-                "",
-            )
-        })
-        .collect();
+                label,
+            ));
+        }
+    }
     if args.central {
         runs.push((
             SimConfig {
@@ -170,9 +177,11 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         base.failures.len()
     );
     let mut reports = Vec::new();
-    for (cfg, _) in runs {
+    for (cfg, label) in runs {
         let started = Instant::now();
-        let report = run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
+        let mut report =
+            run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
+        report.policy.push_str(label);
         eprintln!(
             "  {:<17} done in {:.1} s",
             report.policy,
@@ -196,6 +205,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             "\nRequests a KV quota steered: {}\n",
             steered.join(", ")
         ));
+    }
+    if let Some(hot) = hot_table(&reports, base.window) {
+        table.push('\n');
+        table.push_str(&hot);
     }
     let n = base
         .max_requests
@@ -234,6 +247,25 @@ pub fn parse_preset(name: &str) -> anyhow::Result<Preset> {
         "70b-tp4" => Ok(Preset::Llama70bTp4),
         other => anyhow::bail!("unknown preset '{other}' (expected 8b-h100 or 70b-tp4)"),
     }
+}
+
+/// The window's TTFT and the warm-ups' prefill, when a window was asked for or any run warmed.
+fn hot_table(reports: &[SimReport], window: Option<(f64, f64)>) -> Option<String> {
+    if window.is_none() && reports.iter().all(|r| r.warmups == 0) {
+        return None;
+    }
+    let rows: Vec<HotRow<'_>> = reports
+        .iter()
+        .map(|r| HotRow {
+            label: &r.policy,
+            window: r.window_ttft,
+            run_p99: r.ttft.p99,
+            warmups: r.warmups,
+            warmup_tokens: r.warmup_prefill_tokens,
+            share: r.warmup_prefill_share,
+        })
+        .collect();
+    Some(hot_markdown(&rows, window))
 }
 
 /// One Markdown table of the runs.

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::stats::Distribution;
 use crate::core::cost::CostModel;
+use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
@@ -101,6 +102,13 @@ pub struct SimConfig {
     /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
     /// `big` of the tenants family. Default none.
     pub split_tenant: Option<String>,
+    /// Hot-prefix replication of every node (`[hot_prefix]`, see `core::hot_prefix`): off
+    /// unless `enabled`. Warm-ups go to the engines as prefill-only requests; the rendezvous
+    /// owner of a prefix among its region's live nodes sends them. Default off.
+    pub hot_prefix: HotPrefixConfig,
+    /// Report the TTFT of the requests arriving in this window of workload time, `(start s,
+    /// length s)`, apart (e.g. the first 10 s of a burst). Default none.
+    pub window: Option<(f64, f64)>,
 }
 
 impl Default for SimConfig {
@@ -127,6 +135,8 @@ impl Default for SimConfig {
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,
+            hot_prefix: HotPrefixConfig::default(),
+            window: None,
         }
     }
 }
@@ -155,6 +165,12 @@ impl SimConfig {
                 f.node, self.nodes
             )));
         }
+        if let Some((start, len)) = self.window {
+            if !(start.is_finite() && len.is_finite() && start >= 0.0 && len > 0.0) {
+                return bad("window must be START:LEN with START ≥ 0 and LEN > 0 seconds");
+            }
+        }
+        self.hot_prefix.validate().map_err(SimError::Config)?;
         self.engine
             .validate()
             .map_err(|e| SimError::Config(e.to_string()))
@@ -216,6 +232,18 @@ pub struct SimReport {
     pub kv_steered: usize,
     /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
     pub tenant_split: Option<TenantSplit>,
+    /// Time to first token of the requests arriving in `SimConfig::window` (when it was set).
+    pub window_ttft: Option<Distribution>,
+    /// Hot-prefix warm-ups sent (0 with replication off).
+    pub warmups: u64,
+    /// Of them, cancelled because the heat passed before they finished.
+    pub warmups_cancelled: u64,
+    /// Prompt tokens the engines prefilled for warm-ups (not served from their caches).
+    pub warmup_prefill_tokens: u64,
+    /// Warm-up prefill ÷ all prefill (the requests' uncached tokens plus the warm-ups').
+    pub warmup_prefill_share: f64,
+    /// Most prefixes any node counted hot at once (sampled at its plans).
+    pub hot_prefixes_max: usize,
 }
 
 /// One tenant's requests and the others', measured apart.

@@ -13,6 +13,7 @@
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
 //! - [`cost`]: the predicted-seconds formula.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
+//! - [`hot_sketch`], [`hot_prefix`]: which prefixes are hot, and warming them on more replicas.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
@@ -22,6 +23,8 @@ pub mod affinity;
 pub mod cache_model;
 pub mod cost;
 pub mod dp_rank;
+pub mod hot_prefix;
+pub mod hot_sketch;
 pub mod keys;
 pub mod pd;
 pub mod peer_tips;

@@ -32,6 +32,7 @@ use super::admin::{self, AdminRecord, ADMIN_PREFIX, MAX_ADMIN_RECORDS};
 use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity};
 use super::home;
+use super::hot_record::{HotRecord, KEY_HOT};
 use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
     KEY_NODE, KEY_RTT, REPLICA_PREFIX,
@@ -160,6 +161,8 @@ pub struct Member {
     pub rtt: RttRecord,
     /// Its homes marker, once it published one.
     pub homes: Option<HomesRecord>,
+    /// Its heaviest prefixes (empty when it publishes none, or a malformed record).
+    pub hot: HotRecord,
     /// The operator commands it took, by replica id (at most [`MAX_ADMIN_RECORDS`] read).
     pub admin: BTreeMap<String, AdminRecord>,
 }
@@ -441,6 +444,13 @@ impl Mesh {
         Ok(())
     }
 
+    /// Publishes this node's heaviest prefixes.
+    pub async fn publish_hot(&self, record: &HotRecord) -> Result<(), MeshError> {
+        let value = record.encode()?;
+        self.set(KEY_HOT.to_owned(), value).await;
+        Ok(())
+    }
+
     /// Publishes this node's in-flight counts (build it with [`InflightRecord::fit`]).
     pub async fn publish_inflight(&self, record: &InflightRecord) -> Result<(), MeshError> {
         let value = record.encode()?;
@@ -707,6 +717,14 @@ fn members_of(
                     .ok()
             })
             .unwrap_or_default();
+        let hot = state
+            .get(KEY_HOT)
+            .and_then(|v| {
+                HotRecord::decode(v)
+                    .map_err(|e| count_err("hot", id, &e))
+                    .ok()
+            })
+            .unwrap_or_default();
         let homes = state.get(KEY_HOMES).and_then(|v| {
             HomesRecord::decode(v)
                 .map_err(|e| count_err("homes", id, &e))
@@ -744,6 +762,7 @@ fn members_of(
             inflight,
             rtt,
             homes,
+            hot,
             admin,
         });
     }

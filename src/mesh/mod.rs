@@ -14,6 +14,7 @@
 //! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
 //!   partition injection.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
+//! - [`hot_record`]: the `hot` record, a node's heaviest prefixes (hot-prefix replication).
 //! - [`home`]: which node is home for a replica (rendezvous over live nodes of its region).
 //! - [`seeds`]: `srv:<name>` seeds through DNS SRV (hickory).
 //! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
@@ -27,6 +28,7 @@ pub mod cert_resolver;
 pub mod certs;
 pub mod cluster;
 pub mod home;
+pub mod hot_record;
 pub mod load_share;
 pub mod peer_tls;
 pub mod schema;

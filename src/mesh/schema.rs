@@ -17,6 +17,7 @@
 //! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`}, `pd` {`role`, `bootstrap_port`, `engine_id`} (absent = `both`) | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
 //! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
 //! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
+//! | `hot` | every node with `[hot_prefix]` | `HotRecord` (`hot_record.rs`): `entries` [(first-k-block key, requests/s)] | ≤ 16 entries, rates finite in 0..=100,000 |
 //! | `homes` | every node, after each round that changed its replica records | [`HomesRecord`]: `count` (replica records it publishes), `round` | chitchat delivers a node's keys in version order, so a peer holding `homes` holds every replica record written before it: `count` equal to the records received = caught up |
 //!
 //! Every decoder returns an error on malformed input (bad base64, bad msgpack, missing fields,

@@ -391,6 +391,7 @@ mod tests {
             }),
             replicas: BTreeMap::new(),
             inflight: InflightRecord::default(),
+            hot: Default::default(),
             rtt: Default::default(),
             homes: None,
             admin: Default::default(),

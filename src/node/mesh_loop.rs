@@ -35,6 +35,7 @@ use super::metrics::MeshMetrics;
 use super::state::Node;
 use crate::mesh::cert_resolver::ReloadableCert;
 use crate::mesh::cluster::{home_in, replicas_in_region};
+use crate::mesh::hot_record::HotRecord;
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
 use crate::mesh::{Member, Mesh};
@@ -118,6 +119,8 @@ struct LoopState {
     last_stats: StatsSnapshot,
     last_schema_errors: u64,
     last_inflight: Option<InflightRecord>,
+    /// The `hot` record last published.
+    last_hot: Option<HotRecord>,
     /// When the first gossip round completed.
     joined: Option<Instant>,
     /// Writes of the homes marker so far.
@@ -154,6 +157,7 @@ async fn sync_loop(
         last_stats: StatsSnapshot::default(),
         last_schema_errors: 0,
         last_inflight: None,
+        last_hot: None,
         joined: None,
         homes_round: 0,
         unpublishable: BTreeSet::new(),
@@ -383,6 +387,14 @@ async fn sync_once(
                 }
             }
         });
+    }
+
+    let hot = node.hot_gossip(self_id, &live);
+    if st.last_hot.as_ref() != Some(&hot) {
+        match mesh.publish_hot(&hot).await {
+            Ok(()) => st.last_hot = Some(hot),
+            Err(e) => tracing::warn!(error = %e, "hot-prefix record not published"),
+        }
     }
 
     let inflight = node.inflight_record();

@@ -21,6 +21,7 @@
 //!   request's accounting exactly once.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
+//! - `hot_prefix.rs`: hot-prefix replication — counting, merging peers' heat, warm-ups.
 //! - `snapshot.rs`: `/ready`, `/v1/models`, `/admin/state`.
 //! - `watchers.rs`: the tasks that probe replicas, follow KV events and DNS.
 //! - `mesh_state.rs`, `mesh_roles.rs`, `mesh_loop.rs`: the node in a mesh — its data, the home and
@@ -33,6 +34,7 @@ mod admin;
 mod admin_book;
 pub mod config;
 mod feedback;
+mod hot_prefix;
 mod kv_gossip;
 mod learned;
 mod load_share;

@@ -204,6 +204,7 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("tokenizer", old.tokenizer != new.tokenizer),
         ("tracing", old.tracing != new.tracing),
         ("pd", old.pd != new.pd),
+        ("hot_prefix", old.hot_prefix != new.hot_prefix),
     ];
     changed
         .into_iter()

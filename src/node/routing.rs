@@ -125,6 +125,22 @@ pub enum Booking {
     },
 }
 
+/// What [`Node::book`] decided for one leg, for [`Node::record_leg`] to record.
+struct Leg<'a> {
+    /// Prefill tokens it queues at the replica (0 for a decode leg).
+    uncached: u64,
+    /// Prompt tokens it finds cached there (0 for a decode leg).
+    cached: u64,
+    /// The tenant it counts against (only on the leg that prefills).
+    tenant: Option<&'a str>,
+    /// The tenant's KV slot for the blocks it brings.
+    kv_slot: u8,
+    /// The data-parallel rank named, if any.
+    target: Option<RankTarget>,
+    /// When its blocks are predicted to be in the replica's cache.
+    ready_in: Duration,
+}
+
 /// Cap on the predicted wait before a routed request's blocks count in the overlay (as in the
 /// simulator): a wildly overloaded estimate must not park keys for hours.
 const MAX_READY_IN_S: f64 = 3600.0;
@@ -196,11 +212,41 @@ impl Node {
             }
             Booking::Decode { ready_in } => ready_in,
         };
-        core.view.record_routed_ready(i, req.keys, now, ready_in);
+        // The tenant's request counts once, on the leg that prefills.
+        let leg = Leg {
+            uncached,
+            cached: if prefills { cached } else { 0 },
+            tenant: req.tenant.filter(|_| prefills),
+            kv_slot: core.router.tenants.kv_slot(req.tenant),
+            target,
+            ready_in,
+        };
+        self.record_leg(core, i, req.keys, leg, now)
+    }
+
+    /// Records a leg booked at replica `i` (overlay from `leg.ready_in`, the tip for the
+    /// region's other nodes, queued prefill, rank, tenant, in-flight) and returns its [`Ticket`].
+    fn record_leg(
+        self: &Arc<Self>,
+        core: &mut Core,
+        i: usize,
+        keys: &[BlockKey],
+        leg: Leg<'_>,
+        now: Duration,
+    ) -> Ticket {
+        let Leg {
+            uncached,
+            cached,
+            tenant,
+            kv_slot,
+            target,
+            ready_in,
+        } = leg;
+        core.view.record_routed_ready(i, keys, now, ready_in);
         // The region's other nodes learn this prefix with the next load update.
-        if let (Some(last), true) = (req.keys.last(), self.cfg.mesh.is_some()) {
+        if let (Some(last), true) = (keys.last(), self.cfg.mesh.is_some()) {
             if core.pending_tips.len() < MAX_PENDING_TIPS {
-                let blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
                 core.pending_tips.push((i, last.0, blocks, now + ready_in));
             }
         }
@@ -215,8 +261,6 @@ impl Node {
                 r.load.queued_prefill_tokens = pending;
             }
         }
-        // The tenant's request counts once, on the leg that prefills.
-        let tenant = req.tenant.filter(|_| prefills);
         if let Some(t) = tenant {
             core.router.tenants.started(t, i);
         }
@@ -233,12 +277,42 @@ impl Node {
             replica: i,
             endpoint,
             tenant: tenant.map(str::to_owned),
-            kv_slot: core.router.tenants.kv_slot(req.tenant),
+            kv_slot,
             pending_tokens: uncached,
-            hit_tokens: if prefills { cached } else { 0 },
+            hit_tokens: cached,
             started: false,
             rank: target,
         }
+    }
+
+    /// Records a request this node sends on its own — a hot-prefix warm-up of `keys`,
+    /// `tokens` of prefill — to replica `i` as a routed one, so the next decisions see its
+    /// load and, from its first byte, its blocks. `None` for an unknown replica.
+    pub fn route_to(self: &Arc<Self>, i: usize, keys: &[BlockKey], tokens: u64) -> Option<Ticket> {
+        let now = self.now();
+        let ticket = {
+            let mut guard = self.lock();
+            let core = &mut *guard;
+            core.view.replica(i)?;
+            if i >= core.replicas.len() {
+                return None;
+            }
+            let ready_in = core.view.replica(i).map_or(0.0, |r| {
+                core.router.config().cost.prefill_done_s(r, tokens)
+            });
+            let leg = Leg {
+                uncached: tokens,
+                cached: 0,
+                tenant: None,
+                kv_slot: core.router.tenants.kv_slot(None),
+                target: None,
+                ready_in: Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
+                    .unwrap_or_default(),
+            };
+            self.record_leg(core, i, keys, leg, now)
+        };
+        self.mesh.load_changed.notify_one();
+        Some(ticket)
     }
 
     /// The node's token-mode keys for a request: appends them to `out` and returns the prompt's

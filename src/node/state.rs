@@ -18,6 +18,7 @@ use super::metrics::Metrics;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
 use crate::core::dp_rank::RankLoad;
+use crate::core::hot_prefix::HotPrefixes;
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
@@ -127,6 +128,13 @@ pub struct Core {
     /// (replica index, last block key, blocks, when its prefill is predicted done). At most
     /// `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary round has them).
     pub pending_tips: Vec<(usize, u64, u32, Duration)>,
+    /// The hot-prefix detector and warm-up planner (`hot_prefix.rs`).
+    pub hot: HotPrefixes,
+    /// The region's live nodes, this one included, as the last gossip round saw them: a
+    /// prefix's warm-ups come from its rendezvous owner among them. Empty: alone, owns all.
+    pub hot_owners: Vec<String>,
+    /// This node's id in the mesh (empty without one).
+    pub hot_self: String,
 }
 
 /// Most routed prefixes kept for the next load update.
@@ -283,6 +291,9 @@ impl Node {
                 replicas: Vec::with_capacity(cfg.replicas.len()),
                 peer_loads: PeerLoads::new(LoadShareConfig::default()),
                 pending_tips: Vec::new(),
+                hot: HotPrefixes::new(cfg.hot_prefix.clone()),
+                hot_owners: Vec::new(),
+                hot_self: String::new(),
             }),
             start: Instant::now(),
             tenant_cfgs: RwLock::new(cfg.tenants.clone()),

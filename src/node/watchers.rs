@@ -168,6 +168,7 @@ pub fn spawn_watchers(
     }
     let period = Duration::from_millis(node.cfg.summary_interval_ms);
     spawn_every(node, stop, period, |n| async move { n.tick() });
+    super::hot_prefix::spawn_hot_prefix(node, stop);
     for (source, next) in dns {
         tokio::spawn(run_dns(Arc::clone(node), source, next, stop.clone()));
     }

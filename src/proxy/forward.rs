@@ -39,7 +39,7 @@ use super::region_forward;
 use super::respond::{decision_header, is_hop_header, respond};
 use super::trace_span::{self, RequestTrace};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
-use crate::core::prompt::RoutingFields;
+use crate::core::prompt::{Prompt, RoutingFields};
 use crate::core::router::{Decision, RejectReason, RouteRequest};
 use crate::node::config::server::key_digest;
 use crate::node::{Node, PdRoute, Ticket};
@@ -293,12 +293,23 @@ async fn proxy(
             &mut keys,
         )
     };
+    if token_prompt.is_some() {
+        // Token keys: counted as heat, but their text is not the engine's prompt to warm.
+        node.observe_hot(model, &keys, None);
+    }
     let prompt_tokens = token_prompt.map(Ok).unwrap_or_else(|| {
         TEXT.with(|text| {
             let mut text = text.borrow_mut();
             let rendered = fields.render(&mut text);
             if rendered.is_ok() {
                 text_block_keys(ns, text.as_bytes(), node.cfg.block_bytes, &mut keys);
+                // A completions prompt given as one string is the engine's prompt, byte for
+                // byte: a warm-up can reproduce it. Chat (templated) and token prompts cannot.
+                let exact = fields.messages.is_none()
+                    && matches!(fields.prompt, Some(Prompt::Text(_)))
+                    && path == "/v1/completions";
+                let prompt = exact.then_some(text.as_str());
+                node.observe_hot(model, &keys, prompt);
             }
             let tokens = text.len() as u64 / 4;
             // A huge prompt should not pin its buffer on this thread forever.

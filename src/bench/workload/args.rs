@@ -3,6 +3,7 @@
 use std::str::FromStr;
 
 use super::agent::{agent, AgentParams};
+use super::burst::{burst, BurstParams};
 use super::chat::{chat, ChatParams};
 use super::from_trace::from_trace;
 use super::kind::{build, WorkloadKind};
@@ -17,7 +18,7 @@ use crate::bench::trace::{self, default_trace};
 #[derive(Clone, Debug, clap::Args)]
 pub struct WorkloadArgs {
     /// Workload: `trace[:path]` (Mooncake JSONL; default the shipped conversation trace),
-    /// `system-prompt`, `chat`, `rag`, `agent`, `zipf` or `tenants`.
+    /// `system-prompt`, `chat`, `rag`, `agent`, `zipf`, `tenants` or `burst`.
     #[arg(long, default_value = "trace")]
     pub workload: WorkloadKind,
     /// Mean arrival rate in requests/s. Synthetic families: the Poisson rate they are generated
@@ -44,7 +45,9 @@ pub struct WorkloadArgs {
     /// system_tokens, task_tokens, observation_tokens, action_tokens; zipf: prefixes, hot_weight,
     /// zipf_s, prefix_tokens, suffix_tokens, output_tokens; tenants: big_share,
     /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens,
-    /// big_skew (big tenant's rate ÷ one small tenant's), big_absent (true: drop its requests).
+    /// big_skew (big tenant's rate ÷ one small tenant's), big_absent (true: drop its requests);
+    /// burst: background_prefixes, prefix_tokens, burst_at_s, burst_s, burst_rate,
+    /// burst_prefix_tokens, lead_rate, suffix_tokens, output_tokens.
     /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
@@ -177,6 +180,17 @@ family_params!(TenantsParams {
     num big_skew,
     num big_absent,
 });
+family_params!(BurstParams {
+    num background_prefixes,
+    num prefix_tokens,
+    num burst_at_s,
+    num burst_s,
+    num burst_rate,
+    num burst_prefix_tokens,
+    num lead_rate,
+    range suffix_tokens,
+    range output_tokens,
+});
 
 /// Builds a synthetic family with its defaults overridden by `pairs` (`KEY=VALUE`).
 pub fn build_with(
@@ -200,6 +214,7 @@ pub fn build_with(
         WorkloadKind::Agent => agent(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Zipf => zipf(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Tenants => tenants(&FamilyParams::from_pairs(f, pairs)?, gen)?,
+        WorkloadKind::Burst => burst(&FamilyParams::from_pairs(f, pairs)?, gen)?,
     };
     Ok(Workload {
         name: f.to_owned(),

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use super::agent::{agent, AgentParams};
+use super::burst::{burst, BurstParams};
 use super::chat::{chat, ChatParams};
 use super::from_trace::from_trace;
 use super::rag::{rag, RagParams};
@@ -15,7 +16,7 @@ use super::zipf::{zipf, ZipfParams};
 use crate::bench::trace::{self, default_trace};
 
 /// Which workload to build, as given on the command line:
-/// `trace[:path] | system-prompt | chat | rag | agent | zipf | tenants`.
+/// `trace[:path] | system-prompt | chat | rag | agent | zipf | tenants | burst`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WorkloadKind {
     /// The Mooncake trace; `None` = the conversation trace shipped in `data/traces/`.
@@ -32,6 +33,8 @@ pub enum WorkloadKind {
     Zipf,
     /// Multi-tenant mix ([`TenantsParams`]).
     Tenants,
+    /// A new hot prefix on top of background traffic ([`BurstParams`]).
+    Burst,
 }
 
 impl WorkloadKind {
@@ -55,6 +58,7 @@ impl WorkloadKind {
             WorkloadKind::Agent => "agent",
             WorkloadKind::Zipf => "zipf",
             WorkloadKind::Tenants => "tenants",
+            WorkloadKind::Burst => "burst",
         }
     }
 }
@@ -86,8 +90,9 @@ impl FromStr for WorkloadKind {
             "agent" => Ok(WorkloadKind::Agent),
             "zipf" => Ok(WorkloadKind::Zipf),
             "tenants" => Ok(WorkloadKind::Tenants),
+            "burst" => Ok(WorkloadKind::Burst),
             other => Err(format!(
-                "unknown workload '{other}' (expected trace[:path], system-prompt, chat, rag, agent, zipf or tenants)"
+                "unknown workload '{other}' (expected trace[:path], system-prompt, chat, rag, agent, zipf, tenants or burst)"
             )),
         }
     }
@@ -108,6 +113,7 @@ pub fn build(kind: &WorkloadKind, gen: &GenParams) -> Result<Workload, WorkloadE
         WorkloadKind::Agent => agent(&AgentParams::default(), gen)?,
         WorkloadKind::Zipf => zipf(&ZipfParams::default(), gen)?,
         WorkloadKind::Tenants => tenants(&TenantsParams::default(), gen)?,
+        WorkloadKind::Burst => burst(&BurstParams::default(), gen)?,
     };
     Ok(Workload {
         name: kind.name().to_owned(),
@@ -132,6 +138,10 @@ mod tests {
         assert_eq!(
             "trace".parse::<WorkloadKind>().unwrap(),
             WorkloadKind::Trace(None)
+        );
+        assert_eq!(
+            "burst".parse::<WorkloadKind>().unwrap(),
+            WorkloadKind::Burst
         );
         assert!("nope".parse::<WorkloadKind>().is_err());
         assert!(chat(

@@ -16,6 +16,8 @@
 //! - [`AgentParams`]: agent runs of many steps, each appending an action and an observation
 //!   (run id as session).
 //! - [`ZipfParams`]: one hot prefix 100× as popular as each of the others.
+//! - [`BurstParams`]: a new hot prefix appearing at a high rate on top of background traffic
+//!   (not in `WorkloadKind::SYNTHETIC`: its rate is not one Poisson rate).
 //! - [`TenantsParams`]: one big tenant with a fixed system prompt plus many small tenants
 //!   (tenant header).
 //!
@@ -25,6 +27,7 @@
 
 pub mod agent;
 pub mod args;
+pub mod burst;
 pub mod chat;
 pub mod from_trace;
 pub mod ideal;
@@ -38,6 +41,7 @@ pub mod zipf;
 
 pub use agent::{agent, AgentParams};
 pub use args::{build_with, FamilyParams, WorkloadArgs};
+pub use burst::{burst, BurstParams};
 pub use chat::{chat, ChatParams};
 pub use from_trace::from_trace;
 pub use ideal::ideal_hit_ratio;

@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::core::cost::TierWeights;
+use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
 use crate::core::tenants::TenantConfig;
 use crate::tokenize::TokenizerConfig;
@@ -131,6 +132,9 @@ pub struct NodeConfig {
     pub tracing: TracingConfig,
     /// Prefill/decode disaggregation (`[pd]`, `docs/pd.md`). Default off.
     pub pd: PdSection,
+    /// Hot-prefix detection and replication (`[hot_prefix]`, see `core::hot_prefix`):
+    /// detection always runs, warm-ups only with `enabled`. Default: warm-ups off.
+    pub hot_prefix: HotPrefixConfig,
 }
 
 impl Default for NodeConfig {
@@ -172,6 +176,7 @@ impl Default for NodeConfig {
             tokenizer: None,
             tracing: TracingConfig::default(),
             pd: PdSection::default(),
+            hot_prefix: HotPrefixConfig::default(),
         }
     }
 }
@@ -528,6 +533,9 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
+        self.hot_prefix
+            .validate()
+            .map_err(|m| invalid("hot_prefix", m))?;
         Ok(())
     }
 
@@ -956,6 +964,18 @@ mod tests {
             cfg.kubernetes[0].selector(),
             "kubernetes.io/service-name=vllm"
         );
+    }
+
+    #[test]
+    fn hot_prefix_parses_and_bad_values_name_the_key() {
+        let c = NodeConfig::from_toml("[hot_prefix]\nenabled = true\nmin_rate = 20.0").unwrap();
+        assert!(c.hot_prefix.enabled && c.hot_prefix.min_rate == 20.0);
+        assert!(!NodeConfig::default().hot_prefix.enabled, "off by default");
+        let e = NodeConfig::from_toml("[hot_prefix]\nbudget_share = 2.0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hot_prefix.budget_share"), "{e}");
+        assert!(NodeConfig::from_toml("[hot_prefix]\nnope = 1").is_err());
     }
 
     #[test]

@@ -1,0 +1,891 @@
+//! Hot-prefix replication: detect a prefix routed at a high rate, and warm it on more replicas
+//! before its holders drown.
+//!
+//! Without this, a hot prefix spreads only reactively: p2c-cache keeps sending it to the replica
+//! that holds it until that replica's queue costs more than a full prefill elsewhere, and each
+//! spill then pays that full prefill while requests wait behind it. Here a node notices the
+//! heat first and, once the holders' predicted queue passes a threshold, sends a prefill-only
+//! request (the shared prefix, `max_tokens: 1`) to the cheapest replica that does not hold it.
+//! Routing then sees several holders and p2c-cache's longest-hit ties spread the prefix.
+//!
+//! - Detection: every routed request's first-`prefix_blocks` key goes into a decayed
+//!   space-saving sketch ([`HotSketch`]); a node's heaviest keys reach the region's other nodes
+//!   (gossip, [`HotPrefixes::gossip_top`]) and are added to its own rates
+//!   ([`HotPrefixes::apply_peer`]: at most [`MAX_GOSSIP_ENTRIES`] per peer, rates clamped to
+//!   [`MAX_PEER_RATE`], [`MAX_PEERS`] peers). A key whose mesh-wide rate passes `min_rate` is a
+//!   *candidate* (at most [`MAX_CANDIDATES`]): it keeps one sample prompt, and the longest
+//!   prefix every request seen since shares with it (`lcp`, in blocks) — the part worth warming.
+//! - Warm-up ([`HotPrefixes::plan`], called on a timer, not per request): for a candidate this
+//!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
+//!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
+//!   `min_queue_s`, one more replica gets a warm-up — at most one in flight per (prefix,
+//!   replica), at most `max_warming` per prefix, paid from a token budget that refills at
+//!   `budget_share` of the region's prefill capacity, split evenly among the region's nodes
+//!   (each owns its share of the prefixes, so together they stay within the share). When the heat passes, in-flight warm-ups
+//!   are cancelled and the candidate is dropped.
+//!
+//! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
+//! [`HotPrefixes::warm_done`]. The per-request path ([`HotPrefixes::observe`]) allocates only
+//! when a new candidate is sampled.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::cost::CostModel;
+use super::hot_sketch::{HotSketch, MAX_COUNTERS};
+use super::keys::BlockKey;
+use super::view::{Health, View};
+
+/// Most prefixes tracked as candidates at once.
+pub const MAX_CANDIDATES: usize = 8;
+/// Most `(key, rate)` entries a node gossips, and accepts from one peer.
+pub const MAX_GOSSIP_ENTRIES: usize = 16;
+/// Most peers whose entries are held.
+pub const MAX_PEERS: usize = 256;
+/// Highest rate (requests/s) believed of one peer for one prefix; a larger claim is clamped.
+pub const MAX_PEER_RATE: f64 = 100_000.0;
+/// A peer's entries older than this are forgotten (it left, or stopped gossiping them).
+pub const PEER_TTL: Duration = Duration::from_secs(5);
+/// A warm-up not reported back by then is taken as failed (a lost completion must not block
+/// the (prefix, replica) pair forever).
+pub const WARM_TIMEOUT: Duration = Duration::from_secs(30);
+/// The budget holds at most this many seconds of its refill: warm-ups may come in a burst (a
+/// new hot prefix wants several replicas at once) yet average `budget_share` over the window.
+const BUDGET_WINDOW_S: f64 = 10.0;
+/// Longest prefix a warm-up may carry, in blocks (a block report's cap).
+pub const MAX_WARM_BLOCKS: u32 = 8192;
+
+/// Hot-prefix replication settings (`[hot_prefix]` in the node config, `--hot-prefix` in the
+/// simulator).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HotPrefixConfig {
+    /// Send warm-ups. Default false: a warm-up is engine work nobody asked for, and it is exact
+    /// only in text mode for completions prompts (see docs/routing.md); detection and the
+    /// `kvmesh_hot_prefixes` gauge run either way.
+    pub enabled: bool,
+    /// The prefix counted is a request's first this-many blocks (1..=64). Default 4 (1 KiB of
+    /// text at the default block size).
+    pub prefix_blocks: u32,
+    /// Counters of the sketch (1..=256). Default 64.
+    pub counters: usize,
+    /// Decay time constant of the rates, ms (100..=600,000). Default 2,000.
+    pub tau_ms: u64,
+    /// Mesh-wide requests/s over which a prefix is hot (> 0, ≤ 1,000,000). Default 5.
+    pub min_rate: f64,
+    /// Warm when every holder's predicted queue exceeds this many seconds (0..=60). Default 0.05.
+    pub min_queue_s: f64,
+    /// Share of the region's prefill capacity warm-ups may spend (0..=1). Default 0.05.
+    pub budget_share: f64,
+    /// Warm-ups in flight per prefix (1..=64). Default 2.
+    pub max_warming: u32,
+    /// Most holders a warm-up aims for, per prefix (1..=1024). Default 8.
+    pub max_holders: u32,
+    /// Longest prefix warmed, blocks (1..=8192). Default 512.
+    pub max_warm_blocks: u32,
+}
+
+impl Default for HotPrefixConfig {
+    fn default() -> Self {
+        HotPrefixConfig {
+            enabled: false,
+            prefix_blocks: 4,
+            counters: 64,
+            tau_ms: 2000,
+            min_rate: 5.0,
+            min_queue_s: 0.05,
+            budget_share: 0.05,
+            max_warming: 2,
+            max_holders: 8,
+            max_warm_blocks: 512,
+        }
+    }
+}
+
+impl HotPrefixConfig {
+    /// Checks every bound; the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let check = |ok: bool, key: &str, range: &str| {
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("hot_prefix.{key} must be in {range}"))
+            }
+        };
+        check(
+            (1..=64).contains(&self.prefix_blocks),
+            "prefix_blocks",
+            "1..=64",
+        )?;
+        check(
+            (1..=MAX_COUNTERS).contains(&self.counters),
+            "counters",
+            "1..=256",
+        )?;
+        check(
+            (100..=600_000).contains(&self.tau_ms),
+            "tau_ms",
+            "100..=600000",
+        )?;
+        check(
+            self.min_rate.is_finite() && self.min_rate > 0.0 && self.min_rate <= 1e6,
+            "min_rate",
+            "(0, 1000000]",
+        )?;
+        check(
+            (0.0..=60.0).contains(&self.min_queue_s),
+            "min_queue_s",
+            "0..=60",
+        )?;
+        check(
+            (0.0..=1.0).contains(&self.budget_share),
+            "budget_share",
+            "0..=1",
+        )?;
+        check(
+            (1..=64).contains(&self.max_warming),
+            "max_warming",
+            "1..=64",
+        )?;
+        check(
+            (1..=1024).contains(&self.max_holders),
+            "max_holders",
+            "1..=1024",
+        )?;
+        check(
+            (1..=MAX_WARM_BLOCKS).contains(&self.max_warm_blocks),
+            "max_warm_blocks",
+            "1..=8192",
+        )
+    }
+}
+
+/// What the routing path tells the detector about one routed request.
+#[derive(Clone, Copy, Debug)]
+pub struct Observed<'a> {
+    /// The request's model (warm-ups name it).
+    pub model: &'a str,
+    /// Its block keys.
+    pub keys: &'a [BlockKey],
+    /// Its prompt text, if block `i` is bytes `i·block_bytes ..` of it (text mode); `None`
+    /// (token mode) counts the request but never samples it, so never warms it.
+    pub text: Option<&'a str>,
+    /// Bytes per block of `text`.
+    pub block_bytes: usize,
+}
+
+/// A prefill-only request to send: `prompt` to `replica`, `max_tokens: 1`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WarmUp {
+    /// The prefix's first-`prefix_blocks` key (its name in `warm_done`).
+    pub key: u64,
+    /// The view index of the replica to warm.
+    pub replica: usize,
+    /// The model to name.
+    pub model: String,
+    /// The shared prefix's text.
+    pub prompt: String,
+    /// Its block keys: record them as a routed request's once the warm-up's prefill is done.
+    pub keys: Vec<BlockKey>,
+    /// Its tokens (the prefill the budget was charged).
+    pub tokens: u64,
+}
+
+/// What [`HotPrefixes::plan`] asks the caller to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send a warm-up.
+    WarmUp(WarmUp),
+    /// The heat passed: stop the warm-up of `key` on `replica` if it is still running.
+    Cancel {
+        /// The prefix.
+        key: u64,
+        /// The replica.
+        replica: usize,
+    },
+}
+
+/// Counters for metrics and reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HotStats {
+    /// Warm-ups planned (sent).
+    pub sent: u64,
+    /// Warm-ups that failed or timed out.
+    pub failed: u64,
+    /// Warm-ups cancelled because the heat passed.
+    pub cancelled: u64,
+    /// Prefill tokens the sent warm-ups were charged.
+    pub tokens: u64,
+    /// Warm-ups the budget refused.
+    pub over_budget: u64,
+}
+
+/// A hot (or recently hot) prefix.
+#[derive(Clone, Debug)]
+struct Candidate {
+    key: u64,
+    model: String,
+    /// The sample request's keys (at most `max_warm_blocks`).
+    chain: Vec<BlockKey>,
+    /// Its text, up to `chain`'s blocks.
+    text: String,
+    block_bytes: usize,
+    /// Leading blocks of `chain` every request seen since shares.
+    lcp: usize,
+    /// Requests seen since sampled.
+    seen: u32,
+    /// Warm-ups in flight: (replica, sent at).
+    warming: Vec<(usize, Duration)>,
+}
+
+/// One peer's gossiped heavy hitters.
+#[derive(Clone, Debug)]
+struct PeerTop {
+    peer: String,
+    at: Duration,
+    entries: Vec<(u64, f64)>,
+}
+
+/// The detector and planner of one node.
+#[derive(Clone, Debug)]
+pub struct HotPrefixes {
+    cfg: HotPrefixConfig,
+    sketch: HotSketch,
+    peers: Vec<PeerTop>,
+    candidates: Vec<Candidate>,
+    /// Tokens warm-ups may still spend.
+    budget: f64,
+    /// When the budget was last refilled (`None`: never; it starts full).
+    budget_at: Option<Duration>,
+    stats: HotStats,
+    scratch: Vec<(u64, f64)>,
+    tips: Vec<(usize, u32)>,
+}
+
+impl HotPrefixes {
+    /// A detector with `cfg` (call [`HotPrefixConfig::validate`] first; out-of-range values are
+    /// clamped by the sketch).
+    pub fn new(cfg: HotPrefixConfig) -> Self {
+        HotPrefixes {
+            sketch: HotSketch::new(cfg.counters, Duration::from_millis(cfg.tau_ms)),
+            cfg,
+            peers: Vec::new(),
+            candidates: Vec::new(),
+            budget: 0.0,
+            budget_at: None,
+            stats: HotStats::default(),
+            scratch: Vec::with_capacity(MAX_COUNTERS),
+            tips: Vec::new(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &HotPrefixConfig {
+        &self.cfg
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> HotStats {
+        self.stats
+    }
+
+    /// The key a request is counted under, if it has enough blocks.
+    pub fn key_of(&self, keys: &[BlockKey]) -> Option<u64> {
+        keys.get(self.cfg.prefix_blocks as usize - 1).map(|k| k.0)
+    }
+
+    /// `key`'s mesh-wide rate at `now`: this node's guaranteed rate plus its peers' claims.
+    pub fn rate(&self, key: u64, now: Duration) -> f64 {
+        let own = self.sketch.rate(key, now).0;
+        own + self
+            .peers
+            .iter()
+            .filter(|p| now.saturating_sub(p.at) < PEER_TTL)
+            .filter_map(|p| p.entries.iter().find(|e| e.0 == key).map(|e| e.1))
+            .sum::<f64>()
+    }
+
+    /// Counts one routed request; samples it if its prefix just became a candidate.
+    pub fn observe(&mut self, req: Observed<'_>, now: Duration) {
+        let Some(key) = self.key_of(req.keys) else {
+            return;
+        };
+        self.sketch.add(key, now);
+        if let Some(c) = self.candidates.iter_mut().find(|c| c.key == key) {
+            c.seen = c.seen.saturating_add(1);
+            c.lcp = common_blocks(&c.chain[..c.lcp], req.keys);
+            return;
+        }
+        let Some(text) = req.text else {
+            return;
+        };
+        if self.rate(key, now) < self.cfg.min_rate {
+            return;
+        }
+        // Room: a free slot, or a cooled candidate with nothing in flight.
+        let min_rate = self.cfg.min_rate;
+        if self.candidates.len() >= MAX_CANDIDATES {
+            let cold = self.candidates.iter().position(|c| {
+                c.warming.is_empty() && self.sketch.rate(c.key, now).0 < min_rate / 2.0
+            });
+            match cold {
+                Some(i) => {
+                    self.candidates.swap_remove(i);
+                }
+                None => return,
+            }
+        }
+        let blocks = req.keys.len().min(self.cfg.max_warm_blocks as usize);
+        let block_bytes = req.block_bytes.max(1);
+        let end = floor_char_boundary(text, blocks.saturating_mul(block_bytes));
+        // A partial last block cannot be cached: only whole blocks of text count.
+        let blocks = blocks.min(end / block_bytes);
+        self.candidates.push(Candidate {
+            key,
+            model: req.model.to_owned(),
+            chain: req.keys[..blocks].to_vec(),
+            text: text[..end].to_owned(),
+            block_bytes,
+            lcp: blocks,
+            seen: 1,
+            warming: Vec::new(),
+        });
+    }
+
+    /// Prefixes whose mesh-wide rate is over `min_rate` (the `kvmesh_hot_prefixes` gauge).
+    pub fn hot_count(&self, now: Duration) -> usize {
+        self.candidates
+            .iter()
+            .filter(|c| self.rate(c.key, now) >= self.cfg.min_rate)
+            .count()
+    }
+
+    /// This node's heaviest keys for the region's other nodes: at most [`MAX_GOSSIP_ENTRIES`],
+    /// each with a guaranteed rate of at least a tenth of `min_rate` (`out` is cleared).
+    pub fn gossip_top(&mut self, now: Duration, out: &mut Vec<(u64, f32)>) {
+        self.sketch.top(
+            now,
+            self.cfg.min_rate / 10.0,
+            MAX_GOSSIP_ENTRIES,
+            &mut self.scratch,
+        );
+        out.clear();
+        out.extend(self.scratch.iter().map(|&(k, r)| (k, r as f32)));
+    }
+
+    /// A region peer's gossiped heavy hitters, received at `now`: replaces what it said
+    /// before. Entries past [`MAX_GOSSIP_ENTRIES`] are ignored, repeated keys count once,
+    /// rates that are not finite or negative are dropped and larger than [`MAX_PEER_RATE`]
+    /// clamped. A new peer past [`MAX_PEERS`] replaces the stalest. Returns the entries kept.
+    pub fn apply_peer(&mut self, peer: &str, entries: &[(u64, f32)], now: Duration) -> usize {
+        let mut kept: Vec<(u64, f64)> = Vec::with_capacity(MAX_GOSSIP_ENTRIES);
+        for &(k, r) in entries.iter().take(MAX_GOSSIP_ENTRIES) {
+            let r = f64::from(r);
+            if !r.is_finite() || r < 0.0 || kept.iter().any(|e| e.0 == k) {
+                continue;
+            }
+            kept.push((k, r.min(MAX_PEER_RATE)));
+        }
+        let n = kept.len();
+        self.peers.retain(|p| now.saturating_sub(p.at) < PEER_TTL);
+        if let Some(p) = self.peers.iter_mut().find(|p| p.peer == peer) {
+            p.at = now;
+            p.entries = kept;
+        } else {
+            if self.peers.len() >= MAX_PEERS {
+                if let Some(i) = (0..self.peers.len()).min_by_key(|i| self.peers[*i].at) {
+                    self.peers.swap_remove(i);
+                }
+            }
+            self.peers.push(PeerTop {
+                peer: peer.to_owned(),
+                at: now,
+                entries: kept,
+            });
+        }
+        n
+    }
+
+    /// Plans warm-ups and cancellations at `now` for the prefixes `owns` says this node owns
+    /// (appended to `out`). `view` is this node's view: its local region's healthy replicas
+    /// serving the prefix's model are the targets; holders are those whose hit (summary,
+    /// overlay, peers' tips) covers the prefix. `region_nodes` (the region's live nodes, this
+    /// one included) divides the budget.
+    pub fn plan(
+        &mut self,
+        view: &View,
+        cost: &CostModel,
+        now: Duration,
+        region_nodes: usize,
+        owns: impl Fn(u64) -> bool,
+        out: &mut Vec<Action>,
+    ) {
+        self.refill(view, now, region_nodes);
+        let min_rate = self.cfg.min_rate;
+        let mut i = 0;
+        while i < self.candidates.len() {
+            let rate = self.rate(self.candidates[i].key, now);
+            let c = &mut self.candidates[i];
+            // Lost completions give their pair back.
+            let before = c.warming.len();
+            c.warming
+                .retain(|(_, at)| now.saturating_sub(*at) < WARM_TIMEOUT);
+            self.stats.failed += (before - c.warming.len()) as u64;
+            if rate < min_rate {
+                for (replica, _) in c.warming.drain(..) {
+                    self.stats.cancelled += 1;
+                    out.push(Action::Cancel {
+                        key: c.key,
+                        replica,
+                    });
+                }
+                if rate < min_rate / 2.0 {
+                    self.candidates.swap_remove(i);
+                    continue;
+                }
+            } else if owns(c.key) {
+                if let Some(w) = self.next_warm_up(i, view, cost, now) {
+                    out.push(Action::WarmUp(w));
+                }
+            }
+            i += 1;
+        }
+    }
+
+    /// Refills the budget for the time since the last plan: `budget_share` of the local
+    /// region's healthy prefill capacity over `region_nodes`, held for at most
+    /// [`BUDGET_WINDOW_S`].
+    fn refill(&mut self, view: &View, now: Duration, region_nodes: usize) {
+        let capacity: f64 = view
+            .replicas()
+            .iter()
+            .filter(|r| r.health == Health::Healthy && r.info.region == view.local_region)
+            .map(|r| r.info.prefill_tokens_per_s.max(0.0))
+            .sum();
+        let per_s = self.cfg.budget_share * capacity / region_nodes.max(1) as f64;
+        let cap = per_s * BUDGET_WINDOW_S;
+        self.budget = match self.budget_at {
+            None => cap,
+            Some(t) => (self.budget + per_s * now.saturating_sub(t).as_secs_f64()).min(cap),
+        };
+        self.budget_at = Some(now);
+    }
+
+    /// One more warm-up for candidate `i`, if its holders are swamped and one is affordable.
+    fn next_warm_up(
+        &mut self,
+        i: usize,
+        view: &View,
+        cost: &CostModel,
+        now: Duration,
+    ) -> Option<WarmUp> {
+        let c = &self.candidates[i];
+        if c.seen < 2 || c.lcp < self.cfg.prefix_blocks as usize {
+            return None; // one sample: its unique suffix is not yet told from the prefix
+        }
+        if c.warming.len() >= self.cfg.max_warming as usize {
+            return None;
+        }
+        let keys = &c.chain[..c.lcp];
+        view.peer_tips.hits(keys, now, &mut self.tips);
+        let (mut holders, mut min_queue) = (0u32, f64::INFINITY);
+        let mut target: Option<(usize, f64)> = None;
+        for (r, rep) in view.replicas().iter().enumerate() {
+            if rep.health != Health::Healthy
+                || rep.info.region != view.local_region
+                || !rep.info.models.contains(&c.model)
+            {
+                continue;
+            }
+            let tip = self
+                .tips
+                .iter()
+                .find(|t| t.0 == r)
+                .map_or(0, |t| t.1 as usize);
+            let hit = view.hit(r, keys, now).max(tip);
+            let queue = cost.queue_s(rep);
+            if hit + 1 >= c.lcp {
+                holders += 1;
+                min_queue = min_queue.min(queue);
+            } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
+                target = Some((r, queue));
+            }
+        }
+        // No holder yet: the first routed request makes one. Enough of them: done.
+        if holders == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
+            return None;
+        }
+        if min_queue <= self.cfg.min_queue_s {
+            return None;
+        }
+        // A target no less busy than the holders would not help.
+        let (replica, queue) = target?;
+        if queue >= min_queue {
+            return None;
+        }
+        let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
+        if (tokens as f64) > self.budget {
+            self.stats.over_budget += 1;
+            return None;
+        }
+        self.budget -= tokens as f64;
+        self.stats.sent += 1;
+        self.stats.tokens += tokens;
+        let c = &mut self.candidates[i];
+        c.warming.push((replica, now));
+        let end = floor_char_boundary(&c.text, c.lcp * c.block_bytes);
+        Some(WarmUp {
+            key: c.key,
+            replica,
+            model: c.model.clone(),
+            prompt: c.text[..end].to_owned(),
+            keys: c.chain[..c.lcp].to_vec(),
+            tokens,
+        })
+    }
+
+    /// A warm-up of `key` on `replica` ended (`ok`: its prefill is done). Returns whether it was
+    /// still in flight (a cancelled or timed-out one is not).
+    pub fn warm_done(&mut self, key: u64, replica: usize, ok: bool) -> bool {
+        let Some(c) = self.candidates.iter_mut().find(|c| c.key == key) else {
+            return false;
+        };
+        let Some(i) = c.warming.iter().position(|w| w.0 == replica) else {
+            return false;
+        };
+        c.warming.swap_remove(i);
+        if !ok {
+            self.stats.failed += 1;
+        }
+        true
+    }
+}
+
+/// Leading blocks `a` and `b` share. Keys are chained (key `j` names blocks `0..=j`), so
+/// "equal at `j`" is monotone in `j` and a binary search finds the run.
+fn common_blocks(a: &[BlockKey], b: &[BlockKey]) -> usize {
+    let n = a.len().min(b.len());
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if a[mid - 1] == b[mid - 1] {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char_boundary(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::keys::{text_block_keys, Namespace};
+    use crate::core::view::testing::info;
+
+    const BB: usize = 16;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// A prompt: `prefix` blocks of shared text then 2 blocks unique to `n`.
+    fn prompt(prefix: &str, n: u64) -> (String, Vec<BlockKey>) {
+        let text = format!("{}{:x<32}", prefix.repeat(8), n);
+        let mut keys = Vec::new();
+        text_block_keys(
+            Namespace::new("m", None, None, None),
+            text.as_bytes(),
+            BB,
+            &mut keys,
+        );
+        (text, keys)
+    }
+
+    fn on() -> HotPrefixConfig {
+        HotPrefixConfig {
+            enabled: true,
+            ..Default::default()
+        }
+    }
+
+    /// Four healthy replicas in `eu`; replica 0 holds `keys` and has `queued` prefill tokens.
+    fn view(keys: &[BlockKey], queued: u64) -> View {
+        let mut v = View::new("eu", 4);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        v.record_routed(0, keys, ms(0));
+        v.replica_mut(0).unwrap().load.queued_prefill_tokens = queued;
+        v
+    }
+
+    fn observe_n(h: &mut HotPrefixes, prefix: &str, n: u64, every_ms: u64) -> Vec<BlockKey> {
+        let mut keys = Vec::new();
+        for i in 0..n {
+            let (text, k) = prompt(prefix, i);
+            h.observe(
+                Observed {
+                    model: "m",
+                    keys: &k,
+                    text: Some(&text),
+                    block_bytes: BB,
+                },
+                ms(i * every_ms),
+            );
+            keys = k;
+        }
+        keys
+    }
+
+    fn warm_ups(out: &[Action]) -> Vec<WarmUp> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::WarmUp(w) => Some(w.clone()),
+                Action::Cancel { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_bounds_name_the_key() {
+        assert_eq!(HotPrefixConfig::default().validate(), Ok(()));
+        let bad = HotPrefixConfig {
+            budget_share: 1.5,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("budget_share"));
+        let bad = HotPrefixConfig {
+            min_rate: f64::NAN,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("min_rate"));
+    }
+
+    #[test]
+    fn a_prefix_at_a_high_rate_becomes_hot_and_its_shared_part_is_found() {
+        let mut h = HotPrefixes::new(on());
+        // 50 requests/s for 1 s, all sharing 8 blocks then differing.
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        assert_eq!(h.hot_count(ms(1000)), 1);
+        let c = &h.candidates[0];
+        assert_eq!(c.lcp, 8, "the unique tail is not part of the prefix");
+        assert_eq!(c.chain[..8], keys[..8]);
+        // A trickle is not hot.
+        let mut cold = HotPrefixes::new(on());
+        observe_n(&mut cold, "0123456789abcdef", 3, 1000);
+        assert_eq!(cold.hot_count(ms(3000)), 0);
+    }
+
+    #[test]
+    fn swamped_holders_get_a_warm_up_on_the_idlest_other_replica() {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        // Holder 0 has 0.2 s of queued prefill; replica 2 is a little busy, 1 and 3 idle.
+        let mut v = view(&keys[..8], 10_000);
+        v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
+        let mut out = Vec::new();
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        let w = warm_ups(&out);
+        assert_eq!(w.len(), 1, "{out:?}");
+        assert_eq!(w[0].replica, 1);
+        assert_eq!(w[0].keys, keys[..8]);
+        assert_eq!(w[0].prompt, "0123456789abcdef".repeat(8));
+        assert_eq!(w[0].tokens, 8 * 4);
+        // The next plan warms another replica, never the same pair twice while in flight.
+        out.clear();
+        h.plan(&v, &CostModel::default(), ms(1010), 1, |_| true, &mut out);
+        assert_eq!(warm_ups(&out)[0].replica, 3);
+        // max_warming (2) in flight: nothing more until one ends.
+        out.clear();
+        h.plan(&v, &CostModel::default(), ms(1020), 1, |_| true, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert!(h.warm_done(w[0].key, 1, true));
+        assert!(!h.warm_done(w[0].key, 1, true), "reported once");
+        assert_eq!(h.stats().sent, 2);
+    }
+
+    #[test]
+    fn an_idle_holder_or_a_foreign_prefix_gets_no_warm_up() {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        let mut out = Vec::new();
+        // The holder keeps up: no warm-up.
+        h.plan(
+            &view(&keys[..8], 100),
+            &CostModel::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
+        assert!(out.is_empty(), "{out:?}");
+        // Swamped, but another node owns the prefix: it warms, this one does not.
+        h.plan(
+            &view(&keys[..8], 10_000),
+            &CostModel::default(),
+            ms(1000),
+            1,
+            |_| false,
+            &mut out,
+        );
+        assert!(out.is_empty(), "{out:?}");
+        // Nobody holds it yet: the first routed request will make a holder.
+        let mut v = View::new("eu", 4);
+        v.upsert(info("r0", "eu"));
+        v.upsert(info("r1", "eu"));
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn warm_ups_stay_within_the_budget() {
+        let mut h = HotPrefixes::new(HotPrefixConfig {
+            max_warming: 64,
+            max_holders: 1024,
+            // 4 replicas × 50k tokens/s × 0.0001 ÷ 5 nodes = 4 tokens/s, 40 held over 10 s:
+            // one 32-token warm-up.
+            budget_share: 0.0001,
+            // Slow decay and a low bar, so the prefix stays hot while the budget refills.
+            tau_ms: 60_000,
+            min_rate: 0.5,
+            ..on()
+        });
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        let v = view(&keys[..8], 10_000);
+        let mut out = Vec::new();
+        for t in 0..3 {
+            h.plan(
+                &v,
+                &CostModel::default(),
+                ms(1000 + t),
+                5,
+                |_| true,
+                &mut out,
+            );
+        }
+        assert_eq!(warm_ups(&out).len(), 1);
+        assert_eq!(h.stats().over_budget, 2);
+        // 6 s later the budget has refilled 24 tokens: with the 8 left, one more.
+        h.plan(&v, &CostModel::default(), ms(6990), 5, |_| true, &mut out);
+        assert_eq!(warm_ups(&out).len(), 1);
+        h.plan(&v, &CostModel::default(), ms(7010), 5, |_| true, &mut out);
+        assert_eq!(warm_ups(&out).len(), 2);
+    }
+
+    #[test]
+    fn when_the_heat_passes_warm_ups_are_cancelled_and_the_prefix_forgotten() {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        let v = view(&keys[..8], 10_000);
+        let mut out = Vec::new();
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        let key = warm_ups(&out)[0].key;
+        out.clear();
+        // 25 s (12 τ) without a request: the rate has decayed to nothing.
+        h.plan(&v, &CostModel::default(), ms(26_000), 1, |_| true, &mut out);
+        assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
+        assert_eq!(h.hot_count(ms(26_000)), 0);
+        assert!(h.candidates.is_empty());
+        assert!(
+            !h.warm_done(key, 1, true),
+            "a cancelled warm-up reports nothing"
+        );
+    }
+
+    #[test]
+    fn peers_rates_add_up_but_absurd_claims_are_bounded() {
+        let mut h = HotPrefixes::new(on());
+        let (text, k) = prompt("0123456789abcdef", 1);
+        let key = h.key_of(&k).unwrap();
+        // Alone, 2 requests are not hot; with two peers at 3/s each, the region is at > 5/s.
+        for t in [0, 10] {
+            h.observe(
+                Observed {
+                    model: "m",
+                    keys: &k,
+                    text: Some(&text),
+                    block_bytes: BB,
+                },
+                ms(t),
+            );
+        }
+        assert_eq!(h.hot_count(ms(10)), 0);
+        assert_eq!(h.apply_peer("b", &[(key, 3.0)], ms(10)), 1);
+        assert_eq!(h.apply_peer("c", &[(key, 3.0)], ms(10)), 1);
+        assert!(h.rate(key, ms(10)) > 6.0);
+        // A peer repeating itself replaces its claim; garbage is dropped, huge rates clamped.
+        let junk = [
+            (key, f32::INFINITY),
+            (1, -1.0),
+            (2, f32::NAN),
+            (3, 1e30),
+            (3, 5.0),
+        ];
+        assert_eq!(h.apply_peer("c", &junk, ms(20)), 1);
+        assert_eq!(h.rate(3, ms(20)), MAX_PEER_RATE);
+        let many: Vec<(u64, f32)> = (0..100).map(|k| (k, 1.0)).collect();
+        assert_eq!(h.apply_peer("d", &many, ms(20)), MAX_GOSSIP_ENTRIES);
+        // The peer table is capped, and stale peers are forgotten.
+        for p in 0..MAX_PEERS + 10 {
+            h.apply_peer(&format!("p{p}"), &[(9, 1.0)], ms(30));
+        }
+        assert!(h.peers.len() <= MAX_PEERS);
+        assert_eq!(
+            h.rate(key, ms(30) + PEER_TTL),
+            h.sketch.rate(key, ms(30) + PEER_TTL).0
+        );
+    }
+
+    #[test]
+    fn token_mode_requests_count_but_are_never_sampled() {
+        let mut h = HotPrefixes::new(on());
+        let (_, k) = prompt("0123456789abcdef", 1);
+        for t in 0..50 {
+            h.observe(
+                Observed {
+                    model: "m",
+                    keys: &k,
+                    text: None,
+                    block_bytes: BB,
+                },
+                ms(t * 20),
+            );
+        }
+        assert!(h.rate(h.key_of(&k).unwrap(), ms(1000)) > 5.0);
+        assert!(h.candidates.is_empty());
+        // Short prompts have no first-k key at all.
+        assert_eq!(h.key_of(&k[..3]), None);
+    }
+
+    #[test]
+    fn gossip_carries_the_heaviest_keys_only() {
+        let mut h = HotPrefixes::new(on());
+        observe_n(&mut h, "0123456789abcdef", 50, 20);
+        let mut top = Vec::new();
+        h.gossip_top(ms(1000), &mut top);
+        assert_eq!(top.len(), 1, "one-off suffixes share the hot first-k key");
+        assert!(top[0].1 > 5.0);
+    }
+
+    #[test]
+    fn common_blocks_is_the_shared_run() {
+        let (_, a) = prompt("0123456789abcdef", 1);
+        let (_, b) = prompt("0123456789abcdef", 2);
+        assert_eq!(common_blocks(&a, &b), 8);
+        assert_eq!(common_blocks(&a, &a), a.len());
+        assert_eq!(common_blocks(&a[..3], &b), 3);
+        assert_eq!(common_blocks(&[], &b), 0);
+        assert_eq!(floor_char_boundary("aé", 2), 1);
+    }
+}

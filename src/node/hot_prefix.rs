@@ -1,0 +1,240 @@
+//! Hot-prefix replication in the live node: the driver of `core::hot_prefix`.
+//!
+//! - Requests are counted as they are keyed (`proxy::forward` calls [`Node::observe_hot`]; text
+//!   is passed only for `/v1/completions` in text mode, where block `i` of the keys is bytes
+//!   `i · block_bytes ..` of the prompt the engine sees, so a warm-up reproduces it).
+//! - Every gossip round (`mesh_loop.rs`) the region's peers' `hot` records are merged in and
+//!   this node's own is built ([`Node::hot_gossip`]); the round also names the region's live
+//!   nodes, among which a prefix's rendezvous owner (`mesh::home::home_node` on the key) is the
+//!   only node that warms it. A node alone owns every prefix.
+//! - A task plans every [`PLAN_EVERY`]: with `[hot_prefix] enabled`, each warm-up is a
+//!   `/v1/completions` request (`max_tokens: 1`) accounted as a routed request (a
+//!   [`super::routing::Ticket`] from [`Node::route_to`]), so its first byte puts the blocks in
+//!   the overlay, the cache model and the home's block reports, like any request's; a cancel
+//!   aborts it, which drops its ticket. It also keeps the metrics current.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+use super::state::Node;
+use crate::core::hot_prefix::{Action, HotStats, Observed, WarmUp};
+use crate::core::keys::BlockKey;
+use crate::mesh::home::home_node;
+use crate::mesh::hot_record::HotRecord;
+use crate::mesh::Member;
+use crate::shutdown::stopped;
+
+/// How often the planner runs: a new hot prefix's holders swamp within a few hundred ms.
+pub const PLAN_EVERY: Duration = Duration::from_millis(50);
+
+/// The hot-prefix metric handles.
+struct HotMetrics {
+    /// `kvmesh_hot_prefixes`: prefixes over `min_rate` this node tracks.
+    hot: IntGauge,
+    /// `kvmesh_hot_warmups_total{result}`: `sent`, `failed`, `cancelled`, `over_budget`.
+    warmups: IntCounterVec,
+    /// `kvmesh_hot_warmup_tokens_total`: prefill tokens of the warm-ups sent.
+    tokens: IntCounter,
+}
+
+impl HotMetrics {
+    fn new(node: &Node) -> prometheus::Result<Self> {
+        let hot = IntGauge::new(
+            "kvmesh_hot_prefixes",
+            "Prefixes routed region-wide over hot_prefix.min_rate requests/s, tracked here",
+        )?;
+        let warmups = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_hot_warmups_total",
+                "Hot-prefix warm-ups (prefill-only requests) by result: sent, failed, cancelled, over_budget",
+            ),
+            &["result"],
+        )?;
+        let tokens = IntCounter::new(
+            "kvmesh_hot_warmup_tokens_total",
+            "Prefill tokens of the hot-prefix warm-ups sent",
+        )?;
+        let r = &node.metrics.registry;
+        r.register(Box::new(hot.clone()))?;
+        r.register(Box::new(warmups.clone()))?;
+        r.register(Box::new(tokens.clone()))?;
+        for result in ["sent", "failed", "cancelled", "over_budget"] {
+            warmups.with_label_values(&[result]).reset();
+        }
+        Ok(HotMetrics {
+            hot,
+            warmups,
+            tokens,
+        })
+    }
+
+    /// Adds what `now` counts beyond `before`.
+    fn add(&self, before: &HotStats, now: &HotStats) {
+        let by = |a: u64, b: u64| b.saturating_sub(a);
+        for (result, a, b) in [
+            ("sent", before.sent, now.sent),
+            ("failed", before.failed, now.failed),
+            ("cancelled", before.cancelled, now.cancelled),
+            ("over_budget", before.over_budget, now.over_budget),
+        ] {
+            self.warmups.with_label_values(&[result]).inc_by(by(a, b));
+        }
+        self.tokens.inc_by(by(before.tokens, now.tokens));
+    }
+}
+
+impl Node {
+    /// Counts a keyed request in the hot-prefix sketch. `text` only when block `i` of `keys` is
+    /// bytes `i · block_bytes ..` of the prompt the engine sees (text mode, completions).
+    pub fn observe_hot(&self, model: &str, keys: &[BlockKey], text: Option<&str>) {
+        let now = self.now();
+        let req = Observed {
+            model,
+            keys,
+            text,
+            block_bytes: self.cfg.block_bytes,
+        };
+        self.lock().hot.observe(req, now);
+    }
+
+    /// Merges the region's live peers' `hot` records, remembers the region's live nodes (the
+    /// owners a prefix is hashed over) and returns this node's own record.
+    pub(super) fn hot_gossip(&self, self_id: &str, live: &[Member]) -> HotRecord {
+        let now = self.now();
+        let region = self.cfg.region.as_str();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        core.hot_owners.clear();
+        for m in live.iter().filter(|m| m.region() == Some(region)) {
+            core.hot_owners.push(m.node_id.clone());
+            if !m.is_self {
+                core.hot.apply_peer(&m.node_id, &m.hot.entries, now);
+            }
+        }
+        core.hot_self = self_id.to_owned();
+        let mut record = HotRecord::default();
+        core.hot.gossip_top(now, &mut record.entries);
+        record
+    }
+
+    /// One planning round: the gauge and counters, and (warm-ups on) the actions to take.
+    fn plan_hot(&self, out: &mut Vec<Action>) -> (usize, HotStats) {
+        let now = self.now();
+        let enabled = self.cfg.hot_prefix.enabled;
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        if enabled {
+            let cost = core.router.config().cost;
+            let owners = &core.hot_owners;
+            let me = core.hot_self.as_str();
+            let owns = |key: u64| {
+                owners.is_empty()
+                    || home_node(&format!("{key:016x}"), owners.iter().map(String::as_str))
+                        == Some(me)
+            };
+            let nodes = owners.len().max(1);
+            core.hot.plan(&core.view, &cost, now, nodes, owns, out);
+        }
+        (core.hot.hot_count(now), core.hot.stats())
+    }
+
+    fn hot_done(&self, key: u64, replica: usize, ok: bool) {
+        self.lock().hot.warm_done(key, replica, ok);
+    }
+}
+
+/// Starts the planner task (it stops with `stop`); a metrics registration error is logged and
+/// leaves the node without hot-prefix metrics and warm-ups.
+pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
+    let metrics = match HotMetrics::new(node) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, "hot-prefix metrics not registered; warm-ups off");
+            return;
+        }
+    };
+    let node = Arc::clone(node);
+    let mut stop = stop.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(PLAN_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut running: HashMap<(u64, usize), AbortHandle> = HashMap::new();
+        let mut actions = Vec::new();
+        let mut last = HotStats::default();
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = stopped(&mut stop) => break,
+            }
+            running.retain(|_, h| !h.is_finished());
+            let (hot, stats) = node.plan_hot(&mut actions);
+            for a in actions.drain(..) {
+                match a {
+                    Action::WarmUp(w) => {
+                        let pair = (w.key, w.replica);
+                        let task = tokio::spawn(warm_up(Arc::clone(&node), w));
+                        running.insert(pair, task.abort_handle());
+                    }
+                    Action::Cancel { key, replica } => {
+                        if let Some(h) = running.remove(&(key, replica)) {
+                            h.abort();
+                        }
+                    }
+                }
+            }
+            metrics.hot.set(hot as i64);
+            metrics.add(&last, &stats);
+            last = stats;
+        }
+        for h in running.values() {
+            h.abort();
+        }
+    });
+}
+
+/// Sends one warm-up and reports how it went. Aborted (a cancel), its ticket drops and
+/// releases the accounting; the planner already forgot the pair.
+async fn warm_up(node: Arc<Node>, w: WarmUp) {
+    let Some(mut ticket) = node.route_to(w.replica, &w.keys, w.tokens) else {
+        node.hot_done(w.key, w.replica, false);
+        return;
+    };
+    let body = serde_json::json!({
+        "model": w.model,
+        "prompt": w.prompt,
+        "max_tokens": 1,
+        "stream": false,
+    });
+    let url = format!("{}/v1/completions", ticket.endpoint().base);
+    let mut req = node
+        .client
+        .post(url)
+        .timeout(Duration::from_millis(node.cfg.timeouts.first_byte_ms))
+        .json(&body);
+    if let Some(t) = node.secrets.replica_token.as_deref() {
+        req = req.bearer_auth(t);
+    }
+    let ok = match req.send().await {
+        Ok(res) if res.status().is_success() => {
+            // A one-token answer: its headers come once the prefill is done.
+            ticket.first_byte(&w.keys);
+            res.bytes().await.is_ok()
+        }
+        Ok(res) => {
+            tracing::debug!(status = %res.status(), replica = %ticket.endpoint().id, "warm-up refused");
+            ticket.failed(&w.keys);
+            false
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, replica = %ticket.endpoint().id, "warm-up failed");
+            ticket.failed(&w.keys);
+            false
+        }
+    };
+    node.hot_done(w.key, w.replica, ok);
+}

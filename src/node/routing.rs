@@ -297,9 +297,10 @@ impl Node {
             if i >= core.replicas.len() {
                 return None;
             }
-            let ready_in = core.view.replica(i).map_or(0.0, |r| {
-                core.router.config().cost.prefill_done_s(r, tokens)
-            });
+            let ready_in = core
+                .view
+                .replica(i)
+                .map_or(0.0, |r| core.router.config().cost.prefill_done_s(r, tokens));
             let leg = Leg {
                 uncached: tokens,
                 cached: 0,

@@ -18,9 +18,13 @@
 //!   others detect the failure (`failure_detection`), then a new home (rendezvous over the
 //!   region's live nodes) starts a fresh cache model in a new epoch.
 //! - tenant KV shares (`max_kv_share`): the home's cache model attributes each routed request's
-//!   blocks to its tenant, as a live home does for its own requests; here every request's
-//!   blocks reach the home with their tenant (a live home learns its peers' blocks untagged,
-//!   see `core::cache_model`), and the shares travel with the summary, a gossip round late.
+//!   blocks to its tenant, as a live home does with its own requests and its peers' block
+//!   reports (which carry the tenant, `node::kv_shares`), and the shares travel with the
+//!   summary, a gossip round late, as in the replica's gossip record;
+//! - data-parallel ranks (`dp_ranks`): a replica is N engines with a prefix cache each
+//!   (`engine_sim::DpEngine`); the router picks the replica as usual, then either names the
+//!   rank from the ranks' caches and queues (as a home with KV events does, without the events'
+//!   lag) or leaves it to the replica's balancer (fewest in flight).
 //!
 //! What a node knows, as a live node knows it: its own routing at once; the other nodes' of its
 //! region `load_share_delay` later (load sharing); the engines' waiting/running/KV usage as their
@@ -48,6 +52,7 @@ use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
+use crate::core::dp_rank::MAX_RANKS;
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
@@ -56,7 +61,7 @@ use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
 use crate::core::view::{ReplicaInfo, View};
 use crate::engine_sim::prefix_cache::block_hashes;
-use crate::engine_sim::{tokenize, Engine, Output, Request};
+use crate::engine_sim::{tokenize, DpEngine, Output, RankPick, Request};
 use crate::mesh::home::home_node;
 
 const MODEL: &str = "sim-llama-8b";
@@ -229,7 +234,8 @@ struct Sim<'a> {
     region_replicas: Vec<Vec<usize>>,
     infos: Vec<Arc<ReplicaInfo>>,
 
-    engines: Vec<Engine>,
+    /// Each replica's engines (one per data-parallel rank).
+    engines: Vec<DpEngine>,
     scheduled: Vec<Option<Duration>>,
     pending_prefill: Vec<u64>,
     /// The home node's cache model of each replica.
@@ -282,6 +288,8 @@ impl<'a> Sim<'a> {
         };
         let tokens_per_block = (cfg.block_bytes / BYTES_PER_TOKEN).max(1) as u32;
         let summary_cfg = SummaryConfig::for_cluster("sim");
+        let ranks = cfg.dp_ranks.clamp(1, MAX_RANKS);
+        // One rank's; a replica of several prefills on all of them at once.
         let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
         let mut rng = SmallRng::seed_from_u64(cfg.seed);
         let region_name = |g: usize| format!("region-{g}");
@@ -295,8 +303,8 @@ impl<'a> Sim<'a> {
                     zone: String::new(),
                     pool: "shared".into(),
                     models: vec![MODEL.into()],
-                    capacity_tokens: cfg.engine.kv_capacity_tokens as u64,
-                    prefill_tokens_per_s: prefill_rate,
+                    capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
+                    prefill_tokens_per_s: prefill_rate * ranks as f64,
                     max_in_flight: cfg.engine.max_num_seqs as u32,
                 })
             })
@@ -347,10 +355,17 @@ impl<'a> Sim<'a> {
             })
             .collect();
 
-        let capacity_blocks = cfg.engine.kv_capacity_tokens / tokens_per_block as usize;
+        let capacity_blocks = cfg.engine.kv_capacity_tokens * ranks / tokens_per_block as usize;
         let models = (0..cfg.replicas)
             .map(|_| new_model(capacity_blocks, 1, &summary_cfg))
             .collect::<Result<Vec<_>, _>>()?;
+        let rank_pick = if cfg.dp_rank_named {
+            RankPick::Named {
+                w_load_s: cfg.cost.w_load_s,
+            }
+        } else {
+            RankPick::Balancer
+        };
         let mut sim = Sim {
             cfg,
             reqs,
@@ -368,7 +383,7 @@ impl<'a> Sim<'a> {
             region_replicas,
             infos,
             engines: (0..cfg.replicas)
-                .map(|_| Engine::new(cfg.engine.clone()))
+                .map(|_| DpEngine::new(cfg.engine.clone(), ranks, rank_pick))
                 .collect(),
             scheduled: vec![None; cfg.replicas],
             pending_prefill: vec![0; cfg.replicas],

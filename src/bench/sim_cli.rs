@@ -82,6 +82,15 @@ pub struct SimArgs {
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
+    /// Data-parallel ranks per replica (1..=64), each an engine of the preset with its own
+    /// prefix cache.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub dp_ranks: u16,
+    /// With --dp-ranks > 1: `header` (the router names the rank, as a home node with KV events
+    /// does) or `off` (the replica's balancer picks: fewest in flight); several (`header,off`)
+    /// run each policy once per value.
+    #[arg(long, value_delimiter = ',', default_value = "header")]
+    pub dp_rank_routing: Vec<String>,
     /// Directory for `sim-report.json`, `sim-report.md` and the charts (`sim-ttft-cdf.svg`,
     /// `sim-hit-ratio.svg`).
     #[arg(long, default_value = "kvmesh-out")]
@@ -123,6 +132,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         arrival_speedup: args.speedup,
         tenants: args.tenants.tenant_configs()?,
         split_tenant: args.tenants.split_tenant.clone(),
+        dp_ranks: usize::from(args.dp_ranks),
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -133,16 +143,36 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         },
         ..Default::default()
     };
+    let mut named = Vec::new();
+    for how in &args.dp_rank_routing {
+        match how.as_str() {
+            "header" => named.push(true),
+            "off" => named.push(false),
+            other => anyhow::bail!("unknown --dp-rank-routing '{other}' (expected header or off)"),
+        }
+    }
+    if args.dp_ranks <= 1 {
+        named = vec![true];
+    }
     let mut runs: Vec<(SimConfig, &str)> = policies
         .iter()
-        .map(|p| {
-            (
-                SimConfig {
-                    policy: *p,
-                    ..base.clone()
-                },
-                "",
-            )
+        .flat_map(|p| {
+            let base = &base;
+            named.iter().map(move |n| {
+                let label = match (base.dp_ranks > 1, *n) {
+                    (false, _) => "",
+                    (true, true) => " rank=header",
+                    (true, false) => " rank=off",
+                };
+                (
+                    SimConfig {
+                        policy: *p,
+                        dp_rank_named: *n,
+                        ..base.clone()
+                    },
+                    label,
+                )
+            })
         })
         .collect();
     if args.central {
@@ -170,9 +200,13 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         base.failures.len()
     );
     let mut reports = Vec::new();
-    for (cfg, _) in runs {
+    for (cfg, label) in runs {
         let started = Instant::now();
-        let report = run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
+        let mut report =
+            run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
+        if cfg.dp_ranks > 1 {
+            report.policy = format!("{} dp={}{label}", report.policy, cfg.dp_ranks);
+        }
         eprintln!(
             "  {:<17} done in {:.1} s",
             report.policy,

@@ -101,6 +101,14 @@ pub struct SimConfig {
     /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
     /// `big` of the tenants family. Default none.
     pub split_tenant: Option<String>,
+    /// Data-parallel ranks per replica, each an engine of `engine` with its own prefix cache
+    /// (`engine_sim::DpEngine`; a replica's KV capacity and prefill rate are the ranks'
+    /// together). Default 1.
+    pub dp_ranks: usize,
+    /// With `dp_ranks` > 1: whether the router names the rank (from the ranks' caches and
+    /// queues, as a home with KV events does), else the replica's balancer picks it (fewest in
+    /// flight). Default true.
+    pub dp_rank_named: bool,
 }
 
 impl Default for SimConfig {
@@ -127,6 +135,8 @@ impl Default for SimConfig {
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,
+            dp_ranks: 1,
+            dp_rank_named: true,
         }
     }
 }

@@ -13,6 +13,7 @@
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
 //! - [`cost`]: the predicted-seconds formula.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
+//! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
@@ -25,6 +26,7 @@ pub mod keys;
 pub mod peer_tips;
 pub mod policy;
 pub mod prompt;
+pub mod rank_hints;
 pub mod regions;
 pub mod router;
 pub mod summary;

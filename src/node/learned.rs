@@ -359,6 +359,7 @@ mod tests {
                 summary: SummaryVersion::default(),
                 origin: String::new(),
                 kv_events: None,
+                kv_shares: None,
             },
             home,
         }

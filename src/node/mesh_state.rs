@@ -41,6 +41,10 @@ pub struct ReplicaMesh {
     pub remote_health: Option<Health>,
     /// Prompt tokens the home publishes as queued there (0 when this node is home).
     pub remote_queued: u64,
+    /// The KV-quota tenants' shares of the replica's cache the home publishes, by this node's
+    /// KV slot (`KV_SLOTS` entries), when another node is home and publishes them; `None`
+    /// otherwise (this node's own model estimates them).
+    pub remote_kv_shares: Option<Vec<f32>>,
     /// Learned from gossip only (not in this node's config or DNS).
     pub learned: bool,
     /// Learned: the peer whose record introduced it (its per-peer cap counts it).
@@ -66,6 +70,7 @@ impl Default for ReplicaMesh {
             home_addr: None,
             remote_health: None,
             remote_queued: 0,
+            remote_kv_shares: None,
             learned: false,
             learned_from: None,
             origin: None,

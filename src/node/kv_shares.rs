@@ -10,6 +10,12 @@
 //! a gossip round late. A node trusts shares only from the replica's home (as every other field
 //! of the record); a home that publishes none (an older node) leaves each node to its own
 //! model, scaled by the fill the home's summary implies.
+//!
+//! A gossip round is long next to a big tenant's rate: in the simulator, shares a second late
+//! (a live mesh at the bench's time scale) cost a third of the quota's gain, because each node
+//! keeps sending the tenant to a replica it still believes under its share. So a node adds to
+//! the home's figures the new blocks its own requests brought since they last changed
+//! ([`count_routed`]): its own overshoot shows at once, and only the other nodes' lags.
 
 use super::state::{Core, ReplicaRuntime};
 use crate::core::tenants::{Tenants, KV_SLOTS};
@@ -33,7 +39,8 @@ pub(super) fn with_own_kv_shares(
 
 /// Keeps the KV shares the replica's home publishes in `rec` (`ReplicaRecord::kv_shares`), by
 /// this node's KV slots: tenants without a quota here are ignored, those the home leaves out
-/// hold nothing. `None` when the home publishes none.
+/// hold nothing. `None` when the home publishes none. When they changed, the blocks this node
+/// counted since the previous ones are taken as included.
 pub(super) fn set_remote_kv_shares(
     rt: &mut ReplicaRuntime,
     rec: &ReplicaRecord,
@@ -41,20 +48,37 @@ pub(super) fn set_remote_kv_shares(
 ) {
     let Some(published) = rec.kv_shares.as_ref().filter(|_| tenants.any_kv_quota()) else {
         rt.mesh.remote_kv_shares = None;
+        rt.mesh.kv_routed_since = Vec::new();
         return;
     };
-    let shares = rt
-        .mesh
-        .remote_kv_shares
-        .get_or_insert_with(|| vec![0.0; KV_SLOTS]);
-    shares.fill(0.0);
+    let mut fresh = [0.0f32; KV_SLOTS];
     for (tenant, v) in published {
         if let Some((slot, _)) = tenants.kv_quota(Some(tenant)) {
-            if let Some(s) = shares.get_mut(usize::from(slot)) {
+            if let Some(s) = fresh.get_mut(usize::from(slot)) {
                 *s = f32::from(*v) / f32::from(KV_SHARE_SCALE);
             }
         }
     }
+    if rt.mesh.remote_kv_shares.as_deref() == Some(&fresh[..]) {
+        return;
+    }
+    rt.mesh.remote_kv_shares = Some(fresh.to_vec());
+    rt.mesh.kv_routed_since = vec![0; KV_SLOTS];
+}
+
+/// This node just sent replica `i` a request of KV slot `slot` bringing `new_blocks` blocks
+/// it does not hold: counted on top of the home's published shares until they next change.
+pub(super) fn count_routed(core: &mut Core, i: usize, slot: u8, new_blocks: usize) {
+    let Some(rt) = core.replicas.get_mut(i) else {
+        return;
+    };
+    if rt.mesh.home || rt.mesh.remote_kv_shares.is_none() {
+        return;
+    }
+    if let Some(c) = rt.mesh.kv_routed_since.get_mut(usize::from(slot)) {
+        *c = c.saturating_add(u32::try_from(new_blocks).unwrap_or(u32::MAX));
+    }
+    refresh_kv_shares(core, i);
 }
 
 /// Copies replica `i`'s tenant KV shares into the view, when some tenant has a KV quota (else
@@ -73,7 +97,14 @@ pub(super) fn refresh_kv_shares(core: &mut Core, i: usize) {
         .as_deref()
         .filter(|_| !rt.mesh.home)
     {
-        core.view.set_kv_shares(i, published);
+        let capacity = rt.cache.capacity_blocks().max(1) as f32;
+        let mut shares = [0.0f32; KV_SLOTS];
+        for (slot, s) in shares.iter_mut().enumerate() {
+            let own = rt.mesh.kv_routed_since.get(slot).copied().unwrap_or(0);
+            let p = published.get(slot).copied().unwrap_or(0.0);
+            *s = (p + own as f32 / capacity).min(1.0);
+        }
+        core.view.set_kv_shares(i, &shares);
         return;
     }
     // Without the home's shares (an older home), a follower's model holds only its own
@@ -215,6 +246,20 @@ mod tests {
             (0..KV_SLOTS as u8).all(|s| s == big || r.kv_share(s) == 0.0),
             "a tenant without a quota here takes no slot"
         );
+        // This node sends big 10% of the cache more: it counts at once, on top of the home's
+        // figure, until the home's figure changes (and includes them).
+        count_routed(core, 1, big, (cap / 10) as usize);
+        let share = |core: &Core| core.view.replica(1).unwrap().kv_share(big);
+        assert!((share(core) - 0.1 - (cap / 10) as f32 / cap as f32).abs() < 1e-6);
+        set_remote_kv_shares(&mut core.replicas[1], &rec, &core.router.tenants);
+        refresh_kv_shares(core, 1);
+        assert!(share(core) > 0.15, "the same record: still counted");
+        if let Some(m) = rec.kv_shares.as_mut() {
+            m.insert("big".to_owned(), 300);
+        }
+        set_remote_kv_shares(&mut core.replicas[1], &rec, &core.router.tenants);
+        refresh_kv_shares(core, 1);
+        assert!((share(core) - 0.3).abs() < 1e-6, "{}", share(core));
         // The home stops publishing them (an older node): back to this node's own estimate.
         rec.kv_shares = None;
         set_remote_kv_shares(&mut core.replicas[1], &rec, &core.router.tenants);

@@ -183,6 +183,11 @@ impl Node {
                 if let Some(t) = req.tenant {
                     core.router.tenants.started(t, i);
                 }
+                if core.router.tenants.any_kv_quota() {
+                    let slot = core.router.tenants.kv_slot(req.tenant);
+                    let new_blocks = req.keys.len().saturating_sub(d.hit_blocks as usize);
+                    super::kv_shares::count_routed(core, i, slot, new_blocks);
+                }
                 let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
                     id: Arc::from("?"),
                     base: Arc::from(""),

@@ -15,8 +15,9 @@
 //! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
 //!
 //! With the counts go the *tips* of the prompts routed since the last datagram ([`RoutedTip`]:
-//! replica, last block key, blocks, predicted ms to prefill end; see `core/peer_tips.rs`), so the
-//! other nodes also see where a prefix was just sent, not only that something was.
+//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named;
+//! see `core/peer_tips.rs`, `core/rank_hints.rs`), so the other nodes also see where a prefix
+//! was just sent, not only that something was, and send its follow-ups to the same rank.
 //!
 //! Bounded in bytes: a sender flushes at most once per [`LoadShareConfig::min_interval`], so a
 //! node sends at most `peers × (1 / min_interval)` datagrams a second of at most

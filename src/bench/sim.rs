@@ -1197,6 +1197,29 @@ mod tests {
     }
 
     #[test]
+    fn naming_the_rank_of_a_4_rank_replica_keeps_conversations_on_their_cache() {
+        let t = chat(300, 20.0);
+        let with = |named: bool| {
+            let cfg = SimConfig {
+                replicas: 2,
+                dp_ranks: 4,
+                dp_rank_named: named,
+                ..small(PolicyKind::P2cCache)
+            };
+            run(&t, &cfg).unwrap()
+        };
+        let (header, off) = (with(true), with(false));
+        assert_eq!((header.errors, off.errors), (0, 0));
+        // The balancer lands a follow-up on the rank holding its prefix about 1 time in 4.
+        assert!(
+            header.hit_token_ratio > off.hit_token_ratio + 0.15,
+            "named {:.3}, balancer {:.3}",
+            header.hit_token_ratio,
+            off.hit_token_ratio
+        );
+    }
+
+    #[test]
     fn regions_serve_their_own_clients_and_hold_only_their_own_summaries() {
         let t = chat(600, 100.0);
         let cfg = SimConfig {

@@ -99,16 +99,7 @@ fn random_keys(n: usize) -> Vec<BlockKey> {
 
 /// Routes `keys` at `node`; returns the replica index.
 fn route(node: &Arc<Node>, keys: &[BlockKey]) -> Option<usize> {
-    let req = RouteRequest {
-        model: "m",
-        keys,
-        prompt_tokens: keys.len() as u64 * 64,
-        session: None,
-        affinity_key: None,
-        tenant: None,
-        forwarded: false,
-        exclude: &[],
-    };
+    let req = RouteRequest::plain("m", keys, keys.len() as u64 * 64);
     match node.route(&req) {
         (Decision::Route(d), _ticket) => Some(d.replica),
         _ => None,

@@ -81,6 +81,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         origin: String::new(),
         kv_events: None,
         pd: None,
+        kv_shares: None,
     }
 }
 

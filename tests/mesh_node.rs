@@ -940,6 +940,7 @@ fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
         origin: String::new(),
         kv_events: None,
         pd: None,
+        kv_shares: None,
     }
 }
 

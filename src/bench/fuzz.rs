@@ -483,6 +483,7 @@ fn replica_record() -> ReplicaRecord {
             topic: "kv".into(),
             dp_ranks: 2,
         }),
+        kv_shares: Some(std::collections::BTreeMap::from([("big".into(), 600)])),
     }
 }
 
@@ -616,6 +617,7 @@ fn seeds_block_report() -> Vec<Vec<u8>> {
     BlockReport {
         replica_id: "r0".into(),
         keys: vec![1, 2, u64::MAX, 1 << 40],
+        kv_tenant: Some("big".into()),
     }
     .encode()
     .map(|b| vec![b])
@@ -654,6 +656,7 @@ fn seeds_load_update() -> Vec<Vec<u8>> {
             key: 77,
             blocks: 12,
             ready_ms: 30,
+            rank: Some(3),
         }],
     }
     .encode()

@@ -86,6 +86,15 @@ pub struct SimArgs {
     /// Hot-prefix replication and the burst window.
     #[command(flatten)]
     pub hot: HotArgs,
+    /// Data-parallel ranks per replica (1..=64), each an engine of the preset with its own
+    /// prefix cache.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub dp_ranks: u16,
+    /// With --dp-ranks > 1: `header` (the router names the rank, as a home node with KV events
+    /// does) or `off` (the replica's balancer picks: fewest in flight); several (`header,off`)
+    /// run each policy once per value.
+    #[arg(long, value_delimiter = ',', default_value = "header")]
+    pub dp_rank_routing: Vec<String>,
     /// Directory for `sim-report.json`, `sim-report.md` and the charts (`sim-ttft-cdf.svg`,
     /// `sim-hit-ratio.svg`).
     #[arg(long, default_value = "kvmesh-out")]
@@ -127,6 +136,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         arrival_speedup: args.speedup,
         tenants: args.tenants.tenant_configs()?,
         split_tenant: args.tenants.split_tenant.clone(),
+        dp_ranks: usize::from(args.dp_ranks),
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -138,18 +148,37 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         window: args.hot.window_s,
         ..Default::default()
     };
-    let mut runs: Vec<(SimConfig, &str)> = Vec::new();
+    let mut named = Vec::new();
+    for how in &args.dp_rank_routing {
+        match how.as_str() {
+            "header" => named.push(true),
+            "off" => named.push(false),
+            other => anyhow::bail!("unknown --dp-rank-routing '{other}' (expected header or off)"),
+        }
+    }
+    if args.dp_ranks <= 1 {
+        named = vec![true];
+    }
+    let mut runs: Vec<(SimConfig, String)> = Vec::new();
     for p in &policies {
         for mode in args.hot.modes() {
-            let label = if mode.is_some() { " +hot" } else { "" };
-            runs.push((
-                SimConfig {
-                    policy: *p,
-                    hot_prefix: mode.unwrap_or_else(|| base.hot_prefix.clone()),
-                    ..base.clone()
-                },
-                label,
-            ));
+            for n in &named {
+                let hot = if mode.is_some() { " +hot" } else { "" };
+                let rank = match (base.dp_ranks > 1, *n) {
+                    (false, _) => "",
+                    (true, true) => " rank=header",
+                    (true, false) => " rank=off",
+                };
+                runs.push((
+                    SimConfig {
+                        policy: *p,
+                        hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
+                        dp_rank_named: *n,
+                        ..base.clone()
+                    },
+                    format!("{hot}{rank}"),
+                ));
+            }
         }
     }
     if args.central {
@@ -158,7 +187,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
                 oracle: true,
                 ..base.clone()
             },
-            "",
+            String::new(),
         ));
     }
     let ideal = workload::ideal_hit_ratio(&workload);
@@ -181,7 +210,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         let started = Instant::now();
         let mut report =
             run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
-        report.policy.push_str(label);
+        if cfg.dp_ranks > 1 {
+            report.policy = format!("{} dp={}", report.policy, cfg.dp_ranks);
+        }
+        report.policy.push_str(&label);
         eprintln!(
             "  {:<17} done in {:.1} s",
             report.policy,

@@ -109,6 +109,14 @@ pub struct SimConfig {
     /// Report the TTFT of the requests arriving in this window of workload time, `(start s,
     /// length s)`, apart (e.g. the first 10 s of a burst). Default none.
     pub window: Option<(f64, f64)>,
+    /// Data-parallel ranks per replica, each an engine of `engine` with its own prefix cache
+    /// (`engine_sim::DpEngine`; a replica's KV capacity and prefill rate are the ranks'
+    /// together). Default 1.
+    pub dp_ranks: usize,
+    /// With `dp_ranks` > 1: whether the router names the rank (from the ranks' caches and
+    /// queues, as a home with KV events does), else the replica's balancer picks it (fewest in
+    /// flight). Default true.
+    pub dp_rank_named: bool,
 }
 
 impl Default for SimConfig {
@@ -137,6 +145,8 @@ impl Default for SimConfig {
             split_tenant: None,
             hot_prefix: HotPrefixConfig::default(),
             window: None,
+            dp_ranks: 1,
+            dp_rank_named: true,
         }
     }
 }

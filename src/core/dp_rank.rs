@@ -95,6 +95,23 @@ pub struct RankRuns {
     len: usize,
 }
 
+impl RankRuns {
+    /// No rank holds anything, for `ranks` ranks (at most [`MAX_RANKS`]).
+    pub fn zeros(ranks: usize) -> Self {
+        RankRuns {
+            runs: [0; MAX_RANKS],
+            len: ranks.min(MAX_RANKS),
+        }
+    }
+
+    /// Rank `rank` holds at least the first `run` blocks (ignored past the ranks counted).
+    pub fn raise(&mut self, rank: usize, run: usize) {
+        if rank < self.len {
+            self.runs[rank] = self.runs[rank].max(run);
+        }
+    }
+}
+
 impl std::ops::Deref for RankRuns {
     type Target = [usize];
     fn deref(&self) -> &[usize] {

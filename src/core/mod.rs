@@ -14,6 +14,7 @@
 //! - [`cost`]: the predicted-seconds formula.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`hot_sketch`], [`hot_prefix`]: which prefixes are hot, and warming them on more replicas.
+//! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
@@ -30,6 +31,7 @@ pub mod pd;
 pub mod peer_tips;
 pub mod policy;
 pub mod prompt;
+pub mod rank_hints;
 pub mod regions;
 pub mod role;
 pub mod router;

@@ -93,6 +93,23 @@ pub struct RouteRequest<'a> {
     pub exclude: &'a [usize],
 }
 
+impl<'a> RouteRequest<'a> {
+    /// A first attempt of `prompt_tokens` tokens keyed by `keys`, with no session, affinity key
+    /// or tenant (tests and tools; the proxy fills every field).
+    pub fn plain(model: &'a str, keys: &'a [BlockKey], prompt_tokens: u64) -> Self {
+        RouteRequest {
+            model,
+            keys,
+            prompt_tokens,
+            session: None,
+            affinity_key: None,
+            tenant: None,
+            forwarded: false,
+            exclude: &[],
+        }
+    }
+}
+
 /// A decision to send the request to a local replica.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Routed {

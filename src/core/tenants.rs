@@ -10,10 +10,16 @@
 //! so one tenant's traffic cannot flush the others' cached prompts. The cache model attributes
 //! each live block to a *KV slot* (`cache_model.rs`): one per tenant with a `max_kv_share`
 //! ([`Tenants::kv_slot`]), one for every other tenant ([`KV_OTHER`]) and one for blocks whose
-//! tenant is unknown ([`KV_UNATTRIBUTED`]: peers' block reports, KV events no routed request
-//! matched). Slots are few and fixed ([`KV_SLOTS`]) because tenant names come from clients: a
-//! name only gets a slot from the configuration, never from a request. The router steers on
+//! tenant is unknown ([`KV_UNATTRIBUTED`]: handovers, KV events no routed request matched).
+//! Slots are few and fixed ([`KV_SLOTS`]) because tenant names come from clients: a name only
+//! gets a slot from the configuration, never from a request. The router steers on
 //! these shares (`router.rs`); a quota never rejects a request.
+//!
+//! In a mesh every node must steer on one estimate per replica, or each node confines a big
+//! tenant to a different replica and flushes several instead of one. So block reports carry
+//! the tenant's label ([`Tenants::kv_label`]) and the replica's home, whose model then sees
+//! every node's routing, publishes the quota tenants' shares in the replica's gossip record;
+//! the other nodes steer on those (`node::routing`).
 
 use std::collections::HashMap;
 
@@ -48,8 +54,8 @@ pub struct TenantConfig {
 /// a `max_kv_share` (at most `KV_SLOTS - 2` of them; more are refused by the config check and,
 /// past the cap, share [`KV_OTHER`], unenforced).
 pub const KV_SLOTS: usize = 64;
-/// Blocks whose tenant is unknown: another node routed them (block reports carry no tenant),
-/// an exact model's engine stored them and no routed request claimed them, or a handover.
+/// Blocks whose tenant is unknown: a report that names none (a handover, an older node), an
+/// exact model's engine stored them and no routed request claimed them.
 pub const KV_UNATTRIBUTED: u8 = 0;
 /// Blocks of requests from tenants without a `max_kv_share` (or with no tenant).
 pub const KV_OTHER: u8 = 1;
@@ -131,6 +137,37 @@ impl Tenants {
     /// Whether any tenant has a `max_kv_share` (else nobody needs the shares).
     pub fn any_kv_quota(&self) -> bool {
         !self.kv_quota.is_empty()
+    }
+
+    /// What a block report for a request of `tenant` says of whose blocks they are, so that
+    /// the replica's home attributes them as this node would: `None` when no tenant has a KV
+    /// quota (nobody needs to know), `""` for a tenant without one, else its name. The home
+    /// maps the label back with [`Tenants::kv_slot_of_label`].
+    pub fn kv_label<'a>(&self, tenant: Option<&'a str>) -> Option<&'a str> {
+        if !self.any_kv_quota() {
+            return None;
+        }
+        match tenant {
+            Some(t) if self.kv_quota.contains_key(t) => Some(t),
+            _ => Some(""),
+        }
+    }
+
+    /// The KV slot of a block report's label ([`Tenants::kv_label`]): [`KV_UNATTRIBUTED`] for
+    /// none (a handover, an older node), else the named tenant's slot here ([`KV_OTHER`] for
+    /// `""` and for names without a quota in this node's configuration).
+    pub fn kv_slot_of_label(&self, label: Option<&str>) -> u8 {
+        match label {
+            None => KV_UNATTRIBUTED,
+            Some(t) => self.kv_slot(Some(t)),
+        }
+    }
+
+    /// The tenants with a `max_kv_share` and their KV slots (what a home publishes shares of).
+    pub fn kv_quota_tenants(&self) -> impl Iterator<Item = (&str, u8)> + '_ {
+        self.kv_quota
+            .iter()
+            .map(|(t, (slot, _))| (t.as_str(), *slot))
     }
 
     /// Replaces the policies (a configuration reload); the in-flight counts stay, so requests
@@ -249,6 +286,20 @@ mod tests {
         assert_eq!(t.kv_slot(Some("plain")), KV_OTHER);
         assert_eq!(t.kv_slot(Some("made-up-by-a-client")), KV_OTHER);
         assert_eq!(t.kv_slot(None), KV_OTHER);
+        // Block reports name the quota tenants only; the home maps the label back.
+        assert_eq!(t.kv_label(Some("alpha")), Some("alpha"));
+        assert_eq!(t.kv_label(Some("plain")), Some(""));
+        assert_eq!(t.kv_label(None), Some(""));
+        assert_eq!(t.kv_slot_of_label(Some("alpha")), 2);
+        assert_eq!(t.kv_slot_of_label(Some("")), KV_OTHER);
+        assert_eq!(t.kv_slot_of_label(Some("not-configured-here")), KV_OTHER);
+        assert_eq!(t.kv_slot_of_label(None), KV_UNATTRIBUTED);
+        let mut named: Vec<_> = t.kv_quota_tenants().collect();
+        named.sort();
+        assert_eq!(named, vec![("alpha", 2), ("zeta", 3)]);
+        // Without any KV quota reports carry no label at all.
+        let none = Tenants::new(HashMap::new(), TenantConfig::default());
+        assert_eq!(none.kv_label(Some("alpha")), None);
         // A reload drops alpha and adds beta: zeta keeps slot 3, beta gets a new one (the
         // counts of slot 2 may still be alpha's).
         t.reconfigure(

@@ -3,11 +3,13 @@
 //! "now" as a `Duration` since the engine's start, so the same code is deterministic under test.
 
 pub mod config;
+pub mod dp_engine;
 pub mod engine;
 pub mod prefix_cache;
 pub mod tokens;
 
 pub use config::{EngineConfig, Preset};
+pub use dp_engine::{DpEngine, RankPick};
 pub use engine::{Engine, EngineStats, KvBatch, Output, Request, SubmitError};
 pub use prefix_cache::{block_hashes, BlockHash, CacheEvent, PrefixCache};
 pub use tokens::{count_tokens, tokenize, TokenId};

@@ -200,7 +200,9 @@ pub struct MeshStats {
     pub schema_errors: u64,
 }
 
-type ReportBatches = HashMap<(SocketAddr, String), Vec<u64>>;
+/// Keys waiting per (home, replica id, KV tenant label of `BlockReport::kv_tenant`). Labels
+/// come from this node's own tenant configuration, so the map is bounded by replicas × tenants.
+type ReportBatches = HashMap<(SocketAddr, String, Option<String>), Vec<u64>>;
 
 /// A running mesh node. Dropping it stops gossip and closes the endpoint.
 pub struct Mesh {
@@ -563,24 +565,31 @@ impl Mesh {
     }
 
     /// Queues block keys routed to `replica_id` for its home at `home`; batched and sent every
-    /// `report_flush_interval`, fire-and-forget.
+    /// `report_flush_interval`, fire-and-forget. Their tenant is unknown (a handover).
     pub fn report_blocks(&self, home: SocketAddr, replica_id: &str, keys: &[u64]) {
-        self.report_keys(home, replica_id, keys.iter().copied());
+        self.report_keys(home, replica_id, None, keys.iter().copied());
     }
 
     /// [`Mesh::report_blocks`] from any exact-size iterator of raw keys (the request path passes
-    /// its block keys straight through, without collecting them first).
+    /// its block keys straight through, without collecting them first), for the KV tenant
+    /// label `kv_tenant` ([`BlockReport::kv_tenant`]; a name over the bound counts as unknown).
     pub fn report_keys(
         &self,
         home: SocketAddr,
         replica_id: &str,
+        kv_tenant: Option<&str>,
         keys: impl ExactSizeIterator<Item = u64>,
     ) {
         if keys.len() == 0 || schema::replica_key(replica_id).is_err() {
             return;
         }
+        let label = kv_tenant
+            .filter(|t| t.len() <= schema::MAX_TENANT_BYTES)
+            .map(str::to_owned);
         let mut batches = self.reports.lock().unwrap_or_else(|e| e.into_inner());
-        let batch = batches.entry((home, replica_id.to_owned())).or_default();
+        let batch = batches
+            .entry((home, replica_id.to_owned(), label))
+            .or_default();
         // A home that cannot keep up must not grow our memory: cap what waits per replica.
         let room = (4 * MAX_REPORT_KEYS).saturating_sub(batch.len());
         batch.extend(keys.take(room));
@@ -876,11 +885,12 @@ async fn report_loop(
     loop {
         tick.tick().await;
         let batches = std::mem::take(&mut *reports.lock().unwrap_or_else(|e| e.into_inner()));
-        for ((home, replica_id), keys) in batches {
+        for ((home, replica_id, kv_tenant), keys) in batches {
             for chunk in keys.chunks(MAX_REPORT_KEYS) {
                 let report = BlockReport {
                     replica_id: replica_id.clone(),
                     keys: chunk.to_vec(),
+                    kv_tenant: kv_tenant.clone(),
                 };
                 if let Err(e) = transport.send_report(home, &report) {
                     debug!(error = %e, "block report not sent");

@@ -15,8 +15,9 @@
 //! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
 //!
 //! With the counts go the *tips* of the prompts routed since the last datagram ([`RoutedTip`]:
-//! replica, last block key, blocks, predicted ms to prefill end; see `core/peer_tips.rs`), so the
-//! other nodes also see where a prefix was just sent, not only that something was.
+//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named;
+//! see `core/peer_tips.rs`, `core/rank_hints.rs`), so the other nodes also see where a prefix
+//! was just sent, not only that something was, and send its follow-ups to the same rank.
 //!
 //! Bounded in bytes: a sender flushes at most once per [`LoadShareConfig::min_interval`], so a
 //! node sends at most `peers × (1 / min_interval)` datagrams a second of at most
@@ -97,6 +98,12 @@ pub struct RoutedTip {
     pub blocks: u32,
     /// Predicted ms from sending until its prefill is done (its blocks count from then).
     pub ready_ms: u32,
+    /// The data-parallel rank the sender named for it, if any, so that nodes which do not
+    /// follow the replica's KV events can send its follow-ups to the same rank
+    /// (`core/rank_hints.rs`); receivers drop a rank past the replica's ranks (≤ 64). Added
+    /// after the first version (positional: always written, `nil` when none).
+    #[serde(default)]
+    pub rank: Option<u16>,
 }
 
 /// One datagram: the sender's incarnation, a sequence number, changed entries and the prefixes
@@ -178,7 +185,8 @@ impl LoadUpdate {
         entries: Vec<LoadEntry>,
         tips: Vec<RoutedTip>,
     ) -> Vec<Vec<u8>> {
-        // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes, a tip 1 + 2 + id + 9 + 5 + 5;
+        // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes, a tip 1 + 2 + id + 9 + 5 + 5
+        // + 3 (its rank);
         // the envelope 1 + 9 + 9 + 3 + 3.
         const ENVELOPE: usize = 25;
         let mut out = Vec::new();
@@ -213,7 +221,7 @@ impl LoadUpdate {
             batch.entries.push(e);
         }
         for t in tips.into_iter().filter(|t| ok(&t.replica)) {
-            let cost = 22 + t.replica.len();
+            let cost = 25 + t.replica.len();
             if size + cost > MAX_LOAD_UPDATE_BYTES {
                 flush(&mut batch, &mut out);
                 size = ENVELOPE;
@@ -661,6 +669,7 @@ mod tests {
                 key: u64::MAX - i,
                 blocks: u32::MAX,
                 ready_ms: u32::MAX,
+                rank: Some(u16::MAX),
             })
             .collect();
         let out = LoadUpdate::split(1, &mut seq, entries, tips);

@@ -14,7 +14,7 @@
 //! | key | published by | value | notes |
 //! |---|---|---|---|
 //! | `node` | every node | [`NodeRecord`]: `schema`, `region`, `zone`, `http_url`, `quic_addr`, `version`, `generation` | written once at start |
-//! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`}, `pd` {`role`, `bootstrap_port`, `engine_id`} (absent = `both`) | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
+//! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`}, `origin`, `kv_events`, `kv_shares` {KV-quota tenant → thousandths}, `pd` {`role`, `bootstrap_port`, `engine_id`} (absent = `both`) | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
 //! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
 //! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
 //! | `hot` | every node with `[hot_prefix]` | `HotRecord` (`hot_record.rs`): `entries` [(first-k-block key, requests/s)] | ≤ 16 entries, rates finite in 0..=100,000 |
@@ -323,6 +323,15 @@ pub struct ReplicaRecord {
     /// which is never written, so older nodes read no new key) means `both`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pd: Option<WirePd>,
+    /// The home's estimate of each KV-quota tenant's share of the replica's cache, in
+    /// thousandths (tenant → 0..=[`KV_SHARE_SCALE`]), from a model that every node's block
+    /// reports feed with their tenants: every node steers on this one estimate rather than on
+    /// its own routing alone (`core::tenants`). `None`: the home publishes none (no tenant has
+    /// a `max_kv_share` there, or an older node). A tenant left out holds nothing (or did not
+    /// fit: at most [`MAX_KV_SHARE_TENANTS`] names of at most [`MAX_TENANT_BYTES`], the largest
+    /// shares kept). Added after version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_shares: Option<BTreeMap<String, u16>>,
 }
 
 /// A replica's disaggregation facts as gossiped (`core/role.rs`).
@@ -414,6 +423,11 @@ impl WireKvEvents {
     }
 }
 
+/// Most tenants whose KV share a replica record carries.
+pub const MAX_KV_SHARE_TENANTS: usize = 8;
+/// A published KV share's unit: a share of 1 is this many.
+pub const KV_SHARE_SCALE: u16 = 1000;
+
 /// Longest KV-event topic a record carries.
 pub const MAX_TOPIC_BYTES: usize = 64;
 /// Most data-parallel ranks a record may claim (each is a connection).
@@ -442,7 +456,41 @@ impl ReplicaRecord {
             origin: String::new(),
             kv_events: None,
             pd: WirePd::of(&info.pd),
+            kv_shares: None,
         }
+    }
+
+    /// Adds the KV-quota tenants' `shares` (0..=1) that still fit, largest first, rounded to
+    /// thousandths; zero shares are left out (absent reads as zero). Publishes an empty map,
+    /// not `None`, when none is held.
+    pub fn with_kv_shares(mut self, shares: impl IntoIterator<Item = (String, f64)>) -> Self {
+        let mut all: Vec<(String, u16)> = shares
+            .into_iter()
+            .filter(|(t, _)| t.len() <= MAX_TENANT_BYTES)
+            .map(|(t, v)| {
+                let v = if v.is_finite() {
+                    v.clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
+                (t, (v * f64::from(KV_SHARE_SCALE)).round() as u16)
+            })
+            .filter(|(_, v)| *v > 0)
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        self.kv_shares = Some(BTreeMap::new());
+        for (t, v) in all.into_iter().take(MAX_KV_SHARE_TENANTS) {
+            if let Some(m) = self.kv_shares.as_mut() {
+                m.insert(t.clone(), v);
+            }
+            if self.encode().is_err() {
+                if let Some(m) = self.kv_shares.as_mut() {
+                    m.remove(&t);
+                }
+                break;
+            }
+        }
+        self
     }
 
     /// The core's static facts for replica `id`.
@@ -478,6 +526,18 @@ impl ReplicaRecord {
         }
         if let Some(p) = &r.pd {
             p.check("replica")?;
+        }
+        if let Some(m) = &r.kv_shares {
+            bound(
+                "replica",
+                "kv_shares",
+                m.len() <= MAX_KV_SHARE_TENANTS,
+                m.len(),
+            )?;
+            for (t, v) in m {
+                bound("replica", "kv_shares", t.len() <= MAX_TENANT_BYTES, t.len())?;
+                bound("replica", "kv_shares", *v <= KV_SHARE_SCALE, v)?;
+            }
         }
         Ok(r)
     }
@@ -685,6 +745,67 @@ mod tests {
             origin: String::new(),
             kv_events: None,
             pd: None,
+            kv_shares: None,
+        }
+    }
+
+    #[test]
+    fn kv_shares_are_bounded_rounded_and_keep_the_largest() {
+        // Rounded to thousandths, clamped, zero and non-finite left out.
+        let r = record().with_kv_shares([
+            ("big".to_owned(), 0.6667),
+            ("over".to_owned(), 7.0),
+            ("idle".to_owned(), 0.0),
+            ("nan".to_owned(), f64::NAN),
+        ]);
+        let m = r.kv_shares.clone().unwrap();
+        assert_eq!(
+            m,
+            BTreeMap::from([("big".into(), 667), ("over".into(), 1000)])
+        );
+        assert_eq!(ReplicaRecord::decode(&r.encode().unwrap()).unwrap(), r);
+        // Nothing held: an empty map (the home publishes, all zero), not `None`.
+        assert_eq!(record().with_kv_shares([]).kv_shares, Some(BTreeMap::new()));
+        // Many long names: the largest that fit, never over the value limit.
+        let many = (0..40).map(|i| (format!("{i:02}{}", "t".repeat(60)), f64::from(i) / 40.0));
+        let r = record().with_kv_shares(many);
+        let m = r.kv_shares.as_ref().unwrap();
+        assert!(
+            !m.is_empty() && m.len() <= MAX_KV_SHARE_TENANTS,
+            "{}",
+            m.len()
+        );
+        assert!(m.keys().all(|t| t.starts_with('3')), "largest first: {m:?}");
+        assert!(r.encode().is_ok());
+        // A peer's map past a bound is refused.
+        type Edit = fn(&mut BTreeMap<String, u16>);
+        let cases: [Edit; 3] = [
+            |m| {
+                m.insert("t".into(), KV_SHARE_SCALE + 1);
+            },
+            |m| {
+                m.insert("t".repeat(MAX_TENANT_BYTES + 1), 1);
+            },
+            |m| m.extend((0..=MAX_KV_SHARE_TENANTS).map(|i| (i.to_string(), 1))),
+        ];
+        for edit in cases {
+            let mut r = record();
+            let mut m = BTreeMap::new();
+            edit(&mut m);
+            r.kv_shares = Some(m);
+            let bytes = rmp_serde::to_vec_named(&r).unwrap();
+            let s = base64::engine::general_purpose::STANDARD.encode(bytes);
+            assert!(
+                matches!(
+                    ReplicaRecord::decode(&s),
+                    Err(SchemaError::OutOfBounds {
+                        field: "kv_shares",
+                        ..
+                    })
+                ),
+                "{:?}",
+                r.kv_shares
+            );
         }
     }
 

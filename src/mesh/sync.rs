@@ -14,8 +14,12 @@
 //! events are modelled from these) in batched, fire-and-forget **uni** streams:
 //!
 //! ```text
-//! [KIND_BLOCK_REPORT] msgpack-named BlockReport {replica_id, keys}   (≤ MAX_REPORT_KEYS keys)
+//! [KIND_BLOCK_REPORT] msgpack-named BlockReport {replica_id, keys, kv_tenant}   (≤ MAX_REPORT_KEYS keys)
 //! ```
+//!
+//! A report carries the KV-quota tenant of the requests whose blocks it lists (one report per
+//! tenant label), so the home's model attributes every node's blocks, not only its own, and the
+//! shares it publishes are the fleet's (`core::tenants`, `schema::ReplicaRecord::kv_shares`).
 //!
 //! Every peer byte is decoded with a bound; anything malformed is dropped and counted by the
 //! transport, never a panic.
@@ -27,14 +31,15 @@ use serde::{Deserialize, Serialize};
 use crate::core::summary::{SummaryError, SummaryMessage, MAX_SUMMARY_MESSAGE_BYTES};
 
 use super::load_share::LoadUpdate;
-use super::schema::MAX_REPLICA_ID_BYTES;
+use super::schema::{MAX_REPLICA_ID_BYTES, MAX_TENANT_BYTES};
 
 /// Largest summary request accepted.
 pub const MAX_REQUEST_BYTES: usize = 1024;
 /// Most keys in one block report; senders split larger batches.
 pub const MAX_REPORT_KEYS: usize = 8192;
 /// Largest block report accepted (msgpack u64s take at most 9 bytes each, plus the id).
-pub const MAX_REPORT_BYTES: usize = MAX_REPORT_KEYS * 9 + MAX_REPLICA_ID_BYTES + 64;
+pub const MAX_REPORT_BYTES: usize =
+    MAX_REPORT_KEYS * 9 + MAX_REPLICA_ID_BYTES + MAX_TENANT_BYTES + 96;
 /// Largest summary response accepted (status byte + the core's bound).
 pub const MAX_RESPONSE_BYTES: usize = MAX_SUMMARY_MESSAGE_BYTES + 1;
 
@@ -110,12 +115,19 @@ pub struct BlockReport {
     pub replica_id: String,
     /// Block keys (`BlockKey.0`), in prompt order.
     pub keys: Vec<u64>,
+    /// Whose requests brought them, for KV quotas: `None` unknown (a handover, an older node:
+    /// the home leaves them unattributed), `""` a tenant without a `max_kv_share`, else the
+    /// name of a tenant with one (at most [`MAX_TENANT_BYTES`]). Added after version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_tenant: Option<String>,
 }
 
 impl BlockReport {
-    /// msgpack-named bytes; refuses bad ids and more than [`MAX_REPORT_KEYS`] keys.
+    /// msgpack-named bytes; refuses bad ids, tenant names over [`MAX_TENANT_BYTES`] and more
+    /// than [`MAX_REPORT_KEYS`] keys.
     pub fn encode(&self) -> Result<Vec<u8>, SyncError> {
         check_id(&self.replica_id)?;
+        check_tenant(self.kv_tenant.as_deref())?;
         if self.keys.len() > MAX_REPORT_KEYS {
             return Err(SyncError::Invalid(format!(
                 "block report with {} keys (max {MAX_REPORT_KEYS})",
@@ -136,6 +148,7 @@ impl BlockReport {
         let r: BlockReport =
             rmp_serde::from_slice(bytes).map_err(|e| SyncError::Malformed(e.to_string()))?;
         check_id(&r.replica_id).map_err(|e| SyncError::Malformed(e.to_string()))?;
+        check_tenant(r.kv_tenant.as_deref()).map_err(|e| SyncError::Malformed(e.to_string()))?;
         if r.keys.len() > MAX_REPORT_KEYS {
             return Err(SyncError::Malformed(format!("{} keys", r.keys.len())));
         }
@@ -158,6 +171,16 @@ fn check_id(id: &str) -> Result<(), SyncError> {
         return Err(SyncError::Invalid(format!("replica id {id:?}")));
     }
     Ok(())
+}
+
+fn check_tenant(tenant: Option<&str>) -> Result<(), SyncError> {
+    match tenant {
+        Some(t) if t.len() > MAX_TENANT_BYTES => Err(SyncError::Invalid(format!(
+            "tenant name of {} bytes",
+            t.len()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// What the node plugs into the mesh: answers summary requests for the replicas it is home for,
@@ -305,6 +328,7 @@ mod tests {
         let r = BlockReport {
             replica_id: "r1".into(),
             keys: vec![u64::MAX; MAX_REPORT_KEYS],
+            kv_tenant: Some("t".repeat(MAX_TENANT_BYTES)),
         };
         let bytes = r.encode().unwrap();
         assert!(bytes.len() <= MAX_REPORT_BYTES);
@@ -319,7 +343,28 @@ mod tests {
         let empty_id = BlockReport {
             replica_id: String::new(),
             keys: vec![],
+            kv_tenant: None,
         };
         assert!(empty_id.encode().is_err());
+        // A tenant name past the bound is refused both ways.
+        let long = BlockReport {
+            kv_tenant: Some("t".repeat(MAX_TENANT_BYTES + 1)),
+            keys: vec![1],
+            ..r.clone()
+        };
+        assert!(long.encode().is_err());
+        assert!(BlockReport::decode(&rmp_serde::to_vec_named(&long).unwrap()).is_err());
+        // An older node's report (no tenant field) still decodes, as unknown.
+        #[derive(Serialize)]
+        struct V1 {
+            replica_id: String,
+            keys: Vec<u64>,
+        }
+        let v1 = rmp_serde::to_vec_named(&V1 {
+            replica_id: "r1".into(),
+            keys: vec![7],
+        })
+        .unwrap();
+        assert_eq!(BlockReport::decode(&v1).unwrap().kv_tenant, None);
     }
 }

@@ -8,6 +8,7 @@ use super::state::Node;
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
+use crate::core::tenants::KV_UNATTRIBUTED;
 use crate::core::view::Health;
 use crate::replicas::kv_events::KvEventSink;
 use crate::replicas::kv_index::Op;
@@ -165,7 +166,7 @@ impl Node {
         }
         // Shares move with reports, events and expiry too, not only with this node's requests.
         for i in 0..core.replicas.len() {
-            super::routing::refresh_kv_shares(core, i);
+            super::kv_shares::refresh_kv_shares(core, i);
         }
         drop(guard);
         for i in reopened {
@@ -268,7 +269,7 @@ impl Node {
         self.lock()
             .replicas
             .get_mut(i)
-            .is_some_and(|rt| rt.learn_reported(keys, now))
+            .is_some_and(|rt| rt.learn_reported(keys, KV_UNATTRIBUTED, now))
     }
 }
 

@@ -367,6 +367,7 @@ mod tests {
                 origin: String::new(),
                 kv_events: None,
                 pd: None,
+                kv_shares: None,
             },
             home,
         }

@@ -24,9 +24,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::state::{Core, Node};
+use crate::core::dp_rank::MAX_RANKS;
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::Tip;
-use crate::core::view::{ReplicaState, View};
+use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
     LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
 };
@@ -65,9 +66,11 @@ const MAX_TIP_READY_MS: u32 = 3_600_000;
 /// Longest prefix a tip may claim, in blocks (16M tokens at 16-token blocks: beyond any context).
 const MAX_TIP_BLOCKS: u32 = 1 << 20;
 
-/// Puts a peer's routed prefixes into the view, for replicas of `region` it knows; returns how
-/// many it dropped (unknown replica, out of bounds, store full).
-fn learn_tips(view: &mut View, tips: &[RoutedTip], region: &str, now: Duration) -> usize {
+/// Puts a peer's routed prefixes into the view, for replicas of `region` it knows, and the ranks
+/// it named into those replicas' rank hints (a rank past the replica's ranks is dropped, the tip
+/// kept); returns how many it dropped (unknown replica, out of bounds, store full).
+fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) -> usize {
+    let view = &mut core.view;
     let mut dropped = 0;
     for t in tips {
         let replica = view
@@ -80,6 +83,12 @@ fn learn_tips(view: &mut View, tips: &[RoutedTip], region: &str, now: Duration) 
             dropped += 1;
             continue;
         };
+        if let (Some(rank), Some(rt)) = (t.rank, core.replicas.get_mut(replica)) {
+            let ranks = rt.kv_source.as_ref().map_or(0, |k| usize::from(k.dp_ranks));
+            if usize::from(rank) < ranks.min(MAX_RANKS) {
+                rt.rank_hints.insert(BlockKey(t.key), t.blocks, rank, now);
+            }
+        }
         let ready = now + Duration::from_millis(u64::from(t.ready_ms));
         let tip = Tip {
             replica,
@@ -123,7 +132,7 @@ impl Node {
         match applied {
             Ok(a) => {
                 // Tips only from a datagram that was not stale (a late one's prefixes are old).
-                let dropped_tips = learn_tips(&mut core.view, &tips, region, now);
+                let dropped_tips = learn_tips(core, &tips, region, now);
                 for id in &a.changed {
                     if let Some(i) = core.view.index_of(id) {
                         refresh_shared_load(core, i, cfg.max_tokens_per_request);
@@ -175,13 +184,14 @@ impl Node {
         let tips: Vec<RoutedTip> = core
             .pending_tips
             .drain(..)
-            .filter_map(|(i, key, blocks, ready)| {
+            .filter_map(|(i, key, blocks, ready, rank)| {
                 let ready_ms = ready.saturating_sub(now).as_millis();
                 Some(RoutedTip {
                     replica: core.view.replica(i)?.info.id.clone(),
                     key,
                     blocks,
                     ready_ms: u32::try_from(ready_ms).unwrap_or(u32::MAX),
+                    rank,
                 })
             })
             .collect();
@@ -258,6 +268,65 @@ mod tests {
             pd: Default::default(),
         });
         v
+    }
+
+    #[test]
+    fn a_peers_tip_names_the_rank_for_the_prefixs_follow_ups_here() {
+        use crate::core::router::{Decision, RouteRequest};
+        use crate::core::view::Health;
+        use crate::node::config::NodeConfig;
+        use crate::replicas::entry::ReplicaConfig;
+        use crate::replicas::kv_events::KvEventsSource;
+
+        crate::proxy::install_crypto_provider();
+        // A replica of 4 ranks whose events this node does not follow (another node is its
+        // home, or its stream is down): its model is approximate, it knows no rank sets.
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                kv_events: Some(KvEventsSource {
+                    dp_ranks: 4,
+                    ..KvEventsSource::new("tcp://127.0.0.1:5557")
+                }),
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let route = |keys: &[BlockKey]| {
+            let req = RouteRequest::plain("m", keys, 16 * keys.len() as u64);
+            match node.route(&req) {
+                (Decision::Route(d), _) => d.dp_rank,
+                (other, _) => panic!("{other:?}"),
+            }
+        };
+        {
+            let mut core = node.lock();
+            core.view.set_health(0, Health::Healthy);
+            let region = core.view.local_region.clone();
+            let now = node.now();
+            // A peer sent the first 4 blocks to rank 2, and claims rank 9 for another prefix
+            // (past the replica's 4 ranks: the rank is dropped, the tip kept).
+            let tip = |key: u64, blocks: u32, rank: u16| RoutedTip {
+                replica: "r0".into(),
+                key,
+                blocks,
+                ready_ms: 0,
+                rank: Some(rank),
+            };
+            let dropped = learn_tips(&mut core, &[tip(3, 4, 2), tip(77, 1, 9)], &region, now);
+            assert_eq!(dropped, 0);
+            assert_eq!(core.replicas[0].rank_hints.len(), 1);
+        }
+        // The prefix's follow-up goes to rank 2, whichever node routes it.
+        assert_eq!(route(&keys), Some(2));
+        // What this node routes names a rank too, and its own follow-ups find it.
+        let other: Vec<BlockKey> = (100..103).map(BlockKey).collect();
+        let first = route(&other).unwrap();
+        let longer: Vec<BlockKey> = (100..108).map(BlockKey).collect();
+        assert_eq!(route(&longer), Some(first));
     }
 
     #[test]

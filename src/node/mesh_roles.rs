@@ -45,6 +45,7 @@ use super::state::{Node, ReplicaRuntime};
 use crate::core::keys::BlockKey;
 use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
+use crate::core::tenants::Tenants;
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
 use crate::mesh::cluster::home_in;
 use crate::mesh::load_share::LoadUpdate;
@@ -117,15 +118,22 @@ impl Node {
     }
 
     /// After a request's first byte (its blocks are now in the replica's prefix cache): tell the
-    /// home (batched by the mesh), or wake the publisher when home.
-    pub(super) fn after_first_byte(&self, i: usize, target: Option<SocketAddr>, keys: &[BlockKey]) {
+    /// home (batched by the mesh, with the request's KV tenant label, `Tenants::kv_label`), or
+    /// wake the publisher when home.
+    pub(super) fn after_first_byte(
+        &self,
+        i: usize,
+        target: Option<SocketAddr>,
+        kv_label: Option<&str>,
+        keys: &[BlockKey],
+    ) {
         let Some(mesh) = self.mesh() else {
             return;
         };
         match target {
             Some(home) => {
                 let id = self.id_of(i);
-                mesh.report_keys(home, &id, keys.iter().map(|k| k.0));
+                mesh.report_keys(home, &id, kv_label, keys.iter().map(|k| k.0));
             }
             None => self.mesh.changed.notify_one(),
         }
@@ -310,8 +318,9 @@ impl Node {
                 rt.mesh.home_addr = None;
                 rt.mesh.remote_health = None;
                 rt.mesh.remote_queued = 0;
+                rt.mesh.remote_kv_shares = None;
                 rt.mesh.pulled = None;
-                let record = own_record(rt, &info, &load);
+                let record = own_record(rt, &info, &load, &core.router.tenants);
                 let version = record.summary;
                 if rt.mesh.published.as_ref() != Some(&record) {
                     if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
@@ -358,7 +367,7 @@ impl Node {
                 if !others_publish && !rt.mesh.learned && info.region == local {
                     rt.mesh.remote_health = None;
                     rt.mesh.remote_queued = 0;
-                    let record = own_record(rt, &info, &load);
+                    let record = own_record(rt, &info, &load, &core.router.tenants);
                     if rt.mesh.published.as_ref() != Some(&record) {
                         rt.mesh.published = Some(record.clone());
                         plan.publish.push((info.id.clone(), record));
@@ -373,6 +382,7 @@ impl Node {
                         let rec = &e.record;
                         rt.mesh.remote_health = Some(rec.health.into());
                         rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
+                        super::kv_shares::set_remote_kv_shares(rt, rec, &core.router.tenants);
                         let queued = rt.queued_estimate();
                         let learned = rt.mesh.learned;
                         if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
@@ -409,11 +419,13 @@ impl Node {
                         // node's own record, if any, only echoes them).
                         rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
                         rt.mesh.remote_queued = 0;
+                        rt.mesh.remote_kv_shares = None;
                     }
                 }
             }
             let h = core.replicas[i].effective_health();
             core.view.set_health(i, h);
+            super::kv_shares::refresh_kv_shares(core, i);
         }
         plan
     }
@@ -587,7 +599,12 @@ impl Node {
 }
 
 /// The record this node publishes for a replica, from its own model, health and load.
-fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> ReplicaRecord {
+fn own_record(
+    rt: &ReplicaRuntime,
+    info: &ReplicaInfo,
+    load: &ReplicaLoad,
+    tenants: &Tenants,
+) -> ReplicaRecord {
     let s = rt.cache.summary();
     // The digest hashes the whole filter: reuse it while the version is unchanged.
     let digest = match &rt.mesh.published {
@@ -611,7 +628,7 @@ fn own_record(rt: &ReplicaRuntime, info: &ReplicaInfo, load: &ReplicaLoad) -> Re
         .kv_source
         .as_ref()
         .and_then(|k| super::kv_gossip::to_wire(&info.url, k));
-    record
+    super::kv_shares::with_own_kv_shares(record, rt, tenants)
 }
 
 /// Answers peers' summary requests and takes their block reports.
@@ -645,9 +662,15 @@ impl MeshHandler for Handler {
             return;
         }
         let keys: Vec<BlockKey> = report.keys.iter().copied().map(BlockKey).collect();
-        let mut core = node.lock();
+        let mut guard = node.lock();
+        let core = &mut *guard;
+        // The sender's tenant label, as this node's configuration numbers it.
+        let tenant = core
+            .router
+            .tenants
+            .kv_slot_of_label(report.kv_tenant.as_deref());
         let Some(i) = core.view.index_of(&report.replica_id) else {
-            drop(core);
+            drop(guard);
             refused("unknown_replica");
             tracing::debug!(%from, replica = %report.replica_id, "block report for an unknown replica");
             return;
@@ -657,15 +680,15 @@ impl MeshHandler for Handler {
         };
         // Only the home's model takes reports (a handover's keys arrive once it is home).
         if !rt.mesh.home || rt.removed {
-            drop(core);
+            drop(guard);
             refused("not_home");
             return;
         }
-        if !rt.learn_reported(&keys, now) {
+        if !rt.learn_reported(&keys, tenant, now) {
             return;
         }
         let home = rt.mesh.home;
-        drop(core);
+        drop(guard);
         if home {
             node.mesh.changed.notify_one();
         }
@@ -886,6 +909,7 @@ mod tests {
         let report = |id: &str, key: u64| BlockReport {
             replica_id: id.to_owned(),
             keys: vec![key],
+            kv_tenant: None,
         };
         let b = live[1].gossip_addr;
         let stranger: SocketAddr = "127.0.0.1:9999".parse().unwrap();

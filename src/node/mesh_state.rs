@@ -41,6 +41,14 @@ pub struct ReplicaMesh {
     pub remote_health: Option<Health>,
     /// Prompt tokens the home publishes as queued there (0 when this node is home).
     pub remote_queued: u64,
+    /// The KV-quota tenants' shares of the replica's cache the home publishes, by this node's
+    /// KV slot (`KV_SLOTS` entries), when another node is home and publishes them; `None`
+    /// otherwise (this node's own model estimates them).
+    pub remote_kv_shares: Option<Vec<f32>>,
+    /// Blocks this node's requests brought per KV slot since the home's published shares last
+    /// changed (`KV_SLOTS` entries while `remote_kv_shares` is set): added to them, so that a
+    /// node sees its own steering at once rather than a gossip round later (`kv_shares.rs`).
+    pub kv_routed_since: Vec<u32>,
     /// Learned from gossip only (not in this node's config or DNS).
     pub learned: bool,
     /// Learned: the peer whose record introduced it (its per-peer cap counts it).
@@ -66,6 +74,8 @@ impl Default for ReplicaMesh {
             home_addr: None,
             remote_health: None,
             remote_queued: 0,
+            remote_kv_shares: None,
+            kv_routed_since: Vec::new(),
             learned: false,
             learned_from: None,
             origin: None,

@@ -19,6 +19,8 @@
 //! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
+//! - `kv_shares.rs`: tenants' KV shares in a mesh — the home publishes its estimate, the other
+//!   nodes steer on it.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
 //! - `hot_prefix.rs`: hot-prefix replication — counting, merging peers' heat, warm-ups.
@@ -36,6 +38,7 @@ pub mod config;
 mod feedback;
 mod hot_prefix;
 mod kv_gossip;
+mod kv_shares;
 mod learned;
 mod load_share;
 pub(crate) mod mesh_loop;

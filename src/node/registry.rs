@@ -16,6 +16,7 @@ use super::config::NodeConfig;
 use super::mesh_state::ReplicaMesh;
 use super::state::{Endpoint, Node, ReplicaRuntime};
 use crate::core::cache_model::CacheSource;
+use crate::core::rank_hints::RankHints;
 use crate::core::view::{Health, ReplicaInfo};
 use crate::replicas::dns::ReplicaRegistry;
 use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
@@ -135,6 +136,7 @@ impl Node {
             admin_drained: false,
             rank_loads: Vec::new(),
             rank_rotate: 0,
+            rank_hints: RankHints::default(),
         });
         let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
         endpoints.push(Endpoint {

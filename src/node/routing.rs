@@ -35,7 +35,6 @@ use crate::core::cache_model::CacheSource;
 use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
 use crate::core::router::{Decision, RouteRequest, Routed};
-use crate::core::tenants::KV_SLOTS;
 use crate::replicas::kv_events::RankRouting;
 use crate::tokenize::token_namespace;
 
@@ -79,9 +78,17 @@ impl RankTarget {
     }
 }
 
-/// The rank to name for a request routed to replica `i`, if this node knows the replica's ranks
-/// (exact model, rank routing on); advances the rotation.
-fn choose_rank(core: &mut Core, i: usize, req: &RouteRequest<'_>) -> Option<RankTarget> {
+/// The rank to name for a request routed to replica `i`, if the replica has ranks and rank
+/// routing is on; advances the rotation. Where the prefix is: at the home, from the exact
+/// model's rank sets (the engine's KV events); at any other node (or a home whose events are
+/// down), from the ranks this node and its region peers sent the prefix's earlier turns to
+/// (`core::rank_hints`).
+fn choose_rank(
+    core: &mut Core,
+    i: usize,
+    req: &RouteRequest<'_>,
+    now: Duration,
+) -> Option<RankTarget> {
     let w_load_s = core.router.config().cost.w_load_s;
     let tokens_per_block = core.view.tokens_per_block;
     let rate = core.view.replica(i)?.info.prefill_tokens_per_s;
@@ -89,10 +96,14 @@ fn choose_rank(core: &mut Core, i: usize, req: &RouteRequest<'_>) -> Option<Rank
     let source = rt.kv_source.as_ref()?;
     let how = source.rank_routing();
     let ranks = usize::from(source.dp_ranks).min(MAX_RANKS);
-    if how == RankRouting::Off || ranks <= 1 || rt.cache.source() != CacheSource::Exact {
+    if how == RankRouting::Off || ranks <= 1 {
         return None;
     }
-    let runs = rt.cache.rank_runs(req.keys, ranks);
+    let runs = if rt.cache.source() == CacheSource::Exact {
+        rt.cache.rank_runs(req.keys, ranks)
+    } else {
+        rt.rank_hints.runs(req.keys, ranks, now)
+    };
     if rt.rank_loads.len() < ranks {
         rt.rank_loads.resize(ranks, RankLoad::default());
     }
@@ -131,6 +142,8 @@ struct Leg<'a> {
     uncached: u64,
     /// Prompt tokens it finds cached there (0 for a decode leg).
     cached: u64,
+    /// Blocks it brings to the replica's cache (counted against the tenant's KV share).
+    new_blocks: usize,
     /// The tenant it counts against (only on the leg that prefills).
     tenant: Option<&'a str>,
     /// The tenant's KV slot for the blocks it brings.
@@ -189,7 +202,7 @@ impl Node {
         let i = d.replica;
         let prefills = how == Booking::Whole;
         let target = if prefills {
-            choose_rank(core, i, req)
+            choose_rank(core, i, req, now)
         } else {
             None
         };
@@ -216,6 +229,11 @@ impl Node {
         let leg = Leg {
             uncached,
             cached: if prefills { cached } else { 0 },
+            new_blocks: if prefills {
+                req.keys.len().saturating_sub(d.hit_blocks as usize)
+            } else {
+                0
+            },
             tenant: req.tenant.filter(|_| prefills),
             kv_slot: core.router.tenants.kv_slot(req.tenant),
             target,
@@ -237,17 +255,26 @@ impl Node {
         let Leg {
             uncached,
             cached,
+            new_blocks,
             tenant,
             kv_slot,
             target,
             ready_in,
         } = leg;
         core.view.record_routed_ready(i, keys, now, ready_in);
-        // The region's other nodes learn this prefix with the next load update.
+        // The region's other nodes learn this prefix with the next load update, with the rank
+        // named, so that they name it for its follow-ups too.
+        let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        let rank = target.map(|t| t.rank);
+        if let (Some(last), Some(rank)) = (keys.last(), rank) {
+            if let Some(rt) = core.replicas.get_mut(i) {
+                rt.rank_hints.insert(*last, blocks, rank, now);
+            }
+        }
         if let (Some(last), true) = (keys.last(), self.cfg.mesh.is_some()) {
             if core.pending_tips.len() < MAX_PENDING_TIPS {
-                let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
-                core.pending_tips.push((i, last.0, blocks, now + ready_in));
+                core.pending_tips
+                    .push((i, last.0, blocks, now + ready_in, rank));
             }
         }
         if let Some(rt) = core.replicas.get_mut(i) {
@@ -263,6 +290,9 @@ impl Node {
         }
         if let Some(t) = tenant {
             core.router.tenants.started(t, i);
+        }
+        if new_blocks > 0 && core.router.tenants.any_kv_quota() {
+            super::kv_shares::count_routed(core, i, kv_slot, new_blocks);
         }
         let endpoint = self.endpoint(i).unwrap_or_else(|| Endpoint {
             id: Arc::from("?"),
@@ -304,6 +334,7 @@ impl Node {
             let leg = Leg {
                 uncached: tokens,
                 cached: 0,
+                new_blocks: keys.len(),
                 tenant: None,
                 kv_slot: core.router.tenants.kv_slot(None),
                 target: None,
@@ -423,9 +454,11 @@ impl Ticket {
             rt.cache.attribute(keys, self.kv_slot);
         }
         let target = rt.mesh.report_target();
-        refresh_kv_shares(core, self.replica);
+        super::kv_shares::refresh_kv_shares(core, self.replica);
+        let label = core.router.tenants.kv_label(self.tenant.as_deref());
         drop(guard);
-        self.node.after_first_byte(self.replica, target, keys);
+        self.node
+            .after_first_byte(self.replica, target, label, keys);
     }
 }
 
@@ -440,32 +473,6 @@ impl Ticket {
         let now = self.node.now();
         self.node.lock().view.routed_failed(self.replica, keys, now);
     }
-}
-
-/// Copies replica `i`'s tenant KV shares from its cache model into the view, when some tenant
-/// has a KV quota (else nobody reads them).
-pub(super) fn refresh_kv_shares(core: &mut Core, i: usize) {
-    if !core.router.tenants.any_kv_quota() {
-        return;
-    }
-    let Some(rt) = core.replicas.get(i) else {
-        return;
-    };
-    // A follower's model holds only its own requests' blocks, so its own fill would be a
-    // fraction of the replica's; the summary it pulled from the home says how many keys the
-    // replica's current epoch took (live plus evicted-since, an overestimate by at most the
-    // rebuild threshold). With it every node scales the same mix by about the same fill, and
-    // the nodes agree on where a tenant is over (and which replicas it dominates).
-    let min_fill = core
-        .view
-        .replica(i)
-        .and_then(|r| r.summary.as_deref())
-        .map_or(0.0, |s| {
-            s.inserted() as f64 / rt.cache.capacity_blocks().max(1) as f64
-        });
-    let mut shares = [0.0f32; KV_SLOTS];
-    rt.cache.tenant_shares(min_fill, &mut shares);
-    core.view.set_kv_shares(i, &shares);
 }
 
 /// Releases `tokens` of replica `i`'s queued prefill (and of the named `rank`'s, with the

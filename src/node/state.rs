@@ -22,9 +22,10 @@ use crate::core::hot_prefix::HotPrefixes;
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
+use crate::core::rank_hints::RankHints;
 use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
-use crate::core::tenants::{TenantConfig, Tenants};
+use crate::core::tenants::{TenantConfig, Tenants, KV_UNATTRIBUTED};
 use crate::core::view::{Health, View};
 use crate::mesh::load_share::{LoadShareConfig, PeerLoads};
 use crate::replicas::health::HealthTracker;
@@ -79,6 +80,10 @@ pub struct ReplicaRuntime {
     pub rank_loads: Vec<RankLoad>,
     /// Rotates the rank chosen among equal costs (cold prefixes spread over the ranks).
     pub rank_rotate: usize,
+    /// The ranks this node's and its region peers' routed prefixes went to (`routing.rs`,
+    /// `load_share.rs`): how a node that does not follow the replica's KV events names a rank.
+    /// Bounded LRU (`core::rank_hints`).
+    pub rank_hints: RankHints,
 }
 
 impl ReplicaRuntime {
@@ -92,14 +97,18 @@ impl ReplicaRuntime {
         }
     }
 
-    /// Blocks another node reports having routed here (mesh block reports): learned by an
-    /// approximate model, ignored by an exact one — reports are guesses, events are the engine's
-    /// truth. Returns whether the model took them.
-    pub fn learn_reported(&mut self, keys: &[BlockKey], now: Duration) -> bool {
+    /// Blocks another node reports having routed here (mesh block reports) for a request of
+    /// KV slot `tenant`: learned by an approximate model; an exact one only attributes those
+    /// its events hold to the tenant — reports are guesses, events are the engine's truth.
+    /// Returns whether the model's key set took them.
+    pub fn learn_reported(&mut self, keys: &[BlockKey], tenant: u8, now: Duration) -> bool {
         if self.cache.source() != CacheSource::Approximate {
+            if tenant != KV_UNATTRIBUTED {
+                self.cache.attribute(keys, tenant);
+            }
             return false;
         }
-        self.cache.record_routed(keys, now);
+        self.cache.record_routed_by(keys, tenant, now);
         self.summary_dirty = true;
         true
     }
@@ -124,10 +133,6 @@ pub struct Core {
     pub replicas: Vec<ReplicaRuntime>,
     /// What the region's other nodes last said they have in flight (`load_share.rs`).
     pub peer_loads: PeerLoads,
-    /// Prefixes routed since the last load update (mesh only), for the region's other nodes:
-    /// (replica index, last block key, blocks, when its prefill is predicted done). At most
-    /// `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary round has them).
-    pub pending_tips: Vec<(usize, u64, u32, Duration)>,
     /// The hot-prefix detector and warm-up planner (`hot_prefix.rs`).
     pub hot: HotPrefixes,
     /// The region's live nodes, this one included, as the last gossip round saw them: a
@@ -135,6 +140,11 @@ pub struct Core {
     pub hot_owners: Vec<String>,
     /// This node's id in the mesh (empty without one).
     pub hot_self: String,
+    /// Prefixes routed since the last load update (mesh only), for the region's other nodes:
+    /// (replica index, last block key, blocks, when its prefill is predicted done, the
+    /// data-parallel rank named). At most `MAX_PENDING_TIPS` (1,024); more between two flushes
+    /// are dropped (the summary round has them).
+    pub pending_tips: Vec<(usize, u64, u32, Duration, Option<u16>)>,
 }
 
 /// Most routed prefixes kept for the next load update.

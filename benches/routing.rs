@@ -36,6 +36,7 @@ fn view(replicas: usize, keys: &[BlockKey]) -> View {
             capacity_tokens: 450_000,
             prefill_tokens_per_s: 50_000.0,
             max_in_flight: 256,
+            kv_load: None,
         });
         let mut s = ReplicaSummary::new(1, 7_000, &cfg).expect("summary");
         s.insert(&keys[..2.min(keys.len())]);

@@ -80,6 +80,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         summary,
         origin: String::new(),
         kv_events: None,
+        kv_load: None,
     }
 }
 

@@ -939,6 +939,7 @@ fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
         },
         origin: String::new(),
         kv_events: None,
+        kv_load: None,
     }
 }
 

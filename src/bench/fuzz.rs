@@ -478,6 +478,7 @@ fn replica_record() -> ReplicaRecord {
             topic: "kv".into(),
             dp_ranks: 2,
         }),
+        kv_load: Some(crate::core::kv_load::KvLoad::default()),
     }
 }
 

@@ -298,6 +298,7 @@ impl<'a> Sim<'a> {
                     capacity_tokens: cfg.engine.kv_capacity_tokens as u64,
                     prefill_tokens_per_s: prefill_rate,
                     max_in_flight: cfg.engine.max_num_seqs as u32,
+                    kv_load: cfg.kv_load,
                 })
             })
             .collect();

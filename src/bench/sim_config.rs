@@ -101,6 +101,14 @@ pub struct SimConfig {
     /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
     /// `big` of the tenants family. Default none.
     pub split_tenant: Option<String>,
+    /// The KV size and CPU link every replica declares to the routers (`[[replicas]] kv_load`),
+    /// so their cost model weighs CPU hits by load time; `None`: the fixed `tier_weights`.
+    /// What the engines really do is `engine`'s CPU tier. Default none.
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
+    /// Home nodes keep exact cache models fed by the engines' KV events (tiers included, from
+    /// each event's medium), as with `kv_events` configured; otherwise approximate ones from
+    /// routed requests. Default off.
+    pub exact_homes: bool,
 }
 
 impl Default for SimConfig {
@@ -127,6 +135,8 @@ impl Default for SimConfig {
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,
+            kv_load: None,
+            exact_homes: false,
         }
     }
 }

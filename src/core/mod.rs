@@ -11,7 +11,7 @@
 //! - [`cache_model`]: a replica's block set (exact from events, or LRU from routed requests).
 //! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
-//! - [`cost`]: the predicted-seconds formula.
+//! - [`cost`]: the predicted-seconds formula; [`kv_load`]: what an offloaded hit saves.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
@@ -22,6 +22,7 @@ pub mod cache_model;
 pub mod cost;
 pub mod dp_rank;
 pub mod keys;
+pub mod kv_load;
 pub mod peer_tips;
 pub mod policy;
 pub mod prompt;

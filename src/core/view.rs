@@ -58,6 +58,9 @@ pub struct ReplicaInfo {
     pub prefill_tokens_per_s: f64,
     /// In-flight requests above which the replica counts as full. Default 256.
     pub max_in_flight: u32,
+    /// KV size and offload links, to weigh its CPU/disk hits by load time
+    /// ([`super::kv_load`]); `None`: the node's fixed `tier_weights`.
+    pub kv_load: Option<super::kv_load::KvLoad>,
 }
 
 /// Health as the node sees it.
@@ -822,6 +825,7 @@ pub(crate) mod testing {
             capacity_tokens: 450_000,
             prefill_tokens_per_s: 50_000.0,
             max_in_flight: 256,
+            kv_load: None,
         }
     }
 }

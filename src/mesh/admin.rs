@@ -70,6 +70,9 @@ pub struct AdminSpec {
     /// KV-event ports at the URL's host, if any.
     #[serde(default)]
     pub kv_events: Option<WireKvEvents>,
+    /// KV size and offload bandwidths, if configured. Added later: absent reads as none.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 /// One `admin:<id>` record.
@@ -117,6 +120,9 @@ impl AdminRecord {
             s.models.len() <= MAX_ADMIN_MODELS,
             s.models.len(),
         )?;
+        if let Some(l) = &s.kv_load {
+            schema::bound(w, "kv_load", l.validate().is_ok(), format!("{l:?}"))?;
+        }
         let p = s.prefill_tokens_per_s;
         schema::bound(
             w,
@@ -175,6 +181,7 @@ mod tests {
                 prefill_tokens_per_s: 50_000.0,
                 max_in_flight: 256,
                 kv_events: None,
+                kv_load: None,
             }),
         }
     }

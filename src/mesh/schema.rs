@@ -317,6 +317,11 @@ pub struct ReplicaRecord {
     /// becomes home subscribes. Added after version 1: absent reads as none.
     #[serde(default)]
     pub kv_events: Option<WireKvEvents>,
+    /// The replica's KV size and offload bandwidths (`core::kv_load`), so every node of the
+    /// region weighs its CPU/disk hits alike. Added later: absent reads as none; out of bounds
+    /// refuses the record.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 /// A replica's KV-event ports as gossiped: the host is always the replica URL's (which the
@@ -384,6 +389,7 @@ impl ReplicaRecord {
             summary,
             origin: String::new(),
             kv_events: None,
+            kv_load: info.kv_load,
         }
     }
 
@@ -399,6 +405,7 @@ impl ReplicaRecord {
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
+            kv_load: self.kv_load.filter(|l| l.validate().is_ok()),
         }
     }
 
@@ -416,6 +423,9 @@ impl ReplicaRecord {
         bound("replica", "summary.epoch", epoch <= latest, epoch)?;
         if let Some(k) = &r.kv_events {
             k.check("replica")?;
+        }
+        if let Some(l) = &r.kv_load {
+            bound("replica", "kv_load", l.validate().is_ok(), format!("{l:?}"))?;
         }
         Ok(r)
     }
@@ -622,7 +632,45 @@ mod tests {
             },
             origin: String::new(),
             kv_events: None,
+            kv_load: None,
         }
+    }
+
+    #[test]
+    fn a_kv_load_travels_in_the_record_and_is_bounds_checked() {
+        use crate::core::kv_load::KvLoad;
+        let load = KvLoad {
+            cpu_gb_per_s: 5.0,
+            ..KvLoad::default()
+        };
+        let r = ReplicaRecord {
+            kv_load: Some(load),
+            ..record()
+        };
+        let s = r.encode().unwrap();
+        assert!(s.len() < 500, "replica record is {} bytes", s.len());
+        let back = ReplicaRecord::decode(&s).unwrap();
+        assert_eq!(back.info("r1").kv_load, Some(load));
+        // A peer claiming a zero-byte token or an absurd link is refused, whole.
+        for bad in [
+            KvLoad {
+                bytes_per_token: 0,
+                ..load
+            },
+            KvLoad {
+                cpu_gb_per_s: 1e9,
+                ..load
+            },
+        ] {
+            let r = ReplicaRecord {
+                kv_load: Some(bad),
+                ..record()
+            };
+            let s = r.encode().unwrap();
+            assert!(ReplicaRecord::decode(&s).is_err(), "{bad:?}");
+        }
+        // Absent (an older publisher): none, the fixed tier weights.
+        assert_eq!(record().info("r1").kv_load, None);
     }
 
     #[test]

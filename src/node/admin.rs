@@ -375,6 +375,7 @@ fn to_spec(r: &ReplicaConfig) -> Result<AdminSpec, AdminError> {
         prefill_tokens_per_s: r.prefill_tokens_per_s,
         max_in_flight: r.max_in_flight,
         kv_events,
+        kv_load: r.kv_load,
     };
     let check = AdminRecord {
         stamp_ms: 0,
@@ -405,5 +406,6 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
             .kv_events
             .as_ref()
             .and_then(|k| super::kv_gossip::from_wire(&s.url, k)),
+        kv_load: s.kv_load.filter(|l| l.validate().is_ok()),
     }
 }

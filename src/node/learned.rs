@@ -224,6 +224,7 @@ impl Node {
                 .kv_events
                 .as_ref()
                 .and_then(|k| super::kv_gossip::from_wire(&r.url, k)),
+            kv_load: r.kv_load.filter(|l| l.validate().is_ok()),
         };
         let (i, new) = self
             .add_replica(&spec)
@@ -359,6 +360,7 @@ mod tests {
                 summary: SummaryVersion::default(),
                 origin: String::new(),
                 kv_events: None,
+                kv_load: None,
             },
             home,
         }

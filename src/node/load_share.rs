@@ -255,6 +255,7 @@ mod tests {
             capacity_tokens: 1 << 20,
             prefill_tokens_per_s: 50_000.0,
             max_in_flight,
+            kv_load: None,
         });
         v
     }

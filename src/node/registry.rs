@@ -54,6 +54,7 @@ impl Node {
             capacity_tokens: capacity,
             prefill_tokens_per_s: r.prefill_tokens_per_s,
             max_in_flight: r.max_in_flight,
+            kv_load: r.kv_load,
         };
         if let Some(i) = core.view.index_of(&id) {
             let rt = &mut core.replicas[i];

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use super::kv_events::KvEventsSource;
+use crate::core::kv_load::KvLoad;
 
 /// One replica of the registry: a `[[replicas]]` table, or a replica a DNS source found.
 #[derive(Clone, Debug, Deserialize)]
@@ -39,6 +40,11 @@ pub struct ReplicaConfig {
     /// while the stream is up. Default none (approximate model only).
     #[serde(default)]
     pub kv_events: Option<KvEventsSource>,
+    /// KV size and offload bandwidths, to weigh CPU/disk hits by their load time:
+    /// `kv_load = { bytes_per_token = 131072, cpu_gb_per_s = 25, disk_gb_per_s = 3 }` (each
+    /// field defaults to the value shown). Default none: the node's fixed `tier_weights`.
+    #[serde(default)]
+    pub kv_load: Option<KvLoad>,
 }
 
 pub(super) fn default_pool() -> String {
@@ -68,6 +74,7 @@ impl ReplicaConfig {
             prefill_tokens_per_s: default_prefill_rate(),
             max_in_flight: default_max_in_flight(),
             kv_events: None,
+            kv_load: None,
         }
     }
 

@@ -147,6 +147,9 @@ pub struct KubernetesConfig {
     /// (as for `[[dns]]`). Default none.
     #[serde(default)]
     pub kv_events: Option<DnsKvEvents>,
+    /// KV size and offload bandwidths of the replicas, as `[[replicas]] kv_load`. Default none.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 fn default_scheme() -> String {
@@ -287,6 +290,7 @@ impl KubernetesConfig {
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
             kv_events: self.kv_events.as_ref().map(|k| k.at(found.addr.ip())),
+            kv_load: self.kv_load,
         }
     }
 }

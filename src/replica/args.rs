@@ -45,6 +45,16 @@ pub struct ReplicaArgs {
     /// events on the KV-event port + r).
     #[arg(long)]
     pub dp_ranks: Option<u16>,
+    /// CPU-tier capacity in tokens: computed blocks are written through to host memory and
+    /// loaded back on a hit, with vLLM offloading-connector KV events (medium "CPU"). 0: none.
+    #[arg(long)]
+    pub cpu_capacity_tokens: Option<usize>,
+    /// CPU-tier host-to-device link, GB/s (default 25).
+    #[arg(long)]
+    pub cpu_gb_per_s: Option<f64>,
+    /// KV bytes per token, for the CPU tier's load time (default 131072, 8B in BF16).
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u32>,
     /// Fault: probability of answering 500.
     #[arg(long)]
     pub fault_error_rate: Option<f64>,
@@ -91,6 +101,15 @@ impl ReplicaArgs {
         }
         if let Some(scale) = self.time_scale {
             cfg.engine.time_scale = scale;
+        }
+        if let Some(v) = self.cpu_capacity_tokens {
+            cfg.engine.cpu_capacity_tokens = v;
+        }
+        if let Some(v) = self.cpu_gb_per_s {
+            cfg.engine.cpu_gb_per_s = v;
+        }
+        if let Some(v) = self.kv_bytes_per_token {
+            cfg.engine.kv_bytes_per_token = v;
         }
         cfg.id = self.id.unwrap_or_else(|| {
             if cfg.id == ReplicaConfig::default().id {
@@ -208,6 +227,19 @@ mod tests {
         assert_eq!(parse(&["--dp-ranks", "4"]).unwrap().dp_ranks, 4);
         assert!(parse(&["--dp-ranks", "0"]).is_err());
         assert!(parse(&["--dp-ranks", "65"]).is_err());
+        let cpu = parse(&[
+            "--preset",
+            "8b-h100",
+            "--cpu-capacity-tokens",
+            "900000",
+            "--cpu-gb-per-s",
+            "5",
+        ])
+        .unwrap()
+        .engine;
+        assert_eq!((cpu.cpu_capacity_tokens, cpu.cpu_gb_per_s), (900_000, 5.0));
+        assert!(parse(&["--cpu-gb-per-s", "0"]).is_err());
+        assert!(parse(&["--kv-bytes-per-token", "0"]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

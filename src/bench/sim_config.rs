@@ -216,6 +216,8 @@ pub struct SimReport {
     pub cached_tokens: u64,
     /// cached / prompt tokens.
     pub hit_token_ratio: f64,
+    /// Of `cached_tokens`: those the engines loaded from their CPU tiers.
+    pub cpu_hit_tokens: u64,
     /// Requests served by each replica.
     pub requests_per_replica: Vec<u64>,
     /// Largest replica share over the mean share.

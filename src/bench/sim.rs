@@ -1013,7 +1013,7 @@ fn exact_feeds(
     }
     let bs = engine.block_tokens.max(1);
     let tpb = tokens_per_block as usize;
-    if tpb % bs != 0 {
+    if !tpb.is_multiple_of(bs) {
         return Err(SimError::Config(format!(
             "exact homes need text blocks of whole engine blocks: {tpb} tokens per text block, {bs} per engine block"
         )));

@@ -94,10 +94,15 @@ impl CostModel {
     #[inline]
     pub fn credited_blocks_on(&self, info: &ReplicaInfo, h: TierHit) -> f64 {
         match &info.kv_load {
-            Some(load) if h.any != h.gpu => credit(
-                h,
-                &load.weights(info.prefill_tokens_per_s, self.tier_weights.gpu),
-            ),
+            Some(load) if h.any != h.gpu => {
+                let (cpu, disk) = load.weights(info.prefill_tokens_per_s);
+                let w = TierWeights {
+                    cpu,
+                    disk,
+                    ..self.tier_weights
+                };
+                credit(h, &w)
+            }
             _ => self.credited_blocks(h),
         }
     }

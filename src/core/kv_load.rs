@@ -3,7 +3,7 @@
 //! A block held only in CPU memory (or on disk) is not free: the engine copies it back to the
 //! GPU before the request can use it. The copy takes `bytes_per_token × tokens_per_block /
 //! bandwidth` seconds, the recompute it replaces `tokens_per_block / prefill_rate` seconds, so
-//! the share of the prefill a hit saves — its weight in [`super::cost::CostModel`] — is
+//! the share of the prefill a hit saves — its weight in the cost model (`cost.rs`) — is
 //!
 //! ```text
 //! w_tier = 1 − bytes_per_token × prefill_tokens_per_s / tier_bytes_per_s
@@ -25,8 +25,6 @@
 //! is all the router uses; bandwidth is configured, not measured.
 
 use serde::{Deserialize, Serialize};
-
-use super::cost::TierWeights;
 
 /// Lowest weight a lower-tier hit gets: its load is 65× slower than recompute. Keeps costs
 /// finite whatever the configured bandwidths.
@@ -111,15 +109,14 @@ impl KvLoad {
         w.clamp(MIN_TIER_WEIGHT, 1.0)
     }
 
-    /// Tier weights for a replica prefilling `prefill_tokens_per_s`: GPU keeps `gpu` (the node's
-    /// weight, 1 by default: nothing to load), CPU and disk by their load time.
+    /// The (CPU, disk) weights for a replica prefilling `prefill_tokens_per_s` (a GPU block has
+    /// nothing to load: it keeps the node's GPU weight).
     #[inline]
-    pub fn weights(&self, prefill_tokens_per_s: f64, gpu: f64) -> TierWeights {
-        TierWeights {
-            gpu,
-            cpu: self.weight(prefill_tokens_per_s, self.cpu_gb_per_s),
-            disk: self.weight(prefill_tokens_per_s, self.disk_gb_per_s),
-        }
+    pub fn weights(&self, prefill_tokens_per_s: f64) -> (f64, f64) {
+        (
+            self.weight(prefill_tokens_per_s, self.cpu_gb_per_s),
+            self.weight(prefill_tokens_per_s, self.disk_gb_per_s),
+        )
     }
 }
 

@@ -42,6 +42,7 @@ fn view(replicas: usize, keys: &[BlockKey]) -> View {
             prefill_tokens_per_s: 50_000.0,
             max_in_flight: 256,
             pd: Default::default(),
+            kv_load: None,
         });
         let mut s = ReplicaSummary::new(1, 7_000, &cfg).expect("summary");
         s.insert(&keys[..2.min(keys.len())]);

@@ -82,6 +82,7 @@ fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
         kv_events: None,
         pd: None,
         kv_shares: None,
+        kv_load: None,
     }
 }
 

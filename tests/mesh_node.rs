@@ -941,6 +941,7 @@ fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
         kv_events: None,
         pd: None,
         kv_shares: None,
+        kv_load: None,
     }
 }
 

@@ -13,6 +13,7 @@ use super::hot_args::{bench_row, hot_markdown, HotArgs};
 use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
 use super::tenant_args::{split_markdown, split_records, TenantArgs};
+use super::tier_args::TierArgs;
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
 use crate::replicas::kv_events::RankRouting;
@@ -27,6 +28,10 @@ pub struct BenchArgs {
     /// reported apart.
     #[command(flatten)]
     pub tenants: TenantArgs,
+    /// Fleet runs: a CPU tier on the replicas (KV events then on, nodes following them), its
+    /// link, and load-time weighting in the nodes.
+    #[command(flatten)]
+    pub tiers: TierArgs,
     /// Base URL(s) to replay against, comma-separated; requests are spread over them uniformly
     /// at random (as a mesh's clients do). Example: http://127.0.0.1:8080
     #[arg(long, value_delimiter = ',')]
@@ -149,6 +154,8 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(tokens) = args.tenants.kv_capacity_tokens {
             engine.kv_capacity_tokens = tokens;
         }
+        args.tiers.apply_engine(&mut engine);
+        let kv_load = args.tiers.kv_load(&engine);
         let tenants = args.tenants.tenant_configs()?;
         anyhow::ensure!(
             (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
@@ -177,6 +184,8 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
                 tenants: tenants.clone(),
                 dp_ranks: args.dp_ranks,
                 rank_routing,
+                kv_events: engine.cpu_capacity_tokens > 0,
+                kv_load,
                 ..FleetConfig::default()
             };
             runs.extend(

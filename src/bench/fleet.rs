@@ -51,6 +51,12 @@ pub struct FleetConfig {
     /// Every node's `[hot_prefix]`. Its times and rates are wall-clock: run a fleet with
     /// warm-ups at `time_scale` 1. Default: warm-ups off.
     pub hot_prefix: HotPrefixConfig,
+    /// Replicas publish KV events and nodes follow them in token mode even with one rank, so
+    /// home models are exact and know each block's tier (a CPU tier's offloads). Default off.
+    pub kv_events: bool,
+    /// What every replica declares to the nodes as `kv_load` (CPU hits weighed by load time).
+    /// Default none (the fixed `tier_weights`).
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 impl Default for FleetConfig {
@@ -65,6 +71,8 @@ impl Default for FleetConfig {
             dp_ranks: 1,
             rank_routing: RankRouting::Header,
             hot_prefix: HotPrefixConfig::default(),
+            kv_events: false,
+            kv_load: None,
         }
     }
 }
@@ -197,7 +205,8 @@ pub async fn run_fleet(
                 engine: fleet.engine.clone(),
                 exit_on_crash: false,
                 dp_ranks: fleet.dp_ranks,
-                kv_events: (fleet.dp_ranks > 1).then(crate::replica::KvEventsConfig::default),
+                kv_events: (fleet.dp_ranks > 1 || fleet.kv_events)
+                    .then(crate::replica::KvEventsConfig::default),
                 ..Default::default()
             };
             cfg.engine.time_scale = fleet.time_scale;
@@ -207,6 +216,8 @@ pub async fn run_fleet(
         let ranks = f64::from(fleet.dp_ranks.max(1));
         let prefill_rate = ranks * 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
         let multi_rank = fleet.dp_ranks > 1;
+        // Follow the replicas' KV events (exact models): always with ranks, or when asked.
+        let follow = multi_rank || fleet.kv_events;
         for (n, name) in names.iter().enumerate() {
             let mut cfg = NodeConfig {
                 listen: ([127, 0, 0, 1], 0).into(),
@@ -221,7 +232,7 @@ pub async fn run_fleet(
             };
             cfg.health.interval_ms = 200;
             cfg.scrape.interval_ms = 100;
-            if multi_rank {
+            if follow {
                 // Keys equal to the events' keys, so the per-rank models answer.
                 cfg.tokenizer = Some(TokenizerConfig {
                     path: BUILTIN_SIM.into(),
@@ -235,12 +246,16 @@ pub async fn run_fleet(
                 .map(|r| NodeReplica {
                     id: Some(r.id.clone()),
                     models: vec![fleet.model.clone()],
+                    // An exact model holds the CPU tier's blocks too: its summary is sized
+                    // for both.
                     capacity_tokens: Some(
-                        fleet.engine.kv_capacity_tokens as u64 * u64::from(fleet.dp_ranks.max(1)),
+                        (fleet.engine.kv_capacity_tokens + fleet.engine.cpu_capacity_tokens) as u64
+                            * u64::from(fleet.dp_ranks.max(1)),
                     ),
+                    kv_load: fleet.kv_load,
                     kv_events: r
                         .kv_events_port
-                        .filter(|_| multi_rank)
+                        .filter(|_| follow)
                         .map(|port| KvEventsSource {
                             replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
                             dp_ranks: fleet.dp_ranks,
@@ -260,7 +275,7 @@ pub async fn run_fleet(
             nodes.push(proxy::spawn(cfg).await?);
         }
         wait_ready(&nodes).await?;
-        if multi_rank {
+        if follow {
             wait_exact(&nodes, fleet.replicas).await?;
         }
         let label = if replay_cfg.label == ReplayConfig::default().label && multi_rank {

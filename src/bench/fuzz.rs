@@ -484,6 +484,7 @@ fn replica_record() -> ReplicaRecord {
             dp_ranks: 2,
         }),
         kv_shares: Some(std::collections::BTreeMap::from([("big".into(), 600)])),
+        kv_load: Some(crate::core::kv_load::KvLoad::default()),
     }
 }
 

@@ -17,6 +17,8 @@
 //!   (errors); the replicas it was home for keep their last published load and summary until the
 //!   others detect the failure (`failure_detection`), then a new home (rendezvous over the
 //!   region's live nodes) starts a fresh cache model in a new epoch.
+//! - with `exact_homes`, homes keep exact cache models from the engines' KV events, tiers
+//!   included (`sim_exact.rs`), instead of approximate ones from routed requests;
 //! - tenant KV shares (`max_kv_share`): the home's cache model attributes each routed request's
 //!   blocks to its tenant, as a live home does with its own requests and its peers' block
 //!   reports (which carry the tenant, `node::kv_shares`), and the shares travel with the
@@ -53,6 +55,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
+use super::sim_exact::ExactFeed;
 use super::sim_gossip::{epidemic_hops, NodeLag, Published};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
@@ -265,6 +268,8 @@ struct Sim<'a> {
     pending_prefill: Vec<u64>,
     /// The home node's cache model of each replica.
     models: Vec<CacheModel>,
+    /// With `exact_homes`: each replica's KV-event feed into its model (else empty).
+    exact: Vec<ExactFeed>,
     home: Vec<Option<usize>>,
     /// The replica's home has failed and nobody noticed yet: nothing new is published for it.
     orphaned: Vec<bool>,
@@ -338,6 +343,7 @@ impl<'a> Sim<'a> {
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
                     max_in_flight: cfg.engine.max_num_seqs as u32,
                     pd: Default::default(),
+                    kv_load: cfg.kv_load,
                 })
             })
             .collect();
@@ -392,9 +398,9 @@ impl<'a> Sim<'a> {
             })
             .collect();
 
-        let capacity_blocks = cfg.engine.kv_capacity_tokens * ranks / tokens_per_block as usize;
+        let capacity_blocks = model_capacity(cfg) * ranks / tokens_per_block as usize;
         let models = (0..cfg.replicas)
-            .map(|_| new_model(capacity_blocks, 1, &summary_cfg))
+            .map(|_| new_model(capacity_blocks, 1, &summary_cfg, cfg.exact_homes))
             .collect::<Result<Vec<_>, _>>()?;
         let rank_pick = if cfg.dp_rank_named {
             RankPick::Named {
@@ -403,6 +409,7 @@ impl<'a> Sim<'a> {
         } else {
             RankPick::Balancer
         };
+        let (engine_cfg, exact) = exact_feeds(cfg, tokens_per_block)?;
         let mut sim = Sim {
             cfg,
             reqs,
@@ -420,8 +427,9 @@ impl<'a> Sim<'a> {
             region_replicas,
             infos,
             engines: (0..cfg.replicas)
-                .map(|_| DpEngine::new(cfg.engine.clone(), ranks, rank_pick))
+                .map(|_| DpEngine::new(engine_cfg.clone(), ranks, rank_pick))
                 .collect(),
+            exact,
             scheduled: vec![None; cfg.replicas],
             pending_prefill: vec![0; cfg.replicas],
             models,
@@ -559,6 +567,8 @@ impl<'a> Sim<'a> {
             lost: false,
             active: false,
         };
+        let hashes =
+            (!self.exact.is_empty()).then(|| block_hashes(&prompt, self.cfg.engine.block_tokens));
         let request = Request {
             id: i as u64,
             prompt,
@@ -578,6 +588,9 @@ impl<'a> Sim<'a> {
             return;
         }
         self.flights[i].active = true;
+        if let (Some(feed), Some(h)) = (self.exact.get_mut(r), hashes) {
+            feed.learn(&h, &self.keys);
+        }
         self.per_replica[r] += 1;
         self.schedule(r);
     }
@@ -724,7 +737,12 @@ impl<'a> Sim<'a> {
                         let slot = self
                             .tenants
                             .kv_slot(self.reqs[id as usize].tenant.as_deref());
-                        self.models[r].record_routed_by(&keys, slot, now);
+                        if self.exact.is_empty() {
+                            self.models[r].record_routed_by(&keys, slot, now);
+                        } else {
+                            // An exact model takes no guesses; it learns the tenant only.
+                            self.models[r].attribute(&keys, slot);
+                        }
                     }
                     self.prompt_tokens += p as u64;
                     self.cached_tokens += c as u64;
@@ -762,6 +780,13 @@ impl<'a> Sim<'a> {
                     self.done += 1;
                 }
                 Output::Token { .. } => {}
+            }
+        }
+        if let Some(feed) = self.exact.get_mut(r) {
+            // Events reach a live home within milliseconds; one to a dead home is lost.
+            let batches = self.engines[r].take_kv_batches();
+            if !self.orphaned[r] {
+                feed.apply(batches, &mut self.models[r], now);
             }
         }
         self.schedule(r);
@@ -925,7 +950,7 @@ impl<'a> Sim<'a> {
     /// The others have noticed node `n` is gone: its replicas get new homes, which start fresh
     /// cache models in a new epoch.
     fn rehome(&mut self, n: usize) -> Result<(), SimError> {
-        let capacity_blocks = self.cfg.engine.kv_capacity_tokens / self.tokens_per_block as usize;
+        let capacity_blocks = model_capacity(self.cfg) / self.tokens_per_block as usize;
         for r in 0..self.home.len() {
             if self.home[r] != Some(n) {
                 continue;
@@ -933,7 +958,12 @@ impl<'a> Sim<'a> {
             self.home[r] = self.home_of(r);
             if self.home[r].is_some() {
                 let epoch = self.models[r].summary().epoch() + 1;
-                self.models[r] = new_model(capacity_blocks, epoch, &self.summary_cfg)?;
+                self.models[r] = new_model(
+                    capacity_blocks,
+                    epoch,
+                    &self.summary_cfg,
+                    self.cfg.exact_homes,
+                )?;
                 self.orphaned[r] = false;
                 self.rehomed += 1;
             }
@@ -1216,6 +1246,7 @@ impl<'a> Sim<'a> {
             latency: Distribution::of(&mut self.latency),
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
+            cpu_hit_tokens: self.engines.iter().map(|e| e.stats().cpu_hit_tokens).sum(),
             hit_token_ratio: if self.prompt_tokens == 0 {
                 0.0
             } else {
@@ -1233,14 +1264,60 @@ fn tenants(cfg: &SimConfig) -> Tenants {
     Tenants::new(cfg.tenants.clone(), TenantConfig::default())
 }
 
-/// An empty approximate cache model, as a (new) home node starts one.
+/// Tokens a home's model is sized for: the GPU cache, plus the CPU tier when exact models
+/// hold its blocks too (a summary sized for the GPU alone would be overfull).
+fn model_capacity(cfg: &SimConfig) -> usize {
+    cfg.engine.kv_capacity_tokens
+        + if cfg.exact_homes {
+            cfg.engine.cpu_capacity_tokens
+        } else {
+            0
+        }
+}
+
+/// With `exact_homes`: the engines' config with KV events recorded, and one feed per replica
+/// (text blocks must be whole engine blocks). Otherwise the config as is and no feeds.
+fn exact_feeds(
+    cfg: &SimConfig,
+    tokens_per_block: u32,
+) -> Result<(crate::engine_sim::EngineConfig, Vec<ExactFeed>), SimError> {
+    let mut engine = cfg.engine.clone();
+    if !cfg.exact_homes {
+        return Ok((engine, Vec::new()));
+    }
+    if cfg.dp_ranks > 1 {
+        return Err(SimError::Config(
+            "exact homes model one rank per replica: drop --dp-ranks or --exact-homes".into(),
+        ));
+    }
+    let bs = engine.block_tokens.max(1);
+    let tpb = tokens_per_block as usize;
+    if !tpb.is_multiple_of(bs) {
+        return Err(SimError::Config(format!(
+            "exact homes need text blocks of whole engine blocks: {tpb} tokens per text block, {bs} per engine block"
+        )));
+    }
+    engine.record_kv_events = true;
+    let feeds = (0..cfg.replicas)
+        .map(|_| ExactFeed::new(tpb / bs))
+        .collect();
+    Ok((engine, feeds))
+}
+
+/// An empty cache model, as a (new) home node starts one: exact (fed by KV events) or
+/// approximate.
 fn new_model(
     capacity_blocks: usize,
     epoch: u64,
     summary_cfg: &SummaryConfig,
+    exact: bool,
 ) -> Result<CacheModel, SimError> {
     CacheModel::new(
-        CacheSource::Approximate,
+        if exact {
+            CacheSource::Exact
+        } else {
+            CacheSource::Approximate
+        },
         epoch,
         CacheModelConfig::with_capacity(capacity_blocks),
         summary_cfg.clone(),

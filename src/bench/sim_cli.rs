@@ -14,6 +14,7 @@ use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
 use super::tenant_args::{split_markdown, TenantArgs};
+use super::tier_args::TierArgs;
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
@@ -28,6 +29,13 @@ pub struct SimArgs {
     /// Tenant KV quotas, the replicas' KV cache size and a tenant reported apart.
     #[command(flatten)]
     pub tenants: TenantArgs,
+    /// A CPU tier on the engines, its link, and load-time weighting in the routers.
+    #[command(flatten)]
+    pub tiers: TierArgs,
+    /// Home nodes keep exact cache models from the engines' KV events (tiers included), as
+    /// with `kv_events` configured, instead of approximate ones from routed requests.
+    #[arg(long)]
+    pub exact_homes: bool,
     /// Mooncake-format JSONL trace (same as `--workload trace:PATH`).
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -113,6 +121,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if let Some(tokens) = args.tenants.kv_capacity_tokens {
         engine.kv_capacity_tokens = tokens;
     }
+    args.tiers.apply_engine(&mut engine);
+    let kv_load = args.tiers.kv_load(&engine);
     let policies = if args.policy.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
@@ -137,6 +147,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         tenants: args.tenants.tenant_configs()?,
         split_tenant: args.tenants.split_tenant.clone(),
         dp_ranks: usize::from(args.dp_ranks),
+        kv_load,
+        exact_homes: args.exact_homes,
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -241,6 +253,19 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if let Some(hot) = hot_table(&reports, base.window) {
         table.push('\n');
         table.push_str(&hot);
+    }
+    if reports.iter().any(|r| r.cpu_hit_tokens > 0) {
+        let cpu: Vec<String> = reports
+            .iter()
+            .map(|r| {
+                let share = r.cpu_hit_tokens as f64 / r.prompt_tokens.max(1) as f64;
+                format!("{} {share:.3}", r.policy)
+            })
+            .collect();
+        table.push_str(&format!(
+            "\nPrompt tokens loaded from CPU tiers (part of the hit ratio): {}\n",
+            cpu.join(", ")
+        ));
     }
     let n = base
         .max_requests

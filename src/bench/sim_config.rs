@@ -117,6 +117,14 @@ pub struct SimConfig {
     /// queues, as a home with KV events does), else the replica's balancer picks it (fewest in
     /// flight). Default true.
     pub dp_rank_named: bool,
+    /// The KV size and CPU link every replica declares to the routers (`[[replicas]] kv_load`),
+    /// so their cost model weighs CPU hits by load time; `None`: the fixed `tier_weights`.
+    /// What the engines really do is `engine`'s CPU tier. Default none.
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
+    /// Home nodes keep exact cache models fed by the engines' KV events (tiers included, from
+    /// each event's medium), as with `kv_events` configured; otherwise approximate ones from
+    /// routed requests. Default off.
+    pub exact_homes: bool,
 }
 
 impl Default for SimConfig {
@@ -147,6 +155,8 @@ impl Default for SimConfig {
             window: None,
             dp_ranks: 1,
             dp_rank_named: true,
+            kv_load: None,
+            exact_homes: false,
         }
     }
 }
@@ -232,6 +242,8 @@ pub struct SimReport {
     pub cached_tokens: u64,
     /// cached / prompt tokens.
     pub hit_token_ratio: f64,
+    /// Of `cached_tokens`: those the engines loaded from their CPU tiers.
+    pub cpu_hit_tokens: u64,
     /// Requests served by each replica.
     pub requests_per_replica: Vec<u64>,
     /// Largest replica share over the mean share.

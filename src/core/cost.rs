@@ -13,14 +13,17 @@
 //! `gpu ≤ cpu ≤ any` are the leading blocks held on GPU, on GPU or in CPU memory, and in any
 //! tier ([`TierHit`]), so `cached_tokens` credits each hit block by the weight of the best tier
 //! it is held in: a block on GPU is reused outright, an offloaded one must be copied back first
-//! (defaults 1.0 / 0.75 / 0.25 — a discount, not a transfer-time model). Without offload it is
-//! `hit_blocks × tokens_per_block`, as before tiers. The affinity credit applies only to the
-//! session's rendezvous-preferred replica. Prefill rates come from the replica's config (default
+//! (defaults 1.0 / 0.75 / 0.25 — a discount, not a transfer-time model). A replica that declares
+//! its KV size and links ([`super::kv_load::KvLoad`], `kv_load` in its config) gets weights from the predicted
+//! load time instead: `w_cpu = 1 − bytes_per_token × prefill_rate / cpu_bandwidth` (likewise
+//! disk), so a CPU block costs exactly its copy time (see [`super::kv_load`]). Without offload
+//! it is `hit_blocks × tokens_per_block`, as before tiers. The affinity credit applies only to
+//! the session's rendezvous-preferred replica. Prefill rates come from the replica's config (default
 //! 50,000 tokens/s: an 8B model on one H100, ~19 µs per prefill token).
 
 use serde::Deserialize;
 
-use super::view::{ReplicaState, TierHit};
+use super::view::{ReplicaInfo, ReplicaState, TierHit};
 
 /// How much of a cached block's prefill each tier saves, 0..=1 (`tier_weights` in the node's
 /// config, e.g. `tier_weights = { gpu = 1.0, cpu = 0.75, disk = 0.25 }`).
@@ -78,17 +81,30 @@ impl CostModel {
         r.load.queued_prefill_tokens as f64 / rate + self.w_load_s * r.load.outstanding() as f64
     }
 
-    /// Hit blocks credited by tier weight: `gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk`.
+    /// Hit blocks credited by the node's fixed tier weights:
+    /// `gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk`.
     #[inline]
     pub fn credited_blocks(&self, h: TierHit) -> f64 {
-        let w = &self.tier_weights;
-        let gpu = h.gpu as f64 * w.gpu;
-        if h.any == h.gpu {
-            // No lower-tier blocks (always, without offload): skip the rest.
-            return gpu;
+        credit(h, &self.tier_weights)
+    }
+
+    /// Hit blocks credited on replica `info`: by its load-time weights when it declares a
+    /// [`super::kv_load::KvLoad`], else by the node's fixed ones. The router's per-candidate call: the weights
+    /// are worked out (two divisions) only when the hit has lower-tier blocks at all.
+    #[inline]
+    pub fn credited_blocks_on(&self, info: &ReplicaInfo, h: TierHit) -> f64 {
+        match &info.kv_load {
+            Some(load) if h.any != h.gpu => {
+                let (cpu, disk) = load.weights(info.prefill_tokens_per_s);
+                let w = TierWeights {
+                    cpu,
+                    disk,
+                    ..self.tier_weights
+                };
+                credit(h, &w)
+            }
+            _ => self.credited_blocks(h),
         }
-        gpu + h.cpu.saturating_sub(h.gpu) as f64 * w.cpu
-            + h.any.saturating_sub(h.cpu) as f64 * w.disk
     }
 
     /// Predicted seconds until a request just sent to `r` with `uncached_tokens` of prefill has
@@ -108,6 +124,17 @@ impl CostModel {
     pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: f64) -> f64 {
         (prompt_tokens as f64 - cached_tokens).max(0.0) / r.info.prefill_tokens_per_s.max(1.0)
     }
+}
+
+/// `gpu·w.gpu + (cpu − gpu)·w.cpu + (any − cpu)·w.disk`.
+#[inline]
+fn credit(h: TierHit, w: &TierWeights) -> f64 {
+    let gpu = h.gpu as f64 * w.gpu;
+    if h.any == h.gpu {
+        // No lower-tier blocks (always, without offload): skip the rest.
+        return gpu;
+    }
+    gpu + h.cpu.saturating_sub(h.gpu) as f64 * w.cpu + h.any.saturating_sub(h.cpu) as f64 * w.disk
 }
 
 #[cfg(test)]

@@ -485,7 +485,7 @@ impl Router {
                     h.cpu = h.cpu.max(t);
                     h.any = h.any.max(t);
                 }
-                (h.any as u32, cost.credited_blocks(h))
+                (h.any as u32, cost.credited_blocks_on(&r.info, h))
             } else {
                 (0, 0.0)
             };
@@ -937,6 +937,58 @@ mod tests {
         let d = routed(r.route(&v, &request, NOW));
         let want = (prompt_tokens as f64 - half as f64 * 64.0) / 50_000.0;
         assert!((d.cost_s - want).abs() < 1e-12, "{} vs {want}", d.cost_s);
+    }
+
+    /// Replica 0 holds every key in CPU memory behind a link of `cpu_gb_per_s` (or declares no
+    /// load model: `None`); replica 1 holds the first `gpu_blocks` keys on GPU. Which one an
+    /// argmin router picks.
+    fn cpu_holder_vs_gpu_holder(cpu_gb_per_s: Option<f64>, gpu_blocks: usize) -> usize {
+        use crate::core::kv_load::KvLoad;
+        use crate::core::summary::Tier;
+        let keys = prompt_keys("a prefix offloaded, or recomputed anew. ");
+        let cfg = SummaryConfig::for_cluster("c");
+        let mut v = View::new("eu", 64);
+        let a = v.upsert(ReplicaInfo {
+            kv_load: cpu_gb_per_s.map(|gb| KvLoad {
+                cpu_gb_per_s: gb,
+                ..KvLoad::default()
+            }),
+            ..info("cpu-holder", "eu")
+        });
+        let b = v.upsert(info("gpu-holder", "eu"));
+        let mut s = ReplicaSummary::new(1, 10_000, &cfg).unwrap();
+        s.insert_tier(&keys, Tier::Cpu);
+        v.set_summary(a, s);
+        let mut s = ReplicaSummary::new(1, 10_000, &cfg).unwrap();
+        s.insert(&keys[..gpu_blocks]);
+        v.set_summary(b, s);
+        routed(router(PolicyKind::CacheArgmin).route(&v, &req(&keys), NOW)).replica
+    }
+
+    #[test]
+    fn a_slow_cpu_link_loses_to_a_replica_that_recomputes_less() {
+        // 8B at 50,000 tokens/s recomputes 6.55 GB/s of KV: over a 5 GB/s link a CPU hit costs
+        // more than recomputing it, so a replica holding a quarter of the prefix on GPU wins.
+        let n = prompt_keys("a prefix offloaded, or recomputed anew. ").len();
+        assert!(n >= 8);
+        assert_eq!(cpu_holder_vs_gpu_holder(Some(5.0), n / 4), 1);
+        // The fixed discount (0.75) would have sent it to the CPU holder.
+        assert_eq!(cpu_holder_vs_gpu_holder(None, n / 4), 0);
+        // Even with nothing held elsewhere a cold replica beats the slow copy.
+        assert_eq!(cpu_holder_vs_gpu_holder(Some(5.0), 0), 1);
+    }
+
+    #[test]
+    fn a_fast_link_makes_a_cpu_hit_nearly_as_good_as_gpu() {
+        let n = prompt_keys("a prefix offloaded, or recomputed anew. ").len();
+        // 400 GB/s: w_cpu = 1 − 6.55/400 ≈ 0.984, better than 90% of the prefix on GPU...
+        assert_eq!(cpu_holder_vs_gpu_holder(Some(400.0), n * 9 / 10), 0);
+        // ...where the fixed 0.75 prefers the GPU holder.
+        assert_eq!(cpu_holder_vs_gpu_holder(None, n * 9 / 10), 1);
+        // A PCIe gen5 link (50 GB/s, w ≈ 0.87) still beats three quarters on GPU.
+        assert_eq!(cpu_holder_vs_gpu_holder(Some(50.0), n * 3 / 4), 0);
+        // Only the full GPU hit beats it.
+        assert_eq!(cpu_holder_vs_gpu_holder(Some(400.0), n), 1);
     }
 
     #[test]

@@ -61,6 +61,9 @@ pub struct ReplicaInfo {
     pub max_in_flight: u32,
     /// Its part in prefill/decode disaggregation (`role.rs`). Default `both`, no bootstrap.
     pub pd: PdFacts,
+    /// KV size and offload links, to weigh its CPU/disk hits by load time
+    /// ([`super::kv_load`]); `None`: the node's fixed `tier_weights`.
+    pub kv_load: Option<super::kv_load::KvLoad>,
 }
 
 /// Health as the node sees it.
@@ -826,6 +829,7 @@ pub(crate) mod testing {
             prefill_tokens_per_s: 50_000.0,
             max_in_flight: 256,
             pd: super::PdFacts::default(),
+            kv_load: None,
         }
     }
 }

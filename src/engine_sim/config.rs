@@ -38,6 +38,15 @@ pub struct EngineConfig {
     /// Keep per-step KV event batches for `Engine::take_kv_batches`; off by
     /// default so that nobody has to drain them.
     pub record_kv_events: bool,
+    /// CPU-tier capacity in tokens (vLLM's offloading connector, `cpu_tier.rs`): computed
+    /// blocks are written through to host memory and a hit there is loaded back instead of
+    /// recomputed. Default 0: no CPU tier.
+    pub cpu_capacity_tokens: usize,
+    /// KV bytes per token, all layers, for the CPU tier's load time (1..=4 MiB). Default
+    /// 131,072: Llama-3.1-8B in BF16.
+    pub kv_bytes_per_token: u32,
+    /// Host-to-device link of the CPU tier in GB/s (0.01..=10,000). Default 25 (PCIe gen4 x16).
+    pub cpu_gb_per_s: f64,
 }
 
 impl Default for EngineConfig {
@@ -76,6 +85,14 @@ impl EngineConfig {
         if self.block_tokens == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err(ConfigError::Invalid(
                 "block_tokens, max_num_seqs and max_num_batched_tokens must be > 0",
+            ));
+        }
+        if self.kv_bytes_per_token == 0
+            || self.kv_bytes_per_token > crate::core::kv_load::MAX_BYTES_PER_TOKEN
+            || !crate::core::kv_load::GB_PER_S_RANGE.contains(&self.cpu_gb_per_s)
+        {
+            return Err(ConfigError::Invalid(
+                "kv_bytes_per_token must be 1..=4 MiB and cpu_gb_per_s 0.01..=10000",
             ));
         }
         if self.kv_capacity_tokens < self.block_tokens {
@@ -118,6 +135,9 @@ impl Preset {
             max_model_len: 131_072,
             time_scale: 1.0,
             record_kv_events: false,
+            cpu_capacity_tokens: 0,
+            kv_bytes_per_token: 131_072,
+            cpu_gb_per_s: 25.0,
         };
         match self {
             Preset::Llama8bH100 => base,

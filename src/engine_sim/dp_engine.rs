@@ -126,6 +126,16 @@ impl DpEngine {
         self.ranks.iter().filter_map(Engine::next_event_time).min()
     }
 
+    /// KV event batches of every rank's completed steps, rank by rank. Only meaningful for one
+    /// rank: the batches carry no rank, so the simulator refuses exact homes with several.
+    pub fn take_kv_batches(&mut self) -> Vec<super::engine::KvBatch> {
+        let mut out = Vec::new();
+        for e in &mut self.ranks {
+            out.extend(e.take_kv_batches());
+        }
+        out
+    }
+
     /// Advances every rank to `now`; their outputs, rank by rank.
     pub fn advance(&mut self, now: Duration) -> Vec<Output> {
         let mut out = Vec::new();

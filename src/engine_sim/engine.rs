@@ -8,6 +8,13 @@
 //! KV for a request (prompt + `max_tokens`) is reserved at admission, which replaces vLLM's
 //! preemption: a request that is running never runs out of blocks.
 //!
+//! With a CPU tier (`cpu_capacity_tokens`, `cpu_tier.rs`) a request whose prefix continues in
+//! host memory past its GPU hit has those blocks loaded instead of recomputed: it is admitted
+//! with them counted as in KV, but takes no step until the load over the link completes
+//! (`kv_bytes_per_token × tokens / cpu_gb_per_s`, queued behind earlier loads); the loaded
+//! blocks are cached on GPU with its own once its prefill ends. Every computed block is written
+//! through to the CPU tier, as vLLM's offloading connector does.
+//!
 //! The caller owns time. A real-time driver calls [`Engine::advance`] when the wall clock reaches
 //! [`Engine::next_event_time`] or after [`Engine::submit`]; a discrete-event simulator does the same
 //! with virtual time. Both see identical, deterministic behaviour.
@@ -16,6 +23,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use super::config::EngineConfig;
+use super::cpu_tier::CpuTier;
 use super::prefix_cache::{block_hashes, BlockHash, CacheEvent, PrefixCache};
 use super::tokens::TokenId;
 
@@ -101,6 +109,10 @@ pub struct EngineStats {
     pub cached_blocks: usize,
     /// Steps run so far.
     pub steps: u64,
+    /// Blocks held in the CPU tier (0 without one).
+    pub cpu_blocks: usize,
+    /// Prompt tokens loaded from the CPU tier so far (part of `prefix_hit_tokens`).
+    pub cpu_hit_tokens: u64,
 }
 
 /// The KV events of one engine step, to publish as one vLLM `EventBatch`.
@@ -125,6 +137,10 @@ struct Seq {
     /// Its prompt's KV came from a prefill replica (disaggregation): only the last prompt
     /// token is computed here, and the handed-over blocks enter the prefix cache.
     transferred: bool,
+    /// With blocks to load from the CPU tier: when the load completes; no step before.
+    ready_at: Duration,
+    /// Prompt tokens in KV at admission: GPU hit plus loaded.
+    cached_tokens: usize,
 }
 
 impl Seq {
@@ -162,6 +178,9 @@ pub struct Engine {
     query_tokens: u64,
     hit_tokens: u64,
     steps: u64,
+    /// The offload tier, with `cpu_capacity_tokens > 0`.
+    cpu: Option<CpuTier>,
+    cpu_hit_tokens: u64,
 }
 
 impl Engine {
@@ -169,6 +188,14 @@ impl Engine {
     /// configs; out-of-range values are clamped here rather than trusted.
     pub fn new(cfg: EngineConfig) -> Self {
         let cache = PrefixCache::new(cfg.kv_capacity_tokens, cfg.block_tokens);
+        let bs = cfg.block_tokens.max(1);
+        let cpu = (cfg.cpu_capacity_tokens >= bs).then(|| {
+            let block_bytes = f64::from(cfg.kv_bytes_per_token) * bs as f64;
+            CpuTier::new(
+                cfg.cpu_capacity_tokens / bs,
+                block_bytes / (cfg.cpu_gb_per_s.max(1e-3) * 1e9),
+            )
+        });
         Self {
             cfg,
             cache,
@@ -182,6 +209,8 @@ impl Engine {
             query_tokens: 0,
             hit_tokens: 0,
             steps: 0,
+            cpu,
+            cpu_hit_tokens: 0,
         }
     }
 
@@ -241,6 +270,8 @@ impl Engine {
                 generated: 0,
                 private_blocks: 0,
                 transferred,
+                ready_at: Duration::ZERO,
+                cached_tokens: 0,
             },
         ));
         if self.step.is_none() {
@@ -267,6 +298,9 @@ impl Engine {
     pub fn reset_prefix_cache(&mut self) -> bool {
         if !self.running.is_empty() || !self.cache.reset() {
             return false;
+        }
+        if let Some(cpu) = &mut self.cpu {
+            cpu.clear();
         }
         if self.cfg.record_kv_events {
             let at = self.step.as_ref().map_or(Duration::ZERO, |s| s.end);
@@ -359,6 +393,8 @@ impl Engine {
             block_tokens: self.cache.block_tokens(),
             cached_blocks: self.cache.cached_blocks(),
             steps: self.steps,
+            cpu_blocks: self.cpu.as_ref().map_or(0, CpuTier::len),
+            cpu_hit_tokens: self.cpu_hit_tokens,
         }
     }
 
@@ -378,7 +414,7 @@ impl Engine {
             + c.decode_ms_per_context_token * decode_context as f64
     }
 
-    fn admit(&mut self) {
+    fn admit(&mut self, at: Duration) {
         let bs = self.cache.block_tokens();
         while self.running.len() < self.cfg.max_num_seqs {
             let Some((_, seq)) = self.waiting.front() else {
@@ -388,6 +424,11 @@ impl Engine {
             // still prefills its last block.
             let max_hit = (seq.prompt.len() - 1) / bs;
             let hits = self.cache.match_prefix(&seq.hashes).min(max_hit);
+            // Past the GPU hit, what the CPU tier holds is loaded (into private blocks).
+            let loaded = self
+                .cpu
+                .as_ref()
+                .map_or(0, |c| c.run_from(&seq.hashes, hits).min(max_hit - hits));
             let total = (seq.prompt.len() + seq.max_tokens as usize).div_ceil(bs);
             let private = total - hits;
             if !self.cache.allocate(&seq.hashes[..hits], private) {
@@ -397,12 +438,20 @@ impl Engine {
                 break;
             };
             seq.hit_blocks = hits;
+            // A handed-over prompt computes only its last token, but reports only what this
+            // engine's own cache held as cached.
+            seq.cached_tokens = (hits + loaded) * bs;
             seq.prefilled = if seq.transferred {
                 seq.prompt.len() - 1
             } else {
-                hits * bs
+                seq.cached_tokens
             };
             seq.private_blocks = private;
+            if let Some(cpu) = &mut self.cpu {
+                cpu.touch(&seq.hashes[..hits + loaded]);
+                seq.ready_at = cpu.load(loaded, at, self.cfg.time_scale);
+            }
+            self.cpu_hit_tokens += (loaded * bs) as u64;
             self.query_tokens += seq.prompt.len() as u64;
             self.hit_tokens += (hits * bs) as u64;
             self.running.insert(id, seq);
@@ -411,7 +460,7 @@ impl Engine {
     }
 
     fn start_step(&mut self, at: Duration) {
-        self.admit();
+        self.admit(at);
         let mut work = Vec::new();
         let mut decode_context = 0;
         for id in &self.order {
@@ -427,7 +476,11 @@ impl Engine {
             if budget == 0 {
                 break;
             }
-            if let Some(seq) = self.running.get(id).filter(|s| !s.decoding()) {
+            if let Some(seq) = self
+                .running
+                .get(id)
+                .filter(|s| !s.decoding() && s.ready_at <= at)
+            {
                 let chunk = (seq.prompt.len() - seq.prefilled).min(budget);
                 budget -= chunk;
                 chunks.push((chunk, seq.prefilled));
@@ -435,6 +488,13 @@ impl Engine {
             }
         }
         if work.is_empty() {
+            // Only loads in progress: wake when the first completes.
+            self.wake = self
+                .running
+                .values()
+                .filter(|s| !s.decoding() && s.ready_at > at)
+                .map(|s| s.ready_at)
+                .min();
             return;
         }
         let ms = self.step_ms(&chunks, decodes, decode_context);
@@ -476,10 +536,22 @@ impl Engine {
                         &seq.prompt[hits * bs..full * bs],
                     );
                     seq.private_blocks -= full - hits;
+                    if let Some(cpu) = &mut self.cpu {
+                        let out = cpu.store(&seq.hashes[..full]);
+                        if !out.stored.is_empty() {
+                            self.cache
+                                .push_event(CacheEvent::Offloaded { hashes: out.stored });
+                        }
+                        if !out.evicted.is_empty() {
+                            self.cache.push_event(CacheEvent::OffloadEvicted {
+                                hashes: out.evicted,
+                            });
+                        }
+                    }
                     seq.generated = 1;
                     outputs.push(Output::FirstToken {
                         id,
-                        cached_tokens: hits * bs,
+                        cached_tokens: seq.cached_tokens,
                         prompt_tokens: seq.prompt.len(),
                     });
                 }
@@ -756,5 +828,82 @@ mod tests {
         let out = run(&mut e);
         assert!(out.iter().any(|(_, o)| *o == Output::Finished { id: 1 }));
         assert_eq!(e.stats().running, 0);
+    }
+
+    /// Prompt A cached, then pushed off the GPU by B, then A again: (A's second TTFT after
+    /// its submission, its cached tokens, every KV event) on an engine of 64 GPU blocks.
+    fn a_b_a(cpu_capacity_tokens: usize, cpu_gb_per_s: f64) -> (Duration, usize, Vec<CacheEvent>) {
+        let mut e = engine(EngineConfig {
+            kv_capacity_tokens: 64 * 16,
+            cpu_capacity_tokens,
+            cpu_gb_per_s,
+            record_kv_events: true,
+            ..Preset::Llama8bH100.config()
+        });
+        let a: Vec<TokenId> = (0..512).collect();
+        e.submit(req(1, a.clone(), 1), Duration::ZERO).unwrap();
+        run(&mut e);
+        e.submit(
+            req(2, (10_000..10_960).collect(), 1),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        run(&mut e);
+        let at = Duration::from_secs(2);
+        e.submit(req(3, a, 1), at).unwrap();
+        let (t, cached) = first_token_at(&run(&mut e), 3);
+        let events = e
+            .take_kv_batches()
+            .into_iter()
+            .flat_map(|b| b.events)
+            .collect();
+        (t - at, cached, events)
+    }
+
+    #[test]
+    fn a_cpu_hit_is_loaded_instead_of_recomputed() {
+        // B (61 blocks) evicts A's tail from the GPU: 3 of A's 32 blocks stay there.
+        let (cold_ttft, cold_cached, _) = a_b_a(0, 25.0);
+        assert_eq!(cold_cached, 3 * 16);
+        let (ttft, cached, _) = a_b_a(8192, 25.0);
+        // The rest up to the last block comes from CPU memory: 28 blocks.
+        assert_eq!(cached, 31 * 16);
+        let load_s = 28.0 * 16.0 * 131_072.0 / 25e9;
+        assert!(ttft.as_secs_f64() >= load_s, "{ttft:?}");
+        assert!(ttft < cold_ttft, "{ttft:?} vs {cold_ttft:?}");
+        // Over a congested link the engine still loads (as vLLM does), and it is slower than
+        // recomputing: what the router's load-time weight predicts.
+        let (slow, cached, _) = a_b_a(8192, 0.05);
+        assert_eq!(cached, 31 * 16);
+        assert!(slow.as_secs_f64() >= 28.0 * 16.0 * 131_072.0 / 0.05e9);
+        assert!(slow > cold_ttft);
+    }
+
+    #[test]
+    fn computed_blocks_are_written_through_to_cpu_with_events() {
+        let (_, _, events) = a_b_a(8192, 25.0);
+        let a = block_hashes(&(0..512).collect::<Vec<_>>(), 16);
+        // A's GPU store comes first, then the same blocks as offloaded.
+        let stored = events
+            .iter()
+            .position(|e| matches!(e, CacheEvent::Stored { hashes, .. } if hashes == &a))
+            .unwrap();
+        assert_eq!(
+            events[stored + 1],
+            CacheEvent::Offloaded { hashes: a.clone() }
+        );
+        // A's GPU eviction; its CPU copy stays (no CPU removal at all: 8192 tokens is room).
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, CacheEvent::Removed { hashes } if hashes.contains(&a[31]))));
+        assert!(!events
+            .iter()
+            .any(|e| matches!(e, CacheEvent::OffloadEvicted { .. })));
+        // A CPU tier of 64 blocks must evict A's tail to hold B.
+        let (_, cached, events) = a_b_a(64 * 16, 25.0);
+        assert!(events.iter().any(
+            |e| matches!(e, CacheEvent::OffloadEvicted { hashes } if hashes.contains(&a[31]))
+        ));
+        assert!(cached < 31 * 16);
     }
 }

@@ -3,6 +3,7 @@
 //! "now" as a `Duration` since the engine's start, so the same code is deterministic under test.
 
 pub mod config;
+pub mod cpu_tier;
 pub mod dp_engine;
 pub mod engine;
 pub mod prefix_cache;

@@ -58,6 +58,17 @@ pub enum CacheEvent {
     },
     /// Every cached block was dropped (vLLM's `reset_prefix_cache`).
     Cleared,
+    /// Blocks written through to CPU memory (the CPU tier, `cpu_tier.rs`): vLLM's offloading
+    /// connector reports them as `BlockStored` with medium `"CPU"` and no token ids.
+    Offloaded {
+        /// Hashes of the blocks, in chain order.
+        hashes: Vec<BlockHash>,
+    },
+    /// Blocks evicted from CPU memory (`BlockRemoved`, medium `"CPU"`).
+    OffloadEvicted {
+        /// Hashes of the evicted blocks.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -238,6 +249,11 @@ impl PrefixCache {
         self.lru.clear();
         self.events.push(CacheEvent::Cleared);
         true
+    }
+
+    /// Queues an event of another tier (the CPU tier's), in order with this cache's own.
+    pub fn push_event(&mut self, e: CacheEvent) {
+        self.events.push(e);
     }
 
     /// Events since the last call, oldest first.

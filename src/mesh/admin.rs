@@ -73,6 +73,9 @@ pub struct AdminSpec {
     /// Disaggregation facts; absent (older nodes) = `both`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pd: Option<WirePd>,
+    /// KV size and offload bandwidths, if configured. Added later: absent reads as none.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 /// One `admin:<id>` record.
@@ -120,6 +123,9 @@ impl AdminRecord {
             s.models.len() <= MAX_ADMIN_MODELS,
             s.models.len(),
         )?;
+        if let Some(l) = &s.kv_load {
+            schema::bound(w, "kv_load", l.validate().is_ok(), format!("{l:?}"))?;
+        }
         let p = s.prefill_tokens_per_s;
         schema::bound(
             w,
@@ -182,6 +188,7 @@ mod tests {
                 max_in_flight: 256,
                 kv_events: None,
                 pd: None,
+                kv_load: None,
             }),
         }
     }

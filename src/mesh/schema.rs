@@ -332,6 +332,11 @@ pub struct ReplicaRecord {
     /// shares kept). Added after version 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_shares: Option<BTreeMap<String, u16>>,
+    /// The replica's KV size and offload bandwidths (`core::kv_load`), so every node of the
+    /// region weighs its CPU/disk hits alike. Added later: absent reads as none; out of bounds
+    /// refuses the record.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 /// A replica's disaggregation facts as gossiped (`core/role.rs`).
@@ -457,6 +462,7 @@ impl ReplicaRecord {
             kv_events: None,
             pd: WirePd::of(&info.pd),
             kv_shares: None,
+            kv_load: info.kv_load,
         }
     }
 
@@ -506,6 +512,7 @@ impl ReplicaRecord {
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             max_in_flight: self.max_in_flight,
             pd: self.pd.as_ref().map(WirePd::facts).unwrap_or_default(),
+            kv_load: self.kv_load.filter(|l| l.validate().is_ok()),
         }
     }
 
@@ -538,6 +545,9 @@ impl ReplicaRecord {
                 bound("replica", "kv_shares", t.len() <= MAX_TENANT_BYTES, t.len())?;
                 bound("replica", "kv_shares", *v <= KV_SHARE_SCALE, v)?;
             }
+        }
+        if let Some(l) = &r.kv_load {
+            bound("replica", "kv_load", l.validate().is_ok(), format!("{l:?}"))?;
         }
         Ok(r)
     }
@@ -744,6 +754,7 @@ mod tests {
             },
             origin: String::new(),
             kv_events: None,
+            kv_load: None,
             pd: None,
             kv_shares: None,
         }
@@ -807,6 +818,43 @@ mod tests {
                 r.kv_shares
             );
         }
+    }
+
+    #[test]
+    fn a_kv_load_travels_in_the_record_and_is_bounds_checked() {
+        use crate::core::kv_load::KvLoad;
+        let load = KvLoad {
+            cpu_gb_per_s: 5.0,
+            ..KvLoad::default()
+        };
+        let r = ReplicaRecord {
+            kv_load: Some(load),
+            ..record()
+        };
+        let s = r.encode().unwrap();
+        assert!(s.len() < 500, "replica record is {} bytes", s.len());
+        let back = ReplicaRecord::decode(&s).unwrap();
+        assert_eq!(back.info("r1").kv_load, Some(load));
+        // A peer claiming a zero-byte token or an absurd link is refused, whole.
+        for bad in [
+            KvLoad {
+                bytes_per_token: 0,
+                ..load
+            },
+            KvLoad {
+                cpu_gb_per_s: 1e9,
+                ..load
+            },
+        ] {
+            let r = ReplicaRecord {
+                kv_load: Some(bad),
+                ..record()
+            };
+            let s = r.encode().unwrap();
+            assert!(ReplicaRecord::decode(&s).is_err(), "{bad:?}");
+        }
+        // Absent (an older publisher): none, the fixed tier weights.
+        assert_eq!(record().info("r1").kv_load, None);
     }
 
     #[test]

@@ -385,6 +385,7 @@ fn to_spec(r: &ReplicaConfig) -> Result<AdminSpec, AdminError> {
         max_in_flight: r.max_in_flight,
         kv_events,
         pd: WirePd::of(&r.pd()),
+        kv_load: r.kv_load,
     };
     let check = AdminRecord {
         stamp_ms: 0,
@@ -422,5 +423,6 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
             .kv_events
             .as_ref()
             .and_then(|k| super::kv_gossip::from_wire(&s.url, k)),
+        kv_load: s.kv_load.filter(|l| l.validate().is_ok()),
     }
 }

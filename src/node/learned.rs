@@ -231,6 +231,7 @@ impl Node {
                 .kv_events
                 .as_ref()
                 .and_then(|k| super::kv_gossip::from_wire(&r.url, k)),
+            kv_load: r.kv_load.filter(|l| l.validate().is_ok()),
         };
         let (i, new) = self
             .add_replica(&spec)
@@ -368,6 +369,7 @@ mod tests {
                 kv_events: None,
                 pd: None,
                 kv_shares: None,
+                kv_load: None,
             },
             home,
         }

@@ -266,6 +266,7 @@ mod tests {
             prefill_tokens_per_s: 50_000.0,
             max_in_flight,
             pd: Default::default(),
+            kv_load: None,
         });
         v
     }

@@ -56,6 +56,7 @@ impl Node {
             prefill_tokens_per_s: r.prefill_tokens_per_s,
             max_in_flight: r.max_in_flight,
             pd: r.pd(),
+            kv_load: r.kv_load,
         };
         if let Some(i) = core.view.index_of(&id) {
             let rt = &mut core.replicas[i];

@@ -166,6 +166,7 @@ fn same_replica(a: &ReplicaConfig, b: &ReplicaConfig) -> bool {
         && a.max_in_flight == b.max_in_flight
         && a.pd() == b.pd()
         && a.kv_events == b.kv_events
+        && a.kv_load == b.kv_load
 }
 
 /// The settings read only at start that differ between `old` and `new`.

@@ -48,12 +48,20 @@ pub struct ReplicaArgs {
     /// Disaggregation role: prefill, decode or both (`docs/pd.md`).
     #[arg(long)]
     pub role: Option<String>,
-    /// KV cache bytes per prompt token, for the modelled hand-over time.
-    #[arg(long)]
-    pub kv_bytes_per_token: Option<u64>,
     /// The prefill-to-decode link in Gb/s, for the modelled hand-over time.
     #[arg(long)]
     pub link_gbps: Option<f64>,
+    /// CPU-tier capacity in tokens: computed blocks are written through to host memory and
+    /// loaded back on a hit, with vLLM offloading-connector KV events (medium "CPU"). 0: none.
+    #[arg(long)]
+    pub cpu_capacity_tokens: Option<usize>,
+    /// CPU-tier host-to-device link, GB/s (default 25).
+    #[arg(long)]
+    pub cpu_gb_per_s: Option<f64>,
+    /// KV bytes per token (default 131072, an 8B model in BF16): the modelled P/D hand-over
+    /// time and the CPU tier's load time.
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u32>,
     /// Fault: probability of answering 500.
     #[arg(long)]
     pub fault_error_rate: Option<f64>,
@@ -101,6 +109,15 @@ impl ReplicaArgs {
         if let Some(scale) = self.time_scale {
             cfg.engine.time_scale = scale;
         }
+        if let Some(v) = self.cpu_capacity_tokens {
+            cfg.engine.cpu_capacity_tokens = v;
+        }
+        if let Some(v) = self.cpu_gb_per_s {
+            cfg.engine.cpu_gb_per_s = v;
+        }
+        if let Some(v) = self.kv_bytes_per_token {
+            cfg.engine.kv_bytes_per_token = v;
+        }
         cfg.id = self.id.unwrap_or_else(|| {
             if cfg.id == ReplicaConfig::default().id {
                 format!("replica-{}", self.port)
@@ -131,7 +148,7 @@ impl ReplicaArgs {
                 .with_context(|| format!("--role {r}: expected prefill, decode or both"))?;
         }
         if let Some(b) = self.kv_bytes_per_token {
-            cfg.pd.kv_bytes_per_token = b;
+            cfg.pd.kv_bytes_per_token = u64::from(b);
         }
         if let Some(g) = self.link_gbps {
             cfg.pd.link_gbps = g;
@@ -237,6 +254,19 @@ mod tests {
         assert!(parse(&["--link-gbps", "0"]).is_err());
         assert!(parse(&["--dp-ranks", "0"]).is_err());
         assert!(parse(&["--dp-ranks", "65"]).is_err());
+        let cpu = parse(&[
+            "--preset",
+            "8b-h100",
+            "--cpu-capacity-tokens",
+            "900000",
+            "--cpu-gb-per-s",
+            "5",
+        ])
+        .unwrap()
+        .engine;
+        assert_eq!((cpu.cpu_capacity_tokens, cpu.cpu_gb_per_s), (900_000, 5.0));
+        assert!(parse(&["--cpu-gb-per-s", "0"]).is_err());
+        assert!(parse(&["--kv-bytes-per-token", "0"]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -155,6 +155,20 @@ fn to_wire(events: Vec<CacheEvent>, block_size: u32, rank: u16) -> EventBatch {
                 group_idx: None,
             }),
             CacheEvent::Cleared => KvEvent::AllBlocksCleared,
+            // As vLLM's offloading connector publishes them: no tokens, no parent.
+            CacheEvent::Offloaded { hashes } => KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: None,
+                token_ids: Vec::new(),
+                block_size,
+                medium: Some("CPU".into()),
+                ..Default::default()
+            }),
+            CacheEvent::OffloadEvicted { hashes } => KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes,
+                medium: Some("CPU".into()),
+                group_idx: None,
+            }),
         })
         .collect();
     EventBatch {

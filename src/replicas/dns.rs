@@ -90,6 +90,11 @@ pub struct DnsConfig {
     /// (approximate cache models from routed requests).
     #[serde(default)]
     pub kv_events: Option<DnsKvEvents>,
+    /// KV size and offload bandwidths, to weigh CPU/disk hits by their load time:
+    /// `kv_load = { bytes_per_token = 131072, cpu_gb_per_s = 25, disk_gb_per_s = 3 }` (each
+    /// field defaults to the value shown). Default none: the node's fixed `tier_weights`.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 /// `kv_events` of a DNS source: the same for every replica it finds, at that replica's address.
@@ -167,6 +172,7 @@ impl DnsConfig {
             // Engine ids differ per engine: a discovered prefill names its own in its answer.
             engine_id: String::new(),
             kv_events: self.kv_events.as_ref().map(|k| k.at(addr.ip())),
+            kv_load: self.kv_load,
         }
     }
 }

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use super::kv_events::KvEventsSource;
+use crate::core::kv_load::KvLoad;
 use crate::core::role::{PdFacts, Role};
 
 /// One replica of the registry: a `[[replicas]]` table, or a replica a DNS source found.
@@ -51,6 +52,11 @@ pub struct ReplicaConfig {
     /// while the stream is up. Default none (approximate model only).
     #[serde(default)]
     pub kv_events: Option<KvEventsSource>,
+    /// KV size and offload bandwidths, to weigh CPU/disk hits by their load time:
+    /// `kv_load = { bytes_per_token = 131072, cpu_gb_per_s = 25, disk_gb_per_s = 3 }` (each
+    /// field defaults to the value shown). Default none: the node's fixed `tier_weights`.
+    #[serde(default)]
+    pub kv_load: Option<KvLoad>,
 }
 
 pub(super) fn default_pool() -> String {
@@ -83,6 +89,7 @@ impl ReplicaConfig {
             bootstrap_port: None,
             engine_id: String::new(),
             kv_events: None,
+            kv_load: None,
         }
     }
 

@@ -154,6 +154,9 @@ pub struct KubernetesConfig {
     /// (as for `[[dns]]`). Default none.
     #[serde(default)]
     pub kv_events: Option<DnsKvEvents>,
+    /// KV size and offload bandwidths of the replicas, as `[[replicas]] kv_load`. Default none.
+    #[serde(default)]
+    pub kv_load: Option<crate::core::kv_load::KvLoad>,
 }
 
 fn default_scheme() -> String {
@@ -298,6 +301,7 @@ impl KubernetesConfig {
             // Engine ids differ per engine: a discovered prefill names its own in its answer.
             engine_id: String::new(),
             kv_events: self.kv_events.as_ref().map(|k| k.at(found.addr.ip())),
+            kv_load: self.kv_load,
         }
     }
 }

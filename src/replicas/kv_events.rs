@@ -711,6 +711,7 @@ impl EventLoop {
             ("unsupported", s.unsupported),
             ("malformed_event", s.malformed),
             ("over_capacity", s.over_capacity),
+            ("unknown_copied", s.unknown_copied),
         ] {
             let seen = self.reported.entry(reason).or_insert(0);
             if total > *seen {

@@ -17,6 +17,12 @@
 //! rank holds a request's prefix and route to that rank. Sans-IO: [`EventIndex::apply`] returns the cache-model
 //! operations ([`Op`]) for the node to carry out under its lock.
 //!
+//! Offload connectors (vLLM's `OffloadingConnector`, engines.md) publish a copy in another
+//! tier as a `BlockStored` with the same engine hashes, a `medium` such as `"CPU"`, no token
+//! ids and no parent: such a store only adds its tier to blocks this rank already holds (their
+//! GPU store came first, as the connector writes computed blocks through); a hash not known is
+//! skipped and counted (`unknown_copied`).
+//!
 //! Rules: only KV-cache group 0 / full attention is indexed (hybrid models' other groups are
 //! not prefix caches of the prompt). Stores with an unknown parent, multimodal or
 //! prompt-embedding extra keys, or bad lengths, and stores past [`MAX_BLOCKS_PER_RANK`], are
@@ -37,6 +43,27 @@ use crate::tokenize::token_namespace;
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 22;
 
 pub use crate::core::summary::Tier;
+
+/// Another copy of a held block (e.g. offloaded to CPU): the entry gains `tier`, and its key
+/// moves (joins `new`) only if this tier beats every copy so far.
+fn add_copy(
+    entry: &mut Entry,
+    holders: &mut HashMap<u64, Holders>,
+    tier: Tier,
+    new: &mut Vec<BlockKey>,
+) {
+    if entry.tiers & bit(tier) != 0 {
+        return;
+    }
+    entry.tiers |= bit(tier);
+    if let Some(h) = holders.get_mut(&entry.key) {
+        let before = h.best();
+        h.change(bit(tier), true);
+        if h.best() != before {
+            new.push(BlockKey(entry.key));
+        }
+    }
+}
 
 /// The bit of a tier in an entry's tier set.
 fn bit(t: Tier) -> u8 {
@@ -94,6 +121,8 @@ pub struct IndexStats {
     pub malformed: u64,
     /// Stores skipped at [`MAX_BLOCKS_PER_RANK`].
     pub over_capacity: u64,
+    /// Hashes of token-less (offload connector) stores this rank did not hold.
+    pub unknown_copied: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -328,6 +357,10 @@ impl EventIndex {
             self.stats.other_group += 1;
             return;
         }
+        if e.token_ids.is_empty() && e.parent_block_hash.is_none() && !e.block_hashes.is_empty() {
+            self.copied(rank, e, ops);
+            return;
+        }
         let n = e.block_hashes.len();
         let bs = e.block_size as usize;
         // The block size also sizes token mode's keys: bounded like a scraped one.
@@ -363,21 +396,7 @@ impl EventIndex {
             let key = chain_tokens(prev, tokens);
             prev = key;
             match blocks.get_mut(hash) {
-                Some(entry) => {
-                    if entry.tiers & bit(tier) != 0 {
-                        continue;
-                    }
-                    entry.tiers |= bit(tier);
-                    // Another copy of a held block (e.g. offloaded to CPU): the key moves only
-                    // if this tier beats every copy so far.
-                    if let Some(h) = self.holders.get_mut(&entry.key) {
-                        let before = h.best();
-                        h.change(bit(tier), true);
-                        if h.best() != before {
-                            new.push(BlockKey(entry.key));
-                        }
-                    }
-                }
+                Some(entry) => add_copy(entry, &mut self.holders, tier, &mut new),
                 None => {
                     if blocks.len() >= MAX_BLOCKS_PER_RANK {
                         self.stats.over_capacity += 1;
@@ -404,6 +423,22 @@ impl EventIndex {
         }
         for key in fresh {
             self.hold_rank(key, rank);
+        }
+        if !new.is_empty() {
+            ops.push(Op::Store(new, tier));
+        }
+    }
+
+    /// A token-less store (an offload connector's copy): adds `medium`'s tier to known blocks.
+    fn copied(&mut self, rank: usize, e: &BlockStored, ops: &mut Vec<Op>) {
+        let tier = Tier::from_medium(e.medium.as_deref());
+        let blocks = &mut self.ranks[rank];
+        let mut new = Vec::new();
+        for hash in &e.block_hashes {
+            match blocks.get_mut(hash) {
+                Some(entry) => add_copy(entry, &mut self.holders, tier, &mut new),
+                None => self.stats.unknown_copied += 1,
+            }
         }
         if !new.is_empty() {
             ops.push(Op::Store(new, tier));
@@ -598,6 +633,41 @@ mod tests {
         let mut out = Vec::new();
         token_block_keys(token_namespace(None, None, None), tokens, bs, &mut out);
         out
+    }
+
+    #[test]
+    fn an_offload_connectors_token_less_cpu_store_adds_the_tier_to_known_blocks() {
+        // vLLM's OffloadingConnector: BlockStored with the same hashes, medium CPU, no token
+        // ids, no parent (and block size 0 in recent versions).
+        let tokens: Vec<u32> = (1..=8).collect();
+        let want = expected(&tokens, 4);
+        let mut idx = EventIndex::new(1);
+        let mut ops = Vec::new();
+        let copy = |hashes: Vec<u64>| with_medium(stored(hashes, None, Vec::new(), 0), "CPU");
+        idx.apply(
+            0,
+            &batch(vec![
+                stored(vec![1, 2], None, tokens, 4),
+                copy(vec![1, 2, 77]),
+            ]),
+            &mut ops,
+        );
+        assert_eq!(
+            ops,
+            vec![Op::Store(want.clone(), Tier::Gpu)],
+            "GPU stays best"
+        );
+        assert_eq!(idx.stats().unknown_copied, 1, "hash 77 was never stored");
+        assert_eq!(idx.stats().malformed, 0);
+        assert_eq!(idx.tier_counts(), (2, 2, 0));
+        // The GPU copies go: the keys move to CPU, still held.
+        ops.clear();
+        idx.apply(0, &batch(vec![removed(vec![1, 2], "GPU")]), &mut ops);
+        assert_eq!(ops, vec![Op::Store(want.clone(), Tier::Cpu)]);
+        ops.clear();
+        idx.apply(0, &batch(vec![removed(vec![2], "CPU")]), &mut ops);
+        assert_eq!(ops, vec![Op::Remove(want[1..].to_vec())]);
+        assert_eq!(idx.tier(want[0]), Some(Tier::Cpu));
     }
 
     #[test]

@@ -658,6 +658,10 @@ pub fn validate_replica(prefix: &str, r: &ReplicaConfig) -> Result<(), ConfigErr
         kv.validate()
             .map_err(|(field, msg)| invalid(key(&format!("kv_events.{field}")), msg))?;
     }
+    if let Some(load) = &r.kv_load {
+        load.validate()
+            .map_err(|e| invalid(key("kv_load"), e.to_string()))?;
+    }
     Ok(())
 }
 
@@ -940,6 +944,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("between 0 and 1") && e.contains("1.5"), "{e}");
+    }
+
+    #[test]
+    fn a_replica_kv_load_parses_with_defaults_and_is_checked_in_every_template() {
+        use crate::core::kv_load::KvLoad;
+        let c = NodeConfig::from_toml(
+            "[[replicas]]\nurl = \"http://10.0.0.1:8000\"\nkv_load = { cpu_gb_per_s = 5 }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.replicas[0].kv_load,
+            Some(KvLoad {
+                cpu_gb_per_s: 5.0,
+                ..KvLoad::default()
+            }),
+            "fields left out keep their default"
+        );
+        let c = NodeConfig::from_toml("[[replicas]]\nurl = \"http://10.0.0.1:8000\"\n").unwrap();
+        assert_eq!(c.replicas[0].kv_load, None);
+        let c = NodeConfig::from_toml("[[dns]]\nname = \"v.\"\nkv_load = {}\n").unwrap();
+        assert_eq!(
+            c.dns[0].replica("10.0.0.9:8000".parse().unwrap()).kv_load,
+            Some(KvLoad::default())
+        );
+        for (toml, key) in [
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_load = { bytes_per_token = 0 }",
+                "replicas[0].kv_load",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_load = { cpu_gb_per_s = 0 }",
+                "replicas[0].kv_load",
+            ),
+            (
+                "[[dns]]\nname = \"v.\"\nkv_load = { disk_gb_per_s = 1e9 }",
+                "dns[0].kv_load",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nkv_load = { nvme_gb_per_s = 1 }",
+                "nvme_gb_per_s",
+            ),
+        ] {
+            let e = NodeConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(e.contains(key), "{toml:?} → {e}");
+        }
     }
 
     /// `serve` refuses a node without any replica source, and a `[[kubernetes]]` source is one.

@@ -15,8 +15,11 @@
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
+//! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
+//!   requests wait when no replica has room.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
 
+pub mod admission;
 pub mod affinity;
 pub mod cache_model;
 pub mod cost;
@@ -24,6 +27,7 @@ pub mod dp_rank;
 pub mod keys;
 pub mod peer_tips;
 pub mod policy;
+pub mod priority;
 pub mod prompt;
 pub mod regions;
 pub mod router;

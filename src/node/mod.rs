@@ -19,6 +19,8 @@
 //! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
+//! - `admission.rs`: [`Node::route_fair`] — with `[priorities]`, requests wait for a slot in a
+//!   bounded fair queue per priority class instead of going to a full replica or a 429.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
 //! - `snapshot.rs`: `/ready`, `/v1/models`, `/admin/state`.
@@ -31,6 +33,7 @@
 
 mod admin;
 mod admin_book;
+mod admission;
 pub mod config;
 mod feedback;
 mod kv_gossip;
@@ -48,6 +51,7 @@ mod state;
 pub(crate) mod watchers;
 
 pub use admin::{AdminError, AdminOutcome, AdminReplica};
+pub use admission::{refusal_label, QueueMetrics, Refused};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
 pub use reload::ReloadReport;

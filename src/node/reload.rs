@@ -6,7 +6,8 @@
 //! changed ones update, missing ones drain like a DNS departure), `[tenants]` and
 //! `default_tenant` (requests already routed keep what they hold; new quotas apply to the next
 //! request), and `policy` (fresh policy state), `spill_after_s`, `w_load_s`,
-//! `affinity_credit_s`, `tier_weights` and `overlay_ttl_s`. Everything else is read at start: a reload that changes it says so in the
+//! `affinity_credit_s`, `tier_weights`, `overlay_ttl_s` and the weights and bounds of the
+//! `[priorities]` classes (their names, order, header and default class need a restart). Everything else is read at start: a reload that changes it says so in the
 //! report and the log, and applies the rest.
 
 use std::collections::HashMap;
@@ -110,6 +111,23 @@ impl Node {
             report.tenants = true;
         }
 
+        // Priority classes: weights and bounds apply at once; new names need a restart.
+        if let (Some(old), Some(new_p)) = (&self.cfg.priorities, &new.priorities) {
+            if old != new_p {
+                let mut core = self.lock();
+                if let Some(q) = core.admission.as_mut() {
+                    if old.header == new_p.header
+                        && old.default_class == new_p.default_class
+                        && q.set_classes(new_p.classes.clone())
+                    {
+                        report.routing = true;
+                    } else {
+                        report.restart_needed.push("priorities");
+                    }
+                }
+            }
+        }
+
         // Routing parameters.
         {
             let mut core = self.lock();
@@ -202,6 +220,10 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("mesh", old.mesh != new.mesh),
         ("tokenizer", old.tokenizer != new.tokenizer),
         ("tracing", old.tracing != new.tracing),
+        (
+            "priorities",
+            old.priorities.is_some() != new.priorities.is_some(),
+        ),
     ];
     changed
         .into_iter()

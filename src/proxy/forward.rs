@@ -359,6 +359,14 @@ async fn proxy(
             headers.insert(header::AUTHORIZATION, v);
         }
     }
+    // With `[priorities]`: the request's class, from its tenant and the priority header.
+    let class = node.priority_class(
+        tenant,
+        node.cfg
+            .priorities
+            .as_ref()
+            .and_then(|p| header_str(&parts.headers, &p.header)),
+    );
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
     let policy = node.policy().as_str();
 
@@ -376,10 +384,18 @@ async fn proxy(
         if attempt > 0 && started.elapsed() >= budget {
             break;
         }
-        let (decision, ticket) = node.route(&RouteRequest {
+        let attempt_req = RouteRequest {
             exclude: &tried,
             ..route_req
-        });
+        };
+        // Only the first attempt may wait for a slot; a retry keeps the place it was given.
+        let (decision, ticket) = if attempt == 0 {
+            node.route_fair(&attempt_req, class)
+                .await
+                .map_err(|r| ApiError::queue_refused(&r))?
+        } else {
+            node.route(&attempt_req)
+        };
         let (routed, ticket) = match (decision, ticket) {
             (Decision::Route(d), Some(t)) => (d, t),
             (Decision::Reject(RejectReason::UnknownModel), _) => {

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use crate::core::cost::TierWeights;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::{class_by_name, PrioritiesConfig, MAX_WEIGHT, MIN_WEIGHT};
 use crate::core::tenants::TenantConfig;
 use crate::tokenize::TokenizerConfig;
 
@@ -127,6 +128,11 @@ pub struct NodeConfig {
     pub tokenizer: Option<TokenizerConfig>,
     /// OpenTelemetry trace export of routed requests (`[tracing]`). Default off.
     pub tracing: TracingConfig,
+    /// Priority classes and the admission queue (`[priorities]`): with it, a request that finds
+    /// every eligible replica at its `max_in_flight`, or its tenant at a quota, waits in a
+    /// bounded fair queue with a deadline instead of being sent (full replica) or refused
+    /// (quota) at once. Default none (off).
+    pub priorities: Option<PrioritiesConfig>,
 }
 
 impl Default for NodeConfig {
@@ -167,6 +173,7 @@ impl Default for NodeConfig {
             mesh: None,
             tokenizer: None,
             tracing: TracingConfig::default(),
+            priorities: None,
         }
     }
 }
@@ -489,6 +496,24 @@ impl NodeConfig {
                     return Err(invalid(format!("{name}.max_kv_share"), "must be in [0, 1]"));
                 }
             }
+            if let Some(w) = t.weight {
+                if !(MIN_WEIGHT..=MAX_WEIGHT).contains(&w) {
+                    return Err(invalid(format!("{name}.weight"), "must be in [0.01, 1000]"));
+                }
+            }
+            for (field, class) in [("priority", &t.priority), ("max_priority", &t.max_priority)] {
+                let Some(class) = class else { continue };
+                let known = self
+                    .priorities
+                    .as_ref()
+                    .is_some_and(|p| class_by_name(&p.classes, class).is_some());
+                if !known {
+                    return Err(invalid(
+                        format!("{name}.{field}"),
+                        "must name a class of [priorities] (and [priorities] must be set)",
+                    ));
+                }
+            }
         }
         if self.default_tenant.max_kv_share.is_some() {
             // Unlisted tenants share one KV slot: a per-tenant share cannot be counted for them.
@@ -522,6 +547,10 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
+        if let Some(p) = &self.priorities {
+            p.validate()
+                .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
+        }
         Ok(())
     }
 
@@ -744,6 +773,23 @@ mod tests {
                 "[default_tenant]\nmax_kv_share = 0.5",
                 "default_tenant.max_kv_share",
             ),
+            ("[tenants.acme]\npriority = \"critical\"", "tenants.acme.priority"),
+            (
+                "[priorities]\n[tenants.acme]\nmax_priority = \"gold\"",
+                "tenants.acme.max_priority",
+            ),
+            ("[priorities]\n[tenants.acme]\nweight = 0", "tenants.acme.weight"),
+            ("[priorities]\ndefault_class = \"gold\"", "priorities.default_class"),
+            ("[priorities]\nclasses = []", "priorities.classes"),
+            (
+                "[priorities]\nclasses = [{ name = \"a\" }, { name = \"a\" }]",
+                "priorities.classes[1].name",
+            ),
+            (
+                "[priorities]\ndefault_class = \"a\"\nclasses = [{ name = \"a\", max_wait_ms = 0 }]",
+                "priorities.classes[0].max_wait_ms",
+            ),
+            ("[priorities]\nheader = \"x y\"", "priorities.header"),
             ("listen = \"nowhere\"", "listen"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),

@@ -12,6 +12,7 @@ use clap::Args;
 use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
+use super::sim_classes::{class_markdown, ClassStats};
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
@@ -123,6 +124,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         arrival_speedup: args.speedup,
         tenants: args.tenants.tenant_configs()?,
         split_tenant: args.tenants.split_tenant.clone(),
+        priorities: args.tenants.priorities_config(),
+        max_in_flight: args.tenants.max_in_flight,
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -196,6 +199,19 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             "\nRequests a KV quota steered: {}\n",
             steered.join(", ")
         ));
+    }
+    if reports.iter().any(|r| r.classes.len() > 1 || r.refused > 0) {
+        table.push('\n');
+        let label = if base.priorities.is_some() {
+            "priorities"
+        } else {
+            "no priorities"
+        };
+        let runs: Vec<(String, &[ClassStats])> = reports
+            .iter()
+            .map(|r| (format!("{} ({label})", r.policy), r.classes.as_slice()))
+            .collect();
+        table.push_str(&class_markdown(runs.iter().map(|(l, c)| (l.as_str(), *c))));
     }
     let n = base
         .max_requests

@@ -9,6 +9,7 @@ use serde::Serialize;
 use super::stats::Distribution;
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::PrioritiesConfig;
 use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
 
@@ -101,6 +102,12 @@ pub struct SimConfig {
     /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
     /// `big` of the tenants family. Default none.
     pub split_tenant: Option<String>,
+    /// Priority classes and an admission queue at every node (as a node's `[priorities]`);
+    /// none: a full replica queues requests in its engine, as without the section. Default
+    /// none.
+    pub priorities: Option<PrioritiesConfig>,
+    /// Every replica's `max_in_flight`. Default: the engine's `max_num_seqs`.
+    pub max_in_flight: Option<u32>,
 }
 
 impl Default for SimConfig {
@@ -127,6 +134,8 @@ impl Default for SimConfig {
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,
+            priorities: None,
+            max_in_flight: None,
         }
     }
 }
@@ -154,6 +163,13 @@ impl SimConfig {
                 "failure of node {} but there are only {} nodes",
                 f.node, self.nodes
             )));
+        }
+        if self.max_in_flight == Some(0) {
+            return bad("max_in_flight must be at least 1");
+        }
+        if let Some(p) = &self.priorities {
+            p.validate()
+                .map_err(|(k, m)| SimError::Config(format!("priorities.{k}: {m}")))?;
         }
         self.engine
             .validate()
@@ -216,6 +232,10 @@ pub struct SimReport {
     pub kv_steered: usize,
     /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
     pub tenant_split: Option<TenantSplit>,
+    /// Requests refused by the admission queues (with priorities).
+    pub refused: usize,
+    /// Per priority class (a request's tenant's `priority`, else the default class).
+    pub classes: Vec<super::sim_classes::ClassStats>,
 }
 
 /// One tenant's requests and the others', measured apart.

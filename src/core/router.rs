@@ -1150,6 +1150,7 @@ mod tests {
             max_in_flight_per_replica: Some(1),
             max_cluster_share: None,
             max_kv_share: None,
+            ..TenantConfig::default()
         };
         let mut r = Router::new(
             RouterConfig::default(),

@@ -175,7 +175,7 @@ impl Node {
         // on: try the next, a few times at most.
         for _ in 0..4 {
             let fits = |w: &Waiter| {
-                serves.iter().any(|m| *m == w.model)
+                serves.contains(&w.model)
                     && w.quota_tenant
                         .as_deref()
                         .is_none_or(|t| replica.is_some() && Some(t) == tenant)

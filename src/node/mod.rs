@@ -20,7 +20,8 @@
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
 //! - `admission.rs`: [`Node::route_fair`] — with `[priorities]`, requests wait for a slot in a
-//!   bounded fair queue per priority class instead of going to a full replica or a 429.
+//!   bounded fair queue per priority class instead of going to a full replica or a 429;
+//!   `admission_queue.rs`: the queue's payload, metrics and refusals the state holds.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
 //! - `snapshot.rs`: `/ready`, `/v1/models`, `/admin/state`.
@@ -34,6 +35,7 @@
 mod admin;
 mod admin_book;
 mod admission;
+mod admission_queue;
 pub mod config;
 mod feedback;
 mod kv_gossip;
@@ -51,7 +53,7 @@ mod state;
 pub(crate) mod watchers;
 
 pub use admin::{AdminError, AdminOutcome, AdminReplica};
-pub use admission::{refusal_label, QueueMetrics, Refused};
+pub use admission_queue::{refusal_label, QueueMetrics, Refused};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
 pub use reload::ReloadReport;

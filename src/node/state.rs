@@ -129,7 +129,7 @@ pub struct Core {
     /// `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary round has them).
     pub pending_tips: Vec<(usize, u64, u32, Duration)>,
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
-    pub admission: Option<super::admission::NodeQueue>,
+    pub admission: Option<super::admission_queue::NodeQueue>,
 }
 
 /// Most routed prefixes kept for the next load update.
@@ -158,7 +158,7 @@ pub struct Node {
     /// Metric handles.
     pub metrics: Metrics,
     /// Admission queue metrics, per priority class (registered in `metrics.registry`).
-    pub queue_metrics: super::admission::QueueMetrics,
+    pub queue_metrics: super::admission_queue::QueueMetrics,
     /// KV-event and token-mode metric handles (registered in `metrics.registry`).
     pub kv_metrics: KvMetrics,
     /// Token mode (`[tokenizer]`), when configured and loaded; `None` means text mode.
@@ -271,7 +271,7 @@ impl Node {
             .build()?;
         let metrics = Metrics::new()?;
         let kv_metrics = KvMetrics::new(&metrics.registry)?;
-        let queue_metrics = super::admission::QueueMetrics::new(&metrics.registry)?;
+        let queue_metrics = super::admission_queue::QueueMetrics::new(&metrics.registry)?;
         let secrets = cfg.auth.load(cfg.admin_token.as_deref(), cfg.listen)?;
         let body_kib = usize::try_from(cfg.server.max_buffered_body_bytes >> 10)
             .unwrap_or(usize::MAX)

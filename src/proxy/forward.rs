@@ -237,7 +237,7 @@ async fn proxy(
     req: Request,
     trace: Option<&RequestTrace>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
+    let mut started = Instant::now();
     let (parts, body) = req.into_parts();
     // With API keys the key names the tenant; a tenant header proves nothing. A request a mesh
     // peer forwarded was checked there: its tenant travels in `TENANT_HEADER`.
@@ -390,9 +390,13 @@ async fn proxy(
         };
         // Only the first attempt may wait for a slot; a retry keeps the place it was given.
         let (decision, ticket) = if attempt == 0 {
-            node.route_fair(&attempt_req, class)
+            let routed = node
+                .route_fair(&attempt_req, class)
                 .await
-                .map_err(|r| ApiError::queue_refused(&r))?
+                .map_err(|r| ApiError::queue_refused(&r))?;
+            // The retry budget counts from the slot, not from the wait for it.
+            started = Instant::now();
+            routed
         } else {
             node.route(&attempt_req)
         };

@@ -212,7 +212,8 @@ impl Default for TimeoutConfig {
 pub struct RetryConfig {
     /// Attempts per request, the first included. Default 3.
     pub max_attempts: u32,
-    /// No new attempt starts this long (ms) after the request arrived. Default 30,000.
+    /// No new attempt starts this long (ms) after the request arrived (with `[priorities]`,
+    /// after it got its slot: waiting in the admission queue does not count). Default 30,000.
     pub budget_ms: u64,
     /// A streamed request with no response headers after this long (ms) is also sent to the
     /// next best replica; the first answer wins and the other is dropped. It costs a duplicate

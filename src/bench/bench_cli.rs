@@ -149,7 +149,15 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(tokens) = args.tenants.kv_capacity_tokens {
             engine.kv_capacity_tokens = tokens;
         }
-        let tenants = args.tenants.tenant_configs()?;
+        let mut tenants = args.tenants.tenant_configs()?;
+        if !args.tenants.priorities {
+            // Without `[priorities]` a node refuses tenants naming classes; the classes then
+            // only label the requests in the per-class table.
+            for t in tenants.values_mut() {
+                t.priority = None;
+                t.max_priority = None;
+            }
+        }
         anyhow::ensure!(
             (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
             "--dp-ranks must be within 1..={}",

@@ -315,4 +315,37 @@ mod tests {
         bad.block_bytes = 0;
         assert!(node.reload(&bad).is_err());
     }
+
+    #[test]
+    fn a_reload_changes_class_weights_and_bounds_but_not_class_names() {
+        use crate::core::priority::PrioritiesConfig;
+        crate::proxy::install_crypto_provider();
+        let mut old = cfg(&[("a", "p")]);
+        old.priorities = Some(PrioritiesConfig::default());
+        let node = Node::new(old.clone()).unwrap();
+        let mut new = old.clone();
+        if let Some(p) = new.priorities.as_mut() {
+            p.classes[2].max_queue = 7;
+        }
+        let r = node.reload(&new).unwrap();
+        assert!(r.routing && r.restart_needed.is_empty(), "{r:?}");
+        let max_queue = |n: &Node| {
+            n.lock()
+                .admission
+                .as_ref()
+                .map(|q| q.classes()[2].max_queue)
+        };
+        assert_eq!(max_queue(&node), Some(7));
+        // Renamed classes would renumber waiting requests: they wait for a restart.
+        let mut renamed = new.clone();
+        if let Some(p) = renamed.priorities.as_mut() {
+            p.classes[2].name = "bulk".into();
+        }
+        let r = node.reload(&renamed).unwrap();
+        assert_eq!(r.restart_needed, vec!["priorities"]);
+        assert_eq!(max_queue(&node), Some(7));
+        // Turning the queue on or off is a restart too.
+        let r = node.reload(&cfg(&[("a", "p")])).unwrap();
+        assert_eq!(r.restart_needed, vec!["priorities"]);
+    }
 }

@@ -12,7 +12,8 @@ use super::fleet::{run_fleet_comparison, FleetConfig};
 use super::hot_args::{bench_row, hot_markdown, HotArgs};
 use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
-use super::tenant_args::{split_markdown, split_records, TenantArgs};
+use super::sim_classes::{class_markdown, ClassStats};
+use super::tenant_args::{class_records, split_markdown, split_records, TenantArgs};
 use super::tier_args::TierArgs;
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
@@ -144,9 +145,14 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         !args.compare_policies.is_empty()
-            || (args.tenants.kv_shares.is_empty() && args.tenants.kv_capacity_tokens.is_none()),
-        "--tenant-kv-share and --kv-capacity-tokens configure an in-process fleet \
-         (--compare-policies); for --url targets set them in the nodes' and replicas' configs"
+            || (args.tenants.kv_shares.is_empty()
+                && args.tenants.kv_capacity_tokens.is_none()
+                && !args.tenants.priorities
+                && args.tenants.weight.is_empty()
+                && args.tenants.max_in_flight.is_none()),
+        "--tenant-kv-share, --kv-capacity-tokens, --priorities, --tenant-weight and \
+         --max-in-flight configure an in-process fleet (--compare-policies); for --url targets \
+         set them in the nodes' and replicas' configs"
     );
     let runs: Vec<RunResult> = if !args.compare_policies.is_empty() {
         let mut engine = super::sim_cli::parse_preset(&args.preset)?.config();
@@ -156,7 +162,15 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         }
         args.tiers.apply_engine(&mut engine);
         let kv_load = args.tiers.kv_load(&engine);
-        let tenants = args.tenants.tenant_configs()?;
+        let mut tenants = args.tenants.tenant_configs()?;
+        if !args.tenants.priorities {
+            // Without `[priorities]` a node refuses tenants naming classes; the classes then
+            // only label the requests in the per-class table.
+            for t in tenants.values_mut() {
+                t.priority = None;
+                t.max_priority = None;
+            }
+        }
         anyhow::ensure!(
             (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
             "--dp-ranks must be within 1..={}",
@@ -182,6 +196,8 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
                 time_scale: args.time_scale,
                 engine: engine.clone(),
                 tenants: tenants.clone(),
+                priorities: args.tenants.priorities_config(),
+                max_in_flight: args.tenants.max_in_flight,
                 dp_ranks: args.dp_ranks,
                 rank_routing,
                 kv_events: engine.cpu_capacity_tokens > 0,
@@ -239,6 +255,28 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         println!(
             "{}",
             split_markdown(splits.iter().map(|(l, s)| (l.as_str(), s)))
+        );
+    }
+    if !args.tenants.priority.is_empty() {
+        let tenants = crate::core::tenants::Tenants::new(
+            args.tenants.tenant_configs()?,
+            crate::core::tenants::TenantConfig::default(),
+        );
+        let label = if args.tenants.priorities {
+            "priorities"
+        } else {
+            "no priorities"
+        };
+        let rows: Vec<(String, Vec<ClassStats>)> = runs
+            .iter()
+            .map(|r| {
+                let classes = class_records(&r.records, &workload.requests, &tenants, r.time_scale);
+                (format!("{} ({label})", r.label), classes)
+            })
+            .collect();
+        println!(
+            "{}",
+            class_markdown(rows.iter().map(|(l, c)| (l.as_str(), c.as_slice())))
         );
     }
     let files = report::write_all(&args.out, &runs)?;

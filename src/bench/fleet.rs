@@ -16,6 +16,7 @@ use super::replay::{replay, ReplayConfig, RunResult};
 use super::workload::request::WorkloadRequest;
 use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::PrioritiesConfig;
 use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
 use crate::mesh::certs;
@@ -57,6 +58,11 @@ pub struct FleetConfig {
     /// What every replica declares to the nodes as `kv_load` (CPU hits weighed by load time).
     /// Default none (the fixed `tier_weights`).
     pub kv_load: Option<crate::core::kv_load::KvLoad>,
+    /// Every node's `[priorities]` (each class's `max_wait_ms` in model time: the nodes get it
+    /// divided by `time_scale`). Default none.
+    pub priorities: Option<PrioritiesConfig>,
+    /// Every replica's `max_in_flight` at the nodes. Default: the node's default (256).
+    pub max_in_flight: Option<u32>,
 }
 
 impl Default for FleetConfig {
@@ -73,6 +79,8 @@ impl Default for FleetConfig {
             hot_prefix: HotPrefixConfig::default(),
             kv_events: false,
             kv_load: None,
+            priorities: None,
+            max_in_flight: None,
         }
     }
 }
@@ -228,6 +236,14 @@ pub async fn run_fleet(
                 drain_s: 5,
                 tenants: fleet.tenants.clone(),
                 hot_prefix: fleet.hot_prefix.clone(),
+                // Deadlines are in wall-clock time: scaled, so they mean the same in model time.
+                priorities: fleet.priorities.clone().map(|mut p| {
+                    for c in &mut p.classes {
+                        c.max_wait_ms =
+                            ((c.max_wait_ms as f64 / fleet.time_scale.max(1.0)) as u64).max(1);
+                    }
+                    p
+                }),
                 ..NodeConfig::default()
             };
             cfg.health.interval_ms = 200;
@@ -265,6 +281,9 @@ pub async fn run_fleet(
                     // Model-time rate: the node's cost model then works in model seconds, like
                     // its w_load and spill thresholds.
                     prefill_tokens_per_s: prefill_rate,
+                    max_in_flight: fleet
+                        .max_in_flight
+                        .unwrap_or(NodeReplica::from_url(r.base_url()).max_in_flight),
                     ..NodeReplica::from_url(r.base_url())
                 })
                 .collect();

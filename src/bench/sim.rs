@@ -54,18 +54,21 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+pub use super::sim_classes::{class_label, class_stats};
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_exact::ExactFeed;
 use super::sim_gossip::{epidemic_hops, NodeLag, Published};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
+use crate::core::admission::{AdmissionQueue, RejectReason as QueueReject};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::resolve;
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
@@ -95,6 +98,8 @@ enum Event {
     NodeDown(usize),
     /// The failure of this node is detected: its replicas get new homes.
     Rehome(usize),
+    /// A request waiting in this node's admission queue reaches its deadline.
+    QueueDeadline(usize),
 }
 
 /// One replica's load as its home scrapes and publishes it.
@@ -135,6 +140,21 @@ struct NodeRouting {
     hot: Option<HotPrefixes>,
     /// Publication time of the peers' heavy hitters it last applied.
     hot_synced: Option<Duration>,
+    /// Requests (by index) waiting for a slot, with `SimConfig::priorities`.
+    admission: Option<AdmissionQueue<usize>>,
+}
+
+/// What routing one request at its node came to.
+enum Routing {
+    /// Sent: the serving node, the replica, its believed hit and the round trips added.
+    Sent(usize, usize, u32, Duration),
+    /// Waiting in this node's admission queue; `true` when the node has room (the queue's head
+    /// takes it).
+    Queued(usize, bool),
+    /// Refused by the admission queue.
+    Refused(QueueReject),
+    /// Failed (no replica, or refused by the router).
+    Failed,
 }
 
 /// A warm-up an engine is running (engine request id = workload length + its index).
@@ -234,6 +254,7 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
             Event::Publish(k) => sim.publish(k, now)?,
             Event::NodeDown(n) => sim.node_down(n, now),
             Event::Rehome(n) => sim.rehome(n)?,
+            Event::QueueDeadline(n) => sim.queue_deadline(n, now),
         }
     }
     if cfg.progress && shown < 100 {
@@ -288,6 +309,10 @@ struct Sim<'a> {
     shares: VecDeque<Share>,
 
     flights: Vec<InFlight>,
+    /// When each request arrived (it may be sent later, from an admission queue).
+    arrived: Vec<Duration>,
+    /// Requests the admission queue refused, and why.
+    refused: Vec<Option<QueueReject>>,
     /// Block keys of each request until its first token, when they join the home's cache model.
     routed_keys: Vec<Vec<BlockKey>>,
     ttft: Vec<f64>,
@@ -341,7 +366,7 @@ impl<'a> Sim<'a> {
                     models: vec![MODEL.into()],
                     capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
-                    max_in_flight: cfg.engine.max_num_seqs as u32,
+                    max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
                     pd: Default::default(),
                     kv_load: cfg.kv_load,
                 })
@@ -387,6 +412,10 @@ impl<'a> Sim<'a> {
                             .enabled
                             .then(|| HotPrefixes::new(cfg.hot_prefix.clone())),
                         hot_synced: None,
+                        admission: cfg
+                            .priorities
+                            .as_ref()
+                            .map(|p| AdmissionQueue::new(p.classes.clone())),
                     }
                 });
                 SimNode {
@@ -443,6 +472,8 @@ impl<'a> Sim<'a> {
             kv_steered: 0,
             shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
+            arrived: vec![Duration::ZERO; reqs.len()],
+            refused: vec![None; reqs.len()],
             routed_keys: vec![Vec::new(); reqs.len()],
             ttft: Vec::with_capacity(reqs.len()),
             per_request: vec![(f64::NAN, 0, 0); reqs.len()],
@@ -489,13 +520,20 @@ impl<'a> Sim<'a> {
     }
 
     fn arrival(&mut self, i: usize, now: Duration) {
-        let reqs = self.reqs;
-        let req = &reqs[i];
         if self.live.is_empty() {
             self.fail_early();
             return;
         }
         let client = self.live[self.rng.random_range(0..self.live.len())];
+        self.arrived[i] = now;
+        self.dispatch(i, client, now, true);
+    }
+
+    /// Routes request `i` through `client` and submits it; with `may_queue`, it may wait in
+    /// the node's admission queue instead (a request leaving the queue routes without).
+    fn dispatch(&mut self, i: usize, client: usize, now: Duration, may_queue: bool) {
+        let reqs = self.reqs;
+        let req = &reqs[i];
         self.deliver_shares(now);
         req.write_prompt(&mut self.text);
         self.keys.clear();
@@ -513,11 +551,25 @@ impl<'a> Sim<'a> {
             let (r, uncached) = self.oracle_pick(&prompt, client_region);
             (client, r, uncached, Duration::ZERO)
         } else {
-            let Some((node, r, hit_blocks, extra)) = self.route(client, req, prompt.len(), now)
-            else {
-                self.fail_early();
-                return;
-            };
+            let (node, r, hit_blocks, extra) =
+                match self.route(client, i, prompt.len(), now, may_queue) {
+                    Routing::Sent(node, r, hit, extra) => (node, r, hit, extra),
+                    Routing::Queued(node, room) => {
+                        if room {
+                            self.admit_next(node, now);
+                        }
+                        return;
+                    }
+                    Routing::Refused(why) => {
+                        self.refused[i] = Some(why);
+                        self.done += 1;
+                        return;
+                    }
+                    Routing::Failed => {
+                        self.fail_early();
+                        return;
+                    }
+                };
             let hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
             (
                 node,
@@ -559,7 +611,7 @@ impl<'a> Sim<'a> {
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
         self.flights[i] = InFlight {
-            arrival: now,
+            arrival: self.arrived[i],
             node,
             replica: r,
             uncached_tokens: uncached,
@@ -600,10 +652,12 @@ impl<'a> Sim<'a> {
     fn route(
         &mut self,
         client: usize,
-        req: &WorkloadRequest,
+        i: usize,
         prompt_tokens: usize,
         now: Duration,
-    ) -> Option<(usize, usize, u32, Duration)> {
+        may_queue: bool,
+    ) -> Routing {
+        let req = &self.reqs[i];
         let mut node = client;
         let mut extra = Duration::ZERO;
         for forwarded in [false, true] {
@@ -618,14 +672,48 @@ impl<'a> Sim<'a> {
                 forwarded,
                 exclude: &[],
             };
-            let nr = self.nodes[node].routing.as_mut()?;
+            let Some(nr) = self.nodes[node].routing.as_mut() else {
+                return Routing::Failed;
+            };
             match nr.router.route(&nr.view, &rr, now) {
                 Decision::Route(d) => {
+                    // As the live node does (`node::admission`): a request that finds every
+                    // replica full, or others waiting, waits in the node's queue.
+                    if let (true, Some(q), Some(p)) =
+                        (may_queue, nr.admission.as_mut(), &self.cfg.priorities)
+                    {
+                        if d.saturated || !q.is_empty() {
+                            let t = nr.router.tenants.config(rr.tenant);
+                            let class = resolve(
+                                &p.classes,
+                                p.default_id(),
+                                t.priority.as_deref(),
+                                t.max_priority.as_deref(),
+                                None,
+                            );
+                            let weight = t.weight.unwrap_or(1.0);
+                            return match q.enqueue(class, rr.tenant, weight, now, i) {
+                                Ok(_) => {
+                                    let deadline = q.next_deadline();
+                                    if let Some(at) = deadline {
+                                        self.push(at, Event::QueueDeadline(node));
+                                    }
+                                    Routing::Queued(node, !d.saturated)
+                                }
+                                Err((r, _)) => Routing::Refused(r.reason),
+                            };
+                        }
+                    }
                     self.kv_steered += usize::from(d.kv_steered);
-                    return Some((node, d.replica, d.hit_blocks, extra));
+                    return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
                 Decision::Forward { region, .. } => {
-                    let g: usize = region.strip_prefix("region-")?.parse().ok()?;
+                    let Some(g) = region
+                        .strip_prefix("region-")
+                        .and_then(|g| g.parse::<usize>().ok())
+                    else {
+                        return Routing::Failed;
+                    };
                     let targets: Vec<usize> = self
                         .live
                         .iter()
@@ -633,17 +721,44 @@ impl<'a> Sim<'a> {
                         .filter(|m| self.nodes[*m].region == g)
                         .collect();
                     if targets.is_empty() {
-                        return None;
+                        return Routing::Failed;
                     }
                     let to = targets[self.rng.random_range(0..targets.len())];
                     extra += self.cfg.rtt(self.nodes[node].region, g);
                     self.forwarded += 1;
                     node = to;
                 }
-                Decision::Reject(_) => return None,
+                Decision::Reject(_) => return Routing::Failed,
             }
         }
-        None
+        Routing::Failed
+    }
+
+    /// A slot freed at `node` (or it found room while others wait): the next request of its
+    /// admission queue is sent.
+    fn admit_next(&mut self, node: usize, now: Duration) {
+        let next = self.nodes[node]
+            .routing
+            .as_mut()
+            .and_then(|nr| nr.admission.as_mut())
+            .and_then(|q| q.pop_next(now, |_| true));
+        if let Some(left) = next {
+            self.dispatch(left.payload, node, now, false);
+        }
+    }
+
+    /// Requests of `node`'s admission queue whose deadline passed are refused.
+    fn queue_deadline(&mut self, node: usize, now: Duration) {
+        let expired = self.nodes[node]
+            .routing
+            .as_mut()
+            .and_then(|nr| nr.admission.as_mut())
+            .map(|q| q.expire(now))
+            .unwrap_or_default();
+        for (left, r) in expired {
+            self.refused[left.payload] = Some(r.reason);
+            self.done += 1;
+        }
     }
 
     fn fail_early(&mut self) {
@@ -713,6 +828,7 @@ impl<'a> Sim<'a> {
         }
         self.scheduled[r] = None;
         let requests = self.reqs.len();
+        let mut freed = Vec::new();
         for out in self.engines[r].advance(now) {
             match out {
                 Output::FirstToken {
@@ -775,6 +891,10 @@ impl<'a> Sim<'a> {
                     }
                     if let Some(nr) = self.nodes[f.node].routing.as_mut() {
                         nr.view.finished(f.replica);
+                        if let Some(q) = nr.admission.as_mut() {
+                            q.released(now);
+                            freed.push(f.node);
+                        }
                         self.share(now, f.node, f.replica, -1, 0);
                     }
                     self.done += 1;
@@ -787,6 +907,11 @@ impl<'a> Sim<'a> {
             let batches = self.engines[r].take_kv_batches();
             if !self.orphaned[r] {
                 feed.apply(batches, &mut self.models[r], now);
+            }
+        }
+        for node in freed {
+            if self.nodes[node].live {
+                self.admit_next(node, now);
             }
         }
         self.schedule(r);
@@ -1212,6 +1337,28 @@ impl<'a> Sim<'a> {
         let window_ttft = self.window_ttft();
         let request_prefill = self.prompt_tokens.saturating_sub(self.cached_tokens);
         let all_prefill = request_prefill + self.warmup_tokens;
+        let default_class = self
+            .cfg
+            .priorities
+            .as_ref()
+            .map_or("standard", |p| p.default_class.as_str());
+        let order: Vec<String> = self
+            .cfg
+            .priorities
+            .clone()
+            .unwrap_or_default()
+            .classes
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        let classes = class_stats(
+            &order,
+            self.reqs.iter().enumerate().map(|(i, req)| {
+                let label = class_label(&self.tenants, req.tenant.as_deref(), default_class);
+                let ttft = self.per_request[i].0;
+                (label, ttft, self.refused[i].is_some())
+            }),
+        );
         SimReport {
             window_ttft,
             warmups: self.warms.len() as u64,
@@ -1223,6 +1370,8 @@ impl<'a> Sim<'a> {
                 self.warmup_tokens as f64 / all_prefill as f64
             },
             hot_prefixes_max: self.hot_max,
+            classes,
+            refused: self.refused.iter().filter(|r| r.is_some()).count(),
             kv_steered: self.kv_steered,
             tenant_split,
             policy: if self.cfg.oracle {
@@ -1671,6 +1820,74 @@ mod tests {
     }
 
     /// The agent family at `rate` with `runs` open runs, p2c-cache against round-robin.
+    /// The tenants family at 60 requests/s on two replicas with a small KV cache: the engines
+    /// queue, so without priorities every class waits alike. With them (the replicas' batch
+    /// capped at 64 at the node), critical and standard requests skip the node's queue and
+    /// batch absorbs the wait; throughput stays the same.
+    #[test]
+    fn priorities_keep_critical_fast_when_a_batch_flood_saturates_the_fleet() {
+        use crate::core::priority::PrioritiesConfig;
+        let w = workload::tenants(
+            &workload::TenantsParams {
+                big_share: 0.7,
+                small_tenants: 8,
+                ..Default::default()
+            },
+            &workload::GenParams {
+                rate: 60.0,
+                requests: 1200,
+                seed: 1,
+            },
+        )
+        .unwrap();
+        let mut engine = crate::engine_sim::Preset::Llama8bH100.config();
+        engine.kv_capacity_tokens = 40_000;
+        let class = |c: &str| TenantConfig {
+            priority: Some(c.to_owned()),
+            ..Default::default()
+        };
+        let base = SimConfig {
+            nodes: 2,
+            replicas: 2,
+            engine,
+            tenants: std::collections::HashMap::from([
+                ("big".to_owned(), class("batch")),
+                ("small-0".to_owned(), class("critical")),
+                ("small-1".to_owned(), class("critical")),
+            ]),
+            ..Default::default()
+        };
+        let off = run(&w, &base).unwrap();
+        let on = run(
+            &w,
+            &SimConfig {
+                priorities: Some(PrioritiesConfig::default()),
+                max_in_flight: Some(64),
+                ..base.clone()
+            },
+        )
+        .unwrap();
+        let get = |r: &SimReport, c: &str| {
+            r.classes
+                .iter()
+                .find(|s| s.class == c)
+                .cloned()
+                .unwrap_or_default()
+        };
+        let (off_c, on_c, on_b) = (
+            get(&off, "critical"),
+            get(&on, "critical"),
+            get(&on, "batch"),
+        );
+        assert!(off_c.ttft.p50 > 2.0, "not saturated: {off_c:?}");
+        assert!(
+            on_c.ttft.p99 * 4.0 < off_c.ttft.p99 && on_c.ttft.p99 < on_b.ttft.p50,
+            "critical {on_c:?} vs without {off_c:?}, batch {on_b:?}"
+        );
+        assert_eq!((on_c.rejected, get(&on, "standard").rejected), (0, 0));
+        assert_eq!(off.refused, 0);
+    }
+
     fn agent_overload(runs: usize, rate: f64, requests: usize, nodes: usize, replicas: usize) {
         let w = workload::agent(
             &workload::AgentParams {

@@ -13,6 +13,7 @@ use super::hot_args::{hot_markdown, HotArgs, HotRow};
 use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
+use super::sim_classes::{class_markdown, ClassStats};
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::tier_args::TierArgs;
 use super::workload::{self, WorkloadArgs, WorkloadKind};
@@ -149,6 +150,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         dp_ranks: usize::from(args.dp_ranks),
         kv_load,
         exact_homes: args.exact_homes,
+        priorities: args.tenants.priorities_config(),
+        max_in_flight: args.tenants.max_in_flight,
         progress: true,
         cost: match args.affinity_credit_ms {
             Some(ms) => CostModel {
@@ -266,6 +269,19 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             "\nPrompt tokens loaded from CPU tiers (part of the hit ratio): {}\n",
             cpu.join(", ")
         ));
+    }
+    if reports.iter().any(|r| r.classes.len() > 1 || r.refused > 0) {
+        table.push('\n');
+        let label = if base.priorities.is_some() {
+            "priorities"
+        } else {
+            "no priorities"
+        };
+        let runs: Vec<(String, &[ClassStats])> = reports
+            .iter()
+            .map(|r| (format!("{} ({label})", r.policy), r.classes.as_slice()))
+            .collect();
+        table.push_str(&class_markdown(runs.iter().map(|(l, c)| (l.as_str(), *c))));
     }
     let n = base
         .max_requests

@@ -10,6 +10,7 @@ use super::stats::Distribution;
 use crate::core::cost::CostModel;
 use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::PrioritiesConfig;
 use crate::core::tenants::TenantConfig;
 use crate::engine_sim::EngineConfig;
 
@@ -125,6 +126,12 @@ pub struct SimConfig {
     /// each event's medium), as with `kv_events` configured; otherwise approximate ones from
     /// routed requests. Default off.
     pub exact_homes: bool,
+    /// Priority classes and an admission queue at every node (as a node's `[priorities]`);
+    /// none: a full replica queues requests in its engine, as without the section. Default
+    /// none.
+    pub priorities: Option<PrioritiesConfig>,
+    /// Every replica's `max_in_flight`. Default: the engine's `max_num_seqs`.
+    pub max_in_flight: Option<u32>,
 }
 
 impl Default for SimConfig {
@@ -157,6 +164,8 @@ impl Default for SimConfig {
             dp_rank_named: true,
             kv_load: None,
             exact_homes: false,
+            priorities: None,
+            max_in_flight: None,
         }
     }
 }
@@ -191,6 +200,13 @@ impl SimConfig {
             }
         }
         self.hot_prefix.validate().map_err(SimError::Config)?;
+        if self.max_in_flight == Some(0) {
+            return bad("max_in_flight must be at least 1");
+        }
+        if let Some(p) = &self.priorities {
+            p.validate()
+                .map_err(|(k, m)| SimError::Config(format!("priorities.{k}: {m}")))?;
+        }
         self.engine
             .validate()
             .map_err(|e| SimError::Config(e.to_string()))
@@ -266,6 +282,10 @@ pub struct SimReport {
     pub warmup_prefill_share: f64,
     /// Most prefixes any node counted hot at once (sampled at its plans).
     pub hot_prefixes_max: usize,
+    /// Requests refused by the admission queues (with priorities).
+    pub refused: usize,
+    /// Per priority class (a request's tenant's `priority`, else the default class).
+    pub classes: Vec<super::sim_classes::ClassStats>,
 }
 
 /// One tenant's requests and the others', measured apart.

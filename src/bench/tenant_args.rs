@@ -11,10 +11,12 @@ use std::collections::HashMap;
 use anyhow::Context;
 
 use super::replay::RequestRecord;
+use super::sim_classes::{class_label, class_stats, ClassStats};
 use super::sim_config::{GroupStats, TenantSplit};
 use super::stats::Distribution;
 use super::workload::WorkloadRequest;
-use crate::core::tenants::TenantConfig;
+use crate::core::priority::PrioritiesConfig;
+use crate::core::tenants::{TenantConfig, Tenants};
 
 /// Tenant flags of `kvmesh sim` and `kvmesh bench` (fleet runs).
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -29,6 +31,36 @@ pub struct TenantArgs {
     /// KV cache of every simulated replica, in tokens (default: the preset's, 450,000).
     #[arg(long)]
     pub kv_capacity_tokens: Option<usize>,
+    /// Give every node `[priorities]` with the default classes (critical, standard, batch): a
+    /// request that finds every replica full waits in a fair queue per class.
+    #[arg(long)]
+    pub priorities: bool,
+    /// Put tenant NAME's requests in priority class CLASS: `NAME=CLASS`, as `[tenants.NAME]
+    /// priority` (repeatable; the class is a request's label in the per-class table even
+    /// without `--priorities`; unlisted tenants are `standard`).
+    #[arg(long = "tenant-priority", value_name = "NAME=CLASS")]
+    pub priority: Vec<String>,
+    /// Weigh tenant NAME's share of freed slots: `NAME=WEIGHT` in [0.01, 1000], as
+    /// `[tenants.NAME] weight` (repeatable).
+    #[arg(long = "tenant-weight", value_name = "NAME=WEIGHT")]
+    pub weight: Vec<String>,
+    /// Every replica's `max_in_flight` (default: the engine's batch limit in the simulator,
+    /// 256 in a fleet): with `--priorities`, where requests start waiting at the node.
+    #[arg(long)]
+    pub max_in_flight: Option<u32>,
+}
+
+/// `NAME=VALUE` of flag `flag`, both sides trimmed and non-empty.
+fn pair<'a>(flag: &str, item: &'a str) -> anyhow::Result<(&'a str, &'a str)> {
+    let (name, value) = item
+        .split_once('=')
+        .with_context(|| format!("--{flag} '{item}' is not NAME=VALUE"))?;
+    let (name, value) = (name.trim(), value.trim());
+    anyhow::ensure!(
+        !name.is_empty() && !value.is_empty(),
+        "--{flag} '{item}': empty name or value"
+    );
+    Ok((name, value))
 }
 
 impl TenantArgs {
@@ -58,7 +90,35 @@ impl TenantArgs {
                 },
             );
         }
+        let classes = self.priorities_config().map(|p| p.classes);
+        for item in &self.priority {
+            let (name, class) = pair("tenant-priority", item)?;
+            if let Some(classes) = &classes {
+                anyhow::ensure!(
+                    crate::core::priority::class_by_name(classes, class).is_some(),
+                    "--tenant-priority '{item}': no class '{class}'"
+                );
+            }
+            out.entry(name.to_owned()).or_default().priority = Some(class.to_owned());
+        }
+        for item in &self.weight {
+            let (name, w) = pair("tenant-weight", item)?;
+            let w: f64 = w
+                .parse()
+                .with_context(|| format!("--tenant-weight '{item}': '{w}' is not a number"))?;
+            anyhow::ensure!(
+                (crate::core::priority::MIN_WEIGHT..=crate::core::priority::MAX_WEIGHT)
+                    .contains(&w),
+                "--tenant-weight '{item}': the weight must be in [0.01, 1000]"
+            );
+            out.entry(name.to_owned()).or_default().weight = Some(w);
+        }
         Ok(out)
+    }
+
+    /// The nodes' `[priorities]`, with `--priorities`: the default classes.
+    pub fn priorities_config(&self) -> Option<PrioritiesConfig> {
+        self.priorities.then(PrioritiesConfig::default)
     }
 }
 
@@ -100,6 +160,34 @@ pub fn split_records(
         this: group(true),
         others: group(false),
     }
+}
+
+/// One live run's records by priority class (a request's tenant's `priority`, else
+/// `standard`; times scaled by `time_scale` to model seconds): a 429 counts as refused (the
+/// admission queue's answer), other failures are left out.
+pub fn class_records(
+    records: &[RequestRecord],
+    workload: &[WorkloadRequest],
+    tenants: &Tenants,
+    time_scale: f64,
+) -> Vec<ClassStats> {
+    let default = PrioritiesConfig::default().default_class;
+    let order: Vec<String> = PrioritiesConfig::default()
+        .classes
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    let outcomes = records.iter().filter_map(|r| {
+        let w = workload.get(r.index)?;
+        let label = class_label(tenants, w.tenant.as_deref(), &default);
+        let refused = r.status == 429;
+        if r.error.is_some() && !refused {
+            return None;
+        }
+        let ttft = r.ttft_s.map_or(f64::NAN, |t| t * time_scale);
+        Some((label, if refused { f64::NAN } else { ttft }, refused))
+    });
+    class_stats(&order, outcomes)
 }
 
 /// A Markdown table of labelled tenant splits: per run, the split tenant's row and the others'.

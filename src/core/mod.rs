@@ -18,8 +18,11 @@
 //! - [`policy`]: the policies behind one trait.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
+//! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
+//!   requests wait when no replica has room.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
 
+pub mod admission;
 pub mod affinity;
 pub mod cache_model;
 pub mod cost;
@@ -31,6 +34,7 @@ pub mod kv_load;
 pub mod pd;
 pub mod peer_tips;
 pub mod policy;
+pub mod priority;
 pub mod prompt;
 pub mod rank_hints;
 pub mod regions;

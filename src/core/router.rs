@@ -133,6 +133,10 @@ pub struct Routed {
     pub reason: Reason,
     /// The tenant's KV quota took candidates away (see the module doc).
     pub kv_steered: bool,
+    /// Every candidate was at its `max_in_flight`: the replica will queue it. A node with
+    /// priority classes holds such a request in its admission queue instead
+    /// (`core::admission`) until a slot frees.
+    pub saturated: bool,
     /// The data-parallel rank of the replica to name, when the driver knows which rank holds
     /// the prefix (the node, at the replica's home, from its exact per-rank cache model; see
     /// `dp_rank.rs`). The router itself sees only merged summaries and leaves it `None`.
@@ -604,6 +608,7 @@ impl Router {
             cost_s: chosen.cost_s,
             reason: pick.reason,
             kv_steered,
+            saturated: all_full,
             dp_rank: None,
         })
     }
@@ -1241,6 +1246,7 @@ mod tests {
             max_in_flight_per_replica: Some(1),
             max_cluster_share: None,
             max_kv_share: None,
+            ..TenantConfig::default()
         };
         let mut r = Router::new(
             RouterConfig::default(),

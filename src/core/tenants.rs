@@ -48,6 +48,18 @@ pub struct TenantConfig {
     /// no cap.
     #[serde(default)]
     pub max_kv_share: Option<f64>,
+    /// Priority class of its requests (`[priorities]`, see `priority.rs`). Default: the
+    /// `priorities.default_class`.
+    #[serde(default)]
+    pub priority: Option<String>,
+    /// Highest class the priority header may ask for its requests. Default: its `priority`
+    /// (a header can only lower it).
+    #[serde(default)]
+    pub max_priority: Option<String>,
+    /// Its share of freed slots against other tenants waiting in the same class, in
+    /// [0.01, 1000] (`admission.rs`). Default 1.
+    #[serde(default)]
+    pub weight: Option<f64>,
 }
 
 /// KV slots a cache model tracks: [`KV_UNATTRIBUTED`], [`KV_OTHER`], then one per tenant with

@@ -21,6 +21,9 @@
 //!   request's accounting exactly once.
 //! - `kv_shares.rs`: tenants' KV shares in a mesh — the home publishes its estimate, the other
 //!   nodes steer on it.
+//! - `admission.rs`: [`Node::route_fair`] — with `[priorities]`, requests wait for a slot in a
+//!   bounded fair queue per priority class instead of going to a full replica or a 429;
+//!   `admission_queue.rs`: the queue's payload, metrics and refusals the state holds.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
 //! - `hot_prefix.rs`: hot-prefix replication — counting, merging peers' heat, warm-ups.
@@ -34,6 +37,8 @@
 
 mod admin;
 mod admin_book;
+mod admission;
+mod admission_queue;
 pub mod config;
 mod feedback;
 mod hot_prefix;
@@ -54,6 +59,7 @@ mod state;
 pub(crate) mod watchers;
 
 pub use admin::{AdminError, AdminOutcome, AdminReplica};
+pub use admission_queue::{refusal_label, QueueMetrics, Refused};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
 pub use pd_routing::PdRoute;

@@ -6,7 +6,8 @@
 //! changed ones update, missing ones drain like a DNS departure), `[tenants]` and
 //! `default_tenant` (requests already routed keep what they hold; new quotas apply to the next
 //! request), and `policy` (fresh policy state), `spill_after_s`, `w_load_s`,
-//! `affinity_credit_s`, `tier_weights` and `overlay_ttl_s`. Everything else is read at start: a reload that changes it says so in the
+//! `affinity_credit_s`, `tier_weights`, `overlay_ttl_s` and the weights and bounds of the
+//! `[priorities]` classes (their names, order, header and default class need a restart). Everything else is read at start: a reload that changes it says so in the
 //! report and the log, and applies the rest.
 
 use std::collections::HashMap;
@@ -110,6 +111,23 @@ impl Node {
             report.tenants = true;
         }
 
+        // Priority classes: weights and bounds apply at once; new names need a restart.
+        if let (Some(old), Some(new_p)) = (&self.cfg.priorities, &new.priorities) {
+            if old != new_p {
+                let mut core = self.lock();
+                if let Some(q) = core.admission.as_mut() {
+                    if old.header == new_p.header
+                        && old.default_class == new_p.default_class
+                        && q.set_classes(new_p.classes.clone())
+                    {
+                        report.routing = true;
+                    } else {
+                        report.restart_needed.push("priorities");
+                    }
+                }
+            }
+        }
+
         // Routing parameters.
         {
             let mut core = self.lock();
@@ -206,6 +224,10 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("tracing", old.tracing != new.tracing),
         ("pd", old.pd != new.pd),
         ("hot_prefix", old.hot_prefix != new.hot_prefix),
+        (
+            "priorities",
+            old.priorities.is_some() != new.priorities.is_some(),
+        ),
     ];
     changed
         .into_iter()
@@ -296,5 +318,38 @@ mod tests {
         let mut bad = moved.clone();
         bad.block_bytes = 0;
         assert!(node.reload(&bad).is_err());
+    }
+
+    #[test]
+    fn a_reload_changes_class_weights_and_bounds_but_not_class_names() {
+        use crate::core::priority::PrioritiesConfig;
+        crate::proxy::install_crypto_provider();
+        let mut old = cfg(&[("a", "p")]);
+        old.priorities = Some(PrioritiesConfig::default());
+        let node = Node::new(old.clone()).unwrap();
+        let mut new = old.clone();
+        if let Some(p) = new.priorities.as_mut() {
+            p.classes[2].max_queue = 7;
+        }
+        let r = node.reload(&new).unwrap();
+        assert!(r.routing && r.restart_needed.is_empty(), "{r:?}");
+        let max_queue = |n: &Node| {
+            n.lock()
+                .admission
+                .as_ref()
+                .map(|q| q.classes()[2].max_queue)
+        };
+        assert_eq!(max_queue(&node), Some(7));
+        // Renamed classes would renumber waiting requests: they wait for a restart.
+        let mut renamed = new.clone();
+        if let Some(p) = renamed.priorities.as_mut() {
+            p.classes[2].name = "bulk".into();
+        }
+        let r = node.reload(&renamed).unwrap();
+        assert_eq!(r.restart_needed, vec!["priorities"]);
+        assert_eq!(max_queue(&node), Some(7));
+        // Turning the queue on or off is a restart too.
+        let r = node.reload(&cfg(&[("a", "p")])).unwrap();
+        assert_eq!(r.restart_needed, vec!["priorities"]);
     }
 }

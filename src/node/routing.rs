@@ -34,7 +34,7 @@ use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
 use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
-use crate::core::router::{Decision, RouteRequest, Routed};
+use crate::core::router::{Decision, RejectReason, RouteRequest, Routed};
 use crate::replicas::kv_events::RankRouting;
 use crate::tokenize::token_namespace;
 
@@ -164,11 +164,29 @@ impl Node {
     /// queued prefill) and returns the [`Ticket`] that releases it. The cache model and the home
     /// learn its blocks later, at [`Ticket::first_byte`].
     pub fn route(self: &Arc<Self>, req: &RouteRequest<'_>) -> (Decision, Option<Ticket>) {
+        match self.route_if(req, |_, _, _, _| true) {
+            Some(routed) => routed,
+            // The gate always lets it through.
+            None => (Decision::Reject(RejectReason::NoHealthyReplica), None),
+        }
+    }
+
+    /// [`Node::route`], but `gate` sees the decision first, under the same lock (with the node,
+    /// the core and the core's time): when it says no, nothing is recorded and `None` returned
+    /// (the admission queue, `admission.rs`, queues the request there instead).
+    pub(super) fn route_if(
+        self: &Arc<Self>,
+        req: &RouteRequest<'_>,
+        gate: impl FnOnce(&Node, &mut Core, &Decision, Duration) -> bool,
+    ) -> Option<(Decision, Option<Ticket>)> {
         let started = Instant::now();
         let now = self.now();
         let mut guard = self.lock();
         let core = &mut *guard;
         let mut decision = core.router.route(&core.view, req, now);
+        if !gate(self, core, &decision, now) {
+            return None;
+        }
         let tokens_per_block = core.view.tokens_per_block;
         let ticket = match &mut decision {
             Decision::Route(d) => Some(self.book(core, d, req, now, Booking::Whole)),
@@ -185,7 +203,7 @@ impl Node {
             self.metrics.hit_blocks.observe(d.hit_blocks as f64);
         }
         self.metrics.decisions.record(&decision, tokens_per_block);
-        (decision, ticket)
+        Some((decision, ticket))
     }
 
     /// Records leg `how` of `req` routed to `d.replica` (in-flight, overlay from the predicted
@@ -501,19 +519,21 @@ fn release_pending(
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut core = self.node.lock();
-        release_pending(
-            &mut core,
-            self.replica,
-            self.pending_tokens,
-            self.rank,
-            true,
-        );
+        let now = self.node.now();
+        let mut guard = self.node.lock();
+        let core = &mut *guard;
+        release_pending(core, self.replica, self.pending_tokens, self.rank, true);
         core.view.finished(self.replica);
         if let Some(t) = &self.tenant {
             core.router.tenants.finished(t, self.replica);
         }
-        drop(core);
+        // A slot freed: the admission queue's next request that can use it takes it.
+        if let Some(q) = core.admission.as_mut() {
+            q.released(now);
+            self.node
+                .grant_next(core, Some(self.replica), None, self.tenant.as_deref(), now);
+        }
+        drop(guard);
         self.node.mesh.load_changed.notify_one();
         self.node
             .metrics

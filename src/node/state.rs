@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use super::config::{NodeConfig, Secrets};
 use super::mesh_state::{worst, NodeMesh, ReplicaMesh};
 use super::metrics::Metrics;
+use crate::core::admission::AdmissionQueue;
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::cost::CostModel;
 use crate::core::dp_rank::RankLoad;
@@ -145,6 +146,8 @@ pub struct Core {
     /// data-parallel rank named). At most `MAX_PENDING_TIPS` (1,024); more between two flushes
     /// are dropped (the summary round has them).
     pub pending_tips: Vec<(usize, u64, u32, Duration, Option<u16>)>,
+    /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
+    pub admission: Option<super::admission_queue::NodeQueue>,
 }
 
 /// Most routed prefixes kept for the next load update.
@@ -172,6 +175,8 @@ pub struct Node {
     pub client: reqwest::Client,
     /// Metric handles.
     pub metrics: Metrics,
+    /// Admission queue metrics, per priority class (registered in `metrics.registry`).
+    pub queue_metrics: super::admission_queue::QueueMetrics,
     /// KV-event and token-mode metric handles (registered in `metrics.registry`).
     pub kv_metrics: KvMetrics,
     /// Token mode (`[tokenizer]`), when configured and loaded; `None` means text mode.
@@ -284,6 +289,7 @@ impl Node {
             .build()?;
         let metrics = Metrics::new()?;
         let kv_metrics = KvMetrics::new(&metrics.registry)?;
+        let queue_metrics = super::admission_queue::QueueMetrics::new(&metrics.registry)?;
         let secrets = cfg.auth.load(cfg.admin_token.as_deref(), cfg.listen)?;
         let body_kib = usize::try_from(cfg.server.max_buffered_body_bytes >> 10)
             .unwrap_or(usize::MAX)
@@ -294,6 +300,7 @@ impl Node {
             client,
             metrics,
             kv_metrics,
+            queue_metrics,
             tokenizer,
             core: Mutex::new(Core {
                 view,
@@ -304,6 +311,10 @@ impl Node {
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
                 hot_owners: Vec::new(),
                 hot_self: String::new(),
+                admission: cfg
+                    .priorities
+                    .as_ref()
+                    .map(|p| AdmissionQueue::new(p.classes.clone())),
             }),
             start: Instant::now(),
             tenant_cfgs: RwLock::new(cfg.tenants.clone()),

@@ -125,6 +125,29 @@ impl ApiError {
         }
     }
 
+    /// 429: the admission queue refused the request (its priority class's queue is full, or it
+    /// could not get a slot within the class's `max_wait_ms`), with the queue's `Retry-After`.
+    pub fn queue_refused(r: &crate::node::Refused) -> Self {
+        use crate::core::admission::RejectReason;
+        let why = match r.rejection.reason {
+            RejectReason::QueueFull => "its queue is full",
+            RejectReason::WaitTooLong => "the predicted wait exceeds the class's max_wait_ms",
+            RejectReason::Expired => "no slot freed within the class's max_wait_ms",
+        };
+        ApiError {
+            retry_after_s: Some(r.rejection.retry_after_s),
+            ..Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                crate::node::refusal_label(r.rejection.reason),
+                format!(
+                    "every replica is busy and the request cannot wait in priority class '{}': {why}",
+                    r.class
+                ),
+            )
+        }
+    }
+
     /// 502: every attempt failed at the replica.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(

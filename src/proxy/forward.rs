@@ -214,7 +214,7 @@ async fn proxy(
     req: Request,
     trace: Option<&RequestTrace>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
+    let mut started = Instant::now();
     let (parts, body) = req.into_parts();
     // With API keys the key names the tenant; a tenant header proves nothing. A request a mesh
     // peer forwarded was checked there: its tenant travels in `TENANT_HEADER`.
@@ -347,6 +347,14 @@ async fn proxy(
             headers.insert(header::AUTHORIZATION, v);
         }
     }
+    // With `[priorities]`: the request's class, from its tenant and the priority header.
+    let class = node.priority_class(
+        tenant,
+        node.cfg
+            .priorities
+            .as_ref()
+            .and_then(|p| header_str(&parts.headers, &p.header)),
+    );
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
     let policy = node.policy().as_str();
 
@@ -414,6 +422,16 @@ async fn proxy(
                     }
                 }
             },
+            // Only the first attempt may wait for a slot; a retry keeps the place it was given.
+            _ if attempt == 0 => {
+                let routed = node
+                    .route_fair(&attempt_req, class)
+                    .await
+                    .map_err(|r| ApiError::queue_refused(&r))?;
+                // The retry budget counts from the slot, not from the wait for it.
+                started = Instant::now();
+                routed
+            }
             _ => node.route(&attempt_req),
         };
         let (routed, ticket) = match (decision, ticket) {

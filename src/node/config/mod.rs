@@ -16,6 +16,7 @@ use serde::Deserialize;
 use crate::core::cost::TierWeights;
 use crate::core::hot_prefix::HotPrefixConfig;
 use crate::core::policy::PolicyKind;
+use crate::core::priority::{class_by_name, PrioritiesConfig, MAX_WEIGHT, MIN_WEIGHT};
 use crate::core::tenants::TenantConfig;
 use crate::tokenize::TokenizerConfig;
 
@@ -135,6 +136,11 @@ pub struct NodeConfig {
     /// Hot-prefix detection and replication (`[hot_prefix]`, see `core::hot_prefix`):
     /// detection always runs, warm-ups only with `enabled`. Default: warm-ups off.
     pub hot_prefix: HotPrefixConfig,
+    /// Priority classes and the admission queue (`[priorities]`): with it, a request that finds
+    /// every eligible replica at its `max_in_flight`, or its tenant at a quota, waits in a
+    /// bounded fair queue with a deadline instead of being sent (full replica) or refused
+    /// (quota) at once. Default none (off).
+    pub priorities: Option<PrioritiesConfig>,
 }
 
 impl Default for NodeConfig {
@@ -177,6 +183,7 @@ impl Default for NodeConfig {
             tracing: TracingConfig::default(),
             pd: PdSection::default(),
             hot_prefix: HotPrefixConfig::default(),
+            priorities: None,
         }
     }
 }
@@ -215,7 +222,8 @@ impl Default for TimeoutConfig {
 pub struct RetryConfig {
     /// Attempts per request, the first included. Default 3.
     pub max_attempts: u32,
-    /// No new attempt starts this long (ms) after the request arrived. Default 30,000.
+    /// No new attempt starts this long (ms) after the request arrived (with `[priorities]`,
+    /// after it got its slot: waiting in the admission queue does not count). Default 30,000.
     pub budget_ms: u64,
     /// A streamed request with no response headers after this long (ms) is also sent to the
     /// next best replica; the first answer wins and the other is dropped. It costs a duplicate
@@ -500,6 +508,24 @@ impl NodeConfig {
                     return Err(invalid(format!("{name}.max_kv_share"), "must be in [0, 1]"));
                 }
             }
+            if let Some(w) = t.weight {
+                if !(MIN_WEIGHT..=MAX_WEIGHT).contains(&w) {
+                    return Err(invalid(format!("{name}.weight"), "must be in [0.01, 1000]"));
+                }
+            }
+            for (field, class) in [("priority", &t.priority), ("max_priority", &t.max_priority)] {
+                let Some(class) = class else { continue };
+                let known = self
+                    .priorities
+                    .as_ref()
+                    .is_some_and(|p| class_by_name(&p.classes, class).is_some());
+                if !known {
+                    return Err(invalid(
+                        format!("{name}.{field}"),
+                        "must name a class of [priorities] (and [priorities] must be set)",
+                    ));
+                }
+            }
         }
         if self.default_tenant.max_kv_share.is_some() {
             // Unlisted tenants share one KV slot: a per-tenant share cannot be counted for them.
@@ -536,6 +562,10 @@ impl NodeConfig {
         self.hot_prefix
             .validate()
             .map_err(|m| invalid("hot_prefix", m))?;
+        if let Some(p) = &self.priorities {
+            p.validate()
+                .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
+        }
         Ok(())
     }
 
@@ -771,6 +801,23 @@ mod tests {
                 "[default_tenant]\nmax_kv_share = 0.5",
                 "default_tenant.max_kv_share",
             ),
+            ("[tenants.acme]\npriority = \"critical\"", "tenants.acme.priority"),
+            (
+                "[priorities]\n[tenants.acme]\nmax_priority = \"gold\"",
+                "tenants.acme.max_priority",
+            ),
+            ("[priorities]\n[tenants.acme]\nweight = 0", "tenants.acme.weight"),
+            ("[priorities]\ndefault_class = \"gold\"", "priorities.default_class"),
+            ("[priorities]\nclasses = []", "priorities.classes"),
+            (
+                "[priorities]\nclasses = [{ name = \"a\" }, { name = \"a\" }]",
+                "priorities.classes[1].name",
+            ),
+            (
+                "[priorities]\ndefault_class = \"a\"\nclasses = [{ name = \"a\", max_wait_ms = 0 }]",
+                "priorities.classes[0].max_wait_ms",
+            ),
+            ("[priorities]\nheader = \"x y\"", "priorities.header"),
             ("listen = \"nowhere\"", "listen"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),

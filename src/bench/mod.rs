@@ -13,6 +13,7 @@ pub mod sim_bound;
 pub mod sim_cli;
 pub mod sim_config;
 pub mod sim_gossip;
+pub mod sim_pd;
 pub mod stats;
 pub mod tenant_args;
 pub mod trace;

@@ -10,8 +10,9 @@ use anyhow::Context;
 use clap::Args;
 
 use super::report;
-use super::sim::{run, NodeFailure, SimConfig, SimReport};
+use super::sim::{run, NodeFailure, SimConfig, SimReport, CENTRAL_GREEDY};
 use super::sim_bound::ttft_floor;
+use super::sim_pd::{self, SimPd};
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::workload::{self, WorkloadArgs, WorkloadKind};
 use crate::core::cost::CostModel;
@@ -79,6 +80,18 @@ pub struct SimArgs {
     /// Routing-text block size in bytes (the node's `block_bytes`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub block_bytes: u64,
+    /// A prefill/decode fleet shape to simulate, SHAPE[@BYPASS] (repeatable: one run per shape
+    /// and policy): `2P2D` (2 prefill then 2 decode replicas), `1P3D`, `4B` (4 ordinary
+    /// replicas), or `prefill,decode,...`; BYPASS is `[pd] bypass_uncached_tokens` (default 256,
+    /// 0 = off). Sets the replica count; the central reference is not run.
+    #[arg(long = "pd")]
+    pub pd: Vec<String>,
+    /// KV bytes per prompt token moved from prefill to decode (P/D runs).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// The prefill-to-decode link in Gb/s (P/D runs).
+    #[arg(long, default_value_t = 100.0)]
+    pub link_gbps: f64,
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -133,25 +146,32 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         },
         ..Default::default()
     };
-    let mut runs: Vec<(SimConfig, &str)> = policies
-        .iter()
-        .map(|p| {
-            (
-                SimConfig {
-                    policy: *p,
-                    ..base.clone()
-                },
-                "",
-            )
-        })
-        .collect();
-    if args.central {
+    let shapes = pd_shapes(&args)?;
+    let mut runs: Vec<(SimConfig, String)> = Vec::new();
+    for (pd, name) in &shapes {
+        for p in &policies {
+            let replicas = pd.as_ref().map_or(base.replicas, |x| x.roles.len());
+            let cfg = SimConfig {
+                policy: *p,
+                replicas,
+                pd: pd.clone(),
+                ..base.clone()
+            };
+            let label = if name.is_empty() {
+                p.as_str().to_string()
+            } else {
+                format!("{p} {name}")
+            };
+            runs.push((cfg, label));
+        }
+    }
+    if args.central && args.pd.is_empty() {
         runs.push((
             SimConfig {
                 oracle: true,
                 ..base.clone()
             },
-            "",
+            CENTRAL_GREEDY.into(),
         ));
     }
     let ideal = workload::ideal_hit_ratio(&workload);
@@ -170,7 +190,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         base.failures.len()
     );
     let mut reports = Vec::new();
-    for (cfg, _) in runs {
+    let mut names = Vec::new();
+    for (cfg, name) in runs {
         let started = Instant::now();
         let report = run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
         eprintln!(
@@ -179,8 +200,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             started.elapsed().as_secs_f64()
         );
         reports.push(report);
+        names.push(name);
     }
     let mut table = markdown(&reports, ideal);
+    table.push('\n');
+    let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
+    table.push_str(&sim_pd::markdown(&labelled));
     let splits: Vec<_> = reports
         .iter()
         .filter_map(|r| Some((r.policy.as_str(), r.tenant_split.as_ref()?)))
@@ -225,6 +250,35 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     report::ratio_bars_chart(&args.out.join("sim-hit-ratio.svg"), &bars)?;
     eprintln!("reports written to {}", args.out.display());
     Ok(())
+}
+
+/// The P/D runs `--pd` asks for, each with its label; one plain run when none.
+fn pd_shapes(args: &SimArgs) -> anyhow::Result<Vec<(Option<SimPd>, String)>> {
+    if args.pd.is_empty() {
+        return Ok(vec![(None, String::new())]);
+    }
+    args.pd
+        .iter()
+        .map(|spec| {
+            let (shape, bypass) = match spec.split_once('@') {
+                Some((s, b)) => (
+                    s,
+                    b.trim()
+                        .parse()
+                        .with_context(|| format!("--pd {spec}: bypass tokens"))?,
+                ),
+                None => (spec.as_str(), SimPd::default().bypass_uncached_tokens),
+            };
+            let roles = sim_pd::parse_roles(shape).map_err(|e| anyhow::anyhow!("--pd {e}"))?;
+            let pd = SimPd {
+                roles,
+                bypass_uncached_tokens: bypass,
+                kv_bytes_per_token: args.kv_bytes_per_token,
+                link_gbps: args.link_gbps,
+            };
+            Ok((Some(pd), format!("{shape}@{bypass}")))
+        })
+        .collect()
 }
 
 /// The engine preset named on the command line (`8b-h100` or `70b-tp4`).

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::sim_pd::{PdStats, SimPd};
 use super::stats::Distribution;
 use crate::core::cost::CostModel;
 use crate::core::policy::PolicyKind;
@@ -101,6 +102,9 @@ pub struct SimConfig {
     /// Report this tenant's requests apart from every other tenant's (hit ratio, TTFT), e.g.
     /// `big` of the tenants family. Default none.
     pub split_tenant: Option<String>,
+    /// Prefill/decode disaggregation (replica roles, bypass, KV link); `None` = every replica
+    /// runs whole requests. Default none.
+    pub pd: Option<SimPd>,
 }
 
 impl Default for SimConfig {
@@ -127,6 +131,7 @@ impl Default for SimConfig {
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,
+            pd: None,
         }
     }
 }
@@ -154,6 +159,9 @@ impl SimConfig {
                 "failure of node {} but there are only {} nodes",
                 f.node, self.nodes
             )));
+        }
+        if let Some(pd) = &self.pd {
+            pd.validate(self)?;
         }
         self.engine
             .validate()
@@ -200,6 +208,11 @@ pub struct SimReport {
     pub ttft_samples: Vec<f64>,
     /// End-to-end latency, seconds (requests not lost).
     pub latency: Distribution,
+    /// Inter-token latency, seconds: per request of two or more output tokens, (latency −
+    /// TTFT) / (output tokens − 1).
+    pub itl: Distribution,
+    /// Pairs, bypasses and transfer times (when the fleet has roles).
+    pub pd: Option<PdStats>,
     /// Prompt tokens sent.
     pub prompt_tokens: u64,
     /// Prompt tokens the engines served from their prefix caches.

@@ -205,7 +205,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     let mut table = markdown(&reports, ideal);
     table.push('\n');
     let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
-    table.push_str(&sim_pd::markdown(&labelled));
+    table.push_str(&pd_markdown(&labelled));
     let splits: Vec<_> = reports
         .iter()
         .filter_map(|r| Some((r.policy.as_str(), r.tenant_split.as_ref()?)))
@@ -329,5 +329,30 @@ pub fn markdown(reports: &[SimReport], ideal_token_ratio: f64) -> String {
         ));
     }
     s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, tokens): {ideal_token_ratio:.3}\n"));
+    s
+}
+
+/// The TTFT / ITL / P/D table of the runs (printed under the main one).
+pub fn pd_markdown(reports: &[(String, &SimReport)]) -> String {
+    let mut s = String::from(
+        "| run | TTFT mean (s) | p50 | p99 | ITL mean (ms) | p50 | p99 | hit ratio | pairs | bypassed | transfer p50 (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (name, r) in reports {
+        let pd = r.pd.clone().unwrap_or_default();
+        s.push_str(&format!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1} | {:.3} | {} | {} | {:.1} |\n",
+            name,
+            r.ttft.mean,
+            r.ttft.p50,
+            r.ttft.p99,
+            r.itl.mean * 1000.0,
+            r.itl.p50 * 1000.0,
+            r.itl.p99 * 1000.0,
+            r.hit_token_ratio,
+            pd.pairs,
+            pd.bypassed,
+            pd.transfer.p50 * 1000.0
+        ));
+    }
     s
 }

@@ -161,7 +161,8 @@ impl SimConfig {
             )));
         }
         if let Some(pd) = &self.pd {
-            pd.validate(self)?;
+            pd.validate(self.replicas, self.oracle)
+                .map_err(SimError::Config)?;
         }
         self.engine
             .validate()

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::sim_config::{SimConfig, SimError, SimReport};
 use super::stats::Distribution;
 use crate::core::pd::PdConfig;
 use crate::core::role::Role;
@@ -65,13 +64,14 @@ impl SimPd {
         Duration::try_from_secs_f64(bits / (self.link_gbps * 1e9)).unwrap_or(Duration::MAX)
     }
 
-    pub(super) fn validate(&self, cfg: &SimConfig) -> Result<(), SimError> {
-        let bad = |m: String| Err(SimError::Config(m));
-        if self.roles.len() != cfg.replicas {
+    /// Checks it against a fleet of `replicas` (and the central reference, which cannot pair).
+    pub(super) fn validate(&self, replicas: usize, oracle: bool) -> Result<(), String> {
+        let bad = |m: String| Err(m);
+        if self.roles.len() != replicas {
             return bad(format!(
                 "{} roles for {} replicas",
                 self.roles.len(),
-                cfg.replicas
+                replicas
             ));
         }
         if !self.roles.iter().any(|r| r.decodes()) {
@@ -80,7 +80,7 @@ impl SimPd {
         if !(self.link_gbps.is_finite() && self.link_gbps > 0.0) {
             return bad("link_gbps must be > 0".into());
         }
-        if cfg.oracle {
+        if oracle {
             return bad("the central reference router does not pair replicas".into());
         }
         Ok(())
@@ -176,35 +176,10 @@ pub(super) fn itl(latency_s: f64, ttft_s: f64, output_tokens: u32) -> Option<f64
     (output_tokens >= 2).then(|| (latency_s - ttft_s).max(0.0) / f64::from(output_tokens - 1))
 }
 
-/// The TTFT / ITL / P/D table of the runs (printed under the main one).
-pub fn markdown(reports: &[(String, &SimReport)]) -> String {
-    let mut s = String::from(
-        "| run | TTFT mean (s) | p50 | p99 | ITL mean (ms) | p50 | p99 | hit ratio | pairs | bypassed | transfer p50 (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
-    for (name, r) in reports {
-        let pd = r.pd.clone().unwrap_or_default();
-        s.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1} | {:.3} | {} | {} | {:.1} |\n",
-            name,
-            r.ttft.mean,
-            r.ttft.p50,
-            r.ttft.p99,
-            r.itl.mean * 1000.0,
-            r.itl.p50 * 1000.0,
-            r.itl.p99 * 1000.0,
-            r.hit_token_ratio,
-            pd.pairs,
-            pd.bypassed,
-            pd.transfer.p50 * 1000.0
-        ));
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::sim::run;
+    use crate::bench::sim::{run, SimConfig};
     use crate::bench::workload::WorkloadRequest;
 
     /// Requests with one shared prompt of `tokens`, `gap_s` apart, 8 output tokens each.

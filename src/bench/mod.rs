@@ -16,6 +16,7 @@ pub mod sim_cli;
 pub mod sim_config;
 mod sim_exact;
 pub mod sim_gossip;
+pub mod sim_pd;
 pub mod stats;
 pub mod tenant_args;
 pub mod tier_args;

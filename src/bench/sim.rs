@@ -58,6 +58,7 @@ pub use super::sim_classes::{class_label, class_stats};
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_exact::ExactFeed;
 use super::sim_gossip::{epidemic_hops, NodeLag, Published};
+use super::sim_pd::{itl, submit_decode, Leg, PdStats};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
@@ -66,6 +67,7 @@ use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
+use crate::core::pd::{self, PdChoice, WholeReason};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
@@ -100,6 +102,8 @@ enum Event {
     Rehome(usize),
     /// A request waiting in this node's admission queue reaches its deadline.
     QueueDeadline(usize),
+    /// A pair's KV has crossed the link: the request enters its decode engine.
+    Transfer(usize),
 }
 
 /// One replica's load as its home scrapes and publishes it.
@@ -183,6 +187,10 @@ struct InFlight {
     active: bool,
     /// Its node failed while it ran: the client lost it.
     lost: bool,
+    /// Whole, or which leg of a pair (`sim_pd.rs`).
+    leg: Leg,
+    /// Its time to first token, seconds, once known (for the inter-token latency).
+    ttft_s: f64,
 }
 
 type Queue = BinaryHeap<Reverse<(Duration, u64, Event)>>;
@@ -255,6 +263,7 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
             Event::NodeDown(n) => sim.node_down(n, now),
             Event::Rehome(n) => sim.rehome(n)?,
             Event::QueueDeadline(n) => sim.queue_deadline(n, now),
+            Event::Transfer(i) => sim.transferred(i, now),
         }
     }
     if cfg.progress && shown < 100 {
@@ -320,6 +329,11 @@ struct Sim<'a> {
     /// split.
     per_request: Vec<(f64, u64, u64)>,
     latency: Vec<f64>,
+    itl: Vec<f64>,
+    /// Pairs' prompts, from arrival until they enter their decode engine.
+    pd_prompts: std::collections::HashMap<usize, Vec<u32>>,
+    pd: PdStats,
+    transfers: Vec<f64>,
     prompt_tokens: u64,
     cached_tokens: u64,
     errors: usize,
@@ -367,7 +381,14 @@ impl<'a> Sim<'a> {
                     capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
                     max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
-                    pd: Default::default(),
+                    pd: crate::core::role::PdFacts {
+                        role: cfg
+                            .pd
+                            .as_ref()
+                            .and_then(|p| p.roles.get(i).copied())
+                            .unwrap_or_default(),
+                        ..Default::default()
+                    },
                     kv_load: cfg.kv_load,
                 })
             })
@@ -478,6 +499,10 @@ impl<'a> Sim<'a> {
             ttft: Vec::with_capacity(reqs.len()),
             per_request: vec![(f64::NAN, 0, 0); reqs.len()],
             latency: Vec::with_capacity(reqs.len()),
+            itl: Vec::with_capacity(reqs.len()),
+            pd_prompts: Default::default(),
+            pd: PdStats::default(),
+            transfers: Vec::new(),
             prompt_tokens: 0,
             cached_tokens: 0,
             errors: 0,
@@ -547,12 +572,13 @@ impl<'a> Sim<'a> {
         let prompt = tokenize(&self.text);
         let client_region = self.nodes[client].region;
 
+        let mut decode = None;
         let (node, r, uncached, mut extra) = if self.cfg.oracle {
             let (r, uncached) = self.oracle_pick(&prompt, client_region);
             (client, r, uncached, Duration::ZERO)
         } else {
             let (node, r, hit_blocks, extra) =
-                match self.route(client, i, prompt.len(), now, may_queue) {
+                match self.route(client, i, prompt.len(), now, may_queue, &mut decode) {
                     Routing::Sent(node, r, hit, extra) => (node, r, hit, extra),
                     Routing::Queued(node, room) => {
                         if room {
@@ -607,6 +633,14 @@ impl<'a> Sim<'a> {
             if let (Some(last), Some(s)) = (self.keys.last(), self.shares.back_mut()) {
                 s.tip = Some((*last, self.keys.len() as u32, now + ready_in));
             }
+            if let Some(d) = decode {
+                // The decode leg, as the live node books it: in flight, its blocks arriving with
+                // the hand-over (from the prefill's predicted end).
+                if let Some(nr) = self.nodes[node].routing.as_mut() {
+                    nr.view.record_routed_ready(d, &self.keys, now, ready_in);
+                }
+                self.share(now, node, d, 1, 0);
+            }
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -618,15 +652,29 @@ impl<'a> Sim<'a> {
             extra,
             lost: false,
             active: false,
+            leg: decode.map_or(Leg::Whole, |decode| Leg::Prefill { decode }),
+            ttft_s: f64::NAN,
         };
         let hashes =
             (!self.exact.is_empty()).then(|| block_hashes(&prompt, self.cfg.engine.block_tokens));
+        if decode.is_some() {
+            self.pd_prompts.insert(i, prompt.clone());
+        }
         let request = Request {
             id: i as u64,
             prompt,
-            max_tokens: req.output_tokens.max(1),
+            // A prefill leg generates one token, as vLLM's proxies ask of it.
+            max_tokens: if decode.is_some() {
+                1
+            } else {
+                req.output_tokens.max(1)
+            },
         };
         if self.engines[r].submit(request, now).is_err() {
+            self.pd_prompts.remove(&i);
+            if let Some(d) = decode {
+                self.decode_gone(node, d, now);
+            }
             self.fail_early();
             if let Some(nr) = self.nodes[node].routing.as_mut() {
                 nr.view.finished(r);
@@ -656,6 +704,7 @@ impl<'a> Sim<'a> {
         prompt_tokens: usize,
         now: Duration,
         may_queue: bool,
+        decode: &mut Option<usize>,
     ) -> Routing {
         let req = &self.reqs[i];
         let mut node = client;
@@ -675,13 +724,33 @@ impl<'a> Sim<'a> {
             let Some(nr) = self.nodes[node].routing.as_mut() else {
                 return Routing::Failed;
             };
-            match nr.router.route(&nr.view, &rr, now) {
+            let decision = match &self.cfg.pd {
+                None => nr.router.route(&nr.view, &rr, now),
+                Some(pd) => match pd::choose(&mut nr.router, &nr.view, &rr, now, &pd.core()) {
+                    PdChoice::Pair(p) => {
+                        self.pd.pairs += 1;
+                        *decode = Some(p.decode);
+                        Decision::Route(p.prefill)
+                    }
+                    PdChoice::Whole { decision, reason } => {
+                        if reason == WholeReason::Bypass {
+                            self.pd.bypassed += 1;
+                        } else {
+                            self.pd.whole_other += 1;
+                        }
+                        decision
+                    }
+                },
+            };
+            match decision {
                 Decision::Route(d) => {
                     // As the live node does (`node::admission`): a request that finds every
                     // replica full, or others waiting, waits in the node's queue.
-                    if let (true, Some(q), Some(p)) =
-                        (may_queue, nr.admission.as_mut(), &self.cfg.priorities)
-                    {
+                    if let (true, Some(q), Some(p)) = (
+                        may_queue && decode.is_none(),
+                        nr.admission.as_mut(),
+                        &self.cfg.priorities,
+                    ) {
                         if d.saturated || !q.is_empty() {
                             let t = nr.router.tenants.config(rr.tenant);
                             let class = resolve(
@@ -847,7 +916,12 @@ impl<'a> Sim<'a> {
                     prompt_tokens: p,
                 } => {
                     let f = self.flights[id as usize];
-                    let keys = std::mem::take(&mut self.routed_keys[id as usize]);
+                    // A pair's keys serve twice: the prefill's cache, then the decode's.
+                    let keys = if matches!(f.leg, Leg::Prefill { .. }) {
+                        self.routed_keys[id as usize].clone()
+                    } else {
+                        std::mem::take(&mut self.routed_keys[id as usize])
+                    };
                     // A report to a dead home is lost.
                     if !self.orphaned[r] {
                         let slot = self
@@ -860,14 +934,31 @@ impl<'a> Sim<'a> {
                             self.models[r].attribute(&keys, slot);
                         }
                     }
+                    let ttft = (now - f.arrival + f.extra).as_secs_f64();
+                    if let Leg::Decode { .. } = f.leg {
+                        // The handed-over blocks are not hits; the client's first token is this.
+                        if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+                            nr.view.prefill_done(r, &keys, now);
+                        }
+                        if !f.lost {
+                            self.ttft.push(ttft);
+                            self.per_request[id as usize].0 = ttft;
+                        }
+                        self.flights[id as usize].ttft_s = ttft;
+                        continue;
+                    }
                     self.prompt_tokens += p as u64;
                     self.cached_tokens += c as u64;
-                    let ttft = (now - f.arrival + f.extra).as_secs_f64();
-                    if !f.lost {
+                    let whole = f.leg == Leg::Whole;
+                    if !f.lost && whole {
                         self.ttft.push(ttft);
+                        self.flights[id as usize].ttft_s = ttft;
                     }
-                    self.per_request[id as usize] =
-                        (if f.lost { f64::NAN } else { ttft }, p as u64, c as u64);
+                    self.per_request[id as usize] = (
+                        if f.lost || !whole { f64::NAN } else { ttft },
+                        p as u64,
+                        c as u64,
+                    );
                     self.pending_prefill[r] =
                         self.pending_prefill[r].saturating_sub(f.uncached_tokens);
                     if let Some(nr) = self.nodes[f.node].routing.as_mut() {
@@ -885,9 +976,18 @@ impl<'a> Sim<'a> {
                 }
                 Output::Finished { id } => {
                     let f = self.flights[id as usize];
+                    if let Leg::Prefill { decode } = f.leg {
+                        self.prefill_leg_done(id as usize, r, decode, now);
+                        continue;
+                    }
                     self.flights[id as usize].active = false;
                     if !f.lost {
-                        self.latency.push((now - f.arrival + f.extra).as_secs_f64());
+                        let latency = (now - f.arrival + f.extra).as_secs_f64();
+                        self.latency.push(latency);
+                        let out = self.reqs[id as usize].output_tokens.max(1);
+                        if let Some(x) = itl(latency, f.ttft_s, out).filter(|x| x.is_finite()) {
+                            self.itl.push(x);
+                        }
                     }
                     if let Some(nr) = self.nodes[f.node].routing.as_mut() {
                         nr.view.finished(f.replica);
@@ -915,6 +1015,53 @@ impl<'a> Sim<'a> {
             }
         }
         self.schedule(r);
+    }
+
+    /// Request `i`'s prefill leg ended on replica `r`: its KV crosses the link to `decode`.
+    fn prefill_leg_done(&mut self, i: usize, r: usize, decode: usize, now: Duration) {
+        let f = self.flights[i];
+        if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+            nr.view.finished(r);
+            self.share(now, f.node, r, -1, 0);
+        }
+        let tokens = self.pd_prompts.get(&i).map_or(0, Vec::len);
+        let t = self
+            .cfg
+            .pd
+            .as_ref()
+            .map_or(Duration::ZERO, |p| p.transfer_time(tokens))
+            .min(MAX_VIRTUAL_TIME);
+        self.transfers.push(t.as_secs_f64());
+        self.flights[i].leg = Leg::Decode { prefill: r };
+        self.flights[i].replica = decode;
+        self.push(now + t, Event::Transfer(i));
+    }
+
+    /// Request `i`'s KV has reached its decode replica: the decode leg starts.
+    fn transferred(&mut self, i: usize, now: Duration) {
+        let f = self.flights[i];
+        let prompt = self.pd_prompts.remove(&i).unwrap_or_default();
+        let out = self.reqs[i].output_tokens;
+        if prompt.is_empty() || !submit_decode(&mut self.engines[f.replica], i, prompt, out, now) {
+            self.flights[i].active = false;
+            self.decode_gone(f.node, f.replica, now);
+            if f.lost {
+                self.done += 1;
+            } else {
+                self.fail_early();
+            }
+            return;
+        }
+        self.per_replica[f.replica] += 1;
+        self.schedule(f.replica);
+    }
+
+    /// A pair's decode leg, booked at node `node`, will not run.
+    fn decode_gone(&mut self, node: usize, d: usize, now: Duration) {
+        if let Some(nr) = self.nodes[node].routing.as_mut() {
+            nr.view.finished(d);
+            self.share(now, node, d, -1, 0);
+        }
     }
 
     /// Pushes replica `r`'s next wake-up unless an earlier one is already queued.
@@ -1393,6 +1540,11 @@ impl<'a> Sim<'a> {
             ttft: Distribution::of(&mut self.ttft),
             ttft_samples: self.ttft,
             latency: Distribution::of(&mut self.latency),
+            itl: Distribution::of(&mut self.itl),
+            pd: self.cfg.pd.as_ref().map(|_| PdStats {
+                transfer: Distribution::of(&mut self.transfers),
+                ..self.pd.clone()
+            }),
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
             cpu_hit_tokens: self.engines.iter().map(|e| e.stats().cpu_hit_tokens).sum(),

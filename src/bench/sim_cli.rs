@@ -14,6 +14,7 @@ use super::report;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
 use super::sim_classes::{class_markdown, ClassStats};
+use super::sim_pd::{self, SimPd};
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::tier_args::TierArgs;
 use super::workload::{self, WorkloadArgs, WorkloadKind};
@@ -89,6 +90,18 @@ pub struct SimArgs {
     /// Routing-text block size in bytes (the node's `block_bytes`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub block_bytes: u64,
+    /// A prefill/decode fleet shape to simulate, SHAPE[@BYPASS] (repeatable: one run per shape
+    /// and policy): `2P2D` (2 prefill then 2 decode replicas), `1P3D`, `4B` (4 ordinary
+    /// replicas), or `prefill,decode,...`; BYPASS is `[pd] bypass_uncached_tokens` (default 256,
+    /// 0 = off). Sets the replica count; the central reference is not run.
+    #[arg(long = "pd")]
+    pub pd: Vec<String>,
+    /// KV bytes per prompt token moved from prefill to decode (P/D runs).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// The prefill-to-decode link in Gb/s (P/D runs).
+    #[arg(long, default_value_t = 100.0)]
+    pub link_gbps: f64,
     /// Engine preset: `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -174,29 +187,40 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if args.dp_ranks <= 1 {
         named = vec![true];
     }
+    let shapes = pd_shapes(&args)?;
     let mut runs: Vec<(SimConfig, String)> = Vec::new();
-    for p in &policies {
-        for mode in args.hot.modes() {
-            for n in &named {
-                let hot = if mode.is_some() { " +hot" } else { "" };
-                let rank = match (base.dp_ranks > 1, *n) {
-                    (false, _) => "",
-                    (true, true) => " rank=header",
-                    (true, false) => " rank=off",
-                };
-                runs.push((
-                    SimConfig {
-                        policy: *p,
-                        hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
-                        dp_rank_named: *n,
-                        ..base.clone()
-                    },
-                    format!("{hot}{rank}"),
-                ));
+    for (pd, shape) in &shapes {
+        let replicas = pd.as_ref().map_or(base.replicas, |x| x.roles.len());
+        let shape = if shape.is_empty() {
+            String::new()
+        } else {
+            format!(" {shape}")
+        };
+        for p in &policies {
+            for mode in args.hot.modes() {
+                for n in &named {
+                    let hot = if mode.is_some() { " +hot" } else { "" };
+                    let rank = match (base.dp_ranks > 1, *n) {
+                        (false, _) => "",
+                        (true, true) => " rank=header",
+                        (true, false) => " rank=off",
+                    };
+                    runs.push((
+                        SimConfig {
+                            policy: *p,
+                            replicas,
+                            pd: pd.clone(),
+                            hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
+                            dp_rank_named: *n,
+                            ..base.clone()
+                        },
+                        format!("{shape}{hot}{rank}"),
+                    ));
+                }
             }
         }
     }
-    if args.central {
+    if args.central && args.pd.is_empty() {
         runs.push((
             SimConfig {
                 oracle: true,
@@ -221,6 +245,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         base.failures.len()
     );
     let mut reports = Vec::new();
+    let mut names = Vec::new();
     for (cfg, label) in runs {
         let started = Instant::now();
         let mut report =
@@ -234,9 +259,13 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             report.policy,
             started.elapsed().as_secs_f64()
         );
+        names.push(report.policy.clone());
         reports.push(report);
     }
     let mut table = markdown(&reports, ideal);
+    table.push('\n');
+    let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
+    table.push_str(&pd_markdown(&labelled));
     let splits: Vec<_> = reports
         .iter()
         .filter_map(|r| Some((r.policy.as_str(), r.tenant_split.as_ref()?)))
@@ -313,6 +342,35 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The P/D runs `--pd` asks for, each with its label; one plain run when none.
+fn pd_shapes(args: &SimArgs) -> anyhow::Result<Vec<(Option<SimPd>, String)>> {
+    if args.pd.is_empty() {
+        return Ok(vec![(None, String::new())]);
+    }
+    args.pd
+        .iter()
+        .map(|spec| {
+            let (shape, bypass) = match spec.split_once('@') {
+                Some((s, b)) => (
+                    s,
+                    b.trim()
+                        .parse()
+                        .with_context(|| format!("--pd {spec}: bypass tokens"))?,
+                ),
+                None => (spec.as_str(), SimPd::default().bypass_uncached_tokens),
+            };
+            let roles = sim_pd::parse_roles(shape).map_err(|e| anyhow::anyhow!("--pd {e}"))?;
+            let pd = SimPd {
+                roles,
+                bypass_uncached_tokens: bypass,
+                kv_bytes_per_token: args.kv_bytes_per_token,
+                link_gbps: args.link_gbps,
+            };
+            Ok((Some(pd), format!("{shape}@{bypass}")))
+        })
+        .collect()
+}
+
 /// The engine preset named on the command line (`8b-h100` or `70b-tp4`).
 pub fn parse_preset(name: &str) -> anyhow::Result<Preset> {
     match name {
@@ -380,5 +438,30 @@ pub fn markdown(reports: &[SimReport], ideal_token_ratio: f64) -> String {
         ));
     }
     s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, tokens): {ideal_token_ratio:.3}\n"));
+    s
+}
+
+/// The TTFT / ITL / P/D table of the runs (printed under the main one).
+pub fn pd_markdown(reports: &[(String, &SimReport)]) -> String {
+    let mut s = String::from(
+        "| run | TTFT mean (s) | p50 | p99 | ITL mean (ms) | p50 | p99 | hit ratio | pairs | bypassed | transfer p50 (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (name, r) in reports {
+        let pd = r.pd.clone().unwrap_or_default();
+        s.push_str(&format!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1} | {:.3} | {} | {} | {:.1} |\n",
+            name,
+            r.ttft.mean,
+            r.ttft.p50,
+            r.ttft.p99,
+            r.itl.mean * 1000.0,
+            r.itl.p50 * 1000.0,
+            r.itl.p99 * 1000.0,
+            r.hit_token_ratio,
+            pd.pairs,
+            pd.bypassed,
+            pd.transfer.p50 * 1000.0
+        ));
+    }
     s
 }

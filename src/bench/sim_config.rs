@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::sim_pd::{PdStats, SimPd};
 use super::stats::Distribution;
 use crate::core::cost::CostModel;
 use crate::core::hot_prefix::HotPrefixConfig;
@@ -132,6 +133,9 @@ pub struct SimConfig {
     pub priorities: Option<PrioritiesConfig>,
     /// Every replica's `max_in_flight`. Default: the engine's `max_num_seqs`.
     pub max_in_flight: Option<u32>,
+    /// Prefill/decode disaggregation (replica roles, bypass, KV link); `None` = every replica
+    /// runs whole requests. Default none.
+    pub pd: Option<SimPd>,
 }
 
 impl Default for SimConfig {
@@ -166,6 +170,7 @@ impl Default for SimConfig {
             exact_homes: false,
             priorities: None,
             max_in_flight: None,
+            pd: None,
         }
     }
 }
@@ -206,6 +211,10 @@ impl SimConfig {
         if let Some(p) = &self.priorities {
             p.validate()
                 .map_err(|(k, m)| SimError::Config(format!("priorities.{k}: {m}")))?;
+        }
+        if let Some(pd) = &self.pd {
+            pd.validate(self.replicas, self.oracle)
+                .map_err(SimError::Config)?;
         }
         self.engine
             .validate()
@@ -252,6 +261,11 @@ pub struct SimReport {
     pub ttft_samples: Vec<f64>,
     /// End-to-end latency, seconds (requests not lost).
     pub latency: Distribution,
+    /// Inter-token latency, seconds: per request of two or more output tokens, (latency −
+    /// TTFT) / (output tokens − 1).
+    pub itl: Distribution,
+    /// Pairs, bypasses and transfer times (when the fleet has roles).
+    pub pd: Option<PdStats>,
     /// Prompt tokens sent.
     pub prompt_tokens: u64,
     /// Prompt tokens the engines served from their prefix caches.

@@ -114,6 +114,14 @@ impl DpEngine {
         Ok(r)
     }
 
+    /// Queues a decode whose prompt's KV was handed over ([`Engine::submit_with_kv`]) on the
+    /// rank [`RankPick`] picks; returns that rank.
+    pub fn submit_with_kv(&mut self, req: Request, now: Duration) -> Result<usize, SubmitError> {
+        let r = self.choose(&req);
+        self.ranks[r].submit_with_kv(req, now)?;
+        Ok(r)
+    }
+
     /// Drops request `id` from whichever rank holds it (a no-op on the others: ids are unique).
     pub fn cancel(&mut self, id: u64) {
         for e in &mut self.ranks {

@@ -86,16 +86,7 @@ fn decisions(c: &mut Criterion) {
                     },
                     Tenants::default(),
                 );
-                let req = RouteRequest {
-                    model: "llama",
-                    keys: &keys,
-                    prompt_tokens: tokens as u64,
-                    session: None,
-                    affinity_key: None,
-                    tenant: None,
-                    forwarded: false,
-                    exclude: &[],
-                };
+                let req = RouteRequest::plain("llama", &keys, tokens as u64);
                 let id =
                     BenchmarkId::new(policy.as_str(), format!("{replicas}r-{}k", tokens / 1024));
                 g.bench_function(id, |b| {
@@ -131,16 +122,7 @@ fn decisions(c: &mut Criterion) {
             v.peer_tips.insert(*last, tip(1, 100));
         }
         let mut router = Router::new(RouterConfig::default(), Tenants::default());
-        let req = RouteRequest {
-            model: "llama",
-            keys: &keys,
-            prompt_tokens: 32_768,
-            session: None,
-            affinity_key: None,
-            tenant: None,
-            forwarded: false,
-            exclude: &[],
-        };
+        let req = RouteRequest::plain("llama", &keys, 32_768);
         let id = BenchmarkId::new("p2c-cache", format!("{replicas}r-32k-with-peer-tips"));
         g.bench_function(id, |b| {
             b.iter(|| black_box(router.route(&v, black_box(&req), Duration::from_secs(1))))

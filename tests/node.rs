@@ -251,16 +251,7 @@ async fn blocks_count_from_the_predicted_prefill_end_and_are_learned_at_the_firs
     cfg.replicas[0].models = vec![MODEL.into()];
     cfg.replicas[0].prefill_tokens_per_s = 1_000.0;
     let node = Node::new(cfg).unwrap();
-    let req = |keys: &'static [BlockKey]| RouteRequest {
-        model: MODEL,
-        keys,
-        prompt_tokens: 5_000,
-        session: None,
-        affinity_key: None,
-        tenant: None,
-        forwarded: false,
-        exclude: &[],
-    };
+    let req = |keys: &'static [BlockKey]| RouteRequest::plain(MODEL, keys, 5_000);
     let route = |keys: &'static [BlockKey]| {
         let (d, t) = node.route(&req(keys));
         assert!(matches!(d, Decision::Route(_)), "{d:?}");

@@ -230,16 +230,7 @@ mod tests {
     }
 
     fn req(keys: &[BlockKey]) -> RouteRequest<'_> {
-        RouteRequest {
-            model: "m",
-            keys,
-            prompt_tokens: keys.len() as u64 * 64,
-            session: None,
-            affinity_key: None,
-            tenant: None,
-            forwarded: false,
-            exclude: &[],
-        }
+        RouteRequest::plain("m", keys, keys.len() as u64 * 64)
     }
 
     fn router() -> Router {

@@ -733,16 +733,7 @@ mod tests {
     }
 
     fn req<'a>(keys: &'a [BlockKey]) -> RouteRequest<'a> {
-        RouteRequest {
-            model: "m",
-            keys,
-            prompt_tokens: keys.len() as u64 * 64,
-            session: None,
-            affinity_key: None,
-            tenant: None,
-            forwarded: false,
-            exclude: &[],
-        }
+        RouteRequest::plain("m", keys, keys.len() as u64 * 64)
     }
 
     fn prompt_keys(text: &str) -> Vec<BlockKey> {

@@ -684,82 +684,70 @@ fn members_of(
     };
     let mut out = Vec::new();
     for (id, state) in c.node_states() {
-        let node = state.get(KEY_NODE).and_then(|v| {
-            NodeRecord::decode(v)
-                .map_err(|e| count_err("node", id, &e))
-                .ok()
-        });
-        let mut replicas = BTreeMap::new();
-        for (key, v) in state.iter_prefix(REPLICA_PREFIX) {
-            let Some(rid) = key.strip_prefix(REPLICA_PREFIX) else {
-                continue;
-            };
-            // The id comes from the key, which no value limit bounds.
-            if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
-                count_err(
-                    "key",
-                    id,
-                    &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
-                );
-                continue;
-            }
-            match ReplicaRecord::decode(&v.value) {
-                Ok(r) => {
-                    replicas.insert(rid.to_owned(), r);
-                }
-                Err(e) => count_err("replica", id, &e),
-            }
+        // One small record under `key`: absent or malformed (counted) reads as none.
+        fn one<T>(
+            state: &chitchat::NodeState,
+            key: &str,
+            decode: impl Fn(&str) -> Result<T, SchemaError>,
+            bad: impl Fn(&SchemaError),
+        ) -> Option<T> {
+            state
+                .get(key)
+                .and_then(|v| decode(v).map_err(|e| bad(&e)).ok())
         }
-        let inflight = state
-            .get(KEY_INFLIGHT)
-            .and_then(|v| {
-                InflightRecord::decode(v)
-                    .map_err(|e| count_err("inflight", id, &e))
-                    .ok()
-            })
-            .unwrap_or_default();
-        let rtt = state
-            .get(KEY_RTT)
-            .and_then(|v| {
-                RttRecord::decode(v)
-                    .map_err(|e| count_err("rtt", id, &e))
-                    .ok()
-            })
-            .unwrap_or_default();
-        let hot = state
-            .get(KEY_HOT)
-            .and_then(|v| {
-                HotRecord::decode(v)
-                    .map_err(|e| count_err("hot", id, &e))
-                    .ok()
-            })
-            .unwrap_or_default();
-        let homes = state.get(KEY_HOMES).and_then(|v| {
-            HomesRecord::decode(v)
-                .map_err(|e| count_err("homes", id, &e))
-                .ok()
-        });
-        let mut admin = BTreeMap::new();
-        for (key, v) in state.iter_prefix(ADMIN_PREFIX).take(MAX_ADMIN_RECORDS) {
-            let Some(rid) = key.strip_prefix(ADMIN_PREFIX) else {
-                continue;
-            };
-            // The id comes from the key, which no value limit bounds.
-            if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
-                count_err(
-                    "key",
-                    id,
-                    &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
-                );
-                continue;
-            }
-            match AdminRecord::decode(&v.value) {
-                Ok(r) => {
-                    admin.insert(rid.to_owned(), r);
+        // Records keyed `<prefix><replica id>`: ids come from keys, which no value limit
+        // bounds, so an empty or over-long id is dropped and counted like a bad value.
+        fn by_replica<T>(
+            state: &chitchat::NodeState,
+            prefix: &str,
+            cap: usize,
+            decode: impl Fn(&str) -> Result<T, SchemaError>,
+            bad: impl Fn(&str, &SchemaError),
+        ) -> BTreeMap<String, T> {
+            let mut out = BTreeMap::new();
+            for (key, v) in state.iter_prefix(prefix).take(cap) {
+                let Some(rid) = key.strip_prefix(prefix) else {
+                    continue;
+                };
+                if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
+                    bad(
+                        "key",
+                        &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
+                    );
+                    continue;
                 }
-                Err(e) => count_err("admin", id, &e),
+                match decode(&v.value) {
+                    Ok(r) => {
+                        out.insert(rid.to_owned(), r);
+                    }
+                    Err(e) => bad(prefix.trim_end_matches(':'), &e),
+                }
             }
+            out
         }
+        let bad = |what: &str, e: &SchemaError| count_err(what, id, e);
+        let node = one(state, KEY_NODE, NodeRecord::decode, |e| bad("node", e));
+        let replicas = by_replica(
+            state,
+            REPLICA_PREFIX,
+            usize::MAX,
+            ReplicaRecord::decode,
+            bad,
+        );
+        let inflight = one(state, KEY_INFLIGHT, InflightRecord::decode, |e| {
+            bad("inflight", e)
+        })
+        .unwrap_or_default();
+        let rtt = one(state, KEY_RTT, RttRecord::decode, |e| bad("rtt", e)).unwrap_or_default();
+        let hot = one(state, KEY_HOT, HotRecord::decode, |e| bad("hot", e)).unwrap_or_default();
+        let homes = one(state, KEY_HOMES, HomesRecord::decode, |e| bad("homes", e));
+        let admin = by_replica(
+            state,
+            ADMIN_PREFIX,
+            MAX_ADMIN_RECORDS,
+            AdminRecord::decode,
+            bad,
+        );
         out.push(Member {
             node_id: id.node_id.to_string(),
             generation: id.generation_id,

@@ -1,6 +1,7 @@
 //! Hot-prefix replication in the live node: the driver of `core::hot_prefix`.
 //!
-//! - Requests are counted as they are keyed (`proxy::forward` calls [`Node::observe_hot`]; text
+//! - With `[hot_prefix] enabled`, requests are counted as they are keyed (`proxy::forward`
+//!   calls [`Node::observe_hot`]; off, it returns at once and nothing is counted; text
 //!   is passed only for `/v1/completions` in text mode, where block `i` of the keys is bytes
 //!   `i · block_bytes ..` of the prompt the engine sees, so a warm-up reproduces it).
 //! - Every gossip round (`mesh_loop.rs`) the region's peers' `hot` records are merged in and
@@ -92,6 +93,11 @@ impl Node {
     /// Counts a keyed request in the hot-prefix sketch. `text` only when block `i` of `keys` is
     /// bytes `i · block_bytes ..` of the prompt the engine sees (text mode, completions).
     pub fn observe_hot(&self, model: &str, keys: &[BlockKey], text: Option<&str>) {
+        // Off, no request pays for the sketch (one more lock per request): the node counts and
+        // publishes no heat, and the gauge reads 0.
+        if !self.cfg.hot_prefix.enabled {
+            return;
+        }
         let now = self.now();
         let req = Observed {
             model,

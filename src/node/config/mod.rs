@@ -134,7 +134,7 @@ pub struct NodeConfig {
     /// Prefill/decode disaggregation (`[pd]`, `docs/pd.md`). Default off.
     pub pd: PdSection,
     /// Hot-prefix detection and replication (`[hot_prefix]`, see `core::hot_prefix`):
-    /// detection always runs, warm-ups only with `enabled`. Default: warm-ups off.
+    /// detection and warm-ups only with `enabled`. Default off.
     pub hot_prefix: HotPrefixConfig,
     /// Priority classes and the admission queue (`[priorities]`): with it, a request that finds
     /// every eligible replica at its `max_in_flight`, or its tenant at a quota, waits in a

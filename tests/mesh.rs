@@ -2,7 +2,9 @@
 //!
 //! Each test is bounded by `tokio::time::timeout`; ports come from binding 127.0.0.1:0.
 //! Figures (convergence and detection times, gossip bytes) are printed; run with
-//! `cargo test --test mesh -- --nocapture` to see them.
+//! `cargo test --test mesh -- --nocapture` to see them. These run the flat layout (one cluster,
+//! regions mixed): the mechanics of membership, sync and identity; the regional layout has
+//! `tests/regional.rs`.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,7 +18,9 @@ use kvmesh::mesh::cluster::home_in;
 use kvmesh::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
 use kvmesh::mesh::sync::{needs_pull, RESP_BAD_REQUEST, RESP_OK};
 use kvmesh::mesh::transport::{KIND_BLOCK_REPORT, KIND_GOSSIP, KIND_SUMMARY_REQUEST};
-use kvmesh::mesh::{BlockReport, Mesh, MeshConfig, MeshError, MeshHandler, SummaryRequest};
+use kvmesh::mesh::{
+    BlockReport, GossipLayout, Mesh, MeshConfig, MeshError, MeshHandler, SummaryRequest,
+};
 
 const GOSSIP: Duration = Duration::from_millis(100);
 const CLUSTER: &str = "test-cluster";
@@ -36,6 +40,7 @@ async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -
         ca.issue(name).unwrap(),
     );
     cfg.seeds = seeds.iter().map(|s| s.to_string()).collect();
+    cfg.layout = GossipLayout::Flat;
     cfg.gossip_interval = GOSSIP;
     cfg.rtt_interval = Duration::from_millis(200);
     cfg.http_url = format!("http://{name}.example:8080");
@@ -641,6 +646,7 @@ async fn srv_seed_discovery_joins_the_cluster() {
         );
         cfg.seeds = vec!["srv:_kvmesh._udp.mesh.test.".into()];
         cfg.dns_server = Some(dns);
+        cfg.layout = GossipLayout::Flat;
         cfg.gossip_interval = GOSSIP;
         let b = Mesh::start(cfg).await.unwrap();
         let changes = b.watch_changes().await.unwrap();

@@ -615,15 +615,10 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
             &[(rb.id.clone(), rb.base_url())],
         )
         .await;
-        // a1 learns rb0 from b1's record (it is not in a1's config) and sees it healthy.
-        wait_for(Duration::from_secs(10), || {
-            let s = a1.node.state();
-            s.replicas
-                .iter()
-                .any(|r| r.id == "rb0" && r.health == "healthy" && !r.models.is_empty())
-        })
-        .await
-        .expect("a1 learns region b's replica");
+        // a1 learns region b's offer (rb0 healthy, with room) from b's region record.
+        wait_for(Duration::from_secs(10), || region_offered(&a1, "b", 1))
+            .await
+            .expect("a1 learns region b's replica");
         ra.shutdown().await;
         let http = client();
         // At once, before a1's checks notice: the attempt on ra0 fails, the retry goes to b.
@@ -727,8 +722,9 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
         )
         .await;
         let b2 = mesh_node(dir.path(), "b2", "b", &seed, &list).await;
+        // Regional gossip: a1 knows region b by its record, naming both of b's nodes.
         wait_for(Duration::from_secs(10), || {
-            a1.node.ready() && live_members(&a1).len() == 3
+            a1.node.ready() && region_offered(&a1, "b", 2)
         })
         .await
         .expect("a1 learns region b");
@@ -752,6 +748,20 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
         rb.shutdown().await;
     })
     .await;
+}
+
+/// Whether `n` knows `region` by its region record: an open replica of `MODEL`, and at least
+/// `targets` nodes to forward to.
+fn region_offered(n: &RunningNode, region: &str, targets: usize) -> bool {
+    n.node.state().mesh.is_some_and(|m| {
+        m.regions.iter().any(|r| {
+            r.region == region
+                && r.targets.len() >= targets
+                && r.models
+                    .iter()
+                    .any(|(model, _, open, _)| model == MODEL && *open > 0)
+        })
+    })
 }
 
 /// Child processes killed on drop, whatever the test's outcome.
@@ -1326,13 +1336,7 @@ async fn api_key_tenants_survive_forwarding() {
         .await
         .unwrap();
         wait_for(Duration::from_secs(10), || {
-            a1.node.ready()
-                && a1
-                    .node
-                    .state()
-                    .replicas
-                    .iter()
-                    .any(|r| r.id == "rb0" && r.health == "healthy")
+            a1.node.ready() && region_offered(&a1, "b", 1)
         })
         .await
         .expect("a1 learns region b's replica");

@@ -19,6 +19,8 @@
 //! `RTT + queue + prefill of what the region does not hold` — the region holding the prefix when
 //! its extra round trip costs less than the prefill it saves, else the nearest.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::keys::BlockKey;
@@ -151,6 +153,71 @@ impl RegionOffer {
     }
 }
 
+/// The prefixes this node routed most, as heads at every power-of-two depth of each prompt:
+/// what a representative offers other regions (checked against its region's summaries before it
+/// goes out). A prefix many prompts share gathers counts at each depth it spans; a prompt's own
+/// tail counts once. Bounded: at most `cap` heads; when full, every count halves and the zeros
+/// go, so old prefixes fade and the map never grows past its first allocation.
+#[derive(Debug)]
+pub struct RecentHeads {
+    counts: HashMap<RegionHead, u32>,
+    cap: usize,
+}
+
+impl RecentHeads {
+    /// A counter of at most `cap` heads.
+    pub fn new(cap: usize) -> Self {
+        RecentHeads {
+            counts: HashMap::with_capacity(cap),
+            cap: cap.max(1),
+        }
+    }
+
+    /// Counts a routed prompt's heads (depths 1, 2, 4, … ≤ its length).
+    pub fn record(&mut self, keys: &[BlockKey]) {
+        let len = keys.len().min(MAX_HEAD_DEPTH as usize);
+        let mut depth = 1usize;
+        while depth <= len {
+            let head = RegionHead {
+                key: keys[depth - 1].0,
+                depth: depth as u16,
+            };
+            match self.counts.get_mut(&head) {
+                Some(c) => *c = c.saturating_add(1),
+                None => {
+                    if self.counts.len() >= self.cap {
+                        self.counts.retain(|_, c| {
+                            *c /= 2;
+                            *c > 0
+                        });
+                    }
+                    if self.counts.len() < self.cap {
+                        self.counts.insert(head, 1);
+                    }
+                }
+            }
+            depth *= 2;
+        }
+    }
+
+    /// The `n` heads worth most to another region: count × depth (requests × blocks a hit
+    /// there saves), ties by depth then key.
+    pub fn top(&self, n: usize) -> Vec<RegionHead> {
+        let mut all: Vec<(u64, RegionHead)> = self
+            .counts
+            .iter()
+            .filter(|(_, c)| **c > 1)
+            .map(|(h, c)| (u64::from(*c) * u64::from(h.depth), *h))
+            .collect();
+        all.sort_unstable_by(|a, b| {
+            b.0.cmp(&a.0)
+                .then(b.1.depth.cmp(&a.1.depth))
+                .then(a.1.key.cmp(&b.1.key))
+        });
+        all.into_iter().take(n).map(|(_, h)| h).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +247,29 @@ mod tests {
         assert_eq!(h.key, k[63].0);
         assert_eq!(RegionHead::of(&k[..1]).unwrap().depth, 1);
         assert_eq!(RegionHead::of(&k[..64]).unwrap().depth, 64);
+    }
+
+    #[test]
+    fn recent_heads_rank_shared_prefixes_by_requests_times_depth() {
+        let shared = keys(64);
+        let mut heads = RecentHeads::new(64);
+        for i in 0..20u64 {
+            // A 64-block shared prefix, then a tail of the request's own.
+            let mut k = shared.clone();
+            k.extend((0..36).map(|j| BlockKey(1_000_000 + i * 100 + j)));
+            heads.record(&k);
+        }
+        let top = heads.top(4);
+        assert_eq!(top[0], RegionHead::of(&shared).unwrap(), "{top:?}");
+        assert!(
+            top.iter().all(|h| h.depth <= 64),
+            "unique tails count once: {top:?}"
+        );
+        // Bounded: far more distinct prompts than the cap never grow the map past it.
+        for i in 0..10_000u64 {
+            heads.record(&[BlockKey(i), BlockKey(i + 1)]);
+        }
+        assert!(heads.counts.len() <= 64);
     }
 
     #[test]

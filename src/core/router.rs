@@ -422,6 +422,12 @@ impl Router {
                 local_usable = true;
             }
         }
+        // Regional gossip: another region's replicas are known only by its offer.
+        model_known = model_known
+            || view
+                .remote_regions
+                .values()
+                .any(|o| o.models.iter().any(|m| m.model == req.model));
         if !model_known {
             return Decision::Reject(RejectReason::UnknownModel);
         }

@@ -15,7 +15,7 @@
 //! names it; see `transport`); a live-but-unproven peer is asked for a gossip round at once, so
 //! proving takes a round rather than waiting for chitchat's random peer choice.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +33,10 @@ use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity};
 use super::home;
 use super::hot_record::{HotRecord, KEY_HOT};
+pub use super::member::Member;
+use super::region_layer::{LayerSettings, RegionLayer};
+use super::region_record::{RegionRecord, REGION_PREFIX};
+use super::regional::{Regional, RegionalRound};
 use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
     KEY_NODE, KEY_RTT, REPLICA_PREFIX,
@@ -41,6 +45,8 @@ use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
+use crate::core::region_offer::RegionOffer;
+use crate::core::region_offer::MAX_REMOTE_REGIONS;
 
 /// Settings of a mesh node.
 #[derive(Clone, Debug)]
@@ -84,6 +90,25 @@ pub struct MeshConfig {
     pub cert: Option<Arc<ReloadableCert>>,
     /// Transport tuning.
     pub transport: TransportConfig,
+    /// One cluster per region plus the region layer (default), or one for the whole mesh.
+    pub layout: GossipLayout,
+    /// Representatives per region in the region layer. Default 2.
+    pub representatives: usize,
+    /// Gossip interval of the region layer, and the least time between two region records a
+    /// representative publishes. Default 500 ms.
+    pub region_interval: Duration,
+}
+
+/// How the mesh's gossip is laid out (see `region_layer` for why).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GossipLayout {
+    /// A chitchat cluster per region; other regions as region records through the
+    /// representatives' region layer. A node's gossip cost grows with its region, not the mesh.
+    #[default]
+    Regional,
+    /// One chitchat cluster for every node of every region (the layout before regional
+    /// gossip): each node sees every replica, and pays for every node.
+    Flat,
 }
 
 impl MeshConfig {
@@ -113,6 +138,9 @@ impl MeshConfig {
             identity,
             cert: None,
             transport: TransportConfig::default(),
+            layout: GossipLayout::Regional,
+            representatives: 2,
+            region_interval: Duration::from_millis(500),
         }
     }
 }
@@ -135,43 +163,6 @@ pub enum MeshError {
     /// A configuration value is out of range.
     #[error("invalid mesh configuration: {0}")]
     Config(String),
-}
-
-/// One member of the cluster as this node sees it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Member {
-    /// Node id.
-    pub node_id: String,
-    /// Generation (start time in ms).
-    pub generation: u64,
-    /// Gossip (and QUIC) address.
-    pub gossip_addr: SocketAddr,
-    /// Whether the failure detector counts it live and it proved its node id on a direct
-    /// connection (its certificate names it; see `transport`). This node always is.
-    pub live: bool,
-    /// Whether this is the local node.
-    pub is_self: bool,
-    /// Its `node` record; `None` until gossiped, or when malformed.
-    pub node: Option<NodeRecord>,
-    /// The replica records it publishes (as home), by replica id.
-    pub replicas: BTreeMap<String, ReplicaRecord>,
-    /// Its in-flight counts.
-    pub inflight: InflightRecord,
-    /// Its measured RTTs by region.
-    pub rtt: RttRecord,
-    /// Its homes marker, once it published one.
-    pub homes: Option<HomesRecord>,
-    /// Its heaviest prefixes (empty when it publishes none, or a malformed record).
-    pub hot: HotRecord,
-    /// The operator commands it took, by replica id (at most [`MAX_ADMIN_RECORDS`] read).
-    pub admin: BTreeMap<String, AdminRecord>,
-}
-
-impl Member {
-    /// The member's region, when its node record is known.
-    pub fn region(&self) -> Option<&str> {
-        self.node.as_ref().map(|n| n.region.as_str())
-    }
 }
 
 /// A replica as gossiped, with who published it.
@@ -206,7 +197,8 @@ type ReportBatches = HashMap<(SocketAddr, String, Option<String>), Vec<u64>>;
 
 /// A running mesh node. Dropping it stops gossip and closes the endpoint.
 pub struct Mesh {
-    handle: Option<ChitchatHandle>,
+    /// Shared with the regional join loop, which asks it for rounds with nodes seeds named.
+    handle: Option<Arc<ChitchatHandle>>,
     transport: QuicTransport,
     self_id: ChitchatId,
     node: NodeRecord,
@@ -216,6 +208,8 @@ pub struct Mesh {
     /// When each unverified live peer was last asked for a gossip round (see
     /// [`Mesh::members`]).
     probes: Mutex<HashMap<SocketAddr, std::time::Instant>>,
+    /// The regional layout's state: the region layer, what was relayed, who was heard of.
+    pub(super) regional: Option<Arc<Regional>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -296,12 +290,21 @@ impl Mesh {
             generation,
         };
         let self_id = ChitchatId::new(cfg.node_id.clone(), generation, advertise);
+        // Regional: this region's own cluster, joined through the seeds' directories (a seed
+        // of another region would only answer "wrong cluster"; see `directory`).
+        let (cluster_id, chitchat_seeds) = match cfg.layout {
+            GossipLayout::Flat => (cfg.cluster_id.clone(), seed_nodes.clone()),
+            GossipLayout::Regional => (
+                format!("{}/region/{}", cfg.cluster_id, cfg.region),
+                Vec::new(),
+            ),
+        };
         let config = ChitchatConfig {
             chitchat_id: self_id.clone(),
-            cluster_id: cfg.cluster_id.clone(),
+            cluster_id,
             gossip_interval: cfg.gossip_interval,
             listen_addr: bound,
-            seed_nodes,
+            seed_nodes: chitchat_seeds,
             failure_detector_config: failure_detector(&cfg),
             marked_for_deletion_grace_period: cfg.dead_node_grace_period,
             catchup_callback: None,
@@ -315,7 +318,7 @@ impl Mesh {
             }
         };
         let handle = match spawn_chitchat(config, initial, &transport).await {
-            Ok(h) => h,
+            Ok(h) => Arc::new(h),
             Err(e) => {
                 transport.close();
                 return Err(MeshError::Gossip(e.to_string()));
@@ -324,12 +327,43 @@ impl Mesh {
         info!(node_id = %cfg.node_id, addr = %advertise, region = %cfg.region, "mesh started");
         let schema_errors = Arc::new(AtomicU64::new(0));
         let reports = Arc::new(Mutex::new(ReportBatches::new()));
-        let tasks = vec![
+        let regional = match cfg.layout {
+            GossipLayout::Flat => None,
+            GossipLayout::Regional => {
+                let node_value = node.encode()?;
+                // A silent representative is replaced after the usual detection time, but never
+                // sooner than four of the layer's slower rounds.
+                let settings = LayerSettings {
+                    cluster_id: format!("{}/regions", cfg.cluster_id),
+                    region: cfg.region.clone(),
+                    interval: cfg.region_interval,
+                    failure: failure_detector(&MeshConfig {
+                        gossip_interval: cfg.region_interval,
+                        failure_detection: cfg.failure_detection.max(cfg.region_interval * 4),
+                        ..cfg.clone()
+                    }),
+                };
+                let layer = RegionLayer::new(
+                    transport.clone(),
+                    self_id.clone(),
+                    settings,
+                    node_value,
+                    schema_errors.clone(),
+                );
+                Some(Arc::new(Regional::new(
+                    layer,
+                    cfg.representatives.max(1),
+                    cfg.region_interval,
+                )))
+            }
+        };
+        let mut tasks = vec![
             tokio::spawn(rtt_loop(
                 handle.chitchat(),
                 transport.clone(),
                 cfg.rtt_interval,
                 schema_errors.clone(),
+                regional.clone(),
             )),
             tokio::spawn(report_loop(
                 reports.clone(),
@@ -337,6 +371,16 @@ impl Mesh {
                 cfg.report_flush_interval,
             )),
         ];
+        if let Some(r) = &regional {
+            tasks.push(tokio::spawn(super::regional::join_loop(
+                Arc::clone(r),
+                Arc::clone(&handle),
+                transport.clone(),
+                seed_nodes,
+                cfg.region.clone(),
+                advertise,
+            )));
+        }
         Ok(Mesh {
             handle: Some(handle),
             transport,
@@ -346,6 +390,7 @@ impl Mesh {
             reports,
             tasks,
             probes: Mutex::new(HashMap::new()),
+            regional,
         })
     }
 
@@ -372,13 +417,13 @@ impl Mesh {
     /// Counters for metrics.
     pub fn stats(&self) -> MeshStats {
         MeshStats {
-            transport: self.transport.stats().snapshot(),
+            transport: self.transport.snapshot(),
             schema_errors: self.schema_errors.load(Ordering::Relaxed),
         }
     }
 
     fn chitchat(&self) -> Option<&ChitchatHandle> {
-        self.handle.as_ref()
+        self.handle.as_deref()
     }
 
     async fn set(&self, key: String, value: String) {
@@ -467,6 +512,10 @@ impl Mesh {
         };
         let errors = &self.schema_errors;
         let transport = &self.transport;
+        let layer_ids = match &self.regional {
+            Some(r) => r.layer.ids().await,
+            None => HashSet::new(),
+        };
         let (members, unverified) = h
             .with_chitchat(|c| {
                 let self_id = c.self_chitchat_id();
@@ -475,11 +524,50 @@ impl Mesh {
                     .filter(|id| *id != self_id && !transport.is_verified(id))
                     .map(|id| id.gossip_advertise_addr)
                     .collect();
-                (members_of(c, errors, transport), unverified)
+                (members_of(c, errors, transport, &layer_ids), unverified)
             })
             .await;
         self.probe(h, &unverified);
         members
+    }
+
+    /// The regional layout's round (nothing in the flat layout): as a representative, publish
+    /// this region's record (`build` makes its offer; called only then) and relay the other
+    /// regions'; return every other region's newest record, and refresh what this node answers
+    /// directory requests with. `live` are the live members from [`Mesh::members`].
+    pub async fn sync_regions(
+        &self,
+        live: &[Member],
+        build: impl FnOnce() -> RegionOffer,
+    ) -> RegionalRound {
+        let (Some(r), Some(h)) = (&self.regional, self.chitchat()) else {
+            return RegionalRound::default();
+        };
+        super::regional::round(
+            r,
+            &self.transport,
+            self.node_id(),
+            &self.node.region,
+            live,
+            build,
+            Relay(h),
+        )
+        .await
+    }
+
+    /// Regional layout: the seeds answered and named no node of this region, so this node is
+    /// its region's first and need not wait for a peer before claiming homes.
+    pub fn first_in_region(&self) -> bool {
+        self.regional.as_ref().is_some_and(|r| r.first_in_region())
+    }
+
+    /// The gossip layout.
+    pub fn layout(&self) -> GossipLayout {
+        if self.regional.is_some() {
+            GossipLayout::Regional
+        } else {
+            GossipLayout::Flat
+        }
     }
 
     /// Asks chitchat for a gossip round with live peers that have not proved their name yet:
@@ -643,9 +731,18 @@ impl Mesh {
         for t in self.tasks.drain(..) {
             t.abort();
         }
+        if let Some(r) = &self.regional {
+            r.layer.shutdown().await;
+        }
         if let Some(h) = self.handle.take() {
-            if let Err(e) = h.shutdown().await {
-                debug!(error = %e, "gossip loop ended with an error");
+            match Arc::try_unwrap(h) {
+                Ok(h) => {
+                    if let Err(e) = h.shutdown().await {
+                        debug!(error = %e, "gossip loop ended with an error");
+                    }
+                }
+                // The aborted join loop has not dropped its copy yet.
+                Err(h) => h.abort(),
             }
         }
         self.transport.close();
@@ -664,14 +761,17 @@ impl Drop for Mesh {
     }
 }
 
+/// `layer_ids`: the region layer's members, whose verification must outlive their absence
+/// from this cluster.
 fn members_of(
     c: &chitchat::Chitchat,
     errors: &AtomicU64,
     transport: &QuicTransport,
+    layer_ids: &HashSet<ChitchatId>,
 ) -> Vec<Member> {
     let self_id = c.self_chitchat_id().clone();
     let states = c.node_states();
-    transport.retain_verified(|id| states.contains_key(id));
+    transport.retain_verified(|id| states.contains_key(id) || layer_ids.contains(id));
     // Live for the failure detector, and (peers) verified: a member whose certificate never
     // named it on a direct connection is not trusted with routing state.
     let live: std::collections::HashSet<&ChitchatId> = c
@@ -761,6 +861,13 @@ fn members_of(
             homes,
             hot,
             admin,
+            regions: by_replica(
+                state,
+                REGION_PREFIX,
+                MAX_REMOTE_REGIONS,
+                RegionRecord::decode,
+                bad,
+            ),
         });
     }
     out.sort_by(|a, b| {
@@ -769,6 +876,28 @@ fn members_of(
             .then_with(|| a.generation.cmp(&b.generation))
     });
     out
+}
+
+/// The regional cluster's own state, as the relay of other regions' records.
+struct Relay<'a>(&'a ChitchatHandle);
+
+impl super::regional::AsyncRelay for Relay<'_> {
+    async fn set(&self, key: String, value: String) {
+        self.0
+            .with_chitchat(|c| c.self_node_state().set(key.clone(), value.clone()))
+            .await;
+    }
+
+    async fn delete(&self, key: String) {
+        self.0
+            .with_chitchat(|c| {
+                let s = c.self_node_state();
+                if s.get(&key).is_some() {
+                    s.delete(&key);
+                }
+            })
+            .await;
+    }
 }
 
 /// The home (id, address) of a replica among `live` members of `region`.
@@ -841,18 +970,31 @@ async fn rtt_loop(
     transport: QuicTransport,
     every: Duration,
     errors: Arc<AtomicU64>,
+    regional: Option<Arc<Regional>>,
 ) {
     let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
     loop {
         tick.tick().await;
         let rtts = transport.rtts();
+        // A representative also measures the other regions' representatives.
+        let (layer_members, layer_ids) = match &regional {
+            Some(r) => (r.layer.state().await.members, r.layer.ids().await),
+            None => (Vec::new(), HashSet::new()),
+        };
         let mut c = chitchat.lock().await;
-        let live: Vec<Member> = members_of(&c, &errors, &transport)
+        let live: Vec<Member> = members_of(&c, &errors, &transport, &layer_ids)
             .into_iter()
             .filter(|m| m.live)
             .collect();
+        let mut ms = region_rtts(&live, &rtts);
+        for (addr, region) in layer_members {
+            if let Some(rtt) = rtts.get(&addr) {
+                let e = ms.entry(region).or_insert(*rtt);
+                *e = (*e).min(*rtt);
+            }
+        }
         let rec = RttRecord {
-            ms: region_rtts(&live, &rtts)
+            ms: ms
                 .into_iter()
                 .map(|(r, d)| (r, d.as_secs_f32() * 1000.0))
                 .collect(),

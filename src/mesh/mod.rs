@@ -11,6 +11,8 @@
 //! - [`certs`]: cluster CA and node certificates; rustls/quinn configurations (mTLS, TLS 1.3).
 //! - [`cert_resolver`]: the certificate every TLS configuration presents, replaceable at run
 //!   time (rotation without restart).
+//! - [`directory`]: which nodes of a region a seed knows (joining one's regional cluster).
+//! - [`udp_count`]: every UDP byte of the endpoint.
 //! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
 //!   partition injection.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
@@ -20,6 +22,8 @@
 //! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
 //! - [`peer_tls`]: HTTPS with the cluster certificates, for requests forwarded between nodes.
 //! - [`load_share`]: in-flight load sent to the region's nodes as QUIC datagrams, and merged.
+//! - [`region_layer`], [`region_record`], [`regional`]: regional gossip — each region its own
+//!   cluster, regions exchanging one record each through their representatives.
 //! - [`cluster`]: [`Mesh`], the handle the node holds.
 
 pub mod admin;
@@ -27,14 +31,20 @@ pub mod allow;
 pub mod cert_resolver;
 pub mod certs;
 pub mod cluster;
+pub mod directory;
 pub mod home;
 pub mod hot_record;
 pub mod load_share;
+pub mod member;
 pub mod peer_tls;
+pub mod region_layer;
+pub mod region_record;
+pub mod regional;
 pub mod schema;
 pub mod seeds;
 pub mod sync;
 pub mod transport;
+pub mod udp_count;
 
-pub use cluster::{Member, Mesh, MeshConfig, MeshError, MeshStats, ReplicaEntry};
+pub use cluster::{GossipLayout, Member, Mesh, MeshConfig, MeshError, MeshStats, ReplicaEntry};
 pub use sync::{BlockReport, MeshHandler, SummaryRequest, SyncError};

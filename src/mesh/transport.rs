@@ -41,8 +41,10 @@ use tokio::time::timeout;
 use tracing::{debug, warn};
 
 use super::certs::{self, QuicConfigs, CLUSTER_SAN};
+use super::directory::{self, Directory, DirectoryAnswer, DirectoryRequest};
 use super::load_share::{LoadUpdate, MAX_LOAD_UPDATE_BYTES};
 use super::sync::{self, MeshHandler};
+use super::udp_count::{CountingSocket, UdpBytes};
 
 /// Uni stream: one serialized chitchat message follows.
 pub const KIND_GOSSIP: u8 = 0x01;
@@ -52,6 +54,17 @@ pub const KIND_BLOCK_REPORT: u8 = 0x02;
 pub const KIND_LOAD_UPDATE: u8 = 0x03;
 /// Bidi stream: one msgpack `SummaryRequest` follows; the response is a status byte + body.
 pub const KIND_SUMMARY_REQUEST: u8 = 0x10;
+/// Uni stream: one zstd-compressed chitchat message of the node's own cluster (its region's,
+/// or the whole mesh's in the flat layout). A digest lists every member with fixed-width
+/// integers, mostly small: compressed it is about a third of its size.
+pub const KIND_GOSSIP_Z: u8 = 0x04;
+/// Uni stream: one zstd-compressed chitchat message of the region layer (the representatives'
+/// cluster, see `region_layer`).
+pub const KIND_REGIONS_Z: u8 = 0x05;
+/// Bidi stream: one msgpack `DirectoryRequest` follows; the response is a `DirectoryAnswer`.
+pub const KIND_DIRECTORY: u8 = 0x11;
+/// zstd level for gossip: the fastest; the messages are a few KiB.
+const GOSSIP_ZSTD_LEVEL: i32 = 1;
 /// Largest chitchat message accepted (chitchat sizes its messages for a UDP datagram).
 pub const MAX_GOSSIP_BYTES: usize = 65_507;
 /// Malformed-input warnings are logged at most this often (the counters see every one).
@@ -187,6 +200,8 @@ pub struct TransportStats {
     pub load_received: AtomicU64,
     /// Bytes of load-update datagrams received.
     pub load_bytes_received: AtomicU64,
+    /// Directory requests answered.
+    pub directory_served: AtomicU64,
 }
 
 /// A copy of [`TransportStats`] at one moment.
@@ -230,6 +245,12 @@ pub struct StatsSnapshot {
     pub load_received: u64,
     /// See [`TransportStats::load_bytes_received`].
     pub load_bytes_received: u64,
+    /// See [`TransportStats::directory_served`].
+    pub directory_served: u64,
+    /// Every UDP byte the endpoint sent (see `udp_count`).
+    pub udp_bytes_sent: u64,
+    /// Every UDP byte the endpoint received.
+    pub udp_bytes_received: u64,
 }
 
 impl TransportStats {
@@ -256,6 +277,9 @@ impl TransportStats {
             load_bytes_sent: g(&self.load_bytes_sent),
             load_received: g(&self.load_received),
             load_bytes_received: g(&self.load_bytes_received),
+            directory_served: g(&self.directory_served),
+            udp_bytes_sent: 0,
+            udp_bytes_received: 0,
         }
     }
 }
@@ -308,6 +332,12 @@ struct Inner {
     senders: Mutex<HashMap<SocketAddr, mpsc::Sender<Outgoing>>>,
     gossip_tx: mpsc::Sender<GossipItem>,
     gossip_rx: Mutex<Option<mpsc::Receiver<GossipItem>>>,
+    /// Where region-layer gossip goes while this node runs a region-layer cluster.
+    regions_tx: Mutex<Option<mpsc::Sender<GossipItem>>>,
+    /// What this node answers directory requests with (`Mesh` refreshes it).
+    directory: RwLock<Directory>,
+    /// Every UDP byte through the endpoint.
+    udp: Arc<UdpBytes>,
     blocked: Mutex<HashSet<SocketAddr>>,
     /// Addresses refused for an identity mismatch, until when.
     refused: Mutex<HashMap<SocketAddr, Instant>>,
@@ -354,10 +384,15 @@ impl QuicTransport {
         let socket = std::net::UdpSocket::bind(listen).map_err(bind_err)?;
         let runtime = quinn::default_runtime()
             .ok_or_else(|| bind_err(std::io::Error::other("no async runtime for quinn")))?;
-        let mut endpoint = quinn::Endpoint::new(
+        let udp = Arc::new(UdpBytes::default());
+        let counting = CountingSocket::new(
+            runtime.wrap_udp_socket(socket).map_err(bind_err)?,
+            Arc::clone(&udp),
+        );
+        let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
             quinn::EndpointConfig::default(),
             Some(configs.server),
-            socket,
+            Arc::new(counting),
             runtime,
         )
         .map_err(bind_err)?;
@@ -373,6 +408,9 @@ impl QuicTransport {
             senders: Mutex::new(HashMap::new()),
             gossip_tx,
             gossip_rx: Mutex::new(Some(gossip_rx)),
+            regions_tx: Mutex::new(None),
+            directory: RwLock::new(Directory::default()),
+            udp,
             blocked: Mutex::new(HashSet::new()),
             refused: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashSet::new()),
@@ -392,6 +430,54 @@ impl QuicTransport {
     /// The counters.
     pub fn stats(&self) -> &TransportStats {
         &self.inner.stats
+    }
+
+    /// The counters now, the endpoint's UDP bytes included.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let mut s = self.inner.stats.snapshot();
+        s.udp_bytes_sent = self.inner.udp.sent.load(Ordering::Relaxed);
+        s.udp_bytes_received = self.inner.udp.received.load(Ordering::Relaxed);
+        s
+    }
+
+    /// Replaces what this node answers directory requests with.
+    pub fn set_directory(&self, directory: Directory) {
+        *self
+            .inner
+            .directory
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = directory;
+    }
+
+    /// Asks `peer` which nodes of `region` it knows (see `directory`).
+    pub async fn ask_directory(
+        &self,
+        peer: SocketAddr,
+        region: &str,
+    ) -> Result<DirectoryAnswer, TransportError> {
+        let body = DirectoryRequest {
+            region: region.to_owned(),
+        }
+        .encode()?;
+        let resp = self
+            .inner
+            .request(
+                peer,
+                KIND_DIRECTORY,
+                &body,
+                directory::MAX_DIRECTORY_ANSWER_BYTES,
+            )
+            .await?;
+        Ok(DirectoryAnswer::decode(&resp)?)
+    }
+
+    /// The region layer's side of the endpoint: a chitchat transport whose messages travel as
+    /// [`KIND_REGIONS_Z`]. Each `open` replaces the previous socket (a node stops and starts
+    /// its region-layer cluster as it stops and becomes a representative).
+    pub fn regions_layer(&self) -> RegionsTransport {
+        RegionsTransport {
+            transport: self.clone(),
+        }
     }
 
     /// Installs the handler that answers summary requests and receives block reports.
@@ -794,7 +880,7 @@ async fn peer_sender(inner: Arc<Inner>, peer: SocketAddr, mut rx: mpsc::Receiver
         }
         match timeout(inner.cfg.io_timeout, write_uni(&conn, &out.bytes)).await {
             Ok(Ok(())) => match out.kind {
-                KIND_GOSSIP => {
+                KIND_GOSSIP | KIND_GOSSIP_Z | KIND_REGIONS_Z => {
                     bump(&inner.stats.gossip_sent);
                     inner
                         .stats
@@ -1037,7 +1123,7 @@ async fn read_uni(
 ) {
     let peer = conn.remote_address();
     let limit = |kind| match kind {
-        KIND_GOSSIP => Some(MAX_GOSSIP_BYTES),
+        KIND_GOSSIP | KIND_GOSSIP_Z | KIND_REGIONS_Z => Some(MAX_GOSSIP_BYTES),
         KIND_BLOCK_REPORT => Some(sync::MAX_REPORT_BYTES),
         _ => None,
     };
@@ -1048,7 +1134,20 @@ async fn read_uni(
         bump(&inner.stats.blocked);
         return;
     }
-    if kind == KIND_GOSSIP {
+    if matches!(kind, KIND_GOSSIP | KIND_GOSSIP_Z | KIND_REGIONS_Z) {
+        let wire_len = body.len() as u64 + 1;
+        let body = if kind == KIND_GOSSIP {
+            body
+        } else {
+            match zstd::bulk::decompress(&body, MAX_GOSSIP_BYTES) {
+                Ok(b) => b,
+                Err(e) => {
+                    bump(&inner.stats.malformed);
+                    inner.warn("gossip message", peer, &e);
+                    return;
+                }
+            }
+        };
         let mut buf = body.as_slice();
         match ChitchatMessage::deserialize(&mut buf) {
             Ok(_) if buf.is_empty() && !inner.check_identity(peer, &names, &body) => {
@@ -1059,10 +1158,17 @@ async fn read_uni(
                 inner
                     .stats
                     .gossip_bytes_received
-                    .fetch_add(body.len() as u64 + 1, Ordering::Relaxed);
-                if inner.gossip_tx.try_send((peer, msg)).is_err() {
+                    .fetch_add(wire_len, Ordering::Relaxed);
+                let sent = if kind == KIND_REGIONS_Z {
+                    let tx = lock(&inner.regions_tx).clone();
+                    // Not a representative now: the sender's view is a round old; drop it.
+                    tx.is_some_and(|tx| tx.try_send((peer, msg)).is_ok())
+                } else {
+                    inner.gossip_tx.try_send((peer, msg)).is_ok()
+                };
+                if !sent {
                     // chitchat is behind or gone; gossip is periodic, so dropping is safe.
-                    debug!(%peer, "gossip receive queue full");
+                    debug!(%peer, me = %inner.local_addr, kind, "gossip receive queue full (or no region layer here)");
                 }
             }
             Ok(_) => {
@@ -1101,14 +1207,22 @@ async fn serve_bi(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) {
-    let limit = |kind| (kind == KIND_SUMMARY_REQUEST).then_some(sync::MAX_REQUEST_BYTES);
-    let Some((_, body)) = read_stream(&inner, peer, &mut recv, limit).await else {
+    let limit = |kind| match kind {
+        KIND_SUMMARY_REQUEST => Some(sync::MAX_REQUEST_BYTES),
+        KIND_DIRECTORY => Some(directory::MAX_DIRECTORY_REQUEST_BYTES),
+        _ => None,
+    };
+    let Some((kind, body)) = read_stream(&inner, peer, &mut recv, limit).await else {
         let _ = send.reset(0u32.into());
         return;
     };
     if inner.is_blocked(peer) {
         bump(&inner.stats.blocked);
         let _ = send.reset(0u32.into());
+        return;
+    }
+    if kind == KIND_DIRECTORY {
+        answer_directory(&inner, peer, send, &body).await;
         return;
     }
     let handler = inner
@@ -1138,6 +1252,68 @@ async fn serve_bi(
     }
 }
 
+/// Answers a directory request from `peer` (a malformed one gets a reset stream).
+async fn answer_directory(
+    inner: &Inner,
+    peer: SocketAddr,
+    mut send: quinn::SendStream,
+    body: &[u8],
+) {
+    let resp = DirectoryRequest::decode(body).and_then(|req| {
+        inner
+            .directory
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .answer(&req)
+            .encode()
+    });
+    let resp = match resp {
+        Ok(r) => r,
+        Err(e) => {
+            bump(&inner.stats.malformed);
+            inner.warn("directory request", peer, &e);
+            let _ = send.reset(0u32.into());
+            return;
+        }
+    };
+    let write = async {
+        send.write_all(&resp).await.map_err(|e| e.to_string())?;
+        send.finish().map_err(|e| e.to_string())
+    };
+    match timeout(inner.cfg.io_timeout, write).await {
+        Ok(Ok(())) => bump(&inner.stats.directory_served),
+        Ok(Err(e)) => debug!(%peer, error = %e, "directory answer failed"),
+        Err(_) => debug!(%peer, "directory answer timed out"),
+    }
+}
+
+/// The region layer's chitchat transport (see [`QuicTransport::regions_layer`]).
+#[derive(Clone, Debug)]
+pub struct RegionsTransport {
+    transport: QuicTransport,
+}
+
+#[async_trait]
+impl Transport for RegionsTransport {
+    async fn open(&self, listen_addr: SocketAddr) -> anyhow::Result<Box<dyn Socket>> {
+        let inner = &self.transport.inner;
+        if listen_addr != inner.local_addr {
+            return Err(TransportError::Socket(format!(
+                "chitchat listens on {listen_addr} but the endpoint is bound to {}",
+                inner.local_addr
+            ))
+            .into());
+        }
+        let (tx, rx) = mpsc::channel(inner.cfg.recv_queue.max(1));
+        *lock(&inner.regions_tx) = Some(tx);
+        Ok(Box::new(GossipSocket {
+            transport: self.transport.clone(),
+            rx,
+            kind: KIND_REGIONS_Z,
+        }))
+    }
+}
+
 /// The chitchat side of the transport: `open` hands chitchat a socket over this endpoint.
 #[async_trait]
 impl Transport for QuicTransport {
@@ -1155,6 +1331,7 @@ impl Transport for QuicTransport {
         Ok(Box::new(GossipSocket {
             transport: self.clone(),
             rx,
+            kind: KIND_GOSSIP_Z,
         }))
     }
 }
@@ -1163,18 +1340,24 @@ impl Transport for QuicTransport {
 struct GossipSocket {
     transport: QuicTransport,
     rx: mpsc::Receiver<GossipItem>,
+    /// [`KIND_GOSSIP_Z`] or [`KIND_REGIONS_Z`]: which cluster this socket carries.
+    kind: u8,
 }
 
 #[async_trait]
 impl Socket for GossipSocket {
     async fn send(&mut self, to: SocketAddr, msg: ChitchatMessage) -> anyhow::Result<()> {
-        let mut bytes = Vec::with_capacity(msg.serialized_len() + 1);
-        bytes.push(KIND_GOSSIP);
-        msg.serialize(&mut bytes);
+        let mut plain = Vec::with_capacity(msg.serialized_len());
+        msg.serialize(&mut plain);
+        let packed = zstd::bulk::compress(&plain, GOSSIP_ZSTD_LEVEL)
+            .map_err(|e| TransportError::Socket(format!("compressing gossip: {e}")))?;
+        let mut bytes = Vec::with_capacity(packed.len() + 1);
+        bytes.push(self.kind);
+        bytes.extend_from_slice(&packed);
         self.transport.inner.enqueue(
             to,
             Outgoing {
-                kind: KIND_GOSSIP,
+                kind: self.kind,
                 bytes,
             },
         );

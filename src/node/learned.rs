@@ -398,6 +398,7 @@ mod tests {
             rtt: Default::default(),
             homes: None,
             admin: Default::default(),
+            regions: BTreeMap::new(),
         }
     }
 

@@ -238,6 +238,7 @@ async fn sync_once(
     if st.joined.is_none() {
         let joined = section.seeds.is_empty()
             || (live.len() > 1 && live.iter().all(|m| m.node.is_some()))
+            || mesh.first_in_region()
             || timed_out;
         if !joined {
             return;
@@ -306,6 +307,10 @@ async fn sync_once(
         map.configure(&d.a, &d.b, d.ms);
     }
     node.set_regions(map);
+
+    // Regional gossip: other regions as one record each (their replicas are not members here).
+    let regional = mesh.sync_regions(&live, || node.region_offer()).await;
+    node.set_remote_regions(&regional.records, regional.representative);
 
     node.set_peer_tenant_usage(&live);
     let plan = node.apply_membership(mesh.node_id(), &live, &records);

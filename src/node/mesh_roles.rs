@@ -39,7 +39,8 @@ use std::sync::{Arc, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::mesh_state::{
-    MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, ReplicaMeshJson, Status,
+    MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, RegionJson,
+    ReplicaMeshJson, Status,
 };
 use super::state::{Node, ReplicaRuntime};
 use crate::core::keys::BlockKey;
@@ -47,7 +48,7 @@ use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
 use crate::core::tenants::Tenants;
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
-use crate::mesh::cluster::home_in;
+use crate::mesh::cluster::{home_in, GossipLayout};
 use crate::mesh::load_share::LoadUpdate;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
@@ -96,7 +97,7 @@ impl Node {
         &self.mesh
     }
 
-    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+    pub(super) fn status(&self) -> std::sync::MutexGuard<'_, Status> {
         self.mesh.status.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -210,8 +211,18 @@ impl Node {
 
     /// Live peers of `region` that take forwarded requests.
     pub fn peers_in(&self, region: &str) -> Vec<Peer> {
-        self.status()
+        let st = self.status();
+        let members: Vec<Peer> = st
             .peers
+            .iter()
+            .filter(|p| p.region == region)
+            .cloned()
+            .collect();
+        if !members.is_empty() {
+            return members;
+        }
+        // Regional gossip: another region's nodes are named by its record.
+        st.region_targets
             .iter()
             .filter(|p| p.region == region)
             .cloned()
@@ -545,9 +556,14 @@ impl Node {
     /// The `mesh` section of `/admin/state`.
     pub fn mesh_state(&self) -> Option<MeshStateJson> {
         let mesh = self.mesh()?;
-        let (warm, members) = {
+        let (warm, members, representative, targets) = {
             let st = self.status();
-            (st.warm, st.members.clone())
+            (
+                st.warm,
+                st.members.clone(),
+                st.representative,
+                st.region_targets.clone(),
+            )
         };
         let now = self.now();
         let core = self.lock();
@@ -580,6 +596,30 @@ impl Node {
             warm,
             members,
             replicas,
+            layout: match mesh.layout() {
+                GossipLayout::Regional => "regional".into(),
+                GossipLayout::Flat => "flat".into(),
+            },
+            representative,
+            regions: core
+                .view
+                .remote_regions
+                .values()
+                .map(|o| RegionJson {
+                    region: o.region.clone(),
+                    models: o
+                        .models
+                        .iter()
+                        .map(|m| (m.model.clone(), m.healthy, m.open, m.least_queue_ms))
+                        .collect(),
+                    heads: o.heads.len(),
+                    targets: targets
+                        .iter()
+                        .filter(|t| t.region == o.region)
+                        .map(|t| t.node_id.clone())
+                        .collect(),
+                })
+                .collect(),
         })
     }
 }
@@ -733,6 +773,7 @@ mod tests {
             rtt: Default::default(),
             homes: None,
             admin: Default::default(),
+            regions: BTreeMap::new(),
         }
     }
 

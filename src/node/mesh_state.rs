@@ -123,6 +123,11 @@ pub(super) struct Status {
     pub(super) peers: Vec<Peer>,
     /// Every live peer's (region, QUIC address): who may send block reports.
     pub(super) members_in: Vec<(String, SocketAddr)>,
+    /// Forwarding targets of other regions from their region records (regional gossip: their
+    /// nodes are not members here).
+    pub(super) region_targets: Vec<Peer>,
+    /// This node is one of its region's representatives.
+    pub(super) representative: bool,
 }
 
 /// The node's mesh slot: the running mesh (if any) and what the sync loop last learned.
@@ -211,6 +216,28 @@ pub struct MeshStateJson {
     pub members: Vec<MemberJson>,
     /// Homes and summary versions per replica.
     pub replicas: Vec<ReplicaMeshJson>,
+    /// `"regional"` or `"flat"`.
+    #[serde(default)]
+    pub layout: String,
+    /// This node is one of its region's representatives (regional layout).
+    #[serde(default)]
+    pub representative: bool,
+    /// Other regions as their records describe them (regional layout).
+    #[serde(default)]
+    pub regions: Vec<RegionJson>,
+}
+
+/// Another region in `/admin/state`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RegionJson {
+    /// Region.
+    pub region: String,
+    /// Models it offers, with healthy / open replica counts and the least queue (ms).
+    pub models: Vec<(String, u32, u32, u32)>,
+    /// Prefix heads it holds.
+    pub heads: usize,
+    /// Nodes named to forward to.
+    pub targets: Vec<String>,
 }
 
 /// One member in `/admin/state`.

@@ -344,6 +344,9 @@ pub struct MeshMetrics {
     pub gossip_messages: IntCounterVec,
     /// `kvmesh_mesh_gossip_bytes_total{direction}`.
     pub gossip_bytes: IntCounterVec,
+    /// `kvmesh_mesh_udp_bytes_total{direction}`: every UDP byte of the mesh endpoint (packet
+    /// headers, handshakes, ACKs included): what the mesh costs on the wire.
+    pub udp_bytes: IntCounterVec,
     /// `kvmesh_mesh_sync_served_total`: summary requests answered.
     pub sync_served: IntCounter,
     /// `kvmesh_mesh_sync_bytes_sent_total`: bytes of summary responses sent.
@@ -409,6 +412,11 @@ impl MeshMetrics {
             gossip_bytes: vec(
                 "kvmesh_mesh_gossip_bytes_total",
                 "Gossip bytes by direction",
+                "direction",
+            )?,
+            udp_bytes: vec(
+                "kvmesh_mesh_udp_bytes_total",
+                "UDP bytes of the mesh endpoint by direction, packet overhead included",
                 "direction",
             )?,
             sync_served: IntCounter::new(
@@ -491,6 +499,7 @@ impl MeshMetrics {
         registry.register(Box::new(m.learned_expired.clone()))?;
         registry.register(Box::new(m.gossip_messages.clone()))?;
         registry.register(Box::new(m.gossip_bytes.clone()))?;
+        registry.register(Box::new(m.udp_bytes.clone()))?;
         registry.register(Box::new(m.sync_served.clone()))?;
         registry.register(Box::new(m.sync_bytes_sent.clone()))?;
         registry.register(Box::new(m.sync_bytes_received.clone()))?;
@@ -522,7 +531,7 @@ impl MeshMetrics {
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
         let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
-        let labelled: [(&IntCounterVec, &str, u64); 18] = [
+        let labelled: [(&IntCounterVec, &str, u64); 20] = [
             (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
             (&self.gossip_messages, "received", d(|s| s.gossip_received)),
             (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
@@ -531,6 +540,8 @@ impl MeshMetrics {
                 "received",
                 d(|s| s.gossip_bytes_received),
             ),
+            (&self.udp_bytes, "sent", d(|s| s.udp_bytes_sent)),
+            (&self.udp_bytes, "received", d(|s| s.udp_bytes_received)),
             (&self.load_updates, "sent", d(|s| s.load_sent)),
             (&self.load_updates, "received", d(|s| s.load_received)),
             (&self.load_bytes, "sent", d(|s| s.load_bytes_sent)),

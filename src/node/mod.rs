@@ -53,6 +53,7 @@ mod metrics;
 mod pd_routing;
 mod registry;
 mod reload;
+mod remote_regions;
 mod routing;
 mod snapshot;
 mod state;

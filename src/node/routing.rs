@@ -189,7 +189,10 @@ impl Node {
         }
         let tokens_per_block = core.view.tokens_per_block;
         let ticket = match &mut decision {
-            Decision::Route(d) => Some(self.book(core, d, req, now, Booking::Whole)),
+            Decision::Route(d) => {
+                core.heads.record(req.keys);
+                Some(self.book(core, d, req, now, Booking::Whole))
+            }
             _ => None,
         };
         drop(guard);

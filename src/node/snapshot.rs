@@ -8,19 +8,29 @@ use crate::core::cache_model::CacheSource;
 use crate::core::view::Health;
 
 impl Node {
-    /// Whether some replica is healthy and has known models (the node can serve) and, in a
-    /// mesh, the node is warm (decided at the end of each round in `mesh_loop.rs`).
+    /// Whether some replica is healthy and has known models, or another region offers room
+    /// (the node can serve, if only by forwarding), and, in a mesh, the node is warm (decided at the end of each round in `mesh_loop.rs`).
     pub fn ready(&self) -> bool {
-        self.mesh_ready()
-            && self
-                .lock()
+        if !self.mesh_ready() {
+            return false;
+        }
+        let core = self.lock();
+        let local = core
+            .view
+            .replicas()
+            .iter()
+            .any(|r| r.health == Health::Healthy && !r.info.models.is_empty());
+        // Regional gossip: a node can also serve by forwarding to a region that offers room.
+        local
+            || core
                 .view
-                .replicas()
-                .iter()
-                .any(|r| r.health == Health::Healthy && !r.info.models.is_empty())
+                .remote_regions
+                .values()
+                .any(|o| o.models.iter().any(|m| m.open > 0))
     }
 
-    /// The union of the models of every replica still in the registry, sorted.
+    /// The union of the models of every replica still in the registry and of every other
+    /// region's offer, sorted.
     pub fn models(&self) -> Vec<String> {
         let core = self.lock();
         let mut models: Vec<String> = core
@@ -29,6 +39,12 @@ impl Node {
             .iter()
             .filter(|r| r.health != Health::Draining)
             .flat_map(|r| r.info.models.iter().cloned())
+            .chain(
+                core.view
+                    .remote_regions
+                    .values()
+                    .flat_map(|o| o.models.iter().map(|m| m.model.clone())),
+            )
             .collect();
         drop(core);
         models.sort();

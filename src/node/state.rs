@@ -24,6 +24,7 @@ use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
 use crate::core::rank_hints::RankHints;
+use crate::core::region_offer::RecentHeads;
 use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
 use crate::core::tenants::{TenantConfig, Tenants, KV_UNATTRIBUTED};
@@ -148,7 +149,13 @@ pub struct Core {
     pub pending_tips: Vec<(usize, u64, u32, Duration, Option<u16>)>,
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
     pub admission: Option<super::admission_queue::NodeQueue>,
+    /// The prefixes this node routed most: the heads its region offers others when this node
+    /// is a representative (`core::region_offer`).
+    pub heads: RecentHeads,
 }
+
+/// Heads counted at most (`Core::heads`).
+pub const MAX_RECENT_HEADS: usize = 512;
 
 /// Most routed prefixes kept for the next load update.
 pub const MAX_PENDING_TIPS: usize = 1024;
@@ -309,6 +316,7 @@ impl Node {
                 peer_loads: PeerLoads::new(LoadShareConfig::default()),
                 pending_tips: Vec::new(),
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
+                heads: RecentHeads::new(MAX_RECENT_HEADS),
                 hot_owners: Vec::new(),
                 hot_self: String::new(),
                 admission: cfg

@@ -13,6 +13,7 @@ use serde::Deserialize;
 
 use super::error::{invalid, ConfigError};
 use crate::mesh::certs::NodeIdentity;
+use crate::mesh::cluster::GossipLayout;
 use crate::mesh::MeshConfig;
 
 /// `[mesh]`: membership, gossip and certificates.
@@ -80,6 +81,27 @@ pub struct MeshSection {
     /// Most replicas this node learns from gossip in all; more are ignored (counted with
     /// `reason="total_cap"`). Default 1,024.
     pub max_learned_replicas: usize,
+    /// `"regional"` (default): one gossip cluster per region, other regions through their
+    /// representatives' region records, so a node's gossip cost grows with its region, not
+    /// the mesh. `"flat"`: one cluster for the whole mesh (every node sees every replica); a
+    /// mesh must use one layout throughout (the two do not gossip with each other).
+    pub layout: LayoutConfig,
+    /// Representatives per region in the region layer (regional layout). Default 2, 1–8.
+    pub representatives: usize,
+    /// The region layer's gossip interval, and the least time between two region records
+    /// (ms). Default 500, 50–10,000.
+    pub region_interval_ms: u64,
+}
+
+/// `mesh.layout`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LayoutConfig {
+    /// A cluster per region plus the region layer.
+    #[default]
+    Regional,
+    /// One cluster for the whole mesh.
+    Flat,
 }
 
 impl Default for MeshSection {
@@ -105,6 +127,9 @@ impl Default for MeshSection {
             learn_replicas_from: Vec::new(),
             max_learned_replicas_per_peer: 256,
             max_learned_replicas: 1024,
+            layout: LayoutConfig::Regional,
+            representatives: 2,
+            region_interval_ms: 500,
         }
     }
 }
@@ -138,6 +163,12 @@ impl MeshSection {
                 "mesh.failure_detection_ms",
                 "must exceed mesh.gossip_interval_ms",
             ));
+        }
+        if !(1..=8).contains(&self.representatives) {
+            return Err(invalid("mesh.representatives", "must be 1 to 8"));
+        }
+        if !(50..=10_000).contains(&self.region_interval_ms) {
+            return Err(invalid("mesh.region_interval_ms", "must be 50 to 10000"));
         }
         if self.load_share_interval_ms > 1_000 {
             return Err(invalid("mesh.load_share_interval_ms", "at most 1000"));
@@ -256,6 +287,12 @@ impl MeshSection {
         cfg.seeds = self.seeds.clone();
         cfg.gossip_interval = self.gossip_interval();
         cfg.failure_detection = Duration::from_millis(self.failure_detection_ms);
+        cfg.layout = match self.layout {
+            LayoutConfig::Regional => GossipLayout::Regional,
+            LayoutConfig::Flat => GossipLayout::Flat,
+        };
+        cfg.representatives = self.representatives;
+        cfg.region_interval = Duration::from_millis(self.region_interval_ms);
         // Reports wait at most a quarter round (50 ms at most), so a prefix routed at a follower
         // reaches its home well within the round that publishes it.
         cfg.report_flush_interval =

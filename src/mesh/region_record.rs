@@ -1,0 +1,240 @@
+//! The region record: one region as the rest of the mesh sees it (regional gossip).
+//!
+//! A representative of region R builds it from its view (`core::region_choice::build_offer`)
+//! and publishes it under [`KEY_REGION`] in the region layer; the representatives of every other
+//! region copy it into their own regional cluster under `region:R` ([`REGION_PREFIX`]), so every
+//! node learns every region from one small value each, refreshed at most every
+//! `region_interval`. It carries what forwarding needs: the core's `RegionOffer` (models, room,
+//! least queue, held prefix heads) and a few nodes to forward to.
+//!
+//! Trust: in the region layer a `region` record counts only for the region its publisher's own
+//! `node` record names (a node speaks for its region, not for others); a `region:R` copy counts
+//! only under its own name and never for the reader's region.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use super::schema::{bound, bounds, decode, encode, wall_ms, SchemaError};
+use crate::core::region_offer::{
+    OfferedModel, RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_OFFERED_MODELS, MAX_REGION_HEADS,
+};
+
+/// Key of a representative's own region record in the region layer.
+pub const KEY_REGION: &str = "region";
+/// Prefix of another region's record copied into a regional cluster: `region:<name>`.
+pub const REGION_PREFIX: &str = "region:";
+/// Forwarding targets a record names at most.
+pub const MAX_REGION_TARGETS: usize = 3;
+/// Longest region name a record may carry (longer ones are refused).
+pub const MAX_REGION_NAME_BYTES: usize = 64;
+/// Longest URL or node id a target may carry.
+const MAX_TARGET_STR_BYTES: usize = 256;
+
+/// A node of the region that takes forwarded requests.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RegionTarget {
+    /// Node id.
+    pub node_id: String,
+    /// Base URL of its HTTP front (its peer listener takes forwarded requests).
+    pub http_url: String,
+    /// Its QUIC address: a representative's is also a region-layer seed.
+    pub quic_addr: SocketAddr,
+}
+
+/// The record.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RegionRecord {
+    /// The region.
+    pub region: String,
+    /// Wall-clock ms when it was built: of two records for one region the newer wins.
+    pub at_ms: u64,
+    /// Live nodes in the region.
+    #[serde(default)]
+    pub nodes: u32,
+    /// What it serves (the offer's models).
+    #[serde(default)]
+    pub models: Vec<OfferedModel>,
+    /// Prefixes it holds as (key, depth): positional, so 16 of them take ~200 bytes.
+    #[serde(default)]
+    pub heads: Vec<(u64, u16)>,
+    /// Nodes to forward to, the publishing representative first.
+    #[serde(default)]
+    pub targets: Vec<RegionTarget>,
+}
+
+impl RegionRecord {
+    /// A record for `offer`, built now.
+    pub fn new(offer: &RegionOffer, nodes: u32, targets: Vec<RegionTarget>) -> Self {
+        RegionRecord {
+            region: offer.region.clone(),
+            at_ms: wall_ms(),
+            nodes,
+            models: offer.models.clone(),
+            heads: offer.heads.iter().map(|h| (h.key, h.depth)).collect(),
+            targets,
+        }
+    }
+
+    /// The core's view of it.
+    pub fn offer(&self) -> RegionOffer {
+        RegionOffer {
+            region: self.region.clone(),
+            models: self.models.clone(),
+            heads: self
+                .heads
+                .iter()
+                .map(|&(key, depth)| RegionHead { key, depth })
+                .collect(),
+        }
+    }
+
+    /// Encodes for gossip, dropping the shallowest heads, then targets beyond the first, then
+    /// the least open models until it fits the value limit.
+    pub fn encode_fit(&self) -> Result<String, SchemaError> {
+        let mut r = self.clone();
+        r.targets.truncate(MAX_REGION_TARGETS);
+        loop {
+            match encode("region", &r) {
+                Err(SchemaError::TooLarge { .. }) if !r.heads.is_empty() => {
+                    r.heads.pop();
+                }
+                Err(SchemaError::TooLarge { .. }) if r.targets.len() > 1 => {
+                    r.targets.pop();
+                }
+                Err(SchemaError::TooLarge { .. }) if r.models.len() > 1 => {
+                    r.models.pop();
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Decodes a peer's value, refusing one over any bound.
+    pub fn decode(s: &str) -> Result<Self, SchemaError> {
+        let r: RegionRecord = decode("region", s)?;
+        let w = "region";
+        bound(w, "region", !r.region.is_empty(), "empty")?;
+        bound(
+            w,
+            "region",
+            r.region.len() <= MAX_REGION_NAME_BYTES,
+            r.region.len(),
+        )?;
+        let lead = r.at_ms <= wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
+        bound(w, "at_ms", lead, r.at_ms)?;
+        bound(w, "nodes", r.nodes <= bounds::MAX_REQUESTS, r.nodes)?;
+        bound(
+            w,
+            "models",
+            r.models.len() <= MAX_OFFERED_MODELS,
+            r.models.len(),
+        )?;
+        bound(w, "heads", r.heads.len() <= MAX_REGION_HEADS, r.heads.len())?;
+        bound(
+            w,
+            "targets",
+            r.targets.len() <= MAX_REGION_TARGETS,
+            r.targets.len(),
+        )?;
+        for m in &r.models {
+            bound(w, "healthy", m.healthy <= bounds::MAX_REQUESTS, m.healthy)?;
+            bound(w, "open", m.open <= m.healthy, m.open)?;
+            let rate_ok = f64::from(m.prefill_tokens_per_s) <= bounds::MAX_PREFILL_TOKENS_PER_S;
+            bound(w, "prefill_tokens_per_s", rate_ok, m.prefill_tokens_per_s)?;
+        }
+        for (_, depth) in &r.heads {
+            let ok = (1..=MAX_HEAD_DEPTH).contains(depth);
+            bound(w, "depth", ok, depth)?;
+        }
+        for t in &r.targets {
+            let ok =
+                t.node_id.len() <= MAX_TARGET_STR_BYTES && t.http_url.len() <= MAX_TARGET_STR_BYTES;
+            bound(w, "target", ok, &t.node_id)?;
+        }
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(i: u16) -> RegionTarget {
+        RegionTarget {
+            node_id: format!("us-node-{i}"),
+            http_url: format!("https://us-node-{i}.example.internal:8443"),
+            quic_addr: SocketAddr::from(([10, 0, 0, i as u8], 7000 + i)),
+        }
+    }
+
+    fn full() -> RegionRecord {
+        RegionRecord {
+            region: "us-east".into(),
+            at_ms: wall_ms(),
+            nodes: 25,
+            models: vec![OfferedModel {
+                model: "meta-llama/Llama-3.1-8B-Instruct".into(),
+                pool: "shared".into(),
+                whole: true,
+                healthy: 32,
+                open: 30,
+                least_queue_ms: 120,
+                prefill_tokens_per_s: 50_000,
+            }],
+            heads: (0..MAX_REGION_HEADS as u64)
+                .map(|k| (u64::MAX - k, 1 << 10))
+                .collect(),
+            targets: (0..3).map(target).collect(),
+        }
+    }
+
+    #[test]
+    fn a_full_record_fits_by_dropping_heads_and_round_trips() {
+        let r = full();
+        let s = r.encode_fit().unwrap();
+        assert!(s.len() <= super::super::schema::MAX_VALUE_BYTES);
+        let back = RegionRecord::decode(&s).unwrap();
+        assert_eq!(back.region, r.region);
+        assert_eq!(back.models, r.models);
+        assert_eq!(back.targets, r.targets);
+        assert!(back.heads.len() >= 12, "{} heads kept", back.heads.len());
+        assert_eq!(back.heads[..], r.heads[..back.heads.len()]);
+        assert_eq!(back.offer().heads.len(), back.heads.len());
+    }
+
+    #[test]
+    fn absurd_claims_are_refused() {
+        let enc = |r: &RegionRecord| encode("region", r).unwrap();
+        let mut r = full();
+        r.heads.truncate(4);
+        assert!(RegionRecord::decode(&enc(&r)).is_ok());
+        let mut bad = r.clone();
+        bad.region = String::new();
+        assert!(RegionRecord::decode(&enc(&bad)).is_err());
+        let mut bad = r.clone();
+        bad.models[0].open = 33;
+        assert!(
+            RegionRecord::decode(&enc(&bad)).is_err(),
+            "more open than healthy"
+        );
+        let mut bad = r.clone();
+        bad.heads[0].1 = 0;
+        assert!(RegionRecord::decode(&enc(&bad)).is_err(), "depth 0");
+        let mut bad = r.clone();
+        bad.at_ms = u64::MAX;
+        assert!(
+            RegionRecord::decode(&enc(&bad)).is_err(),
+            "from the far future"
+        );
+        let mut bad = r;
+        bad.targets = (0..4).map(target).collect();
+        bad.models.clear();
+        bad.heads.clear();
+        assert!(
+            RegionRecord::decode(&enc(&bad)).is_err(),
+            "too many targets"
+        );
+        assert!(RegionRecord::decode("%%%").is_err());
+    }
+}

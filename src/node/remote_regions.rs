@@ -1,0 +1,61 @@
+//! Other regions at a node in the regional layout: its own region's offer (built when the node
+//! is a representative) and every other region's record folded into the view and the
+//! forwarding targets.
+//!
+//! Kept apart from `mesh_roles.rs`, which folds the node's own region's replica records: the
+//! two sources never mix (another region's replicas are not in this view; see
+//! `core::region_offer`).
+
+use std::collections::BTreeMap;
+
+use super::mesh_state::Peer;
+use super::state::Node;
+use crate::core::region_choice::build_offer;
+use crate::core::region_offer::{RegionOffer, MAX_REGION_HEADS, MAX_REMOTE_REGIONS};
+use crate::mesh::region_record::RegionRecord;
+
+impl Node {
+    /// This region's offer to the others, from this node's view: its replicas' room and
+    /// queues, and the prefixes it routed most that some replica of the region still holds.
+    pub(super) fn region_offer(&self) -> RegionOffer {
+        let core = self.lock();
+        let heads = core.heads.top(MAX_REGION_HEADS * 2);
+        let region = core.view.local_region.clone();
+        build_offer(&core.view, &core.router.config().cost, &region, heads)
+    }
+
+    /// Folds other regions' newest records into the view (at most `MAX_REMOTE_REGIONS`) and
+    /// the forwarding targets; `representative` is shown in `/admin/state`.
+    pub(super) fn set_remote_regions(
+        &self,
+        records: &BTreeMap<String, RegionRecord>,
+        representative: bool,
+    ) {
+        let targets: Vec<Peer> = records
+            .values()
+            .take(MAX_REMOTE_REGIONS)
+            .flat_map(|r| {
+                r.targets.iter().map(|t| Peer {
+                    node_id: t.node_id.clone(),
+                    region: r.region.clone(),
+                    http_url: t.http_url.trim_end_matches('/').to_owned(),
+                    quic_addr: t.quic_addr,
+                })
+            })
+            .collect();
+        {
+            let mut core = self.lock();
+            let local = core.view.local_region.clone();
+            let offers = &mut core.view.remote_regions;
+            offers.clear();
+            for (name, r) in records.iter().take(MAX_REMOTE_REGIONS) {
+                if *name != local {
+                    offers.insert(name.clone(), r.offer());
+                }
+            }
+        }
+        let mut st = self.status();
+        st.region_targets = targets;
+        st.representative = representative;
+    }
+}

@@ -509,8 +509,8 @@ fn the_architecture_map_is_short_and_names_only_real_paths() {
     let text = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap_or_default();
     let lines = text.lines().count();
     assert!(
-        (50..=280).contains(&lines),
-        "ARCHITECTURE.md has {lines} lines; the map is meant to be read in 15 minutes (≤ 280)"
+        (50..=300).contains(&lines),
+        "ARCHITECTURE.md has {lines} lines; the map is meant to be read in 15 minutes (≤ 300)"
     );
     // Its layer sections are `### name — path`, in the order `LAYERS` enforces.
     let headings: Vec<&str> = text

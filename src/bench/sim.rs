@@ -54,10 +54,11 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use super::sim_bytes::{GossipByteModel, GossipLayout, MeshShape, REPRESENTATIVES};
 pub use super::sim_classes::{class_label, class_stats};
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_exact::ExactFeed;
-use super::sim_gossip::{epidemic_hops, NodeLag, Published};
+use super::sim_gossip::{epidemic_hops, region_record_source, NodeLag, Published};
 use super::sim_pd::{itl, submit_decode, Leg, PdStats};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
@@ -131,6 +132,9 @@ struct Share {
 struct SimNode {
     region: usize,
     lag: NodeLag,
+    /// With the regional layer: the phase and hops of its region's representatives in the
+    /// representatives' cluster, through which other regions' state reaches it.
+    layer: Option<NodeLag>,
     live: bool,
     routing: Option<NodeRouting>,
 }
@@ -138,8 +142,12 @@ struct SimNode {
 struct NodeRouting {
     view: View,
     router: Router,
-    /// Publication time of the loads the view holds.
+    /// Publication time of the loads the view holds (of its own region's replicas, with the
+    /// regional layer; of every replica, flat).
     synced: Option<Duration>,
+    /// With the regional layer: publication time of the loads it holds of other regions'
+    /// replicas.
+    remote_synced: Option<Duration>,
     /// The hot-prefix detector (replication on).
     hot: Option<HotPrefixes>,
     /// Publication time of the peers' heavy hitters it last applied.
@@ -284,6 +292,14 @@ struct Sim<'a> {
     order: u64,
     rng: SmallRng,
     hops: Vec<u32>,
+    /// Whether the regional layer is simulated (regional layout, several regions): nodes hear
+    /// other regions only through region records.
+    region_layer: bool,
+    /// With the regional layer: how far a representative's view lags its region's true state
+    /// when it builds the region's record (the median node's lag).
+    rep_lag: Duration,
+    /// The oldest news any node may still read is this old (versions older are forgotten).
+    max_lag: Duration,
 
     nodes: Vec<SimNode>,
     /// Live nodes, by index, in index order (clients pick among them).
@@ -399,7 +415,33 @@ impl<'a> Sim<'a> {
             region_replicas[*g].push(r);
         }
 
-        let hops = epidemic_hops(cfg.nodes, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
+        // Regional: news of a node's own region spreads over the region's nodes only (the
+        // largest region's count); flat, over every node. With one region they are the same.
+        let region_layer = cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1;
+        let members = if cfg.gossip_layout == GossipLayout::Regional {
+            cfg.nodes.div_ceil(cfg.regions)
+        } else {
+            cfg.nodes
+        };
+        let hops = epidemic_hops(members, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
+        let reps = REPRESENTATIVES.min(members).max(1);
+        let layer_hops = if region_layer {
+            epidemic_hops(
+                reps * cfg.regions,
+                cfg.gossip_fanout,
+                EPIDEMIC_TRIALS,
+                &mut rng,
+            )
+        } else {
+            vec![1]
+        };
+        let interval = cfg.gossip_interval;
+        let rep_lag = interval / 2 + interval * hops[hops.len() / 2].saturating_sub(1);
+        let mut max_lag = interval * (hops.last().copied().unwrap_or(1) + 1);
+        if region_layer {
+            max_lag +=
+                rep_lag + cfg.region_interval * (layer_hops.last().copied().unwrap_or(1) + 1);
+        }
         let nodes: Vec<SimNode> = (0..cfg.nodes)
             .map(|n| {
                 let region = n % cfg.regions;
@@ -407,6 +449,11 @@ impl<'a> Sim<'a> {
                     phase: cfg.gossip_interval.mul_f64(rng.random::<f64>()),
                     hops: hops[rng.random_range(0..hops.len())],
                 };
+                // Drawn after the node's own lag, so flat runs draw as they always did.
+                let layer = region_layer.then(|| NodeLag {
+                    phase: cfg.region_interval.mul_f64(rng.random::<f64>()),
+                    hops: layer_hops[rng.random_range(0..layer_hops.len())],
+                });
                 let routing = (!cfg.oracle).then(|| {
                     let mut view = View::new(region_name(region), tokens_per_block);
                     for a in 0..cfg.regions {
@@ -428,6 +475,7 @@ impl<'a> Sim<'a> {
                         view,
                         router: Router::new(rc, tenants(cfg)),
                         synced: None,
+                        remote_synced: None,
                         hot: cfg
                             .hot_prefix
                             .enabled
@@ -442,6 +490,7 @@ impl<'a> Sim<'a> {
                 SimNode {
                     region,
                     lag,
+                    layer,
                     live: true,
                     routing,
                 }
@@ -471,6 +520,9 @@ impl<'a> Sim<'a> {
             order: 0,
             rng,
             hops,
+            region_layer,
+            rep_lag,
+            max_lag,
             live: (0..cfg.nodes).collect(),
             nodes,
             replica_region,
@@ -841,6 +893,28 @@ impl<'a> Sim<'a> {
         let Some(nr) = node.routing.as_mut() else {
             return;
         };
+        // Other regions' replicas, with the regional layer: their region's state as of the
+        // record that reached this node, older than its own region's news.
+        let remote = node.layer.as_ref().and_then(|layer| {
+            region_record_source(
+                &node.lag,
+                layer,
+                self.rep_lag,
+                now,
+                self.cfg.gossip_interval,
+                self.cfg.region_interval,
+            )
+        });
+        if let Some((at, loads)) = remote.and_then(|t| self.loads.as_of_timed(t)) {
+            if nr.remote_synced != Some(at) {
+                nr.remote_synced = Some(at);
+                for (r, l) in loads.iter().enumerate() {
+                    if self.replica_region[r] != node.region {
+                        set_scraped_load(&mut nr.view, r, l);
+                    }
+                }
+            }
+        }
         let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
             return;
         };
@@ -869,14 +943,16 @@ impl<'a> Sim<'a> {
             return;
         }
         nr.synced = Some(at);
-        for (r, l) in loads.iter().enumerate() {
-            // The queued prefill is the node's own and its peers' (load sharing), not scraped.
-            let queued = nr
-                .view
-                .replica(r)
-                .map_or(0, |x| x.load.queued_prefill_tokens);
-            nr.view
-                .set_engine_load(r, l.waiting, l.running, l.kv_usage, queued);
+        if self.region_layer {
+            for &r in &self.region_replicas[node.region] {
+                if let Some(l) = loads.get(r) {
+                    set_scraped_load(&mut nr.view, r, l);
+                }
+            }
+        } else {
+            for (r, l) in loads.iter().enumerate() {
+                set_scraped_load(&mut nr.view, r, l);
+            }
         }
         for &r in &self.region_replicas[node.region] {
             let Some(fresh) = self.summaries[r].as_of(source) else {
@@ -1078,8 +1154,10 @@ impl<'a> Sim<'a> {
     fn publish(&mut self, k: u64, now: Duration) -> Result<(), SimError> {
         let interval = self.cfg.gossip_interval;
         let max_hops = self.hops.last().copied().unwrap_or(1);
-        // The oldest source time any node can still read.
+        // The oldest source time any node can still read: of its own region (summaries, hot
+        // prefixes), and of any replica (loads, which other regions read through records).
         let horizon = now.saturating_sub(interval * (max_hops + 1));
+        let load_horizon = now.saturating_sub(self.max_lag);
         // Homes scrape their engines every scrape interval; what a scrape read travels by gossip.
         let scrape = self
             .scraped
@@ -1100,7 +1178,7 @@ impl<'a> Sim<'a> {
                     }
                 })
                 .collect();
-            self.loads.publish(now, loads, horizon);
+            self.loads.publish(now, loads, load_horizon);
         }
         if k.is_multiple_of(u64::from(LOAD_PUBLICATIONS_PER_INTERVAL)) {
             for r in 0..self.models.len() {
@@ -1506,7 +1584,44 @@ impl<'a> Sim<'a> {
                 (label, ttft, self.refused[i].is_some())
             }),
         );
+        let virtual_s = virtual_time.as_secs_f64();
+        let model = GossipByteModel::calibrated();
+        let shape = MeshShape {
+            layout: self.cfg.gossip_layout,
+            nodes: self.cfg.nodes,
+            regions: self.cfg.regions,
+            replicas: self.cfg.replicas,
+            request_rate: if virtual_s > 0.0 {
+                self.reqs.len() as f64 / virtual_s
+            } else {
+                0.0
+            },
+            interval_s: self.cfg.gossip_interval.as_secs_f64(),
+            fanout: self.cfg.gossip_fanout,
+        };
+        let mut remote_lags: Vec<f64> = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.layer)
+            .map(|l| {
+                // Half a round of the layer's phase, its hops, the representative's own lag and
+                // the regional copy (the node's own lag, which its region's news has too).
+                let r = self.cfg.region_interval;
+                (r / 2 + r * l.hops.saturating_sub(1) + self.rep_lag).as_secs_f64()
+            })
+            .collect();
+        remote_lags.sort_by(f64::total_cmp);
         SimReport {
+            gossip_layout: self.cfg.gossip_layout.as_str().into(),
+            remote_extra_lag_s: remote_lags
+                .get(remote_lags.len() / 2)
+                .copied()
+                .unwrap_or(0.0),
+            mesh_bytes_idle: model.per_node(&MeshShape {
+                request_rate: 0.0,
+                ..shape
+            }),
+            mesh_bytes: model.per_node(&shape),
             window_ttft,
             warmups: self.warms.len() as u64,
             warmups_cancelled: self.warmups_cancelled,
@@ -1558,6 +1673,13 @@ impl<'a> Sim<'a> {
             virtual_seconds: virtual_time.as_secs_f64(),
         }
     }
+}
+
+/// Sets replica `r`'s scraped load in `view`, keeping the queued prefill the node knows (its
+/// own and its peers' routing, by load sharing: not scraped).
+fn set_scraped_load(view: &mut View, r: usize, l: &LoadSample) {
+    let queued = view.replica(r).map_or(0, |x| x.load.queued_prefill_tokens);
+    view.set_engine_load(r, l.waiting, l.running, l.kv_usage, queued);
 }
 
 /// The tenant policies every node of `cfg` holds.

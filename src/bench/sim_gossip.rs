@@ -87,6 +87,26 @@ impl NodeLag {
     }
 }
 
+/// The publication time of the state a node sees at `now` of *other* regions' replicas in the
+/// regional layout (`None`: nothing yet). Such news reaches it as region records: a remote
+/// representative builds its region's record from its own view (`rep_lag` behind the region's
+/// true state) at a round of the representatives' cluster, the record spreads over that cluster
+/// (`layer`: the node's region's representatives' phase and hops there, rounds of
+/// `region_interval`), and the node's region's representatives copy it into the regional
+/// cluster, where it reaches the node as any regional news does (`local`, rounds of `interval`).
+pub fn region_record_source(
+    local: &NodeLag,
+    layer: &NodeLag,
+    rep_lag: Duration,
+    now: Duration,
+    interval: Duration,
+    region_interval: Duration,
+) -> Option<Duration> {
+    let copied = local.source_time(now, interval)?;
+    let record = layer.source_time(copied, region_interval)?;
+    record.checked_sub(rep_lag)
+}
+
 /// A ring of versions of one published value, oldest first, each with its publication time.
 #[derive(Debug)]
 pub struct Published<T> {
@@ -179,6 +199,32 @@ mod tests {
         let far = NodeLag { hops: 3, ..lag };
         assert_eq!(far.source_time(ms(250), ms(100)), Some(ms(30)));
         assert_eq!(far.source_time(ms(129), ms(100)), None);
+    }
+
+    #[test]
+    fn other_regions_are_seen_through_the_record_layer_and_the_region() {
+        let ms = Duration::from_millis;
+        let local = NodeLag {
+            phase: ms(30),
+            hops: 2,
+        };
+        let layer = NodeLag {
+            phase: ms(100),
+            hops: 2,
+        };
+        // At 1,000 ms the node holds what its region had at 830 ms; its representatives then
+        // held the record published at 100 ms (their last round, 600 ms, minus one round),
+        // built from the remote region's state 50 ms older.
+        let at = region_record_source(&local, &layer, ms(50), ms(1000), ms(100), ms(500));
+        assert_eq!(at, Some(ms(50)));
+        // Before the first record has travelled, nothing.
+        assert_eq!(
+            region_record_source(&local, &layer, ms(50), ms(300), ms(100), ms(500)),
+            None
+        );
+        // Older than the node's news of its own region, always.
+        let own = local.source_time(ms(1000), ms(100));
+        assert!(own > at);
     }
 
     #[test]

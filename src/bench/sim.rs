@@ -1584,18 +1584,23 @@ impl<'a> Sim<'a> {
                 (label, ttft, self.refused[i].is_some())
             }),
         );
-        let virtual_s = virtual_time.as_secs_f64();
+        // Over the arrivals' span (not the run's, which ends with the last decode).
+        let span = match (self.reqs.first(), self.reqs.last()) {
+            (Some(a), Some(b)) => (b.at_s - a.at_s) / self.cfg.arrival_speedup,
+            _ => 0.0,
+        };
+        let arrival_rate = if span > 0.0 {
+            (self.reqs.len() - 1) as f64 / span
+        } else {
+            0.0
+        };
         let model = GossipByteModel::calibrated();
         let shape = MeshShape {
             layout: self.cfg.gossip_layout,
             nodes: self.cfg.nodes,
             regions: self.cfg.regions,
             replicas: self.cfg.replicas,
-            request_rate: if virtual_s > 0.0 {
-                self.reqs.len() as f64 / virtual_s
-            } else {
-                0.0
-            },
+            request_rate: arrival_rate,
             interval_s: self.cfg.gossip_interval.as_secs_f64(),
             fanout: self.cfg.gossip_fanout,
         };
@@ -1613,6 +1618,7 @@ impl<'a> Sim<'a> {
         remote_lags.sort_by(f64::total_cmp);
         SimReport {
             gossip_layout: self.cfg.gossip_layout.as_str().into(),
+            arrival_rate,
             remote_extra_lag_s: remote_lags
                 .get(remote_lags.len() / 2)
                 .copied()

@@ -306,11 +306,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             nodes: r.nodes,
             regions: r.regions,
             replicas: r.replicas,
-            request_rate: if r.virtual_seconds > 0.0 {
-                r.requests as f64 / r.virtual_seconds
-            } else {
-                0.0
-            },
+            request_rate: r.arrival_rate,
             interval_s: Duration::from_millis(args.gossip_ms).as_secs_f64(),
             fanout: args.fanout,
         };

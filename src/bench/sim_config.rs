@@ -273,8 +273,11 @@ pub struct SimReport {
     /// With the regional layout and several regions: seconds by which a node's news of other
     /// regions' replicas lags its news of its own region's, median over the nodes (0 otherwise).
     pub remote_extra_lag_s: f64,
+    /// Requests per second arriving: requests over the span of their arrivals (the rate the
+    /// byte model is evaluated at).
+    pub arrival_rate: f64,
     /// Modelled gossip bytes per node (`sim_bytes.rs`), sent + received, in this run's layout:
-    /// idle and at the run's mean request rate.
+    /// idle and at `arrival_rate`.
     pub mesh_bytes_idle: super::sim_bytes::NodeBytes,
     /// See `mesh_bytes_idle`.
     pub mesh_bytes: super::sim_bytes::NodeBytes,

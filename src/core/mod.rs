@@ -16,6 +16,8 @@
 //! - [`hot_sketch`], [`hot_prefix`]: which prefixes are hot, and warming them on more replicas.
 //! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
 //! - [`policy`]: the policies behind one trait.
+//! - [`region_offer`], [`region_choice`]: other regions in aggregate, and which one a
+//!   forwarded request goes to.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
 //! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
@@ -37,6 +39,8 @@ pub mod policy;
 pub mod priority;
 pub mod prompt;
 pub mod rank_hints;
+pub mod region_choice;
+pub mod region_offer;
 pub mod regions;
 pub mod role;
 pub mod router;

@@ -29,6 +29,7 @@ use super::affinity;
 use super::cost::CostModel;
 use super::keys::BlockKey;
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
+use super::region_choice::{choose_region, RegionAsk};
 use super::role::Leg;
 use super::tenants::Tenants;
 use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, View};
@@ -434,6 +435,7 @@ impl Router {
                 ForwardReason::NoLocalReplica,
                 f64::INFINITY,
                 leg,
+                now,
             );
         }
 
@@ -520,7 +522,14 @@ impl Router {
             return if quota_blocked {
                 Decision::Reject(RejectReason::OverQuota)
             } else {
-                self.forward_or_reject(view, req, ForwardReason::NoLocalReplica, f64::INFINITY, leg)
+                self.forward_or_reject(
+                    view,
+                    req,
+                    ForwardReason::NoLocalReplica,
+                    f64::INFINITY,
+                    leg,
+                    now,
+                )
             };
         }
 
@@ -542,7 +551,7 @@ impl Router {
         if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
             let bar = if all_full { f64::INFINITY } else { least_queue };
             if let Some(region) =
-                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg)
+                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg, now)
             {
                 return Decision::Forward {
                     region,
@@ -666,45 +675,37 @@ impl Router {
         reason: ForwardReason,
         bar: f64,
         leg: Leg,
+        now: Duration,
     ) -> Decision {
         if !req.forwarded {
-            if let Some(region) = self.nearest_region_under(view, req, bar, leg) {
+            if let Some(region) = self.nearest_region_under(view, req, bar, leg, now) {
                 return Decision::Forward { region, reason };
             }
         }
         Decision::Reject(RejectReason::NoHealthyReplica)
     }
 
-    /// The nearest other region with a healthy, non-full replica of the model in the tenant's
-    /// pools whose queue is under `bar` seconds, and which can take `leg` (requests cross
-    /// regions whole: the region's node may then split them again).
+    /// The other region where `req` would start soonest (`region_choice.rs`): least
+    /// `RTT + queue + prefill of what it does not hold` among regions with a healthy, non-full
+    /// replica of the model in the tenant's pools queueing under `bar` seconds, which can take
+    /// `leg` (requests cross regions whole: the region's node may then split them again).
     fn nearest_region_under(
         &self,
         view: &View,
         req: &RouteRequest<'_>,
         bar: f64,
         leg: Leg,
+        now: Duration,
     ) -> Option<String> {
-        let pools = &self.tenants.config(req.tenant).pools;
-        let leg = if leg == Leg::Prefill { Leg::Whole } else { leg };
-        let ok = |r: &ReplicaState| {
-            r.info.region != view.local_region
-                && r.info.pd.role.serves(leg)
-                && r.health == Health::Healthy
-                && r.info.models.iter().any(|m| m == req.model)
-                && (pools.is_empty() || pools.contains(&r.info.pool))
-                && r.load.outstanding() < r.info.max_in_flight
-                && self.cfg.cost.queue_s(r) < bar
+        let ask = RegionAsk {
+            model: req.model,
+            pools: &self.tenants.config(req.tenant).pools,
+            keys: req.keys,
+            prompt_tokens: req.prompt_tokens,
+            bar_s: bar,
+            leg,
         };
-        let regions = view
-            .replicas()
-            .iter()
-            .filter(|r| ok(r))
-            .map(|r| r.info.region.as_str());
-        view.regions
-            .nearest_first(&view.local_region, regions)
-            .first()
-            .map(|s| (*s).to_owned())
+        choose_region(view, &self.cfg.cost, &ask, now)
     }
 }
 

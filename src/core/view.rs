@@ -27,13 +27,14 @@
 //! when the summary has lower-tier keys and the GPU run stopped early. Replica indexes are stable
 //! for the view's life, so a decision's index stays valid while the request runs.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::keys::BlockKey;
 use super::peer_tips::PeerTips;
+use super::region_offer::RegionOffer;
 use super::regions::RegionMap;
 use super::role::PdFacts;
 use super::summary::{FilterBits, FilterGeometry, KeyHasher, KeyHashes, ReplicaSummary, Tier};
@@ -171,6 +172,10 @@ pub struct View {
     /// Prefixes the region's other nodes just routed (`peer_tips.rs`); the router adds them to
     /// the hits it reads here.
     pub peer_tips: PeerTips,
+    /// Other regions' offers, by region, as their representatives publish them (regional
+    /// gossip: those regions' replicas are not in this view). The driver keeps at most
+    /// [`super::region_offer::MAX_REMOTE_REGIONS`].
+    pub remote_regions: BTreeMap<String, RegionOffer>,
     replicas: Vec<ReplicaState>,
     index: HashMap<String, usize>,
 }
@@ -184,6 +189,7 @@ impl View {
             tokens_per_block: tokens_per_block.max(1),
             overlay_ttl: Duration::from_secs(10),
             peer_tips: PeerTips::default(),
+            remote_regions: BTreeMap::new(),
             replicas: Vec::new(),
             index: HashMap::new(),
         }

@@ -1,0 +1,342 @@
+//! Which other region a request goes to when its own cannot serve it, and what this region
+//! offers the others (the representative's side of `region_offer.rs`).
+//!
+//! A forwarded request pays a round trip to the other region and then whatever it would pay
+//! there: the queue of the replica it lands on and the prefill of the part of its prompt that
+//! region does not hold. So the region is the one with the least of `RTT + queue + prefill`, not
+//! simply the nearest: a far region holding a 30k-token document is worth its 80 ms when the
+//! prefill it saves is a second; with no prefix held anywhere the terms other than RTT and queue
+//! are equal and the nearest region with room wins. Ties go to the nearer region, then the name,
+//! so every node of a region decides alike.
+//!
+//! Two sources, merged per region: other regions' replicas this node has in its view (a flat
+//! mesh, or replicas configured here with another region), with hits from their summaries, and
+//! other regions' offers (regional gossip), with hits from their heads.
+
+use std::time::Duration;
+
+use super::cost::CostModel;
+use super::keys::BlockKey;
+use super::region_offer::{OfferedModel, RegionHead, RegionOffer};
+use super::role::Leg;
+use super::view::{Health, ReplicaState, View};
+
+/// One forwarding question.
+#[derive(Clone, Copy, Debug)]
+pub struct RegionAsk<'a> {
+    /// Requested model.
+    pub model: &'a str,
+    /// The tenant's pools (any when empty).
+    pub pools: &'a [String],
+    /// Block keys of the prompt.
+    pub keys: &'a [BlockKey],
+    /// Prompt length in tokens.
+    pub prompt_tokens: u64,
+    /// Only replicas (or offers) queueing less than this many seconds count.
+    pub bar_s: f64,
+    /// The leg asked for; requests cross regions whole, so a prefill leg asks for a whole one.
+    pub leg: Leg,
+}
+
+/// The other region where the request would start soonest (module doc), or `None` when no
+/// other region has a healthy replica of the model with room under the bar.
+pub fn choose_region(
+    view: &View,
+    cost: &CostModel,
+    ask: &RegionAsk<'_>,
+    now: Duration,
+) -> Option<String> {
+    let leg = if ask.leg == Leg::Prefill {
+        Leg::Whole
+    } else {
+        ask.leg
+    };
+    let local = view.local_region.as_str();
+    let tpb = f64::from(view.tokens_per_block);
+    let rtt_s = |region: &str| view.regions.distance(local, region) / 1000.0;
+    // (cost, distance, region): the best per region, then the best overall.
+    let mut best: Option<(f64, f64, &str)> = None;
+    for (i, r) in view.replicas().iter().enumerate() {
+        if !usable_remote(r, local, ask, leg) {
+            continue;
+        }
+        let queue = cost.queue_s(r);
+        if queue >= ask.bar_s {
+            continue;
+        }
+        let held = view.hit(i, ask.keys, now) as f64 * tpb;
+        let start = queue + cost.prefill_s(r, ask.prompt_tokens, held);
+        let region = r.info.region.as_str();
+        consider(&mut best, region, rtt_s(region), start);
+    }
+    for (region, offer) in &view.remote_regions {
+        if region == local {
+            continue;
+        }
+        let Some((queue, rate)) = offer.open_for(ask.model, ask.pools, ask.bar_s) else {
+            continue;
+        };
+        let held = offer.held_blocks(ask.keys) as f64 * tpb;
+        let start = queue + (ask.prompt_tokens as f64 - held).max(0.0) / rate;
+        consider(&mut best, region.as_str(), rtt_s(region), start);
+    }
+    best.map(|(_, _, r)| r.to_owned())
+}
+
+/// Keeps the better of `best` and `region` (least `rtt + start`, then nearest, then name).
+fn consider<'v>(best: &mut Option<(f64, f64, &'v str)>, region: &'v str, rtt_s: f64, start_s: f64) {
+    let total = rtt_s + start_s;
+    let better = match best {
+        None => true,
+        Some((c, d, name)) => (total, rtt_s, region) < (*c, *d, *name),
+    };
+    if better {
+        *best = Some((total, rtt_s, region));
+    }
+}
+
+/// A replica of another region that could take the forwarded request.
+fn usable_remote(r: &ReplicaState, local: &str, ask: &RegionAsk<'_>, leg: Leg) -> bool {
+    r.info.region != local
+        && r.info.pd.role.serves(leg)
+        && r.health == Health::Healthy
+        && r.info.models.iter().any(|m| m == ask.model)
+        && (ask.pools.is_empty() || ask.pools.contains(&r.info.pool))
+        && r.load.outstanding() < r.info.max_in_flight
+}
+
+/// What `region` offers others, from this view's replicas of it: per (model, pool, whole) the
+/// healthy and open counts and the least queue, and those of `heads` some healthy replica of the
+/// region still holds by its summary. Trimmed to the offer's caps.
+pub fn build_offer(
+    view: &View,
+    cost: &CostModel,
+    region: &str,
+    heads: impl IntoIterator<Item = RegionHead>,
+) -> RegionOffer {
+    let mut offer = RegionOffer {
+        region: region.to_owned(),
+        models: Vec::new(),
+        heads: Vec::new(),
+    };
+    let mine = || {
+        view.replicas()
+            .iter()
+            .filter(move |r| r.info.region == region && r.health == Health::Healthy)
+    };
+    for r in mine() {
+        let whole = r.info.pd.role.serves(Leg::Whole);
+        let open = r.load.outstanding() < r.info.max_in_flight;
+        let queue_ms = (cost.queue_s(r) * 1000.0).clamp(0.0, f64::from(u32::MAX)) as u32;
+        let rate = r.info.prefill_tokens_per_s.clamp(1.0, f64::from(u32::MAX)) as u32;
+        for model in &r.info.models {
+            let entry = offer
+                .models
+                .iter_mut()
+                .find(|m| &m.model == model && m.pool == r.info.pool && m.whole == whole);
+            let entry = match entry {
+                Some(e) => e,
+                None => {
+                    offer.models.push(OfferedModel {
+                        model: model.clone(),
+                        pool: r.info.pool.clone(),
+                        whole,
+                        healthy: 0,
+                        open: 0,
+                        least_queue_ms: u32::MAX,
+                        prefill_tokens_per_s: rate,
+                    });
+                    let last = offer.models.len() - 1;
+                    &mut offer.models[last]
+                }
+            };
+            entry.healthy += 1;
+            if open {
+                entry.open += 1;
+                if queue_ms < entry.least_queue_ms {
+                    entry.least_queue_ms = queue_ms;
+                    entry.prefill_tokens_per_s = rate;
+                }
+            }
+        }
+    }
+    for m in &mut offer.models {
+        if m.open == 0 {
+            m.least_queue_ms = 0;
+        }
+    }
+    for head in heads {
+        let held = mine().any(|r| {
+            r.summary
+                .as_ref()
+                .is_some_and(|s| s.contains(BlockKey(head.key)))
+        });
+        if held {
+            offer.heads.push(head);
+        }
+    }
+    offer.trim();
+    offer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::keys::{text_block_keys, Namespace};
+    use crate::core::summary::{ReplicaSummary, SummaryConfig};
+    use crate::core::view::{testing::info, ReplicaLoad};
+
+    const T: Duration = Duration::from_secs(0);
+
+    fn ask<'a>(keys: &'a [BlockKey], prompt_tokens: u64) -> RegionAsk<'a> {
+        RegionAsk {
+            model: "m",
+            pools: &[],
+            keys,
+            prompt_tokens,
+            bar_s: f64::INFINITY,
+            leg: Leg::Whole,
+        }
+    }
+
+    fn offer(region: &str, queue_ms: u32, heads: Vec<RegionHead>) -> RegionOffer {
+        RegionOffer {
+            region: region.into(),
+            models: vec![OfferedModel {
+                model: "m".into(),
+                pool: String::new(),
+                whole: true,
+                healthy: 2,
+                open: 2,
+                least_queue_ms: queue_ms,
+                prefill_tokens_per_s: 10_000,
+            }],
+            heads,
+        }
+    }
+
+    fn doc_keys() -> Vec<BlockKey> {
+        let text = "a long shared document ".repeat(2_000);
+        let mut keys = Vec::new();
+        text_block_keys(
+            Namespace::new("m", None, None, None),
+            text.as_bytes(),
+            256,
+            &mut keys,
+        );
+        keys
+    }
+
+    #[test]
+    fn with_no_prefix_anywhere_the_nearest_region_with_room_wins() {
+        let mut v = View::new("eu", 64);
+        v.regions.measured("eu", "us", 90.0);
+        v.regions.measured("eu", "ap", 30.0);
+        v.remote_regions.insert("us".into(), offer("us", 0, vec![]));
+        v.remote_regions.insert("ap".into(), offer("ap", 0, vec![]));
+        let keys = doc_keys();
+        let c = CostModel::default();
+        let got = choose_region(&v, &c, &ask(&keys, 4_000), T);
+        assert_eq!(got.as_deref(), Some("ap"));
+    }
+
+    #[test]
+    fn the_region_holding_the_prefix_wins_when_the_prefill_saved_beats_the_round_trip() {
+        let mut v = View::new("eu", 64);
+        v.regions.measured("eu", "us", 90.0);
+        v.regions.measured("eu", "ap", 30.0);
+        let keys = doc_keys();
+        let tokens = keys.len() as u64 * 64;
+        let head = RegionHead::of(&keys).unwrap();
+        v.remote_regions
+            .insert("us".into(), offer("us", 0, vec![head]));
+        v.remote_regions.insert("ap".into(), offer("ap", 0, vec![]));
+        let c = CostModel::default();
+        // ~11k tokens at 10k tokens/s: the held prefix saves ~1 s, more than 60 ms farther.
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys, tokens), T).as_deref(),
+            Some("us")
+        );
+        // A short prompt that only starts like the document: nothing to save, the nearest wins.
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys[..1], 64), T).as_deref(),
+            Some("ap")
+        );
+        // When the holder queues longer than the prefill it saves, the nearest wins.
+        v.remote_regions
+            .insert("us".into(), offer("us", 5_000, vec![head]));
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys, tokens), T).as_deref(),
+            Some("ap")
+        );
+    }
+
+    #[test]
+    fn offers_over_the_bar_full_or_for_other_models_are_not_chosen() {
+        let mut v = View::new("eu", 64);
+        let mut full = offer("us", 0, vec![]);
+        full.models[0].open = 0;
+        v.remote_regions.insert("us".into(), full);
+        v.remote_regions
+            .insert("ap".into(), offer("ap", 800, vec![]));
+        let keys = doc_keys();
+        let c = CostModel::default();
+        let mut a = ask(&keys, 100);
+        assert_eq!(choose_region(&v, &c, &a, T).as_deref(), Some("ap"));
+        a.bar_s = 0.5;
+        assert_eq!(choose_region(&v, &c, &a, T), None);
+        a.bar_s = f64::INFINITY;
+        a.model = "other";
+        assert_eq!(choose_region(&v, &c, &a, T), None);
+        // The node's own region is never an answer, even if an offer names it.
+        let mut v = View::new("eu", 64);
+        v.remote_regions.insert("eu".into(), offer("eu", 0, vec![]));
+        assert_eq!(choose_region(&v, &c, &ask(&keys, 100), T), None);
+    }
+
+    #[test]
+    fn replicas_of_other_regions_in_the_view_count_with_their_summaries() {
+        let keys = doc_keys();
+        let tokens = keys.len() as u64 * 64;
+        let mut v = View::new("eu", 64);
+        v.regions.measured("eu", "us", 90.0);
+        v.regions.measured("eu", "ap", 30.0);
+        let mut us = info("us-0", "us");
+        us.models = vec!["m".into()];
+        us.prefill_tokens_per_s = 10_000.0;
+        let mut ap = info("ap-0", "ap");
+        ap.models = vec!["m".into()];
+        ap.prefill_tokens_per_s = 10_000.0;
+        let iu = v.upsert(us);
+        v.upsert(ap);
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("t")).unwrap();
+        s.insert(&keys);
+        v.set_summary(iu, s);
+        let c = CostModel::default();
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys, tokens), T).as_deref(),
+            Some("us")
+        );
+        // The offer built from this view says the same to other regions.
+        let offer = build_offer(&v, &c, "us", RegionHead::of(&keys));
+        assert_eq!(offer.models.len(), 1);
+        assert_eq!(offer.models[0].open, 1);
+        assert_eq!(
+            offer.held_blocks(&keys),
+            RegionHead::of(&keys).unwrap().depth as usize
+        );
+        let ap_offer = build_offer(&v, &c, "ap", RegionHead::of(&keys));
+        assert!(ap_offer.heads.is_empty(), "ap holds nothing");
+        // Full replicas are healthy but not open.
+        let i = v.index_of("ap-0").unwrap();
+        v.replica_mut(i).unwrap().load = ReplicaLoad {
+            in_flight: 10_000,
+            ..Default::default()
+        };
+        let ap_offer = build_offer(&v, &c, "ap", None);
+        assert_eq!(
+            (ap_offer.models[0].healthy, ap_offer.models[0].open),
+            (1, 0)
+        );
+    }
+}

@@ -1,0 +1,245 @@
+//! Other regions as a node sees them at scale: not their replicas, one `RegionOffer` each.
+//!
+//! With regional gossip (`mesh/region_layer.rs`) a node hears only its own region's replicas;
+//! every other region reaches it as one small record its representatives publish: per model and
+//! pool, how many replicas are healthy and have room and the least queue among them, and the
+//! region's *heads* — up to [`MAX_REGION_HEADS`] prompt prefixes it holds, each as the block key
+//! at a power-of-two depth. That is what a forwarding decision needs and no more, so a node's
+//! cost does not grow with the fleet.
+//!
+//! Why heads and not a union of Bloom filters: replicas' filters differ in size (each is sized
+//! for its own cache), so they do not OR; a union sized for a region of hundreds of replicas would
+//! be megabytes. A cross-region hop only pays for a long shared prefix (a system prompt, a
+//! document), and those are the prefixes many requests repeat: the heaviest few, at depths within
+//! 2× of their length, fit in a few hundred bytes and answer "does that region hold this prompt's
+//! prefix, and how much of it" exactly up to the depth rounding (a head never claims more than the
+//! region held when it was published).
+//!
+//! The decision itself is in `router.rs`: among the regions with room, the least
+//! `RTT + queue + prefill of what the region does not hold` — the region holding the prefix when
+//! its extra round trip costs less than the prefill it saves, else the nearest.
+
+use serde::{Deserialize, Serialize};
+
+use super::keys::BlockKey;
+
+/// Model entries a region offer carries at most (the most open first).
+pub const MAX_OFFERED_MODELS: usize = 8;
+/// Heads a region offer carries at most.
+pub const MAX_REGION_HEADS: usize = 24;
+/// Regions a node keeps offers for at most (a region record names one region each).
+pub const MAX_REMOTE_REGIONS: usize = 64;
+/// The deepest head depth, in blocks (a prompt of 2^15 blocks of 16 tokens is 512k tokens).
+pub const MAX_HEAD_DEPTH: u16 = 1 << 15;
+
+/// One model (and pool) a region serves, in aggregate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OfferedModel {
+    /// Model name.
+    pub model: String,
+    /// Replica pool ("" when none is set).
+    #[serde(default)]
+    pub pool: String,
+    /// Whether these replicas take whole requests (not only prefill legs).
+    #[serde(default)]
+    pub whole: bool,
+    /// Healthy replicas.
+    #[serde(default)]
+    pub healthy: u32,
+    /// Healthy replicas below their `max_in_flight`.
+    #[serde(default)]
+    pub open: u32,
+    /// The least predicted queue among the open replicas, in ms.
+    #[serde(default)]
+    pub least_queue_ms: u32,
+    /// Prefill speed of that replica, tokens per second.
+    #[serde(default)]
+    pub prefill_tokens_per_s: u32,
+}
+
+/// A prefix a region holds: the block key at `depth` (the prompt's first `depth` blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RegionHead {
+    /// The block key at position `depth − 1` (chained: it names the whole prefix).
+    pub key: u64,
+    /// Leading blocks the key stands for, ≥ 1.
+    pub depth: u16,
+}
+
+impl RegionHead {
+    /// The head of `keys` a region holding all of them publishes: the key at the deepest
+    /// power-of-two depth ≤ `keys.len()` (capped at [`MAX_HEAD_DEPTH`]); `None` for no keys.
+    pub fn of(keys: &[BlockKey]) -> Option<RegionHead> {
+        let len = keys.len().min(MAX_HEAD_DEPTH as usize);
+        if len == 0 {
+            return None;
+        }
+        let depth = 1usize << (usize::BITS - 1 - len.leading_zeros());
+        Some(RegionHead {
+            key: keys[depth - 1].0,
+            depth: depth as u16,
+        })
+    }
+}
+
+/// What another region offers forwarded requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RegionOffer {
+    /// The region.
+    pub region: String,
+    /// What it serves (at most [`MAX_OFFERED_MODELS`]).
+    #[serde(default)]
+    pub models: Vec<OfferedModel>,
+    /// Prefixes it holds (at most [`MAX_REGION_HEADS`]).
+    #[serde(default)]
+    pub heads: Vec<RegionHead>,
+}
+
+impl RegionOffer {
+    /// Leading blocks of `keys` the region holds by its heads: the deepest head that is a
+    /// prefix of `keys`. O(heads); 0 when none matches.
+    pub fn held_blocks(&self, keys: &[BlockKey]) -> usize {
+        self.heads
+            .iter()
+            .filter(|h| {
+                let d = h.depth as usize;
+                d >= 1 && d <= keys.len() && keys[d - 1].0 == h.key
+            })
+            .map(|h| h.depth as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The open entry for `model` that takes whole requests in one of `pools` (any pool when
+    /// empty) with the least queue under `bar_s`: `(queue seconds, prefill tokens/s)`.
+    pub fn open_for(&self, model: &str, pools: &[String], bar_s: f64) -> Option<(f64, f64)> {
+        self.models
+            .iter()
+            .filter(|m| {
+                m.model == model
+                    && m.whole
+                    && m.open > 0
+                    && (pools.is_empty() || pools.contains(&m.pool))
+            })
+            .map(|m| {
+                (
+                    f64::from(m.least_queue_ms) / 1000.0,
+                    f64::from(m.prefill_tokens_per_s.max(1)),
+                )
+            })
+            .filter(|(q, _)| *q < bar_s)
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+    }
+
+    /// Sorts and trims to the caps: the most open models first, the deepest heads first
+    /// (ties by key, so every representative trims alike).
+    pub fn trim(&mut self) {
+        self.models.sort_by(|a, b| {
+            b.open
+                .cmp(&a.open)
+                .then(a.least_queue_ms.cmp(&b.least_queue_ms))
+                .then_with(|| a.model.cmp(&b.model))
+                .then_with(|| a.pool.cmp(&b.pool))
+        });
+        self.models.truncate(MAX_OFFERED_MODELS);
+        self.heads
+            .retain(|h| h.depth >= 1 && h.depth <= MAX_HEAD_DEPTH);
+        self.heads
+            .sort_by(|a, b| b.depth.cmp(&a.depth).then(a.key.cmp(&b.key)));
+        self.heads.dedup();
+        self.heads.truncate(MAX_REGION_HEADS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: u64) -> Vec<BlockKey> {
+        (1..=n).map(|i| BlockKey(i * 1000)).collect()
+    }
+
+    fn model(name: &str, open: u32, queue_ms: u32) -> OfferedModel {
+        OfferedModel {
+            model: name.into(),
+            pool: String::new(),
+            whole: true,
+            healthy: open.max(1),
+            open,
+            least_queue_ms: queue_ms,
+            prefill_tokens_per_s: 10_000,
+        }
+    }
+
+    #[test]
+    fn a_head_is_the_key_at_the_deepest_power_of_two_depth() {
+        assert_eq!(RegionHead::of(&[]), None);
+        let k = keys(100);
+        let h = RegionHead::of(&k).unwrap();
+        assert_eq!(h.depth, 64);
+        assert_eq!(h.key, k[63].0);
+        assert_eq!(RegionHead::of(&k[..1]).unwrap().depth, 1);
+        assert_eq!(RegionHead::of(&k[..64]).unwrap().depth, 64);
+    }
+
+    #[test]
+    fn held_blocks_is_the_deepest_head_the_prompt_starts_with() {
+        let k = keys(100);
+        let offer = RegionOffer {
+            region: "us".into(),
+            models: vec![],
+            heads: vec![
+                RegionHead::of(&k[..10]).unwrap(), // depth 8
+                RegionHead::of(&k[..40]).unwrap(), // depth 32
+                RegionHead { key: 7, depth: 64 },  // another prompt
+            ],
+        };
+        assert_eq!(offer.held_blocks(&k), 32);
+        assert_eq!(offer.held_blocks(&k[..20]), 8);
+        assert_eq!(offer.held_blocks(&k[..5]), 0);
+        // A different prompt with the same length matches nothing.
+        assert_eq!(offer.held_blocks(&keys(3)), 0, "depth 1/2 heads absent");
+        let other: Vec<BlockKey> = (1..=100).map(|i| BlockKey(i + 7)).collect();
+        assert_eq!(offer.held_blocks(&other), 0);
+    }
+
+    #[test]
+    fn open_for_takes_the_least_queue_among_open_whole_entries_in_the_pools() {
+        let mut busy = model("m", 2, 900);
+        busy.pool = "gold".into();
+        let mut prefill_only = model("m", 5, 1);
+        prefill_only.whole = false;
+        let offer = RegionOffer {
+            region: "us".into(),
+            models: vec![model("m", 1, 300), busy, prefill_only, model("m", 0, 0)],
+            heads: vec![],
+        };
+        assert_eq!(offer.open_for("m", &[], 10.0), Some((0.3, 10_000.0)));
+        assert_eq!(
+            offer.open_for("m", &["gold".to_owned()], 10.0),
+            Some((0.9, 10_000.0))
+        );
+        assert_eq!(offer.open_for("m", &[], 0.2), None, "over the bar");
+        assert_eq!(offer.open_for("other", &[], 10.0), None);
+    }
+
+    #[test]
+    fn trim_keeps_the_most_open_models_and_the_deepest_heads() {
+        let mut offer = RegionOffer {
+            region: "us".into(),
+            models: (0..20).map(|i| model(&format!("m{i}"), i, 0)).collect(),
+            heads: (0..40)
+                .map(|i| RegionHead {
+                    key: i,
+                    depth: (i % 7) as u16,
+                })
+                .collect(),
+        };
+        offer.trim();
+        assert_eq!(offer.models.len(), MAX_OFFERED_MODELS);
+        assert_eq!(offer.models[0].open, 19);
+        assert_eq!(offer.heads.len(), MAX_REGION_HEADS);
+        assert!(offer.heads.iter().all(|h| h.depth >= 1));
+        assert_eq!(offer.heads[0].depth, 6);
+    }
+}

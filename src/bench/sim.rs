@@ -72,10 +72,12 @@ use crate::core::pd::{self, PdChoice, WholeReason};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
+use crate::core::region_choice::build_offer;
+use crate::core::region_offer::{RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_REGION_HEADS};
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
-use crate::core::view::{ReplicaInfo, View};
+use crate::core::view::{Health, ReplicaInfo, View};
 use crate::engine_sim::prefix_cache::block_hashes;
 use crate::engine_sim::{tokenize, DpEngine, Output, RankPick, Request};
 use crate::mesh::home::home_node;
@@ -87,6 +89,15 @@ pub const CENTRAL_GREEDY: &str = "central-greedy";
 
 /// Load publications per gossip interval (home nodes scrape more often than chitchat rounds).
 const LOAD_PUBLICATIONS_PER_INTERVAL: u32 = 4;
+
+/// Candidate heads a representative checks against its region's summaries per record: the
+/// most routed prefixes, twice what a record keeps, so heads the region no longer holds leave
+/// room for the next.
+const HEAD_CANDIDATES: usize = 2 * MAX_REGION_HEADS;
+
+/// Prefixes a region counts routed requests by, at most; past it, the least counted go at the
+/// next record (a cache of heavy hitters, not a census).
+const HEAD_COUNTS_MAX: usize = 8192;
 
 /// Push-pull epidemics run to measure how many rounds news takes to reach a node.
 const EPIDEMIC_TRIALS: usize = 8;
@@ -145,9 +156,8 @@ struct NodeRouting {
     /// Publication time of the loads the view holds (of its own region's replicas, with the
     /// regional layer; of every replica, flat).
     synced: Option<Duration>,
-    /// With the regional layer: publication time of the loads it holds of other regions'
-    /// replicas.
-    remote_synced: Option<Duration>,
+    /// With the regional layer: publication time of the region records (offers) it holds.
+    offers_synced: Option<Duration>,
     /// The hot-prefix detector (replication on).
     hot: Option<HotPrefixes>,
     /// Publication time of the peers' heavy hitters it last applied.
@@ -300,6 +310,14 @@ struct Sim<'a> {
     rep_lag: Duration,
     /// The oldest news any node may still read is this old (versions older are forgotten).
     max_lag: Duration,
+    /// With the regional layer: every region's record (offer), by region index, as its
+    /// representative published it, every `region_interval`.
+    offers: Published<Arc<Vec<RegionOffer>>>,
+    /// When the region records were last published.
+    offered: Option<Duration>,
+    /// With the regional layer: per region, how many routed prompts (decayed by half at each
+    /// record) started with each prefix at a power-of-two depth: the candidates for its heads.
+    head_counts: Vec<std::collections::HashMap<RegionHead, u32>>,
 
     nodes: Vec<SimNode>,
     /// Live nodes, by index, in index order (clients pick among them).
@@ -417,7 +435,9 @@ impl<'a> Sim<'a> {
 
         // Regional: news of a node's own region spreads over the region's nodes only (the
         // largest region's count); flat, over every node. With one region they are the same.
-        let region_layer = cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1;
+        // (The central reference reads the engines, not views: no layer to model.)
+        let region_layer =
+            cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1 && !cfg.oracle;
         let members = if cfg.gossip_layout == GossipLayout::Regional {
             cfg.nodes.div_ceil(cfg.regions)
         } else {
@@ -462,8 +482,14 @@ impl<'a> Sim<'a> {
                             view.regions.configure(&region_name(a), &region_name(b), ms);
                         }
                     }
-                    for info in &infos {
+                    for (r, info) in infos.iter().enumerate() {
                         view.upsert(Arc::clone(info));
+                        // A regional node has no record of other regions' replicas, only their
+                        // regions' offers: the view keeps their slots (indexes are the fleet's)
+                        // but neither the router nor `choose_region` may see them.
+                        if region_layer && r % cfg.regions != region {
+                            view.set_health(r, Health::Unhealthy);
+                        }
                     }
                     let rc = RouterConfig {
                         policy,
@@ -475,7 +501,7 @@ impl<'a> Sim<'a> {
                         view,
                         router: Router::new(rc, tenants(cfg)),
                         synced: None,
-                        remote_synced: None,
+                        offers_synced: None,
                         hot: cfg
                             .hot_prefix
                             .enabled
@@ -523,6 +549,9 @@ impl<'a> Sim<'a> {
             region_layer,
             rep_lag,
             max_lag,
+            offers: Published::default(),
+            offered: None,
+            head_counts: vec![Default::default(); if region_layer { cfg.regions } else { 0 }],
             live: (0..cfg.nodes).collect(),
             nodes,
             replica_region,
@@ -692,6 +721,18 @@ impl<'a> Sim<'a> {
                     nr.view.record_routed_ready(d, &self.keys, now, ready_in);
                 }
                 self.share(now, node, d, 1, 0);
+            }
+        }
+        if let Some(counts) = self.head_counts.get_mut(replica_region) {
+            // The prefixes this region now holds, at every power-of-two depth.
+            let mut depth = 1;
+            while depth <= self.keys.len() && depth <= usize::from(MAX_HEAD_DEPTH) {
+                let head = RegionHead {
+                    key: self.keys[depth - 1].0,
+                    depth: depth as u16,
+                };
+                *counts.entry(head).or_insert(0) += 1;
+                depth *= 2;
             }
         }
         self.routed_keys[i].clone_from(&self.keys);
@@ -893,26 +934,26 @@ impl<'a> Sim<'a> {
         let Some(nr) = node.routing.as_mut() else {
             return;
         };
-        // Other regions' replicas, with the regional layer: their region's state as of the
-        // record that reached this node, older than its own region's news.
-        let remote = node.layer.as_ref().and_then(|layer| {
+        // Other regions, with the regional layer: their records (offers) as they reached it,
+        // through the representatives' cluster and then its own region's.
+        let records = node.layer.as_ref().and_then(|layer| {
             region_record_source(
                 &node.lag,
                 layer,
-                self.rep_lag,
                 now,
                 self.cfg.gossip_interval,
                 self.cfg.region_interval,
             )
         });
-        if let Some((at, loads)) = remote.and_then(|t| self.loads.as_of_timed(t)) {
-            if nr.remote_synced != Some(at) {
-                nr.remote_synced = Some(at);
-                for (r, l) in loads.iter().enumerate() {
-                    if self.replica_region[r] != node.region {
-                        set_scraped_load(&mut nr.view, r, l);
-                    }
-                }
+        if let Some((at, offers)) = records.and_then(|t| self.offers.as_of_timed(t)) {
+            if nr.offers_synced != Some(at) {
+                nr.offers_synced = Some(at);
+                nr.view.remote_regions = offers
+                    .iter()
+                    .enumerate()
+                    .filter(|(g, _)| *g != node.region)
+                    .map(|(_, o)| (o.region.clone(), o.clone()))
+                    .collect();
             }
         }
         let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
@@ -944,6 +985,7 @@ impl<'a> Sim<'a> {
         }
         nr.synced = Some(at);
         if self.region_layer {
+            // Other regions' replicas are hidden; their offers carry what routing needs.
             for &r in &self.region_replicas[node.region] {
                 if let Some(l) = loads.get(r) {
                     set_scraped_load(&mut nr.view, r, l);
@@ -1205,6 +1247,18 @@ impl<'a> Sim<'a> {
         if self.cfg.hot_prefix.enabled {
             self.hot_tick(k, now, horizon);
         }
+        if self.region_layer
+            && self
+                .offered
+                .is_none_or(|t| now.saturating_sub(t) >= self.cfg.region_interval)
+        {
+            self.offered = Some(now);
+            let offers = (0..self.cfg.regions)
+                .map(|g| self.region_offer(g, now))
+                .collect();
+            self.offers
+                .publish(now, Arc::new(offers), now.saturating_sub(self.max_lag));
+        }
         if self.done < self.reqs.len() {
             self.push(
                 now + interval / LOAD_PUBLICATIONS_PER_INTERVAL,
@@ -1212,6 +1266,59 @@ impl<'a> Sim<'a> {
             );
         }
         Ok(())
+    }
+
+    /// Region `g`'s record as its representative (the rendezvous winner among the region's live
+    /// nodes) builds it now from its own view: the region's offer, with heads from the prefixes
+    /// most routed to the region that its replicas' summaries still hold. The counts then halve,
+    /// so the heads follow what is routed now.
+    fn region_offer(&mut self, g: usize, now: Duration) -> RegionOffer {
+        let region = format!("region-{g}");
+        let ids: Vec<String> = self
+            .live
+            .iter()
+            .filter(|n| self.nodes[**n].region == g)
+            .map(|n| format!("node-{n}"))
+            .collect();
+        let rep = home_node(&format!("{region}/record"), ids.iter().map(String::as_str))
+            .and_then(|h| h.strip_prefix("node-")?.parse::<usize>().ok());
+        let counts = &mut self.head_counts[g];
+        let mut ranked: Vec<(RegionHead, u32)> = counts.iter().map(|(h, c)| (*h, *c)).collect();
+        ranked.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(b.0.depth.cmp(&a.0.depth))
+                .then(a.0.key.cmp(&b.0.key))
+        });
+        if ranked.len() > HEAD_COUNTS_MAX {
+            for (h, _) in &ranked[HEAD_COUNTS_MAX / 2..] {
+                counts.remove(h);
+            }
+        }
+        counts.retain(|_, c| {
+            *c /= 2;
+            *c > 0
+        });
+        // A prefix routed once is no one's shared prefix yet.
+        let candidates: Vec<RegionHead> = ranked
+            .iter()
+            .filter(|(_, c)| *c >= 2)
+            .take(HEAD_CANDIDATES)
+            .map(|(h, _)| *h)
+            .collect();
+        let Some(rep) = rep else {
+            return RegionOffer {
+                region,
+                ..Default::default()
+            };
+        };
+        self.sync_view(rep, now);
+        match self.nodes[rep].routing.as_ref() {
+            Some(nr) => build_offer(&nr.view, &nr.router.config().cost, &region, candidates),
+            None => RegionOffer {
+                region,
+                ..Default::default()
+            },
+        }
     }
 
     /// Node `origin`'s load at `replica` changed by (`in_flight`, `pending_tokens`): the other

@@ -87,24 +87,21 @@ impl NodeLag {
     }
 }
 
-/// The publication time of the state a node sees at `now` of *other* regions' replicas in the
-/// regional layout (`None`: nothing yet). Such news reaches it as region records: a remote
-/// representative builds its region's record from its own view (`rep_lag` behind the region's
-/// true state) at a round of the representatives' cluster, the record spreads over that cluster
-/// (`layer`: the node's region's representatives' phase and hops there, rounds of
-/// `region_interval`), and the node's region's representatives copy it into the regional
-/// cluster, where it reaches the node as any regional news does (`local`, rounds of `interval`).
+/// The publication time of the region records a node holds at `now` in the regional layout
+/// (`None`: nothing yet). A remote representative builds its region's record from its own view
+/// at a round of the representatives' cluster, the record spreads over that cluster (`layer`:
+/// the node's region's representatives' phase and hops there, rounds of `region_interval`), and
+/// the node's region's representatives copy it into the regional cluster, where it reaches the
+/// node as any regional news does (`local`, rounds of `interval`).
 pub fn region_record_source(
     local: &NodeLag,
     layer: &NodeLag,
-    rep_lag: Duration,
     now: Duration,
     interval: Duration,
     region_interval: Duration,
 ) -> Option<Duration> {
     let copied = local.source_time(now, interval)?;
-    let record = layer.source_time(copied, region_interval)?;
-    record.checked_sub(rep_lag)
+    layer.source_time(copied, region_interval)
 }
 
 /// A ring of versions of one published value, oldest first, each with its publication time.
@@ -213,13 +210,12 @@ mod tests {
             hops: 2,
         };
         // At 1,000 ms the node holds what its region had at 830 ms; its representatives then
-        // held the record published at 100 ms (their last round, 600 ms, minus one round),
-        // built from the remote region's state 50 ms older.
-        let at = region_record_source(&local, &layer, ms(50), ms(1000), ms(100), ms(500));
-        assert_eq!(at, Some(ms(50)));
+        // held the record published at 100 ms (their last round, 600 ms, minus one round).
+        let at = region_record_source(&local, &layer, ms(1000), ms(100), ms(500));
+        assert_eq!(at, Some(ms(100)));
         // Before the first record has travelled, nothing.
         assert_eq!(
-            region_record_source(&local, &layer, ms(50), ms(300), ms(100), ms(500)),
+            region_record_source(&local, &layer, ms(300), ms(100), ms(500)),
             None
         );
         // Older than the node's news of its own region, always.

@@ -2092,6 +2092,91 @@ mod tests {
     }
 
     #[test]
+    fn a_regional_node_sees_other_regions_only_as_their_records_and_a_flat_one_as_replicas() {
+        let t = chat(200, 100.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 8,
+            regions: 2,
+            ..Default::default()
+        };
+        assert_eq!(cfg.gossip_layout, GossipLayout::Regional);
+        fn view<'s>(sim: &'s Sim, n: usize) -> &'s View {
+            &sim.nodes[n].routing.as_ref().unwrap().view
+        }
+        let publish_until = |sim: &mut Sim, secs: u64| {
+            let step = sim.cfg.gossip_interval / LOAD_PUBLICATIONS_PER_INTERVAL;
+            let mut k = 0;
+            while step * k as u32 <= Duration::from_secs(secs) {
+                sim.publish(k, step * k as u32).unwrap();
+                k += 1;
+            }
+        };
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        // Before any record has crossed the representatives' cluster: no other region at all.
+        publish_until(&mut sim, 0);
+        sim.sync_view(0, Duration::ZERO);
+        assert!(view(&sim, 0).remote_regions.is_empty());
+        publish_until(&mut sim, 3);
+        sim.sync_view(0, Duration::from_secs(3));
+        let v = view(&sim, 0);
+        // Node 0 is in region 0: region 1 is one offer of its 4 idle replicas, which the view
+        // keeps only as hidden slots.
+        let regions: Vec<&String> = v.remote_regions.keys().collect();
+        assert_eq!(regions, ["region-1"]);
+        let offer = &v.remote_regions["region-1"].models[0];
+        assert_eq!((offer.healthy, offer.open), (4, 4));
+        for r in 0..8 {
+            let healthy = v.replica(r).unwrap().health == Health::Healthy;
+            assert_eq!(healthy, r % 2 == 0, "replica {r}");
+        }
+        assert!(sim.nodes.iter().all(|n| n.layer.is_some()));
+
+        let flat = SimConfig {
+            gossip_layout: GossipLayout::Flat,
+            ..cfg.clone()
+        };
+        let mut sim = Sim::new(&t, &flat).unwrap();
+        publish_until(&mut sim, 3);
+        sim.sync_view(0, Duration::from_secs(3));
+        let v = view(&sim, 0);
+        assert!(v.remote_regions.is_empty());
+        assert!((0..8).all(|r| v.replica(r).unwrap().health == Health::Healthy));
+        assert!(sim.nodes.iter().all(|n| n.layer.is_none()));
+    }
+
+    #[test]
+    fn full_regions_spill_through_region_offers_as_through_replica_views() {
+        let t = chat(400, 400.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 4,
+            regions: 2,
+            max_in_flight: Some(2),
+            ..Default::default()
+        };
+        let regional = run(&t, &cfg).unwrap();
+        let flat = run(
+            &t,
+            &SimConfig {
+                gossip_layout: GossipLayout::Flat,
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        for r in [&regional, &flat] {
+            assert_eq!(r.errors, 0, "{}", r.gossip_layout);
+            assert!(r.forwarded > 0, "{}", r.gossip_layout);
+        }
+        // The region layer's news is older; it reports by how much.
+        assert!(regional.remote_extra_lag_s > 0.0 && flat.remote_extra_lag_s == 0.0);
+        assert_eq!(
+            (regional.gossip_layout.as_str(), flat.gossip_layout.as_str()),
+            ("regional", "flat")
+        );
+    }
+
+    #[test]
     fn regions_serve_their_own_clients_and_hold_only_their_own_summaries() {
         let t = chat(600, 100.0);
         let cfg = SimConfig {

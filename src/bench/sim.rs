@@ -12,6 +12,13 @@
 //! - regions: nodes and replicas are dealt to `regions` regions in turn, regions lie on a line
 //!   `region_rtt` apart; a node holds summaries of its own region's replicas only, routes there,
 //!   and forwards (one hop, one round trip more) when the core says so;
+//! - the gossip layout (`gossip_layout`, `sim_bytes.rs` for its bytes): `flat`, every node
+//!   hears every replica's load over one epidemic of all nodes; `regional`, a node hears its own
+//!   region's replicas over an epidemic of the region's nodes only, and every other region as one
+//!   region record (`core::region_offer`) that the region's representative builds from its own
+//!   view every `region_interval` (heads: the region's most routed prefixes its summaries hold)
+//!   and that reaches the node through the representatives' cluster, then its own region's
+//!   (`sim_gossip::region_record_source`); other regions' replicas are hidden from its view;
 //! - clients: each request of the workload arrives at a uniformly random live node;
 //! - node failures: a failed node takes no more requests; requests it was proxying are lost
 //!   (errors); the replicas it was home for keep their last published load and summary until the

@@ -415,8 +415,13 @@ pub fn byte_table(model: &GossipByteModel) -> String {
     s
 }
 
-/// The report's lines: KiB/s per node of `shape` in both layouts, idle and at its rate.
-pub fn mesh_bytes_markdown(model: &GossipByteModel, shape: &MeshShape) -> String {
+/// The report's lines: KiB/s per node of `shape` in both layouts, idle and at its rate;
+/// `this_run` marks the layout the run simulated (none when it ran both).
+pub fn mesh_bytes_markdown(
+    model: &GossipByteModel,
+    shape: &MeshShape,
+    this_run: Option<GossipLayout>,
+) -> String {
     let mut s = format!(
         "Mesh bytes per node (model: chitchat digests + deltas, `sim_bytes.rs`; digest entry \
          {:.1} B, message overhead {:.1} B), KiB/s sent + received, {} nodes, {} region(s), {} \
@@ -438,7 +443,7 @@ pub fn mesh_bytes_markdown(model: &GossipByteModel, shape: &MeshShape) -> String
             ..here
         });
         let busy = model.per_node(&here);
-        let marker = if layout == shape.layout {
+        let marker = if this_run == Some(layout) {
             " (this run)"
         } else {
             ""
@@ -584,6 +589,16 @@ mod tests {
         }
         assert!("ring".parse::<GossipLayout>().is_err());
         assert_eq!(GossipLayout::default(), GossipLayout::Regional);
+    }
+
+    #[test]
+    fn the_report_shows_both_layouts_and_marks_the_one_simulated() {
+        let m = GossipByteModel::calibrated();
+        let s = shape(GossipLayout::Regional, 1000, 10, 20_000.0);
+        let one = mesh_bytes_markdown(&m, &s, Some(GossipLayout::Regional));
+        assert!(one.contains("| flat | 1000 |") && one.contains("| regional (this run) | 100 |"));
+        let both = mesh_bytes_markdown(&m, &s, None);
+        assert!(!both.contains("this run"));
     }
 
     #[test]

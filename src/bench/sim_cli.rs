@@ -310,7 +310,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             interval_s: Duration::from_millis(args.gossip_ms).as_secs_f64(),
             fanout: args.fanout,
         };
-        table.push_str(&mesh_bytes_markdown(&GossipByteModel::calibrated(), &shape));
+        let this_run = (args.gossip_layout.len() <= 1).then_some(shape.layout);
+        table.push_str(&mesh_bytes_markdown(
+            &GossipByteModel::calibrated(),
+            &shape,
+            this_run,
+        ));
         table.push('\n');
     }
     let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();

@@ -12,6 +12,10 @@
 //!   it sees what was published at or before its last round's start minus `hops_n − 1` rounds
 //!   ([`NodeLag::source_time`]).
 //!
+//! With the regional layout the epidemic runs over a region's nodes, and other regions arrive as
+//! region records, a round of the representatives' cluster (and its hops) later
+//! ([`region_record_source`]).
+//!
 //! Views are brought up to date lazily, when a node routes: with a thousand nodes and ten thousand
 //! replicas, refreshing every view every round would cost far more than the routing itself, and
 //! versions are shared (`Arc`), so a thousand views of one summary hold one copy.

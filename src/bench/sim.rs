@@ -731,16 +731,7 @@ impl<'a> Sim<'a> {
             }
         }
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
-            // The prefixes this region now holds, at every power-of-two depth.
-            let mut depth = 1;
-            while depth <= self.keys.len() && depth <= usize::from(MAX_HEAD_DEPTH) {
-                let head = RegionHead {
-                    key: self.keys[depth - 1].0,
-                    depth: depth as u16,
-                };
-                *counts.entry(head).or_insert(0) += 1;
-                depth *= 2;
-            }
+            count_heads(counts, &self.keys);
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -1795,6 +1786,20 @@ impl<'a> Sim<'a> {
     }
 }
 
+/// Counts a prompt routed to a region: the prefixes the region now holds, one per power-of-two
+/// depth (the depths a region head names).
+fn count_heads(counts: &mut std::collections::HashMap<RegionHead, u32>, keys: &[BlockKey]) {
+    let mut depth = 1;
+    while depth <= keys.len() && depth <= usize::from(MAX_HEAD_DEPTH) {
+        let head = RegionHead {
+            key: keys[depth - 1].0,
+            depth: depth as u16,
+        };
+        *counts.entry(head).or_insert(0) += 1;
+        depth *= 2;
+    }
+}
+
 /// Sets replica `r`'s scraped load in `view`, keeping the queued prefill the node knows (its
 /// own and its peers' routing, by load sharing: not scraped).
 fn set_scraped_load(view: &mut View, r: usize, l: &LoadSample) {
@@ -2150,6 +2155,38 @@ mod tests {
         assert!(v.remote_regions.is_empty());
         assert!((0..8).all(|r| v.replica(r).unwrap().health == Health::Healthy));
         assert!(sim.nodes.iter().all(|n| n.layer.is_none()));
+    }
+
+    #[test]
+    fn a_region_record_names_the_routed_prefixes_its_replicas_hold() {
+        let t = chat(50, 100.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 8,
+            regions: 2,
+            ..Default::default()
+        };
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        let held: Vec<BlockKey> = (1..=10u64).map(|i| BlockKey(i * 7919)).collect();
+        let only_routed: Vec<BlockKey> = (1..=10u64).map(|i| BlockKey(i * 104_729)).collect();
+        // Replica 1 (region 1) holds `held`; region 1 routed both prefixes, often.
+        sim.models[1].record_routed(&held, Duration::ZERO);
+        for _ in 0..100 {
+            count_heads(&mut sim.head_counts[1], &held);
+            count_heads(&mut sim.head_counts[1], &only_routed);
+        }
+        let step = cfg.gossip_interval / LOAD_PUBLICATIONS_PER_INTERVAL;
+        for k in 0..=40u32 {
+            sim.publish(u64::from(k), step * k).unwrap();
+        }
+        let offers = sim.offers.latest().unwrap();
+        let region1 = &offers[1];
+        assert_eq!(region1.region, "region-1");
+        // Every power-of-two depth of the held prefix, none of the other.
+        assert_eq!(region1.held_blocks(&held), 8);
+        assert_eq!(region1.held_blocks(&only_routed), 0);
+        assert_eq!(region1.heads.len(), 4);
+        assert!(offers[0].heads.is_empty());
     }
 
     #[test]

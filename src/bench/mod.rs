@@ -11,6 +11,7 @@ pub mod replay;
 pub mod report;
 pub mod sim;
 pub mod sim_bound;
+pub mod sim_bytes;
 pub mod sim_classes;
 pub mod sim_cli;
 pub mod sim_config;

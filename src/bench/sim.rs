@@ -12,6 +12,13 @@
 //! - regions: nodes and replicas are dealt to `regions` regions in turn, regions lie on a line
 //!   `region_rtt` apart; a node holds summaries of its own region's replicas only, routes there,
 //!   and forwards (one hop, one round trip more) when the core says so;
+//! - the gossip layout (`gossip_layout`, `sim_bytes.rs` for its bytes): `flat`, every node
+//!   hears every replica's load over one epidemic of all nodes; `regional`, a node hears its own
+//!   region's replicas over an epidemic of the region's nodes only, and every other region as one
+//!   region record (`core::region_offer`) that the region's representative builds from its own
+//!   view every `region_interval` (heads: the region's most routed prefixes its summaries hold)
+//!   and that reaches the node through the representatives' cluster, then its own region's
+//!   (`sim_gossip::region_record_source`); other regions' replicas are hidden from its view;
 //! - clients: each request of the workload arrives at a uniformly random live node;
 //! - node failures: a failed node takes no more requests; requests it was proxying are lost
 //!   (errors); the replicas it was home for keep their last published load and summary until the
@@ -54,10 +61,11 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use super::sim_bytes::{GossipByteModel, GossipLayout, MeshShape, REPRESENTATIVES};
 pub use super::sim_classes::{class_label, class_stats};
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_exact::ExactFeed;
-use super::sim_gossip::{epidemic_hops, NodeLag, Published};
+use super::sim_gossip::{epidemic_hops, region_record_source, NodeLag, Published};
 use super::sim_pd::{itl, submit_decode, Leg, PdStats};
 use super::stats::{max_over_mean, Distribution};
 use super::trace::BYTES_PER_TOKEN;
@@ -71,10 +79,12 @@ use crate::core::pd::{self, PdChoice, WholeReason};
 use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
+use crate::core::region_choice::build_offer;
+use crate::core::region_offer::{RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_REGION_HEADS};
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
-use crate::core::view::{ReplicaInfo, View};
+use crate::core::view::{Health, ReplicaInfo, View};
 use crate::engine_sim::prefix_cache::block_hashes;
 use crate::engine_sim::{tokenize, DpEngine, Output, RankPick, Request};
 use crate::mesh::home::home_node;
@@ -86,6 +96,15 @@ pub const CENTRAL_GREEDY: &str = "central-greedy";
 
 /// Load publications per gossip interval (home nodes scrape more often than chitchat rounds).
 const LOAD_PUBLICATIONS_PER_INTERVAL: u32 = 4;
+
+/// Candidate heads a representative checks against its region's summaries per record: the
+/// most routed prefixes, twice what a record keeps, so heads the region no longer holds leave
+/// room for the next.
+const HEAD_CANDIDATES: usize = 2 * MAX_REGION_HEADS;
+
+/// Prefixes a region counts routed requests by, at most; past it, the least counted go at the
+/// next record (a cache of heavy hitters, not a census).
+const HEAD_COUNTS_MAX: usize = 8192;
 
 /// Push-pull epidemics run to measure how many rounds news takes to reach a node.
 const EPIDEMIC_TRIALS: usize = 8;
@@ -131,6 +150,9 @@ struct Share {
 struct SimNode {
     region: usize,
     lag: NodeLag,
+    /// With the regional layer: the phase and hops of its region's representatives in the
+    /// representatives' cluster, through which other regions' state reaches it.
+    layer: Option<NodeLag>,
     live: bool,
     routing: Option<NodeRouting>,
 }
@@ -138,8 +160,11 @@ struct SimNode {
 struct NodeRouting {
     view: View,
     router: Router,
-    /// Publication time of the loads the view holds.
+    /// Publication time of the loads the view holds (of its own region's replicas, with the
+    /// regional layer; of every replica, flat).
     synced: Option<Duration>,
+    /// With the regional layer: publication time of the region records (offers) it holds.
+    offers_synced: Option<Duration>,
     /// The hot-prefix detector (replication on).
     hot: Option<HotPrefixes>,
     /// Publication time of the peers' heavy hitters it last applied.
@@ -284,6 +309,22 @@ struct Sim<'a> {
     order: u64,
     rng: SmallRng,
     hops: Vec<u32>,
+    /// Whether the regional layer is simulated (regional layout, several regions): nodes hear
+    /// other regions only through region records.
+    region_layer: bool,
+    /// With the regional layer: how far a representative's view lags its region's true state
+    /// when it builds the region's record (the median node's lag).
+    rep_lag: Duration,
+    /// The oldest news any node may still read is this old (versions older are forgotten).
+    max_lag: Duration,
+    /// With the regional layer: every region's record (offer), by region index, as its
+    /// representative published it, every `region_interval`.
+    offers: Published<Arc<Vec<RegionOffer>>>,
+    /// When the region records were last published.
+    offered: Option<Duration>,
+    /// With the regional layer: per region, how many routed prompts (decayed by half at each
+    /// record) started with each prefix at a power-of-two depth: the candidates for its heads.
+    head_counts: Vec<std::collections::HashMap<RegionHead, u32>>,
 
     nodes: Vec<SimNode>,
     /// Live nodes, by index, in index order (clients pick among them).
@@ -399,7 +440,35 @@ impl<'a> Sim<'a> {
             region_replicas[*g].push(r);
         }
 
-        let hops = epidemic_hops(cfg.nodes, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
+        // Regional: news of a node's own region spreads over the region's nodes only (the
+        // largest region's count); flat, over every node. With one region they are the same.
+        // (The central reference reads the engines, not views: no layer to model.)
+        let region_layer =
+            cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1 && !cfg.oracle;
+        let members = if cfg.gossip_layout == GossipLayout::Regional {
+            cfg.nodes.div_ceil(cfg.regions)
+        } else {
+            cfg.nodes
+        };
+        let hops = epidemic_hops(members, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
+        let reps = REPRESENTATIVES.min(members).max(1);
+        let layer_hops = if region_layer {
+            epidemic_hops(
+                reps * cfg.regions,
+                cfg.gossip_fanout,
+                EPIDEMIC_TRIALS,
+                &mut rng,
+            )
+        } else {
+            vec![1]
+        };
+        let interval = cfg.gossip_interval;
+        let rep_lag = interval / 2 + interval * hops[hops.len() / 2].saturating_sub(1);
+        let mut max_lag = interval * (hops.last().copied().unwrap_or(1) + 1);
+        if region_layer {
+            max_lag +=
+                rep_lag + cfg.region_interval * (layer_hops.last().copied().unwrap_or(1) + 1);
+        }
         let nodes: Vec<SimNode> = (0..cfg.nodes)
             .map(|n| {
                 let region = n % cfg.regions;
@@ -407,6 +476,11 @@ impl<'a> Sim<'a> {
                     phase: cfg.gossip_interval.mul_f64(rng.random::<f64>()),
                     hops: hops[rng.random_range(0..hops.len())],
                 };
+                // Drawn after the node's own lag, so flat runs draw as they always did.
+                let layer = region_layer.then(|| NodeLag {
+                    phase: cfg.region_interval.mul_f64(rng.random::<f64>()),
+                    hops: layer_hops[rng.random_range(0..layer_hops.len())],
+                });
                 let routing = (!cfg.oracle).then(|| {
                     let mut view = View::new(region_name(region), tokens_per_block);
                     for a in 0..cfg.regions {
@@ -415,8 +489,14 @@ impl<'a> Sim<'a> {
                             view.regions.configure(&region_name(a), &region_name(b), ms);
                         }
                     }
-                    for info in &infos {
+                    for (r, info) in infos.iter().enumerate() {
                         view.upsert(Arc::clone(info));
+                        // A regional node has no record of other regions' replicas, only their
+                        // regions' offers: the view keeps their slots (indexes are the fleet's)
+                        // but neither the router nor `choose_region` may see them.
+                        if region_layer && r % cfg.regions != region {
+                            view.set_health(r, Health::Unhealthy);
+                        }
                     }
                     let rc = RouterConfig {
                         policy,
@@ -428,6 +508,7 @@ impl<'a> Sim<'a> {
                         view,
                         router: Router::new(rc, tenants(cfg)),
                         synced: None,
+                        offers_synced: None,
                         hot: cfg
                             .hot_prefix
                             .enabled
@@ -442,6 +523,7 @@ impl<'a> Sim<'a> {
                 SimNode {
                     region,
                     lag,
+                    layer,
                     live: true,
                     routing,
                 }
@@ -471,6 +553,12 @@ impl<'a> Sim<'a> {
             order: 0,
             rng,
             hops,
+            region_layer,
+            rep_lag,
+            max_lag,
+            offers: Published::default(),
+            offered: None,
+            head_counts: vec![Default::default(); if region_layer { cfg.regions } else { 0 }],
             live: (0..cfg.nodes).collect(),
             nodes,
             replica_region,
@@ -641,6 +729,9 @@ impl<'a> Sim<'a> {
                 }
                 self.share(now, node, d, 1, 0);
             }
+        }
+        if let Some(counts) = self.head_counts.get_mut(replica_region) {
+            count_heads(counts, &self.keys);
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -841,6 +932,28 @@ impl<'a> Sim<'a> {
         let Some(nr) = node.routing.as_mut() else {
             return;
         };
+        // Other regions, with the regional layer: their records (offers) as they reached it,
+        // through the representatives' cluster and then its own region's.
+        let records = node.layer.as_ref().and_then(|layer| {
+            region_record_source(
+                &node.lag,
+                layer,
+                now,
+                self.cfg.gossip_interval,
+                self.cfg.region_interval,
+            )
+        });
+        if let Some((at, offers)) = records.and_then(|t| self.offers.as_of_timed(t)) {
+            if nr.offers_synced != Some(at) {
+                nr.offers_synced = Some(at);
+                nr.view.remote_regions = offers
+                    .iter()
+                    .enumerate()
+                    .filter(|(g, _)| *g != node.region)
+                    .map(|(_, o)| (o.region.clone(), o.clone()))
+                    .collect();
+            }
+        }
         let Some(source) = node.lag.source_time(now, self.cfg.gossip_interval) else {
             return;
         };
@@ -869,14 +982,17 @@ impl<'a> Sim<'a> {
             return;
         }
         nr.synced = Some(at);
-        for (r, l) in loads.iter().enumerate() {
-            // The queued prefill is the node's own and its peers' (load sharing), not scraped.
-            let queued = nr
-                .view
-                .replica(r)
-                .map_or(0, |x| x.load.queued_prefill_tokens);
-            nr.view
-                .set_engine_load(r, l.waiting, l.running, l.kv_usage, queued);
+        if self.region_layer {
+            // Other regions' replicas are hidden; their offers carry what routing needs.
+            for &r in &self.region_replicas[node.region] {
+                if let Some(l) = loads.get(r) {
+                    set_scraped_load(&mut nr.view, r, l);
+                }
+            }
+        } else {
+            for (r, l) in loads.iter().enumerate() {
+                set_scraped_load(&mut nr.view, r, l);
+            }
         }
         for &r in &self.region_replicas[node.region] {
             let Some(fresh) = self.summaries[r].as_of(source) else {
@@ -1078,8 +1194,10 @@ impl<'a> Sim<'a> {
     fn publish(&mut self, k: u64, now: Duration) -> Result<(), SimError> {
         let interval = self.cfg.gossip_interval;
         let max_hops = self.hops.last().copied().unwrap_or(1);
-        // The oldest source time any node can still read.
+        // The oldest source time any node can still read: of its own region (summaries, hot
+        // prefixes), and of any replica (loads, which other regions read through records).
         let horizon = now.saturating_sub(interval * (max_hops + 1));
+        let load_horizon = now.saturating_sub(self.max_lag);
         // Homes scrape their engines every scrape interval; what a scrape read travels by gossip.
         let scrape = self
             .scraped
@@ -1100,7 +1218,7 @@ impl<'a> Sim<'a> {
                     }
                 })
                 .collect();
-            self.loads.publish(now, loads, horizon);
+            self.loads.publish(now, loads, load_horizon);
         }
         if k.is_multiple_of(u64::from(LOAD_PUBLICATIONS_PER_INTERVAL)) {
             for r in 0..self.models.len() {
@@ -1127,6 +1245,18 @@ impl<'a> Sim<'a> {
         if self.cfg.hot_prefix.enabled {
             self.hot_tick(k, now, horizon);
         }
+        if self.region_layer
+            && self
+                .offered
+                .is_none_or(|t| now.saturating_sub(t) >= self.cfg.region_interval)
+        {
+            self.offered = Some(now);
+            let offers = (0..self.cfg.regions)
+                .map(|g| self.region_offer(g, now))
+                .collect();
+            self.offers
+                .publish(now, Arc::new(offers), now.saturating_sub(self.max_lag));
+        }
         if self.done < self.reqs.len() {
             self.push(
                 now + interval / LOAD_PUBLICATIONS_PER_INTERVAL,
@@ -1134,6 +1264,59 @@ impl<'a> Sim<'a> {
             );
         }
         Ok(())
+    }
+
+    /// Region `g`'s record as its representative (the rendezvous winner among the region's live
+    /// nodes) builds it now from its own view: the region's offer, with heads from the prefixes
+    /// most routed to the region that its replicas' summaries still hold. The counts then halve,
+    /// so the heads follow what is routed now.
+    fn region_offer(&mut self, g: usize, now: Duration) -> RegionOffer {
+        let region = format!("region-{g}");
+        let ids: Vec<String> = self
+            .live
+            .iter()
+            .filter(|n| self.nodes[**n].region == g)
+            .map(|n| format!("node-{n}"))
+            .collect();
+        let rep = home_node(&format!("{region}/record"), ids.iter().map(String::as_str))
+            .and_then(|h| h.strip_prefix("node-")?.parse::<usize>().ok());
+        let counts = &mut self.head_counts[g];
+        let mut ranked: Vec<(RegionHead, u32)> = counts.iter().map(|(h, c)| (*h, *c)).collect();
+        ranked.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(b.0.depth.cmp(&a.0.depth))
+                .then(a.0.key.cmp(&b.0.key))
+        });
+        if ranked.len() > HEAD_COUNTS_MAX {
+            for (h, _) in &ranked[HEAD_COUNTS_MAX / 2..] {
+                counts.remove(h);
+            }
+        }
+        counts.retain(|_, c| {
+            *c /= 2;
+            *c > 0
+        });
+        // A prefix routed once is no one's shared prefix yet.
+        let candidates: Vec<RegionHead> = ranked
+            .iter()
+            .filter(|(_, c)| *c >= 2)
+            .take(HEAD_CANDIDATES)
+            .map(|(h, _)| *h)
+            .collect();
+        let Some(rep) = rep else {
+            return RegionOffer {
+                region,
+                ..Default::default()
+            };
+        };
+        self.sync_view(rep, now);
+        match self.nodes[rep].routing.as_ref() {
+            Some(nr) => build_offer(&nr.view, &nr.router.config().cost, &region, candidates),
+            None => RegionOffer {
+                region,
+                ..Default::default()
+            },
+        }
     }
 
     /// Node `origin`'s load at `replica` changed by (`in_flight`, `pending_tokens`): the other
@@ -1506,7 +1689,50 @@ impl<'a> Sim<'a> {
                 (label, ttft, self.refused[i].is_some())
             }),
         );
+        // Over the arrivals' span (not the run's, which ends with the last decode).
+        let span = match (self.reqs.first(), self.reqs.last()) {
+            (Some(a), Some(b)) => (b.at_s - a.at_s) / self.cfg.arrival_speedup,
+            _ => 0.0,
+        };
+        let arrival_rate = if span > 0.0 {
+            (self.reqs.len() - 1) as f64 / span
+        } else {
+            0.0
+        };
+        let model = GossipByteModel::calibrated();
+        let shape = MeshShape {
+            layout: self.cfg.gossip_layout,
+            nodes: self.cfg.nodes,
+            regions: self.cfg.regions,
+            replicas: self.cfg.replicas,
+            request_rate: arrival_rate,
+            interval_s: self.cfg.gossip_interval.as_secs_f64(),
+            fanout: self.cfg.gossip_fanout,
+        };
+        let mut remote_lags: Vec<f64> = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.layer)
+            .map(|l| {
+                // Half a round of the layer's phase, its hops, the representative's own lag and
+                // the regional copy (the node's own lag, which its region's news has too).
+                let r = self.cfg.region_interval;
+                (r / 2 + r * l.hops.saturating_sub(1) + self.rep_lag).as_secs_f64()
+            })
+            .collect();
+        remote_lags.sort_by(f64::total_cmp);
         SimReport {
+            gossip_layout: self.cfg.gossip_layout.as_str().into(),
+            arrival_rate,
+            remote_extra_lag_s: remote_lags
+                .get(remote_lags.len() / 2)
+                .copied()
+                .unwrap_or(0.0),
+            mesh_bytes_idle: model.per_node(&MeshShape {
+                request_rate: 0.0,
+                ..shape
+            }),
+            mesh_bytes: model.per_node(&shape),
             window_ttft,
             warmups: self.warms.len() as u64,
             warmups_cancelled: self.warmups_cancelled,
@@ -1558,6 +1784,27 @@ impl<'a> Sim<'a> {
             virtual_seconds: virtual_time.as_secs_f64(),
         }
     }
+}
+
+/// Counts a prompt routed to a region: the prefixes the region now holds, one per power-of-two
+/// depth (the depths a region head names).
+fn count_heads(counts: &mut std::collections::HashMap<RegionHead, u32>, keys: &[BlockKey]) {
+    let mut depth = 1;
+    while depth <= keys.len() && depth <= usize::from(MAX_HEAD_DEPTH) {
+        let head = RegionHead {
+            key: keys[depth - 1].0,
+            depth: depth as u16,
+        };
+        *counts.entry(head).or_insert(0) += 1;
+        depth *= 2;
+    }
+}
+
+/// Sets replica `r`'s scraped load in `view`, keeping the queued prefill the node knows (its
+/// own and its peers' routing, by load sharing: not scraped).
+fn set_scraped_load(view: &mut View, r: usize, l: &LoadSample) {
+    let queued = view.replica(r).map_or(0, |x| x.load.queued_prefill_tokens);
+    view.set_engine_load(r, l.waiting, l.running, l.kv_usage, queued);
 }
 
 /// The tenant policies every node of `cfg` holds.
@@ -1853,6 +2100,123 @@ mod tests {
             "named {:.3}, balancer {:.3}",
             header.hit_token_ratio,
             off.hit_token_ratio
+        );
+    }
+
+    #[test]
+    fn a_regional_node_sees_other_regions_only_as_their_records_and_a_flat_one_as_replicas() {
+        let t = chat(200, 100.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 8,
+            regions: 2,
+            ..Default::default()
+        };
+        assert_eq!(cfg.gossip_layout, GossipLayout::Regional);
+        fn view<'s>(sim: &'s Sim, n: usize) -> &'s View {
+            &sim.nodes[n].routing.as_ref().unwrap().view
+        }
+        let publish_until = |sim: &mut Sim, secs: u64| {
+            let step = sim.cfg.gossip_interval / LOAD_PUBLICATIONS_PER_INTERVAL;
+            let mut k = 0;
+            while step * k as u32 <= Duration::from_secs(secs) {
+                sim.publish(k, step * k as u32).unwrap();
+                k += 1;
+            }
+        };
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        // Before any record has crossed the representatives' cluster: no other region at all.
+        publish_until(&mut sim, 0);
+        sim.sync_view(0, Duration::ZERO);
+        assert!(view(&sim, 0).remote_regions.is_empty());
+        publish_until(&mut sim, 3);
+        sim.sync_view(0, Duration::from_secs(3));
+        let v = view(&sim, 0);
+        // Node 0 is in region 0: region 1 is one offer of its 4 idle replicas, which the view
+        // keeps only as hidden slots.
+        let regions: Vec<&String> = v.remote_regions.keys().collect();
+        assert_eq!(regions, ["region-1"]);
+        let offer = &v.remote_regions["region-1"].models[0];
+        assert_eq!((offer.healthy, offer.open), (4, 4));
+        for r in 0..8 {
+            let healthy = v.replica(r).unwrap().health == Health::Healthy;
+            assert_eq!(healthy, r % 2 == 0, "replica {r}");
+        }
+        assert!(sim.nodes.iter().all(|n| n.layer.is_some()));
+
+        let flat = SimConfig {
+            gossip_layout: GossipLayout::Flat,
+            ..cfg.clone()
+        };
+        let mut sim = Sim::new(&t, &flat).unwrap();
+        publish_until(&mut sim, 3);
+        sim.sync_view(0, Duration::from_secs(3));
+        let v = view(&sim, 0);
+        assert!(v.remote_regions.is_empty());
+        assert!((0..8).all(|r| v.replica(r).unwrap().health == Health::Healthy));
+        assert!(sim.nodes.iter().all(|n| n.layer.is_none()));
+    }
+
+    #[test]
+    fn a_region_record_names_the_routed_prefixes_its_replicas_hold() {
+        let t = chat(50, 100.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 8,
+            regions: 2,
+            ..Default::default()
+        };
+        let mut sim = Sim::new(&t, &cfg).unwrap();
+        let held: Vec<BlockKey> = (1..=10u64).map(|i| BlockKey(i * 7919)).collect();
+        let only_routed: Vec<BlockKey> = (1..=10u64).map(|i| BlockKey(i * 104_729)).collect();
+        // Replica 1 (region 1) holds `held`; region 1 routed both prefixes, often.
+        sim.models[1].record_routed(&held, Duration::ZERO);
+        for _ in 0..100 {
+            count_heads(&mut sim.head_counts[1], &held);
+            count_heads(&mut sim.head_counts[1], &only_routed);
+        }
+        let step = cfg.gossip_interval / LOAD_PUBLICATIONS_PER_INTERVAL;
+        for k in 0..=40u32 {
+            sim.publish(u64::from(k), step * k).unwrap();
+        }
+        let offers = sim.offers.latest().unwrap();
+        let region1 = &offers[1];
+        assert_eq!(region1.region, "region-1");
+        // Every power-of-two depth of the held prefix, none of the other.
+        assert_eq!(region1.held_blocks(&held), 8);
+        assert_eq!(region1.held_blocks(&only_routed), 0);
+        assert_eq!(region1.heads.len(), 4);
+        assert!(offers[0].heads.is_empty());
+    }
+
+    #[test]
+    fn full_regions_spill_through_region_offers_as_through_replica_views() {
+        let t = chat(400, 400.0);
+        let cfg = SimConfig {
+            nodes: 4,
+            replicas: 4,
+            regions: 2,
+            max_in_flight: Some(2),
+            ..Default::default()
+        };
+        let regional = run(&t, &cfg).unwrap();
+        let flat = run(
+            &t,
+            &SimConfig {
+                gossip_layout: GossipLayout::Flat,
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        for r in [&regional, &flat] {
+            assert_eq!(r.errors, 0, "{}", r.gossip_layout);
+            assert!(r.forwarded > 0, "{}", r.gossip_layout);
+        }
+        // The region layer's news is older; it reports by how much.
+        assert!(regional.remote_extra_lag_s > 0.0 && flat.remote_extra_lag_s == 0.0);
+        assert_eq!(
+            (regional.gossip_layout.as_str(), flat.gossip_layout.as_str()),
+            ("regional", "flat")
         );
     }
 

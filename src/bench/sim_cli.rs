@@ -11,8 +11,10 @@ use clap::Args;
 
 use super::hot_args::{hot_markdown, HotArgs, HotRow};
 use super::report;
+use super::sim::CENTRAL_GREEDY;
 use super::sim::{run, NodeFailure, SimConfig, SimReport};
 use super::sim_bound::ttft_floor;
+use super::sim_bytes::{byte_table, mesh_bytes_markdown, GossipByteModel, GossipLayout, MeshShape};
 use super::sim_classes::{class_markdown, ClassStats};
 use super::sim_pd::{self, SimPd};
 use super::tenant_args::{split_markdown, TenantArgs};
@@ -74,6 +76,19 @@ pub struct SimArgs {
     /// Peers each node gossips with per round.
     #[arg(long, default_value_t = 3)]
     pub fanout: usize,
+    /// Gossip layout: `regional` (a cluster per region, other regions heard through region
+    /// records) or `flat` (one cluster of every node); several (`flat,regional`) run each
+    /// policy once per layout.
+    #[arg(long, value_delimiter = ',', default_value = "regional")]
+    pub gossip_layout: Vec<GossipLayout>,
+    /// With the regional layout: the representatives' gossip interval (how often a region's
+    /// record is refreshed), in ms.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+    pub region_interval_ms: u64,
+    /// Print the gossip byte model's growth table (flat against regions of 25 nodes, 10 to
+    /// 10,000 nodes) and exit.
+    #[arg(long)]
+    pub byte_table: bool,
     /// A node failure, NODE@SECONDS from the first arrival (repeatable), e.g. `--fail 0@30`.
     #[arg(long = "fail")]
     pub failures: Vec<NodeFailure>,
@@ -125,6 +140,10 @@ pub struct SimArgs {
 
 /// Runs `kvmesh sim`.
 pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
+    if args.byte_table {
+        println!("{}", byte_table(&GossipByteModel::calibrated()));
+        return Ok(());
+    }
     if let Some(path) = args.trace.take() {
         args.workload.workload = WorkloadKind::Trace(Some(path));
     }
@@ -154,6 +173,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         load_share_delay: (args.load_share_ms > 0)
             .then(|| Duration::from_millis(args.load_share_ms)),
         gossip_fanout: args.fanout,
+        region_interval: Duration::from_millis(args.region_interval_ms),
         failures: args.failures.clone(),
         failure_detection: Duration::from_millis(args.failure_detection_ms),
         engine,
@@ -196,7 +216,20 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         } else {
             format!(" {shape}")
         };
-        for p in &policies {
+        let layouts = if args.gossip_layout.is_empty() {
+            vec![GossipLayout::default()]
+        } else {
+            args.gossip_layout.clone()
+        };
+        for (p, layout) in policies
+            .iter()
+            .flat_map(|p| layouts.iter().map(move |l| (p, *l)))
+        {
+            let layout_label = if layouts.len() > 1 {
+                format!(" {layout}")
+            } else {
+                String::new()
+            };
             for mode in args.hot.modes() {
                 for n in &named {
                     let hot = if mode.is_some() { " +hot" } else { "" };
@@ -212,9 +245,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
                             pd: pd.clone(),
                             hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
                             dp_rank_named: *n,
+                            gossip_layout: layout,
                             ..base.clone()
                         },
-                        format!("{shape}{hot}{rank}"),
+                        format!("{layout_label}{shape}{hot}{rank}"),
                     ));
                 }
             }
@@ -264,6 +298,26 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     }
     let mut table = markdown(&reports, ideal);
     table.push('\n');
+    table.push_str(&layout_markdown(&reports));
+    table.push('\n');
+    if let Some(r) = reports.iter().find(|r| r.policy != CENTRAL_GREEDY) {
+        let shape = MeshShape {
+            layout: r.gossip_layout.parse().unwrap_or_default(),
+            nodes: r.nodes,
+            regions: r.regions,
+            replicas: r.replicas,
+            request_rate: r.arrival_rate,
+            interval_s: Duration::from_millis(args.gossip_ms).as_secs_f64(),
+            fanout: args.fanout,
+        };
+        let this_run = (args.gossip_layout.len() <= 1).then_some(shape.layout);
+        table.push_str(&mesh_bytes_markdown(
+            &GossipByteModel::calibrated(),
+            &shape,
+            this_run,
+        ));
+        table.push('\n');
+    }
     let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
     table.push_str(&pd_markdown(&labelled));
     let splits: Vec<_> = reports
@@ -438,6 +492,35 @@ pub fn markdown(reports: &[SimReport], ideal_token_ratio: f64) -> String {
         ));
     }
     s.push_str(&format!("\nIdeal prefix-hit ratio of the workload (one infinite cache, tokens): {ideal_token_ratio:.3}\n"));
+    s
+}
+
+/// Per run: its gossip layout, how much older its news of other regions is, the modelled
+/// gossip bytes per node, and its hit ratio against the central greedy reference's.
+pub fn layout_markdown(reports: &[SimReport]) -> String {
+    let central = reports
+        .iter()
+        .find(|r| r.policy == CENTRAL_GREEDY)
+        .map(|r| r.hit_token_ratio);
+    let mut s = String::from(
+        "| run | gossip layout | other regions' news, extra lag (s) | mesh KiB/s per node, idle | at the run's rate (mean) | representative | hit ratio | ÷ central's |\n|---|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports.iter().filter(|r| r.policy != CENTRAL_GREEDY) {
+        let vs = match central {
+            Some(c) if c > 0.0 => format!("{:.3}", r.hit_token_ratio / c),
+            _ => "—".into(),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.3} | {vs} |\n",
+            r.policy,
+            r.gossip_layout,
+            r.remote_extra_lag_s,
+            r.mesh_bytes_idle.mean_kib(),
+            r.mesh_bytes.mean_kib(),
+            r.mesh_bytes.representative_kib(),
+            r.hit_token_ratio,
+        ));
+    }
     s
 }
 

@@ -72,6 +72,15 @@ pub struct SimConfig {
     pub gossip_interval: Duration,
     /// Peers each node exchanges state with per round. Default 3 (chitchat's).
     pub gossip_fanout: usize,
+    /// How gossip is laid out (`sim_bytes.rs`): `flat`, one cluster of every node, so news
+    /// of any replica travels an epidemic over all nodes; or `regional`, a cluster per region
+    /// (news of the region's replicas travels over its nodes only) and a cluster of the
+    /// regions' representatives, through which other regions' state arrives as region records,
+    /// refreshed every `region_interval`. Default regional.
+    pub gossip_layout: super::sim_bytes::GossipLayout,
+    /// With the regional layout: the representatives' gossip interval, which is also how often
+    /// a region's record is refreshed. Default 500 ms.
+    pub region_interval: Duration,
     /// Nodes that fail, and when. Default none.
     pub failures: Vec<NodeFailure>,
     /// How long the others take to declare a silent node dead. Default 2 s (the mesh's default).
@@ -150,6 +159,8 @@ impl Default for SimConfig {
             seed: 1,
             gossip_interval: Duration::from_millis(100),
             gossip_fanout: 3,
+            gossip_layout: super::sim_bytes::GossipLayout::Regional,
+            region_interval: Duration::from_millis(500),
             failures: Vec::new(),
             failure_detection: Duration::from_secs(2),
             engine: EngineConfig::default(),
@@ -192,6 +203,9 @@ impl SimConfig {
         }
         if self.gossip_interval.is_zero() || self.gossip_fanout == 0 {
             return bad("gossip interval and fan-out must be > 0");
+        }
+        if self.region_interval.is_zero() {
+            return bad("region interval must be > 0");
         }
         if let Some(f) = self.failures.iter().find(|f| f.node >= self.nodes) {
             return Err(SimError::Config(format!(
@@ -254,6 +268,19 @@ pub struct SimReport {
     pub gossip_hops_p50: u32,
     /// See `gossip_hops_p50`.
     pub gossip_hops_max: u32,
+    /// The gossip layout simulated (`flat` or `regional`).
+    pub gossip_layout: String,
+    /// With the regional layout and several regions: seconds by which a node's news of other
+    /// regions' replicas lags its news of its own region's, median over the nodes (0 otherwise).
+    pub remote_extra_lag_s: f64,
+    /// Requests per second arriving: requests over the span of their arrivals (the rate the
+    /// byte model is evaluated at).
+    pub arrival_rate: f64,
+    /// Modelled gossip bytes per node (`sim_bytes.rs`), sent + received, in this run's layout:
+    /// idle and at `arrival_rate`.
+    pub mesh_bytes_idle: super::sim_bytes::NodeBytes,
+    /// See `mesh_bytes_idle`.
+    pub mesh_bytes: super::sim_bytes::NodeBytes,
     /// Time to first token, seconds (requests not lost).
     pub ttft: Distribution,
     /// Every time to first token, seconds, ascending (for the CDF chart; not in the JSON).

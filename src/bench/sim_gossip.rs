@@ -12,6 +12,10 @@
 //!   it sees what was published at or before its last round's start minus `hops_n − 1` rounds
 //!   ([`NodeLag::source_time`]).
 //!
+//! With the regional layout the epidemic runs over a region's nodes, and other regions arrive as
+//! region records, a round of the representatives' cluster (and its hops) later
+//! ([`region_record_source`]).
+//!
 //! Views are brought up to date lazily, when a node routes: with a thousand nodes and ten thousand
 //! replicas, refreshing every view every round would cost far more than the routing itself, and
 //! versions are shared (`Arc`), so a thousand views of one summary hold one copy.
@@ -85,6 +89,23 @@ impl NodeLag {
         let last_round = self.phase + interval * rounds;
         last_round.checked_sub(interval * self.hops.saturating_sub(1))
     }
+}
+
+/// The publication time of the region records a node holds at `now` in the regional layout
+/// (`None`: nothing yet). A remote representative builds its region's record from its own view
+/// at a round of the representatives' cluster, the record spreads over that cluster (`layer`:
+/// the node's region's representatives' phase and hops there, rounds of `region_interval`), and
+/// the node's region's representatives copy it into the regional cluster, where it reaches the
+/// node as any regional news does (`local`, rounds of `interval`).
+pub fn region_record_source(
+    local: &NodeLag,
+    layer: &NodeLag,
+    now: Duration,
+    interval: Duration,
+    region_interval: Duration,
+) -> Option<Duration> {
+    let copied = local.source_time(now, interval)?;
+    layer.source_time(copied, region_interval)
 }
 
 /// A ring of versions of one published value, oldest first, each with its publication time.
@@ -179,6 +200,31 @@ mod tests {
         let far = NodeLag { hops: 3, ..lag };
         assert_eq!(far.source_time(ms(250), ms(100)), Some(ms(30)));
         assert_eq!(far.source_time(ms(129), ms(100)), None);
+    }
+
+    #[test]
+    fn other_regions_are_seen_through_the_record_layer_and_the_region() {
+        let ms = Duration::from_millis;
+        let local = NodeLag {
+            phase: ms(30),
+            hops: 2,
+        };
+        let layer = NodeLag {
+            phase: ms(100),
+            hops: 2,
+        };
+        // At 1,000 ms the node holds what its region had at 830 ms; its representatives then
+        // held the record published at 100 ms (their last round, 600 ms, minus one round).
+        let at = region_record_source(&local, &layer, ms(1000), ms(100), ms(500));
+        assert_eq!(at, Some(ms(100)));
+        // Before the first record has travelled, nothing.
+        assert_eq!(
+            region_record_source(&local, &layer, ms(300), ms(100), ms(500)),
+            None
+        );
+        // Older than the node's news of its own region, always.
+        let own = local.source_time(ms(1000), ms(100));
+        assert!(own > at);
     }
 
     #[test]

@@ -157,6 +157,7 @@ def fmt(x, nd=1):
 class Procs:
     def __init__(self):
         self.procs = []  # (name, Popen, logfile)
+        self.env = None  # environment of spawned processes (None: this one's)
 
     def spawn_many(self, specs):
         """specs: [(name, argv, logpath)]; opens every log first, then spawns in a tight loop."""
@@ -165,7 +166,7 @@ class Procs:
         t_first = None
         for name, argv, f in files:
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 start_new_session=True, env=self.env)
             if t_first is None:
                 t_first = time.monotonic()
             self.procs.append((name, p, f))
@@ -226,7 +227,7 @@ def plan(args):
     return nodes, by_region, seeds, replicas
 
 
-def write_config(path, node, certs_dir, seeds, replicas):
+def write_config(path, node, certs_dir, seeds, replicas, extra_mesh=()):
     lines = [
         f'listen = "127.0.0.1:{node["http_port"]}"',
         f'region = "{node["region"]}"',
@@ -240,6 +241,7 @@ def write_config(path, node, certs_dir, seeds, replicas):
         f'listen = "127.0.0.1:{node["quic_port"]}"',
         "seeds = [" + ", ".join(f'"127.0.0.1:{s["quic_port"]}"' for s in seeds if s["id"] != node["id"]) + "]",
         f'certs_dir = "{certs_dir}"',
+        *extra_mesh,
         "",
     ]
     for rep in replicas:
@@ -442,6 +444,12 @@ def main():
     ap.add_argument("--time-scale", type=float, default=50.0, help="replicas' --time-scale")
     ap.add_argument("--out", default="mesh-scale-out")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--gossip-ms", type=int, default=0,
+                    help="mesh.gossip_interval_ms for every node (default: the node's default)")
+    ap.add_argument("--layout", default="", help='mesh.layout ("regional" or "flat"; default: the node\'s)')
+    ap.add_argument("--worker-threads", type=int, default=0,
+                    help="TOKIO_WORKER_THREADS for every node (default: one per core); with a hundred "
+                         "nodes on a 2-core machine, 1 saves the cross-thread wake-ups")
     ap.add_argument("--no-header", action="store_true", help="print the table row only")
     args = ap.parse_args()
 
@@ -450,8 +458,8 @@ def main():
                  f"(build it with `cargo build --release`, or pass --bin)")
     if args.nodes < 1 or args.regions < 1 or args.regions > args.nodes:
         sys.exit("mesh-scale: need 1 <= --regions <= --nodes")
-    if args.nodes > 100 or args.replicas_per_region * args.regions > 32:
-        sys.exit("mesh-scale: at most 100 nodes and 32 replicas in all")
+    if args.nodes > 200 or args.replicas_per_region * args.regions > 160:
+        sys.exit("mesh-scale: at most 200 nodes and 160 replicas in all")
     binary = os.path.abspath(args.bin)
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -477,7 +485,11 @@ def main():
     node_specs = []
     for node in nodes:
         cfg = os.path.join(out, "configs", node["id"] + ".toml")
-        write_config(cfg, node, certs, seeds, [r for r in replicas if r["owner"] == node["id"]])
+        extra = [f"{k} = {v}" for k, v in (("gossip_interval_ms", args.gossip_ms),
+                                             ("layout", f'"{args.layout}"' if args.layout else None))
+                 if v]
+        write_config(cfg, node, certs, seeds, [r for r in replicas if r["owner"] == node["id"]],
+                     extra)
         node_specs.append((node["id"], [binary, "serve", "--config", cfg],
                            os.path.join(out, "logs", node["id"] + ".log")))
     rep_specs = [(r["id"], [binary, "replica", "--host", "127.0.0.1", "--port", str(r["port"]), "--id", r["id"],
@@ -485,6 +497,8 @@ def main():
                   os.path.join(out, "logs", r["id"] + ".log")) for r in replicas]
 
     procs = Procs()
+    if args.worker_threads:
+        procs.env = dict(os.environ, TOKIO_WORKER_THREADS=str(args.worker_threads))
     result = {"args": vars(args), "nodes": nodes, "replicas": replicas, "seeds": [s["id"] for s in seeds]}
     try:
         with open("/proc/loadavg") as f:

@@ -13,11 +13,11 @@
 //! same QUIC endpoint (stream kind `KIND_REGIONS_Z`), under the same certificate checks: the
 //! layer's digests prove node ids exactly as the regional cluster's do.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig};
 use tracing::{debug, info};
@@ -82,7 +82,13 @@ pub struct RegionLayer {
     failure: FailureDetectorConfig,
     handle: tokio::sync::Mutex<Option<ChitchatHandle>>,
     errors: Arc<AtomicU64>,
+    /// When each address was last asked for a round by [`RegionLayer::reach`].
+    reached: std::sync::Mutex<HashMap<SocketAddr, Instant>>,
 }
+
+/// An address not yet in the layer is asked for a round at most this often: it may be a node
+/// that is no longer a representative (it drops the layer's messages).
+const REACH_EVERY: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for RegionLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -111,6 +117,7 @@ impl RegionLayer {
             failure: settings.failure,
             handle: tokio::sync::Mutex::new(None),
             errors,
+            reached: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -165,26 +172,34 @@ impl RegionLayer {
         }
     }
 
-    /// Asks for a round with each of `peers` not yet a member (at most 8 a call): how a
-    /// representative reaches the others it heard of from seeds and records.
+    /// Asks for a round with each of `peers` the layer does not know yet (at most 8 a call,
+    /// each at most every [`REACH_EVERY`]): how a representative reaches the others it heard of
+    /// from seeds and records.
     pub async fn reach(&self, peers: &[SocketAddr]) {
         let guard = self.handle.lock().await;
         let Some(h) = guard.as_ref() else {
             return;
         };
-        let known: Vec<SocketAddr> = h
+        let known: HashSet<SocketAddr> = h
             .with_chitchat(|c| {
-                c.live_nodes()
+                c.node_states()
+                    .keys()
                     .map(|id| id.gossip_advertise_addr)
-                    .collect::<Vec<_>>()
+                    .collect()
             })
             .await;
         let me = self.chitchat_id.gossip_advertise_addr;
-        for addr in peers
+        let now = Instant::now();
+        let mut reached = self.reached.lock().unwrap_or_else(|e| e.into_inner());
+        reached.retain(|_, at| now.duration_since(*at) < REACH_EVERY);
+        let due: Vec<SocketAddr> = peers
             .iter()
-            .filter(|a| **a != me && !known.contains(a))
+            .filter(|a| **a != me && !known.contains(a) && !reached.contains_key(a))
             .take(8)
-        {
+            .copied()
+            .collect();
+        for addr in &due {
+            reached.insert(*addr, now);
             if let Err(e) = h.gossip(*addr) {
                 debug!(error = %e, "region-layer round not requested");
             }

@@ -63,18 +63,28 @@ def http_get(port, path, timeout=0.5):
         conn.close()
 
 
-def free_ports(n, kind):
-    """n distinct free ports (TCP or UDP) on 127.0.0.1, held open until all are picked."""
+def free_ports(n, kind, start=20000, end=32000):
+    """n distinct free ports (TCP or UDP) on 127.0.0.1 below the kernel's ephemeral range
+    (32768+), so no outgoing connection of a starting process can take one before its owner
+    binds it; held open until all are picked."""
     socks, ports = [], []
     try:
-        while len(ports) < n:
+        for port in random.sample(range(start, end), end - start):
+            if len(ports) >= n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-            ports.append(s.getsockname()[1])
+            ports.append(port)
     finally:
         for s in socks:
             s.close()
+    if len(ports) < n:
+        raise RuntimeError(f"could not find {n} free {kind} ports in {start}..{end}")
     return ports
 
 

@@ -70,7 +70,7 @@ pub struct MeshConfig {
     pub dns_server: Option<SocketAddr>,
     /// Cluster id: nodes of other clusters are refused by chitchat.
     pub cluster_id: String,
-    /// Gossip round interval. Default 100 ms.
+    /// Gossip round interval. Default 200 ms (see `MeshSection::gossip_interval_ms`).
     pub gossip_interval: Duration,
     /// Silence after which a node is declared dead. Default 2 s (the phi threshold is derived
     /// from it and the gossip interval).
@@ -95,7 +95,7 @@ pub struct MeshConfig {
     /// Representatives per region in the region layer. Default 2.
     pub representatives: usize,
     /// Gossip interval of the region layer, and the least time between two region records a
-    /// representative publishes. Default 500 ms.
+    /// representative publishes. Default 1 s.
     pub region_interval: Duration,
 }
 
@@ -130,7 +130,7 @@ impl MeshConfig {
             seeds: Vec::new(),
             dns_server: None,
             cluster_id: cluster_id.into(),
-            gossip_interval: Duration::from_millis(100),
+            gossip_interval: Duration::from_millis(200),
             failure_detection: Duration::from_secs(2),
             dead_node_grace_period: Duration::from_secs(600),
             rtt_interval: Duration::from_secs(2),
@@ -140,7 +140,7 @@ impl MeshConfig {
             transport: TransportConfig::default(),
             layout: GossipLayout::Regional,
             representatives: 2,
-            region_interval: Duration::from_millis(500),
+            region_interval: Duration::from_millis(1000),
         }
     }
 }

@@ -121,8 +121,9 @@ impl RegionLayer {
         }
     }
 
-    /// Starts (seeded by `seeds`) or stops the layer's chitchat. Returns whether it runs.
-    pub async fn set_active(&self, on: bool, seeds: &[SocketAddr]) -> bool {
+    /// Starts or stops the layer's chitchat (then [`RegionLayer::reach`] finds the other
+    /// representatives). Returns whether it runs.
+    pub async fn set_active(&self, on: bool) -> bool {
         let mut guard = self.handle.lock().await;
         match (on, guard.is_some()) {
             (true, false) => {
@@ -131,11 +132,10 @@ impl RegionLayer {
                     cluster_id: self.cluster_id.clone(),
                     gossip_interval: self.interval,
                     listen_addr: self.chitchat_id.gossip_advertise_addr,
-                    seed_nodes: seeds
-                        .iter()
-                        .filter(|a| **a != self.chitchat_id.gossip_advertise_addr)
-                        .map(|a| a.to_string())
-                        .collect(),
+                    // No chitchat seeds: a seed that is no longer a representative drops the
+                    // layer's messages, and chitchat would keep sending them every round.
+                    // `reach` asks each address at most every REACH_EVERY instead.
+                    seed_nodes: Vec::new(),
                     failure_detector_config: self.failure.clone(),
                     marked_for_deletion_grace_period: self.failure.dead_node_grace_period,
                     catchup_callback: None,
@@ -283,7 +283,7 @@ impl RegionLayer {
 
     /// Stops the layer's chitchat, if it runs.
     pub async fn shutdown(&self) {
-        self.set_active(false, &[]).await;
+        self.set_active(false).await;
     }
 }
 

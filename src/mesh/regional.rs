@@ -146,7 +146,7 @@ pub(super) async fn round(
             .flat_map(|rec| rec.targets.first().map(|t| t.quic_addr)),
     );
     let seeds: Vec<SocketAddr> = seeds.into_iter().collect();
-    let active = r.layer.set_active(representative, &seeds).await;
+    let active = r.layer.set_active(representative).await;
     let mut relayed = r.relayed.lock().await;
     if active {
         r.layer.reach(&seeds).await;

@@ -25,6 +25,9 @@ use crate::core::region_offer::RegionOffer;
 
 /// Region-layer addresses remembered from directory answers at most.
 const MAX_HEARD: usize = 256;
+/// A representative heard of and not heard of again is forgotten after this long (it may have
+/// stopped being one; the region records name the current ones).
+const HEARD_FOR: Duration = Duration::from_secs(60);
 /// How often a node that already has region peers asks one seed again (partitions heal through
 /// it, as they do through chitchat's own seeds in the flat layout).
 const REJOIN_EVERY: Duration = Duration::from_secs(5);
@@ -44,8 +47,9 @@ pub struct Regional {
     k: usize,
     /// Least time between two published records.
     interval: Duration,
-    /// Region-layer members heard of (directory answers), capped at [`MAX_HEARD`].
-    heard: Mutex<BTreeSet<SocketAddr>>,
+    /// Region-layer members heard of (directory answers), with when; capped at
+    /// [`MAX_HEARD`], forgotten after [`HEARD_FOR`].
+    heard: Mutex<BTreeMap<SocketAddr, Instant>>,
     /// A directory pass had answers and none named a node of this region: this node is its
     /// region's first (so it need not wait for peers to start).
     first_in_region: std::sync::atomic::AtomicBool,
@@ -74,7 +78,7 @@ impl Regional {
             layer,
             k,
             interval,
-            heard: Mutex::new(BTreeSet::new()),
+            heard: Mutex::new(BTreeMap::new()),
             first_in_region: std::sync::atomic::AtomicBool::new(false),
             relayed: tokio::sync::Mutex::new(BTreeMap::new()),
             published: Mutex::new(None),
@@ -88,12 +92,14 @@ impl Regional {
     }
 
     fn hear(&self, reps: &[SocketAddr]) {
+        let now = Instant::now();
         let mut heard = lock(&self.heard);
+        heard.retain(|_, at| now.duration_since(*at) < HEARD_FOR);
         for a in reps {
-            if heard.len() >= MAX_HEARD {
+            if heard.len() >= MAX_HEARD && !heard.contains_key(a) {
                 break;
             }
-            heard.insert(*a);
+            heard.insert(*a, now);
         }
     }
 }
@@ -139,7 +145,7 @@ pub(super) async fn round(
         }
     }
 
-    let mut seeds: BTreeSet<SocketAddr> = lock(&r.heard).clone();
+    let mut seeds: BTreeSet<SocketAddr> = lock(&r.heard).keys().copied().collect();
     seeds.extend(
         records
             .values()

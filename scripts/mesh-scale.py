@@ -285,7 +285,8 @@ def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs):
     region_reps = {reg: {r["id"] for r in replicas if r["region"] == reg} for reg in by_region}
     conv, ready = {}, {}
     deadline = time.monotonic() + timeout_s
-    pool = cf.ThreadPoolExecutor(max_workers=8)
+    pool = cf.ThreadPoolExecutor(max_workers=16)
+    sweeps = []  # how long each sweep over the unconverged nodes took: the figures' resolution
 
     def poll(node):
         res = {}
@@ -315,12 +316,17 @@ def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs):
                     ready[nid] = res["ready"]
                 if "conv" in res:
                     conv[nid] = res["conv"]
+            sweeps.append(time.monotonic() - start)
             dead = procs.dead()
             if dead:
                 log(f"processes exited early: {dead}")
             time.sleep(max(0.0, 0.15 - (time.monotonic() - start)))
     finally:
         pool.shutdown(wait=True)
+    if sweeps:
+        sweeps.sort()
+        log(f"convergence polls: {len(sweeps)} sweeps, p50 {sweeps[len(sweeps) // 2]:.2f} s, "
+            f"max {sweeps[-1]:.2f} s (a node is seen converged up to one sweep late)")
     return conv, ready
 
 

@@ -158,7 +158,7 @@ pub(super) async fn round(
         r.layer.reach(&seeds).await;
         publish_own(r, &mine, &reps, region, build).await;
         let layer = r.layer.state().await;
-        debug!(members = ?layer.members, records = layer.records.len(), seeds = ?seeds, "region layer");
+        tracing::trace!(members = ?layer.members, records = layer.records.len(), seeds = ?seeds, "region layer");
         for rec in layer.records.values() {
             take_newer(&mut records, rec, region);
         }

@@ -502,6 +502,7 @@ impl<'a> Sim<'a> {
                         policy,
                         seed: cfg.seed.wrapping_add(n as u64),
                         cost: cfg.cost,
+                        forward_by: cfg.forward_by,
                         ..Default::default()
                     };
                     NodeRouting {

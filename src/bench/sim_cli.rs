@@ -3,6 +3,7 @@
 //! trace or a synthetic family, see [`super::workload`]) and print one table; write the reports
 //! as JSON and Markdown.
 
+use crate::core::region_choice::ForwardChoice;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -102,6 +103,10 @@ pub struct SimArgs {
     /// node's `affinity_credit_s`). Default: the node's default.
     #[arg(long)]
     pub affinity_credit_ms: Option<u64>,
+    /// Which region a forwarded request goes to (the node's `forward_by`): `cost` (least RTT +
+    /// queue + prefill of what the region does not hold) or `nearest` (nearest with room).
+    #[arg(long, default_value = "cost")]
+    pub forward_by: ForwardChoice,
     /// Routing-text block size in bytes (the node's `block_bytes`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub block_bytes: u64,
@@ -194,6 +199,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             None => CostModel::default(),
         },
         window: args.hot.window_s,
+        forward_by: args.forward_by,
         ..Default::default()
     };
     let mut named = Vec::new();

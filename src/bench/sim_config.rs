@@ -1,6 +1,7 @@
 //! What `kvmesh sim` is asked to simulate ([`SimConfig`], [`NodeFailure`]) and what a run
 //! measured ([`SimReport`]).
 
+use crate::core::region_choice::ForwardChoice;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -66,6 +67,8 @@ pub struct SimConfig {
     /// The cost formula's parameters, as the nodes' `[routing]` config sets them. Default: the
     /// core's defaults.
     pub cost: CostModel,
+    /// How a forwarded request's region is chosen (the nodes' `forward_by`). Default by cost.
+    pub forward_by: ForwardChoice,
     /// Seed of every random choice. Default 1.
     pub seed: u64,
     /// Gossip round length. Default 100 ms.
@@ -156,6 +159,7 @@ impl Default for SimConfig {
             region_rtt: Duration::from_millis(50),
             policy: PolicyKind::P2cCache,
             cost: CostModel::default(),
+            forward_by: ForwardChoice::Cost,
             seed: 1,
             gossip_interval: Duration::from_millis(100),
             gossip_fanout: 3,

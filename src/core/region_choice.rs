@@ -21,6 +21,29 @@ use super::region_offer::{OfferedModel, RegionHead, RegionOffer};
 use super::role::Leg;
 use super::view::{Health, ReplicaState, View};
 
+/// How the region a forwarded request goes to is chosen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ForwardChoice {
+    /// The least `RTT + queue + prefill of what the region does not hold` (module doc).
+    #[default]
+    Cost,
+    /// The nearest region with room, whatever it holds or queues (the choice before region
+    /// offers; kept to measure against).
+    Nearest,
+}
+
+impl std::str::FromStr for ForwardChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cost" => Ok(ForwardChoice::Cost),
+            "nearest" => Ok(ForwardChoice::Nearest),
+            other => Err(format!("unknown forward choice '{other}' (cost, nearest)")),
+        }
+    }
+}
+
 /// One forwarding question.
 #[derive(Clone, Copy, Debug)]
 pub struct RegionAsk<'a> {
@@ -36,6 +59,8 @@ pub struct RegionAsk<'a> {
     pub bar_s: f64,
     /// The leg asked for; requests cross regions whole, so a prefill leg asks for a whole one.
     pub leg: Leg,
+    /// By cost (default) or the nearest with room.
+    pub choice: ForwardChoice,
 }
 
 /// The other region where the request would start soonest (module doc), or `None` when no
@@ -64,8 +89,13 @@ pub fn choose_region(
         if queue >= ask.bar_s {
             continue;
         }
-        let held = view.hit(i, ask.keys, now) as f64 * tpb;
-        let start = queue + cost.prefill_s(r, ask.prompt_tokens, held);
+        let start = match ask.choice {
+            ForwardChoice::Nearest => 0.0,
+            ForwardChoice::Cost => {
+                let held = view.hit(i, ask.keys, now) as f64 * tpb;
+                queue + cost.prefill_s(r, ask.prompt_tokens, held)
+            }
+        };
         let region = r.info.region.as_str();
         consider(&mut best, region, rtt_s(region), start);
     }
@@ -76,8 +106,13 @@ pub fn choose_region(
         let Some((queue, rate)) = offer.open_for(ask.model, ask.pools, ask.bar_s) else {
             continue;
         };
-        let held = offer.held_blocks(ask.keys) as f64 * tpb;
-        let start = queue + (ask.prompt_tokens as f64 - held).max(0.0) / rate;
+        let start = match ask.choice {
+            ForwardChoice::Nearest => 0.0,
+            ForwardChoice::Cost => {
+                let held = offer.held_blocks(ask.keys) as f64 * tpb;
+                queue + (ask.prompt_tokens as f64 - held).max(0.0) / rate
+            }
+        };
         consider(&mut best, region.as_str(), rtt_s(region), start);
     }
     best.map(|(_, _, r)| r.to_owned())
@@ -196,6 +231,7 @@ mod tests {
             prompt_tokens,
             bar_s: f64::INFINITY,
             leg: Leg::Whole,
+            choice: ForwardChoice::Cost,
         }
     }
 
@@ -262,6 +298,10 @@ mod tests {
             choose_region(&v, &c, &ask(&keys[..1], 64), T).as_deref(),
             Some("ap")
         );
+        // Asked for the nearest, the holder's cache does not count.
+        let mut nearest = ask(&keys, tokens);
+        nearest.choice = ForwardChoice::Nearest;
+        assert_eq!(choose_region(&v, &c, &nearest, T).as_deref(), Some("ap"));
         // When the holder queues longer than the prefill it saves, the nearest wins.
         v.remote_regions
             .insert("us".into(), offer("us", 5_000, vec![head]));

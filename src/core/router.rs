@@ -29,7 +29,7 @@ use super::affinity;
 use super::cost::CostModel;
 use super::keys::BlockKey;
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
-use super::region_choice::{choose_region, RegionAsk};
+use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
 use super::role::Leg;
 use super::tenants::Tenants;
 use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, View};
@@ -57,6 +57,8 @@ pub struct RouterConfig {
     pub spill_after_s: f64,
     /// The cost formula's parameters.
     pub cost: CostModel,
+    /// How a forwarded request's region is chosen. Default by cost.
+    pub forward_by: ForwardChoice,
 }
 
 impl Default for RouterConfig {
@@ -66,6 +68,7 @@ impl Default for RouterConfig {
             seed: 0,
             spill_after_s: 10.0,
             cost: CostModel::default(),
+            forward_by: ForwardChoice::Cost,
         }
     }
 }
@@ -710,6 +713,7 @@ impl Router {
             prompt_tokens: req.prompt_tokens,
             bar_s: bar,
             leg,
+            choice: self.cfg.forward_by,
         };
         choose_region(view, &self.cfg.cost, &ask, now)
     }

@@ -281,6 +281,7 @@ impl Node {
                 policy,
                 seed: cfg.seed,
                 spill_after_s: cfg.spill_after_s,
+                forward_by: cfg.forward_by,
                 cost: CostModel {
                     w_load_s: cfg.w_load_s,
                     affinity_credit_s: cfg.affinity_credit_s,

@@ -6,6 +6,7 @@
 //! is about. Durations are plain integers with their unit in the key name (`_ms`, `_s`) so a
 //! config file reads unambiguously without a duration grammar.
 
+use crate::core::region_choice::ForwardChoice;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -89,6 +90,9 @@ pub struct NodeConfig {
     pub tenant_header: String,
     /// Forward to another region when every local queue exceeds this (seconds). Default 10.
     pub spill_after_s: f64,
+    /// Which region a forwarded request goes to: `"cost"` (default: the least RTT + queue +
+    /// prefill of what the region does not hold) or `"nearest"` (the nearest with room).
+    pub forward_by: ForwardChoice,
     /// Seconds one outstanding request adds to a replica's predicted wait. Default 0.005.
     pub w_load_s: f64,
     /// Seconds credited to a session's preferred replica. Default 0.2 (see `CostModel`).
@@ -162,6 +166,7 @@ impl Default for NodeConfig {
             affinity_header: "x-affinity-key".into(),
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
+            forward_by: ForwardChoice::Cost,
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),

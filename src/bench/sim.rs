@@ -633,12 +633,45 @@ impl<'a> Sim<'a> {
         home.strip_prefix("node-")?.parse().ok()
     }
 
+    /// The live node a new request arrives at: any, or with `entry_weights`, a node of a region
+    /// drawn by its weight (any live node when that region has none).
+    fn entry_node(&mut self) -> usize {
+        let weights = &self.cfg.entry_weights;
+        let total: f64 = weights.iter().filter(|w| w.is_finite() && **w > 0.0).sum();
+        if total > 0.0 {
+            let mut x = self.rng.random::<f64>() * total;
+            let mut region = None;
+            for (g, w) in weights.iter().enumerate() {
+                if !(w.is_finite() && *w > 0.0) {
+                    continue;
+                }
+                region = Some(g);
+                if x < *w {
+                    break;
+                }
+                x -= *w;
+            }
+            if let Some(g) = region {
+                let here: Vec<usize> = self
+                    .live
+                    .iter()
+                    .copied()
+                    .filter(|n| self.nodes[*n].region == g)
+                    .collect();
+                if !here.is_empty() {
+                    return here[self.rng.random_range(0..here.len())];
+                }
+            }
+        }
+        self.live[self.rng.random_range(0..self.live.len())]
+    }
+
     fn arrival(&mut self, i: usize, now: Duration) {
         if self.live.is_empty() {
             self.fail_early();
             return;
         }
-        let client = self.live[self.rng.random_range(0..self.live.len())];
+        let client = self.entry_node();
         self.arrived[i] = now;
         self.dispatch(i, client, now, true);
     }

@@ -103,6 +103,10 @@ pub struct SimArgs {
     /// node's `affinity_credit_s`). Default: the node's default.
     #[arg(long)]
     pub affinity_credit_ms: Option<u64>,
+    /// Share of the arrivals each region's nodes take, as `w0,w1,…` by region index (clients
+    /// near some regions only); default: every node alike.
+    #[arg(long, value_delimiter = ',')]
+    pub entry_weights: Vec<f64>,
     /// Which region a forwarded request goes to (the node's `forward_by`): `cost` (least RTT +
     /// queue + prefill of what the region does not hold) or `nearest` (nearest with room).
     #[arg(long, default_value = "cost")]
@@ -200,6 +204,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         },
         window: args.hot.window_s,
         forward_by: args.forward_by,
+        entry_weights: args.entry_weights.clone(),
         ..Default::default()
     };
     let mut named = Vec::new();

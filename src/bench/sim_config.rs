@@ -59,6 +59,9 @@ pub struct SimConfig {
     pub replicas: usize,
     /// Regions; node `n` and replica `r` live in region `n % regions`, `r % regions`. Default 1.
     pub regions: usize,
+    /// Share of the arrivals each region's nodes take (clients near that region), by region
+    /// index; empty (default): every live node alike. A region left out or at 0 takes none.
+    pub entry_weights: Vec<f64>,
     /// Round-trip time between neighbouring regions; regions lie on a line, so regions `a` and `b`
     /// are `|a − b| × region_rtt` apart. Default 50 ms.
     pub region_rtt: Duration,
@@ -160,6 +163,7 @@ impl Default for SimConfig {
             policy: PolicyKind::P2cCache,
             cost: CostModel::default(),
             forward_by: ForwardChoice::Cost,
+            entry_weights: Vec::new(),
             seed: 1,
             gossip_interval: Duration::from_millis(100),
             gossip_fanout: 3,

@@ -2,7 +2,8 @@
 //! record each through their representatives. Real QUIC endpoints with mTLS on 127.0.0.1, in
 //! one process; every test bounded.
 
-use std::future::Future;
+mod common;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -11,13 +12,9 @@ use kvmesh::mesh::certs::ClusterCa;
 use kvmesh::mesh::regional::RegionalRound;
 use kvmesh::mesh::{Mesh, MeshConfig};
 
-const CLUSTER: &str = "regional-test";
+use common::{bounded, init_logs};
 
-async fn bounded<F: Future<Output = ()>>(secs: u64, f: F) {
-    tokio::time::timeout(Duration::from_secs(secs), f)
-        .await
-        .expect("test timed out");
-}
+const CLUSTER: &str = "regional-test";
 
 async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> Mesh {
     let mut cfg = MeshConfig::new(
@@ -86,10 +83,7 @@ fn region_members(live: &[kvmesh::mesh::Member]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regions_gossip_apart_and_learn_each_other_from_records() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    init_logs();
     bounded(40, async {
         let ca = ClusterCa::generate().unwrap();
         // One seed for everyone, in region eu: us nodes find each other through it.

@@ -310,13 +310,14 @@ impl Mesh {
             catchup_callback: None,
             extra_liveness_predicate: None,
         };
-        let initial = match node.encode() {
-            Ok(v) => vec![(KEY_NODE.to_owned(), v)],
+        let node_value = match node.encode() {
+            Ok(v) => v,
             Err(e) => {
                 transport.close();
                 return Err(e.into());
             }
         };
+        let initial = vec![(KEY_NODE.to_owned(), node_value.clone())];
         let handle = match spawn_chitchat(config, initial, &transport).await {
             Ok(h) => Arc::new(h),
             Err(e) => {
@@ -330,7 +331,6 @@ impl Mesh {
         let regional = match cfg.layout {
             GossipLayout::Flat => None,
             GossipLayout::Regional => {
-                let node_value = node.encode()?;
                 // A silent representative is replaced after the usual detection time, but never
                 // sooner than four of the layer's slower rounds.
                 let settings = LayerSettings {

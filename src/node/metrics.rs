@@ -349,6 +349,8 @@ pub struct MeshMetrics {
     pub udp_bytes: IntCounterVec,
     /// `kvmesh_mesh_sync_served_total`: summary requests answered.
     pub sync_served: IntCounter,
+    /// `kvmesh_mesh_directory_served_total`: directory requests answered (seeds see joins).
+    pub directory_served: IntCounter,
     /// `kvmesh_mesh_sync_bytes_sent_total`: bytes of summary responses sent.
     pub sync_bytes_sent: IntCounter,
     /// `kvmesh_mesh_sync_bytes_received_total`: bytes of summaries pulled (encoded size).
@@ -418,6 +420,10 @@ impl MeshMetrics {
                 "kvmesh_mesh_udp_bytes_total",
                 "UDP bytes of the mesh endpoint by direction, packet overhead included",
                 "direction",
+            )?,
+            directory_served: IntCounter::new(
+                "kvmesh_mesh_directory_served_total",
+                "Directory requests answered (nodes joining their region through this one)",
             )?,
             sync_served: IntCounter::new(
                 "kvmesh_mesh_sync_served_total",
@@ -501,6 +507,7 @@ impl MeshMetrics {
         registry.register(Box::new(m.gossip_bytes.clone()))?;
         registry.register(Box::new(m.udp_bytes.clone()))?;
         registry.register(Box::new(m.sync_served.clone()))?;
+        registry.register(Box::new(m.directory_served.clone()))?;
         registry.register(Box::new(m.sync_bytes_sent.clone()))?;
         registry.register(Box::new(m.sync_bytes_received.clone()))?;
         registry.register(Box::new(m.reports.clone()))?;
@@ -570,6 +577,7 @@ impl MeshMetrics {
             counter.with_label_values(&[label]).inc_by(n);
         }
         self.sync_served.inc_by(d(|s| s.sync_served));
+        self.directory_served.inc_by(d(|s| s.directory_served));
         self.sync_bytes_sent.inc_by(d(|s| s.sync_bytes_sent));
     }
 }

@@ -19,7 +19,11 @@ impl Node {
     /// queues, and the prefixes it routed most that some replica of the region still holds.
     pub(super) fn region_offer(&self) -> RegionOffer {
         let core = self.lock();
-        let heads = core.heads.top(MAX_REGION_HEADS * 2);
+        let heads = core
+            .heads
+            .as_ref()
+            .map(|h| h.top(MAX_REGION_HEADS * 2))
+            .unwrap_or_default();
         let region = core.view.local_region.clone();
         build_offer(&core.view, &core.router.config().cost, &region, heads)
     }

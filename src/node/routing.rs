@@ -190,7 +190,9 @@ impl Node {
         let tokens_per_block = core.view.tokens_per_block;
         let ticket = match &mut decision {
             Decision::Route(d) => {
-                core.heads.record(req.keys);
+                if let Some(heads) = core.heads.as_mut() {
+                    heads.record(req.keys);
+                }
                 Some(self.book(core, d, req, now, Booking::Whole))
             }
             _ => None,

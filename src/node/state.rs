@@ -150,8 +150,9 @@ pub struct Core {
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
     pub admission: Option<super::admission_queue::NodeQueue>,
     /// The prefixes this node routed most: the heads its region offers others when this node
-    /// is a representative (`core::region_offer`).
-    pub heads: RecentHeads,
+    /// is a representative (`core::region_offer`). Counted only in a regional mesh; `None`
+    /// otherwise, so a single node or a flat mesh does no such work per request.
+    pub heads: Option<RecentHeads>,
 }
 
 /// Heads counted at most (`Core::heads`).
@@ -317,7 +318,11 @@ impl Node {
                 peer_loads: PeerLoads::new(LoadShareConfig::default()),
                 pending_tips: Vec::new(),
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
-                heads: RecentHeads::new(MAX_RECENT_HEADS),
+                heads: cfg
+                    .mesh
+                    .as_ref()
+                    .is_some_and(|m| m.layout == super::config::mesh::LayoutConfig::Regional)
+                    .then(|| RecentHeads::new(MAX_RECENT_HEADS)),
                 hot_owners: Vec::new(),
                 hot_self: String::new(),
                 admission: cfg

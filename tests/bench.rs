@@ -5,6 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use kvmesh::bench::fleet::{self, FleetConfig};
+use kvmesh::bench::fleet_pd::FleetPd;
 use kvmesh::bench::replay::{self, ReplayConfig};
 use kvmesh::bench::report;
 use kvmesh::bench::workload::{self, GenParams, SystemPromptParams};
@@ -46,6 +47,24 @@ fn quiet(cfg: ReplayConfig) -> ReplayConfig {
     }
 }
 
+/// Replays `work` through a fresh `fleet` routing with p2c-cache; no request may fail.
+async fn p2c_cache_run(
+    work: &[workload::WorkloadRequest],
+    fleet: &FleetConfig,
+) -> replay::RunResult {
+    let run = fleet::run_fleet(
+        work,
+        PolicyKind::P2cCache,
+        fleet,
+        &quiet(ReplayConfig::default()),
+    )
+    .await
+    .unwrap();
+    let failures: Vec<_> = run.records.iter().filter_map(|r| r.error.clone()).collect();
+    assert!(failures.is_empty(), "{failures:?}");
+    run
+}
+
 #[tokio::test]
 async fn a_fleet_run_reports_every_request_hits_and_shares() {
     bounded(async {
@@ -58,18 +77,9 @@ async fn a_fleet_run_reports_every_request_hits_and_shares() {
                 time_scale: 50.0,
                 ..FleetConfig::default()
             };
-            let run = fleet::run_fleet(
-                &work,
-                PolicyKind::P2cCache,
-                &fleet,
-                &quiet(ReplayConfig::default()),
-            )
-            .await
-            .unwrap();
+            let run = p2c_cache_run(&work, &fleet).await;
             assert_eq!(run.label, "p2c-cache");
             assert_eq!(run.records.len(), 40);
-            let failures: Vec<_> = run.records.iter().filter_map(|r| r.error.clone()).collect();
-            assert!(failures.is_empty(), "{failures:?}");
             assert!(run
                 .records
                 .iter()
@@ -171,6 +181,41 @@ async fn replay_spreads_over_urls_and_reads_metrics_deltas() {
         for r in reps {
             r.shutdown().await;
         }
+    })
+    .await;
+}
+
+/// A P/D fleet (2 prefill, 2 decode replicas) through two meshed nodes: every request is a
+/// pair, the client's answer streams from a decode replica, the hit counted is the prefill's
+/// (the node names it), and the report has inter-token latency.
+#[tokio::test]
+async fn a_pd_fleet_serves_pairs_and_reports_the_prefill_hit_and_itl() {
+    bounded(async {
+        let work = shared_prefix_workload();
+        let pd = FleetPd {
+            roles: kvmesh::bench::sim_pd::parse_roles("2P2D").unwrap(),
+            bypass_uncached_tokens: 0,
+            ..FleetPd::default()
+        };
+        let fleet = FleetConfig {
+            nodes: 2,
+            time_scale: 50.0,
+            pd: Some(pd),
+            ..FleetConfig::default()
+        };
+        let run = p2c_cache_run(&work, &fleet).await;
+        assert_eq!(run.label, "p2c-cache 2P2D@0");
+        let s = report::summarize(&run);
+        assert_eq!((s.requests, s.errors, s.pd_pairs), (40, 0, 40));
+        // Replicas 0 and 1 prefill; the client's stream always comes from a decode replica.
+        for share in &s.per_replica {
+            let decode = share.replica == "replica-2" || share.replica == "replica-3";
+            assert_eq!(share.requests > 0, decode, "{:?}", s.per_replica);
+        }
+        // Two system prompts over two prefill replicas: the prefills hit.
+        assert!(s.hit_token_ratio > 0.3, "hit ratio {}", s.hit_token_ratio);
+        assert_eq!(s.itl.count, 40, "every answer has 8 tokens or more");
+        assert!(s.itl.p50 > 0.0 && s.itl.p50 < s.ttft.p99.max(1.0));
     })
     .await;
 }

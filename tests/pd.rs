@@ -91,10 +91,18 @@ async fn each_protocol_serves_a_pair_of_simulated_replicas() {
                     .unwrap();
                 assert_eq!(resp.status(), 200, "{protocol:?} stream={stream}");
                 let pd = resp.headers()["x-kvmesh-pd"].to_str().unwrap().to_owned();
-                assert_eq!(
-                    pd,
-                    format!("protocol={}; prefill=p0; decode=d0", protocol.as_str())
-                );
+                let legs = format!("protocol={}; prefill=p0; decode=d0", protocol.as_str());
+                if protocol == PdProtocol::Sglang {
+                    assert_eq!(pd, legs);
+                } else {
+                    // The node read the prefill's answer and names its hit: none on a cold
+                    // cache, the prompt (less its last block) the second time.
+                    let cached: u64 = pd
+                        .strip_prefix(&format!("{legs}; prefill_cached="))
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or_else(|| panic!("{pd}"));
+                    assert_eq!(cached > 0, stream, "{pd}");
+                }
                 assert_eq!(resp.headers()["x-kvmesh-replica"], "d0");
                 let text = resp.text().await.unwrap();
                 if stream {

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::fleet::{run_fleet_comparison, FleetConfig};
+use super::fleet_pd::FleetPd;
 use super::hot_args::{bench_row, hot_markdown, HotArgs};
 use super::replay::{self, ReplayConfig, RunResult};
 use super::report;
@@ -17,6 +18,7 @@ use super::tenant_args::{class_records, split_markdown, split_records, TenantArg
 use super::tier_args::TierArgs;
 use super::workload::WorkloadArgs;
 use crate::core::policy::PolicyKind;
+use crate::node::config::PdProtocol;
 use crate::replicas::kv_events::RankRouting;
 
 /// Arguments of `kvmesh bench`.
@@ -63,6 +65,20 @@ pub struct BenchArgs {
     /// replica's own balancer picks); several (`header,off`) run one fleet each per policy.
     #[arg(long, value_delimiter = ',', default_value = "header")]
     pub dp_rank_routing: Vec<String>,
+    /// Fleet: a prefill/decode shape, SHAPE[@BYPASS] as `kvmesh sim --pd` reads it (`2P2D@0`,
+    /// `4B`, `1P3D@256`); repeatable, one fleet per shape and policy. Sets the replica count.
+    #[arg(long = "pd")]
+    pub pd: Vec<String>,
+    /// Fleet with --pd: the hand-over protocol the nodes and replicas speak, `vllm-nixl`,
+    /// `vllm-mooncake` or `sglang`.
+    #[arg(long, default_value = "vllm-nixl")]
+    pub pd_protocol: String,
+    /// Fleet with --pd: KV bytes per prompt token moved from prefill to decode.
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// Fleet with --pd: the prefill-to-decode link in Gb/s.
+    #[arg(long, default_value_t = 100.0)]
+    pub link_gbps: f64,
     /// Fleet: engine preset, `8b-h100` or `70b-tp4`.
     #[arg(long, default_value = "8b-h100")]
     pub preset: String,
@@ -107,6 +123,33 @@ fn parse_rank_routing(s: &str) -> anyhow::Result<RankRouting> {
         "off" => Ok(RankRouting::Off),
         other => anyhow::bail!("--dp-rank-routing: '{other}' is not header, body or off"),
     }
+}
+
+/// The fleets `--pd` asks for (`None`: an ordinary fleet).
+fn pd_fleets(args: &BenchArgs) -> anyhow::Result<Vec<Option<FleetPd>>> {
+    if args.pd.is_empty() {
+        return Ok(vec![None]);
+    }
+    let protocol = PdProtocol::parse(&args.pd_protocol).with_context(|| {
+        format!(
+            "--pd-protocol {}: expected vllm-nixl, vllm-mooncake or sglang",
+            args.pd_protocol
+        )
+    })?;
+    args.pd
+        .iter()
+        .map(|spec| {
+            let (roles, bypass) =
+                super::sim_pd::parse_spec(spec).map_err(|e| anyhow::anyhow!("--pd {e}"))?;
+            Ok(Some(FleetPd {
+                roles,
+                bypass_uncached_tokens: bypass,
+                protocol,
+                kv_bytes_per_token: args.kv_bytes_per_token,
+                link_gbps: args.link_gbps,
+            }))
+        })
+        .collect()
 }
 
 /// Runs `kvmesh bench`.
@@ -184,12 +227,17 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         } else {
             vec![RankRouting::Off]
         };
+        let pds = pd_fleets(&args)?;
         let mut runs = Vec::new();
-        for (rank_routing, hot) in routings
-            .iter()
-            .flat_map(|r| args.hot.modes().into_iter().map(move |h| (*r, h)))
-        {
+        let hot_modes = args.hot.modes();
+        let hot_modes = &hot_modes;
+        for (pd, rank_routing, hot) in pds.iter().flat_map(|pd| {
+            routings
+                .iter()
+                .flat_map(move |r| hot_modes.iter().map(move |h| (pd.clone(), *r, h.clone())))
+        }) {
             let fleet = FleetConfig {
+                pd,
                 hot_prefix: hot.unwrap_or_default(),
                 replicas: args.replicas,
                 nodes: args.nodes,

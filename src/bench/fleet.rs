@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use super::fleet_pd::FleetPd;
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::workload::request::WorkloadRequest;
 use crate::core::hot_prefix::HotPrefixConfig;
@@ -63,6 +64,9 @@ pub struct FleetConfig {
     pub priorities: Option<PrioritiesConfig>,
     /// Every replica's `max_in_flight` at the nodes. Default: the node's default (256).
     pub max_in_flight: Option<u32>,
+    /// Prefill/decode disaggregation: the replicas' roles (their count overrides `replicas`)
+    /// and the protocol. Default none (every replica serves requests whole).
+    pub pd: Option<FleetPd>,
 }
 
 impl Default for FleetConfig {
@@ -81,6 +85,7 @@ impl Default for FleetConfig {
             kv_load: None,
             priorities: None,
             max_in_flight: None,
+            pd: None,
         }
     }
 }
@@ -189,8 +194,12 @@ pub async fn run_fleet(
     fleet: &FleetConfig,
     replay_cfg: &ReplayConfig,
 ) -> anyhow::Result<RunResult> {
+    let replica_count = fleet
+        .pd
+        .as_ref()
+        .map_or(fleet.replicas, |pd| pd.roles.len());
     anyhow::ensure!(
-        fleet.replicas > 0 && fleet.nodes > 0,
+        replica_count > 0 && fleet.nodes > 0,
         "a fleet needs at least one replica and one node"
     );
     anyhow::ensure!(
@@ -203,10 +212,10 @@ pub async fn run_fleet(
     } else {
         None
     };
-    let mut replicas = Vec::with_capacity(fleet.replicas);
+    let mut replicas = Vec::with_capacity(replica_count);
     let mut nodes: Vec<RunningNode> = Vec::with_capacity(fleet.nodes);
     let result = async {
-        for i in 0..fleet.replicas {
+        for i in 0..replica_count {
             let mut cfg = crate::replica::ReplicaConfig {
                 id: format!("replica-{i}"),
                 model: fleet.model.clone(),
@@ -218,6 +227,9 @@ pub async fn run_fleet(
                 ..Default::default()
             };
             cfg.engine.time_scale = fleet.time_scale;
+            if let Some(pd) = &fleet.pd {
+                pd.apply_replica(i, &mut cfg)?;
+            }
             replicas.push(crate::replica::spawn(cfg).await?);
         }
         // A replica's rate is its ranks' together (each rank is one engine).
@@ -257,6 +269,9 @@ pub async fn run_fleet(
                     models: vec![fleet.model.clone()],
                 });
             }
+            if let Some(pd) = &fleet.pd {
+                pd.apply_node(&mut cfg);
+            }
             cfg.replicas = replicas
                 .iter()
                 .map(|r| NodeReplica {
@@ -287,6 +302,11 @@ pub async fn run_fleet(
                     ..NodeReplica::from_url(r.base_url())
                 })
                 .collect();
+            if let Some(pd) = &fleet.pd {
+                for (i, (entry, r)) in cfg.replicas.iter_mut().zip(&replicas).enumerate() {
+                    pd.apply_entry(i, r, entry);
+                }
+            }
             if let Some(certs) = &certs {
                 let seed = nodes.first().and_then(|f| f.node.mesh()).map(|m| m.addr());
                 cfg.mesh = Some(mesh_section(name, certs, seed));
@@ -295,7 +315,7 @@ pub async fn run_fleet(
         }
         wait_ready(&nodes).await?;
         if follow {
-            wait_exact(&nodes, fleet.replicas).await?;
+            wait_exact(&nodes, replica_count).await?;
         }
         let label = if replay_cfg.label == ReplayConfig::default().label && multi_rank {
             let how = match fleet.rank_routing {
@@ -306,6 +326,9 @@ pub async fn run_fleet(
             format!("{} dp={} rank={how}", policy.as_str(), fleet.dp_ranks)
         } else if replay_cfg.label == ReplayConfig::default().label && fleet.hot_prefix.enabled {
             format!("{} +hot", policy.as_str())
+        } else if replay_cfg.label == ReplayConfig::default().label && fleet.pd.is_some() {
+            let shape = fleet.pd.as_ref().map(FleetPd::label).unwrap_or_default();
+            format!("{} {shape}", policy.as_str())
         } else if replay_cfg.label == ReplayConfig::default().label {
             policy.as_str().to_owned()
         } else {

@@ -5,6 +5,7 @@
 pub mod bench_cli;
 pub mod demo;
 pub mod fleet;
+pub mod fleet_pd;
 pub mod fuzz;
 pub mod hot_args;
 pub mod replay;

@@ -12,6 +12,10 @@
 //! `x-kvmesh-cached-tokens`, else `usage.prompt_tokens_details.cached_tokens`. For engines with
 //! neither, the run also scrapes `--metrics-url`s before and after and reports the deltas of
 //! `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` summed over them.
+//! A prefill/decode pair (a kvmesh node's `x-kvmesh-pd` debug header) counts the prefill's hit
+//! where the header names it (`prefill_cached`): the decode computed nothing of the prompt, so
+//! its own `cached_tokens` says nothing of the routing. Inter-token latency per request is the
+//! time after the first event over the tokens after the first.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,6 +37,8 @@ pub const REPLICA_HEADER: &str = "x-kvmesh-replica";
 pub const ROUTED_HEADER: &str = crate::proxy::forward::REPLICA_HEADER;
 /// Header carrying the prompt tokens served from the prefix cache.
 pub const CACHED_HEADER: &str = "x-kvmesh-cached-tokens";
+/// Header a kvmesh node names both legs of a prefill/decode pair in.
+pub const PD_HEADER: &str = crate::proxy::pd::PD_HEADER;
 /// Session header sent with requests that belong to a session or agent run.
 pub const SESSION_HEADER: &str = "x-session-id";
 /// Affinity-key header sent with requests that name one (RAG: the leading document).
@@ -109,6 +115,9 @@ pub struct RequestRecord {
     pub cached_tokens: Option<u64>,
     /// The replica that served it, when the endpoint says.
     pub replica: Option<String>,
+    /// Served as a prefill/decode pair (the node's `x-kvmesh-pd` header).
+    #[serde(default)]
+    pub pd_pair: bool,
     /// Why it failed; `None` = success.
     pub error: Option<String>,
 }
@@ -449,6 +458,12 @@ async fn exchange(
         .or_else(|| header_str(h, ROUTED_HEADER))
         .map(str::to_owned);
     rec.cached_tokens = header_str(h, CACHED_HEADER).and_then(|v| v.parse().ok());
+    if let Some(pd) = header_str(h, PD_HEADER) {
+        rec.pd_pair = true;
+        if let Some(c) = pd_prefill_cached(pd) {
+            rec.cached_tokens = Some(c);
+        }
+    }
     if !resp.status().is_success() {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
@@ -505,6 +520,14 @@ async fn exchange(
         return Err("stream ended without [DONE]".into());
     }
     Ok(())
+}
+
+/// `prefill_cached=<tokens>` of an `x-kvmesh-pd` header value.
+fn pd_prefill_cached(value: &str) -> Option<u64> {
+    value
+        .split(';')
+        .find_map(|part| part.trim().strip_prefix("prefill_cached="))
+        .and_then(|n| n.parse().ok())
 }
 
 /// Position and separator length of the first event end (`\n\n` or `\r\n\r\n`).
@@ -579,6 +602,17 @@ mod tests {
         assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some((7, 2)));
         assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some((7, 4)));
         assert_eq!(find_event_end(b"data: x\n"), None);
+    }
+
+    #[test]
+    fn a_pairs_prefill_hit_is_read_from_the_pd_header_when_named() {
+        let h = "protocol=vllm-nixl; prefill=replica-0; decode=replica-2; prefill_cached=512";
+        assert_eq!(pd_prefill_cached(h), Some(512));
+        assert_eq!(
+            pd_prefill_cached("protocol=sglang; prefill=a; decode=b"),
+            None
+        );
+        assert_eq!(pd_prefill_cached("prefill_cached=lots"), None);
     }
 
     #[test]

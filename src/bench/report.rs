@@ -51,6 +51,11 @@ pub struct BenchReport {
     pub ttft: Distribution,
     /// End-to-end latency of successful requests.
     pub latency: Distribution,
+    /// Inter-token latency of successful requests of two tokens or more: the time after the
+    /// first token over the tokens after it, as `kvmesh sim` counts it.
+    pub itl: Distribution,
+    /// Successful requests a node served as a prefill/decode pair.
+    pub pd_pairs: usize,
     /// Duration of the run (model seconds).
     pub duration_s: f64,
     /// Successful requests per model second.
@@ -85,6 +90,14 @@ pub fn summarize(run: &RunResult) -> BenchReport {
         .map(|t| t * scale)
         .collect();
     let mut latency: Vec<f64> = ok.iter().map(|r| r.latency_s * scale).collect();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .filter_map(|r| {
+            let tokens = u32::try_from(r.output_tokens).unwrap_or(u32::MAX);
+            super::sim_pd::itl(r.latency_s, r.ttft_s?, tokens)
+        })
+        .map(|x| x * scale)
+        .collect();
     let prompt_tokens: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let output_tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
     let (cached_tokens, hit_source, hit_ratio) =
@@ -125,6 +138,8 @@ pub fn summarize(run: &RunResult) -> BenchReport {
         errors: run.records.len() - ok.len(),
         ttft: Distribution::of(&mut ttft),
         latency: Distribution::of(&mut latency),
+        itl: Distribution::of(&mut itl),
+        pd_pairs: ok.iter().filter(|r| r.pd_pair).count(),
         duration_s,
         throughput_rps: ratio(ok.len() as f64, duration_s),
         output_tokens_per_s: ratio(output_tokens as f64, duration_s),
@@ -177,6 +192,17 @@ pub fn markdown(reports: &[BenchReport]) -> String {
             },
             r.requests_max_over_mean,
             r.tokens_max_over_mean,
+        ));
+    }
+    s.push_str("\n| run | ITL mean (ms) | p50 | p99 | P/D pairs |\n|---|---:|---:|---:|---:|\n");
+    for r in reports {
+        s.push_str(&format!(
+            "| {} | {:.1} | {:.1} | {:.1} | {} |\n",
+            r.label,
+            r.itl.mean * 1000.0,
+            r.itl.p50 * 1000.0,
+            r.itl.p99 * 1000.0,
+            r.pd_pairs
         ));
     }
     s.push_str("\nRequests per replica:\n\n");

@@ -415,16 +415,9 @@ fn pd_shapes(args: &SimArgs) -> anyhow::Result<Vec<(Option<SimPd>, String)>> {
     args.pd
         .iter()
         .map(|spec| {
-            let (shape, bypass) = match spec.split_once('@') {
-                Some((s, b)) => (
-                    s,
-                    b.trim()
-                        .parse()
-                        .with_context(|| format!("--pd {spec}: bypass tokens"))?,
-                ),
-                None => (spec.as_str(), SimPd::default().bypass_uncached_tokens),
-            };
-            let roles = sim_pd::parse_roles(shape).map_err(|e| anyhow::anyhow!("--pd {e}"))?;
+            let (roles, bypass) =
+                sim_pd::parse_spec(spec).map_err(|e| anyhow::anyhow!("--pd {e}"))?;
+            let shape = spec.split_once('@').map_or(spec.as_str(), |(s, _)| s);
             let pd = SimPd {
                 roles,
                 bypass_uncached_tokens: bypass,

@@ -87,6 +87,22 @@ impl SimPd {
     }
 }
 
+/// Parses a run's P/D spec, `SHAPE[@BYPASS]` (`2P2D@256`): the roles (see [`parse_roles`]) and
+/// the bypass threshold (default 256 tokens, 0 = off). `kvmesh sim --pd` and `kvmesh bench --pd`
+/// read the same spec.
+pub fn parse_spec(spec: &str) -> Result<(Vec<Role>, u64), String> {
+    let (shape, bypass) = match spec.split_once('@') {
+        Some((s, b)) => (
+            s,
+            b.trim()
+                .parse()
+                .map_err(|_| format!("'{spec}': bypass tokens after '@'"))?,
+        ),
+        None => (spec, SimPd::default().bypass_uncached_tokens),
+    };
+    Ok((parse_roles(shape)?, bypass))
+}
+
 /// Parses a fleet shape: `2P2D` (2 prefill then 2 decode replicas), `1P3D`, `4B` / `4` (4
 /// ordinary replicas), or a comma-separated role list (`prefill,decode,both`).
 pub fn parse_roles(s: &str) -> Result<Vec<Role>, String> {

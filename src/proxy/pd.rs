@@ -25,7 +25,9 @@ use crate::node::config::PdProtocol;
 use crate::node::Ticket;
 
 /// Response header naming both legs, only with `debug_headers = true`:
-/// `protocol=vllm-nixl; prefill=<id>; decode=<id>`.
+/// `protocol=vllm-nixl; prefill=<id>; decode=<id>`, then `; prefill_cached=<tokens>` where the
+/// protocol lets the node read the prefill's answer (the vLLM ones): the prefix hit the pair was
+/// chosen for, which the decode's own `cached_tokens` does not show.
 pub const PD_HEADER: &str = "x-kvmesh-pd";
 
 /// Serves `pair` with `protocol`; on success the response streams the decode's answer.
@@ -45,14 +47,19 @@ pub(super) async fn serve_pair(
     };
     let node = ctx.node;
     match result {
-        Ok((resp, prefill_id, decode_id)) => {
-            let mut resp = resp;
+        Ok(served) => {
+            let mut resp = served.resp;
             if node.cfg.debug_headers {
                 let h = resp.headers_mut();
-                let pd = format!(
-                    "protocol={}; prefill={prefill_id}; decode={decode_id}",
-                    protocol.as_str()
+                let mut pd = format!(
+                    "protocol={}; prefill={}; decode={}",
+                    protocol.as_str(),
+                    served.prefill,
+                    served.decode
                 );
+                if let Some(c) = served.prefill_cached {
+                    pd.push_str(&format!("; prefill_cached={c}"));
+                }
                 if let Ok(v) = HeaderValue::from_str(&pd) {
                     h.insert(HeaderName::from_static(PD_HEADER), v);
                 }

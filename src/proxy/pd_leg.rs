@@ -18,6 +18,18 @@ use super::trace_span::RequestTrace;
 use crate::core::keys::BlockKey;
 use crate::node::{Endpoint, Node, Ticket};
 
+/// A pair an adapter served.
+pub(super) struct PairServed {
+    /// The decode's answer, as the client gets it.
+    pub resp: Response,
+    /// The prefill replica's id.
+    pub prefill: String,
+    /// The decode replica's id.
+    pub decode: String,
+    /// Prompt tokens the prefill found cached, when its answer was read.
+    pub prefill_cached: Option<u64>,
+}
+
 /// Largest prefill answer read (bytes): a one-token completion plus `kv_transfer_params`.
 pub(super) const MAX_PREFILL_ANSWER_BYTES: usize = 4 << 20;
 

@@ -13,12 +13,11 @@
 //! the decode waiting for that room is abandoned, and SGLang's decode times the room out); a
 //! decode failing is a decode failure. Once the decode answered, the request is committed.
 
-use axum::response::Response;
 use rand::Rng;
 use serde_json::Value;
 
 use super::pd_leg::{
-    edited, finish_prefill_later, host_of, judged, send_leg, LegFailure, PairCtx,
+    edited, finish_prefill_later, host_of, judged, send_leg, LegFailure, PairCtx, PairServed,
     DEFAULT_BOOTSTRAP_PORT,
 };
 use crate::core::keys::BlockKey;
@@ -44,7 +43,7 @@ pub(super) async fn serve(
     prefill: Ticket,
     decode: Ticket,
     keys: &mut Vec<BlockKey>,
-) -> Result<(Response, String, String), LegFailure> {
+) -> Result<PairServed, LegFailure> {
     let facts = ctx.node.pd_facts(pair.prefill.replica).unwrap_or_default();
     let p_end = prefill.endpoint().clone();
     let d_end = decode.endpoint().clone();
@@ -107,7 +106,12 @@ pub(super) async fn serve(
         });
     }
     let out = super::pd_leg::answer(ctx, resp, decode, pair.prefill.hit_blocks, keys);
-    Ok((out, p_end.id.to_string(), d_end.id.to_string()))
+    Ok(PairServed {
+        resp: out,
+        prefill: p_end.id.to_string(),
+        decode: d_end.id.to_string(),
+        prefill_cached: None,
+    })
 }
 
 #[cfg(test)]

@@ -22,13 +22,13 @@
 //! client asked. A prefill failure (or an answer that is not JSON) is a prefill failure, before
 //! the decode started: the request path retries on another prefill replica.
 
-use axum::response::Response;
 use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use super::blame::Failure;
 use super::pd_leg::{
-    edited, host_of, judged, read_answer, send_leg, LegFailure, PairCtx, DEFAULT_BOOTSTRAP_PORT,
+    edited, host_of, judged, read_answer, send_leg, LegFailure, PairCtx, PairServed,
+    DEFAULT_BOOTSTRAP_PORT,
 };
 use crate::core::keys::BlockKey;
 use crate::core::pd::PdPair;
@@ -101,7 +101,7 @@ pub(super) async fn serve(
     mut prefill: Ticket,
     decode: Ticket,
     keys: &mut Vec<BlockKey>,
-) -> Result<(Response, String, String), LegFailure> {
+) -> Result<PairServed, LegFailure> {
     let facts = ctx.node.pd_facts(pair.prefill.replica).unwrap_or_default();
     let p_end = prefill.endpoint().clone();
     let d_end = decode.endpoint().clone();
@@ -160,6 +160,11 @@ pub(super) async fn serve(
     };
     // The prefill is done: its blocks are in its cache; its leg's accounting goes.
     prefill.first_byte(keys);
+    let prefill_cached = answer
+        .get("usage")
+        .and_then(|u| u.get("prompt_tokens_details"))
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64);
     drop(prefill);
     let returned = answer.get("kv_transfer_params").filter(|v| v.is_object());
     let decode_params = match protocol {
@@ -203,7 +208,12 @@ pub(super) async fn serve(
         }
     };
     let out = super::pd_leg::answer(ctx, resp, decode, pair.prefill.hit_blocks, keys);
-    Ok((out, p_end.id.to_string(), d_end.id.to_string()))
+    Ok(PairServed {
+        resp: out,
+        prefill: p_end.id.to_string(),
+        decode: d_end.id.to_string(),
+        prefill_cached,
+    })
 }
 
 #[cfg(test)]

@@ -28,6 +28,13 @@ pub enum PdProtocol {
 }
 
 impl PdProtocol {
+    /// The protocol its label names (`sglang`, `vllm-nixl`, `vllm-mooncake`).
+    pub fn parse(label: &str) -> Option<Self> {
+        [Self::Sglang, Self::VllmNixl, Self::VllmMooncake]
+            .into_iter()
+            .find(|p| p.as_str() == label.trim())
+    }
+
     /// Stable label (metrics, logs).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -111,6 +118,7 @@ mod tests {
             PdProtocol::VllmNixl,
             PdProtocol::VllmMooncake,
         ] {
+            assert_eq!(PdProtocol::parse(p.as_str()), Some(p));
             let s: PdSection = toml::from_str(&format!("protocol = \"{}\"", p.as_str())).unwrap();
             assert_eq!(s.protocol, Some(p));
             let core = s.core().unwrap();

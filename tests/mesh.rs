@@ -15,6 +15,7 @@ use kvmesh::core::keys::BlockKey;
 use kvmesh::core::summary::{ReplicaSummary, SummaryConfig, SummaryMessage};
 use kvmesh::mesh::certs::{ClusterCa, CLUSTER_SAN};
 use kvmesh::mesh::cluster::home_in;
+use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
 use kvmesh::mesh::sync::{needs_pull, RESP_BAD_REQUEST, RESP_OK};
 use kvmesh::mesh::transport::{KIND_BLOCK_REPORT, KIND_GOSSIP, KIND_SUMMARY_REQUEST};
@@ -68,6 +69,13 @@ async fn sees_live(m: &Mesh, names: &[&str]) -> bool {
     names
         .iter()
         .all(|n| live.iter().any(|x| x.node_id == *n && x.node.is_some()))
+}
+
+/// Publishes `record` whole as replica `id`'s home.
+async fn publish(m: &Mesh, id: &str, record: &ReplicaRecord) {
+    m.publish_replica(id, record, RecordChange::Full)
+        .await
+        .unwrap();
 }
 
 fn record(region: &str, summary: SummaryVersion) -> ReplicaRecord {
@@ -169,9 +177,7 @@ async fn node_from_another_ca_cannot_join_or_read() {
         let a = start(&ca, "a", "eu", &[]).await;
         let b = start(&ca, "b", "eu", &[a.addr()]).await;
         let d = start(&rogue_ca, "d", "eu", &[a.addr(), b.addr()]).await;
-        a.publish_replica("r1", &record("eu", SummaryVersion::default()))
-            .await
-            .unwrap();
+        publish(&a, "r1", &record("eu", SummaryVersion::default())).await;
         wait_for(Duration::from_secs(5), || sees_live(&b, &["a", "b"]))
             .await
             .expect("a and b did not converge");
@@ -245,9 +251,7 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
         });
         home.summary.lock().unwrap().insert(&keys(0..50));
         a.set_handler(home.clone());
-        a.publish_replica("r1", &record("eu", home.version()))
-            .await
-            .unwrap();
+        publish(&a, "r1", &record("eu", home.version())).await;
 
         // b learns the replica and its summary version by gossip, then pulls the body.
         let entry = loop {
@@ -294,9 +298,7 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
 
         // The home publishes the new version (a node does this every gossip round); b sees it
         // by gossip, and a delta brings b's copy to the home's digest.
-        a.publish_replica("r1", &record("eu", home.version()))
-            .await
-            .unwrap();
+        publish(&a, "r1", &record("eu", home.version())).await;
         wait_for(Duration::from_secs(3), || async {
             b.replicas_in_region("eu").await.iter().any(|e| {
                 e.id == "r1" && needs_pull(Some((copy.epoch(), copy.seq())), &e.record.summary)
@@ -364,11 +366,15 @@ async fn oversized_and_malformed_input_is_refused_and_counted() {
         let mut big = record("eu", SummaryVersion::default());
         big.models = (0..300).map(|i| format!("lora-adapter-{i}")).collect();
         assert!(matches!(
-            a.publish_replica("big", &big).await,
+            a.publish_replica("big", &big, RecordChange::Full).await,
             Err(MeshError::Schema(_))
         ));
         assert!(a
-            .publish_replica(&"x".repeat(500), &record("eu", SummaryVersion::default()))
+            .publish_replica(
+                &"x".repeat(500),
+                &record("eu", SummaryVersion::default()),
+                RecordChange::Full
+            )
             .await
             .is_err());
 
@@ -417,9 +423,7 @@ async fn oversized_and_malformed_input_is_refused_and_counted() {
         conn.close(0u32.into(), b"done");
 
         // The node keeps working: gossip converges and sync answers.
-        b.publish_replica("r1", &record("eu", SummaryVersion::default()))
-            .await
-            .unwrap();
+        publish(&b, "r1", &record("eu", SummaryVersion::default())).await;
         wait_for(Duration::from_secs(3), || async {
             a.replicas_in_region("eu")
                 .await
@@ -534,12 +538,8 @@ async fn partition_heals_and_state_converges() {
         }
         b.transport().block(a.addr());
         c.transport().block(a.addr());
-        c.publish_replica("r-split", &record("eu", SummaryVersion::default()))
-            .await
-            .unwrap();
-        a.publish_replica("r-lonely", &record("eu", SummaryVersion::default()))
-            .await
-            .unwrap();
+        publish(&c, "r-split", &record("eu", SummaryVersion::default())).await;
+        publish(&a, "r-lonely", &record("eu", SummaryVersion::default())).await;
         wait_for(Duration::from_secs(3), || async {
             b.replicas_in_region("eu")
                 .await
@@ -804,9 +804,7 @@ async fn records_under_overlong_replica_ids_are_dropped_and_counted() {
         a.publish_unchecked(&format!("admin:{long}"), &drain.encode().unwrap())
             .await;
         // A well-formed record after them, to know when gossip has carried them over.
-        a.publish_replica("r1", &record("eu", SummaryVersion::default()))
-            .await
-            .unwrap();
+        publish(&a, "r1", &record("eu", SummaryVersion::default())).await;
         wait_for(Duration::from_secs(5), || async {
             b.members()
                 .await
@@ -822,6 +820,59 @@ async fn records_under_overlong_replica_ids_are_dropped_and_counted() {
         assert!(b.stats().schema_errors >= 2, "{:?}", b.stats());
         b.shutdown().await;
         a.shutdown().await;
+    })
+    .await;
+}
+
+/// A busy replica's home republishes only the changing part of its record (`rload:<id>`): a
+/// peer reads the new load and summary version over the record it already holds, and a
+/// companion whose record is withdrawn goes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicas_changing_part_travels_alone_and_overlays_its_record() {
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        let a = start(&ca, "a", "eu", &[]).await;
+        let b = start(&ca, "b", "eu", &[a.addr()]).await;
+        let first = record(
+            "eu",
+            SummaryVersion {
+                epoch: 1,
+                seq: 1,
+                digest: 7,
+            },
+        );
+        publish(&a, "r1", &first).await;
+        let seen = |want: ReplicaRecord| {
+            let b = &b;
+            async move {
+                b.replicas_in_region("eu")
+                    .await
+                    .iter()
+                    .any(|e| e.id == "r1" && e.record == want)
+            }
+        };
+        wait_for(Duration::from_secs(5), || seen(first.clone()))
+            .await
+            .expect("the record did not reach b");
+        let mut busier = first.clone();
+        busier.load.waiting = 12;
+        busier.load.queued_prefill_tokens = 40_000;
+        busier.summary.seq = 9;
+        a.publish_replica("r1", &busier, RecordChange::Load)
+            .await
+            .unwrap();
+        wait_for(Duration::from_secs(5), || seen(busier.clone()))
+            .await
+            .expect("the changing part did not reach b");
+        a.unpublish_replica("r1").await.unwrap();
+        wait_for(Duration::from_secs(5), || async {
+            b.replicas_in_region("eu").await.is_empty()
+        })
+        .await
+        .expect("the withdrawn record stayed");
+        for m in [a, b] {
+            m.shutdown().await;
+        }
     })
     .await;
 }

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::NodeState;
 use kvmesh::proxy::{self, RunningNode};
@@ -997,7 +998,10 @@ async fn a_member_publishing_300_replicas_outside_the_allow_list_gets_none_learn
             .collect();
         for (k, id) in ids.iter().enumerate() {
             let url = format!("http://10.66.{}.{}:8000", k / 256, k % 256);
-            rogue.publish_replica(id, &rogue_record(url)).await.unwrap();
+            rogue
+                .publish_replica(id, &rogue_record(url), RecordChange::Full)
+                .await
+                .unwrap();
         }
         rogue
             .publish_homes(&kvmesh::mesh::schema::HomesRecord {
@@ -1072,7 +1076,10 @@ async fn a_replica_record_published_by_a_non_home_is_ignored() {
             .as_millis() as u64
             + 3_600_000;
         rec.summary.epoch = in_an_hour;
-        rogue.publish_replica(&id, &rec).await.unwrap();
+        rogue
+            .publish_replica(&id, &rec, RecordChange::Full)
+            .await
+            .unwrap();
         let t0 = Instant::now();
         let series = "kvmesh_mesh_records_ignored_total{reason=\"not_home\"}";
         while metric(&c, &n1, series).await < 1.0 {

@@ -348,6 +348,9 @@ struct Sim<'a> {
     /// When the engines were last scraped.
     scraped: Option<Duration>,
     summaries: Vec<Published<Arc<ReplicaSummary>>>,
+    /// When each replica's home last published a summary version (the throttle of
+    /// `replica_load_interval`).
+    summary_published_at: Vec<Option<Duration>>,
     /// Tenant KV shares of each replica as its home publishes them (only while some tenant
     /// has a KV quota).
     kv_shares: Vec<Published<Arc<[f32]>>>,
@@ -577,6 +580,7 @@ impl<'a> Sim<'a> {
             loads: Published::default(),
             scraped: None,
             summaries: (0..cfg.replicas).map(|_| Published::default()).collect(),
+            summary_published_at: vec![None; cfg.replicas],
             kv_shares: (0..cfg.replicas).map(|_| Published::default()).collect(),
             tenants: tenants(cfg),
             kv_steered: 0,
@@ -1263,10 +1267,21 @@ impl<'a> Sim<'a> {
                 m.maybe_rebuild(now)
                     .map_err(|e| SimError::Config(e.to_string()))?;
                 let s = m.summary();
-                let changed = self.summaries[r]
-                    .latest()
-                    .is_none_or(|p| (p.epoch(), p.seq()) != (s.epoch(), s.seq()));
-                if changed {
+                let last = self.summaries[r].latest().map(|p| (p.epoch(), p.seq()));
+                // A new epoch goes out at once; a new sequence at most once an interval, as the
+                // live home's `rload:` record (`mesh/replica_load.rs`).
+                let due = match last {
+                    None => true,
+                    Some((epoch, _)) if epoch != s.epoch() => true,
+                    Some(v) => {
+                        v != (s.epoch(), s.seq())
+                            && self.summary_published_at[r].is_none_or(|t| {
+                                now.saturating_sub(t) >= self.cfg.replica_load_interval
+                            })
+                    }
+                };
+                if due {
+                    self.summary_published_at[r] = Some(now);
                     self.summaries[r].publish(now, Arc::new(s.clone()), horizon);
                 }
                 if self.tenants.any_kv_quota() {

@@ -18,8 +18,10 @@
 //! key's latest version, so a key changing faster than once a round costs once a round).
 //!
 //! Layouts ([`GossipLayout`]):
-//! - `flat`: one cluster of all `N` nodes; churn = every busy replica's record and every node's
-//!   own records. Bytes per node grow linearly with `N`.
+//! - `flat`: one cluster of all `N` nodes; churn = every busy replica's changing part (its
+//!   `rload:` record, at most once per `replica_load_interval`; `mesh/replica_load.rs`) and
+//!   every node's own records (`rtt` every 2 s; `inflight` no longer changes with requests).
+//!   Bytes per node grow linearly with `N`.
 //! - `regional`: one cluster per region of `P = N / R` nodes (churn: the region's replica
 //!   records, its nodes' records, and the `R − 1` other regions' records its representatives
 //!   copy in) plus, on `k` representatives per region, a cluster of the `k·R` representatives
@@ -181,6 +183,35 @@ pub const CALIBRATION: [CalibrationPoint; 5] = [
     live_regional(100, 4, 29.68),
 ];
 
+/// A busy live measurement: the gossip bytes per second a node spent beyond the same mesh idle.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BusyPoint {
+    /// The mesh measured, with its request rate.
+    pub shape: MeshShape,
+    /// Bytes per second per node, sent plus received, on the wire, beyond the idle window's.
+    pub extra_bytes_per_s: f64,
+}
+
+/// The busy point the replicas' changing parts are sized by
+/// ([`GossipByteModel::fit_churn`]): `scripts/mesh-scale.py --worker-threads 1 --idle-s 15
+/// --nodes 30 --regions 1 --replicas-per-region 8 --busy-rps 100 --busy-s 20`, so 12.5 req/s per
+/// replica: every replica's `rload:` record goes out once a second. Gossip payload
+/// (`kvmesh_mesh_gossip_bytes_total`, the load-sharing datagrams apart) was 23,630 B/s per node
+/// busy against 22,945 idle; the 685 B/s it added, times the wire-to-payload ratio of the idle
+/// window (29,164 / 22,945 = 1.27), is 871 B/s on the wire: 54 B per change, compressed.
+pub const BUSY_CALIBRATION: BusyPoint = BusyPoint {
+    shape: MeshShape {
+        layout: GossipLayout::Regional,
+        nodes: 30,
+        regions: 1,
+        replicas: 8,
+        request_rate: 100.0,
+        interval_s: 0.2,
+        fanout: 3,
+    },
+    extra_bytes_per_s: 871.0,
+};
+
 /// The constants of the byte model (see the module doc for the formula).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct GossipByteModel {
@@ -189,10 +220,19 @@ pub struct GossipByteModel {
     /// Bytes every gossip message costs beyond its digest and delta (QUIC stream and packet
     /// headers, chitchat framing). Fitted.
     pub message_overhead_bytes: f64,
-    /// Bytes of one replica record in a delta (key, version, base64 msgpack value: URL, region,
-    /// models, load, summary version; 200–300 B).
+    /// Bytes of one whole replica record in a delta (key, version, base64 msgpack value: URL,
+    /// region, models, load, summary version; ~400 B). Sent when a fact, health or epoch
+    /// changes: not at all on a steady fleet, so it is not in the churn.
     pub replica_record_bytes: f64,
-    /// Bytes of one of a node's own records in a delta (`inflight`, `rtt`, `homes`).
+    /// Bytes of one replica's changing part in a delta (`rload:<id>` key, version, 72 B of
+    /// base64 msgpack with one-letter names before compression). Fitted to
+    /// [`BUSY_CALIBRATION`]; 100 before the fit.
+    pub replica_load_bytes: f64,
+    /// Least time between two of a replica's `rload:` publications, seconds (the node's
+    /// `mesh.replica_load_interval_ms`).
+    pub replica_load_interval_s: f64,
+    /// Bytes of one of a node's own records in a delta (`rtt`, and `inflight` / `homes` when
+    /// quota tenants or homes change).
     pub node_record_bytes: f64,
     /// Changes per second of a node's own records on an idle mesh (`rtt` every 2 s).
     pub node_record_idle_rate: f64,
@@ -212,7 +252,9 @@ impl GossipByteModel {
     pub const UNFITTED: GossipByteModel = GossipByteModel {
         digest_entry_bytes: 0.0,
         message_overhead_bytes: 0.0,
-        replica_record_bytes: 250.0,
+        replica_record_bytes: 420.0,
+        replica_load_bytes: 100.0,
+        replica_load_interval_s: 1.0,
         node_record_bytes: 100.0,
         node_record_idle_rate: 0.5,
         region_record_bytes: 1024.0,
@@ -221,9 +263,38 @@ impl GossipByteModel {
         region_fanout: 3,
     };
 
-    /// The model fitted to [`CALIBRATION`].
+    /// The model fitted to [`CALIBRATION`], its busy churn to [`BUSY_CALIBRATION`].
     pub fn calibrated() -> GossipByteModel {
-        GossipByteModel::UNFITTED.fit(&CALIBRATION)
+        GossipByteModel::UNFITTED
+            .fit(&CALIBRATION)
+            .fit_churn(&BUSY_CALIBRATION)
+    }
+
+    /// This model with `replica_load_bytes` set so that `busy`'s replicas' changes cost what
+    /// was measured (the other busy terms, nodes' and regions' records, at their constants).
+    /// A point whose replicas do not change leaves it as it was.
+    pub fn fit_churn(self, busy: &BusyPoint) -> GossipByteModel {
+        let idle = MeshShape {
+            request_rate: 0.0,
+            ..busy.shape
+        };
+        let without = GossipByteModel {
+            replica_load_bytes: 0.0,
+            ..self
+        };
+        let per_byte = GossipByteModel {
+            replica_load_bytes: 1.0,
+            ..self
+        };
+        let other = without.per_node(&busy.shape).mean - without.per_node(&idle).mean;
+        let unit = per_byte.per_node(&busy.shape).mean - without.per_node(&busy.shape).mean;
+        if unit <= 0.0 || busy.extra_bytes_per_s <= 0.0 {
+            return self;
+        }
+        GossipByteModel {
+            replica_load_bytes: ((busy.extra_bytes_per_s - other) / unit).max(0.0),
+            ..self
+        }
     }
 
     /// This model with `digest_entry_bytes` and `message_overhead_bytes` fitted to `points` by
@@ -304,16 +375,16 @@ impl GossipByteModel {
         let rate = shape.request_rate.max(0.0);
         let interval = shape.interval_s;
         // A key changes at most once per round as far as deltas go (only its latest version
-        // travels), so a busy record costs at most once per round.
-        let per_round = if interval > 0.0 { 1.0 / interval } else { 0.0 };
+        // travels), and a home republishes a replica's changing part at most once an interval:
+        // a busy replica costs at most once per the longer of the two.
+        let period = interval.max(self.replica_load_interval_s);
+        let per_period = if period > 0.0 { 1.0 / period } else { 0.0 };
         let replica_churn = |replicas: f64| {
-            let each = (rate / shape.replicas.max(1) as f64).min(per_round);
-            replicas * each * self.replica_record_bytes
+            let each = (rate / shape.replicas.max(1) as f64).min(per_period);
+            replicas * each * self.replica_load_bytes
         };
-        let node_churn = |nodes: f64| {
-            let each = self.node_record_idle_rate + (rate / n).min(per_round);
-            nodes * each * self.node_record_bytes
-        };
+        // A node's own records change on their own clock (`rtt`), not with requests.
+        let node_churn = |nodes: f64| nodes * self.node_record_idle_rate * self.node_record_bytes;
         // A busy region's record changes at every refresh; an idle one not at all.
         let region_rate = if rate > 0.0 && self.region_interval_s > 0.0 {
             1.0 / self.region_interval_s
@@ -556,19 +627,38 @@ mod tests {
     }
 
     #[test]
-    fn busy_records_add_deltas_capped_at_one_change_a_round() {
+    fn busy_replicas_add_their_changing_parts_at_most_once_an_interval() {
         let m = GossipByteModel::calibrated();
+        let b = m.replica_load_bytes;
         let at = |rate| m.per_node(&shape(GossipLayout::Flat, 10, 1, rate)).mean;
-        // 100 replicas at 1 req/s each: 100 records × 250 B/s, received and sent.
-        let extra = at(100.0) - at(0.0);
-        let nodes = 10.0 * 10.0 * m.node_record_bytes;
-        assert!(
-            (extra - 2.0 * (100.0 * 250.0 + nodes)).abs() < 1e-6,
-            "{extra}"
-        );
-        // At a hundred times the rate every record changes once a round, no more.
+        // 100 replicas at 0.5 req/s each: 100 changing parts × b bytes × 0.5/s, received and
+        // sent; nodes' own records do not change with requests.
+        let extra = at(50.0) - at(0.0);
+        assert!((extra - 2.0 * (100.0 * b * 0.5)).abs() < 1e-6, "{extra}");
+        // At any higher rate each replica's part goes out once a second (the interval), no
+        // more, though gossip rounds are 100 ms.
         let capped = at(10_000.0) - at(0.0);
-        assert!((capped - 2.0 * (100.0 * 250.0 * 10.0 + 10.0 * 10.0 * 100.0)).abs() < 1e-6);
+        assert!((capped - 2.0 * (100.0 * b)).abs() < 1e-6, "{capped}");
+    }
+
+    #[test]
+    fn the_changing_parts_are_sized_by_the_busy_live_point() {
+        let m = GossipByteModel::calibrated();
+        // 871 B/s over 8 replicas changing once a second, sent and received: ~54 B a change.
+        assert!((m.replica_load_bytes - 871.0 / 16.0).abs() < 1e-9, "{m:?}");
+        let p = BUSY_CALIBRATION;
+        let idle = MeshShape {
+            request_rate: 0.0,
+            ..p.shape
+        };
+        let extra = m.per_node(&p.shape).mean - m.per_node(&idle).mean;
+        assert!((extra - p.extra_bytes_per_s).abs() < 1e-6, "{extra}");
+        // A point where nothing changes tells nothing.
+        let still = BusyPoint {
+            shape: idle,
+            extra_bytes_per_s: 500.0,
+        };
+        assert_eq!(m.fit_churn(&still), m);
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub struct SimArgs {
     /// `scrape.interval_ms`).
     #[arg(long, default_value_t = 1000)]
     pub scrape_ms: u64,
+    /// Least time between two summary-version publications of a replica's home, in ms (the
+    /// node's `mesh.replica_load_interval_ms`; 0 = every gossip round).
+    #[arg(long, default_value_t = 1000)]
+    pub replica_load_ms: u64,
     /// Delay until a node's routing reaches the other nodes of its region (load sharing), in
     /// ms; 0 models load sharing off.
     #[arg(long, default_value_t = 2)]
@@ -178,6 +182,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         seed: args.workload.seed,
         gossip_interval: Duration::from_millis(args.gossip_ms),
         scrape_interval: Duration::from_millis(args.scrape_ms.max(1)),
+        replica_load_interval: Duration::from_millis(args.replica_load_ms),
         block_bytes: args.block_bytes as usize,
         load_share_delay: (args.load_share_ms > 0)
             .then(|| Duration::from_millis(args.load_share_ms)),

@@ -108,6 +108,9 @@ pub struct SimConfig {
     /// How often a replica's home scrapes the engine's `/metrics` (waiting, running, KV usage),
     /// which then reach the nodes by gossip. Default 1 s (the node's `scrape.interval_ms`).
     pub scrape_interval: Duration,
+    /// Least time between two publications of a replica's summary version by its home (the
+    /// node's `mesh.replica_load_interval_ms`; a new epoch goes out at once). Default 1 s.
+    pub replica_load_interval: Duration,
     /// How late a node's routing reaches the other nodes of its region (load sharing, see
     /// `mesh/load_share.rs`: flush interval plus half a round trip); `None` = load sharing off,
     /// peers' requests are then seen only in the engines' scraped counts. Default 2 ms.
@@ -178,6 +181,7 @@ impl Default for SimConfig {
             progress: false,
             oracle: false,
             scrape_interval: Duration::from_secs(1),
+            replica_load_interval: Duration::from_secs(1),
             load_share_delay: Some(Duration::from_millis(2)),
             tenants: HashMap::new(),
             split_tenant: None,

@@ -37,6 +37,7 @@ pub use super::member::Member;
 use super::region_layer::{LayerSettings, RegionLayer};
 use super::region_record::{RegionRecord, REGION_PREFIX};
 use super::regional::{Regional, RegionalRound};
+use super::replica_load::{RecordChange, ReplicaLoadRecord, REPLICA_LOAD_PREFIX};
 use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
     KEY_NODE, KEY_RTT, REPLICA_PREFIX,
@@ -433,18 +434,37 @@ impl Mesh {
         }
     }
 
-    /// Publishes (or updates) the record of a replica this node is home for. Errors, without
-    /// publishing, when the id or the encoded record is too large.
-    pub async fn publish_replica(&self, id: &str, record: &ReplicaRecord) -> Result<(), MeshError> {
-        let key = schema::replica_key(id)?;
-        let value = record.encode()?;
-        self.set(key, value).await;
+    /// Publishes (or updates) the record of a replica this node is home for: the whole record
+    /// and its `rload:` companion ([`RecordChange::Full`]), or only the companion
+    /// ([`RecordChange::Load`]). Errors, without publishing, when the id or the encoded record
+    /// is too large.
+    pub async fn publish_replica(
+        &self,
+        id: &str,
+        record: &ReplicaRecord,
+        change: RecordChange,
+    ) -> Result<(), MeshError> {
+        let load_key = ReplicaLoadRecord::key(id)?;
+        let load = ReplicaLoadRecord::of(record).encode()?;
+        match change {
+            RecordChange::None => {}
+            RecordChange::Load => self.set(load_key, load).await,
+            RecordChange::Full => {
+                let key = schema::replica_key(id)?;
+                let value = record.encode()?;
+                // The record first: a peer applies a companion only over its record.
+                self.set(key, value).await;
+                self.set(load_key, load).await;
+            }
+        }
         Ok(())
     }
 
-    /// Withdraws a replica record (this node stopped being its home, or the replica is gone).
+    /// Withdraws a replica record and its companion (this node stopped being its home, or the
+    /// replica is gone).
     pub async fn unpublish_replica(&self, id: &str) -> Result<(), MeshError> {
         let key = schema::replica_key(id)?;
+        self.delete(ReplicaLoadRecord::key(id)?).await;
         self.delete(key).await;
         Ok(())
     }
@@ -827,13 +847,27 @@ fn members_of(
         }
         let bad = |what: &str, e: &SchemaError| count_err(what, id, e);
         let node = one(state, KEY_NODE, NodeRecord::decode, |e| bad("node", e));
-        let replicas = by_replica(
+        let mut replicas = by_replica(
             state,
             REPLICA_PREFIX,
             usize::MAX,
             ReplicaRecord::decode,
             bad,
         );
+        // Each record's fresher changing part, from the same member (`replica_load.rs`); a
+        // companion without its record is ignored.
+        let loads = by_replica(
+            state,
+            REPLICA_LOAD_PREFIX,
+            replicas.len(),
+            ReplicaLoadRecord::decode,
+            bad,
+        );
+        for (rid, load) in &loads {
+            if let Some(r) = replicas.get_mut(rid) {
+                load.overlay(r);
+            }
+        }
         let inflight = one(state, KEY_INFLIGHT, InflightRecord::decode, |e| {
             bad("inflight", e)
         })

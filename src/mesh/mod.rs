@@ -40,6 +40,7 @@ pub mod peer_tls;
 pub mod region_layer;
 pub mod region_record;
 pub mod regional;
+pub mod replica_load;
 pub mod schema;
 pub mod seeds;
 pub mod sync;

@@ -5,8 +5,11 @@
 //! (k = 2): regional gossip costs what a flat cluster of P nodes costs (digests list P members);
 //! the region layer adds, on the k of P nodes that are representatives, a flat cluster of k·R
 //! members at a fifth of the rate; every node receives R − 1 relayed region records, each
-//! republished at most every `region_interval` when it changed. Nothing grows with the total
-//! node count N = P·R except through R. The live figures are in docs/benchmarks.md.
+//! republished at most every `region_interval` when it changed. Within the region, the churn is
+//! the region's replicas' changing parts (`rload:<id>`, ~70 B, at most once per
+//! `replica_load_interval` each: `replica_load.rs`) plus each node's `rtt` every 2 s. Nothing
+//! grows with the total node count N = P·R except through R. The live figures and the byte
+//! model (`bench/sim_bytes.rs`) are in docs/benchmarks.md.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -15,7 +15,8 @@
 //! |---|---|---|---|
 //! | `node` | every node | [`NodeRecord`]: `schema`, `region`, `zone`, `http_url`, `quic_addr`, `version`, `generation` | written once at start |
 //! | `replica:<id>` | the replica's home node | [`ReplicaRecord`]: `url`, `region`, `zone`, `pool`, `models`, `capacity_tokens`, `prefill_tokens_per_s`, `max_in_flight`, `health`, `load` {`waiting`, `running`, `kv_usage`, `queued_prefill_tokens`}, `summary` {`epoch`, `seq`, `digest`}, `origin`, `kv_events`, `kv_shares` {KV-quota tenant → thousandths}, `pd` {`role`, `bootstrap_port`, `engine_id`} (absent = `both`) | `<id>` ≤ [`MAX_REPLICA_ID_BYTES`]; deleted when the node stops being home |
-//! | `inflight` | every routing node | [`InflightRecord`]: `counts` {replica id → requests this node has in flight} | non-zero counts only; [`InflightRecord::fit`] keeps the largest that fit |
+//! | `inflight` | every routing node | [`InflightRecord`]: `tenants` {shared-quota tenant → requests this node has in flight}; `counts` {replica id → requests} is read but no longer written (load sharing carries it) | non-zero counts only |
+//! | `rload:<id>` | the replica's home node | `ReplicaLoadRecord` (`replica_load.rs`): the record's changing part (health, load, summary version, KV shares), one-letter names | at most once per `replica_load_interval_ms`; read over the member's `replica:<id>` |
 //! | `rtt` | every node | [`RttRecord`]: `ms` {region → smoothed QUIC RTT in ms to the nearest live node of that region} | refreshed every few seconds |
 //! | `hot` | every node with `[hot_prefix]` | `HotRecord` (`hot_record.rs`): `entries` [(first-k-block key, requests/s)] | ≤ 16 entries, rates finite in 0..=100,000 |
 //! | `homes` | every node, after each round that changed its replica records | [`HomesRecord`]: `count` (replica records it publishes), `round` | chitchat delivers a node's keys in version order, so a peer holding `homes` holds every replica record written before it: `count` equal to the records received = caught up |
@@ -525,26 +526,12 @@ impl ReplicaRecord {
         let r: ReplicaRecord = decode("replica", s)?;
         // (The origin is a node id: bounded by the value's size like every string here.)
         r.check()?;
-        let epoch = r.summary.epoch;
-        let latest = wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
-        bound("replica", "summary.epoch", epoch <= latest, epoch)?;
+        check_changing("replica", &r.load, &r.summary, r.kv_shares.as_ref())?;
         if let Some(k) = &r.kv_events {
             k.check("replica")?;
         }
         if let Some(p) = &r.pd {
             p.check("replica")?;
-        }
-        if let Some(m) = &r.kv_shares {
-            bound(
-                "replica",
-                "kv_shares",
-                m.len() <= MAX_KV_SHARE_TENANTS,
-                m.len(),
-            )?;
-            for (t, v) in m {
-                bound("replica", "kv_shares", t.len() <= MAX_TENANT_BYTES, t.len())?;
-                bound("replica", "kv_shares", *v <= KV_SHARE_SCALE, v)?;
-            }
         }
         if let Some(l) = &r.kv_load {
             bound("replica", "kv_load", l.validate().is_ok(), format!("{l:?}"))?;
@@ -581,22 +568,49 @@ impl ReplicaRecord {
             self.models.len() <= MAX_MODELS,
             self.models.len(),
         )?;
-        let l = &self.load;
-        bound(w, "load.waiting", l.waiting <= MAX_REQUESTS, l.waiting)?;
-        bound(w, "load.running", l.running <= MAX_REQUESTS, l.running)?;
-        bound(
-            w,
-            "load.kv_usage",
-            l.kv_usage.is_finite() && (0.0..=MAX_KV_USAGE).contains(&l.kv_usage),
-            l.kv_usage,
-        )?;
-        bound(
-            w,
-            "load.queued_prefill_tokens",
-            l.queued_prefill_tokens <= MAX_QUEUED_TOKENS,
-            l.queued_prefill_tokens,
-        )
+        check_load(w, &self.load)
     }
+}
+
+/// Whether a load is within [`bounds`].
+fn check_load(w: &'static str, l: &WireLoad) -> Result<(), SchemaError> {
+    use bounds::*;
+    bound(w, "load.waiting", l.waiting <= MAX_REQUESTS, l.waiting)?;
+    bound(w, "load.running", l.running <= MAX_REQUESTS, l.running)?;
+    bound(
+        w,
+        "load.kv_usage",
+        l.kv_usage.is_finite() && (0.0..=MAX_KV_USAGE).contains(&l.kv_usage),
+        l.kv_usage,
+    )?;
+    bound(
+        w,
+        "load.queued_prefill_tokens",
+        l.queued_prefill_tokens <= MAX_QUEUED_TOKENS,
+        l.queued_prefill_tokens,
+    )
+}
+
+/// The checks on the fields of a replica record that change while it is served (load, summary
+/// version, KV shares), wherever they travel: in the record or in its `rload:` companion.
+pub(super) fn check_changing(
+    w: &'static str,
+    load: &WireLoad,
+    summary: &SummaryVersion,
+    kv_shares: Option<&BTreeMap<String, u16>>,
+) -> Result<(), SchemaError> {
+    check_load(w, load)?;
+    let epoch = summary.epoch;
+    let latest = wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
+    bound(w, "summary.epoch", epoch <= latest, epoch)?;
+    if let Some(m) = kv_shares {
+        bound(w, "kv_shares", m.len() <= MAX_KV_SHARE_TENANTS, m.len())?;
+        for (t, v) in m {
+            bound(w, "kv_shares", t.len() <= MAX_TENANT_BYTES, t.len())?;
+            bound(w, "kv_shares", *v <= KV_SHARE_SCALE, v)?;
+        }
+    }
+    Ok(())
 }
 
 /// The gossip key of replica `id`; errors on ids that are empty or too long.
@@ -612,11 +626,13 @@ pub const MAX_RECORD_TENANTS: usize = 32;
 /// Longest tenant name an `inflight` record carries.
 pub const MAX_TENANT_BYTES: usize = 64;
 
-/// The `inflight` record: this node's in-flight requests per replica, and per tenant for the
-/// tenants whose quota is a share of the cluster (so every node enforces it cluster-wide).
+/// The `inflight` record: this node's in-flight requests per tenant for the tenants whose quota
+/// is a share of the cluster (so every node enforces it cluster-wide). Per replica counts
+/// (`counts`) are decoded from older peers but no longer written: load sharing carries them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InflightRecord {
-    /// Replica id → in-flight requests (non-zero only).
+    /// Replica id → in-flight requests (non-zero only). No longer written; read from older peers.
+    #[serde(default)]
     pub counts: BTreeMap<String, u32>,
     /// Tenant → in-flight requests at this node (non-zero only; at most
     /// [`MAX_RECORD_TENANTS`] names of at most [`MAX_TENANT_BYTES`]).

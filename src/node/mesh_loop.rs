@@ -319,8 +319,8 @@ async fn sync_once(
     }
     metrics.summaries_behind.set(plan.behind as i64);
     metrics.summary_age_max.set(node.summary_age_max_s());
-    for (id, record) in &plan.publish {
-        match mesh.publish_replica(id, record).await {
+    for (id, record, change) in &plan.publish {
+        match mesh.publish_replica(id, record, *change).await {
             Ok(()) => {
                 st.unpublishable.remove(id);
             }

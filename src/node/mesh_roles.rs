@@ -36,7 +36,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::mesh_state::{
     MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, RegionJson,
@@ -50,6 +50,7 @@ use crate::core::tenants::Tenants;
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
 use crate::mesh::cluster::{home_in, GossipLayout};
 use crate::mesh::load_share::LoadUpdate;
+use crate::mesh::replica_load::RecordChange;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
 use crate::mesh::sync::needs_pull;
 use crate::mesh::{BlockReport, Member, Mesh, MeshHandler, ReplicaEntry, SummaryRequest};
@@ -253,6 +254,12 @@ impl Node {
     ) -> MeshPlan {
         let now = self.now();
         let wall = now_ms();
+        let load_interval = Duration::from_millis(
+            self.cfg
+                .mesh
+                .as_ref()
+                .map_or(0, |m| m.replica_load_interval_ms),
+        );
         let mut plan = MeshPlan::default();
         let mut guard = self.lock();
         let core = &mut *guard;
@@ -333,7 +340,14 @@ impl Node {
                 rt.mesh.pulled = None;
                 let record = own_record(rt, &info, &load, &core.router.tenants);
                 let version = record.summary;
-                if rt.mesh.published.as_ref() != Some(&record) {
+                let change = RecordChange::between(
+                    rt.mesh.published.as_ref(),
+                    &record,
+                    rt.mesh.load_published_at.map(|t| now.saturating_sub(t)),
+                    load_interval,
+                );
+                if change != RecordChange::None {
+                    rt.mesh.load_published_at = Some(now);
                     if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
                         rt.mesh.updated_at = Some(now);
                         // The home's own view gets the new summary now, with its record, not at
@@ -344,7 +358,7 @@ impl Node {
                     }
                     let rt = &mut core.replicas[i];
                     rt.mesh.published = Some(record.clone());
-                    plan.publish.push((info.id.clone(), record));
+                    plan.publish.push((info.id.clone(), record, change));
                 }
             } else {
                 if rt.mesh.home {
@@ -380,8 +394,10 @@ impl Node {
                     rt.mesh.remote_queued = 0;
                     let record = own_record(rt, &info, &load, &core.router.tenants);
                     if rt.mesh.published.as_ref() != Some(&record) {
+                        // A stand-in goes out whole: it is how the home learns the replica.
                         rt.mesh.published = Some(record.clone());
-                        plan.publish.push((info.id.clone(), record));
+                        plan.publish
+                            .push((info.id.clone(), record, RecordChange::Full));
                     }
                 }
                 match records.get(&info.id).filter(|e| e.publisher != self_id) {
@@ -517,17 +533,13 @@ impl Node {
         }
     }
 
-    /// This node's in-flight counts for gossip: per replica, and per tenant with a cluster
-    /// share.
+    /// This node's in-flight counts for gossip, per tenant with a cluster share. Per replica
+    /// they go to the region's nodes by load sharing, within milliseconds (`load_share.rs`); in
+    /// the record they changed with every request and nobody read them, so they are no longer
+    /// written.
     pub(super) fn inflight_record(&self) -> InflightRecord {
         let core = self.lock();
-        InflightRecord::fit(
-            core.view
-                .replicas()
-                .iter()
-                .map(|r| (r.info.id.clone(), r.load.in_flight)),
-        )
-        .with_tenants(
+        InflightRecord::default().with_tenants(
             core.router
                 .tenants
                 .shared_usage()
@@ -812,7 +824,7 @@ mod tests {
         assert!(!mine.is_empty() && mine.len() < 8, "homes spread: {mine:?}");
         // Its own replicas as home; b's too, as a stand-in, since b publishes none of them (b
         // may not have them in its config: it learns them from these records).
-        let published: Vec<String> = plan.publish.iter().map(|(id, _)| id.clone()).collect();
+        let published: Vec<String> = plan.publish.iter().map(|(id, _, _)| id.clone()).collect();
         assert_eq!(published.len(), 8);
         for id in &published {
             let core = node.lock();
@@ -901,7 +913,11 @@ mod tests {
         let alone = vec![live[0].clone()];
         let plan = node.apply_membership("a", &alone, &BTreeMap::new());
         assert_eq!(plan.publish.len(), 8 - mine.len());
-        let (_, r) = plan.publish.iter().find(|(id, _)| *id == theirs).unwrap();
+        let (_, r, _) = plan
+            .publish
+            .iter()
+            .find(|(id, _, _)| *id == theirs)
+            .unwrap();
         assert!(r.summary.epoch > 5);
         node.lock().replicas[i]
             .cache

@@ -12,6 +12,7 @@ use tokio::sync::Notify;
 
 use super::metrics::MeshMetrics;
 use crate::core::view::Health;
+use crate::mesh::replica_load::RecordChange;
 use crate::mesh::schema::ReplicaRecord;
 use crate::mesh::Mesh;
 
@@ -64,6 +65,8 @@ pub struct ReplicaMesh {
     pub updated_at: Option<Duration>,
     /// The record last published (home), to publish only on change.
     pub published: Option<ReplicaRecord>,
+    /// When its changing part (the `rload:` companion) was last published (core time).
+    pub load_published_at: Option<Duration>,
 }
 
 impl Default for ReplicaMesh {
@@ -83,6 +86,7 @@ impl Default for ReplicaMesh {
             pulling: false,
             updated_at: None,
             published: None,
+            load_published_at: None,
         }
     }
 }
@@ -164,8 +168,8 @@ pub struct Pull {
 /// What one membership round asks the async side to do.
 #[derive(Debug, Default)]
 pub struct MeshPlan {
-    /// Records to publish (home, changed).
-    pub publish: Vec<(String, ReplicaRecord)>,
+    /// Records to publish (home, changed), and what of each.
+    pub publish: Vec<(String, ReplicaRecord, RecordChange)>,
     /// Records to withdraw (no longer home).
     pub unpublish: Vec<String>,
     /// Summary pulls to start.

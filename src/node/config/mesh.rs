@@ -69,6 +69,12 @@ pub struct MeshSection {
     /// `mesh/load_share.rs`); 0 turns load sharing off (peers' load then comes only from the
     /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
     pub load_share_interval_ms: u64,
+    /// Least time between two publications of a replica's changing state (health aside: load,
+    /// summary version, KV shares) by its home (ms; `mesh/replica_load.rs`). A fact, a health
+    /// change or a new summary epoch goes out at once. Its region's nodes hear of each other's
+    /// routing within milliseconds anyway (load sharing, peer tips), so this bounds gossip at
+    /// busy replicas: one small record a replica per interval. Default 1,000, 0 to 10,000.
+    pub replica_load_interval_ms: u64,
     /// Where replicas learned from peers' gossip may live: hosts (`vllm-3.internal`,
     /// `10.0.0.7`), CIDRs (`10.0.0.0/8`, `fd00::/8`), DNS suffixes (`.svc.cluster.local`), or
     /// `*` for anywhere. A learned replica gets this node's health checks, scrapes and prompts
@@ -126,6 +132,7 @@ impl Default for MeshSection {
             warmup_timeout_ms: 5_000,
             distance: Vec::new(),
             load_share_interval_ms: 2,
+            replica_load_interval_ms: 1_000,
             learn_replicas_from: Vec::new(),
             max_learned_replicas_per_peer: 256,
             max_learned_replicas: 1024,
@@ -171,6 +178,9 @@ impl MeshSection {
         }
         if !(50..=10_000).contains(&self.region_interval_ms) {
             return Err(invalid("mesh.region_interval_ms", "must be 50 to 10000"));
+        }
+        if self.replica_load_interval_ms > 10_000 {
+            return Err(invalid("mesh.replica_load_interval_ms", "at most 10000"));
         }
         if self.load_share_interval_ms > 1_000 {
             return Err(invalid("mesh.load_share_interval_ms", "at most 1000"));

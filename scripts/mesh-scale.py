@@ -5,10 +5,13 @@ Starts `--replicas-per-region` simulated replicas (`kvmesh replica`) per region 
 router nodes (`kvmesh serve`), all on 127.0.0.1, with mTLS certificates from `kvmesh certs`.
 Measures, per node:
 
-* convergence: the first time (s since the first node was spawned) at which the node's
-  `/admin/state` shows every node of its own region as a live member (`mesh.members[]`:
-  `node_id`, `region`, `live`) and every replica of its own region in its routing view
-  (`replicas[].id`, health not `draining`) and in `mesh.replicas[]` with a known `home`;
+* convergence: the first time (s since the first node was spawned) at which the node sees every
+  node of its own region as a live member and every replica of its own region in its routing
+  view (not draining) with a known home. By default (`--convergence logs`) read from the node's
+  own `region seen` debug lines (`kvmesh::node::mesh_loop`, wall-clock stamped, written when
+  either count changes), so the measurement polls only `/ready`; `--convergence polls` instead
+  polls every node's `/admin/state` (`mesh.members[]`, `replicas[]`, `mesh.replicas[].home`),
+  which is up to one sweep late and, at a hundred nodes on two cores, slows what it measures;
 * readiness: the first time `/ready` answers 200;
 * mesh bytes per second over an idle window (and optionally a busy one), from `/metrics`:
   `kvmesh_mesh_udp_bytes_total{direction}` when the node exports it (every UDP byte of the
@@ -24,6 +27,7 @@ Example: scripts/mesh-scale.py --bin target/release/kvmesh --nodes 30 --regions 
 
 import argparse
 import concurrent.futures as cf
+import datetime
 import http.client
 import json
 import os
@@ -168,6 +172,7 @@ class Procs:
     def __init__(self):
         self.procs = []  # (name, Popen, logfile)
         self.env = None  # environment of spawned processes (None: this one's)
+        self.t_first_wall = None  # wall clock of the last spawn_many's first spawn
 
     def spawn_many(self, specs):
         """specs: [(name, argv, logpath)]; opens every log first, then spawns in a tight loop."""
@@ -179,6 +184,7 @@ class Procs:
                                  start_new_session=True, env=self.env)
             if t_first is None:
                 t_first = time.monotonic()
+                self.t_first_wall = time.time()
             self.procs.append((name, p, f))
             started.append(p)
         return t_first, started
@@ -279,8 +285,36 @@ def converged(state, node, region_nodes, region_replicas):
     return region_replicas <= view and region_replicas <= homed
 
 
-def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs):
-    """Poll /admin/state and /ready of the nodes not yet converged / ready."""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+REGION_SEEN = re.compile(r"^(\S+Z)\s.*region seen.*members_live=(\d+).*replicas_homed=(\d+)")
+
+
+def convergence_from_logs(nodes, by_region, replicas, t0_wall, log_dir):
+    """Per node: seconds from the first node's spawn until its own log says it sees every node
+    and every replica of its region ('region seen' debug lines of kvmesh::node::mesh_loop,
+    written when either count changes, stamped with the node's wall clock)."""
+    conv = {}
+    for node in nodes:
+        want_nodes = len(by_region[node["region"]])
+        want_reps = sum(1 for r in replicas if r["region"] == node["region"])
+        try:
+            with open(os.path.join(log_dir, node["id"] + ".log"), errors="replace") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = REGION_SEEN.match(ANSI.sub("", line))
+            if not m or int(m.group(2)) < want_nodes or int(m.group(3)) < want_reps:
+                continue
+            stamp = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%fZ")
+            at = stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
+            conv[node["id"]] = at - t0_wall
+            break
+    return conv
+
+
+def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs, poll_state=True):
+    """Poll /ready, and /admin/state when `poll_state`, of the nodes not yet ready / converged."""
     region_nodes = {reg: {x["id"] for x in lst} for reg, lst in by_region.items()}
     region_reps = {reg: {r["id"] for r in replicas if r["region"] == reg} for reg in by_region}
     conv, ready = {}, {}
@@ -294,7 +328,7 @@ def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs):
             st, _ = http_get(node["http_port"], "/ready", timeout=0.5)
             if st == 200:
                 res["ready"] = time.monotonic() - t0
-        if node["id"] not in conv:
+        if poll_state and node["id"] not in conv:
             st, body = http_get(node["http_port"], "/admin/state", timeout=1.0)
             if st == 200:
                 try:
@@ -307,7 +341,7 @@ def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs):
 
     try:
         while time.monotonic() < deadline:
-            todo = [x for x in nodes if x["id"] not in conv or x["id"] not in ready]
+            todo = [x for x in nodes if (poll_state and x["id"] not in conv) or x["id"] not in ready]
             if not todo:
                 break
             start = time.monotonic()
@@ -467,6 +501,10 @@ def main():
                     help="TOKIO_WORKER_THREADS for every node (default: one per core); with a hundred "
                          "nodes on a 2-core machine, 1 saves the cross-thread wake-ups")
     ap.add_argument("--no-header", action="store_true", help="print the table row only")
+    ap.add_argument("--convergence", choices=["logs", "polls"], default="logs",
+                    help="time convergence from the nodes' own 'region seen' log lines (default: "
+                         "only /ready is polled, so the measurement adds little load) or by "
+                         "polling every node's /admin/state (up to one sweep late)")
     args = ap.parse_args()
 
     if not (os.path.isfile(args.bin) and os.access(args.bin, os.X_OK)):
@@ -513,8 +551,11 @@ def main():
                   os.path.join(out, "logs", r["id"] + ".log")) for r in replicas]
 
     procs = Procs()
+    procs.env = dict(os.environ)
     if args.worker_threads:
-        procs.env = dict(os.environ, TOKIO_WORKER_THREADS=str(args.worker_threads))
+        procs.env["TOKIO_WORKER_THREADS"] = str(args.worker_threads)
+    if args.convergence == "logs" and "RUST_LOG" not in os.environ:
+        procs.env["RUST_LOG"] = "info,kvmesh::node::mesh_loop=debug"
     result = {"args": vars(args), "nodes": nodes, "replicas": replicas, "seeds": [s["id"] for s in seeds]}
     try:
         with open("/proc/loadavg") as f:
@@ -538,7 +579,13 @@ def main():
             node["pid"] = p.pid
         result["spawn_spread_s"] = time.monotonic() - t0
 
-        conv, ready = watch_convergence(nodes, by_region, replicas, t0, args.converge_timeout_s, procs)
+        by_logs = args.convergence == "logs"
+        conv, ready = watch_convergence(nodes, by_region, replicas, t0, args.converge_timeout_s, procs,
+                                        poll_state=not by_logs)
+        if by_logs:
+            time.sleep(0.5)  # the last lines reach the files
+            conv = convergence_from_logs(nodes, by_region, replicas, procs.t_first_wall,
+                                         os.path.join(out, "logs"))
         result["converged_s"], result["ready_s"] = conv, ready
         missing = [x["id"] for x in nodes if x["id"] not in conv]
         not_ready = [x["id"] for x in nodes if x["id"] not in ready]
@@ -605,7 +652,8 @@ def main():
     ready_cell = fmt(max(ready_v) if ready_v else None, 2)
     if len(ready_v) < len(nodes):
         ready_cell += f" ({len(nodes) - len(ready_v)} never)"
-    cols = ["nodes", "regions", "replicas", "all see their region after (p50 / max s)",
+    how = "by their logs" if args.convergence == "logs" else "polled"
+    cols = ["nodes", "regions", "replicas", f"all see their region after (p50 / max s, {how})",
             "all ready after (max s)", "mesh KiB/s per node idle (mean / max)",
             "CPU % per node idle (mean / max)", "RSS MB per node (mean / max)"]
     row = [str(args.nodes), str(args.regions), str(len(replicas)), conv_cell, ready_cell,

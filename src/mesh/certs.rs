@@ -50,6 +50,8 @@ pub const CLUSTER_SAN: &str = "kvmesh.mesh.internal";
 pub const NODE_URI_PREFIX: &str = "urn:kvmesh:node:";
 /// The ALPN protocol of mesh connections; bumped when the stream formats change incompatibly.
 pub const ALPN: &[u8] = b"kvmesh/1";
+/// RTT assumed before a QUIC connection has its first sample (see `quic_configs_with`).
+const INITIAL_RTT: std::time::Duration = std::time::Duration::from_millis(50);
 /// Common name of CAs made by [`ClusterCa::generate`]; `issue` rebuilds the issuer from it.
 const CA_COMMON_NAME: &str = "kvmesh cluster CA";
 /// File names inside a certificate directory.
@@ -535,8 +537,14 @@ impl NodeIdentity {
         let mut tc = quinn::TransportConfig::default();
         let idle = quinn::IdleTimeout::try_from(idle_timeout)
             .map_err(|e| CertError::Quic(e.to_string()))?;
+        // QUIC assumes 333 ms of RTT before the first sample, so a first Initial that found
+        // no endpoint yet (every node of a region starting at once) is sent again only after
+        // ~1 s, the dial timeout. Peers of a mesh are mostly in one region, a few ms apart: at
+        // 50 ms the lost Initial goes again after ~150 ms (and a far region's handshake sends at
+        // most a spurious Initial or two, ~1.2 KB each).
         tc.max_idle_timeout(Some(idle))
-            .keep_alive_interval(Some(idle_timeout / 3));
+            .keep_alive_interval(Some(idle_timeout / 3))
+            .initial_rtt(INITIAL_RTT);
         let tc = Arc::new(tc);
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(
             QuicServerConfig::try_from(s).map_err(|e| CertError::Quic(e.to_string()))?,

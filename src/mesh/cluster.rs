@@ -373,6 +373,15 @@ impl Mesh {
             )),
         ];
         if let Some(r) = &regional {
+            // Until the first regional round fills it in, the directory names this node's
+            // region and the node itself: a node of the region that asks it (every node
+            // starting at once, this one a seed) joins it at once instead of a round later.
+            let mut dir = super::directory::Directory {
+                region: cfg.region.clone(),
+                ..Default::default()
+            };
+            dir.by_region.insert(cfg.region.clone(), vec![advertise]);
+            transport.set_directory(dir);
             tasks.push(tokio::spawn(super::regional::join_loop(
                 Arc::clone(r),
                 Arc::clone(&handle),

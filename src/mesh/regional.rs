@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chitchat::ChitchatHandle;
+use futures::StreamExt;
 use tracing::debug;
 
 use super::directory::{Directory, MAX_DIRECTORY_PEERS};
@@ -338,44 +339,58 @@ pub(super) async fn join_loop(
                 turn = turn.wrapping_add(1);
                 vec![addrs[turn % addrs.len()]]
             };
-            let answers = futures::future::join_all(asked.iter().map(|a| {
-                let transport = transport.clone();
-                let region = region.clone();
-                async move {
-                    let ans =
-                        tokio::time::timeout(ASK_TIMEOUT, transport.ask_directory(*a, &region))
-                            .await;
-                    (*a, ans)
-                }
-            }))
-            .await;
-            let mut found = Vec::new();
-            let mut answered = false;
-            for (seed, ans) in answers {
-                match ans {
-                    Ok(Ok(ans)) => {
-                        answered = true;
-                        debug!(%seed, region = %ans.region, peers = ?ans.peers, reps = ?ans.reps, "directory answer");
-                        if ans.region == region {
-                            found.push(seed);
-                        }
-                        found.extend(ans.peers.iter().copied().filter(|a| *a != me));
-                        r.hear(&ans.reps);
+            // Each answer is used as it comes: a seed that is not up yet (every node starting
+            // at once) must not hold back the peers a faster seed named for ASK_TIMEOUT.
+            let mut answers: futures::stream::FuturesUnordered<_> = asked
+                .iter()
+                .map(|a| {
+                    let transport = transport.clone();
+                    let region = region.clone();
+                    async move {
+                        let ans =
+                            tokio::time::timeout(ASK_TIMEOUT, transport.ask_directory(*a, &region))
+                                .await;
+                        (*a, ans)
                     }
-                    Ok(Err(e)) => debug!(%seed, error = %e, "directory not answered"),
-                    Err(_) => debug!(%seed, "directory not answered in time"),
+                })
+                .collect();
+            let mut unanswered = asked.len();
+            let mut found_any = false;
+            let mut contacted: BTreeSet<SocketAddr> = BTreeSet::new();
+            while let Some((seed, ans)) = answers.next().await {
+                let ans = match ans {
+                    Ok(Ok(ans)) => ans,
+                    Ok(Err(e)) => {
+                        debug!(%seed, error = %e, "directory not answered");
+                        continue;
+                    }
+                    Err(_) => {
+                        debug!(%seed, "directory not answered in time");
+                        continue;
+                    }
+                };
+                unanswered -= 1;
+                debug!(%seed, region = %ans.region, peers = ?ans.peers, reps = ?ans.reps, "directory answer");
+                r.hear(&ans.reps);
+                let same_region = (ans.region == region).then_some(seed);
+                let found = same_region
+                    .into_iter()
+                    .chain(ans.peers.iter().copied().filter(|a| *a != me));
+                for addr in found {
+                    found_any = true;
+                    if contacted.len() >= MAX_DIRECTORY_PEERS || !contacted.insert(addr) {
+                        continue;
+                    }
+                    if let Err(e) = chitchat.gossip(addr) {
+                        debug!(error = %e, "gossip round not requested");
+                    }
                 }
             }
-            found.sort_unstable();
-            found.dedup();
-            if alone && answered {
+            // First in its region only when *every* seed answered and none named a node of it:
+            // a seed of this region that has not answered yet may know the region's nodes.
+            if alone && !asked.is_empty() && unanswered == 0 {
                 r.first_in_region
-                    .store(found.is_empty(), std::sync::atomic::Ordering::Relaxed);
-            }
-            for addr in found.into_iter().take(MAX_DIRECTORY_PEERS) {
-                if let Err(e) = chitchat.gossip(addr) {
-                    debug!(error = %e, "gossip round not requested");
-                }
+                    .store(!found_any, std::sync::atomic::Ordering::Relaxed);
             }
         }
         tokio::time::sleep(JOIN_EVERY).await;

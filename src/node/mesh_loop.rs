@@ -136,6 +136,9 @@ struct LoopState {
     ignored: Ignored,
     /// When an ignored record was last logged at warn level.
     ignore_warn: Instant,
+    /// The region as this node last saw it: live members of its region, and its region's
+    /// replicas in the view with a known home (logged at debug on change).
+    region_seen: (usize, usize),
 }
 
 async fn sync_loop(
@@ -162,6 +165,7 @@ async fn sync_loop(
         homes_round: 0,
         unpublishable: BTreeSet::new(),
         live_ids: Vec::new(),
+        region_seen: (0, 0),
         live_since: Instant::now(),
         policy: LearnPolicy::of(&node),
         ignored: Ignored::default(),
@@ -426,6 +430,24 @@ async fn sync_once(
     if ids != st.live_ids {
         st.live_ids = ids;
         st.live_since = Instant::now();
+    }
+    // When this node has seen its region whole, on its own clock: `scripts/mesh-scale.py`
+    // reads these lines to time convergence without polling a hundred nodes.
+    let (region, homed) = node.homed_local_replicas();
+    let seen = (
+        live.iter()
+            .filter(|m| m.node.as_ref().is_some_and(|n| n.region == region))
+            .count(),
+        homed,
+    );
+    if seen != st.region_seen {
+        st.region_seen = seen;
+        tracing::debug!(
+            members_live = seen.0,
+            replicas_homed = seen.1,
+            elapsed_ms = st.started.elapsed().as_millis() as u64,
+            "region seen"
+        );
     }
     let stable = st.live_since.elapsed() >= 3 * section.gossip_interval();
     if !node.mesh_warm() && ((stable && caught_up && plan.behind == 0) || timed_out) {

@@ -565,6 +565,25 @@ impl Node {
         self.lock().router.tenants.set_peer_usage(usage);
     }
 
+    /// This node's region, and how many of its replicas the view holds, not draining, with a
+    /// known home (what `/admin/state` shows as converged).
+    pub(super) fn homed_local_replicas(&self) -> (String, usize) {
+        let core = self.lock();
+        let region = core.view.local_region.clone();
+        let homed = core
+            .view
+            .replicas()
+            .iter()
+            .zip(&core.replicas)
+            .filter(|(r, rt)| {
+                r.info.region == region
+                    && r.health != Health::Draining
+                    && (rt.mesh.home || rt.mesh.home_id.is_some())
+            })
+            .count();
+        (region, homed)
+    }
+
     /// The `mesh` section of `/admin/state`.
     pub fn mesh_state(&self) -> Option<MeshStateJson> {
         let mesh = self.mesh()?;

@@ -453,19 +453,17 @@ impl Mesh {
         record: &ReplicaRecord,
         change: RecordChange,
     ) -> Result<(), MeshError> {
+        if change == RecordChange::None {
+            return Ok(());
+        }
         let load_key = ReplicaLoadRecord::key(id)?;
         let load = ReplicaLoadRecord::of(record).encode()?;
-        match change {
-            RecordChange::None => {}
-            RecordChange::Load => self.set(load_key, load).await,
-            RecordChange::Full => {
-                let key = schema::replica_key(id)?;
-                let value = record.encode()?;
-                // The record first: a peer applies a companion only over its record.
-                self.set(key, value).await;
-                self.set(load_key, load).await;
-            }
+        if change == RecordChange::Full {
+            let value = record.encode()?;
+            // The record first: a peer applies a companion only over its record.
+            self.set(schema::replica_key(id)?, value).await;
         }
+        self.set(load_key, load).await;
         Ok(())
     }
 

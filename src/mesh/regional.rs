@@ -387,7 +387,8 @@ pub(super) async fn join_loop(
                 }
             }
             // First in its region only when *every* seed answered and none named a node of it:
-            // a seed of this region that has not answered yet may know the region's nodes.
+            // a seed of this region that has not answered yet may know the region's nodes (a
+            // seed that never answers costs a region's first node its warm-up timeout).
             if alone && !asked.is_empty() && unanswered == 0 {
                 r.first_in_region
                     .store(!found_any, std::sync::atomic::Ordering::Relaxed);

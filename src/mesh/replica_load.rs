@@ -7,7 +7,8 @@
 //! ~250 bytes a change per replica per peer, and at a thousand busy replicas per region that was
 //! most of the mesh's traffic (docs/benchmarks.md, "The mesh at scale"). The home now publishes
 //! the full record when a fact changes (or health, or the summary's epoch: news a peer must not
-//! wait for), and otherwise only this companion, with one-letter field names, at most once per
+//! wait for), and otherwise only this companion, with one-letter field names: at once when a
+//! scrape changed the load (once a scrape interval at most), else at most once per
 //! `mesh.replica_load_interval_ms` per replica. A reader overlays the companion on the record
 //! of the same member ([`ReplicaLoadRecord::overlay`]); the record alone still reads complete
 //! (it carries the values of its own publication), so an older peer loses only freshness.
@@ -159,7 +160,13 @@ impl RecordChange {
         {
             return RecordChange::Full;
         }
-        if since_load.is_none_or(|t| t >= interval) {
+        // A new scrape (the engine's queue) goes out at once: peers steer by it, and it
+        // changes at most once a scrape interval. The summary version and the home's own
+        // pending prefill, which change with every routed request (and the pending prefill
+        // reaches the region by load sharing anyway), ride along or wait out the interval.
+        let (a, b) = (&last.load, &next.load);
+        let scraped = (a.waiting, a.running, a.kv_usage) != (b.waiting, b.running, b.kv_usage);
+        if scraped || since_load.is_none_or(|t| t >= interval) {
             RecordChange::Load
         } else {
             RecordChange::None
@@ -259,8 +266,8 @@ mod tests {
             RecordChange::None
         );
         let mut busier = last.clone();
-        busier.load.running += 1;
         busier.summary.seq += 1;
+        busier.load.queued_prefill_tokens += 512;
         let soon = Some(Duration::from_millis(200));
         assert_eq!(
             RecordChange::between(Some(&last), &busier, soon, second),
@@ -268,6 +275,12 @@ mod tests {
         );
         assert_eq!(
             RecordChange::between(Some(&last), &busier, Some(second), second),
+            RecordChange::Load
+        );
+        // A new scrape does not wait.
+        busier.load.running += 1;
+        assert_eq!(
+            RecordChange::between(Some(&last), &busier, soon, second),
             RecordChange::Load
         );
         for change in [

@@ -69,11 +69,12 @@ pub struct MeshSection {
     /// `mesh/load_share.rs`); 0 turns load sharing off (peers' load then comes only from the
     /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
     pub load_share_interval_ms: u64,
-    /// Least time between two publications of a replica's changing state (health aside: load,
-    /// summary version, KV shares) by its home (ms; `mesh/replica_load.rs`). A fact, a health
-    /// change or a new summary epoch goes out at once. Its region's nodes hear of each other's
-    /// routing within milliseconds anyway (load sharing, peer tips), so this bounds gossip at
-    /// busy replicas: one small record a replica per interval. Default 1,000, 0 to 10,000.
+    /// Least time between two publications of a replica's changing state (load, summary
+    /// version, KV shares) by its home (ms; `mesh/replica_load.rs`). A fact, a health change, a
+    /// new summary epoch or a new scrape goes out at once. Its region's nodes hear of each
+    /// other's routing within milliseconds anyway (load sharing, peer tips), so this bounds
+    /// gossip at busy replicas: about one small record a replica per scrape or interval.
+    /// Default 1,000, 0 to 10,000.
     pub replica_load_interval_ms: u64,
     /// Where replicas learned from peers' gossip may live: hosts (`vllm-3.internal`,
     /// `10.0.0.7`), CIDRs (`10.0.0.0/8`, `fd00::/8`), DNS suffixes (`.svc.cluster.local`), or

@@ -6,6 +6,8 @@
 //! regions mixed): the mechanics of membership, sync and identity; the regional layout has
 //! `tests/regional.rs`.
 
+mod common;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -19,9 +21,7 @@ use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
 use kvmesh::mesh::sync::{needs_pull, RESP_BAD_REQUEST, RESP_OK};
 use kvmesh::mesh::transport::{KIND_BLOCK_REPORT, KIND_GOSSIP, KIND_SUMMARY_REQUEST};
-use kvmesh::mesh::{
-    BlockReport, GossipLayout, Mesh, MeshConfig, MeshError, MeshHandler, SummaryRequest,
-};
+use kvmesh::mesh::{BlockReport, GossipLayout, Mesh, MeshError, MeshHandler, SummaryRequest};
 
 const GOSSIP: Duration = Duration::from_millis(100);
 const CLUSTER: &str = "test-cluster";
@@ -33,14 +33,7 @@ async fn bounded<F: Future<Output = ()>>(secs: u64, f: F) {
 }
 
 async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> Mesh {
-    let mut cfg = MeshConfig::new(
-        name,
-        region,
-        "127.0.0.1:0".parse().unwrap(),
-        CLUSTER,
-        ca.issue(name).unwrap(),
-    );
-    cfg.seeds = seeds.iter().map(|s| s.to_string()).collect();
+    let mut cfg = common::loopback_mesh(CLUSTER, name, region, ca.issue(name).unwrap(), seeds);
     cfg.layout = GossipLayout::Flat;
     cfg.gossip_interval = GOSSIP;
     cfg.rtt_interval = Duration::from_millis(200);
@@ -637,13 +630,7 @@ async fn srv_seed_discovery_joins_the_cluster() {
         let ca = ClusterCa::generate().unwrap();
         let a = start(&ca, "a", "eu", &[]).await;
         let dns = fake_srv_server(vec![a.addr().port()]).await;
-        let mut cfg = MeshConfig::new(
-            "b",
-            "eu",
-            "127.0.0.1:0".parse().unwrap(),
-            CLUSTER,
-            ca.issue("b").unwrap(),
-        );
+        let mut cfg = common::loopback_mesh(CLUSTER, "b", "eu", ca.issue("b").unwrap(), &[]);
         cfg.seeds = vec!["srv:_kvmesh._udp.mesh.test.".into()];
         cfg.dns_server = Some(dns);
         cfg.layout = GossipLayout::Flat;
@@ -695,13 +682,7 @@ async fn a_node_whose_certificate_does_not_name_its_node_id_is_refused() {
 
         // The unmodified node refuses to start, naming both names.
         let spoof_identity = ca.issue("spoof").unwrap();
-        let cfg = MeshConfig::new(
-            "n3",
-            "eu",
-            "127.0.0.1:0".parse().unwrap(),
-            CLUSTER,
-            spoof_identity.clone(),
-        );
+        let cfg = common::loopback_mesh(CLUSTER, "n3", "eu", spoof_identity.clone(), &[]);
         match Mesh::start(cfg).await {
             Err(MeshError::Certs(e @ CertError::WrongName { .. })) => {
                 let msg = e.to_string();

@@ -4,6 +4,8 @@
 //! Every test is bounded by `tokio::time::timeout`. Figures (propagation, home handover) are
 //! printed; run with `cargo test --test mesh_node -- --nocapture` to see them.
 
+mod common;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -917,14 +919,7 @@ async fn separate_processes_form_a_mesh_and_serve() {
 async fn rogue_member(certs: &Path, name: &str, seed: SocketAddr) -> kvmesh::mesh::Mesh {
     kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
     let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(certs, name).unwrap();
-    let mut cfg = kvmesh::mesh::MeshConfig::new(
-        name,
-        "eu",
-        "127.0.0.1:0".parse().unwrap(),
-        "mesh-node-test",
-        identity,
-    );
-    cfg.seeds = vec![seed.to_string()];
+    let mut cfg = common::loopback_mesh("mesh-node-test", name, "eu", identity, &[seed]);
     cfg.gossip_interval = Duration::from_millis(100);
     cfg.failure_detection = Duration::from_millis(FAILURE_DETECTION_MS);
     kvmesh::mesh::Mesh::start(cfg).await.unwrap()

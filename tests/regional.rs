@@ -10,21 +10,14 @@ use std::time::{Duration, Instant};
 use kvmesh::core::region_offer::{OfferedModel, RegionHead, RegionOffer};
 use kvmesh::mesh::certs::ClusterCa;
 use kvmesh::mesh::regional::RegionalRound;
-use kvmesh::mesh::{Mesh, MeshConfig};
+use kvmesh::mesh::Mesh;
 
 use common::{bounded, init_logs};
 
 const CLUSTER: &str = "regional-test";
 
 async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> Mesh {
-    let mut cfg = MeshConfig::new(
-        name,
-        region,
-        "127.0.0.1:0".parse().unwrap(),
-        CLUSTER,
-        ca.issue(name).unwrap(),
-    );
-    cfg.seeds = seeds.iter().map(|s| s.to_string()).collect();
+    let mut cfg = common::loopback_mesh(CLUSTER, name, region, ca.issue(name).unwrap(), seeds);
     cfg.gossip_interval = Duration::from_millis(100);
     cfg.region_interval = Duration::from_millis(200);
     cfg.http_url = format!("https://{name}.example:8443");

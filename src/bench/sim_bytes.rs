@@ -221,13 +221,10 @@ pub struct GossipByteModel {
     /// Bytes every gossip message costs beyond its digest and delta (QUIC stream and packet
     /// headers, chitchat framing). Fitted.
     pub message_overhead_bytes: f64,
-    /// Bytes of one whole replica record in a delta (key, version, base64 msgpack value: URL,
-    /// region, models, load, summary version; ~400 B). Sent when a fact, health or epoch
-    /// changes: not at all on a steady fleet, so it is not in the churn.
-    pub replica_record_bytes: f64,
     /// Bytes of one replica's changing part in a delta (`rload:<id>` key, version, 72 B of
     /// base64 msgpack with one-letter names before compression). Fitted to
-    /// [`BUSY_CALIBRATION`]; 100 before the fit.
+    /// [`BUSY_CALIBRATION`]; 100 before the fit. (A whole record, ~400 B, goes out only when a
+    /// fact, the health or the epoch changes: not at all on a steady fleet, so not in the churn.)
     pub replica_load_bytes: f64,
     /// Least time between two of a replica's `rload:` publications, seconds (the node's
     /// `mesh.replica_load_interval_ms`).
@@ -253,7 +250,6 @@ impl GossipByteModel {
     pub const UNFITTED: GossipByteModel = GossipByteModel {
         digest_entry_bytes: 0.0,
         message_overhead_bytes: 0.0,
-        replica_record_bytes: 420.0,
         replica_load_bytes: 100.0,
         replica_load_interval_s: 1.0,
         node_record_bytes: 100.0,

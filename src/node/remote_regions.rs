@@ -11,8 +11,11 @@ use std::collections::BTreeMap;
 use super::mesh_state::Peer;
 use super::state::Node;
 use crate::core::region_choice::build_offer;
-use crate::core::region_offer::{RegionOffer, MAX_REGION_HEADS, MAX_REMOTE_REGIONS};
+use crate::core::region_offer::{RecentHeads, RegionOffer, MAX_REGION_HEADS, MAX_REMOTE_REGIONS};
 use crate::mesh::region_record::RegionRecord;
+
+/// Heads a representative counts at most (`Core::heads`).
+pub const MAX_RECENT_HEADS: usize = 512;
 
 impl Node {
     /// This region's offer to the others, from this node's view: its replicas' room and
@@ -49,6 +52,11 @@ impl Node {
             .collect();
         {
             let mut core = self.lock();
+            // Only a representative offers heads: start counting when this node becomes one
+            // (its offer then builds up from what it routes next), stop when it no longer is.
+            if representative != core.heads.is_some() {
+                core.heads = representative.then(|| RecentHeads::new(MAX_RECENT_HEADS));
+            }
             let local = core.view.local_region.clone();
             let offers = &mut core.view.remote_regions;
             offers.clear();

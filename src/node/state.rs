@@ -24,7 +24,6 @@ use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerTips;
 use crate::core::policy::PolicyKind;
 use crate::core::rank_hints::RankHints;
-use crate::core::region_offer::RecentHeads;
 use crate::core::router::{Router, RouterConfig};
 use crate::core::summary::SummaryConfig;
 use crate::core::tenants::{TenantConfig, Tenants, KV_UNATTRIBUTED};
@@ -149,14 +148,12 @@ pub struct Core {
     pub pending_tips: Vec<(usize, u64, u32, Duration, Option<u16>)>,
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
     pub admission: Option<super::admission_queue::NodeQueue>,
-    /// The prefixes this node routed most: the heads its region offers others when this node
-    /// is a representative (`core::region_offer`). Counted only in a regional mesh; `None`
-    /// otherwise, so a single node or a flat mesh does no such work per request.
-    pub heads: Option<RecentHeads>,
+    /// The prefixes this node routed most: the heads its region offers others
+    /// (`core::region_offer`). Counted only while this node is one of its region's
+    /// representatives (`remote_regions.rs` sets and clears it each mesh round): the other
+    /// nodes of a regional mesh, a flat mesh and a single node do no such work per request.
+    pub heads: Option<crate::core::region_offer::RecentHeads>,
 }
-
-/// Heads counted at most (`Core::heads`).
-pub const MAX_RECENT_HEADS: usize = 512;
 
 /// Most routed prefixes kept for the next load update.
 pub const MAX_PENDING_TIPS: usize = 1024;
@@ -318,11 +315,7 @@ impl Node {
                 peer_loads: PeerLoads::new(LoadShareConfig::default()),
                 pending_tips: Vec::new(),
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
-                heads: cfg
-                    .mesh
-                    .as_ref()
-                    .is_some_and(|m| m.layout == super::config::mesh::LayoutConfig::Regional)
-                    .then(|| RecentHeads::new(MAX_RECENT_HEADS)),
+                heads: None,
                 hot_owners: Vec::new(),
                 hot_self: String::new(),
                 admission: cfg

@@ -5,6 +5,8 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use kvmesh::mesh::certs::NodeIdentity;
+use kvmesh::mesh::MeshConfig;
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 
 /// Runs `f`, failing the test if it takes more than `secs` seconds.
@@ -62,4 +64,18 @@ pub fn free_tcp_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
+}
+
+/// A mesh member's config on 127.0.0.1 (any port): `name` in `region` of `cluster`, presenting
+/// `identity`, seeded by `seeds`; the rest at its defaults for the caller to adjust.
+pub fn loopback_mesh(
+    cluster: &str,
+    name: &str,
+    region: &str,
+    identity: NodeIdentity,
+    seeds: &[std::net::SocketAddr],
+) -> MeshConfig {
+    let mut cfg = MeshConfig::new(name, region, ([127, 0, 0, 1], 0).into(), cluster, identity);
+    cfg.seeds = seeds.iter().map(|s| s.to_string()).collect();
+    cfg
 }

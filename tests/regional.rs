@@ -137,3 +137,28 @@ async fn regions_gossip_apart_and_learn_each_other_from_records() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regions_nodes_meet_through_another_regions_seed_before_any_round() {
+    init_logs();
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        // The only seed is in eu and runs no regional round, so its directory knows no us node:
+        // u1 and u2 can meet only because the seed names earlier askers of us to later ones.
+        let e1 = start(&ca, "e1", "eu", &[]).await;
+        let seed = [e1.addr()];
+        let u1 = start(&ca, "u1", "us", &seed).await;
+        let u2 = start(&ca, "u2", "us", &seed).await;
+        let t0 = Instant::now();
+        let mut met = false;
+        while t0.elapsed() < Duration::from_secs(20) && !met {
+            met = region_members(&u1.live_nodes().await) == ["u1", "u2"]
+                && region_members(&u2.live_nodes().await) == ["u1", "u2"];
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("u1 and u2 met after {:?}", t0.elapsed());
+        assert!(met, "us nodes met through the eu seed's rendezvous");
+        assert_eq!(region_members(&e1.live_nodes().await), ["e1"]);
+    })
+    .await;
+}

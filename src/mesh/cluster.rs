@@ -28,26 +28,25 @@ use tracing::{debug, info, warn};
 use crate::core::regions::RegionMap;
 use crate::core::summary::SummaryMessage;
 
-use super::admin::{self, AdminRecord, ADMIN_PREFIX, MAX_ADMIN_RECORDS};
+use super::admin::{self, AdminRecord};
 use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity};
 use super::home;
 use super::hot_record::{HotRecord, KEY_HOT};
 pub use super::member::Member;
+use super::member_decode::{members_of, MemberCache};
 use super::region_layer::{LayerSettings, RegionLayer};
-use super::region_record::{RegionRecord, REGION_PREFIX};
 use super::regional::{Regional, RegionalRound};
-use super::replica_load::{RecordChange, ReplicaLoadRecord, REPLICA_LOAD_PREFIX};
+use super::replica_load::{RecordChange, ReplicaLoadRecord};
 use super::schema::{
     self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
-    KEY_NODE, KEY_RTT, REPLICA_PREFIX,
+    KEY_NODE, KEY_RTT,
 };
 use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
 use crate::core::region_offer::RegionOffer;
-use crate::core::region_offer::MAX_REMOTE_REGIONS;
 
 /// Settings of a mesh node.
 #[derive(Clone, Debug)]
@@ -211,6 +210,8 @@ pub struct Mesh {
     probes: Mutex<HashMap<SocketAddr, std::time::Instant>>,
     /// The regional layout's state: the region layer, what was relayed, who was heard of.
     pub(super) regional: Option<Arc<Regional>>,
+    /// Members decoded at their state's last change (shared with the RTT loop).
+    decoded: Arc<Mutex<MemberCache>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -328,6 +329,7 @@ impl Mesh {
         };
         info!(node_id = %cfg.node_id, addr = %advertise, region = %cfg.region, "mesh started");
         let schema_errors = Arc::new(AtomicU64::new(0));
+        let decoded = Arc::new(Mutex::new(MemberCache::default()));
         let reports = Arc::new(Mutex::new(ReportBatches::new()));
         let regional = match cfg.layout {
             GossipLayout::Flat => None,
@@ -365,6 +367,7 @@ impl Mesh {
                 cfg.rtt_interval,
                 schema_errors.clone(),
                 regional.clone(),
+                decoded.clone(),
             )),
             tokio::spawn(report_loop(
                 reports.clone(),
@@ -401,6 +404,7 @@ impl Mesh {
             tasks,
             probes: Mutex::new(HashMap::new()),
             regional,
+            decoded,
         })
     }
 
@@ -551,7 +555,9 @@ impl Mesh {
                     .filter(|id| *id != self_id && !transport.is_verified(id))
                     .map(|id| id.gossip_advertise_addr)
                     .collect();
-                (members_of(c, errors, transport, &layer_ids), unverified)
+                let mut cache = self.decoded.lock().unwrap_or_else(|e| e.into_inner());
+                let members = members_of(c, errors, transport, &layer_ids, &mut cache);
+                (members, unverified)
             })
             .await;
         self.probe(h, &unverified);
@@ -788,137 +794,6 @@ impl Drop for Mesh {
     }
 }
 
-/// `layer_ids`: the region layer's members, whose verification must outlive their absence
-/// from this cluster.
-fn members_of(
-    c: &chitchat::Chitchat,
-    errors: &AtomicU64,
-    transport: &QuicTransport,
-    layer_ids: &HashSet<ChitchatId>,
-) -> Vec<Member> {
-    let self_id = c.self_chitchat_id().clone();
-    let states = c.node_states();
-    transport.retain_verified(|id| states.contains_key(id) || layer_ids.contains(id));
-    // Live for the failure detector, and (peers) verified: a member whose certificate never
-    // named it on a direct connection is not trusted with routing state.
-    let live: std::collections::HashSet<&ChitchatId> = c
-        .live_nodes()
-        .filter(|id| **id == self_id || transport.is_verified(id))
-        .collect();
-    let count_err = |what: &str, id: &ChitchatId, e: &SchemaError| {
-        errors.fetch_add(1, Ordering::Relaxed);
-        debug!(node = %id.node_id, "skipping malformed {what}: {e}");
-    };
-    let mut out = Vec::new();
-    for (id, state) in c.node_states() {
-        // One small record under `key`: absent or malformed (counted) reads as none.
-        fn one<T>(
-            state: &chitchat::NodeState,
-            key: &str,
-            decode: impl Fn(&str) -> Result<T, SchemaError>,
-            bad: impl Fn(&SchemaError),
-        ) -> Option<T> {
-            state
-                .get(key)
-                .and_then(|v| decode(v).map_err(|e| bad(&e)).ok())
-        }
-        // Records keyed `<prefix><replica id>`: ids come from keys, which no value limit
-        // bounds, so an empty or over-long id is dropped and counted like a bad value.
-        fn by_replica<T>(
-            state: &chitchat::NodeState,
-            prefix: &str,
-            cap: usize,
-            decode: impl Fn(&str) -> Result<T, SchemaError>,
-            bad: impl Fn(&str, &SchemaError),
-        ) -> BTreeMap<String, T> {
-            let mut out = BTreeMap::new();
-            for (key, v) in state.iter_prefix(prefix).take(cap) {
-                let Some(rid) = key.strip_prefix(prefix) else {
-                    continue;
-                };
-                if rid.is_empty() || rid.len() > schema::MAX_REPLICA_ID_BYTES {
-                    bad(
-                        "key",
-                        &SchemaError::BadReplicaId(rid.chars().take(64).collect()),
-                    );
-                    continue;
-                }
-                match decode(&v.value) {
-                    Ok(r) => {
-                        out.insert(rid.to_owned(), r);
-                    }
-                    Err(e) => bad(prefix.trim_end_matches(':'), &e),
-                }
-            }
-            out
-        }
-        let bad = |what: &str, e: &SchemaError| count_err(what, id, e);
-        let node = one(state, KEY_NODE, NodeRecord::decode, |e| bad("node", e));
-        let mut replicas = by_replica(
-            state,
-            REPLICA_PREFIX,
-            usize::MAX,
-            ReplicaRecord::decode,
-            bad,
-        );
-        // Each record's fresher changing part, from the same member (`replica_load.rs`); a
-        // companion without its record is ignored.
-        let loads = by_replica(
-            state,
-            REPLICA_LOAD_PREFIX,
-            replicas.len(),
-            ReplicaLoadRecord::decode,
-            bad,
-        );
-        for (rid, load) in &loads {
-            if let Some(r) = replicas.get_mut(rid) {
-                load.overlay(r);
-            }
-        }
-        let inflight = one(state, KEY_INFLIGHT, InflightRecord::decode, |e| {
-            bad("inflight", e)
-        })
-        .unwrap_or_default();
-        let rtt = one(state, KEY_RTT, RttRecord::decode, |e| bad("rtt", e)).unwrap_or_default();
-        let hot = one(state, KEY_HOT, HotRecord::decode, |e| bad("hot", e)).unwrap_or_default();
-        let homes = one(state, KEY_HOMES, HomesRecord::decode, |e| bad("homes", e));
-        let admin = by_replica(
-            state,
-            ADMIN_PREFIX,
-            MAX_ADMIN_RECORDS,
-            AdminRecord::decode,
-            bad,
-        );
-        out.push(Member {
-            node_id: id.node_id.to_string(),
-            generation: id.generation_id,
-            gossip_addr: id.gossip_advertise_addr,
-            live: live.contains(id),
-            is_self: *id == self_id,
-            node,
-            replicas,
-            inflight,
-            rtt,
-            homes,
-            hot,
-            admin,
-            regions: by_replica(
-                state,
-                REGION_PREFIX,
-                MAX_REMOTE_REGIONS,
-                RegionRecord::decode,
-                bad,
-            ),
-        });
-    }
-    out.sort_by(|a, b| {
-        a.node_id
-            .cmp(&b.node_id)
-            .then_with(|| a.generation.cmp(&b.generation))
-    });
-    out
-}
-
 /// The regional cluster's own state, as the relay of other regions' records.
 struct Relay<'a>(&'a ChitchatHandle);
 
@@ -1012,6 +887,7 @@ async fn rtt_loop(
     every: Duration,
     errors: Arc<AtomicU64>,
     regional: Option<Arc<Regional>>,
+    decoded: Arc<Mutex<MemberCache>>,
 ) {
     let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
     loop {
@@ -1023,10 +899,13 @@ async fn rtt_loop(
             None => (Vec::new(), HashSet::new()),
         };
         let mut c = chitchat.lock().await;
-        let live: Vec<Member> = members_of(&c, &errors, &transport, &layer_ids)
-            .into_iter()
-            .filter(|m| m.live)
-            .collect();
+        let live: Vec<Member> = {
+            let mut cache = decoded.lock().unwrap_or_else(|e| e.into_inner());
+            members_of(&c, &errors, &transport, &layer_ids, &mut cache)
+        }
+        .into_iter()
+        .filter(|m| m.live)
+        .collect();
         let mut ms = region_rtts(&live, &rtts);
         for (addr, region) in layer_members {
             if let Some(rtt) = rtts.get(&addr) {

@@ -17,6 +17,7 @@
 //!   partition injection.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
 //! - [`hot_record`]: the `hot` record, a node's heaviest prefixes (hot-prefix replication).
+//! - `member_decode`: members' chitchat states read into `Member`s, once per change.
 //! - [`home`]: which node is home for a replica (rendezvous over live nodes of its region).
 //! - [`seeds`]: `srv:<name>` seeds through DNS SRV (hickory).
 //! - [`sync`]: summary request/response and block reports; the [`MeshHandler`] the node plugs in.
@@ -36,6 +37,7 @@ pub mod home;
 pub mod hot_record;
 pub mod load_share;
 pub mod member;
+mod member_decode;
 pub mod peer_tls;
 pub mod region_layer;
 pub mod region_record;

@@ -41,7 +41,7 @@ use tokio::time::timeout;
 use tracing::{debug, warn};
 
 use super::certs::{self, QuicConfigs, CLUSTER_SAN};
-use super::directory::{self, Directory, DirectoryAnswer, DirectoryRequest};
+use super::directory::{self, Askers, Directory, DirectoryAnswer, DirectoryRequest};
 use super::load_share::{LoadUpdate, MAX_LOAD_UPDATE_BYTES};
 use super::sync::{self, MeshHandler};
 use super::udp_count::{CountingSocket, UdpBytes};
@@ -336,6 +336,8 @@ struct Inner {
     regions_tx: Mutex<Option<mpsc::Sender<GossipItem>>>,
     /// What this node answers directory requests with (`Mesh` refreshes it).
     directory: RwLock<Directory>,
+    /// Who recently asked this node's directory for which region (the rendezvous).
+    askers: Mutex<Askers>,
     /// Every UDP byte through the endpoint.
     udp: Arc<UdpBytes>,
     blocked: Mutex<HashSet<SocketAddr>>,
@@ -410,6 +412,7 @@ impl QuicTransport {
             gossip_rx: Mutex::new(Some(gossip_rx)),
             regions_tx: Mutex::new(None),
             directory: RwLock::new(Directory::default()),
+            askers: Mutex::new(Askers::default()),
             udp,
             blocked: Mutex::new(HashSet::new()),
             refused: Mutex::new(HashMap::new()),
@@ -1260,12 +1263,25 @@ async fn answer_directory(
     body: &[u8],
 ) {
     let resp = DirectoryRequest::decode(body).and_then(|req| {
-        inner
+        let mut ans = inner
             .directory
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .answer(&req)
-            .encode()
+            .answer(&req);
+        // The directory's own members first; recent askers of the region fill the room left.
+        let room = directory::MAX_DIRECTORY_PEERS.saturating_sub(ans.peers.len());
+        let askers = inner.askers.lock().unwrap_or_else(|e| e.into_inner()).ask(
+            &req.region,
+            peer,
+            Instant::now(),
+            room,
+        );
+        for a in askers {
+            if !ans.peers.contains(&a) {
+                ans.peers.push(a);
+            }
+        }
+        ans.encode()
     });
     let resp = match resp {
         Ok(r) => r,

@@ -212,6 +212,27 @@ class Procs:
     def dead(self):
         return [(n, p.returncode) for n, p, _ in self.procs if p.poll() is not None]
 
+    def stop(self, name, sig, timeout_s=30.0):
+        """Signals process `name`, waits for it (SIGKILL after `timeout_s`) and forgets it;
+        returns the seconds it took to exit."""
+        t0 = time.monotonic()
+        for i, (n, p, f) in enumerate(self.procs):
+            if n != name:
+                continue
+            try:
+                os.killpg(p.pid, sig)
+            except OSError:
+                pass
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            f.close()
+            del self.procs[i]
+            break
+        return time.monotonic() - t0
+
 
 # ---------------------------------------------------------------------------------------------
 # plan
@@ -311,6 +332,85 @@ def convergence_from_logs(nodes, by_region, replicas, t0_wall, log_dir):
             conv[node["id"]] = at - t0_wall
             break
     return conv
+
+
+REGION_SEEN_FULL = re.compile(
+    r"^(\S+Z)\s.*region seen.*members_live=(\d+).*replicas_homed=(\d+)(?:.*other_regions=(\d+))?")
+
+
+def seen_lines(path, since_wall):
+    """(wall time, members_live, replicas_homed, other_regions or None) of the node's 'region
+    seen' lines stamped at or after `since_wall`."""
+    out = []
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        m = REGION_SEEN_FULL.match(ANSI.sub("", line))
+        if not m:
+            continue
+        stamp = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%fZ")
+        at = stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
+        if at >= since_wall:
+            other = int(m.group(4)) if m.group(4) is not None else None
+            out.append((at, int(m.group(2)), int(m.group(3)), other))
+    return out
+
+
+def rolling_restart(procs, nodes, by_region, replicas, region, specs, out, timeout_s):
+    """Restarts every node of `region` one after another, as an operator's rolling restart
+    would: SIGTERM, wait for the exit, start it again, wait until it is ready and its own log
+    says it sees its whole region again. Per node: seconds to stop, to /ready, to see its
+    region (from the new start)."""
+    want_nodes = len(by_region[region])
+    want_reps = sum(1 for r in replicas if r["region"] == region)
+    per = []
+    t_all = time.monotonic()
+    for node in by_region[region]:
+        stop_s = procs.stop(node["id"], signal.SIGTERM)
+        log_path = os.path.join(out, "logs", node["id"] + ".restart.log")
+        node["log"] = log_path
+        t_wall, t0 = time.time(), time.monotonic()
+        _, started = procs.spawn_many([(node["id"], specs[node["id"]], log_path)])
+        node["pid"] = started[0].pid
+        ready = seen = None
+        while time.monotonic() - t0 < timeout_s and (ready is None or seen is None):
+            if ready is None and http_get(node["http_port"], "/ready", timeout=0.5)[0] == 200:
+                ready = time.monotonic() - t0
+            if seen is None:
+                full = [at for at, n, k, _ in seen_lines(log_path, t_wall)
+                        if n >= want_nodes and k >= want_reps]
+                if full:
+                    seen = full[0] - t_wall
+            time.sleep(0.05)
+        per.append({"node": node["id"], "stop_s": stop_s, "ready_s": ready, "sees_region_s": seen})
+        log(f"restarted {node['id']}: stopped in {fmt(stop_s, 2)} s, ready after {fmt(ready, 2)} s, "
+            f"sees its region after {fmt(seen, 2)} s")
+    return {"region": region, "nodes": per, "total_s": time.monotonic() - t_all}
+
+
+def region_dark(procs, nodes, by_region, region, n_regions, out, timeout_s):
+    """Kills every node of `region` at once (SIGKILL: a region losing power or its network) and
+    times, from every other node's log, when it stops holding that region's record."""
+    t_wall = time.time()
+    for node in by_region[region]:
+        procs.stop(node["id"], signal.SIGKILL)
+    others = [x for x in nodes if x["region"] != region]
+    want = n_regions - 2  # every other region but the dark one
+    forgot = {}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and len(forgot) < len(others):
+        time.sleep(0.5)
+        for node in others:
+            if node["id"] in forgot:
+                continue
+            path = node.get("log") or os.path.join(out, "logs", node["id"] + ".log")
+            gone = [at for at, _, _, k in seen_lines(path, t_wall) if k is not None and k <= want]
+            if gone:
+                forgot[node["id"]] = gone[0] - t_wall
+    return {"region": region, "forgot_s": forgot, "nodes_left": len(others)}
 
 
 def watch_convergence(nodes, by_region, replicas, t0, timeout_s, procs, poll_state=True):
@@ -505,6 +605,13 @@ def main():
                     help="time convergence from the nodes' own 'region seen' log lines (default: "
                          "only /ready is polled, so the measurement adds little load) or by "
                          "polling every node's /admin/state (up to one sweep late)")
+    ap.add_argument("--restart-region", default="",
+                    help="after the windows, restart every node of this region one at a time "
+                         "(SIGTERM, start again) and time each one's way back")
+    ap.add_argument("--dark-region", default="",
+                    help="after the windows (and any restart), kill every node of this region at "
+                         "once and time when the other nodes drop its record")
+    ap.add_argument("--churn-timeout-s", type=float, default=60.0)
     args = ap.parse_args()
 
     if not (os.path.isfile(args.bin) and os.access(args.bin, os.X_OK)):
@@ -546,6 +653,7 @@ def main():
                      extra)
         node_specs.append((node["id"], [binary, "serve", "--config", cfg],
                            os.path.join(out, "logs", node["id"] + ".log")))
+    argv_by_id = {name: argv for name, argv, _ in node_specs}
     rep_specs = [(r["id"], [binary, "replica", "--host", "127.0.0.1", "--port", str(r["port"]), "--id", r["id"],
                             "--time-scale", str(args.time_scale)],
                   os.path.join(out, "logs", r["id"] + ".log")) for r in replicas]
@@ -620,6 +728,19 @@ def main():
             stats["lat_p99_s"] = pct(lat, 0.99) if lat else None
             result["busy_client"] = stats
 
+        for reg in (args.restart_region, args.dark_region):
+            if reg and reg not in by_region:
+                raise RuntimeError(f"no region {reg!r} (regions: {sorted(by_region)})")
+        if args.restart_region:
+            log(f"rolling restart of {args.restart_region}")
+            result["restart"] = rolling_restart(procs, nodes, by_region, replicas, args.restart_region,
+                                                argv_by_id, out, args.churn_timeout_s)
+        if args.dark_region:
+            time.sleep(args.settle_s)
+            log(f"region {args.dark_region} goes dark")
+            result["dark"] = region_dark(procs, nodes, by_region, args.dark_region, args.regions, out,
+                                         args.churn_timeout_s)
+
         with open("/proc/loadavg") as f:
             result["loadavg_after"] = f.read().split()[:3]
         result["dead_processes"] = procs.dead()
@@ -686,6 +807,22 @@ def main():
     print("idle mean B/s per node by counter: " + ", ".join(
         f"{k} {v:.0f}" for k, v in s_idle["by_counter_mean_Bps"].items()))
     print(f"machine: {result['load_note']}; raw figures: {os.path.join(out, 'result.json')}")
+    if result.get("restart"):
+        rs = result["restart"]
+        def col(key):
+            v = [x[key] for x in rs["nodes"] if x[key] is not None]
+            never = len(rs["nodes"]) - len(v)
+            return f"{fmt(pct(v, 0.5), 2)} / {fmt(max(v) if v else None, 2)}" + (f" ({never} never)" if never else "")
+        print(f"rolling restart of {rs['region']} ({len(rs['nodes'])} nodes, one at a time, "
+              f"{fmt(rs['total_s'], 1)} s in all), p50 / max s: stop {col('stop_s')}, "
+              f"ready {col('ready_s')}, sees its region {col('sees_region_s')}")
+    if result.get("dark"):
+        d = result["dark"]
+        v = list(d["forgot_s"].values())
+        never = d["nodes_left"] - len(v)
+        print(f"region {d['region']} dark: the other {d['nodes_left']} nodes dropped its record after "
+              f"p50 / max {fmt(pct(v, 0.5), 2)} / {fmt(max(v) if v else None, 2)} s"
+              + (f" ({never} never within {args.churn_timeout_s:g} s)" if never else ""))
     if result["dead_processes"]:
         print(f"WARNING: processes that exited during the run: {result['dead_processes']}")
 

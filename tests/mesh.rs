@@ -21,7 +21,9 @@ use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
 use kvmesh::mesh::sync::{needs_pull, RESP_BAD_REQUEST, RESP_OK};
 use kvmesh::mesh::transport::{KIND_BLOCK_REPORT, KIND_GOSSIP, KIND_SUMMARY_REQUEST};
-use kvmesh::mesh::{BlockReport, GossipLayout, Mesh, MeshError, MeshHandler, SummaryRequest};
+use kvmesh::mesh::{
+    BlockReport, GossipLayout, Mesh, MeshConfig, MeshError, MeshHandler, SummaryRequest,
+};
 
 const GOSSIP: Duration = Duration::from_millis(100);
 const CLUSTER: &str = "test-cluster";
@@ -33,12 +35,7 @@ async fn bounded<F: Future<Output = ()>>(secs: u64, f: F) {
 }
 
 async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> Mesh {
-    let mut cfg = common::loopback_mesh(CLUSTER, name, region, ca.issue(name).unwrap(), seeds);
-    cfg.layout = GossipLayout::Flat;
-    cfg.gossip_interval = GOSSIP;
-    cfg.rtt_interval = Duration::from_millis(200);
-    cfg.http_url = format!("http://{name}.example:8080");
-    Mesh::start(cfg).await.unwrap()
+    Mesh::start(config(ca, name, region, seeds)).await.unwrap()
 }
 
 /// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
@@ -507,6 +504,92 @@ async fn dead_node_is_detected_and_its_replicas_move() {
             home_in(&la, &ids[0], "eu").unwrap().0 == "a"
         );
         for m in [a, b] {
+            m.shutdown().await;
+        }
+    })
+    .await;
+}
+
+fn config(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> MeshConfig {
+    let mut cfg = common::loopback_mesh(CLUSTER, name, region, ca.issue(name).unwrap(), seeds);
+    cfg.layout = GossipLayout::Flat;
+    cfg.gossip_interval = GOSSIP;
+    cfg.rtt_interval = Duration::from_millis(200);
+    cfg.http_url = format!("http://{name}.example:8080");
+    cfg
+}
+
+/// A node that crashes and comes back on its old address (a rolling restart, a pod rescheduled)
+/// is heard at once: its peers still hold a connection to the dead process, which looks live
+/// until its 10 s idle timeout, and a new incoming connection from that address must replace it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_on_its_old_address_is_heard_at_once() {
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        let a = start(&ca, "a", "eu", &[]).await;
+        let b = start(&ca, "b", "eu", &[a.addr()]).await;
+        // c runs on a runtime of its own, so that it can die as a process does: its tasks
+        // dropped, nothing closing its connections.
+        let cfg = config(&ca, "c", "eu", &[a.addr()]);
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let (die_tx, die_rx) = std::sync::mpsc::channel::<()>();
+        let crashed = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            let c = rt.block_on(Mesh::start(cfg)).unwrap();
+            let _ = started_tx.send((c.addr(), c.node_record().generation));
+            let _ = die_rx.recv();
+            // Its tasks go first, so nothing runs to send a close when the mesh is dropped.
+            rt.shutdown_background();
+            drop(c);
+        });
+        let (addr, old_gen) = started_rx.await.unwrap();
+        for m in [&a, &b] {
+            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
+                .await
+                .expect("did not converge");
+        }
+        die_tx.send(()).unwrap();
+        tokio::task::spawn_blocking(move || crashed.join())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut cfg = config(&ca, "c", "eu", &[a.addr()]);
+        cfg.listen_addr = addr;
+        // The dead endpoint's socket goes with its last task: retry the bind for a while.
+        let mut c = None;
+        for _ in 0..50 {
+            match Mesh::start(cfg.clone()).await {
+                Ok(m) => {
+                    c = Some(m);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let c = c.expect("the old address is free again");
+        let new_gen = c.node_record().generation;
+        assert_ne!(new_gen, old_gen);
+        let took = wait_for(Duration::from_secs(8), || async {
+            let new_c_live = |live: Vec<kvmesh::mesh::Member>| {
+                live.iter()
+                    .any(|m| m.node_id == "c" && m.generation == new_gen)
+            };
+            sees_live(&c, &["a", "b"]).await
+                && new_c_live(a.live_nodes().await)
+                && new_c_live(b.live_nodes().await)
+        })
+        .await
+        .expect("the restarted node and its peers never heard each other");
+        println!("restarted node and its peers hear each other after {took:?}");
+        assert!(
+            took < Duration::from_secs(5),
+            "took {took:?}: the old connection was used"
+        );
+        for m in [a, b, c] {
             m.shutdown().await;
         }
     })

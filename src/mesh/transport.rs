@@ -916,14 +916,14 @@ async fn accept_loop(inner: Arc<Inner>) {
         tokio::spawn(async move {
             match timeout(inner.cfg.connect_timeout, incoming).await {
                 Ok(Ok(conn)) => {
-                    {
-                        let mut conns = lock(&inner.conns);
-                        // Keep a live dialed connection if there is one; both get served.
-                        let keep = conns.get(&peer).is_some_and(|c| c.close_reason().is_none());
-                        if !keep {
-                            conns.insert(peer, conn.clone());
-                        }
-                    }
+                    // The newest connection from a peer is the one to send on: a peer dials
+                    // only when it holds no live connection to this node, so one still cached
+                    // here is either a simultaneous dial (both stay served, either works) or
+                    // a dead incarnation's (the peer restarted on the same address; its new
+                    // endpoint drops that connection's packets without a reset this node can
+                    // check, so it would look live until its idle timeout: 10 s of gossip to
+                    // nowhere). Both connections keep being served until they close.
+                    lock(&inner.conns).insert(peer, conn.clone());
                     serve_connection(inner, conn).await;
                 }
                 Ok(Err(e)) => {

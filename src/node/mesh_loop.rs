@@ -138,7 +138,7 @@ struct LoopState {
     ignore_warn: Instant,
     /// The region as this node last saw it: live members of its region, and its region's
     /// replicas in the view with a known home (logged at debug on change).
-    region_seen: (usize, usize),
+    region_seen: (usize, usize, usize),
 }
 
 async fn sync_loop(
@@ -165,7 +165,7 @@ async fn sync_loop(
         homes_round: 0,
         unpublishable: BTreeSet::new(),
         live_ids: Vec::new(),
-        region_seen: (0, 0),
+        region_seen: (0, 0, 0),
         live_since: Instant::now(),
         policy: LearnPolicy::of(&node),
         ignored: Ignored::default(),
@@ -315,6 +315,7 @@ async fn sync_once(
     // Regional gossip: other regions as one record each (their replicas are not members here).
     let regional = mesh.sync_regions(&live, || node.region_offer()).await;
     node.set_remote_regions(&regional.records, regional.representative);
+    let regions_known = regional.records.len();
 
     node.set_peer_tenant_usage(&live);
     let plan = node.apply_membership(mesh.node_id(), &live, &records);
@@ -431,20 +432,23 @@ async fn sync_once(
         st.live_ids = ids;
         st.live_since = Instant::now();
     }
-    // When this node has seen its region whole, on its own clock: `scripts/mesh-scale.py`
-    // reads these lines to time convergence without polling a hundred nodes.
+    // When this node has seen its region whole (and how many other regions' records it holds),
+    // on its own clock: `scripts/mesh-scale.py` reads these lines to time convergence, rolling
+    // restarts and a region going dark without polling a hundred nodes.
     let (region, homed) = node.homed_local_replicas();
     let seen = (
         live.iter()
             .filter(|m| m.node.as_ref().is_some_and(|n| n.region == region))
             .count(),
         homed,
+        regions_known,
     );
     if seen != st.region_seen {
         st.region_seen = seen;
         tracing::debug!(
             members_live = seen.0,
             replicas_homed = seen.1,
+            other_regions = seen.2,
             elapsed_ms = st.started.elapsed().as_millis() as u64,
             "region seen"
         );

@@ -80,7 +80,7 @@ use crate::core::peer_tips::Tip;
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
 use crate::core::region_choice::build_offer;
-use crate::core::region_offer::{RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_REGION_HEADS};
+use crate::core::region_offer::{RecentHeads, RegionOffer, MAX_RECENT_HEADS, MAX_REGION_HEADS};
 use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
@@ -101,10 +101,6 @@ const LOAD_PUBLICATIONS_PER_INTERVAL: u32 = 4;
 /// most routed prefixes, twice what a record keeps, so heads the region no longer holds leave
 /// room for the next.
 const HEAD_CANDIDATES: usize = 2 * MAX_REGION_HEADS;
-
-/// Prefixes a region counts routed requests by, at most; past it, the least counted go at the
-/// next record (a cache of heavy hitters, not a census).
-const HEAD_COUNTS_MAX: usize = 8192;
 
 /// Push-pull epidemics run to measure how many rounds news takes to reach a node.
 const EPIDEMIC_TRIALS: usize = 8;
@@ -324,7 +320,7 @@ struct Sim<'a> {
     offered: Option<Duration>,
     /// With the regional layer: per region, how many routed prompts (decayed by half at each
     /// record) started with each prefix at a power-of-two depth: the candidates for its heads.
-    head_counts: Vec<std::collections::HashMap<RegionHead, u32>>,
+    head_counts: Vec<RecentHeads>,
 
     nodes: Vec<SimNode>,
     /// Live nodes, by index, in index order (clients pick among them).
@@ -562,7 +558,9 @@ impl<'a> Sim<'a> {
             max_lag,
             offers: Published::default(),
             offered: None,
-            head_counts: vec![Default::default(); if region_layer { cfg.regions } else { 0 }],
+            head_counts: (0..if region_layer { cfg.regions } else { 0 })
+                .map(|_| RecentHeads::new(MAX_RECENT_HEADS))
+                .collect(),
             live: (0..cfg.nodes).collect(),
             nodes,
             replica_region,
@@ -769,7 +767,7 @@ impl<'a> Sim<'a> {
             }
         }
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
-            count_heads(counts, &self.keys);
+            counts.record(&self.keys);
         }
         self.routed_keys[i].clone_from(&self.keys);
         self.pending_prefill[r] += uncached;
@@ -1329,29 +1327,9 @@ impl<'a> Sim<'a> {
             .collect();
         let rep = home_node(&format!("{region}/record"), ids.iter().map(String::as_str))
             .and_then(|h| h.strip_prefix("node-")?.parse::<usize>().ok());
-        let counts = &mut self.head_counts[g];
-        let mut ranked: Vec<(RegionHead, u32)> = counts.iter().map(|(h, c)| (*h, *c)).collect();
-        ranked.sort_by(|a, b| {
-            b.1.cmp(&a.1)
-                .then(b.0.depth.cmp(&a.0.depth))
-                .then(a.0.key.cmp(&b.0.key))
-        });
-        if ranked.len() > HEAD_COUNTS_MAX {
-            for (h, _) in &ranked[HEAD_COUNTS_MAX / 2..] {
-                counts.remove(h);
-            }
-        }
-        counts.retain(|_, c| {
-            *c /= 2;
-            *c > 0
-        });
-        // A prefix routed once is no one's shared prefix yet.
-        let candidates: Vec<RegionHead> = ranked
-            .iter()
-            .filter(|(_, c)| *c >= 2)
-            .take(HEAD_CANDIDATES)
-            .map(|(h, _)| *h)
-            .collect();
+        // The live representative's counter and ranking (`RecentHeads`): it halves only when
+        // full, so a prefix routed now and then at a quiet region still gathers counts.
+        let candidates = self.head_counts[g].top(HEAD_CANDIDATES);
         let Some(rep) = rep else {
             return RegionOffer {
                 region,
@@ -1835,20 +1813,6 @@ impl<'a> Sim<'a> {
     }
 }
 
-/// Counts a prompt routed to a region: the prefixes the region now holds, one per power-of-two
-/// depth (the depths a region head names).
-fn count_heads(counts: &mut std::collections::HashMap<RegionHead, u32>, keys: &[BlockKey]) {
-    let mut depth = 1;
-    while depth <= keys.len() && depth <= usize::from(MAX_HEAD_DEPTH) {
-        let head = RegionHead {
-            key: keys[depth - 1].0,
-            depth: depth as u16,
-        };
-        *counts.entry(head).or_insert(0) += 1;
-        depth *= 2;
-    }
-}
-
 /// Sets replica `r`'s scraped load in `view`, keeping the queued prefill the node knows (its
 /// own and its peers' routing, by load sharing: not scraped).
 fn set_scraped_load(view: &mut View, r: usize, l: &LoadSample) {
@@ -2221,8 +2185,8 @@ mod tests {
         // Replica 1 (region 1) holds `held`; region 1 routed both prefixes, often.
         sim.models[1].record_routed(&held, Duration::ZERO);
         for _ in 0..100 {
-            count_heads(&mut sim.head_counts[1], &held);
-            count_heads(&mut sim.head_counts[1], &only_routed);
+            sim.head_counts[1].record(&held);
+            sim.head_counts[1].record(&only_routed);
         }
         let step = cfg.gossip_interval / LOAD_PUBLICATIONS_PER_INTERVAL;
         for k in 0..=40u32 {

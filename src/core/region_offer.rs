@@ -29,6 +29,9 @@ use super::keys::BlockKey;
 pub const MAX_OFFERED_MODELS: usize = 8;
 /// Heads a region offer carries at most.
 pub const MAX_REGION_HEADS: usize = 24;
+/// Heads a representative counts at most (`RecentHeads`; the node's `Core::heads`, and the
+/// simulator's per region).
+pub const MAX_RECENT_HEADS: usize = 512;
 /// Regions a node keeps offers for at most (a region record names one region each).
 pub const MAX_REMOTE_REGIONS: usize = 64;
 /// The deepest head depth, in blocks (a prompt of 2^15 blocks of 16 tokens is 512k tokens).

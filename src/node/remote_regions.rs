@@ -11,11 +11,10 @@ use std::collections::BTreeMap;
 use super::mesh_state::Peer;
 use super::state::Node;
 use crate::core::region_choice::build_offer;
-use crate::core::region_offer::{RecentHeads, RegionOffer, MAX_REGION_HEADS, MAX_REMOTE_REGIONS};
+use crate::core::region_offer::{
+    RecentHeads, RegionOffer, MAX_RECENT_HEADS, MAX_REGION_HEADS, MAX_REMOTE_REGIONS,
+};
 use crate::mesh::region_record::RegionRecord;
-
-/// Heads a representative counts at most (`Core::heads`).
-pub const MAX_RECENT_HEADS: usize = 512;
 
 impl Node {
     /// This region's offer to the others, from this node's view: its replicas' room and

@@ -16,7 +16,11 @@ Measures, per node:
 * mesh bytes per second over an idle window (and optionally a busy one), from `/metrics`:
   `kvmesh_mesh_udp_bytes_total{direction}` when the node exports it (every UDP byte of the
   QUIC endpoint), and beside it the sum of every other `kvmesh_mesh_*bytes*` counter (payload);
-* CPU (% of one core, /proc/<pid>/stat utime+stime) over the window and RSS (VmRSS) at its end.
+* CPU (% of one core, /proc/<pid>/stat utime+stime) over the window and RSS (VmRSS) at its end;
+* with --restart-region R, a rolling restart of R (each node in turn: SIGTERM, wait, start
+  again): per node the seconds to exit, to /ready and to its log's whole-region line;
+* with --dark-region R, every node of R killed at once (SIGKILL): when every other node's log
+  stops counting R's region record (`other_regions` of the 'region seen' lines).
 
 Standard library only. Every process is started in its own process group and killed at the end
 (also on Ctrl-C or an error) unless --keep.

@@ -700,6 +700,16 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
     .await;
 }
 
+/// An HTTPS address on loopback where nothing listens: a node advertising it has gone dark.
+fn dead_https_url() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("https://127.0.0.1:{port}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
     bounded(30, async {
@@ -710,20 +720,7 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
         let a1 = mesh_node(dir.path(), "a1", "a", &[], &[]).await;
         let seed = [mesh_addr(&a1)];
         // b1 advertises an HTTP address where nothing listens; b2 is fine.
-        let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let b1 = mesh_node_with(
-            dir.path(),
-            "b1",
-            "b",
-            &seed,
-            &list,
-            Some(format!("https://127.0.0.1:{dead_port}")),
-        )
-        .await;
+        let b1 = mesh_node_with(dir.path(), "b1", "b", &seed, &list, Some(dead_https_url())).await;
         let b2 = mesh_node(dir.path(), "b2", "b", &seed, &list).await;
         // Regional gossip: a1 knows region b by its record, naming both of b's nodes.
         wait_for(Duration::from_secs(10), || {
@@ -749,6 +746,73 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
             n.shutdown().await;
         }
         rb.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_whose_nodes_all_fail_gives_way_to_the_next_region() {
+    bounded(40, async {
+        let dir = certs();
+        let rb = replica("rb0").await;
+        let rc = replica("rc0").await;
+        // a1 has no replicas; region b is nearer than c, but its only node advertises an HTTP
+        // address where nothing listens (a region gone dark whose record still stands).
+        let mut cfg = mesh_config(dir.path(), "a1", "a", &[], &[], None);
+        if let Some(m) = cfg.mesh.as_mut() {
+            for (other, ms) in [("b", 10.0), ("c", 50.0)] {
+                m.distance.push(kvmesh::node::config::DistanceConfig {
+                    a: "a".into(),
+                    b: other.into(),
+                    ms,
+                });
+            }
+        }
+        let a1 = proxy::spawn(cfg).await.unwrap();
+        let seed = [mesh_addr(&a1)];
+        let b1 = mesh_node_with(
+            dir.path(),
+            "b1",
+            "b",
+            &seed,
+            &[(rb.id.clone(), rb.base_url())],
+            Some(dead_https_url()),
+        )
+        .await;
+        let c1 = mesh_node(
+            dir.path(),
+            "c1",
+            "c",
+            &seed,
+            &[(rc.id.clone(), rc.base_url())],
+        )
+        .await;
+        wait_for(Duration::from_secs(15), || {
+            a1.node.ready() && region_offered(&a1, "b", 1) && region_offered(&a1, "c", 1)
+        })
+        .await
+        .expect("a1 learns regions b and c");
+        let http = client();
+        let m = a1.node.mesh_slot().metrics.get().unwrap();
+        let (status, h) = complete(&http, a1.addr, &text("dark-b-0", 1024), &[]).await;
+        assert_eq!(status, 200);
+        assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "c1");
+        assert_eq!(header(&h, ROUTED), "rc0");
+        assert_eq!(m.forwards.with_label_values(&["b", "unavailable"]).get(), 1);
+        // While b is marked, requests go to c at once: b is not tried again.
+        for k in 1..6 {
+            let (status, h) =
+                complete(&http, a1.addr, &text(&format!("dark-b-{k}"), 1024), &[]).await;
+            assert_eq!(status, 200, "request {k}");
+            assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "c1");
+        }
+        assert_eq!(m.forwards.with_label_values(&["b", "unavailable"]).get(), 1);
+        assert_eq!(m.forwards.with_label_values(&["c", "ok"]).get(), 6);
+        for n in [a1, b1, c1] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+        rc.shutdown().await;
     })
     .await;
 }

@@ -97,10 +97,13 @@ pub fn choose_region(
             }
         };
         let region = r.info.region.as_str();
+        if view.is_unreachable(region, now) {
+            continue;
+        }
         consider(&mut best, region, rtt_s(region), start);
     }
     for (region, offer) in &view.remote_regions {
-        if region == local {
+        if region == local || view.is_unreachable(region, now) {
             continue;
         }
         let Some((queue, rate)) = offer.open_for(ask.model, ask.pools, ask.bar_s) else {
@@ -251,6 +254,16 @@ mod tests {
         }
     }
 
+    /// From eu: us at 90 ms, ap at 30 ms, both with room and no heads.
+    fn eu_with_empty_us_and_nearer_ap() -> View {
+        let mut v = View::new("eu", 64);
+        v.regions.measured("eu", "us", 90.0);
+        v.regions.measured("eu", "ap", 30.0);
+        v.remote_regions.insert("us".into(), offer("us", 0, vec![]));
+        v.remote_regions.insert("ap".into(), offer("ap", 0, vec![]));
+        v
+    }
+
     fn doc_keys() -> Vec<BlockKey> {
         let text = "a long shared document ".repeat(2_000);
         let mut keys = Vec::new();
@@ -265,15 +278,34 @@ mod tests {
 
     #[test]
     fn with_no_prefix_anywhere_the_nearest_region_with_room_wins() {
-        let mut v = View::new("eu", 64);
-        v.regions.measured("eu", "us", 90.0);
-        v.regions.measured("eu", "ap", 30.0);
-        v.remote_regions.insert("us".into(), offer("us", 0, vec![]));
-        v.remote_regions.insert("ap".into(), offer("ap", 0, vec![]));
+        let v = eu_with_empty_us_and_nearer_ap();
         let keys = doc_keys();
         let c = CostModel::default();
         let got = choose_region(&v, &c, &ask(&keys, 4_000), T);
         assert_eq!(got.as_deref(), Some("ap"));
+    }
+
+    #[test]
+    fn a_region_whose_targets_all_failed_is_skipped_until_its_mark_expires() {
+        let mut v = eu_with_empty_us_and_nearer_ap();
+        let keys = doc_keys();
+        let c = CostModel::default();
+        v.mark_unreachable("ap", T, T + Duration::from_secs(5));
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys, 4_000), T).as_deref(),
+            Some("us")
+        );
+        let later = T + Duration::from_secs(5);
+        assert_eq!(
+            choose_region(&v, &c, &ask(&keys, 4_000), later).as_deref(),
+            Some("ap")
+        );
+        // Bounded whatever fails: made-up regions evict the soonest to expire.
+        for i in 0..(2 * crate::core::region_offer::MAX_REMOTE_REGIONS as u64) {
+            let r = format!("r{i}");
+            v.mark_unreachable(&r, T, T + Duration::from_secs(10 + i));
+        }
+        assert!(v.unreachable_regions.len() <= crate::core::region_offer::MAX_REMOTE_REGIONS);
     }
 
     #[test]

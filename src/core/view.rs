@@ -176,6 +176,11 @@ pub struct View {
     /// gossip: those regions' replicas are not in this view). The driver keeps at most
     /// [`super::region_offer::MAX_REMOTE_REGIONS`].
     pub remote_regions: BTreeMap<String, RegionOffer>,
+    /// Regions whose every forwarding target just failed, with the time (the router's clock)
+    /// until which forwarding skips them: a region gone dark is still in its record until the
+    /// region layer declares its representatives dead. At most
+    /// [`super::region_offer::MAX_REMOTE_REGIONS`] (see [`View::mark_unreachable`]).
+    pub unreachable_regions: BTreeMap<String, Duration>,
     replicas: Vec<ReplicaState>,
     index: HashMap<String, usize>,
 }
@@ -190,9 +195,36 @@ impl View {
             overlay_ttl: Duration::from_secs(10),
             peer_tips: PeerTips::default(),
             remote_regions: BTreeMap::new(),
+            unreachable_regions: BTreeMap::new(),
             replicas: Vec::new(),
             index: HashMap::new(),
         }
+    }
+
+    /// Forwarding skips `region` until `until` (the router's clock). Expired entries go first;
+    /// past the cap the soonest to expire goes, so the map stays bounded whatever fails.
+    pub fn mark_unreachable(&mut self, region: &str, now: Duration, until: Duration) {
+        self.unreachable_regions.retain(|_, u| *u > now);
+        if !self.unreachable_regions.contains_key(region)
+            && self.unreachable_regions.len() >= super::region_offer::MAX_REMOTE_REGIONS
+        {
+            let soonest = self
+                .unreachable_regions
+                .iter()
+                .min_by_key(|(_, u)| **u)
+                .map(|(r, _)| r.clone());
+            if let Some(r) = soonest {
+                self.unreachable_regions.remove(&r);
+            }
+        }
+        self.unreachable_regions.insert(region.to_owned(), until);
+    }
+
+    /// Whether forwarding skips `region` at `now` ([`View::mark_unreachable`]).
+    pub fn is_unreachable(&self, region: &str, now: Duration) -> bool {
+        self.unreachable_regions
+            .get(region)
+            .is_some_and(|until| *until > now)
     }
 
     /// Adds or updates a replica's static facts; returns its index. Indexes are stable for the

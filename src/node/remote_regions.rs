@@ -7,6 +7,7 @@
 //! `core::region_offer`).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use super::mesh_state::Peer;
 use super::state::Node;
@@ -16,7 +17,29 @@ use crate::core::region_offer::{
 };
 use crate::mesh::region_record::RegionRecord;
 
+/// How long forwarding skips a region whose every named node failed: longer than the region
+/// layer takes to drop a dark region's record (4 s by default), short enough that a region
+/// that was only briefly unreachable is tried again soon.
+pub const REGION_UNREACHABLE_FOR: Duration = Duration::from_secs(5);
+
 impl Node {
+    /// Forwarding skips `region` for [`REGION_UNREACHABLE_FOR`]: every node its record named
+    /// failed before answering (`proxy::region_forward`).
+    pub fn mark_region_unreachable(&self, region: &str) {
+        let now = self.now();
+        let fresh = {
+            let mut core = self.lock();
+            let fresh = !core.view.is_unreachable(region, now);
+            core.view
+                .mark_unreachable(region, now, now + REGION_UNREACHABLE_FOR);
+            fresh
+        };
+        // Concurrent forwards that failed together warn once.
+        if fresh {
+            tracing::warn!(%region, for_s = REGION_UNREACHABLE_FOR.as_secs(), "every node of the region failed: forwarding skips it");
+        }
+    }
+
     /// This region's offer to the others, from this node's view: its replicas' room and
     /// queues, and the prefixes it routed most that some replica of the region still holds.
     pub(super) fn region_offer(&self) -> RegionOffer {

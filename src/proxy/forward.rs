@@ -450,7 +450,7 @@ async fn proxy(
                 if let Some(t) = trace {
                     t.forwarding(&region, reason);
                 }
-                return region_forward::forward(
+                match region_forward::forward(
                     node,
                     &region,
                     reason,
@@ -459,7 +459,18 @@ async fn proxy(
                     body.clone(),
                     trace.map(RequestTrace::span),
                 )
-                .await;
+                .await
+                {
+                    Ok(resp) => return Ok(resp),
+                    // Nothing reached the client: route again without that region (it may
+                    // have gone dark while its record still stands).
+                    Err(region_forward::ForwardError::RegionFailed(e)) => {
+                        node.mark_region_unreachable(&region);
+                        last_error = Some(e);
+                        continue;
+                    }
+                    Err(region_forward::ForwardError::Unavailable(e)) => return Err(e),
+                }
             }
             (Decision::Forward { region, .. }, _) if attempt == 0 => {
                 return Err(ApiError::unavailable(format!(

@@ -7,8 +7,10 @@
 //! request as `forwarded`, and with `debug_headers` echoes the hop header while the forwarding
 //! node adds `x-kvmesh-forwarded-to: <node>`. Peers are tried nearest first by QUIC RTT in 5 ms steps
 //! (random among equally near ones, unmeasured ones last); one that fails before answering
-//! (connect error, timeout, 500/502/503/504) gives way to the next, and when none is left the
-//! answer is 503.
+//! (connect error, timeout, 500/502/503/504) gives way to the next. When none is left the
+//! caller marks the region unreachable for a few seconds (its record outlives a region gone
+//! dark by the region layer's failure detection) and routes once more, to the next region;
+//! with none, the answer is 503.
 //!
 //! When the node traces, each try of a peer is a client span `kvmesh.forward` whose context is
 //! the forwarded request's `traceparent`: the receiving node's span continues the same trace.
@@ -41,12 +43,22 @@ const FORWARD_RTT_STEP_MS: u128 = 5;
 /// Response header naming the node a request was forwarded to.
 pub const FORWARDED_TO_HEADER: &str = "x-kvmesh-forwarded-to";
 
+/// Why a forward did not answer.
+pub enum ForwardError {
+    /// Every node of the region that the record names failed before answering (or it named
+    /// none): the region may have gone dark, and another region may still serve.
+    RegionFailed(ApiError),
+    /// This node cannot forward at all.
+    Unavailable(ApiError),
+}
+
 /// Forwards a request the router sent to `region`: to a live node there (nearest by QUIC RTT in
 /// 5 ms steps, random among equally near ones, unmeasured ones last), with the hop header; a node
 /// that fails before answering (connect error, first-byte timeout, 500/502/503/504) gives way to
 /// the next; the answer streams back unbuffered. `trace` is the request's span when the node
 /// traces: each try gets a child span, sent on as the request's trace context, and the request
-/// span stays open while the answer streams.
+/// span stays open while the answer streams. When every node failed the caller may mark the
+/// region unreachable and route again ([`ForwardError::RegionFailed`]).
 pub async fn forward(
     node: &Arc<Node>,
     region: &str,
@@ -55,7 +67,7 @@ pub async fn forward(
     headers: &HeaderMap,
     body: Bytes,
     trace: Option<&Span>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ForwardError> {
     let metrics = node.mesh_slot().metrics.get();
     let count = |outcome: &str| {
         if let Some(m) = metrics {
@@ -80,9 +92,9 @@ pub async fn forward(
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
     let Some(client) = node.peer_client.get() else {
         count("unavailable");
-        return Err(ApiError::unavailable(
+        return Err(ForwardError::Unavailable(ApiError::unavailable(
             "no local replica can serve this request and this node cannot forward",
-        ));
+        )));
     };
     for peer in &peers {
         let span = trace.map(|parent| {
@@ -129,9 +141,9 @@ pub async fn forward(
     }
     count("unavailable");
     // The client learns the region (it chose none) but no node names or addresses.
-    Err(ApiError::unavailable(format!(
+    Err(ForwardError::RegionFailed(ApiError::unavailable(format!(
         "no local replica can serve this request and forwarding to region '{region}' failed"
-    )))
+    ))))
 }
 
 /// Streams another node's answer back, cutting it after the idle timeout; `span` (the request's,

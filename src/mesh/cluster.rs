@@ -738,21 +738,7 @@ impl Mesh {
     /// Distances between regions from every live member's published RTTs (a pair measured by
     /// several nodes takes the smallest figure), ready for the router.
     pub async fn region_map(&self) -> RegionMap {
-        let live = self.live_nodes().await;
-        let mut best: HashMap<(String, String), f64> = HashMap::new();
-        for m in &live {
-            let Some(from) = m.region() else { continue };
-            for (to, ms) in &m.rtt.ms {
-                let key = (from.to_owned(), to.clone());
-                let v = best.entry(key).or_insert(f64::INFINITY);
-                *v = v.min(f64::from(*ms));
-            }
-        }
-        let mut map = RegionMap::default();
-        for ((a, b), ms) in best {
-            map.measured(&a, &b, ms);
-        }
-        map
+        region_map_of(&self.live_nodes().await)
     }
 
     /// Stops gossip (peers see this node go silent and declare it dead) and closes the endpoint.
@@ -816,31 +802,84 @@ impl super::regional::AsyncRelay for Relay<'_> {
     }
 }
 
+/// Distances between regions from `live` members' published RTTs (a pair measured by
+/// several members takes the smallest figure).
+pub fn region_map_of(live: &[Member]) -> RegionMap {
+    let mut best: HashMap<(String, String), f64> = HashMap::new();
+    for m in live {
+        let Some(from) = m.region() else { continue };
+        for (to, ms) in &m.rtt.ms {
+            let key = (from.to_owned(), to.clone());
+            let v = best.entry(key).or_insert(f64::INFINITY);
+            *v = v.min(f64::from(*ms));
+        }
+    }
+    let mut map = RegionMap::default();
+    for ((a, b), ms) in best {
+        map.measured(&a, &b, ms);
+    }
+    map
+}
+
+/// Homes of replicas among live members, the regions' node lists built once: a sync round
+/// looks up every replica's home several times.
+pub struct LiveHomes<'a> {
+    table: home::HomeTable<'a>,
+    live: &'a [Member],
+}
+
+impl<'a> LiveHomes<'a> {
+    pub fn new(live: &'a [Member]) -> Self {
+        let table = home::HomeTable::new(
+            live.iter()
+                .filter(|m| m.live)
+                .filter_map(|m| Some((m.node_id.as_str(), m.region()?))),
+        );
+        Self { table, live }
+    }
+
+    /// The node id of the home of `replica_id` in `region`.
+    pub fn home_id(&self, replica_id: &str, region: &str) -> Option<&'a str> {
+        self.table.home(replica_id, region)
+    }
+
+    /// The home's (id, QUIC address).
+    pub fn home(&self, replica_id: &str, region: &str) -> Option<(String, SocketAddr)> {
+        let id = self.home_id(replica_id, region)?;
+        // A restarted node may briefly appear twice; the newest generation is the one answering.
+        let m = self
+            .live
+            .iter()
+            .filter(|m| m.live && m.node_id == id && m.region() == Some(region))
+            .max_by_key(|m| m.generation)?;
+        Some((
+            m.node_id.clone(),
+            m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr),
+        ))
+    }
+}
+
 /// The home (id, address) of a replica among `live` members of `region`.
 pub fn home_in(live: &[Member], replica_id: &str, region: &str) -> Option<(String, SocketAddr)> {
-    let in_region: Vec<&Member> = live
-        .iter()
-        .filter(|m| m.live && m.region() == Some(region))
-        .collect();
-    let id = home::home_node(replica_id, in_region.iter().map(|m| m.node_id.as_str()))?;
-    // A restarted node may briefly appear twice; the newest generation is the one answering.
-    let m = in_region
-        .iter()
-        .filter(|m| m.node_id == id)
-        .max_by_key(|m| m.generation)?;
-    Some((
-        m.node_id.clone(),
-        m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr),
-    ))
+    LiveHomes::new(live).home(replica_id, region)
 }
 
 /// Replicas of `region` published by `live` members; see [`Mesh::replicas_in_region`].
 pub fn replicas_in_region(live: &[Member], region: &str) -> Vec<ReplicaEntry> {
-    let mut by_id: BTreeMap<String, Vec<ReplicaEntry>> = BTreeMap::new();
+    replicas_in_region_with(live, &LiveHomes::new(live), region)
+}
+
+/// [`replicas_in_region`] with the homes already tabled.
+pub fn replicas_in_region_with(
+    live: &[Member],
+    homes: &LiveHomes<'_>,
+    region: &str,
+) -> Vec<ReplicaEntry> {
+    let mut by_id: BTreeMap<&str, Vec<ReplicaEntry>> = BTreeMap::new();
     for m in live.iter().filter(|m| m.live) {
         let addr = m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr);
         for (id, r) in m.replicas.iter().filter(|(_, r)| r.region == region) {
-            by_id.entry(id.clone()).or_default().push(ReplicaEntry {
+            by_id.entry(id).or_default().push(ReplicaEntry {
                 id: id.clone(),
                 publisher: m.node_id.clone(),
                 publisher_addr: addr,
@@ -852,7 +891,7 @@ pub fn replicas_in_region(live: &[Member], region: &str) -> Vec<ReplicaEntry> {
     by_id
         .into_iter()
         .filter_map(|(id, mut entries)| {
-            if let Some((home, _)) = home_in(live, &id, region) {
+            if let Some(home) = homes.home_id(id, region) {
                 if let Some(i) = entries.iter().position(|e| e.publisher == home) {
                     let mut e = entries.swap_remove(i);
                     e.home = true;

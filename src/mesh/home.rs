@@ -6,7 +6,7 @@
 //! agree once gossip has converged; when a node dies only the replicas it was home for move (the
 //! others keep their home and its warm cache model), and no coordination is needed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::core::affinity;
 
@@ -27,25 +27,50 @@ pub fn home_node<'a>(
     ids.get(i).copied()
 }
 
+/// The live nodes of every region, sorted and deduplicated once with their rendezvous seeds,
+/// so the homes of many replicas cost one score per node each (a sync round looks up every
+/// replica's home several times). Agrees with [`home_node`] on every replica.
+pub struct HomeTable<'a> {
+    /// Per region: (node id, its seed), sorted by id, without duplicates.
+    by_region: HashMap<&'a str, Vec<(&'a str, u64)>>,
+}
+
+impl<'a> HomeTable<'a> {
+    /// `live` is (node id, region).
+    pub fn new(live: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut by_region: HashMap<&str, Vec<(&str, u64)>> = HashMap::new();
+        for (node, region) in live {
+            by_region
+                .entry(region)
+                .or_default()
+                .push((node, affinity::replica_seed(node)));
+        }
+        for nodes in by_region.values_mut() {
+            nodes.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            nodes.dedup_by(|a, b| a.0 == b.0);
+        }
+        Self { by_region }
+    }
+
+    /// The home of `replica_id` among `region`'s nodes; `None` when the region has none.
+    pub fn home(&self, replica_id: &str, region: &str) -> Option<&'a str> {
+        let nodes = self.by_region.get(region)?;
+        let i = affinity::preferred(replica_id.as_bytes(), nodes.iter().map(|(_, seed)| *seed))?;
+        nodes.get(i).map(|(id, _)| *id)
+    }
+}
+
 /// Homes of many replicas: `replicas` is (replica id, region), `live` is (node id, region).
 /// Replicas of a region without live nodes get no home.
 pub fn assign_homes<'a>(
     replicas: impl IntoIterator<Item = (&'a str, &'a str)>,
     live: impl IntoIterator<Item = (&'a str, &'a str)>,
 ) -> BTreeMap<&'a str, &'a str> {
-    let mut by_region: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (node, region) in live {
-        by_region.entry(region).or_default().push(node);
-    }
-    let mut out = BTreeMap::new();
-    for (replica, region) in replicas {
-        if let Some(nodes) = by_region.get(region) {
-            if let Some(home) = home_node(replica, nodes.iter().copied()) {
-                out.insert(replica, home);
-            }
-        }
-    }
-    out
+    let table = HomeTable::new(live);
+    replicas
+        .into_iter()
+        .filter_map(|(replica, region)| Some((replica, table.home(replica, region)?)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -82,6 +107,21 @@ mod tests {
     }
 
     proptest! {
+        /// The table answers what `home_node` answers, duplicates and other regions aside.
+        #[test]
+        fn the_table_agrees_with_home_node(n in 1usize..16, dup in 0usize..4, replicas in 1usize..100) {
+            let nodes: Vec<String> = (0..n).map(|i| format!("node-{i}")).collect();
+            let mut live: Vec<(&str, &str)> = nodes.iter().map(|s| (s.as_str(), "eu")).collect();
+            live.extend(nodes.iter().take(dup).map(|s| (s.as_str(), "eu")));
+            live.push(("other", "us"));
+            let table = HomeTable::new(live.iter().copied());
+            for r in 0..replicas {
+                let id = format!("replica-{r}");
+                prop_assert_eq!(table.home(&id, "eu"), home_node(&id, nodes.iter().map(|s| s.as_str())));
+            }
+            prop_assert_eq!(table.home("r", "ap"), None);
+        }
+
         /// When a node dies, only the replicas it was home for move.
         #[test]
         fn only_the_dead_nodes_replicas_move(n in 2usize..12, dead in 0usize..12, replicas in 1usize..200) {

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use super::admin::AdminRecord;
 use super::hot_record::HotRecord;
@@ -12,6 +13,9 @@ use super::region_record::RegionRecord;
 use super::schema::{HomesRecord, InflightRecord, NodeRecord, ReplicaRecord, RttRecord};
 
 /// One member of the cluster as this node sees it.
+///
+/// Its records sit behind `Arc`s: members are decoded once per state change and handed out
+/// every sync round, so a clone must not copy every replica record.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Member {
     /// Node id.
@@ -28,20 +32,20 @@ pub struct Member {
     /// Its `node` record; `None` until gossiped, or when malformed.
     pub node: Option<NodeRecord>,
     /// The replica records it publishes (as home), by replica id.
-    pub replicas: BTreeMap<String, ReplicaRecord>,
+    pub replicas: Arc<BTreeMap<String, ReplicaRecord>>,
     /// Its in-flight counts.
-    pub inflight: InflightRecord,
+    pub inflight: Arc<InflightRecord>,
     /// Its measured RTTs by region.
-    pub rtt: RttRecord,
+    pub rtt: Arc<RttRecord>,
     /// Its homes marker, once it published one.
     pub homes: Option<HomesRecord>,
     /// Its heaviest prefixes (empty when it publishes none, or a malformed record).
-    pub hot: HotRecord,
+    pub hot: Arc<HotRecord>,
     /// The operator commands it took, by replica id (at most `MAX_ADMIN_RECORDS` read).
-    pub admin: BTreeMap<String, AdminRecord>,
+    pub admin: Arc<BTreeMap<String, AdminRecord>>,
     /// Other regions' records it relays as a representative, by region (regional layout; at
     /// most `MAX_REMOTE_REGIONS` read).
-    pub regions: BTreeMap<String, RegionRecord>,
+    pub regions: Arc<BTreeMap<String, RegionRecord>>,
 }
 
 impl Member {

@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use chitchat::ChitchatId;
 use tracing::debug;
@@ -177,18 +178,18 @@ fn decode(
         live: false,
         is_self: false,
         node,
-        replicas,
-        inflight,
-        rtt,
+        replicas: Arc::new(replicas),
+        inflight: Arc::new(inflight),
+        rtt: Arc::new(rtt),
         homes,
-        hot,
-        admin,
-        regions: by_replica(
+        hot: Arc::new(hot),
+        admin: Arc::new(admin),
+        regions: Arc::new(by_replica(
             state,
             REGION_PREFIX,
             MAX_REMOTE_REGIONS,
             RegionRecord::decode,
             bad,
-        ),
+        )),
     }
 }

@@ -142,7 +142,7 @@ pub(super) async fn round(
     // Every other region's record as the region's representatives relay it (newest wins).
     let mut records: BTreeMap<String, RegionRecord> = BTreeMap::new();
     for m in &mine {
-        for (name, rec) in &m.regions {
+        for (name, rec) in m.regions.iter() {
             if *name == rec.region {
                 take_newer(&mut records, rec, region);
             }

@@ -238,7 +238,7 @@ impl Node {
             .iter()
             .filter(|m| !m.is_self && m.region() == Some(local))
         {
-            for (id, r) in &m.admin {
+            for (id, r) in m.admin.iter() {
                 let old = newest.get(id.as_str()).map(|(r, by)| (r.stamp_ms, *by));
                 if admin::supersedes(r.stamp_ms, &m.node_id, old) {
                     newest.insert(id, (r, &m.node_id));

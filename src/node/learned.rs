@@ -316,7 +316,7 @@ impl Ignored {
 mod tests {
     use super::*;
     use crate::core::view::Health;
-    use crate::mesh::schema::{InflightRecord, SCHEMA_VERSION};
+    use crate::mesh::schema::SCHEMA_VERSION;
     use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
     use crate::mesh::Member;
     use crate::node::config::{MeshSection, NodeConfig};
@@ -392,13 +392,13 @@ mod tests {
                 version: "t".into(),
                 generation: 1,
             }),
-            replicas: BTreeMap::new(),
-            inflight: InflightRecord::default(),
+            replicas: Default::default(),
+            inflight: Default::default(),
             hot: Default::default(),
             rtt: Default::default(),
             homes: None,
             admin: Default::default(),
-            regions: BTreeMap::new(),
+            regions: Default::default(),
         }
     }
 
@@ -476,7 +476,7 @@ mod tests {
             })
             .unwrap();
         let e = entry(&id, "p", "http://127.0.0.1:8001", true);
-        p.replicas.insert(id.clone(), e.record.clone());
+        Arc::make_mut(&mut p.replicas).insert(id.clone(), e.record.clone());
         let (i, new) = n.learn_replica(&e, false, &policy).unwrap();
         assert!(new);
         let records = BTreeMap::from([(id.clone(), e.clone())]);

@@ -34,7 +34,7 @@ use super::mesh_state::PullKind;
 use super::metrics::MeshMetrics;
 use super::state::Node;
 use crate::mesh::cert_resolver::ReloadableCert;
-use crate::mesh::cluster::{home_in, replicas_in_region};
+use crate::mesh::cluster::{region_map_of, replicas_in_region_with, LiveHomes};
 use crate::mesh::hot_record::HotRecord;
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
@@ -222,9 +222,9 @@ async fn sync_once(
     stop: &watch::Receiver<bool>,
 ) {
     let members = mesh.members().await;
-    let live: Vec<Member> = members.iter().filter(|m| m.live).cloned().collect();
-    metrics.live_members.set(live.len() as i64);
     node.set_mesh_members(&members);
+    let live: Vec<Member> = members.into_iter().filter(|m| m.live).collect();
+    metrics.live_members.set(live.len() as i64);
     let stats = mesh.stats();
     metrics.add_stats(
         &st.last_stats,
@@ -255,9 +255,10 @@ async fn sync_once(
         .iter()
         .flat_map(|m| m.replicas.values().map(|r| r.region.clone()))
         .collect();
+    let homes = LiveHomes::new(&live);
     let mut records = BTreeMap::new();
     for region in &regions {
-        for e in replicas_in_region(&live, region) {
+        for e in replicas_in_region_with(&live, &homes, region) {
             records.insert(e.id.clone(), e);
         }
     }
@@ -266,10 +267,10 @@ async fn sync_once(
     // node, its home): kept out of the view, counted once each.
     let mut published: HashSet<(String, String)> = HashSet::new();
     for m in live.iter().filter(|m| !m.is_self) {
-        for (id, r) in &m.replicas {
+        for (id, r) in m.replicas.iter() {
             published.insert((id.clone(), m.node_id.clone()));
-            let home = home_in(&live, id, &r.region).map(|(h, _)| h);
-            if home.as_deref() != Some(m.node_id.as_str()) && home.as_deref() != Some(self_id) {
+            let home = homes.home_id(id, &r.region);
+            if home != Some(m.node_id.as_str()) && home != Some(self_id) {
                 let err = LearnError::NotHome {
                     id: id.clone(),
                     publisher: m.node_id.clone(),
@@ -283,7 +284,7 @@ async fn sync_once(
         if e.publisher == self_id {
             continue;
         }
-        let me_home = home_in(&live, &e.id, &e.record.region).is_some_and(|(h, _)| h == self_id);
+        let me_home = homes.home_id(&e.id, &e.record.region) == Some(self_id);
         match node.learn_replica(e, me_home, &st.policy) {
             Ok((i, true)) => {
                 tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
@@ -306,7 +307,7 @@ async fn sync_once(
         }
     }
 
-    let mut map = mesh.region_map().await;
+    let mut map = region_map_of(&live);
     for d in &section.distance {
         map.configure(&d.a, &d.b, d.ms);
     }

@@ -48,7 +48,7 @@ use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
 use crate::core::tenants::Tenants;
 use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
-use crate::mesh::cluster::{home_in, GossipLayout};
+use crate::mesh::cluster::{GossipLayout, LiveHomes};
 use crate::mesh::load_share::LoadUpdate;
 use crate::mesh::replica_load::RecordChange;
 use crate::mesh::schema::{InflightRecord, ReplicaRecord, SummaryVersion};
@@ -264,6 +264,7 @@ impl Node {
         let mut guard = self.lock();
         let core = &mut *guard;
         let local = core.view.local_region.clone();
+        let homes = LiveHomes::new(live);
         for i in 0..core.replicas.len() {
             let Some(r) = core.view.replica(i) else {
                 continue;
@@ -277,7 +278,7 @@ impl Node {
                 }
                 continue;
             }
-            let home = home_in(live, &info.id, &info.region);
+            let home = homes.home(&info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
             if rt.mesh.learned {
                 // A learned replica stays while the node that vouches for it is live and some
@@ -776,6 +777,7 @@ impl MeshHandler for Handler {
 mod tests {
     use super::*;
     use crate::core::summary::SummaryConfig;
+    use crate::mesh::cluster::home_in;
     use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
     use crate::node::config::{MeshSection, NodeConfig};
     use crate::replicas::entry::ReplicaConfig;
@@ -798,13 +800,13 @@ mod tests {
                 version: "t".into(),
                 generation: 1,
             }),
-            replicas: BTreeMap::new(),
-            inflight: InflightRecord::default(),
+            replicas: Default::default(),
+            inflight: Default::default(),
             hot: Default::default(),
             rtt: Default::default(),
             homes: None,
             admin: Default::default(),
-            regions: BTreeMap::new(),
+            regions: Default::default(),
         }
     }
 
@@ -951,7 +953,7 @@ mod tests {
             Some(live[1].gossip_addr)
         );
         let mut taken = live.clone();
-        taken[1].replicas.insert(theirs.clone(), rec.clone());
+        Arc::make_mut(&mut taken[1].replicas).insert(theirs.clone(), rec.clone());
         let plan = node.apply_membership("a", &taken, &records);
         assert!(plan.unpublish.contains(&theirs));
         let (id, to, keys) = plan

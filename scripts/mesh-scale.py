@@ -601,6 +601,8 @@ def main():
     ap.add_argument("--gossip-ms", type=int, default=0,
                     help="mesh.gossip_interval_ms for every node (default: the node's default)")
     ap.add_argument("--layout", default="", help='mesh.layout ("regional" or "flat"; default: the node\'s)')
+    ap.add_argument("--load-share-budget-kib-s", type=int, default=0,
+                    help="mesh.load_share_budget_kib_s for every node (default: the node's default)")
     ap.add_argument("--worker-threads", type=int, default=0,
                     help="TOKIO_WORKER_THREADS for every node (default: one per core); with a hundred "
                          "nodes on a 2-core machine, 1 saves the cross-thread wake-ups")
@@ -651,7 +653,8 @@ def main():
     for node in nodes:
         cfg = os.path.join(out, "configs", node["id"] + ".toml")
         extra = [f"{k} = {v}" for k, v in (("gossip_interval_ms", args.gossip_ms),
-                                             ("layout", f'"{args.layout}"' if args.layout else None))
+                                             ("layout", f'"{args.layout}"' if args.layout else None),
+                                             ("load_share_budget_kib_s", args.load_share_budget_kib_s))
                  if v]
         write_config(cfg, node, certs, seeds, [r for r in replicas if r["owner"] == node["id"]],
                      extra)

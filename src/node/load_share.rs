@@ -7,7 +7,8 @@
 //! node's cost model sees the region's load as one router would.
 //!
 //! The task [`share_load`] wakes when this node's counts change (`NodeMesh::load_changed`,
-//! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush, and
+//! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush (longer when the last flush's bytes
+//! need it: `load_share_budget_kib_s`, [`Pacing`]), and
 //! sends the changed counts, with the tips of the prompts routed since (`core/peer_tips.rs`), to
 //! every live node of its region; every second it re-sends all non-zero counts. Tips a peer sends
 //! join the view's `peer_tips` for the replicas of this region this node knows, bounded in
@@ -213,10 +214,29 @@ impl Node {
 }
 
 /// Sends this node's load to its region's nodes until `stop` (see the module comment).
+/// How often [`share_load`] may flush.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pacing {
+    /// Least pause after a flush (`mesh.load_share_interval_ms`).
+    pub floor: Duration,
+    /// Most bytes sent per second to all peers together (`mesh.load_share_budget_kib_s`).
+    pub bytes_per_s: u64,
+}
+
+impl Pacing {
+    /// The pause after a flush that sent `sent` bytes (every datagram times every peer): the
+    /// floor, or as long as the budget needs to have paid for them, at most a second (so even
+    /// a flush larger than a second's budget leaves the next refresh on time).
+    pub fn pause_after(&self, sent: u64) -> Duration {
+        let for_budget = Duration::from_secs_f64(sent as f64 / self.bytes_per_s.max(1) as f64);
+        self.floor.max(for_budget.min(Duration::from_secs(1)))
+    }
+}
+
 pub(super) async fn share_load(
     node: Arc<Node>,
     mesh: Arc<Mesh>,
-    interval: Duration,
+    pacing: Pacing,
     mut stop: watch::Receiver<bool>,
 ) {
     let cfg = LoadShareConfig::default();
@@ -238,13 +258,16 @@ pub(super) async fn share_load(
             node.prune_peer_loads(&peers.iter().copied().collect());
         }
         let datagrams = node.load_datagrams(&mut publisher);
+        let mut sent = 0u64;
         for d in &datagrams {
             for p in &peers {
                 mesh.transport().send_load(*p, d);
             }
+            sent += (d.len() * peers.len()) as u64;
         }
-        // Coalesce: changes during this pause go out together in the next flush.
-        tokio::time::sleep(interval).await;
+        // Coalesce: changes during this pause go out together in the next flush. The pause
+        // grows with what the flush cost, so a large region's bytes stay bounded.
+        tokio::time::sleep(pacing.pause_after(sent)).await;
     }
 }
 
@@ -269,6 +292,31 @@ mod tests {
             kv_load: None,
         });
         v
+    }
+
+    #[test]
+    fn a_small_regions_flushes_keep_the_floor_and_a_large_ones_pay_for_their_bytes() {
+        let p = Pacing {
+            floor: Duration::from_millis(2),
+            bytes_per_s: 128 * 1024,
+        };
+        // 3 nodes: a 100-byte update to 2 peers is far under the budget.
+        assert_eq!(p.pause_after(200), Duration::from_millis(2));
+        // 100 nodes: the same update to 99 peers costs ~74 ms of budget.
+        let big = p.pause_after(9_900);
+        assert!(
+            big > Duration::from_millis(70) && big < Duration::from_millis(80),
+            "{big:?}"
+        );
+        // Whatever was sent, a flush waits at most a second (the refresh period).
+        assert_eq!(p.pause_after(u64::MAX), Duration::from_secs(1));
+        // Over any run of flushes, bytes sent / time paused ≤ the budget (or the floor rules).
+        let total: u64 = [200, 9_900, 50_000, 1].iter().sum();
+        let paused: Duration = [200, 9_900, 50_000, 1]
+            .iter()
+            .map(|b| p.pause_after(*b))
+            .sum();
+        assert!(total as f64 / paused.as_secs_f64() <= 128.0 * 1024.0 + 1.0);
     }
 
     #[test]

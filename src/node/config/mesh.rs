@@ -69,6 +69,14 @@ pub struct MeshSection {
     /// `mesh/load_share.rs`); 0 turns load sharing off (peers' load then comes only from the
     /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
     pub load_share_interval_ms: u64,
+    /// Most load-sharing bytes this node sends per second, to all its region's nodes together
+    /// (KiB/s): after each flush it pauses long enough to stay under it. A node's updates go
+    /// to every other node of its region, so without a bound their bytes would grow with the
+    /// region; with it a node sends at most this and, as every peer does the same, receives
+    /// at most about as much. Small regions never reach it (3 nodes: a few KiB/s); a large busy
+    /// region trades freshness for it (100 nodes: a flush every ~60-80 ms). Default 128,
+    /// 1 to 65,536.
+    pub load_share_budget_kib_s: u32,
     /// Least time between two publications of a replica's changing state (load, summary
     /// version, KV shares) by its home (ms; `mesh/replica_load.rs`). A fact, a health change, a
     /// new summary epoch or a new scrape goes out at once. Its region's nodes hear of each
@@ -133,6 +141,7 @@ impl Default for MeshSection {
             warmup_timeout_ms: 5_000,
             distance: Vec::new(),
             load_share_interval_ms: 2,
+            load_share_budget_kib_s: 128,
             replica_load_interval_ms: 1_000,
             learn_replicas_from: Vec::new(),
             max_learned_replicas_per_peer: 256,
@@ -185,6 +194,12 @@ impl MeshSection {
         }
         if self.load_share_interval_ms > 1_000 {
             return Err(invalid("mesh.load_share_interval_ms", "at most 1000"));
+        }
+        if !(1..=65_536).contains(&self.load_share_budget_kib_s) {
+            return Err(invalid(
+                "mesh.load_share_budget_kib_s",
+                "must be 1 to 65536",
+            ));
         }
         if self.cluster_id.as_deref() == Some("") {
             return Err(invalid(

@@ -102,10 +102,10 @@ pub async fn start(
     // A node is started once; a second start would have failed registering the metrics above.
     let _ = node.mesh_slot().metrics.set(metrics.clone());
     if section.load_share_interval_ms > 0 {
-        let pacing = super::load_share::Pacing {
-            floor: Duration::from_millis(section.load_share_interval_ms),
-            bytes_per_s: u64::from(section.load_share_budget_kib_s) * 1024,
-        };
+        let pacing = super::load_share::Pacing::new(
+            Duration::from_millis(section.load_share_interval_ms),
+            u64::from(section.load_share_budget_kib_s) * 1024,
+        );
         tokio::spawn(super::load_share::share_load(
             Arc::clone(node),
             Arc::clone(&mesh),

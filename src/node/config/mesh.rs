@@ -70,12 +70,13 @@ pub struct MeshSection {
     /// gossiped records, 100 ms–1 s late). Default 2, at most 1,000.
     pub load_share_interval_ms: u64,
     /// Most load-sharing bytes this node sends per second, to all its region's nodes together
-    /// (KiB/s): after each flush it pauses long enough to stay under it. A node's updates go
-    /// to every other node of its region, so without a bound their bytes would grow with the
-    /// region; with it a node sends at most this and, as every peer does the same, receives
-    /// at most about as much. Small regions never reach it (3 nodes: a few KiB/s); a large busy
-    /// region trades freshness for it (100 nodes: a flush every ~60-80 ms). Default 128,
-    /// 1 to 65,536.
+    /// (KiB/s; a token bucket holding a quarter second, `node/load_share.rs::Pacing`). A node's
+    /// updates go to every other node of its region, so without a bound their bytes would grow
+    /// with the region; with it a node sends at most this and, as every peer does the same,
+    /// receives at most about as much. Small regions never reach it (3 nodes of the demo: ~4
+    /// KiB/s); a large busy region trades freshness for it (100 nodes: a flush every ~0.3 s
+    /// at the default). A flush waits at most a second, so a budget below one flush a second
+    /// (region nodes × ~100 B) is exceeded by that much. Default 32, 1 to 65,536.
     pub load_share_budget_kib_s: u32,
     /// Least time between two publications of a replica's changing state (load, summary
     /// version, KV shares) by its home (ms; `mesh/replica_load.rs`). A fact, a health change, a
@@ -141,7 +142,7 @@ impl Default for MeshSection {
             warmup_timeout_ms: 5_000,
             distance: Vec::new(),
             load_share_interval_ms: 2,
-            load_share_budget_kib_s: 128,
+            load_share_budget_kib_s: 32,
             replica_load_interval_ms: 1_000,
             learn_replicas_from: Vec::new(),
             max_learned_replicas_per_peer: 256,

@@ -7,9 +7,9 @@
 //! node's cost model sees the region's load as one router would.
 //!
 //! The task [`share_load`] wakes when this node's counts change (`NodeMesh::load_changed`,
-//! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush (longer when the last flush's bytes
-//! need it: `load_share_budget_kib_s`, [`Pacing`]), and
-//! sends the changed counts, with the tips of the prompts routed since (`core/peer_tips.rs`), to
+//! notified by routing and tickets), waits out `load_share_interval_ms` since its last flush
+//! (longer when the bytes sent need it: `load_share_budget_kib_s`, [`Pacing`]), and sends the
+//! changed counts, with the tips of the prompts routed since (`core/peer_tips.rs`), to
 //! every live node of its region; every second it re-sends all non-zero counts. Tips a peer sends
 //! join the view's `peer_tips` for the replicas of this region this node knows, bounded in
 //! length and wait ([`MAX_TIP_BLOCKS`], [`MAX_TIP_READY_MS`]) and in number (the store's cap). Received updates go through [`Node::apply_load_update`]: only from live
@@ -213,7 +213,6 @@ impl Node {
     }
 }
 
-/// Sends this node's load to its region's nodes until `stop` (see the module comment).
 /// How often [`share_load`] may flush: a floor between flushes, and a byte budget kept as a
 /// credit (a token bucket holding at most a quarter second of budget). A small region's
 /// flushes never exhaust it and keep the floor; a large busy one's flushes each send to many
@@ -253,11 +252,12 @@ impl Pacing {
         };
         self.at = Some(now);
         self.credit -= sent as f64;
-        let owed = Duration::from_secs_f64((-self.credit).max(0.0) / self.bytes_per_s);
-        self.floor.max(owed.min(Duration::from_secs(1)))
+        let owed_s = ((-self.credit).max(0.0) / self.bytes_per_s).min(1.0);
+        self.floor.max(Duration::from_secs_f64(owed_s))
     }
 }
 
+/// Sends this node's load to its region's nodes until `stop` (see the module comment).
 pub(super) async fn share_load(
     node: Arc<Node>,
     mesh: Arc<Mesh>,
@@ -324,8 +324,8 @@ mod tests {
     fn a_small_regions_flushes_keep_the_floor_and_a_large_ones_pay_for_their_bytes() {
         let ms = Duration::from_millis;
         let budget = 32 * 1024;
-        // 3 nodes: 200 bytes (100 to each of 2 peers) every 2 ms is 100 KB/s, over the budget
-        // only in bursts; 10 flushes ride on the credit.
+        // 3 nodes: a burst of 10 flushes of 200 bytes (100 to each of 2 peers), 2 ms apart,
+        // rides on the credit.
         let mut small = Pacing::new(ms(2), budget);
         let mut t = Duration::ZERO;
         for _ in 0..10 {

@@ -23,7 +23,11 @@
 //! node sends at most `peers × (1 / min_interval)` datagrams a second of at most
 //! [`MAX_LOAD_UPDATE_BYTES`] (in practice one entry of ~25 bytes per changed replica and one tip
 //! of ~35 bytes per routed request; tips beyond what one flush can carry split into more
-//! datagrams, and the node keeps at most 1,024 between flushes). Bounded in trust: a peer's claim for a replica counts at most the
+//! datagrams, and the node keeps at most 1,024 between flushes). That bound grows with the
+//! region (every update goes to every peer), so the node also paces its flushes by a byte
+//! budget, `mesh.load_share_budget_kib_s` sent per second (`node/load_share.rs::Pacing`): it
+//! receives about as much from peers doing the same, whatever the region's size.
+//! Bounded in trust: a peer's claim for a replica counts at most the
 //! replica's `max_in_flight` requests and [`LoadShareConfig::max_tokens_per_request`] tokens per
 //! request; claims for replicas this node does not know are ignored; at most
 //! [`LoadShareConfig::max_peers`] peers and [`LoadShareConfig::max_entries_per_peer`] entries a

@@ -7,8 +7,10 @@
 //! members at a fifth of the rate; every node receives R − 1 relayed region records, each
 //! republished at most every `region_interval` when it changed. Within the region, the churn is
 //! the region's replicas' changing parts (`rload:<id>`, ~70 B, at most once per
-//! `replica_load_interval` each: `replica_load.rs`) plus each node's `rtt` every 2 s. Nothing
-//! grows with the total node count N = P·R except through R. The live figures and the byte
+//! `replica_load_interval` each: `replica_load.rs`) plus each node's `rtt` every 2 s. Load
+//! sharing, beside gossip, adds at most about twice `load_share_budget_kib_s` (sent, and as
+//! much received; `node/load_share.rs`). Nothing grows with the total node count N = P·R except
+//! through R. The live figures and the byte
 //! model (`bench/sim_bytes.rs`) are in docs/benchmarks.md.
 
 use std::collections::{BTreeMap, BTreeSet};

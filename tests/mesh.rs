@@ -713,11 +713,9 @@ async fn srv_seed_discovery_joins_the_cluster() {
         let ca = ClusterCa::generate().unwrap();
         let a = start(&ca, "a", "eu", &[]).await;
         let dns = fake_srv_server(vec![a.addr().port()]).await;
-        let mut cfg = common::loopback_mesh(CLUSTER, "b", "eu", ca.issue("b").unwrap(), &[]);
+        let mut cfg = config(&ca, "b", "eu", &[]);
         cfg.seeds = vec!["srv:_kvmesh._udp.mesh.test.".into()];
         cfg.dns_server = Some(dns);
-        cfg.layout = GossipLayout::Flat;
-        cfg.gossip_interval = GOSSIP;
         let b = Mesh::start(cfg).await.unwrap();
         let changes = b.watch_changes().await.unwrap();
         for m in [&a, &b] {

@@ -318,8 +318,9 @@ struct Sim<'a> {
     offers: Published<Arc<Vec<RegionOffer>>>,
     /// When the region records were last published.
     offered: Option<Duration>,
-    /// With the regional layer: per region, how many routed prompts (decayed by half at each
-    /// record) started with each prefix at a power-of-two depth: the candidates for its heads.
+    /// With the regional layer: per region, the live representative's counter of the prefixes
+    /// (at power-of-two depths) its routed prompts started with, halved only when full: the
+    /// candidates for its heads.
     head_counts: Vec<RecentHeads>,
 
     nodes: Vec<SimNode>,

@@ -829,6 +829,8 @@ pub struct LiveHomes<'a> {
 }
 
 impl<'a> LiveHomes<'a> {
+    /// Tables the live members of `live` by region (members not live, or whose node record
+    /// has not arrived, are no one's home).
     pub fn new(live: &'a [Member]) -> Self {
         let table = home::HomeTable::new(
             live.iter()

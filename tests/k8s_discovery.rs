@@ -82,6 +82,10 @@ struct FakeApi {
     selectors: Mutex<Vec<String>>,
     /// Answer the next WATCH with HTTP 410 Gone.
     gone_once: AtomicBool,
+    /// Shut down: answer every request 503. A graceful shutdown keeps serving a keep-alive
+    /// connection's request already on its way, so a WATCH re-opened just as the server went
+    /// away would otherwise stay open (and the source never see the outage).
+    down: AtomicBool,
 }
 
 impl FakeApi {
@@ -142,6 +146,9 @@ async fn endpointslices(
         .lock()
         .unwrap()
         .push(q.get("labelSelector").cloned().unwrap_or_default());
+    if api.down.load(Ordering::SeqCst) {
+        return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
     if q.get("watch").map(String::as_str) == Some("1") {
         api.watches.fetch_add(1, Ordering::SeqCst);
         if api.gone_once.swap(false, Ordering::SeqCst) {
@@ -150,7 +157,15 @@ async fn endpointslices(
             return (axum::http::StatusCode::GONE, axum::Json(status)).into_response();
         }
         let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
-        api.watchers.lock().unwrap().push(tx);
+        {
+            // `down` is read under the watchers' lock, so `shutdown` (down, then clear) ends
+            // every watch, however this races with it.
+            let mut watchers = api.watchers.lock().unwrap();
+            if api.down.load(Ordering::SeqCst) {
+                return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+            }
+            watchers.push(tx);
+        }
         let stream = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
         });
@@ -204,6 +219,7 @@ impl FakeServer {
     }
 
     fn shutdown(&mut self) {
+        self.api.down.store(true, Ordering::SeqCst);
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

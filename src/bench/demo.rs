@@ -67,6 +67,11 @@ pub struct DemoArgs {
     /// connections, and send the workload to it: how users deploy several nodes.
     #[arg(long)]
     pub haproxy: bool,
+    /// Send the workload to the first this many nodes only (0: every node); the others still
+    /// gossip and share load. With 1, a mesh's decisions are one node's: what is left of a gap
+    /// to a lone node is the mesh's overhead, not split decisions.
+    #[arg(long, default_value_t = 0)]
+    pub entry_nodes: usize,
     /// Directory for the reports and charts.
     #[arg(long, default_value = "kvmesh-out/demo")]
     pub out: PathBuf,
@@ -266,9 +271,16 @@ async fn run_mesh(
             }
         }
         wait_ready(&nodes).await?;
-        let mut targets: Vec<String> = nodes.iter().map(|n| format!("http://{}", n.addr)).collect();
+        let entry = match args.entry_nodes {
+            0 => nodes.len(),
+            n => n.min(nodes.len()),
+        };
+        let mut targets: Vec<String> = nodes[..entry]
+            .iter()
+            .map(|n| format!("http://{}", n.addr))
+            .collect();
         if args.haproxy {
-            let addrs: Vec<_> = nodes.iter().map(|n| n.addr).collect();
+            let addrs: Vec<_> = nodes[..entry].iter().map(|n| n.addr).collect();
             let proxy = Haproxy::start(&addrs, true, certs.dir()).await?;
             targets = vec![proxy.url.clone()];
             front = Some(proxy);

@@ -101,14 +101,17 @@ impl Node {
                 core.view.tokens_per_block = bs;
             }
         }
-        let pending = rt.pending_prefill_tokens;
+        // The region's other nodes' pending prefill stays in: a scrape says nothing about it,
+        // and a home (the node that scrapes) dropping it every scrape interval routed as if the
+        // queue held only its own requests (the 3-node demo's late first tokens).
+        let queued = rt.queued_estimate();
         let to_u32 = |v: Option<f64>| v.map_or(0, |v| v.clamp(0.0, u32::MAX as f64) as u32);
         core.view.set_engine_load(
             i,
             to_u32(load.waiting),
             to_u32(load.running),
             load.kv_usage.unwrap_or(0.0).clamp(0.0, 1.0) as f32,
-            pending,
+            queued,
         );
         if let (Some(cap), false) = (load.capacity_tokens, rt.capacity_configured) {
             let known = core.view.replica(i).map_or(0, |r| r.info.capacity_tokens);
@@ -291,5 +294,65 @@ impl KvEventSink for Node {
             tracing::info!(replica = %self.id_of(i), block_size = bs, "token-mode block size from KV events");
             self.lock().view.tokens_per_block = bs;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::mesh::load_share::{LoadEntry, LoadUpdate};
+    use crate::node::config::NodeConfig;
+    use crate::node::state::Node;
+    use crate::replicas::entry::ReplicaConfig;
+    use crate::replicas::prom::EngineLoad;
+
+    #[test]
+    fn a_scrape_keeps_the_prefill_the_regions_other_nodes_queued() {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        {
+            let mut guard = node.lock();
+            let core = &mut *guard;
+            core.replicas[0].pending_prefill_tokens = 100;
+            let update = LoadUpdate {
+                origin: 1,
+                seq: 1,
+                entries: vec![LoadEntry {
+                    replica: "r0".into(),
+                    in_flight: 2,
+                    pending_tokens: 5_000,
+                }],
+                tips: Vec::new(),
+            };
+            let peer = "127.0.0.2:7000".parse().unwrap();
+            core.peer_loads
+                .apply(peer, update, Duration::ZERO, |_| Some(256))
+                .unwrap();
+            super::super::load_share::refresh_shared_load(core, 0, 1 << 21);
+            assert_eq!(
+                core.view.replica(0).unwrap().load.queued_prefill_tokens,
+                5_100
+            );
+        }
+        let scraped = EngineLoad {
+            waiting: Some(1.0),
+            running: Some(3.0),
+            ..EngineLoad::default()
+        };
+        node.apply_scrape(0, scraped).unwrap();
+        let core = node.lock();
+        let load = core.view.replica(0).unwrap().load;
+        assert_eq!((load.waiting, load.running), (1, 3));
+        assert_eq!(load.queued_prefill_tokens, 5_100, "the peer's 5,000 stay");
+        assert_eq!(load.peer_in_flight, 2);
     }
 }

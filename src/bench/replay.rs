@@ -211,6 +211,10 @@ pub async fn replay(
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(cfg.concurrency)
+        // Below every target's keep-alive (a node's `header_read_timeout_ms`, 10 s; uvicorn's
+        // 5 s): reusing a connection the server closes at that moment failed a request now and
+        // then (`error sending request`), and a POST is not retried.
+        .pool_idle_timeout(Duration::from_secs(4))
         .connect_timeout(Duration::from_secs(5))
         .build()
         .map_err(ReplayError::Client)?;

@@ -45,6 +45,17 @@ pub const KV_DOMINATED_MARGIN: f32 = 0.1;
 /// bounded (and the replica it overflows to becomes one it dominates, if it keeps coming).
 pub const KV_OVERFLOW_S: f64 = 0.25;
 
+/// What a tenant's KV quota did to one decision's candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KvSteer {
+    /// Nothing: no candidate was dropped.
+    Unsteered,
+    /// Candidates were dropped.
+    Steered,
+    /// Over everywhere, and the dominated replicas queue too long: none dropped.
+    Overflowed,
+}
+
 /// Router settings.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -137,6 +148,9 @@ pub struct Routed {
     pub reason: Reason,
     /// The tenant's KV quota took candidates away (see the module doc).
     pub kv_steered: bool,
+    /// The tenant is over its KV quota everywhere and the replicas it dominates queued
+    /// [`KV_OVERFLOW_S`] longer than the best other: the quota let it go by the policy.
+    pub kv_overflowed: bool,
     /// Every candidate was at its `max_in_flight`: the replica will queue it. A node with
     /// priority classes holds such a request in its admission queue instead
     /// (`core::admission`) until a slot frees.
@@ -542,9 +556,9 @@ impl Router {
             };
         }
 
-        let kv_steered = match kv_quota {
+        let kv_steer = match kv_quota {
             Some((_, quota)) => self.steer_kv(quota as f32),
-            None => false,
+            None => KvSteer::Unsteered,
         };
 
         // Spill: every local candidate is full or queues too long, and some region is better off.
@@ -625,7 +639,8 @@ impl Router {
             },
             cost_s: chosen.cost_s,
             reason: pick.reason,
-            kv_steered,
+            kv_steered: kv_steer == KvSteer::Steered,
+            kv_overflowed: kv_steer == KvSteer::Overflowed,
             saturated: all_full,
             dp_rank: None,
         })
@@ -633,8 +648,8 @@ impl Router {
 
     /// Applies a KV quota of `quota` to the candidates (their shares in `kv_shares`): drops those
     /// over it when some are not, else keeps those the tenant dominates (module doc). Never
-    /// leaves none. Returns whether it dropped any.
-    fn steer_kv(&mut self, quota: f32) -> bool {
+    /// leaves none. Says whether it dropped any, or let the tenant overflow.
+    fn steer_kv(&mut self, quota: f32) -> KvSteer {
         let shares = &self.kv_shares;
         debug_assert_eq!(shares.len(), self.candidates.len());
         let over = |s: f32| s >= quota;
@@ -654,7 +669,7 @@ impl Router {
             };
             if cost_where(true) - cost_where(false) > KV_OVERFLOW_S {
                 // Its replicas queue too long: it overflows to the others, by the policy.
-                return false;
+                return KvSteer::Overflowed;
             }
             floor
         };
@@ -674,7 +689,11 @@ impl Router {
             }
         }
         self.candidates.truncate(kept.max(1));
-        kept < before
+        if kept < before {
+            KvSteer::Steered
+        } else {
+            KvSteer::Unsteered
+        }
     }
 
     fn forward_or_reject(
@@ -1213,10 +1232,34 @@ mod tests {
                 },
                 NOW,
             ));
+            assert!(d.kv_steered && !d.kv_overflowed);
             seen.insert(d.replica);
         }
         // r1 (0.95) and r3 (0.88, within 0.1 of it); never r0 or r2, and never rejected.
         assert_eq!(seen, std::collections::HashSet::from([1, 3]));
+        // Its replicas queue a second of prefill: it overflows to the others, and says so.
+        let rate = v.replica(1).unwrap().info.prefill_tokens_per_s as u64;
+        for i in [1, 3] {
+            v.set_engine_load(i, 0, 0, 0.0, rate);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..50u64 {
+            let own = [BlockKey(k)];
+            let d = routed(r.route(
+                &v,
+                &RouteRequest {
+                    tenant: Some("big"),
+                    ..req(&own)
+                },
+                NOW,
+            ));
+            assert!(d.kv_overflowed && !d.kv_steered);
+            seen.insert(d.replica);
+        }
+        assert_eq!(seen, std::collections::HashSet::from([0, 2]));
+        for i in [1, 3] {
+            v.set_engine_load(i, 0, 0, 0.0, 0);
+        }
         // Without the quota the same tenant spreads over all four.
         let mut free = router(PolicyKind::P2cCache);
         let mut seen = std::collections::HashSet::new();

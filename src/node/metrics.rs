@@ -83,6 +83,9 @@ pub struct DecisionMetrics {
     /// `kvmesh_kv_quota_steered_total`: requests a tenant's KV quota (`max_kv_share`) moved off
     /// replicas where it held more than its share.
     pub kv_steered: IntCounter,
+    /// `kvmesh_kv_quota_overflows_total`: requests of a tenant over its KV quota everywhere sent
+    /// by the policy, because the replicas it dominates queued too long (`KV_OVERFLOW_S`).
+    pub kv_overflowed: IntCounter,
     /// `kvmesh_dp_rank_named_total`: requests sent naming a data-parallel rank (the replica's
     /// home, with an exact per-rank model; `kv_events.rank_routing`).
     pub dp_rank_named: IntCounter,
@@ -120,6 +123,11 @@ impl DecisionMetrics {
             "Requests a tenant's KV quota (max_kv_share) moved off replicas where it held more than its share",
         )?;
         registry.register(Box::new(kv_steered.clone()))?;
+        let kv_overflowed = IntCounter::new(
+            "kvmesh_kv_quota_overflows_total",
+            "Requests of a tenant over its KV quota on every replica sent by the policy, because the replicas it dominates queued too long",
+        )?;
+        registry.register(Box::new(kv_overflowed.clone()))?;
         let dp_rank_named = IntCounter::new(
             "kvmesh_dp_rank_named_total",
             "Requests sent naming the data-parallel rank that holds their prefix",
@@ -133,6 +141,7 @@ impl DecisionMetrics {
             late: error.with_label_values(&["late"]),
             early: error.with_label_values(&["early"]),
             kv_steered,
+            kv_overflowed,
             dp_rank_named,
         })
     }
@@ -147,6 +156,9 @@ impl DecisionMetrics {
         if let Decision::Route(r) = d {
             if r.kv_steered {
                 self.kv_steered.inc();
+            }
+            if r.kv_overflowed {
+                self.kv_overflowed.inc();
             }
             if let Some(best) = r.best_hit_blocks {
                 let tpb = u64::from(tokens_per_block);

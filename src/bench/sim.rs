@@ -355,6 +355,8 @@ struct Sim<'a> {
     tenants: Tenants,
     /// Requests a KV quota steered.
     kv_steered: usize,
+    /// Requests over their KV quota everywhere that overflowed (`Routed::kv_overflowed`).
+    kv_overflowed: usize,
     /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
     shares: VecDeque<Share>,
 
@@ -583,6 +585,7 @@ impl<'a> Sim<'a> {
             kv_shares: (0..cfg.replicas).map(|_| Published::default()).collect(),
             tenants: tenants(cfg),
             kv_steered: 0,
+            kv_overflowed: 0,
             shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
             arrived: vec![Duration::ZERO; reqs.len()],
@@ -902,6 +905,7 @@ impl<'a> Sim<'a> {
                         }
                     }
                     self.kv_steered += usize::from(d.kv_steered);
+                    self.kv_overflowed += usize::from(d.kv_overflowed);
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
                 Decision::Forward { region, .. } => {
@@ -1774,6 +1778,7 @@ impl<'a> Sim<'a> {
             classes,
             refused: self.refused.iter().filter(|r| r.is_some()).count(),
             kv_steered: self.kv_steered,
+            kv_overflowed: self.kv_overflowed,
             tenant_split,
             policy: if self.cfg.oracle {
                 CENTRAL_GREEDY.into()

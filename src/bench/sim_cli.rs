@@ -345,7 +345,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         table.push_str(&split_markdown(splits));
         let steered: Vec<String> = reports
             .iter()
-            .map(|r| format!("{} {}", r.policy, r.kv_steered))
+            .map(|r| {
+                format!(
+                    "{} {} (overflowed {})",
+                    r.policy, r.kv_steered, r.kv_overflowed
+                )
+            })
             .collect();
         table.push_str(&format!(
             "\nRequests a KV quota steered: {}\n",

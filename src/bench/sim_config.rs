@@ -321,6 +321,9 @@ pub struct SimReport {
     pub virtual_seconds: f64,
     /// Requests a tenant's KV quota steered off some replica.
     pub kv_steered: usize,
+    /// Requests of a tenant over its KV quota everywhere that went by the policy because the
+    /// replicas it dominates queued too long.
+    pub kv_overflowed: usize,
     /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
     pub tenant_split: Option<TenantSplit>,
     /// Time to first token of the requests arriving in `SimConfig::window` (when it was set).

@@ -12,12 +12,14 @@
 //! every candidate is over, only those where its share is within [`KV_DOMINATED_MARGIN`] of its
 //! largest stay: the tenant's overflow goes to the replicas it already fills — its de-facto pool
 //! — rather than spreading over all of them; unless they queue [`KV_OVERFLOW_S`] longer than
-//! the others, when the policy chooses among all (so the pool grows with the tenant's load). Steering cannot shrink what a tenant's traffic
-//! brings, only where it lands; a tenant whose new blocks outrun what the others evict cannot
-//! stay under its share everywhere, and spreading it evenly would put it over everywhere and
-//! flush every replica. So the quota holds on the replicas it was steered off (there the others'
-//! blocks evict its old ones, and it comes back only while under its share), and its surplus
-//! is confined to the few it dominates.
+//! the others, when the policy chooses among all (so the pool grows with the tenant's load).
+//! Within the pool the fullest replica alone takes it unless it queues [`KV_OVERFLOW_S`] longer
+//! than the pool's cheapest, so a pool shrinks back when the load that grew it is gone.
+//! Steering cannot shrink what a tenant's traffic brings, only where it lands; a tenant whose
+//! new blocks outrun what the others evict cannot stay under its share everywhere, and spreading
+//! it evenly would put it over everywhere and flush every replica. So the quota holds on the
+//! replicas it was steered off (there the others' blocks evict its old ones, and it comes back
+//! only while under its share), and its surplus is confined to the few it dominates.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -671,7 +673,23 @@ impl Router {
                 // Its replicas queue too long: it overflows to the others, by the policy.
                 return KvSteer::Overflowed;
             }
-            floor
+            // Within its pool, the fullest takes it while that one keeps up: sharing the
+            // traffic evenly would keep two replicas it came to fill at once (three nodes
+            // routing its first requests, say) within the margin for good, where the second
+            // should drain back to the other tenants.
+            let fullest = floor + KV_DOMINATED_MARGIN;
+            let cost_fullest = self
+                .candidates
+                .iter()
+                .zip(shares)
+                .filter(|(_, s)| **s >= fullest)
+                .map(|(c, _)| c.cost_s)
+                .fold(f64::INFINITY, f64::min);
+            if cost_fullest - cost_where(true) > KV_OVERFLOW_S {
+                floor
+            } else {
+                fullest
+            }
         };
         let keep = |s: f32| {
             if keep_from == f32::NEG_INFINITY {
@@ -1235,10 +1253,28 @@ mod tests {
             assert!(d.kv_steered && !d.kv_overflowed);
             seen.insert(d.replica);
         }
-        // r1 (0.95) and r3 (0.88, within 0.1 of it); never r0 or r2, and never rejected.
-        assert_eq!(seen, std::collections::HashSet::from([1, 3]));
-        // Its replicas queue a second of prefill: it overflows to the others, and says so.
+        // Its pool is r1 (0.95) and r3 (0.88, within 0.1 of it); the fullest, r1, takes it while
+        // it keeps up. Never r0 or r2, and never rejected.
+        assert_eq!(seen, std::collections::HashSet::from([1]));
+        // r1 queues a second of prefill: the pool's other replica takes it.
         let rate = v.replica(1).unwrap().info.prefill_tokens_per_s as u64;
+        v.set_engine_load(1, 0, 0, 0.0, rate);
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..50u64 {
+            let own = [BlockKey(k)];
+            let d = routed(r.route(
+                &v,
+                &RouteRequest {
+                    tenant: Some("big"),
+                    ..req(&own)
+                },
+                NOW,
+            ));
+            assert!(d.kv_steered && !d.kv_overflowed);
+            seen.insert(d.replica);
+        }
+        assert_eq!(seen, std::collections::HashSet::from([3]));
+        // Both queue a second: it overflows to the others, and says so.
         for i in [1, 3] {
             v.set_engine_load(i, 0, 0, 0.0, rate);
         }

@@ -659,8 +659,8 @@ impl Router {
             // Keep the ones under (a share of -1, bringing nothing, is under any quota).
             f32::NEG_INFINITY
         } else {
-            let floor =
-                shares.iter().copied().fold(f32::NEG_INFINITY, f32::max) - KV_DOMINATED_MARGIN;
+            let fullest = shares.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let floor = fullest - KV_DOMINATED_MARGIN;
             let cost_where = |dominated: bool| {
                 self.candidates
                     .iter()
@@ -677,7 +677,6 @@ impl Router {
             // traffic evenly would keep two replicas it came to fill at once (three nodes
             // routing its first requests, say) within the margin for good, where the second
             // should drain back to the other tenants.
-            let fullest = floor + KV_DOMINATED_MARGIN;
             let cost_fullest = self
                 .candidates
                 .iter()

@@ -661,15 +661,17 @@ impl Router {
         } else {
             let fullest = shares.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let floor = fullest - KV_DOMINATED_MARGIN;
-            let cost_where = |dominated: bool| {
+            // The cheapest candidate among those holding at least `least` of the tenant.
+            let cheapest_from = |least: f32| {
                 self.candidates
                     .iter()
                     .zip(shares)
-                    .filter(|(_, s)| !dominated || **s >= floor)
+                    .filter(|(_, s)| **s >= least)
                     .map(|(c, _)| c.cost_s)
                     .fold(f64::INFINITY, f64::min)
             };
-            if cost_where(true) - cost_where(false) > KV_OVERFLOW_S {
+            let pool = cheapest_from(floor);
+            if pool - cheapest_from(f32::NEG_INFINITY) > KV_OVERFLOW_S {
                 // Its replicas queue too long: it overflows to the others, by the policy.
                 return KvSteer::Overflowed;
             }
@@ -677,14 +679,7 @@ impl Router {
             // traffic evenly would keep two replicas it came to fill at once (three nodes
             // routing its first requests, say) within the margin for good, where the second
             // should drain back to the other tenants.
-            let cost_fullest = self
-                .candidates
-                .iter()
-                .zip(shares)
-                .filter(|(_, s)| **s >= fullest)
-                .map(|(c, _)| c.cost_s)
-                .fold(f64::INFINITY, f64::min);
-            if cost_fullest - cost_where(true) > KV_OVERFLOW_S {
+            if cheapest_from(fullest) - pool > KV_OVERFLOW_S {
                 floor
             } else {
                 fullest
@@ -1238,79 +1233,43 @@ mod tests {
             shares[slot as usize] = s;
             v.set_kv_shares(i, &shares);
         }
-        let mut seen = std::collections::HashSet::new();
-        for k in 0..200u64 {
-            let own = [BlockKey(k)];
-            let d = routed(r.route(
-                &v,
-                &RouteRequest {
+        use std::collections::HashSet;
+        // Routes `n` one-block requests of "big" with `router`; the replicas they went to, and
+        // whether the quota steered or let each one overflow (all alike, or it panics).
+        fn big_to(router: &mut Router, v: &View, n: u64) -> (HashSet<usize>, bool, bool) {
+            let mut seen = HashSet::new();
+            let mut how = None;
+            for k in 0..n {
+                let own = [BlockKey(k)];
+                let big = RouteRequest {
                     tenant: Some("big"),
                     ..req(&own)
-                },
-                NOW,
-            ));
-            assert!(d.kv_steered && !d.kv_overflowed);
-            seen.insert(d.replica);
+                };
+                let d = routed(router.route(v, &big, NOW));
+                let this = (d.kv_steered, d.kv_overflowed);
+                assert_eq!(*how.get_or_insert(this), this, "every request alike");
+                seen.insert(d.replica);
+            }
+            let (steered, overflowed) = how.unwrap_or_default();
+            (seen, steered, overflowed)
         }
         // Its pool is r1 (0.95) and r3 (0.88, within 0.1 of it); the fullest, r1, takes it while
         // it keeps up. Never r0 or r2, and never rejected.
-        assert_eq!(seen, std::collections::HashSet::from([1]));
+        assert_eq!(big_to(&mut r, &v, 200), (HashSet::from([1]), true, false));
         // r1 queues a second of prefill: the pool's other replica takes it.
         let rate = v.replica(1).unwrap().info.prefill_tokens_per_s as u64;
         v.set_engine_load(1, 0, 0, 0.0, rate);
-        let mut seen = std::collections::HashSet::new();
-        for k in 0..50u64 {
-            let own = [BlockKey(k)];
-            let d = routed(r.route(
-                &v,
-                &RouteRequest {
-                    tenant: Some("big"),
-                    ..req(&own)
-                },
-                NOW,
-            ));
-            assert!(d.kv_steered && !d.kv_overflowed);
-            seen.insert(d.replica);
-        }
-        assert_eq!(seen, std::collections::HashSet::from([3]));
+        assert_eq!(big_to(&mut r, &v, 50), (HashSet::from([3]), true, false));
         // Both queue a second: it overflows to the others, and says so.
-        for i in [1, 3] {
-            v.set_engine_load(i, 0, 0, 0.0, rate);
-        }
-        let mut seen = std::collections::HashSet::new();
-        for k in 0..50u64 {
-            let own = [BlockKey(k)];
-            let d = routed(r.route(
-                &v,
-                &RouteRequest {
-                    tenant: Some("big"),
-                    ..req(&own)
-                },
-                NOW,
-            ));
-            assert!(d.kv_overflowed && !d.kv_steered);
-            seen.insert(d.replica);
-        }
-        assert_eq!(seen, std::collections::HashSet::from([0, 2]));
+        v.set_engine_load(3, 0, 0, 0.0, rate);
+        assert_eq!(big_to(&mut r, &v, 50), (HashSet::from([0, 2]), false, true));
+        // Without the quota the same tenant spreads over all four (loads as they were).
         for i in [1, 3] {
             v.set_engine_load(i, 0, 0, 0.0, 0);
         }
-        // Without the quota the same tenant spreads over all four.
         let mut free = router(PolicyKind::P2cCache);
-        let mut seen = std::collections::HashSet::new();
-        for k in 0..200u64 {
-            let own = [BlockKey(k)];
-            let d = free.route(
-                &v,
-                &RouteRequest {
-                    tenant: Some("big"),
-                    ..req(&own)
-                },
-                NOW,
-            );
-            seen.insert(routed(d).replica);
-        }
-        assert_eq!(seen.len(), 4);
+        let (seen, steered, overflowed) = big_to(&mut free, &v, 200);
+        assert_eq!((seen.len(), steered, overflowed), (4, false, false));
     }
 
     #[test]

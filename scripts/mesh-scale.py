@@ -698,9 +698,15 @@ def main():
         conv, ready = watch_convergence(nodes, by_region, replicas, t0, args.converge_timeout_s, procs,
                                         poll_state=not by_logs)
         if by_logs:
-            time.sleep(0.5)  # the last lines reach the files
-            conv = convergence_from_logs(nodes, by_region, replicas, procs.t_first_wall,
-                                         os.path.join(out, "logs"))
+            # A node can be ready before it sees its whole region: read the logs until every
+            # node's says so, or the timeout.
+            deadline = t0 + args.converge_timeout_s
+            while True:
+                time.sleep(0.5)  # the last lines reach the files
+                conv = convergence_from_logs(nodes, by_region, replicas, procs.t_first_wall,
+                                             os.path.join(out, "logs"))
+                if len(conv) == len(nodes) or time.monotonic() >= deadline:
+                    break
         result["converged_s"], result["ready_s"] = conv, ready
         missing = [x["id"] for x in nodes if x["id"] not in conv]
         not_ready = [x["id"] for x in nodes if x["id"] not in ready]

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures::future::{BoxFuture, FutureExt, Shared};
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatId, ChitchatMessage, Deserializable, Serializable};
 use tokio::sync::mpsc;
@@ -81,8 +82,15 @@ const MAX_VERIFIED: usize = 65_536;
 /// Transport tuning.
 #[derive(Clone, Debug)]
 pub struct TransportConfig {
-    /// Longest wait for a QUIC handshake. Default 1 s (a few RTTs even across continents).
+    /// Longest a caller waits for a connection to be dialled. Default 1 s (a few RTTs even
+    /// across continents). The dial itself goes on after the caller stops waiting, up to
+    /// `handshake_timeout`: the next caller for the same peer joins it.
     pub connect_timeout: Duration,
+    /// Longest a QUIC handshake may take, dialled or accepted. Default 5 s. Well above one
+    /// handshake's time, because a node starting among a hundred others on a few cores
+    /// completes handshakes in seconds, and a handshake dropped at its caller's timeout and
+    /// dialled again does its work twice (see the dial in `Inner::connection`).
+    pub handshake_timeout: Duration,
     /// Longest wait to write or read one gossip message or report. Default 2 s.
     pub io_timeout: Duration,
     /// Longest wait for a whole summary request/response. Default 5 s (snapshots are MBs).
@@ -100,6 +108,7 @@ impl Default for TransportConfig {
     fn default() -> Self {
         TransportConfig {
             connect_timeout: Duration::from_secs(1),
+            handshake_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(2),
             sync_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(10),
@@ -169,7 +178,8 @@ pub struct TransportStats {
     pub blocked: AtomicU64,
     /// Outgoing messages dropped: peer queue full, or the peer could not be reached.
     pub send_dropped: AtomicU64,
-    /// Dials that failed or timed out (includes certificate rejections by the peer).
+    /// Handshakes this node dialled that failed or ran past `handshake_timeout` (includes
+    /// certificate rejections by the peer). A caller that stops waiting earlier is not one.
     pub connect_failures: AtomicU64,
     /// Incoming handshakes that failed (e.g. a certificate from another CA).
     pub handshake_failures: AtomicU64,
@@ -323,12 +333,20 @@ struct Outgoing {
 
 type GossipItem = (SocketAddr, ChitchatMessage);
 
+/// A handshake in flight to one peer, shared by every caller that wants a connection to it. It
+/// runs in a task of its own, so a caller that stops waiting does not abandon it.
+type Dial = Shared<BoxFuture<'static, Result<quinn::Connection, String>>>;
+
+/// Most handshakes in flight at once (peer addresses come from gossip: the map is capped).
+const MAX_DIALS: usize = 4096;
+
 struct Inner {
     endpoint: quinn::Endpoint,
     local_addr: SocketAddr,
     cfg: TransportConfig,
     conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
-    dial_locks: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
+    /// Handshakes in flight, one per peer at most (see `Inner::connection`).
+    dials: Mutex<HashMap<SocketAddr, Dial>>,
     senders: Mutex<HashMap<SocketAddr, mpsc::Sender<Outgoing>>>,
     gossip_tx: mpsc::Sender<GossipItem>,
     gossip_rx: Mutex<Option<mpsc::Receiver<GossipItem>>>,
@@ -406,7 +424,7 @@ impl QuicTransport {
             local_addr,
             cfg,
             conns: Mutex::new(HashMap::new()),
-            dial_locks: Mutex::new(HashMap::new()),
+            dials: Mutex::new(HashMap::new()),
             senders: Mutex::new(HashMap::new()),
             gossip_tx,
             gossip_rx: Mutex::new(Some(gossip_rx)),
@@ -697,7 +715,12 @@ impl Inner {
         }
     }
 
-    /// The connection to `peer`, dialing (once at a time per peer) when there is none.
+    /// The connection to `peer`, dialing when there is none. The caller waits at most
+    /// `connect_timeout`; the handshake goes on in its own task for up to `handshake_timeout`,
+    /// and callers meanwhile join it rather than dial again. Under load (a hundred nodes
+    /// starting on two cores) handshakes take longer than a caller waits: dropping each one at
+    /// the caller's timeout and dialling again made every handshake's work, on both sides, go
+    /// to waste, and kept the seeds busiest exactly when every node needs them.
     async fn connection(
         self: &Arc<Self>,
         peer: SocketAddr,
@@ -705,43 +728,60 @@ impl Inner {
         if let Some(c) = self.cached(peer) {
             return Ok(c);
         }
-        let dial_lock = lock(&self.dial_locks).entry(peer).or_default().clone();
-        let _guard = dial_lock.lock().await;
-        if let Some(c) = self.cached(peer) {
-            return Ok(c);
+        let dial = self.dial(peer)?;
+        match timeout(self.cfg.connect_timeout, dial).await {
+            Err(_) => Err(TransportError::Timeout {
+                peer,
+                what: "connect",
+            }),
+            Ok(Err(reason)) => Err(TransportError::Connect { peer, reason }),
+            Ok(Ok(c)) => Ok(c),
         }
-        let result = async {
-            let connecting =
-                self.endpoint
-                    .connect(peer, CLUSTER_SAN)
-                    .map_err(|e| TransportError::Connect {
-                        peer,
-                        reason: e.to_string(),
-                    })?;
-            match timeout(self.cfg.connect_timeout, connecting).await {
-                Err(_) => Err(TransportError::Timeout {
-                    peer,
-                    what: "connect",
-                }),
-                Ok(Err(e)) => Err(TransportError::Connect {
+    }
+
+    /// The handshake in flight to `peer`, started when there is none. The task caches the
+    /// connection (and serves it) when it completes, then leaves the map.
+    fn dial(self: &Arc<Self>, peer: SocketAddr) -> Result<Dial, TransportError> {
+        let mut dials = lock(&self.dials);
+        if let Some(d) = dials.get(&peer) {
+            return Ok(d.clone());
+        }
+        if dials.len() >= MAX_DIALS {
+            return Err(TransportError::Connect {
+                peer,
+                reason: format!("{MAX_DIALS} handshakes already in flight"),
+            });
+        }
+        let connecting =
+            self.endpoint
+                .connect(peer, CLUSTER_SAN)
+                .map_err(|e| TransportError::Connect {
                     peer,
                     reason: e.to_string(),
-                }),
+                })?;
+        let inner = Arc::clone(self);
+        // The task removes its entry under the same lock, so not before it was inserted below.
+        let task = tokio::spawn(async move {
+            let result = match timeout(inner.cfg.handshake_timeout, connecting).await {
+                Err(_) => Err("handshake timed out".to_owned()),
+                Ok(Err(e)) => Err(e.to_string()),
                 Ok(Ok(c)) => Ok(c),
+            };
+            match &result {
+                Ok(conn) => {
+                    lock(&inner.conns).insert(peer, conn.clone());
+                    tokio::spawn(serve_connection(Arc::clone(&inner), conn.clone()));
+                }
+                Err(_) => bump(&inner.stats.connect_failures),
             }
-        }
-        .await;
-        match result {
-            Ok(conn) => {
-                lock(&self.conns).insert(peer, conn.clone());
-                tokio::spawn(serve_connection(self.clone(), conn.clone()));
-                Ok(conn)
-            }
-            Err(e) => {
-                bump(&self.stats.connect_failures);
-                Err(e)
-            }
-        }
+            lock(&inner.dials).remove(&peer);
+            result
+        });
+        let dial = async move { task.await.unwrap_or_else(|e| Err(e.to_string())) }
+            .boxed()
+            .shared();
+        dials.insert(peer, dial.clone());
+        Ok(dial)
     }
 
     /// Queues `out` on `peer`'s sender task, starting one if needed. Never waits.
@@ -843,13 +883,6 @@ async fn peer_sender(inner: Arc<Inner>, peer: SocketAddr, mut rx: mpsc::Receiver
                 // Remove ourselves under the lock only if nothing raced in meanwhile.
                 if rx.is_empty() {
                     senders.remove(&peer);
-                    drop(senders);
-                    // Forget the dial lock too unless a dial is in flight, so peer churn does
-                    // not grow the map.
-                    let mut locks = lock(&inner.dial_locks);
-                    if locks.get(&peer).is_some_and(|l| Arc::strong_count(l) == 1) {
-                        locks.remove(&peer);
-                    }
                     return;
                 }
                 continue;
@@ -914,7 +947,7 @@ async fn accept_loop(inner: Arc<Inner>) {
         }
         let inner = inner.clone();
         tokio::spawn(async move {
-            match timeout(inner.cfg.connect_timeout, incoming).await {
+            match timeout(inner.cfg.handshake_timeout, incoming).await {
                 Ok(Ok(conn)) => {
                     // The newest connection from a peer is the one to send on: a peer dials
                     // only when it holds no live connection to this node, so one still cached
@@ -1429,6 +1462,65 @@ impl Socket for GossipSocket {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn bound(ca: &certs::ClusterCa, name: &str, cfg: TransportConfig) -> QuicTransport {
+        let quic = ca
+            .issue(name)
+            .unwrap()
+            .quic_configs(Duration::from_secs(10))
+            .unwrap();
+        QuicTransport::bind("127.0.0.1:0".parse().unwrap(), quic, cfg).unwrap()
+    }
+
+    /// A caller that stops waiting does not abandon the handshake: it completes in its own
+    /// task, is cached, and the next caller uses it without dialling again.
+    #[tokio::test]
+    async fn a_dial_outlives_the_caller_that_stopped_waiting_for_it() {
+        let ca = certs::ClusterCa::generate().unwrap();
+        let server = bound(&ca, "server", TransportConfig::default());
+        let impatient = TransportConfig {
+            connect_timeout: Duration::from_micros(1),
+            ..TransportConfig::default()
+        };
+        let client = bound(&ca, "client", impatient);
+        let peer = server.local_addr();
+        let first = client.inner.connection(peer).await;
+        assert!(
+            matches!(first, Err(TransportError::Timeout { .. })),
+            "{first:?}"
+        );
+        let t0 = Instant::now();
+        while client.rtt(peer).is_none() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the abandoned dial never completed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Cached: answered at once, whatever the caller's timeout.
+        assert!(client.inner.connection(peer).await.is_ok());
+        assert_eq!(client.stats().snapshot().connect_failures, 0);
+        assert!(lock(&client.inner.dials).is_empty(), "the dial left its entry");
+        client.close();
+        server.close();
+    }
+
+    /// Every caller during one handshake joins it: one dial per peer at a time.
+    #[tokio::test]
+    async fn callers_during_a_handshake_share_one_dial() {
+        let ca = certs::ClusterCa::generate().unwrap();
+        let server = bound(&ca, "server", TransportConfig::default());
+        let client = bound(&ca, "client", TransportConfig::default());
+        let peer = server.local_addr();
+        let a = client.inner.dial(peer).unwrap();
+        let b = client.inner.dial(peer).unwrap();
+        assert_eq!(lock(&client.inner.dials).len(), 1);
+        let (a, b) = tokio::join!(a, b);
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.stable_id(), b.stable_id());
+        client.close();
+        server.close();
+    }
 
     #[test]
     fn digest_ids_reads_the_ids_of_syn_and_synack_only() {

@@ -204,6 +204,8 @@ pub struct Mesh {
     node: NodeRecord,
     schema_errors: Arc<AtomicU64>,
     reports: Arc<Mutex<ReportBatches>>,
+    /// Wakes the report loop when a report is queued (it sleeps while there is none).
+    reports_queued: Arc<tokio::sync::Notify>,
     tasks: Vec<JoinHandle<()>>,
     /// When each unverified live peer was last asked for a gossip round (see
     /// [`Mesh::members`]).
@@ -331,6 +333,7 @@ impl Mesh {
         let schema_errors = Arc::new(AtomicU64::new(0));
         let decoded = Arc::new(Mutex::new(MemberCache::default()));
         let reports = Arc::new(Mutex::new(ReportBatches::new()));
+        let reports_queued = Arc::new(tokio::sync::Notify::new());
         let regional = match cfg.layout {
             GossipLayout::Flat => None,
             GossipLayout::Regional => {
@@ -371,6 +374,7 @@ impl Mesh {
             )),
             tokio::spawn(report_loop(
                 reports.clone(),
+                reports_queued.clone(),
                 transport.clone(),
                 cfg.report_flush_interval,
             )),
@@ -401,6 +405,7 @@ impl Mesh {
             node,
             schema_errors,
             reports,
+            reports_queued,
             tasks,
             probes: Mutex::new(HashMap::new()),
             regional,
@@ -714,6 +719,8 @@ impl Mesh {
         // A home that cannot keep up must not grow our memory: cap what waits per replica.
         let room = (4 * MAX_REPORT_KEYS).saturating_sub(batch.len());
         batch.extend(keys.take(room));
+        drop(batches);
+        self.reports_queued.notify_one();
     }
 
     /// Sends one block report now (fire-and-forget).
@@ -967,15 +974,24 @@ async fn rtt_loop(
     }
 }
 
+/// Sends the batched block reports every `every` while there are any; idle, it sleeps until
+/// one is queued (`queued`) rather than wake twenty times a second for nothing. The first
+/// report after a pause goes at once (the tick is overdue), later ones batch for `every`.
 async fn report_loop(
     reports: Arc<Mutex<ReportBatches>>,
+    queued: Arc<tokio::sync::Notify>,
     transport: QuicTransport,
     every: Duration,
 ) {
     let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let batches = std::mem::take(&mut *reports.lock().unwrap_or_else(|e| e.into_inner()));
+        if batches.is_empty() {
+            queued.notified().await;
+            continue;
+        }
         for ((home, replica_id, kv_tenant), keys) in batches {
             for chunk in keys.chunks(MAX_REPORT_KEYS) {
                 let report = BlockReport {

@@ -34,9 +34,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use futures::future::{BoxFuture, FutureExt, Shared};
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatId, ChitchatMessage, Deserializable, Serializable};
+use futures::future::{BoxFuture, FutureExt, Shared};
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 use tracing::{debug, warn};
@@ -1500,7 +1500,10 @@ mod tests {
         // Cached: answered at once, whatever the caller's timeout.
         assert!(client.inner.connection(peer).await.is_ok());
         assert_eq!(client.stats().snapshot().connect_failures, 0);
-        assert!(lock(&client.inner.dials).is_empty(), "the dial left its entry");
+        assert!(
+            lock(&client.inner.dials).is_empty(),
+            "the dial left its entry"
+        );
         client.close();
         server.close();
     }

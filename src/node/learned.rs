@@ -128,10 +128,15 @@ impl LearnPolicy {
 /// The node that vouches for an entry's replica: the record's origin when its home says so,
 /// else the publisher itself (a stand-in vouches for itself only).
 pub(super) fn origin_of(e: &ReplicaEntry) -> String {
+    origin_id(e).to_owned()
+}
+
+/// [`origin_of`], borrowed.
+pub(super) fn origin_id(e: &ReplicaEntry) -> &str {
     if e.home && !e.record.origin.is_empty() {
-        e.record.origin.clone()
+        &e.record.origin
     } else {
-        e.publisher.clone()
+        &e.publisher
     }
 }
 
@@ -153,15 +158,6 @@ impl Node {
             });
         }
         let r = &e.record;
-        let bad_url = || LearnError::BadUrl {
-            id: e.id.clone(),
-            url: r.url.chars().take(200).collect(),
-        };
-        let url = reqwest::Url::parse(&r.url).map_err(|_| bad_url())?;
-        let host = match url.host_str() {
-            Some(h) if matches!(url.scheme(), "http" | "https") => h.to_owned(),
-            _ => return Err(bad_url()),
-        };
         let dropped = {
             let core = self.lock();
             let index = core.view.index_of(&id);
@@ -175,6 +171,16 @@ impl Node {
                 Some(rt) => rt.dropped,
                 None => false,
             }
+        };
+        // Parsed only for a replica to learn: every sync round passes every known one here.
+        let bad_url = || LearnError::BadUrl {
+            id: e.id.clone(),
+            url: r.url.chars().take(200).collect(),
+        };
+        let url = reqwest::Url::parse(&r.url).map_err(|_| bad_url())?;
+        let host = match url.host_str() {
+            Some(h) if matches!(url.scheme(), "http" | "https") => h.to_owned(),
+            _ => return Err(bad_url()),
         };
         if !self.host_allowed(policy, &host) {
             return Err(LearnError::NotAllowed { id, host });

@@ -283,8 +283,16 @@ async fn sync_once(
         }
     }
     st.ignored.retain(&published);
+    let live_ids: HashSet<&str> = live.iter().map(|m| m.node_id.as_str()).collect();
     for e in records.values() {
         if e.publisher == self_id {
+            continue;
+        }
+        // A replica whose vouching node is not live here (yet: a starting node has not heard
+        // it) would expire in this very round (`apply_membership`): learning it only to drop
+        // it made a starting node's registry flap every round until the origin turned live
+        // (1,752 drops and returns in one 100-node start).
+        if !live_ids.contains(super::learned::origin_id(e)) {
             continue;
         }
         let me_home = homes.home_id(&e.id, &e.record.region) == Some(self_id);

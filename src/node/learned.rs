@@ -23,7 +23,7 @@ use std::collections::HashSet;
 
 use super::state::Node;
 use crate::mesh::allow::{self, AllowRule};
-use crate::mesh::ReplicaEntry;
+use crate::mesh::{Member, ReplicaEntry};
 use crate::replicas::entry::ReplicaConfig;
 
 /// Why a peer's replica record was not learned (the metric's `reason`).
@@ -132,7 +132,7 @@ pub(super) fn origin_of(e: &ReplicaEntry) -> String {
 }
 
 /// [`origin_of`], borrowed.
-pub(super) fn origin_id(e: &ReplicaEntry) -> &str {
+fn origin_id(e: &ReplicaEntry) -> &str {
     if e.home && !e.record.origin.is_empty() {
         &e.record.origin
     } else {
@@ -141,6 +141,33 @@ pub(super) fn origin_id(e: &ReplicaEntry) -> &str {
 }
 
 impl Node {
+    /// One sync round's learning from the region's replica records, `records` (those this
+    /// node publishes, `self_id`'s, are skipped); `me_home(e)`: this node is `e`'s replica's
+    /// home. Each record tried is handed to `outcome` with what [`Node::learn_replica`] said.
+    ///
+    /// A record whose vouching node ([`origin_of`]) is not live in `live` is passed over: not
+    /// live here *yet*, on a starting node that has not heard it, learning it would only see it
+    /// expire in the same round (`apply_membership`), and the next round learn it again. Every
+    /// starting node's registry flapped so, every round until the origin turned live: 1,752
+    /// drops and returns in one 100-node start.
+    pub(super) fn learn_round<'a>(
+        &self,
+        records: impl IntoIterator<Item = &'a ReplicaEntry>,
+        live: &[Member],
+        self_id: &str,
+        me_home: impl Fn(&ReplicaEntry) -> bool,
+        policy: &LearnPolicy,
+        mut outcome: impl FnMut(&'a ReplicaEntry, Result<(usize, bool), LearnError>),
+    ) {
+        let live_ids: HashSet<&str> = live.iter().map(|m| m.node_id.as_str()).collect();
+        for e in records {
+            if e.publisher == self_id || !live_ids.contains(origin_id(e)) {
+                continue;
+            }
+            outcome(e, self.learn_replica(e, me_home(e), policy));
+        }
+    }
+
     /// Learns a replica from a peer's record, or says why not (see the module doc). `me_home`:
     /// this node is the replica's home. Returns its index and whether watcher tasks must be
     /// started for it (new, or back after being dropped).
@@ -463,6 +490,63 @@ mod tests {
         let policy = LearnPolicy::of(&n);
         let e = entry("l", "p", "http://127.0.0.1:8001", true);
         assert!(n.learn_replica(&e, false, &policy).is_ok());
+    }
+
+    /// A starting node hears a replica's home before the node that vouches for it: the
+    /// record waits, unlearned, until the origin is live, and is then learned once and kept.
+    #[test]
+    fn a_replica_is_learned_only_once_its_origin_is_live_and_then_kept() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let me = member("a", 7000, true);
+        let mut h = member("h", 7001, false);
+        let o = member("o", 7002, false);
+        let id = (0..)
+            .map(|i| format!("vouched{i}"))
+            .find(|id| {
+                let all = [me.clone(), h.clone(), o.clone()];
+                let two = [me.clone(), h.clone()];
+                let home = |m: &[Member]| crate::mesh::cluster::home_in(m, id, "eu").unwrap().0;
+                home(&all) == "h" && home(&two) == "h"
+            })
+            .unwrap();
+        let mut e = entry(&id, "h", "http://127.0.0.1:8001", true);
+        e.record.origin = "o".into();
+        Arc::make_mut(&mut h.replicas).insert(id.clone(), e.record.clone());
+        let records = BTreeMap::from([(id.clone(), e.clone())]);
+        let round = |live: &[Member]| {
+            let mut tried = Vec::new();
+            n.learn_round(
+                records.values(),
+                live,
+                "a",
+                |_| false,
+                &policy,
+                |e, r| tried.push((e.id.clone(), r.map(|(_, new)| new).ok())),
+            );
+            let plan = n.apply_membership("a", live, &records);
+            (tried, plan.expired)
+        };
+        // o not heard yet: nothing tried, nothing learned, so nothing to expire.
+        let early = [me.clone(), h.clone()];
+        for _ in 0..3 {
+            assert_eq!(round(&early), (vec![], vec![]));
+            assert!(n.lock().view.index_of(&id).is_none());
+        }
+        // o live: learned once, kept by the same round and the next.
+        let all = [me.clone(), h.clone(), o.clone()];
+        assert_eq!(round(&all), (vec![(id.clone(), Some(true))], vec![]));
+        assert_eq!(round(&all), (vec![(id.clone(), Some(false))], vec![]));
+        // A record this node publishes itself is never learned from.
+        let mut mine = e.clone();
+        mine.publisher = "a".into();
+        let mut tried = 0;
+        n.learn_round([&mine], &all, "a", |_| true, &policy, |_, _| tried += 1);
+        assert_eq!(tried, 0);
+        // Learned regardless of the origin (the old order), the same round expires it.
+        let m = node("127.0.0.1:7946");
+        let (i, _) = m.learn_replica(&e, false, &LearnPolicy::of(&m)).unwrap();
+        assert_eq!(m.apply_membership("a", &early, &records).expired, vec![i]);
     }
 
     #[test]

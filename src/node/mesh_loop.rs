@@ -38,7 +38,7 @@ use crate::mesh::cluster::{region_map_of, replicas_in_region_with, LiveHomes};
 use crate::mesh::hot_record::HotRecord;
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
-use crate::mesh::{Member, Mesh};
+use crate::mesh::{Member, Mesh, ReplicaEntry};
 use crate::shutdown::stopped;
 
 /// The running mesh side of a node.
@@ -283,27 +283,25 @@ async fn sync_once(
         }
     }
     st.ignored.retain(&published);
-    let live_ids: HashSet<&str> = live.iter().map(|m| m.node_id.as_str()).collect();
-    for e in records.values() {
-        if e.publisher == self_id {
-            continue;
-        }
-        // A replica whose vouching node is not live here (yet: a starting node has not heard
-        // it) would expire in this very round (`apply_membership`): learning it only to drop
-        // it made a starting node's registry flap every round until the origin turned live
-        // (1,752 drops and returns in one 100-node start).
-        if !live_ids.contains(super::learned::origin_id(e)) {
-            continue;
-        }
-        let me_home = homes.home_id(&e.id, &e.record.region) == Some(self_id);
-        match node.learn_replica(e, me_home, &st.policy) {
+    let me_home = |e: &ReplicaEntry| homes.home_id(&e.id, &e.record.region) == Some(self_id);
+    let mut refused = Vec::new();
+    node.learn_round(
+        records.values(),
+        &live,
+        self_id,
+        me_home,
+        &st.policy,
+        |e, r| match r {
             Ok((i, true)) => {
                 tracing::info!(replica = %e.id, from = %e.publisher, "replica learned from gossip");
                 super::watchers::spawn_replica_watchers(node, stop, i);
             }
             Ok(_) => {}
-            Err(err) => note_ignored(st, metrics, &e.publisher, &err),
-        }
+            Err(err) => refused.push((e, err)),
+        },
+    );
+    for (e, err) in refused {
+        note_ignored(st, metrics, &e.publisher, &err);
     }
 
     // Operator commands: the region's peers' newer ones apply here, this node's own go out.

@@ -728,6 +728,15 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
         })
         .await
         .expect("a1 learns region b");
+        // Unmeasured nodes go last: the random order below needs an RTT to both (a loaded
+        // machine can take a moment to connect to the second).
+        wait_for(Duration::from_secs(10), || {
+            let rtts = a1.node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
+            let peers = a1.node.peers_in("b");
+            peers.len() == 2 && peers.iter().all(|p| rtts.contains_key(&p.quic_addr))
+        })
+        .await
+        .expect("a1 measures its RTT to both of b's nodes");
         let http = client();
         for k in 0..16 {
             let (status, h) = complete(&http, a1.addr, &text(&format!("fo{k}"), 1024), &[]).await;

@@ -81,7 +81,7 @@ use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
 use crate::core::region_choice::build_offer;
 use crate::core::region_offer::{RecentHeads, RegionOffer, MAX_RECENT_HEADS, MAX_REGION_HEADS};
-use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
+use crate::core::router::{Decision, KvSteer, RouteRequest, Router, RouterConfig};
 use crate::core::summary::{ReplicaSummary, SummaryConfig};
 use crate::core::tenants::{TenantConfig, Tenants, KV_SLOTS};
 use crate::core::view::{Health, ReplicaInfo, View};
@@ -355,7 +355,7 @@ struct Sim<'a> {
     tenants: Tenants,
     /// Requests a KV quota steered.
     kv_steered: usize,
-    /// Requests over their KV quota everywhere that overflowed (`Routed::kv_overflowed`).
+    /// Requests over their KV quota everywhere that overflowed (`KvSteer::Overflowed`).
     kv_overflowed: usize,
     /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
     shares: VecDeque<Share>,
@@ -904,8 +904,11 @@ impl<'a> Sim<'a> {
                             };
                         }
                     }
-                    self.kv_steered += usize::from(d.kv_steered);
-                    self.kv_overflowed += usize::from(d.kv_overflowed);
+                    match d.kv_steer {
+                        KvSteer::Steered => self.kv_steered += 1,
+                        KvSteer::Overflowed => self.kv_overflowed += 1,
+                        KvSteer::Unsteered => {}
+                    }
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
                 Decision::Forward { region, .. } => {

@@ -48,9 +48,10 @@ pub const KV_DOMINATED_MARGIN: f32 = 0.1;
 pub const KV_OVERFLOW_S: f64 = 0.25;
 
 /// What a tenant's KV quota did to one decision's candidates.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum KvSteer {
-    /// Nothing: no candidate was dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvSteer {
+    /// Nothing: no quota, or no candidate was dropped.
+    #[default]
     Unsteered,
     /// Candidates were dropped.
     Steered,
@@ -148,11 +149,10 @@ pub struct Routed {
     pub cost_s: f64,
     /// The policy's reason.
     pub reason: Reason,
-    /// The tenant's KV quota took candidates away (see the module doc).
-    pub kv_steered: bool,
-    /// The tenant is over its KV quota everywhere and the replicas it dominates queued
-    /// [`KV_OVERFLOW_S`] longer than the best other: the quota let it go by the policy.
-    pub kv_overflowed: bool,
+    /// What the tenant's KV quota did (see the module doc): took candidates away, or, the
+    /// tenant being over it everywhere and the replicas it dominates queueing
+    /// [`KV_OVERFLOW_S`] longer than the best other, let it go by the policy.
+    pub kv_steer: KvSteer,
     /// Every candidate was at its `max_in_flight`: the replica will queue it. A node with
     /// priority classes holds such a request in its admission queue instead
     /// (`core::admission`) until a slot frees.
@@ -641,8 +641,7 @@ impl Router {
             },
             cost_s: chosen.cost_s,
             reason: pick.reason,
-            kv_steered: kv_steer == KvSteer::Steered,
-            kv_overflowed: kv_steer == KvSteer::Overflowed,
+            kv_steer,
             saturated: all_full,
             dp_rank: None,
         })
@@ -1195,7 +1194,7 @@ mod tests {
             own.push(BlockKey(k)); // a unique tail: new blocks wherever it goes
             let d = routed(r.route(&v, &big(&own), NOW));
             assert_eq!(d.replica, 2, "the only replica under the share");
-            assert!(d.kv_steered);
+            assert_eq!(d.kv_steer, KvSteer::Steered);
         }
         // Another tenant (and a client-made name) is not steered.
         let mut seen = std::collections::HashSet::new();
@@ -1206,7 +1205,7 @@ mod tests {
                 ..req(&own)
             };
             let d = routed(r.route(&v, &other, NOW));
-            assert!(!d.kv_steered);
+            assert_eq!(d.kv_steer, KvSteer::Unsteered);
             seen.insert(d.replica);
         }
         assert_eq!(seen.len(), 4);
@@ -1235,8 +1234,8 @@ mod tests {
         }
         use std::collections::HashSet;
         // Routes `n` one-block requests of "big" with `router`; the replicas they went to, and
-        // whether the quota steered or let each one overflow (all alike, or it panics).
-        fn big_to(router: &mut Router, v: &View, n: u64) -> (HashSet<usize>, bool, bool) {
+        // what the quota did to each one (all alike, or it panics).
+        fn big_to(router: &mut Router, v: &View, n: u64) -> (HashSet<usize>, KvSteer) {
             let mut seen = HashSet::new();
             let mut how = None;
             for k in 0..n {
@@ -1246,30 +1245,41 @@ mod tests {
                     ..req(&own)
                 };
                 let d = routed(router.route(v, &big, NOW));
-                let this = (d.kv_steered, d.kv_overflowed);
-                assert_eq!(*how.get_or_insert(this), this, "every request alike");
+                assert_eq!(
+                    *how.get_or_insert(d.kv_steer),
+                    d.kv_steer,
+                    "every request alike"
+                );
                 seen.insert(d.replica);
             }
-            let (steered, overflowed) = how.unwrap_or_default();
-            (seen, steered, overflowed)
+            (seen, how.unwrap_or_default())
         }
         // Its pool is r1 (0.95) and r3 (0.88, within 0.1 of it); the fullest, r1, takes it while
         // it keeps up. Never r0 or r2, and never rejected.
-        assert_eq!(big_to(&mut r, &v, 200), (HashSet::from([1]), true, false));
+        assert_eq!(
+            big_to(&mut r, &v, 200),
+            (HashSet::from([1]), KvSteer::Steered)
+        );
         // r1 queues a second of prefill: the pool's other replica takes it.
         let rate = v.replica(1).unwrap().info.prefill_tokens_per_s as u64;
         v.set_engine_load(1, 0, 0, 0.0, rate);
-        assert_eq!(big_to(&mut r, &v, 50), (HashSet::from([3]), true, false));
+        assert_eq!(
+            big_to(&mut r, &v, 50),
+            (HashSet::from([3]), KvSteer::Steered)
+        );
         // Both queue a second: it overflows to the others, and says so.
         v.set_engine_load(3, 0, 0, 0.0, rate);
-        assert_eq!(big_to(&mut r, &v, 50), (HashSet::from([0, 2]), false, true));
+        assert_eq!(
+            big_to(&mut r, &v, 50),
+            (HashSet::from([0, 2]), KvSteer::Overflowed)
+        );
         // Without the quota the same tenant spreads over all four (loads as they were).
         for i in [1, 3] {
             v.set_engine_load(i, 0, 0, 0.0, 0);
         }
         let mut free = router(PolicyKind::P2cCache);
-        let (seen, steered, overflowed) = big_to(&mut free, &v, 200);
-        assert_eq!((seen.len(), steered, overflowed), (4, false, false));
+        let (seen, how) = big_to(&mut free, &v, 200);
+        assert_eq!((seen.len(), how), (4, KvSteer::Unsteered));
     }
 
     #[test]

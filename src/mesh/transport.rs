@@ -29,7 +29,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -91,6 +91,10 @@ pub struct TransportConfig {
     /// completes handshakes in seconds, and a handshake dropped at its caller's timeout and
     /// dialled again does its work twice (see the dial in `Inner::connection`).
     pub handshake_timeout: Duration,
+    /// Most incoming handshakes in flight at once; more are refused (and counted as handshake
+    /// failures) until some end. Default 1,024: a hundred nodes starting at once dial a seed
+    /// about once each.
+    pub max_pending_handshakes: usize,
     /// Longest wait to write or read one gossip message or report. Default 2 s.
     pub io_timeout: Duration,
     /// Longest wait for a whole summary request/response. Default 5 s (snapshots are MBs).
@@ -109,6 +113,7 @@ impl Default for TransportConfig {
         TransportConfig {
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
+            max_pending_handshakes: 1024,
             io_timeout: Duration::from_secs(2),
             sync_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(10),
@@ -347,6 +352,8 @@ struct Inner {
     conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
     /// Handshakes in flight, one per peer at most (see `Inner::connection`).
     dials: Mutex<HashMap<SocketAddr, Dial>>,
+    /// Incoming handshakes in flight (capped by `max_pending_handshakes`).
+    pending_handshakes: Arc<AtomicUsize>,
     senders: Mutex<HashMap<SocketAddr, mpsc::Sender<Outgoing>>>,
     gossip_tx: mpsc::Sender<GossipItem>,
     gossip_rx: Mutex<Option<mpsc::Receiver<GossipItem>>>,
@@ -425,6 +432,7 @@ impl QuicTransport {
             cfg,
             conns: Mutex::new(HashMap::new()),
             dials: Mutex::new(HashMap::new()),
+            pending_handshakes: Arc::new(AtomicUsize::new(0)),
             senders: Mutex::new(HashMap::new()),
             gossip_tx,
             gossip_rx: Mutex::new(Some(gossip_rx)),
@@ -945,9 +953,25 @@ async fn accept_loop(inner: Arc<Inner>) {
             incoming.ignore();
             continue;
         }
+        // Anyone can start a handshake (the certificate is checked at its end), and each one
+        // waits up to `handshake_timeout`: a flood must not grow without bound.
+        let pending = Arc::clone(&inner.pending_handshakes);
+        if pending.fetch_add(1, Ordering::Relaxed) >= inner.cfg.max_pending_handshakes {
+            pending.fetch_sub(1, Ordering::Relaxed);
+            bump(&inner.stats.handshake_failures);
+            inner.warn(
+                "incoming connection",
+                peer,
+                &"too many handshakes in flight",
+            );
+            incoming.refuse();
+            continue;
+        }
         let inner = inner.clone();
         tokio::spawn(async move {
-            match timeout(inner.cfg.handshake_timeout, incoming).await {
+            let handshake = timeout(inner.cfg.handshake_timeout, incoming).await;
+            pending.fetch_sub(1, Ordering::Relaxed);
+            match handshake {
                 Ok(Ok(conn)) => {
                     // The newest connection from a peer is the one to send on: a peer dials
                     // only when it holds no live connection to this node, so one still cached
@@ -1506,6 +1530,36 @@ mod tests {
         );
         client.close();
         server.close();
+    }
+
+    /// Incoming handshakes past the cap are refused and counted; within it they complete.
+    #[tokio::test]
+    async fn incoming_handshakes_over_the_cap_are_refused() {
+        let ca = certs::ClusterCa::generate().unwrap();
+        let full = TransportConfig {
+            max_pending_handshakes: 0,
+            ..TransportConfig::default()
+        };
+        let server = bound(&ca, "server", full);
+        let client = bound(&ca, "client", TransportConfig::default());
+        let refused = client.inner.dial(server.local_addr()).unwrap().await;
+        assert!(refused.is_err(), "{refused:?}");
+        assert_eq!(server.stats().snapshot().handshake_failures, 1);
+        let open = bound(&ca, "open", TransportConfig::default());
+        assert!(client.inner.dial(open.local_addr()).unwrap().await.is_ok());
+        // The server's side ends a moment after the client's: its count drains to zero.
+        let t0 = Instant::now();
+        while open.inner.pending_handshakes.load(Ordering::Relaxed) != 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "a handshake stayed pending"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(open.stats().snapshot().handshake_failures, 0);
+        for t in [client, server, open] {
+            t.close();
+        }
     }
 
     /// Every caller during one handshake joins it: one dial per peer at a time.

@@ -6,7 +6,7 @@
 //! gave up for load; which consideration decided; how far the predicted TTFT was off; how long
 //! deciding took; in-flight counts; replica health; retries.
 
-use crate::core::router::{Branch, Decision};
+use crate::core::router::{Branch, Decision, KvSteer};
 use crate::mesh::transport::StatsSnapshot;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -154,11 +154,10 @@ impl DecisionMetrics {
             .unwrap_or(0);
         self.branch[i].inc();
         if let Decision::Route(r) = d {
-            if r.kv_steered {
-                self.kv_steered.inc();
-            }
-            if r.kv_overflowed {
-                self.kv_overflowed.inc();
+            match r.kv_steer {
+                KvSteer::Steered => self.kv_steered.inc(),
+                KvSteer::Overflowed => self.kv_overflowed.inc(),
+                KvSteer::Unsteered => {}
             }
             if let Some(best) = r.best_hit_blocks {
                 let tpb = u64::from(tokens_per_block);

@@ -76,7 +76,7 @@ use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::pd::{self, PdChoice, WholeReason};
-use crate::core::peer_tips::Tip;
+use crate::core::peer_tips::{ladder, ladder_blocks, Tip, MAX_LADDER_KEYS};
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
 use crate::core::region_choice::build_offer;
@@ -140,6 +140,25 @@ struct Share {
     pending_tokens: i64,
     /// A routed prefix: its last block key, blocks, and when its prefill is predicted done.
     tip: Option<(BlockKey, u32, Duration)>,
+    /// The prompt's keys at the tip's ladder lengths (`core::peer_tips::ladder`), the first
+    /// `ladder_len`, as the live node's load update carries them.
+    ladder: [BlockKey; MAX_LADDER_KEYS],
+    ladder_len: usize,
+}
+
+impl Share {
+    /// Names the prefix of `keys` as routed (ready at `ready`), with its ladder.
+    fn set_tip(&mut self, keys: &[BlockKey], ready: Duration) {
+        let Some(last) = keys.last() else {
+            return;
+        };
+        self.tip = Some((*last, keys.len() as u32, ready));
+        self.ladder_len = 0;
+        for (slot, len) in self.ladder.iter_mut().zip(ladder(keys.len())) {
+            *slot = keys[len - 1];
+            self.ladder_len += 1;
+        }
+    }
 }
 
 /// A router node: where it lives, how late it hears, and (unless in oracle mode) its view.
@@ -758,8 +777,8 @@ impl<'a> Sim<'a> {
                 h.observe(req, now);
             }
             self.share(now, node, r, 1, uncached as i64);
-            if let (Some(last), Some(s)) = (self.keys.last(), self.shares.back_mut()) {
-                s.tip = Some((*last, self.keys.len() as u32, now + ready_in));
+            if let Some(s) = self.shares.back_mut() {
+                s.set_tip(&self.keys, now + ready_in);
             }
             if let Some(d) = decode {
                 // The decode leg, as the live node books it: in flight, its blocks arriving with
@@ -1372,6 +1391,8 @@ impl<'a> Sim<'a> {
                 in_flight,
                 pending_tokens,
                 tip: None,
+                ladder: [BlockKey(0); MAX_LADDER_KEYS],
+                ladder_len: 0,
             });
         }
     }
@@ -1392,6 +1413,15 @@ impl<'a> Sim<'a> {
                 };
                 if let Some((key, blocks, ready)) = s.tip {
                     let until = ready + view.overlay_ttl;
+                    for (i, key) in s.ladder[..s.ladder_len].iter().enumerate() {
+                        let tip = Tip {
+                            replica: s.replica,
+                            blocks: ladder_blocks(i) as u32,
+                            ready,
+                            until,
+                        };
+                        view.peer_tips.insert(*key, tip);
+                    }
                     view.peer_tips.insert(
                         key,
                         Tip {
@@ -1572,8 +1602,8 @@ impl<'a> Sim<'a> {
             rep.load.queued_prefill_tokens += uncached;
         }
         self.share(now, n, r, 1, uncached as i64);
-        if let (Some(last), Some(s)) = (w.keys.last(), self.shares.back_mut()) {
-            s.tip = Some((*last, w.keys.len() as u32, now + ready_in));
+        if let Some(s) = self.shares.back_mut() {
+            s.set_tip(&w.keys, now + ready_in);
         }
         self.pending_prefill[r] += uncached;
         self.warms.push(WarmFlight {
@@ -1962,9 +1992,13 @@ mod tests {
     }
 
     #[test]
-    fn a_kv_quota_on_a_100x_tenant_gives_the_small_tenants_their_hits_back() {
+    fn a_kv_quota_on_a_100x_tenant_keeps_the_small_tenants_within_a_tenth_of_their_hits() {
         // The tenants family with one tenant at 100× each small one's rate, on caches small
         // enough for its unique user messages to flush the small tenants' system prompts.
+        // Before peer tips carried a ladder (`core::peer_tips`) the mesh lost a tenth of the
+        // small tenants' hits to the big one here and the quota gave them back; now the region's
+        // nodes see each small tenant's system prompt where one node would, and keep ~0.95 of
+        // their hits without a quota too (docs/benchmarks.md, tenant KV quotas, round 7).
         let params = |absent| workload::TenantsParams {
             big_skew: 100.0,
             user_tokens: (512, 2048),
@@ -2002,23 +2036,19 @@ mod tests {
             (r.tenant_split.unwrap().others, r.kv_steered)
         };
         let (alone, _) = small(&without_big, None);
-        let (flushed, steered_off) = small(&with_big, None);
+        let (without, steered_off) = small(&with_big, None);
         let (quota, steered) = small(&with_big, Some(0.1));
         assert_eq!(steered_off, 0);
-        assert!(steered > 0);
+        assert!(steered > 0, "the quota steers the big tenant");
         assert_eq!(alone.requests, quota.requests);
-        assert!(
-            flushed.hit_token_ratio < 0.9 * alone.hit_token_ratio,
-            "the big tenant flushes them: {} vs {} alone",
-            flushed.hit_token_ratio,
-            alone.hit_token_ratio
-        );
-        assert!(
-            quota.hit_token_ratio > flushed.hit_token_ratio,
-            "the quota gives hits back: {} vs {} without",
-            quota.hit_token_ratio,
-            flushed.hit_token_ratio
-        );
+        for (arm, got) in [("with the quota", &quota), ("without", &without)] {
+            assert!(
+                got.hit_token_ratio >= 0.9 * alone.hit_token_ratio,
+                "{arm}: {} vs {} alone",
+                got.hit_token_ratio,
+                alone.hit_token_ratio
+            );
+        }
     }
 
     #[test]

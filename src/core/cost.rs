@@ -75,10 +75,14 @@ impl Default for CostModel {
 }
 
 impl CostModel {
+    /// Seconds of uncached prompt work already queued at `r` (the prefill part of [`Self::queue_s`]).
+    pub fn prefill_queue_s(&self, r: &ReplicaState) -> f64 {
+        r.load.queued_prefill_tokens as f64 / r.info.prefill_tokens_per_s.max(1.0)
+    }
+
     /// Predicted wait before this request's prefill could start on `r`.
     pub fn queue_s(&self, r: &ReplicaState) -> f64 {
-        let rate = r.info.prefill_tokens_per_s.max(1.0);
-        r.load.queued_prefill_tokens as f64 / rate + self.w_load_s * r.load.outstanding() as f64
+        self.prefill_queue_s(r) + self.w_load_s * r.load.outstanding() as f64
     }
 
     /// Hit blocks credited by the node's fixed tier weights:

@@ -539,6 +539,7 @@ impl Router {
                 outstanding: r.load.outstanding(),
                 in_flight: r.load.in_flight,
                 queue_s,
+                prefill_queue_s: cost.prefill_queue_s(r),
                 cost_s,
                 prefill_s,
             });

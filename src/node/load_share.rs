@@ -24,10 +24,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::state::{Core, Node};
+use super::state::{Core, Node, PendingTip};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::Tip;
+use crate::core::peer_tips::{ladder_blocks, Tip};
 use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
     LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
@@ -102,6 +102,41 @@ fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) 
         }
     }
     dropped
+}
+
+/// The tips of `pending` as peers receive them: each prompt's own, then one per ladder key (a
+/// plain tip of the ladder's length, so that nodes of every version read them), each
+/// (replica, key, blocks) once per update: a system prompt routed a hundred times between two
+/// updates is named once.
+fn routed_tips<'a>(
+    pending: &[PendingTip],
+    id_of: impl Fn(usize) -> Option<&'a str>,
+    now: Duration,
+) -> Vec<RoutedTip> {
+    let mut named = HashSet::new();
+    let mut out = Vec::new();
+    for t in pending {
+        let Some(id) = id_of(t.replica) else {
+            continue;
+        };
+        let ready_ms = u32::try_from(t.ready.saturating_sub(now).as_millis()).unwrap_or(u32::MAX);
+        let ladder = t.ladder_keys().iter().enumerate().map(|(i, key)| {
+            let blocks = u32::try_from(ladder_blocks(i)).unwrap_or(u32::MAX);
+            (*key, blocks, None)
+        });
+        for (key, blocks, rank) in std::iter::once((t.key, t.blocks, t.rank)).chain(ladder) {
+            if named.insert((t.replica, key, blocks)) {
+                out.push(RoutedTip {
+                    replica: id.to_owned(),
+                    key,
+                    blocks,
+                    ready_ms,
+                    rank,
+                });
+            }
+        }
+    }
+    out
 }
 
 impl Node {
@@ -182,20 +217,12 @@ impl Node {
         let mut core = self.lock();
         let core = &mut *core;
         let region = &self.cfg.region;
-        let tips: Vec<RoutedTip> = core
-            .pending_tips
-            .drain(..)
-            .filter_map(|(i, key, blocks, ready, rank)| {
-                let ready_ms = ready.saturating_sub(now).as_millis();
-                Some(RoutedTip {
-                    replica: core.view.replica(i)?.info.id.clone(),
-                    key,
-                    blocks,
-                    ready_ms: u32::try_from(ready_ms).unwrap_or(u32::MAX),
-                    rank,
-                })
-            })
-            .collect();
+        let tips = routed_tips(
+            &core.pending_tips,
+            |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+            now,
+        );
+        core.pending_tips.clear();
         let own = core
             .view
             .replicas()
@@ -301,6 +328,41 @@ pub(super) async fn share_load(
 mod tests {
     use super::*;
     use crate::core::view::{ReplicaInfo, View};
+
+    #[test]
+    fn a_routed_prompt_is_named_with_its_ladder_and_a_shared_prefix_once() {
+        // Two questions under one 32-block system prompt, routed to replica 0 between two
+        // updates: each question's own tip, and the system prompt's ladder keys once.
+        let prompt = |q: u64| -> Vec<BlockKey> {
+            (0..32)
+                .map(BlockKey)
+                .chain((0..8).map(|i| BlockKey(q * 1000 + i)))
+                .collect()
+        };
+        let now = Duration::from_secs(1);
+        let ready = now + Duration::from_millis(40);
+        let pending: Vec<PendingTip> = [1, 2]
+            .iter()
+            .filter_map(|q| PendingTip::new(0, &prompt(*q), ready, Some(1)))
+            .collect();
+        let tips = routed_tips(&pending, |i| (i == 0).then_some("r0"), now);
+        let named: Vec<(u64, u32, Option<u16>)> =
+            tips.iter().map(|t| (t.key, t.blocks, t.rank)).collect();
+        assert_eq!(
+            named,
+            vec![
+                (1007, 40, Some(1)),
+                (3, 4, None),
+                (7, 8, None),
+                (15, 16, None),
+                (31, 32, None),
+                (2007, 40, Some(1)),
+            ]
+        );
+        assert!(tips.iter().all(|t| t.replica == "r0" && t.ready_ms == 40));
+        // A replica the view no longer has is skipped.
+        assert!(routed_tips(&pending, |_| None, now).is_empty());
+    }
 
     fn view(max_in_flight: u32) -> View {
         let mut v = View::new("eu", 16);

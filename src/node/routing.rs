@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::state::{Core, Endpoint, Node, MAX_PENDING_TIPS};
+use super::state::{Core, Endpoint, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
 use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
@@ -294,10 +294,9 @@ impl Node {
                 rt.rank_hints.insert(*last, blocks, rank, now);
             }
         }
-        if let (Some(last), true) = (keys.last(), self.cfg.mesh.is_some()) {
-            if core.pending_tips.len() < MAX_PENDING_TIPS {
-                core.pending_tips
-                    .push((i, last.0, blocks, now + ready_in, rank));
+        if self.cfg.mesh.is_some() && core.pending_tips.len() < MAX_PENDING_TIPS {
+            if let Some(tip) = PendingTip::new(i, keys, now + ready_in, rank) {
+                core.pending_tips.push(tip);
             }
         }
         if let Some(rt) = core.replicas.get_mut(i) {

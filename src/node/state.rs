@@ -21,7 +21,7 @@ use crate::core::cost::CostModel;
 use crate::core::dp_rank::RankLoad;
 use crate::core::hot_prefix::HotPrefixes;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::PeerTips;
+use crate::core::peer_tips::{ladder, PeerTips, MAX_LADDER_KEYS};
 use crate::core::policy::PolicyKind;
 use crate::core::rank_hints::RankHints;
 use crate::core::router::{Router, RouterConfig};
@@ -141,11 +141,10 @@ pub struct Core {
     pub hot_owners: Vec<String>,
     /// This node's id in the mesh (empty without one).
     pub hot_self: String,
-    /// Prefixes routed since the last load update (mesh only), for the region's other nodes:
-    /// (replica index, last block key, blocks, when its prefill is predicted done, the
-    /// data-parallel rank named). At most `MAX_PENDING_TIPS` (1,024); more between two flushes
-    /// are dropped (the summary round has them).
-    pub pending_tips: Vec<(usize, u64, u32, Duration, Option<u16>)>,
+    /// Prefixes routed since the last load update (mesh only), for the region's other nodes.
+    /// At most `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary
+    /// round has them).
+    pub pending_tips: Vec<PendingTip>,
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
     pub admission: Option<super::admission_queue::NodeQueue>,
     /// The prefixes this node routed most: the heads its region offers others
@@ -157,6 +156,58 @@ pub struct Core {
 
 /// Most routed prefixes kept for the next load update.
 pub const MAX_PENDING_TIPS: usize = 1024;
+
+/// A prefix this node routed, until the next load update tells the region's other nodes
+/// (`mesh::load_share::RoutedTip`). Fixed-size, so that booking a request allocates nothing.
+#[derive(Clone, Copy, Debug)]
+pub struct PendingTip {
+    /// The replica's view index.
+    pub replica: usize,
+    /// The prompt's last block key.
+    pub key: u64,
+    /// Blocks of the prompt.
+    pub blocks: u32,
+    /// When its prefill is predicted done.
+    pub ready: Duration,
+    /// The data-parallel rank named, if any.
+    pub rank: Option<u16>,
+    /// The prompt's keys at the ladder's lengths (`core::peer_tips::ladder`), the first
+    /// `ladder_len` of them.
+    pub ladder: [u64; MAX_LADDER_KEYS],
+    /// How many of `ladder` are set.
+    pub ladder_len: usize,
+}
+
+impl PendingTip {
+    /// The tip for a prompt of `keys` routed to `replica`, its ladder included.
+    pub fn new(
+        replica: usize,
+        keys: &[BlockKey],
+        ready: Duration,
+        rank: Option<u16>,
+    ) -> Option<Self> {
+        let last = keys.last()?;
+        let mut tip = PendingTip {
+            replica,
+            key: last.0,
+            blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+            ready,
+            rank,
+            ladder: [0; MAX_LADDER_KEYS],
+            ladder_len: 0,
+        };
+        for (slot, len) in tip.ladder.iter_mut().zip(ladder(keys.len())) {
+            *slot = keys[len - 1].0;
+            tip.ladder_len += 1;
+        }
+        Some(tip)
+    }
+
+    /// The ladder keys set.
+    pub fn ladder_keys(&self) -> &[u64] {
+        &self.ladder[..self.ladder_len]
+    }
+}
 
 /// One replica's address; cheap to clone so the request path can hold it without a lock.
 #[derive(Clone, Debug)]

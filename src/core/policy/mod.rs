@@ -65,6 +65,7 @@ pub(crate) mod testing {
             outstanding,
             in_flight: outstanding,
             queue_s,
+            prefill_queue_s: outstanding as f64 * (2048.0 / 50_000.0),
             cost_s: queue_s + uncached / 50_000.0,
             prefill_s: uncached / 50_000.0,
         }

@@ -5,7 +5,7 @@
 //! replica drawn at random, weighted toward low predicted cost (so toward idle replicas and those
 //! holding part of the prompt). The request goes to whichever has the lower predicted cost
 //! (queued work plus uncached prefill, in seconds), except that B pays for the prefill it adds
-//! over A in proportion to its own backlog (`backlog_weight_per_s`). So:
+//! over A in proportion to its own prefill backlog (`backlog_weight_per_s`). So:
 //! - a warm, idle holder wins (its prefill is short);
 //! - a hot prefix whose holder is swamped spills to an idle B, which then holds the prefix too,
 //!   and later requests spread between the two (near-ties go to the less loaded);
@@ -18,6 +18,14 @@
 //! (docs/benchmarks.md, "The default policy"): the cheapest near-tie instead of a random one
 //! took chat from 0.078 to 0.071 s mean TTFT and rag from 1.81 to 1.62 s; the backlog charge
 //! took rag (overloaded) to 1.01 s with p99 5.4 → 1.7 s, system-prompt to chwbl's level.
+//!
+//! The backlog is B's *queued prefill* ([`Candidate::prefill_queue_s`]), not its whole queue
+//! estimate: the requests a recomputation delays are those waiting for their own prefill behind
+//! it, while the decoding batch (the `w_load × outstanding` part of `queue_s`) only slows by a
+//! step's share. Charging by the whole estimate made B dear on every replica with a large
+//! decode batch, so a holder with a passing prefill queue kept its sessions' turns: over ten
+//! seeds chat's p99 was 0.243 s against cache-argmin's 0.194 (9 seeds of 10 behind); charged
+//! by the prefill backlog it is 0.198, and agent's 0.364 → 0.331 (cache-argmin 0.321).
 
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -30,10 +38,11 @@ use super::pick::{draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, Re
 pub struct P2cCache {
     /// Hits within this fraction of the longest count as ties for A. Default 1/16.
     pub tie_fraction: f64,
-    /// Seconds charged to B per second of prefill it adds over A, per second of B's queue.
-    /// Default 32: a second of queue is about 32 requests' prefill (~30 ms each for an 8B model
-    /// on an H100), and work added to a busy replica delays the requests that arrive behind it.
-    /// At 16 the simulator's agent runs lost p99 (0.39 s vs 0.30 s); at 0 the charge is off.
+    /// Seconds charged to B per second of prefill it adds over A, per second of B's queued
+    /// prefill. Default 32: a second of queued prefill is about 32 requests' (~30 ms each for
+    /// an 8B model on an H100), each of which the added prefill delays. At 0 the charge is off
+    /// (rag, overloaded, then reads 1.77 s mean TTFT against 1.23 s); at 8 or 128 the five-seed
+    /// means of every family stay within noise of 32's, except rag (1.36 s at 8).
     pub backlog_weight_per_s: f64,
 }
 
@@ -72,10 +81,10 @@ impl P2cCache {
     }
 
     /// B's cost as weighed against A's: its predicted cost plus the charge for the prefill it
-    /// would spend beyond A's, scaled by B's own backlog.
+    /// would spend beyond A's, scaled by B's own prefill backlog.
     fn charged_cost(&self, a: &Candidate, b: &Candidate) -> f64 {
         let extra_prefill_s = (b.prefill_s - a.prefill_s).max(0.0);
-        b.cost_s + self.backlog_weight_per_s * b.queue_s.max(0.0) * extra_prefill_s
+        b.cost_s + self.backlog_weight_per_s * b.prefill_queue_s.max(0.0) * extra_prefill_s
     }
 }
 
@@ -187,6 +196,41 @@ mod tests {
         assert_eq!(
             histogram(&mut P2cCache::default(), &c, &keys(128), 100)[0],
             100
+        );
+    }
+
+    #[test]
+    fn only_queued_prefill_makes_recomputing_on_b_dear() {
+        // A holds the prompt (8k tokens) behind a passing prefill queue; B holds nothing and is
+        // decoding a large batch, which slows its steps but queues no prefill.
+        let holder = Candidate {
+            queue_s: 1.3,
+            prefill_queue_s: 0.3,
+            cost_s: 1.3,
+            prefill_s: 0.0,
+            ..cand(0, 128, 100)
+        };
+        let decoding = Candidate {
+            queue_s: 1.0,
+            prefill_queue_s: 0.0,
+            cost_s: 1.0 + 0.16,
+            prefill_s: 0.16,
+            ..cand(1, 0, 200)
+        };
+        // B is cheaper and delays no one's prefill: the request goes there.
+        let c = [holder, decoding];
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 100);
+        assert_eq!(h, vec![0, 100]);
+        // The same B with a third of a second of prefill queued: its 0.16 s of recomputation
+        // would hold up ~10 waiting prompts, so the holder keeps the request.
+        let queued = Candidate {
+            prefill_queue_s: 0.3,
+            ..decoding
+        };
+        let c = [holder, queued];
+        assert_eq!(
+            histogram(&mut P2cCache::default(), &c, &keys(128), 100),
+            vec![100, 0]
         );
     }
 

@@ -9,13 +9,14 @@
 //! keys are chained (key *i* hashes blocks 0..=i), so a request whose key at position *j* equals a
 //! tip of `j + 1` blocks shares that whole prefix. A shorter shared prefix (a system prompt under
 //! a different question, a document under another one) the last key cannot name, so a tip also
-//! carries the prompt's keys at the [`ladder`]'s lengths — 4, 8, 16, … blocks, nine bytes each, a
-//! handful per prompt — and a request sharing `L` leading blocks with a peer's finds at least the
-//! largest of those lengths ≤ `L`, more than half of what it shares. Without them a region's other
-//! nodes learnt a new system prompt only from the next summary round, up to a second later, and
-//! sprayed its first requests over the fleet: in `kvmesh sim` (3 nodes, ten seeds) the
-//! system-prompt family's p99 TTFT was 0.246 s with the last key alone and 0.152 s with the
-//! ladder, rag's 2.91 → 1.98 s.
+//! names the prompt's keys at the [`ladder`]'s lengths — 4, 8, 16, … blocks, a handful per prompt,
+//! each a plain tip of its own length on the wire (so nodes of every version read them), each
+//! (replica, key, length) once per update — and a request sharing `L` leading blocks with a peer's
+//! finds at least the largest of those lengths ≤ `L`, more than half of what it shares. Without
+//! them a region's other nodes learnt a new system prompt only from the next summary round, up to
+//! a second later, and sprayed its first requests over the fleet: in `kvmesh sim` (3 nodes, ten
+//! seeds) the system-prompt family's p99 TTFT was 0.246 s with the last key alone and 0.152 s
+//! with the ladder, rag's 2.91 → 1.98 s.
 //!
 //! Tips count, like the overlay, from the routed request's predicted prefill end (`ready`) until
 //! `until`. The store is bounded ([`PeerTips::cap`]); expired tips are swept by [`PeerTips::expire`].

@@ -76,7 +76,7 @@ use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::pd::{self, PdChoice, WholeReason};
-use crate::core::peer_tips::{ladder, ladder_blocks, Tip, MAX_LADDER_KEYS};
+use crate::core::peer_tips::{Ladder, Tip};
 use crate::core::policy::PolicyKind;
 use crate::core::priority::resolve;
 use crate::core::region_choice::build_offer;
@@ -138,25 +138,16 @@ struct Share {
     replica: usize,
     in_flight: i32,
     pending_tokens: i64,
-    /// A routed prefix: its last block key, blocks, and when its prefill is predicted done.
-    tip: Option<(BlockKey, u32, Duration)>,
-    /// The prompt's keys at the tip's ladder lengths (`core::peer_tips::ladder`), the first
-    /// `ladder_len`, as the live node's load update carries them.
-    ladder: [BlockKey; MAX_LADDER_KEYS],
-    ladder_len: usize,
+    /// A routed prefix: its last block key, blocks, when its prefill is predicted done, and
+    /// the shorter prefixes it names (as the live node's load update carries them).
+    tip: Option<(BlockKey, u32, Duration, Ladder)>,
 }
 
 impl Share {
-    /// Names the prefix of `keys` as routed (ready at `ready`), with its ladder.
+    /// Names the prompt of `keys` as routed (ready at `ready`).
     fn set_tip(&mut self, keys: &[BlockKey], ready: Duration) {
-        let Some(last) = keys.last() else {
-            return;
-        };
-        self.tip = Some((*last, keys.len() as u32, ready));
-        self.ladder_len = 0;
-        for (slot, len) in self.ladder.iter_mut().zip(ladder(keys.len())) {
-            *slot = keys[len - 1];
-            self.ladder_len += 1;
+        if let Some(last) = keys.last() {
+            self.tip = Some((*last, keys.len() as u32, ready, Ladder::of(keys)));
         }
     }
 }
@@ -1391,8 +1382,6 @@ impl<'a> Sim<'a> {
                 in_flight,
                 pending_tokens,
                 tip: None,
-                ladder: [BlockKey(0); MAX_LADDER_KEYS],
-                ladder_len: 0,
             });
         }
     }
@@ -1411,26 +1400,17 @@ impl<'a> Sim<'a> {
                 let Some(view) = node.routing.as_mut().map(|nr| &mut nr.view) else {
                     continue;
                 };
-                if let Some((key, blocks, ready)) = s.tip {
-                    let until = ready + view.overlay_ttl;
-                    for (i, key) in s.ladder[..s.ladder_len].iter().enumerate() {
+                if let Some((key, blocks, ready, ladder)) = &s.tip {
+                    let until = *ready + view.overlay_ttl;
+                    for (key, blocks) in std::iter::once((*key, *blocks)).chain(ladder.prefixes()) {
                         let tip = Tip {
                             replica: s.replica,
-                            blocks: ladder_blocks(i) as u32,
-                            ready,
+                            blocks,
+                            ready: *ready,
                             until,
                         };
-                        view.peer_tips.insert(*key, tip);
+                        view.peer_tips.insert(key, tip);
                     }
-                    view.peer_tips.insert(
-                        key,
-                        Tip {
-                            replica: s.replica,
-                            blocks,
-                            ready,
-                            until,
-                        },
-                    );
                 }
                 let Some(rep) = view.replica_mut(s.replica) else {
                     continue;

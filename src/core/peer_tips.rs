@@ -108,18 +108,48 @@ pub const LADDER_FIRST_BLOCKS: usize = 4;
 pub const MAX_LADDER_KEYS: usize = 16;
 
 /// The shorter prefix lengths, in blocks, a tip for a prompt of `blocks` blocks names besides its
-/// whole length: 4, 8, 16, … below `blocks` (at most [`MAX_LADDER_KEYS`]). The sender sends the
-/// prompt's key at each (`keys[len - 1]`); a receiver takes the `i`-th key it is sent as a prefix
-/// of [`ladder_blocks`]`(i)` blocks.
+/// whole length: 4, 8, 16, … below `blocks`, at most [`MAX_LADDER_KEYS`] of them.
 pub fn ladder(blocks: usize) -> impl Iterator<Item = usize> {
     (0..MAX_LADDER_KEYS)
-        .map(ladder_blocks)
+        .map(|i| LADDER_FIRST_BLOCKS << i)
         .take_while(move |&len| len < blocks)
 }
 
-/// The length in blocks of a tip's `i`-th ladder key: `4 · 2^i` (`i` < [`MAX_LADDER_KEYS`]).
-pub fn ladder_blocks(i: usize) -> usize {
-    LADDER_FIRST_BLOCKS << i.min(MAX_LADDER_KEYS - 1)
+/// A routed prompt's keys at its [`ladder`]'s lengths, held inline (no allocation when a request
+/// is booked): the shorter prefixes its tip names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ladder {
+    keys: [BlockKey; MAX_LADDER_KEYS],
+    len: u8,
+}
+
+impl Ladder {
+    /// The ladder of a prompt of `keys`.
+    pub fn of(keys: &[BlockKey]) -> Self {
+        let mut l = Ladder {
+            keys: [BlockKey(0); MAX_LADDER_KEYS],
+            len: 0,
+        };
+        for (slot, len) in l.keys.iter_mut().zip(ladder(keys.len())) {
+            *slot = keys[len - 1];
+            l.len += 1;
+        }
+        l
+    }
+
+    /// Each shorter prefix as (its last key, its blocks), shortest first.
+    pub fn prefixes(&self) -> impl Iterator<Item = (BlockKey, u32)> + '_ {
+        self.keys[..usize::from(self.len)]
+            .iter()
+            .zip(ladder(usize::MAX))
+            .map(|(k, len)| (*k, len as u32))
+    }
+}
+
+impl Default for Ladder {
+    fn default() -> Self {
+        Ladder::of(&[])
+    }
 }
 
 /// Peer tips by tip key, bounded.
@@ -250,8 +280,13 @@ mod tests {
             out.is_empty(),
             "the last key alone says nothing of a shared system prompt"
         );
-        for len in ladder(peer.len()) {
-            assert!(t.insert(peer[len - 1], tip(len as u32)));
+        let rungs: Vec<(BlockKey, u32)> = Ladder::of(&peer).prefixes().collect();
+        assert_eq!(
+            rungs,
+            vec![(peer[3], 4), (peer[7], 8), (peer[15], 16), (peer[31], 32)]
+        );
+        for (key, blocks) in rungs {
+            assert!(t.insert(key, tip(blocks)));
         }
         t.hits(&mine, Duration::ZERO, &mut out);
         assert_eq!(out, vec![(3, 32)]);

@@ -24,10 +24,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::state::{Core, Node, PendingTip};
+use super::state::{Core, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::{ladder_blocks, Tip};
+use crate::core::peer_tips::Tip;
 use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
     LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
@@ -104,10 +104,16 @@ fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) 
     dropped
 }
 
-/// The tips of `pending` as peers receive them: each prompt's own, then one per ladder key (a
-/// plain tip of the ladder's length, so that nodes of every version read them), each
-/// (replica, key, blocks) once per update: a system prompt routed a hundred times between two
-/// updates is named once.
+/// Most tips one load update carries: every pending prompt's own (at most
+/// `MAX_PENDING_TIPS`), then ladder tips up to this many in all. A prompt of 32k tokens names 8
+/// shorter prefixes, so a full queue of them would otherwise be ~9,000 tips (~350 KB) to each
+/// peer in one flush; what is left out arrives with the next summary round, as before tips.
+const MAX_TIPS_PER_UPDATE: usize = 2 * MAX_PENDING_TIPS;
+
+/// The tips of `pending` as peers receive them: each prompt's own, then the shorter prefixes its
+/// ladder names (each a plain tip of its own length, so that nodes of every version read them),
+/// each (replica, key, blocks) once per update — a system prompt routed a hundred times between
+/// two updates is named once — and at most [`MAX_TIPS_PER_UPDATE`] in all.
 fn routed_tips<'a>(
     pending: &[PendingTip],
     id_of: impl Fn(usize) -> Option<&'a str>,
@@ -115,25 +121,27 @@ fn routed_tips<'a>(
 ) -> Vec<RoutedTip> {
     let mut named = HashSet::new();
     let mut out = Vec::new();
-    for t in pending {
+    let mut add = |t: &PendingTip, key: BlockKey, blocks: u32, rank: Option<u16>| {
         let Some(id) = id_of(t.replica) else {
-            continue;
+            return;
         };
-        let ready_ms = u32::try_from(t.ready.saturating_sub(now).as_millis()).unwrap_or(u32::MAX);
-        let ladder = t.ladder_keys().iter().enumerate().map(|(i, key)| {
-            let blocks = u32::try_from(ladder_blocks(i)).unwrap_or(u32::MAX);
-            (*key, blocks, None)
-        });
-        for (key, blocks, rank) in std::iter::once((t.key, t.blocks, t.rank)).chain(ladder) {
-            if named.insert((t.replica, key, blocks)) {
-                out.push(RoutedTip {
-                    replica: id.to_owned(),
-                    key,
-                    blocks,
-                    ready_ms,
-                    rank,
-                });
-            }
+        if out.len() < MAX_TIPS_PER_UPDATE && named.insert((t.replica, key, blocks)) {
+            let ready_ms = t.ready.saturating_sub(now).as_millis();
+            out.push(RoutedTip {
+                replica: id.to_owned(),
+                key: key.0,
+                blocks,
+                ready_ms: u32::try_from(ready_ms).unwrap_or(u32::MAX),
+                rank,
+            });
+        }
+    };
+    for t in pending {
+        add(t, t.key, t.blocks, t.rank);
+    }
+    for t in pending {
+        for (key, blocks) in t.ladder.prefixes() {
+            add(t, key, blocks, None);
         }
     }
     out
@@ -352,16 +360,30 @@ mod tests {
             named,
             vec![
                 (1007, 40, Some(1)),
+                (2007, 40, Some(1)),
                 (3, 4, None),
                 (7, 8, None),
                 (15, 16, None),
                 (31, 32, None),
-                (2007, 40, Some(1)),
             ]
         );
         assert!(tips.iter().all(|t| t.replica == "r0" && t.ready_ms == 40));
         // A replica the view no longer has is skipped.
         assert!(routed_tips(&pending, |_| None, now).is_empty());
+        // A full queue of 32k-token prompts (512 blocks, 7 ladder keys each): every prompt's own
+        // tip goes, ladder tips only up to the update's cap.
+        let long: Vec<PendingTip> = (0..MAX_PENDING_TIPS as u64)
+            .filter_map(|q| {
+                let keys: Vec<BlockKey> = (0..512).map(|i| BlockKey(q << 20 | i)).collect();
+                PendingTip::new(0, &keys, ready, None)
+            })
+            .collect();
+        let tips = routed_tips(&long, |_| Some("r0"), now);
+        assert_eq!(tips.len(), MAX_TIPS_PER_UPDATE);
+        assert_eq!(
+            tips.iter().filter(|t| t.blocks == 512).count(),
+            MAX_PENDING_TIPS
+        );
     }
 
     fn view(max_in_flight: u32) -> View {

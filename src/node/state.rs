@@ -21,7 +21,7 @@ use crate::core::cost::CostModel;
 use crate::core::dp_rank::RankLoad;
 use crate::core::hot_prefix::HotPrefixes;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::{ladder, PeerTips, MAX_LADDER_KEYS};
+use crate::core::peer_tips::{Ladder, PeerTips};
 use crate::core::policy::PolicyKind;
 use crate::core::rank_hints::RankHints;
 use crate::core::router::{Router, RouterConfig};
@@ -164,18 +164,15 @@ pub struct PendingTip {
     /// The replica's view index.
     pub replica: usize,
     /// The prompt's last block key.
-    pub key: u64,
+    pub key: BlockKey,
     /// Blocks of the prompt.
     pub blocks: u32,
     /// When its prefill is predicted done.
     pub ready: Duration,
     /// The data-parallel rank named, if any.
     pub rank: Option<u16>,
-    /// The prompt's keys at the ladder's lengths (`core::peer_tips::ladder`), the first
-    /// `ladder_len` of them.
-    pub ladder: [u64; MAX_LADDER_KEYS],
-    /// How many of `ladder` are set.
-    pub ladder_len: usize,
+    /// The shorter prefixes it names.
+    pub ladder: Ladder,
 }
 
 impl PendingTip {
@@ -186,26 +183,14 @@ impl PendingTip {
         ready: Duration,
         rank: Option<u16>,
     ) -> Option<Self> {
-        let last = keys.last()?;
-        let mut tip = PendingTip {
+        Some(PendingTip {
             replica,
-            key: last.0,
+            key: *keys.last()?,
             blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
             ready,
             rank,
-            ladder: [0; MAX_LADDER_KEYS],
-            ladder_len: 0,
-        };
-        for (slot, len) in tip.ladder.iter_mut().zip(ladder(keys.len())) {
-            *slot = keys[len - 1].0;
-            tip.ladder_len += 1;
-        }
-        Some(tip)
-    }
-
-    /// The ladder keys set.
-    pub fn ladder_keys(&self) -> &[u64] {
-        &self.ladder[..self.ladder_len]
+            ladder: Ladder::of(keys),
+        })
     }
 }
 

@@ -25,7 +25,9 @@
 //! step's share. Charging by the whole estimate made B dear on every replica with a large
 //! decode batch, so a holder with a passing prefill queue kept its sessions' turns: over ten
 //! seeds chat's p99 was 0.243 s against cache-argmin's 0.194 (9 seeds of 10 behind); charged
-//! by the prefill backlog it is 0.198, and agent's 0.364 → 0.331 (cache-argmin 0.321).
+//! by the prefill backlog it is 0.198, and agent's 0.364 → 0.331 (cache-argmin 0.321; all before
+//! peer tips carried a ladder, with which chat reads 0.203 against 0.193 and agent 0.333
+//! against 0.318: docs/benchmarks.md, "Ten seeds").
 
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -42,7 +44,8 @@ pub struct P2cCache {
     /// prefill. Default 32: a second of queued prefill is about 32 requests' (~30 ms each for
     /// an 8B model on an H100), each of which the added prefill delays. At 0 the charge is off
     /// (rag, overloaded, then reads 1.77 s mean TTFT against 1.23 s); at 8 or 128 the five-seed
-    /// means of every family stay within noise of 32's, except rag (1.36 s at 8).
+    /// means of every family stay within noise of 32's, except rag (1.36 s at 8). (Measured
+    /// before peer tips carried a ladder.)
     pub backlog_weight_per_s: f64,
 }
 

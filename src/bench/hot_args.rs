@@ -16,7 +16,7 @@ pub struct HotArgs {
     /// `on`, or `both` (each policy run without and with it; the latter labelled `+hot`).
     #[arg(long, default_value = "off", value_parser = ["off", "on", "both"])]
     pub hot_prefix: String,
-    /// Share of the region's prefill capacity warm-ups may spend (`hot_prefix.budget_share`).
+    /// Share of the prefill a node routes that its warm-ups may spend (`hot_prefix.budget_share`).
     #[arg(long, default_value_t = HotPrefixConfig::default().budget_share)]
     pub hot_budget_share: f64,
     /// Report the TTFT of the requests arriving in this window of workload time apart,

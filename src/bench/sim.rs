@@ -766,6 +766,7 @@ impl<'a> Sim<'a> {
                     block_bytes: self.cfg.block_bytes,
                 };
                 h.observe(req, now);
+                h.credit(uncached);
             }
             self.share(now, node, r, 1, uncached as i64);
             if let Some(s) = self.shares.back_mut() {

@@ -19,10 +19,15 @@
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
 //!   `min_queue_s`, one more replica gets a warm-up — at most one in flight per (prefix,
-//!   replica), at most `max_warming` per prefix, paid from a token budget that refills at
-//!   `budget_share` of the region's prefill capacity, split evenly among the region's nodes
-//!   (each owns its share of the prefixes, so together they stay within the share). When the heat passes, in-flight warm-ups
-//!   are cancelled and the candidate is dropped.
+//!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned
+//!   by traffic: `budget_share` of the prefill this node routes ([`HotPrefixes::credit`]), so
+//!   warm-ups stay a share of the prefill the fleet really does, however idle it is. A node may
+//!   owe up to `max_warming` warm-ups (a prefix is warmed when it turns hot, not after the node
+//!   has routed twenty times its length), and the credit is held to `budget_share` of the
+//!   region's prefill capacity over [`BUDGET_WINDOW_S`], split among the region's nodes (each
+//!   owns its share of the prefixes). Over any run a node's warm-ups cost at most
+//!   `budget_share` × its routed prefill plus `max_warming` warm-ups. When the heat passes,
+//!   in-flight warm-ups are cancelled and the candidate is dropped.
 //!
 //! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
 //! [`HotPrefixes::warm_done`]. The per-request path ([`HotPrefixes::observe`]) allocates only
@@ -50,8 +55,9 @@ pub const PEER_TTL: Duration = Duration::from_secs(5);
 /// A warm-up not reported back by then is taken as failed (a lost completion must not block
 /// the (prefix, replica) pair forever).
 pub const WARM_TIMEOUT: Duration = Duration::from_secs(30);
-/// The budget holds at most this many seconds of its refill: warm-ups may come in a burst (a
-/// new hot prefix wants several replicas at once) yet average `budget_share` over the window.
+/// The credit holds at most this many seconds of `budget_share` of the region's prefill
+/// capacity: warm-ups may come in a burst (a new hot prefix wants several replicas at once),
+/// but a long quiet spell does not save up for a flood.
 const BUDGET_WINDOW_S: f64 = 10.0;
 /// Longest prefix a warm-up may carry, in blocks (a block report's cap).
 pub const MAX_WARM_BLOCKS: u32 = 8192;
@@ -76,9 +82,12 @@ pub struct HotPrefixConfig {
     pub min_rate: f64,
     /// Warm when every holder's predicted queue exceeds this many seconds (0..=60). Default 0.05.
     pub min_queue_s: f64,
-    /// Share of the region's prefill capacity warm-ups may spend (0..=1). Default 0.05.
+    /// Share of the prefill this node routes that its warm-ups may spend (0..=1), and of the
+    /// region's prefill capacity they may burst to. Default 0.05.
     pub budget_share: f64,
-    /// Warm-ups in flight per prefix (1..=64). Default 2.
+    /// Warm-ups in flight per prefix, and warm-ups a node may owe its credit (1..=64).
+    /// Default 3: a burst of 100 requests/s on an 8k-token prefix wanted about four holders
+    /// (docs/benchmarks.md).
     pub max_warming: u32,
     /// Most holders a warm-up aims for, per prefix (1..=1024). Default 8.
     pub max_holders: u32,
@@ -96,7 +105,7 @@ impl Default for HotPrefixConfig {
             min_rate: 5.0,
             min_queue_s: 0.05,
             budget_share: 0.05,
-            max_warming: 2,
+            max_warming: 3,
             max_holders: 8,
             max_warm_blocks: 512,
         }
@@ -254,10 +263,8 @@ pub struct HotPrefixes {
     sketch: HotSketch,
     peers: Vec<PeerTop>,
     candidates: Vec<Candidate>,
-    /// Tokens warm-ups may still spend.
+    /// Tokens warm-ups may still spend: earned by routed prefill, negative after an overdraft.
     budget: f64,
-    /// When the budget was last refilled (`None`: never; it starts full).
-    budget_at: Option<Duration>,
     stats: HotStats,
     scratch: Vec<(u64, f64)>,
     tips: Vec<(usize, u32)>,
@@ -273,7 +280,6 @@ impl HotPrefixes {
             peers: Vec::new(),
             candidates: Vec::new(),
             budget: 0.0,
-            budget_at: None,
             stats: HotStats::default(),
             scratch: Vec::with_capacity(MAX_COUNTERS),
             tips: Vec::new(),
@@ -304,6 +310,12 @@ impl HotPrefixes {
             .filter(|p| now.saturating_sub(p.at) < PEER_TTL)
             .filter_map(|p| p.entries.iter().find(|e| e.0 == key).map(|e| e.1))
             .sum::<f64>()
+    }
+
+    /// Earns warm-up credit for `prefill_tokens` a request routed by this node recomputes
+    /// (never for a warm-up's own).
+    pub fn credit(&mut self, prefill_tokens: u64) {
+        self.budget += self.cfg.budget_share * prefill_tokens as f64;
     }
 
     /// Counts one routed request; samples it if its prefix just became a candidate.
@@ -411,7 +423,7 @@ impl HotPrefixes {
     /// (appended to `out`). `view` is this node's view: its local region's healthy replicas
     /// serving the prefix's model are the targets; holders are those whose hit (summary,
     /// overlay, peers' tips) covers the prefix. `region_nodes` (the region's live nodes, this
-    /// one included) divides the budget.
+    /// one included) divides the capacity cap on the credit.
     pub fn plan(
         &mut self,
         view: &View,
@@ -421,7 +433,7 @@ impl HotPrefixes {
         owns: impl Fn(u64) -> bool,
         out: &mut Vec<Action>,
     ) {
-        self.refill(view, now, region_nodes);
+        self.cap_credit(view, region_nodes);
         let min_rate = self.cfg.min_rate;
         let mut i = 0;
         while i < self.candidates.len() {
@@ -453,23 +465,17 @@ impl HotPrefixes {
         }
     }
 
-    /// Refills the budget for the time since the last plan: `budget_share` of the local
-    /// region's healthy prefill capacity over `region_nodes`, held for at most
-    /// [`BUDGET_WINDOW_S`].
-    fn refill(&mut self, view: &View, now: Duration, region_nodes: usize) {
+    /// Holds the credit to `budget_share` of the local region's healthy prefill capacity over
+    /// `region_nodes`, for [`BUDGET_WINDOW_S`].
+    fn cap_credit(&mut self, view: &View, region_nodes: usize) {
         let capacity: f64 = view
             .replicas()
             .iter()
             .filter(|r| r.health == Health::Healthy && r.info.region == view.local_region)
             .map(|r| r.info.prefill_tokens_per_s.max(0.0))
             .sum();
-        let per_s = self.cfg.budget_share * capacity / region_nodes.max(1) as f64;
-        let cap = per_s * BUDGET_WINDOW_S;
-        self.budget = match self.budget_at {
-            None => cap,
-            Some(t) => (self.budget + per_s * now.saturating_sub(t).as_secs_f64()).min(cap),
-        };
-        self.budget_at = Some(now);
+        let cap = self.cfg.budget_share * capacity / region_nodes.max(1) as f64 * BUDGET_WINDOW_S;
+        self.budget = self.budget.min(cap);
     }
 
     /// One more warm-up for candidate `i`, if its holders are swamped and one is affordable.
@@ -525,7 +531,10 @@ impl HotPrefixes {
             return None;
         }
         let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
-        if (tokens as f64) > self.budget {
+        // A node may owe up to `max_warming` warm-ups: a prefix that turns hot gets its first
+        // warm-ups at once, and later ones wait until routed prefill has paid them back.
+        let may_owe = f64::from(self.cfg.max_warming.saturating_sub(1)) * tokens as f64;
+        if self.budget + may_owe <= 0.0 {
             self.stats.over_budget += 1;
             return None;
         }
@@ -689,8 +698,12 @@ mod tests {
 
     #[test]
     fn swamped_holders_get_a_warm_up_on_the_idlest_other_replica() {
-        let mut h = HotPrefixes::new(on());
+        let mut h = HotPrefixes::new(HotPrefixConfig {
+            max_warming: 2,
+            ..on()
+        });
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
         // Holder 0 has 0.2 s of queued prefill; replica 2 is a little busy, 1 and 3 idle.
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
@@ -748,45 +761,70 @@ mod tests {
         assert!(out.is_empty(), "{out:?}");
     }
 
-    #[test]
-    fn warm_ups_stay_within_the_budget() {
+    /// A detector that has seen a hot prefix, and a view whose one holder of it is swamped.
+    /// Slow decay and a low bar keep the prefix hot while credit is earned.
+    fn hot_and_swamped(max_warming: u32, budget_share: f64) -> (HotPrefixes, View) {
         let mut h = HotPrefixes::new(HotPrefixConfig {
-            max_warming: 64,
+            max_warming,
             max_holders: 1024,
-            // 4 replicas × 50k tokens/s × 0.0001 ÷ 5 nodes = 4 tokens/s, 40 held over 10 s:
-            // one 32-token warm-up.
-            budget_share: 0.0001,
-            // Slow decay and a low bar, so the prefix stays hot while the budget refills.
+            budget_share,
             tau_ms: 60_000,
             min_rate: 0.5,
             ..on()
         });
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         let v = view(&keys[..8], 10_000);
+        (h, v)
+    }
+
+    /// Plans at `t` ms; reports every warm-up sent as done (so only the credit holds the next
+    /// back) and returns how many were sent.
+    fn plan_and_finish(h: &mut HotPrefixes, v: &View, t: u64) -> usize {
         let mut out = Vec::new();
-        for t in 0..3 {
-            h.plan(
-                &v,
-                &CostModel::default(),
-                ms(1000 + t),
-                5,
-                |_| true,
-                &mut out,
-            );
+        h.plan(v, &CostModel::default(), ms(t), 5, |_| true, &mut out);
+        let sent = warm_ups(&out);
+        for w in &sent {
+            assert!(h.warm_done(w.key, w.replica, true));
         }
-        assert_eq!(warm_ups(&out).len(), 1);
+        sent.len()
+    }
+
+    #[test]
+    fn warm_ups_are_paid_by_the_prefill_the_node_routes() {
+        let (mut h, v) = hot_and_swamped(2, 0.01);
+        // Nothing routed yet: a prefix that turns hot may still borrow `max_warming` (2)
+        // warm-ups of 32 tokens, one at a time here...
+        assert_eq!(plan_and_finish(&mut h, &v, 1000), 1);
+        // ... but owing 32 it starts no second before it has earned a token.
+        assert_eq!(plan_and_finish(&mut h, &v, 1001), 0);
+        // 1,000 routed tokens earn 10: owing 22, it may borrow once more.
+        h.credit(1000);
+        assert_eq!(plan_and_finish(&mut h, &v, 1002), 1);
+        assert_eq!(plan_and_finish(&mut h, &v, 1003), 0, "owes 54");
+        // 5,000 more earn 50: owing 4, one more.
+        h.credit(5000);
+        assert_eq!(plan_and_finish(&mut h, &v, 1004), 1);
         assert_eq!(h.stats().over_budget, 2);
-        // 6 s later the budget has refilled 24 tokens: with the 8 left, one more.
-        h.plan(&v, &CostModel::default(), ms(6990), 5, |_| true, &mut out);
-        assert_eq!(warm_ups(&out).len(), 1);
-        h.plan(&v, &CostModel::default(), ms(7010), 5, |_| true, &mut out);
-        assert_eq!(warm_ups(&out).len(), 2);
+        // Over the run: warm-ups ≤ share × routed prefill + `max_warming` warm-ups.
+        assert!(h.stats().tokens as f64 <= 0.01 * 6000.0 + 2.0 * 32.0);
+    }
+
+    #[test]
+    fn idle_time_does_not_save_up_credit_beyond_the_capacity_window() {
+        // 4 replicas × 50k tokens/s × 0.00001 ÷ 5 nodes × 10 s = 4 tokens held at most.
+        let (mut h, v) = hot_and_swamped(1, 0.00001);
+        // A huge routed history would pay for 312 warm-ups; the cap leaves one.
+        h.credit(1_000_000_000);
+        let sent: usize = (0..5).map(|t| plan_and_finish(&mut h, &v, 1000 + t)).sum();
+        assert_eq!(sent, 1);
+        assert_eq!(h.stats().over_budget, 4);
     }
 
     #[test]
     fn when_the_heat_passes_warm_ups_are_cancelled_and_the_prefix_forgotten() {
         let mut h = HotPrefixes::new(on());
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
         h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);

@@ -236,6 +236,8 @@ impl Node {
         } else {
             0
         };
+        // Routed prefill earns hot-prefix warm-ups their credit (a warm-up is booked elsewhere).
+        core.hot.credit(uncached);
         // Its blocks count in the overlay once its prefill is predicted done: the prefill
         // queued there before it (this request's own not yet added), then its own. A decode
         // leg holds them once its prefill replica's prefill is done and handed over.

@@ -18,9 +18,13 @@
 //! - Warm-up ([`HotPrefixes::plan`], called on a timer, not per request): for a candidate this
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
-//!   `min_queue_s`, one more replica gets a warm-up — at most one in flight per (prefix,
+//!   `min_queue_s`, one more replica gets a warm-up: the idlest that neither holds the prefix
+//!   nor is computing it for a routed request (predicted to hold it within
+//!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
+//!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned
-//!   by traffic: `budget_share` of the prefill this node routes ([`HotPrefixes::credit`]), so
+//!   by traffic: `budget_share` of the prefill this node routes, as it predicts it
+//!   ([`HotPrefixes::credit`]), so
 //!   warm-ups stay a share of the prefill the fleet really does, however idle it is. A node may
 //!   owe up to `max_warming` warm-ups (a prefix is warmed when it turns hot, not after the node
 //!   has routed twenty times its length), and the credit is held to `budget_share` of the
@@ -59,6 +63,9 @@ pub const WARM_TIMEOUT: Duration = Duration::from_secs(30);
 /// capacity: warm-ups may come in a burst (a new hot prefix wants several replicas at once),
 /// but a long quiet spell does not save up for a flood.
 const BUDGET_WINDOW_S: f64 = 10.0;
+/// A replica that routing has sent the prefix and that is predicted to hold it within this
+/// long counts as a holder, not a warm-up target.
+const PENDING_HORIZON: Duration = Duration::from_secs(1);
 /// Longest prefix a warm-up may carry, in blocks (a block report's cap).
 pub const MAX_WARM_BLOCKS: u32 = 8192;
 
@@ -268,6 +275,7 @@ pub struct HotPrefixes {
     stats: HotStats,
     scratch: Vec<(u64, f64)>,
     tips: Vec<(usize, u32)>,
+    tips_soon: Vec<(usize, u32)>,
 }
 
 impl HotPrefixes {
@@ -283,6 +291,7 @@ impl HotPrefixes {
             stats: HotStats::default(),
             scratch: Vec::with_capacity(MAX_COUNTERS),
             tips: Vec::new(),
+            tips_soon: Vec::new(),
         }
     }
 
@@ -494,8 +503,13 @@ impl HotPrefixes {
             return None;
         }
         let keys = &c.chain[..c.lcp];
+        let soon = now + PENDING_HORIZON;
         view.peer_tips.hits(keys, now, &mut self.tips);
-        let (mut holders, mut min_queue) = (0u32, f64::INFINITY);
+        view.peer_tips.hits(keys, soon, &mut self.tips_soon);
+        let tip = |tips: &[(usize, u32)], r: usize| {
+            tips.iter().find(|t| t.0 == r).map_or(0, |t| t.1 as usize)
+        };
+        let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
         let mut target: Option<(usize, f64)> = None;
         for (r, rep) in view.replicas().iter().enumerate() {
             if rep.health != Health::Healthy
@@ -504,14 +518,14 @@ impl HotPrefixes {
             {
                 continue;
             }
-            let tip = self
-                .tips
-                .iter()
-                .find(|t| t.0 == r)
-                .map_or(0, |t| t.1 as usize);
-            let hit = view.hit(r, keys, now).max(tip);
+            let holds =
+                |at, tips: &[(usize, u32)]| view.hit(r, keys, at).max(tip(tips, r)) + 1 >= c.lcp;
             let queue = cost.queue_s(rep);
-            if hit + 1 >= c.lcp {
+            let holds_now = holds(now, &self.tips);
+            // A replica whose routed requests are computing the prefix right now holds it
+            // soon: warming it too would queue a second copy behind the first.
+            if holds_now || holds(soon, &self.tips_soon) {
+                ready += u32::from(holds_now);
                 holders += 1;
                 min_queue = min_queue.min(queue);
             } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
@@ -519,7 +533,7 @@ impl HotPrefixes {
             }
         }
         // No holder yet: the first routed request makes one. Enough of them: done.
-        if holders == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
+        if ready == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
             return None;
         }
         if min_queue <= self.cfg.min_queue_s {
@@ -726,6 +740,30 @@ mod tests {
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
         assert_eq!(h.stats().sent, 2);
+    }
+
+    #[test]
+    fn a_replica_already_computing_the_prefix_is_not_warmed_again() {
+        let plan = |queued: [u64; 3]| {
+            let mut h = HotPrefixes::new(on());
+            let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+            h.credit(10_000);
+            // Holder 0 is swamped (0.2 s of queued prefill); replica 1 was just routed the
+            // prefix (ready in 0.3 s); 2 and 3 do not hold it.
+            let mut v = view(&keys[..8], 10_000);
+            v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
+            for (r, q) in (1..4).zip(queued) {
+                v.replica_mut(r).unwrap().load.queued_prefill_tokens = q;
+            }
+            let mut out = Vec::new();
+            h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+            warm_ups(&out).iter().map(|w| w.replica).collect::<Vec<_>>()
+        };
+        // Replica 1, computing it, is the idlest: it will share the load soon, so no warm-up
+        // (a second copy would queue behind its first).
+        assert_eq!(plan([5_000, 8_000, 8_000]), Vec::<usize>::new());
+        // An idler replica than both gets it.
+        assert_eq!(plan([5_000, 100, 8_000]), vec![2]);
     }
 
     #[test]

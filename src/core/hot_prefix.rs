@@ -327,6 +327,11 @@ impl HotPrefixes {
         self.budget += self.cfg.budget_share * prefill_tokens as f64;
     }
 
+    /// Warm-up credit left, in tokens (negative while warm-ups are owed).
+    pub fn credit_tokens(&self) -> f64 {
+        self.budget
+    }
+
     /// Counts one routed request; samples it if its prefix just became a candidate.
     pub fn observe(&mut self, req: Observed<'_>, now: Duration) {
         let Some(key) = self.key_of(req.keys) else {

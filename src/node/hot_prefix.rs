@@ -44,6 +44,8 @@ struct HotMetrics {
     warmups: IntCounterVec,
     /// `kvmesh_hot_warmup_tokens_total`: prefill tokens of the warm-ups sent.
     tokens: IntCounter,
+    /// `kvmesh_hot_warmup_credit_tokens`: what warm-ups may still spend (negative: owed).
+    credit: IntGauge,
 }
 
 impl HotMetrics {
@@ -63,8 +65,14 @@ impl HotMetrics {
             "kvmesh_hot_warmup_tokens_total",
             "Prefill tokens of the hot-prefix warm-ups sent",
         )?;
+        let credit = IntGauge::new(
+            "kvmesh_hot_warmup_credit_tokens",
+            "Prefill tokens hot-prefix warm-ups may still spend: earned at hot_prefix.budget_share \
+             of the prefill this node routes; negative while warm-ups are owed",
+        )?;
         let r = &node.metrics.registry;
         r.register(Box::new(hot.clone()))?;
+        r.register(Box::new(credit.clone()))?;
         r.register(Box::new(warmups.clone()))?;
         r.register(Box::new(tokens.clone()))?;
         for result in ["sent", "failed", "cancelled", "over_budget"] {
@@ -74,6 +82,7 @@ impl HotMetrics {
             hot,
             warmups,
             tokens,
+            credit,
         })
     }
 
@@ -131,8 +140,9 @@ impl Node {
         record
     }
 
-    /// One planning round: the gauge and counters, and (warm-ups on) the actions to take.
-    fn plan_hot(&self, out: &mut Vec<Action>) -> (usize, HotStats) {
+    /// One planning round: the gauges (hot prefixes, credit) and counters, and (warm-ups on)
+    /// the actions to take.
+    fn plan_hot(&self, out: &mut Vec<Action>) -> (usize, HotStats, f64) {
         let now = self.now();
         let enabled = self.cfg.hot_prefix.enabled;
         let mut guard = self.lock();
@@ -149,7 +159,11 @@ impl Node {
             let nodes = owners.len().max(1);
             core.hot.plan(&core.view, &cost, now, nodes, owns, out);
         }
-        (core.hot.hot_count(now), core.hot.stats())
+        (
+            core.hot.hot_count(now),
+            core.hot.stats(),
+            core.hot.credit_tokens(),
+        )
     }
 
     fn hot_done(&self, key: u64, replica: usize, ok: bool) {
@@ -186,7 +200,7 @@ pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
                 _ = stopped(&mut stop) => break,
             }
             running.retain(|_, h| !h.is_finished());
-            let (hot, stats) = node.plan_hot(&mut actions);
+            let (hot, stats, credit) = node.plan_hot(&mut actions);
             for a in actions.drain(..) {
                 match a {
                     Action::WarmUp(w) => {
@@ -202,6 +216,7 @@ pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
                 }
             }
             metrics.hot.set(hot as i64);
+            metrics.credit.set(credit as i64);
             metrics.add(&last, &stats);
             last = stats;
         }
@@ -251,4 +266,48 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
         }
     };
     node.hot_done(w.key, w.replica, ok);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::keys::BlockKey;
+    use crate::core::router::RouteRequest;
+    use crate::node::config::{NodeConfig, ReplicaConfig};
+
+    #[test]
+    fn routed_prefill_earns_warm_up_credit_and_a_warm_up_earns_none() {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig::default();
+        cfg.hot_prefix.enabled = true;
+        cfg.replicas = (0..2)
+            .map(|i| ReplicaConfig {
+                id: Some(format!("r{i}")),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+            })
+            .collect();
+        let node = Node::new(cfg).unwrap();
+        let credit = || node.lock().hot.credit_tokens();
+        assert_eq!(credit(), 0.0);
+        let keys: Vec<BlockKey> = (1..=64).map(BlockKey).collect();
+        let req = RouteRequest {
+            model: "m",
+            keys: &keys,
+            prompt_tokens: 4096,
+            session: None,
+            affinity_key: None,
+            tenant: None,
+            forwarded: false,
+            exclude: &[],
+        };
+        // A cold prompt: all 4,096 tokens are prefill, 5 % of them credit.
+        let (_, ticket) = node.route(&req);
+        assert!(ticket.is_some());
+        assert!((credit() - 0.05 * 4096.0).abs() < 1e-9, "{}", credit());
+        // A warm-up is prefill the node sends on its own: it earns nothing.
+        let warm = node.route_to(1, &keys, 4096);
+        assert!(warm.is_some());
+        assert!((credit() - 0.05 * 4096.0).abs() < 1e-9, "{}", credit());
+    }
 }

@@ -24,14 +24,15 @@
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned
 //!   by traffic: `budget_share` of the prefill this node routes, as it predicts it
-//!   ([`HotPrefixes::credit`]), so
-//!   warm-ups stay a share of the prefill the fleet really does, however idle it is. A node may
-//!   owe up to `max_warming` warm-ups (a prefix is warmed when it turns hot, not after the node
-//!   has routed twenty times its length), and the credit is held to `budget_share` of the
-//!   region's prefill capacity over [`BUDGET_WINDOW_S`], split among the region's nodes (each
-//!   owns its share of the prefixes). Over any run a node's warm-ups cost at most
-//!   `budget_share` × its routed prefill plus `max_warming` warm-ups. When the heat passes,
-//!   in-flight warm-ups are cancelled and the candidate is dropped.
+//!   ([`HotPrefixes::credit`]), so warm-ups stay a share of the prefill the fleet really does,
+//!   however idle it is (a budget by prefill capacity let six 8k-token warm-ups be 6–10 % of a
+//!   lightly loaded fleet's prefill). A node may owe up to `max_warming` warm-ups (a prefix is
+//!   warmed when it turns hot, not after the node has routed twenty times its length), and the
+//!   credit is held to `budget_share` of the region's prefill capacity over
+//!   [`BUDGET_WINDOW_S`], split among the region's nodes (each owns its share of the prefixes).
+//!   Over any run a node's warm-ups cost at most `budget_share` × its routed prefill plus
+//!   `max_warming` warm-ups. When the heat passes, in-flight warm-ups are cancelled and the
+//!   candidate is dropped.
 //!
 //! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
 //! [`HotPrefixes::warm_done`]. The per-request path ([`HotPrefixes::observe`]) allocates only
@@ -322,9 +323,12 @@ impl HotPrefixes {
     }
 
     /// Earns warm-up credit for `prefill_tokens` a request routed by this node recomputes
-    /// (never for a warm-up's own).
+    /// (never for a warm-up's own). Nothing with warm-ups off: no credit saved up for the day
+    /// they are turned on, and the gauge reads 0.
     pub fn credit(&mut self, prefill_tokens: u64) {
-        self.budget += self.cfg.budget_share * prefill_tokens as f64;
+        if self.cfg.enabled {
+            self.budget += self.cfg.budget_share * prefill_tokens as f64;
+        }
     }
 
     /// Warm-up credit left, in tokens (negative while warm-ups are owed).

@@ -275,11 +275,11 @@ mod tests {
     use crate::core::router::RouteRequest;
     use crate::node::config::{NodeConfig, ReplicaConfig};
 
-    #[test]
-    fn routed_prefill_earns_warm_up_credit_and_a_warm_up_earns_none() {
+    /// A node with two replicas of model `m`, warm-ups on or off.
+    fn node(enabled: bool) -> Arc<Node> {
         crate::proxy::install_crypto_provider();
         let mut cfg = NodeConfig::default();
-        cfg.hot_prefix.enabled = true;
+        cfg.hot_prefix.enabled = enabled;
         cfg.replicas = (0..2)
             .map(|i| ReplicaConfig {
                 id: Some(format!("r{i}")),
@@ -287,9 +287,11 @@ mod tests {
                 ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
             })
             .collect();
-        let node = Node::new(cfg).unwrap();
-        let credit = || node.lock().hot.credit_tokens();
-        assert_eq!(credit(), 0.0);
+        Node::new(cfg).unwrap()
+    }
+
+    #[test]
+    fn routed_prefill_earns_warm_up_credit_and_a_warm_up_earns_none() {
         let keys: Vec<BlockKey> = (1..=64).map(BlockKey).collect();
         let req = RouteRequest {
             model: "m",
@@ -301,6 +303,9 @@ mod tests {
             forwarded: false,
             exclude: &[],
         };
+        let node = node(true);
+        let credit = || node.lock().hot.credit_tokens();
+        assert_eq!(credit(), 0.0);
         // A cold prompt: all 4,096 tokens are prefill, 5 % of them credit.
         let (_, ticket) = node.route(&req);
         assert!(ticket.is_some());
@@ -309,5 +314,10 @@ mod tests {
         let warm = node.route_to(1, &keys, 4096);
         assert!(warm.is_some());
         assert!((credit() - 0.05 * 4096.0).abs() < 1e-9, "{}", credit());
+        // Warm-ups off: nothing is saved up for the day they are turned on.
+        let off = self::node(false);
+        let (_, ticket) = off.route(&req);
+        assert!(ticket.is_some());
+        assert_eq!(off.lock().hot.credit_tokens(), 0.0);
     }
 }

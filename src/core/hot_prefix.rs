@@ -18,8 +18,9 @@
 //! - Warm-up ([`HotPrefixes::plan`], called on a timer, not per request): for a candidate this
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
-//!   `min_queue_s`, one more replica gets a warm-up: the idlest that neither holds the prefix
-//!   nor is computing it for a routed request (predicted to hold it within
+//!   `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
+//!   spread by routing at no cost), one more replica gets a warm-up: the idlest that neither
+//!   holds the prefix nor is computing it for a routed request (predicted to hold it within
 //!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned
@@ -554,6 +555,15 @@ impl HotPrefixes {
             return None;
         }
         let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
+        // A prefix the target recomputes within `min_queue_s` is spread by routing for free:
+        // a holder's queue spills it before the queue grows past that. Warming it only adds
+        // prefill (system prompts of 2k tokens at 300 requests/s: 24–39 warm-ups, no gain).
+        let rate = view
+            .replica(replica)
+            .map_or(1.0, |r| r.info.prefill_tokens_per_s.max(1.0));
+        if tokens as f64 / rate <= self.cfg.min_queue_s {
+            return None;
+        }
         // A node may owe up to `max_warming` warm-ups: a prefix that turns hot gets its first
         // warm-ups at once, and later ones wait until routed prefill has paid them back.
         let may_owe = f64::from(self.cfg.max_warming.saturating_sub(1)) * tokens as f64;
@@ -624,6 +634,7 @@ mod tests {
     use super::*;
     use crate::core::keys::{text_block_keys, Namespace};
     use crate::core::view::testing::info;
+    use crate::core::view::ReplicaInfo;
 
     const BB: usize = 16;
 
@@ -651,11 +662,16 @@ mod tests {
         }
     }
 
-    /// Four healthy replicas in `eu`; replica 0 holds `keys` and has `queued` prefill tokens.
+    /// Four healthy replicas in `eu` prefilling 500 tokens/s (so that an 8-block prefix of 32
+    /// tokens takes longer than `min_queue_s` to recompute); replica 0 holds `keys` and has
+    /// `queued` prefill tokens.
     fn view(keys: &[BlockKey], queued: u64) -> View {
         let mut v = View::new("eu", 4);
         for i in 0..4 {
-            v.upsert(info(&format!("r{i}"), "eu"));
+            v.upsert(ReplicaInfo {
+                prefill_tokens_per_s: 500.0,
+                ..info(&format!("r{i}"), "eu")
+            });
         }
         v.record_routed(0, keys, ms(0));
         v.replica_mut(0).unwrap().load.queued_prefill_tokens = queued;
@@ -727,7 +743,7 @@ mod tests {
         });
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         h.credit(10_000);
-        // Holder 0 has 0.2 s of queued prefill; replica 2 is a little busy, 1 and 3 idle.
+        // Holder 0 has 20 s of queued prefill; replica 2 is a little busy, 1 and 3 idle.
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
@@ -757,7 +773,7 @@ mod tests {
             let mut h = HotPrefixes::new(on());
             let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
             h.credit(10_000);
-            // Holder 0 is swamped (0.2 s of queued prefill); replica 1 was just routed the
+            // Holder 0 is swamped (20 s of queued prefill); replica 1 was just routed the
             // prefix (ready in 0.3 s); 2 and 3 do not hold it.
             let mut v = view(&keys[..8], 10_000);
             v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
@@ -776,13 +792,32 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_recomputed_within_min_queue_is_left_to_routing() {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
+        // At 50,000 tokens/s the 32-token prefix recomputes in 0.6 ms: a swamped holder spills
+        // it at once, and a warm-up would only add prefill.
+        let mut v = View::new("eu", 4);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        v.record_routed(0, &keys[..8], ms(0));
+        v.replica_mut(0).unwrap().load.queued_prefill_tokens = 1_000_000;
+        let mut out = Vec::new();
+        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(h.stats().over_budget, 0, "not a budget refusal");
+    }
+
+    #[test]
     fn an_idle_holder_or_a_foreign_prefix_gets_no_warm_up() {
         let mut h = HotPrefixes::new(on());
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         let mut out = Vec::new();
         // The holder keeps up: no warm-up.
         h.plan(
-            &view(&keys[..8], 100),
+            &view(&keys[..8], 10),
             &CostModel::default(),
             ms(1000),
             1,
@@ -858,9 +893,9 @@ mod tests {
 
     #[test]
     fn idle_time_does_not_save_up_credit_beyond_the_capacity_window() {
-        // 4 replicas × 50k tokens/s × 0.00001 ÷ 5 nodes × 10 s = 4 tokens held at most.
-        let (mut h, v) = hot_and_swamped(1, 0.00001);
-        // A huge routed history would pay for 312 warm-ups; the cap leaves one.
+        // 4 replicas × 500 tokens/s × 0.001 ÷ 5 nodes × 10 s = 4 tokens held at most.
+        let (mut h, v) = hot_and_swamped(1, 0.001);
+        // A huge routed history would pay for 31,250 warm-ups; the cap leaves one.
         h.credit(1_000_000_000);
         let sent: usize = (0..5).map(|t| plan_and_finish(&mut h, &v, 1000 + t)).sum();
         assert_eq!(sent, 1);

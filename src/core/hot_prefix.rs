@@ -555,9 +555,10 @@ impl HotPrefixes {
             return None;
         }
         let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
-        // A prefix the target recomputes within `min_queue_s` is spread by routing for free:
-        // a holder's queue spills it before the queue grows past that. Warming it only adds
-        // prefill (system prompts of 2k tokens at 300 requests/s: 24–39 warm-ups, no gain).
+        // A prefix the target recomputes within `min_queue_s` is spread by routing at little
+        // cost: p2c-cache spills it once a holder's queue costs about one recomputation more
+        // than another replica's. Warming it only adds prefill (system prompts of 2k tokens at
+        // 300 requests/s: 24–39 warm-ups, no gain).
         let rate = view
             .replica(replica)
             .map_or(1.0, |r| r.info.prefill_tokens_per_s.max(1.0));

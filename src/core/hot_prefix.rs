@@ -19,7 +19,7 @@
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
 //!   `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
-//!   spread by routing at no cost), one more replica gets a warm-up: the idlest that neither
+//!   spread by routing at little cost), one more replica gets a warm-up: the idlest that neither
 //!   holds the prefix nor is computing it for a routed request (predicted to hold it within
 //!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,

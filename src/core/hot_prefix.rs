@@ -667,10 +667,15 @@ mod tests {
     /// tokens takes longer than `min_queue_s` to recompute); replica 0 holds `keys` and has
     /// `queued` prefill tokens.
     fn view(keys: &[BlockKey], queued: u64) -> View {
+        view_at(500.0, keys, queued)
+    }
+
+    /// [`view`] with replicas prefilling `rate` tokens/s.
+    fn view_at(rate: f64, keys: &[BlockKey], queued: u64) -> View {
         let mut v = View::new("eu", 4);
         for i in 0..4 {
             v.upsert(ReplicaInfo {
-                prefill_tokens_per_s: 500.0,
+                prefill_tokens_per_s: rate,
                 ..info(&format!("r{i}"), "eu")
             });
         }
@@ -799,12 +804,7 @@ mod tests {
         h.credit(10_000);
         // At 50,000 tokens/s the 32-token prefix recomputes in 0.6 ms: a swamped holder spills
         // it at once, and a warm-up would only add prefill.
-        let mut v = View::new("eu", 4);
-        for i in 0..4 {
-            v.upsert(info(&format!("r{i}"), "eu"));
-        }
-        v.record_routed(0, &keys[..8], ms(0));
-        v.replica_mut(0).unwrap().load.queued_prefill_tokens = 1_000_000;
+        let v = view_at(50_000.0, &keys[..8], 1_000_000);
         let mut out = Vec::new();
         h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
         assert!(out.is_empty(), "{out:?}");

@@ -280,13 +280,7 @@ mod tests {
         crate::proxy::install_crypto_provider();
         let mut cfg = NodeConfig::default();
         cfg.hot_prefix.enabled = enabled;
-        cfg.replicas = (0..2)
-            .map(|i| ReplicaConfig {
-                id: Some(format!("r{i}")),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
-            })
-            .collect();
+        cfg.replicas = (0..2).map(ReplicaConfig::numbered).collect();
         Node::new(cfg).unwrap()
     }
 

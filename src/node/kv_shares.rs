@@ -144,10 +144,8 @@ mod tests {
         let cfg = NodeConfig {
             replicas: (0..2)
                 .map(|i| ReplicaConfig {
-                    id: Some(format!("r{i}")),
-                    models: vec!["m".into()],
                     capacity_tokens: Some(100 * 16),
-                    ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+                    ..ReplicaConfig::numbered(i)
                 })
                 .collect(),
             tenants: HashMap::from([(

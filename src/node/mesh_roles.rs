@@ -817,13 +817,7 @@ mod tests {
             region: "eu".into(),
             ..NodeConfig::default()
         };
-        cfg.replicas = (0..8)
-            .map(|i| ReplicaConfig {
-                id: Some(format!("r{i}")),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
-            })
-            .collect();
+        cfg.replicas = (0..8).map(ReplicaConfig::numbered).collect();
         cfg.mesh = Some(MeshSection {
             node_id: "a".into(),
             certs_dir: Some("/nonexistent".into()),

@@ -93,6 +93,16 @@ impl ReplicaConfig {
         }
     }
 
+    /// Test fleets: replica `r{i}` of model `m` at `http://10.0.0.{i}:8000` (never dialled).
+    #[cfg(test)]
+    pub(crate) fn numbered(i: usize) -> Self {
+        ReplicaConfig {
+            id: Some(format!("r{i}")),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url(format!("http://10.0.0.{i}:8000"))
+        }
+    }
+
     /// Its disaggregation facts, as the core keeps them.
     pub fn pd(&self) -> PdFacts {
         PdFacts {

@@ -6,8 +6,12 @@
 //! ([`View::record_routed`], [`Tenants::started`]) once the request is really sent.
 //!
 //! KV quotas (`max_kv_share`, see `tenants.rs`) steer, they never reject. A candidate where the
-//! tenant's estimated cache share is at or over its quota is *over*, unless the request's whole
-//! prompt is already held there (it brings no block, so it flushes nobody and keeps its hit).
+//! tenant's estimated cache share, with the blocks the request would bring there, reaches its
+//! quota is *over*, unless the request's whole prompt is already held there (it brings no block,
+//! so it flushes nobody and keeps its hit). Counting the request's own blocks matters when one
+//! request is a large part of the share: a tenant at 5 % of a replica with a 10 % quota would
+//! otherwise land a 19 % prompt there, and every replica its blocks had aged out of would take
+//! such a prompt in turn.
 //! When some candidate is not over, the over ones are dropped: the tenant goes elsewhere. When
 //! every candidate is over, only those where its share is within [`KV_DOMINATED_MARGIN`] of its
 //! largest stay: the tenant's overflow goes to the replicas it already fills — its de-facto pool
@@ -354,9 +358,10 @@ pub struct Router {
     scratch: HitScratch,
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
-    /// The tenant's KV share at each candidate, aligned with `candidates`, or -1 where the
-    /// request brings no block (reused buffer; filled only for a tenant with a KV quota).
-    kv_shares: Vec<f32>,
+    /// The tenant's KV share at each candidate and the share this request's new blocks would
+    /// add there, aligned with `candidates`; (-1, 0) where the request brings no block (reused
+    /// buffer; filled only for a tenant with a KV quota).
+    kv_shares: Vec<(f32, f32)>,
     /// Per replica of the view, for the current decision: serves the model, healthy, in the
     /// local region, not excluded (pools and quotas are checked apart).
     local: Vec<bool>,
@@ -521,11 +526,13 @@ impl Router {
                 (0, 0.0)
             };
             if let Some((slot, _)) = kv_quota {
-                let brings_nothing = hit_blocks as usize >= req.keys.len();
-                self.kv_shares.push(if brings_nothing {
-                    -1.0
+                let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
+                self.kv_shares.push(if new_blocks == 0 {
+                    (-1.0, 0.0)
                 } else {
-                    r.kv_share(slot)
+                    let added =
+                        (new_blocks as u64 * tpb) as f64 / r.info.capacity_tokens.max(1) as f64;
+                    (r.kv_share(slot), added.min(1.0) as f32)
                 });
             }
             let queue_s = cost.queue_s(r);
@@ -654,19 +661,20 @@ impl Router {
     fn steer_kv(&mut self, quota: f32) -> KvSteer {
         let shares = &self.kv_shares;
         debug_assert_eq!(shares.len(), self.candidates.len());
-        let over = |s: f32| s >= quota;
-        let keep_from = if shares.iter().any(|s| !over(*s)) {
+        // Over: at its quota already, or would be once this request's blocks are in.
+        let over = |&(s, added): &(f32, f32)| s + added >= quota;
+        let keep_from = if shares.iter().any(|s| !over(s)) {
             // Keep the ones under (a share of -1, bringing nothing, is under any quota).
             f32::NEG_INFINITY
         } else {
-            let fullest = shares.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let fullest = shares.iter().map(|s| s.0).fold(f32::NEG_INFINITY, f32::max);
             let floor = fullest - KV_DOMINATED_MARGIN;
             // The cheapest candidate among those holding at least `least` of the tenant.
             let cheapest_from = |least: f32| {
                 self.candidates
                     .iter()
                     .zip(shares)
-                    .filter(|(_, s)| **s >= least)
+                    .filter(|(_, s)| s.0 >= least)
                     .map(|(c, _)| c.cost_s)
                     .fold(f64::INFINITY, f64::min)
             };
@@ -685,16 +693,16 @@ impl Router {
                 fullest
             }
         };
-        let keep = |s: f32| {
+        let keep = |s: &(f32, f32)| {
             if keep_from == f32::NEG_INFINITY {
                 !over(s)
             } else {
-                s >= keep_from
+                s.0 >= keep_from
             }
         };
         let before = self.candidates.len();
         let mut kept = 0;
-        for (j, &share) in shares.iter().enumerate() {
+        for (j, share) in shares.iter().enumerate() {
             if keep(share) {
                 self.candidates.swap(kept, j);
                 kept += 1;
@@ -1218,6 +1226,41 @@ mod tests {
         let mut longer = keys.clone();
         longer.push(BlockKey(7));
         assert_eq!(routed(r.route(&v, &big(&longer), NOW)).replica, 2);
+    }
+
+    #[test]
+    fn a_request_that_would_take_its_tenant_over_the_share_counts_as_over() {
+        // Caches of 100 blocks: one new block is a hundredth of a replica.
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            let mut r = info(&format!("r{i}"), "eu");
+            r.capacity_tokens = 100 * 64;
+            v.upsert(r);
+        }
+        let mut r = kv_quota_router(0.1);
+        let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
+        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
+        // It fills r0; it holds 5 % of each other replica, under its 10 %.
+        for (i, s) in [0.6f32, 0.05, 0.05, 0.05].into_iter().enumerate() {
+            shares[slot as usize] = s;
+            v.set_kv_shares(i, &shares);
+        }
+        let mut big = |keys: &[BlockKey]| -> usize {
+            let req = RouteRequest {
+                tenant: Some("big"),
+                ..req(keys)
+            };
+            routed(r.route(&v, &req, NOW)).replica
+        };
+        // Three new blocks (3 %) fit under the share anywhere: it goes where it is under.
+        let small: Vec<BlockKey> = (0..3).map(BlockKey).collect();
+        assert_ne!(big(&small), 0);
+        // Eight (8 %) would take it to 13 % wherever it is under: over everywhere, so it stays
+        // on the replica it fills instead of flushing another one past its share.
+        let long: Vec<BlockKey> = (0..8).map(BlockKey).collect();
+        for _ in 0..50 {
+            assert_eq!(big(&long), 0);
+        }
     }
 
     #[test]

@@ -43,9 +43,9 @@ pub struct TenantConfig {
     #[serde(default)]
     pub max_cluster_share: Option<f64>,
     /// Largest share (0..=1) of any one replica's KV cache the tenant's blocks may hold: a
-    /// replica where it holds more takes none of its requests that would bring new blocks
-    /// while another candidate is under the share (see `router.rs`). Never rejects. Default:
-    /// no cap.
+    /// replica where it would hold that much with a request's new blocks takes none of its
+    /// requests while another candidate stays under the share (see `router.rs`). Never
+    /// rejects. Default: no cap.
     #[serde(default)]
     pub max_kv_share: Option<f64>,
     /// Priority class of its requests (`[priorities]`, see `priority.rs`). Default: the

@@ -1177,20 +1177,30 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_tenant_over_its_kv_share_goes_where_it_is_under_but_keeps_a_full_hit() {
+    /// Four replicas in `eu` (64-token blocks, KV caches of `capacity_tokens`) where tenant "big"
+    /// holds `shares[i]` of replica `i`, and a router giving it a KV quota of `quota`.
+    fn kv_quota_fleet(quota: f64, shares: [f32; 4], capacity_tokens: u64) -> (View, Router) {
         let mut v = View::new("eu", 64);
         for i in 0..4 {
-            v.upsert(info(&format!("r{i}"), "eu"));
+            v.upsert(ReplicaInfo {
+                capacity_tokens,
+                ..info(&format!("r{i}"), "eu")
+            });
         }
-        let mut r = kv_quota_router(0.5);
+        let r = kv_quota_router(quota);
         let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
-        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
-        // Over on r0, r1, r3; under on r2.
-        for (i, s) in [0.9f32, 0.6, 0.2, 0.5].into_iter().enumerate() {
-            shares[slot as usize] = s;
-            v.set_kv_shares(i, &shares);
+        let mut slots = [0.0f32; crate::core::tenants::KV_SLOTS];
+        for (i, s) in shares.into_iter().enumerate() {
+            slots[slot as usize] = s;
+            v.set_kv_shares(i, &slots);
         }
+        (v, r)
+    }
+
+    #[test]
+    fn a_tenant_over_its_kv_share_goes_where_it_is_under_but_keeps_a_full_hit() {
+        // Over on r0, r1, r3; under on r2.
+        let (mut v, mut r) = kv_quota_fleet(0.5, [0.9, 0.6, 0.2, 0.5], 450_000);
         let keys = prompt_keys("big tenant prompt ");
         fn big(keys: &[BlockKey]) -> RouteRequest<'_> {
             RouteRequest {
@@ -1230,21 +1240,9 @@ mod tests {
 
     #[test]
     fn a_request_that_would_take_its_tenant_over_the_share_counts_as_over() {
-        // Caches of 100 blocks: one new block is a hundredth of a replica.
-        let mut v = View::new("eu", 64);
-        for i in 0..4 {
-            let mut r = info(&format!("r{i}"), "eu");
-            r.capacity_tokens = 100 * 64;
-            v.upsert(r);
-        }
-        let mut r = kv_quota_router(0.1);
-        let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
-        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
-        // It fills r0; it holds 5 % of each other replica, under its 10 %.
-        for (i, s) in [0.6f32, 0.05, 0.05, 0.05].into_iter().enumerate() {
-            shares[slot as usize] = s;
-            v.set_kv_shares(i, &shares);
-        }
+        // It fills r0; it holds 5 % of each other replica, under its 10 %. Caches of 100
+        // blocks: one new block is a hundredth of a replica.
+        let (v, mut r) = kv_quota_fleet(0.1, [0.6, 0.05, 0.05, 0.05], 100 * 64);
         let mut big = |keys: &[BlockKey]| -> usize {
             let req = RouteRequest {
                 tenant: Some("big"),
@@ -1265,17 +1263,7 @@ mod tests {
 
     #[test]
     fn a_tenant_over_its_kv_share_everywhere_stays_on_the_replicas_it_dominates() {
-        let mut v = View::new("eu", 64);
-        for i in 0..4 {
-            v.upsert(info(&format!("r{i}"), "eu"));
-        }
-        let mut r = kv_quota_router(0.3);
-        let (slot, _) = r.tenants.kv_quota(Some("big")).unwrap();
-        let mut shares = [0.0f32; crate::core::tenants::KV_SLOTS];
-        for (i, s) in [0.35f32, 0.95, 0.31, 0.88].into_iter().enumerate() {
-            shares[slot as usize] = s;
-            v.set_kv_shares(i, &shares);
-        }
+        let (mut v, mut r) = kv_quota_fleet(0.3, [0.35, 0.95, 0.31, 0.88], 450_000);
         use std::collections::HashSet;
         // Routes `n` one-block requests of "big" with `router`; the replicas they went to, and
         // what the quota did to each one (all alike, or it panics).

@@ -376,6 +376,12 @@ async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another
             .unwrap();
         assert!(metrics.contains("kvmesh_mesh_gossip_bytes_total{direction=\"sent\"}"));
         assert!(metrics.contains("kvmesh_mesh_live_members 3"));
+        // The sync loop counts its rounds by cause; the gossip interval alone drives some.
+        let ticks = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("kvmesh_mesh_sync_rounds_total{cause=\"tick\"} "))
+            .and_then(|v| v.parse::<u64>().ok());
+        assert!(ticks.is_some_and(|t| t > 0), "{metrics}");
 
         for n in [a, b, c] {
             n.shutdown().await;

@@ -187,12 +187,13 @@ async fn sync_loop(
                 None => std::future::pending::<()>().await,
             }
         };
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = changed => {}
-            _ = node.mesh_slot().changed.notified() => {}
+        let cause = tokio::select! {
+            _ = tick.tick() => "tick",
+            _ = changed => "gossip",
+            _ = node.mesh_slot().changed.notified() => "local",
             _ = stopped(&mut stop) => return,
-        }
+        };
+        metrics.sync_rounds.with_label_values(&[cause]).inc();
         sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
         tokio::time::sleep(spacing).await;
     }

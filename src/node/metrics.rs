@@ -409,6 +409,11 @@ pub struct MeshMetrics {
     /// follows (another node is its home) last changed; high for an idle replica, so alert on
     /// `summaries_behind` instead.
     pub summary_age_max: prometheus::Gauge,
+    /// `kvmesh_mesh_sync_rounds_total{cause}`: rounds of the mesh sync loop, by what woke it:
+    /// `tick` (the gossip interval), `gossip` (a live member's keys changed), `local` (a
+    /// summary this node is home for, or a pull, changed). Idle, expect about one `tick` per
+    /// gossip interval and few of the others.
+    pub sync_rounds: IntCounterVec,
 }
 
 impl MeshMetrics {
@@ -508,7 +513,13 @@ impl MeshMetrics {
                 "kvmesh_mesh_summary_age_max_seconds",
                 "Longest time since a followed replica's summary last changed",
             )?,
+            sync_rounds: vec(
+                "kvmesh_mesh_sync_rounds_total",
+                "Rounds of the mesh sync loop, by what woke it",
+                "cause",
+            )?,
         };
+        registry.register(Box::new(m.sync_rounds.clone()))?;
         registry.register(Box::new(m.summaries_behind.clone()))?;
         registry.register(Box::new(m.summary_age_max.clone()))?;
         registry.register(Box::new(m.records_ignored.clone()))?;
@@ -530,6 +541,9 @@ impl MeshMetrics {
         registry.register(Box::new(m.load_bytes.clone()))?;
         registry.register(Box::new(m.load_refused.clone()))?;
         // Fixed label sets exist at 0 from the start.
+        for cause in ["tick", "gossip", "local"] {
+            m.sync_rounds.with_label_values(&[cause]).reset();
+        }
         for kind in ["delta", "snapshot", "ignored", "error"] {
             m.pulls.with_label_values(&[kind]).reset();
         }

@@ -12,6 +12,9 @@
 //! - when B is busy too, recomputing the prefix there spends prefill the fleet is short of, so
 //!   the holder keeps the request unless its own queue outweighs that (see the field);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
+//! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
+//!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it only
+//!   one time in N−1, and a nearly idle replica is the one place a brief herd does no harm;
 //! - with no hit anywhere, it is plain power-of-two-choices on cost.
 //!
 //! Both refinements were measured in `kvmesh sim` over the trace and six families, three seeds
@@ -47,6 +50,22 @@ pub struct P2cCache {
     /// means of every family stay within noise of 32's, except rag (1.36 s at 8). (Measured
     /// before peer tips carried a ladder.)
     pub backlog_weight_per_s: f64,
+    /// B is the cheapest candidate, not a draw, when A's predicted cost is more than this many
+    /// seconds above it (and that candidate is nearly idle, see `escape_max_queue_s`). Default
+    /// 0.05. The draw's weights are nearly flat when every cost carries the same large decode
+    /// term (`w_load × outstanding`: ~1 s at 200 req/s on 8 replicas), so it finds the one
+    /// replica that would answer at once only one time in N−1; this is what kept chat's p99
+    /// 5.6 % behind cache-argmin's over ten seeds (docs/benchmarks.md, "Round 10"). At 0.03 or
+    /// 0.07 s the ten-seed figures are within noise of 0.05's; at 0.1 s chat's p99 is behind
+    /// again (+3.3 %). Infinite turns the escape off.
+    pub escape_margin_s: f64,
+    /// The escape applies only while the cheapest candidate has at most this many seconds of
+    /// queued prefill. Default 0.1. Routers sharing a stale view would all escape to the same
+    /// replica; one nearly idle takes the burst, and its queue (which counts this node's own
+    /// routes at once, and the region's within a load-sharing interval) soon closes the
+    /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
+    /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
+    pub escape_max_queue_s: f64,
 }
 
 impl Default for P2cCache {
@@ -54,6 +73,8 @@ impl Default for P2cCache {
         P2cCache {
             tie_fraction: 1.0 / 16.0,
             backlog_weight_per_s: 32.0,
+            escape_margin_s: 0.05,
+            escape_max_queue_s: 0.1,
         }
     }
 }
@@ -81,6 +102,33 @@ impl P2cCache {
             }
         }
         chosen
+    }
+
+    /// The escape's B: the cheapest candidate other than A (random among equal costs), when A
+    /// costs more than `escape_margin_s` above it and it has at most `escape_max_queue_s` of
+    /// queued prefill.
+    fn escape(&self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> Option<usize> {
+        let mut cheapest = None;
+        let mut best = f64::INFINITY;
+        let mut ties = 0u32;
+        for (i, x) in c.iter().enumerate() {
+            if i == a || x.cost_s > best {
+                continue;
+            }
+            if x.cost_s < best {
+                best = x.cost_s;
+                ties = 0;
+            }
+            ties += 1;
+            // The draw only on a tie: a unique cheapest costs no randomness.
+            if ties == 1 || rng.random_range(0..ties) == 0 {
+                cheapest = Some(i);
+            }
+        }
+        let b = cheapest?;
+        (c[a].cost_s - c[b].cost_s > self.escape_margin_s
+            && c[b].prefill_queue_s <= self.escape_max_queue_s)
+            .then_some(b)
     }
 
     /// B's cost as weighed against A's: its predicted cost plus the charge for the prefill it
@@ -114,7 +162,10 @@ impl Policy for P2cCache {
         } else {
             (self.longest_hit(c, max_hit, rng), false)
         };
-        let Some(b) = draw_toward_low_cost(c, Some(a), rng) else {
+        let b = self
+            .escape(c, a, rng)
+            .or_else(|| draw_toward_low_cost(c, Some(a), rng));
+        let Some(b) = b else {
             return Pick {
                 chosen: a,
                 runner_up: None,
@@ -235,6 +286,55 @@ mod tests {
             histogram(&mut P2cCache::default(), &c, &keys(128), 100),
             vec![100, 0]
         );
+    }
+
+    /// Eight replicas each decoding a large batch (the same ~1 s decode term in every cost); the
+    /// holder has a quarter second of prefill queued, six others a fifth, one none.
+    fn busy_fleet(idle_queue_s: f64) -> Vec<Candidate> {
+        let decoding = |replica, hit, prefill_queue_s: f64| {
+            let prefill_s = if hit > 0 { 0.0 } else { 0.16 };
+            let queue_s = 1.0 + prefill_queue_s;
+            Candidate {
+                queue_s,
+                prefill_queue_s,
+                prefill_s,
+                cost_s: queue_s + prefill_s,
+                ..cand(replica, hit, 150)
+            }
+        };
+        let mut c = vec![decoding(0, 128, 0.25)];
+        c.extend((1..7).map(|i| decoding(i, 0, 0.2)));
+        c.push(decoding(7, 0, idle_queue_s));
+        c
+    }
+
+    #[test]
+    fn a_clearly_dearer_holder_gives_way_to_the_nearly_idle_replica() {
+        // The idle replica answers in 1.16 s against the holder's 1.25 s. A draw weighted by
+        // cost barely tells 1.16 from 1.36 s, so it would find it about one time in seven.
+        let c = busy_fleet(0.0);
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        assert_eq!(h[7], 300, "{h:?}");
+        let mut no_escape = P2cCache {
+            escape_margin_s: f64::INFINITY,
+            ..P2cCache::default()
+        };
+        let h = histogram(&mut no_escape, &c, &keys(128), 300);
+        assert!(h[7] < 100 && h[0] > 200, "{h:?}");
+    }
+
+    #[test]
+    fn the_escape_needs_a_nearly_idle_replica() {
+        // The cheapest has 0.12 s of prefill queued (over `escape_max_queue_s`): routers sharing a
+        // view must not all pile onto it, so B is a draw again and the holder mostly keeps it.
+        let c = busy_fleet(0.12);
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        assert!(h[7] < 100 && h[0] > 200, "{h:?}");
+        // Within the margin of the holder (0.05 s), no escape either.
+        let mut c = busy_fleet(0.0);
+        c[0].cost_s = c[7].cost_s + 0.04;
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        assert!(h[7] < 100, "{h:?}");
     }
 
     #[test]

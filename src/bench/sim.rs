@@ -515,6 +515,7 @@ impl<'a> Sim<'a> {
                         seed: cfg.seed.wrapping_add(n as u64),
                         cost: cfg.cost,
                         forward_by: cfg.forward_by,
+                        shared_load: cfg.load_share_delay.is_some() || cfg.nodes <= 1,
                         ..Default::default()
                     };
                     NodeRouting {

@@ -77,6 +77,11 @@ pub struct RouterConfig {
     pub cost: CostModel,
     /// How a forwarded request's region is chosen. Default by cost.
     pub forward_by: ForwardChoice,
+    /// This node sees what its region's other nodes route within a load-sharing interval
+    /// (load sharing on, or no other node). Default true. When false, `p2c-cache` never
+    /// escapes to the cheapest replica ([`crate::core::policy::P2cCache::escape_margin_s`]):
+    /// every node holding the same stale view would escape to the same one.
+    pub shared_load: bool,
 }
 
 impl Default for RouterConfig {
@@ -87,6 +92,7 @@ impl Default for RouterConfig {
             spill_after_s: 10.0,
             cost: CostModel::default(),
             forward_by: ForwardChoice::Cost,
+            shared_load: true,
         }
     }
 }
@@ -372,7 +378,7 @@ impl Router {
     /// A router with `cfg` and `tenants`.
     pub fn new(cfg: RouterConfig, tenants: Tenants) -> Self {
         Router {
-            policy: cfg.policy.build(),
+            policy: cfg.policy.build_for(cfg.shared_load),
             rng: SmallRng::seed_from_u64(cfg.seed),
             tenants,
             candidates: Vec::new(),
@@ -399,7 +405,7 @@ impl Router {
     /// Switches to policy `kind` (a configuration reload), with fresh policy state (a rotation
     /// counter, a hash ring): the next decision is the new policy's first.
     pub fn set_policy(&mut self, kind: PolicyKind) {
-        self.policy = kind.build();
+        self.policy = kind.build_for(self.cfg.shared_load);
         self.cfg.policy = kind;
     }
 

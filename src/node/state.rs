@@ -316,6 +316,10 @@ impl Node {
                 seed: cfg.seed,
                 spill_after_s: cfg.spill_after_s,
                 forward_by: cfg.forward_by,
+                shared_load: cfg
+                    .mesh
+                    .as_ref()
+                    .is_none_or(|m| m.load_share_interval_ms > 0),
                 cost: CostModel {
                     w_load_s: cfg.w_load_s,
                     affinity_credit_s: cfg.affinity_credit_s,

@@ -30,8 +30,15 @@ pub use sglang_threshold::SglangThreshold;
 // Built here, above every policy, so that `kind.rs` (names) and `pick.rs` (the interface) stay
 // below the policies that use them.
 impl PolicyKind {
-    /// A fresh policy of this kind with default parameters.
+    /// A fresh policy of this kind with default parameters, for a node that sees its region's
+    /// routing at once (see [`Self::build_for`]).
     pub fn build(self) -> Box<dyn Policy> {
+        self.build_for(true)
+    }
+
+    /// A fresh policy of this kind with default parameters; `shared_load` says whether the node
+    /// sees its region peers' routing within a load-sharing interval (`RouterConfig::shared_load`).
+    pub fn build_for(self, shared_load: bool) -> Box<dyn Policy> {
         match self {
             PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
             PolicyKind::Random => Box::new(RandomPolicy),
@@ -40,6 +47,10 @@ impl PolicyKind {
             PolicyKind::Chwbl => Box::new(Chwbl::default()),
             PolicyKind::CacheArgmin => Box::new(CacheArgmin),
             PolicyKind::SglangThreshold => Box::new(SglangThreshold::default()),
+            PolicyKind::P2cCache if !shared_load => Box::new(P2cCache {
+                escape_margin_s: f64::INFINITY,
+                ..P2cCache::default()
+            }),
             PolicyKind::P2cCache => Box::new(P2cCache::default()),
         }
     }

@@ -57,7 +57,10 @@ pub struct P2cCache {
     /// replica that would answer at once only one time in N−1; this is what kept chat's p99
     /// 5.6 % behind cache-argmin's over ten seeds (docs/benchmarks.md, "Round 10"). At 0.03 or
     /// 0.07 s the ten-seed figures are within noise of 0.05's; at 0.1 s chat's p99 is behind
-    /// again (+3.3 %). Infinite turns the escape off.
+    /// again (+3.3 %). Infinite turns the escape off, as it is on a node that does not share
+    /// load with its region's other nodes (`RouterConfig::shared_load`): with views a scrape
+    /// old, six nodes all escaped to the same replica (chat +20 %, system-prompt +27 % mean
+    /// TTFT over five seeds, `kvmesh sim --nodes 6 --load-share-ms 0`).
     pub escape_margin_s: f64,
     /// The escape applies only while the cheapest candidate has at most this many seconds of
     /// queued prefill. Default 0.1. Routers sharing a stale view would all escape to the same
@@ -162,9 +165,12 @@ impl Policy for P2cCache {
         } else {
             (self.longest_hit(c, max_hit, rng), false)
         };
-        let b = self
-            .escape(c, a, rng)
-            .or_else(|| draw_toward_low_cost(c, Some(a), rng));
+        let escaped = if self.escape_margin_s.is_finite() {
+            self.escape(c, a, rng)
+        } else {
+            None
+        };
+        let b = escaped.or_else(|| draw_toward_low_cost(c, Some(a), rng));
         let Some(b) = b else {
             return Pick {
                 chosen: a,

@@ -13,8 +13,9 @@
 //!   the holder keeps the request unless its own queue outweighs that (see the field);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
-//!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it only
-//!   one time in N−1, and a nearly idle replica is the one place a brief herd does no harm;
+//!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it
+//!   little more than one time in N−1, and a nearly idle replica is where a brief herd does no
+//!   harm;
 //! - with no hit anywhere, it is plain power-of-two-choices on cost.
 //!
 //! Both refinements were measured in `kvmesh sim` over the trace and six families, three seeds
@@ -52,15 +53,15 @@ pub struct P2cCache {
     pub backlog_weight_per_s: f64,
     /// B is the cheapest candidate, not a draw, when A's predicted cost is more than this many
     /// seconds above it (and that candidate is nearly idle, see `escape_max_queue_s`). Default
-    /// 0.05. The draw's weights are nearly flat when every cost carries the same large decode
-    /// term (`w_load × outstanding`: ~1 s at 200 req/s on 8 replicas), so it finds the one
-    /// replica that would answer at once only one time in N−1; this is what kept chat's p99
-    /// 5.6 % behind cache-argmin's over ten seeds (docs/benchmarks.md, "Round 10"). At 0.03 or
-    /// 0.07 s the ten-seed figures are within noise of 0.05's; at 0.1 s chat's p99 is behind
-    /// again (+3.3 %). Infinite turns the escape off, as it is on a node that does not share
-    /// load with its region's other nodes (`RouterConfig::shared_load`): with views a scrape
-    /// old, six nodes all escaped to the same replica (chat +20 %, system-prompt +27 % mean
-    /// TTFT over five seeds, `kvmesh sim --nodes 6 --load-share-ms 0`).
+    /// 0.05. The draw's weights are nearly flat when every cost carries the same large decode term
+    /// (`w_load × outstanding`: ~1 s at 200 req/s on 8 replicas), so it finds the one replica that
+    /// would answer at once little more than one time in N−1; this is what kept chat's p99 5.6 %
+    /// behind cache-argmin's over ten seeds (docs/benchmarks.md, "Round 10"). At 0.03 or 0.07 s the
+    /// ten-seed figures are within noise of 0.05's; at 0.1 s chat's p99 is behind again (+3.3 %).
+    /// Infinite turns the escape off, as it is on a node that does not share load with its region's
+    /// other nodes (`RouterConfig::shared_load`): with views a scrape old, six nodes all escaped to
+    /// the same replica (chat +20 %, system-prompt +27 % mean TTFT over five seeds, `kvmesh sim
+    /// --nodes 6 --load-share-ms 0`).
     pub escape_margin_s: f64,
     /// The escape applies only while the cheapest candidate has at most this many seconds of
     /// queued prefill. Default 0.1. Routers sharing a stale view would all escape to the same
@@ -317,7 +318,7 @@ mod tests {
     #[test]
     fn a_clearly_dearer_holder_gives_way_to_the_nearly_idle_replica() {
         // The idle replica answers in 1.16 s against the holder's 1.25 s. A draw weighted by
-        // cost barely tells 1.16 from 1.36 s, so it would find it about one time in seven.
+        // `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s: it finds it about one time in five.
         let c = busy_fleet(0.0);
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[7], 300, "{h:?}");

@@ -81,6 +81,10 @@ pub struct RegionLayer {
     interval: Duration,
     failure: FailureDetectorConfig,
     handle: tokio::sync::Mutex<Option<ChitchatHandle>>,
+    /// Times the layer was started. Each start is a new chitchat incarnation with the next
+    /// generation: peers that still hold the previous one's state (with higher key versions)
+    /// would otherwise ignore the new one's keys until their versions caught up.
+    starts: AtomicU64,
     errors: Arc<AtomicU64>,
     /// When each address was last asked for a round by [`RegionLayer::reach`].
     reached: std::sync::Mutex<HashMap<SocketAddr, Instant>>,
@@ -116,19 +120,24 @@ impl RegionLayer {
             interval: settings.interval,
             failure: settings.failure,
             handle: tokio::sync::Mutex::new(None),
+            starts: AtomicU64::new(0),
             errors,
             reached: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
     /// Starts or stops the layer's chitchat (then [`RegionLayer::reach`] finds the other
-    /// representatives). Returns whether it runs.
+    /// representatives). Returns whether it runs. A restart is a new incarnation that holds
+    /// nothing: the caller publishes its record again (see [`RegionLayer::starts`]).
     pub async fn set_active(&self, on: bool) -> bool {
         let mut guard = self.handle.lock().await;
         match (on, guard.is_some()) {
             (true, false) => {
+                let mut chitchat_id = self.chitchat_id.clone();
+                let start = self.starts.fetch_add(1, Ordering::Relaxed);
+                chitchat_id.generation_id = chitchat_id.generation_id.saturating_add(start);
                 let config = ChitchatConfig {
-                    chitchat_id: self.chitchat_id.clone(),
+                    chitchat_id,
                     cluster_id: self.cluster_id.clone(),
                     gossip_interval: self.interval,
                     listen_addr: self.chitchat_id.gossip_advertise_addr,
@@ -162,6 +171,11 @@ impl RegionLayer {
             _ => {}
         }
         guard.is_some()
+    }
+
+    /// Times the layer was started; a change means a new incarnation that holds no record yet.
+    pub fn starts(&self) -> u64 {
+        self.starts.load(Ordering::Relaxed)
     }
 
     /// Publishes this region's record (an encoded [`RegionRecord`]); no-op when inactive.

@@ -63,6 +63,8 @@ pub struct Regional {
     relayed: tokio::sync::Mutex<BTreeMap<String, u64>>,
     /// The record last published (stamp zeroed) and when.
     published: Mutex<Option<(RegionRecord, Instant)>>,
+    /// The layer's start count at the last round ([`RegionLayer::starts`]).
+    seen_starts: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Regional {
@@ -88,6 +90,7 @@ impl Regional {
             first_in_region: std::sync::atomic::AtomicBool::new(false),
             relayed: tokio::sync::Mutex::new(BTreeMap::new()),
             published: Mutex::new(None),
+            seen_starts: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -159,6 +162,15 @@ pub(super) async fn round(
     );
     let seeds: Vec<SocketAddr> = seeds.into_iter().collect();
     let active = r.layer.set_active(representative).await;
+    // A layer started again holds nothing: publish this region's record in it even when it
+    // equals the one published in the previous incarnation.
+    let starts = r.layer.starts();
+    if r.seen_starts
+        .swap(starts, std::sync::atomic::Ordering::Relaxed)
+        != starts
+    {
+        *lock(&r.published) = None;
+    }
     let mut relayed = r.relayed.lock().await;
     if active {
         r.layer.reach(&seeds).await;

@@ -127,8 +127,8 @@ impl RegionLayer {
     }
 
     /// Starts or stops the layer's chitchat (then [`RegionLayer::reach`] finds the other
-    /// representatives). Returns whether it runs. A restart is a new incarnation that holds
-    /// nothing: the caller publishes its record again (see [`RegionLayer::starts`]).
+    /// representatives). Returns whether it runs. A restart is a new incarnation (the next
+    /// generation) that holds nothing: the caller publishes its record again.
     pub async fn set_active(&self, on: bool) -> bool {
         let mut guard = self.handle.lock().await;
         match (on, guard.is_some()) {
@@ -171,11 +171,6 @@ impl RegionLayer {
             _ => {}
         }
         guard.is_some()
-    }
-
-    /// Times the layer was started; a change means a new incarnation that holds no record yet.
-    pub fn starts(&self) -> u64 {
-        self.starts.load(Ordering::Relaxed)
     }
 
     /// Publishes this region's record (an encoded [`RegionRecord`]); no-op when inactive.

@@ -63,8 +63,6 @@ pub struct Regional {
     relayed: tokio::sync::Mutex<BTreeMap<String, u64>>,
     /// The record last published (stamp zeroed) and when.
     published: Mutex<Option<(RegionRecord, Instant)>>,
-    /// The layer's start count at the last round ([`RegionLayer::starts`]).
-    seen_starts: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Regional {
@@ -90,7 +88,6 @@ impl Regional {
             first_in_region: std::sync::atomic::AtomicBool::new(false),
             relayed: tokio::sync::Mutex::new(BTreeMap::new()),
             published: Mutex::new(None),
-            seen_starts: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -162,15 +159,6 @@ pub(super) async fn round(
     );
     let seeds: Vec<SocketAddr> = seeds.into_iter().collect();
     let active = r.layer.set_active(representative).await;
-    // A layer started again holds nothing: publish this region's record in it even when it
-    // equals the one published in the previous incarnation.
-    let starts = r.layer.starts();
-    if r.seen_starts
-        .swap(starts, std::sync::atomic::Ordering::Relaxed)
-        != starts
-    {
-        *lock(&r.published) = None;
-    }
     let mut relayed = r.relayed.lock().await;
     if active {
         r.layer.reach(&seeds).await;
@@ -200,7 +188,10 @@ pub(super) async fn round(
             relay.delete(format!("region:{name}")).await;
             relayed.remove(&name);
         }
-    } else if !relayed.is_empty() {
+    } else {
+        // The layer is stopped, and one started again holds nothing: this region's record goes
+        // into it even if it equals the one published before.
+        *lock(&r.published) = None;
         for (name, _) in std::mem::take(&mut *relayed) {
             relay.delete(format!("region:{name}")).await;
         }

@@ -37,7 +37,9 @@ use rand::rngs::SmallRng;
 use rand::Rng;
 
 use super::kind::PolicyKind;
-use super::pick::{draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, Reason};
+use super::pick::{
+    argmin_random_tie, draw_toward_low_cost, Candidate, Pick, Policy, PolicyInput, Reason,
+};
 
 /// Two choices with a cache score.
 #[derive(Debug)]
@@ -112,25 +114,17 @@ impl P2cCache {
     /// costs more than `escape_margin_s` above it and it has at most `escape_max_queue_s` of
     /// queued prefill.
     fn escape(&self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> Option<usize> {
-        let mut cheapest = None;
-        let mut best = f64::INFINITY;
-        let mut ties = 0u32;
-        for (i, x) in c.iter().enumerate() {
-            if i == a || x.cost_s > best {
-                continue;
+        // A is out of the running (candidates' replicas are distinct).
+        let a_replica = c[a].replica;
+        let b = argmin_random_tie(c, rng, |x| {
+            if x.replica == a_replica {
+                f64::INFINITY
+            } else {
+                x.cost_s
             }
-            if x.cost_s < best {
-                best = x.cost_s;
-                ties = 0;
-            }
-            ties += 1;
-            // The draw only on a tie: a unique cheapest costs no randomness.
-            if ties == 1 || rng.random_range(0..ties) == 0 {
-                cheapest = Some(i);
-            }
-        }
-        let b = cheapest?;
-        (c[a].cost_s - c[b].cost_s > self.escape_margin_s
+        });
+        (b != a
+            && c[a].cost_s - c[b].cost_s > self.escape_margin_s
             && c[b].prefill_queue_s <= self.escape_max_queue_s)
             .then_some(b)
     }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh::core::region_offer::{OfferedModel, RegionHead, RegionOffer};
 use kvmesh::mesh::certs::ClusterCa;
+use kvmesh::mesh::region_layer::representatives;
 use kvmesh::mesh::regional::RegionalRound;
 use kvmesh::mesh::Mesh;
 
@@ -25,6 +26,10 @@ async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -
 }
 
 fn offer(region: &str) -> RegionOffer {
+    offer_with_head(region, 42)
+}
+
+fn offer_with_head(region: &str, head: u64) -> RegionOffer {
     RegionOffer {
         region: region.into(),
         models: vec![OfferedModel {
@@ -36,7 +41,10 @@ fn offer(region: &str) -> RegionOffer {
             least_queue_ms: 10,
             prefill_tokens_per_s: 10_000,
         }],
-        heads: vec![RegionHead { key: 42, depth: 16 }],
+        heads: vec![RegionHead {
+            key: head,
+            depth: 16,
+        }],
     }
 }
 
@@ -66,6 +74,12 @@ async fn rounds_until(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     None
+}
+
+/// One round at `m` with an eu offer naming `head`.
+async fn round_with(m: &Mesh, head: u64) -> RegionalRound {
+    let live: Vec<_> = m.members().await.into_iter().filter(|x| x.live).collect();
+    m.sync_regions(&live, || offer_with_head("eu", head)).await
 }
 
 fn region_members(live: &[kvmesh::mesh::Member]) -> Vec<String> {
@@ -159,6 +173,95 @@ async fn a_regions_nodes_meet_through_another_regions_seed_before_any_round() {
         println!("u1 and u2 met after {:?}", t0.elapsed());
         assert!(met, "us nodes met through the eu seed's rendezvous");
         assert_eq!(region_members(&e1.live_nodes().await), ["e1"]);
+    })
+    .await;
+}
+
+/// Issue #17: a representative can lose its role (a node that outranks it joins its region) and
+/// win it back when that node leaves. Its layer then starts again, empty, and the other regions
+/// must hear its record again, also when it equals the one published last (a CI run once had a
+/// region's record missing for 20 s; the unchanged record was never published into the new
+/// layer). Peers still hold the old incarnation, dead, at a higher key version than the new one
+/// starts from; the record before the last one is published after it to cover that too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_representative_that_steps_down_and_back_is_heard_again() {
+    init_logs();
+    bounded(60, async {
+        let ca = ClusterCa::generate().unwrap();
+        let e1 = start(&ca, "e1", "eu", &[]).await;
+        let u1 = start(&ca, "u1", "us", &[e1.addr()]).await;
+        let eu_head = |r: &RegionalRound| r.records.get("eu").map(|rec| rec.heads.clone());
+        // eu's record changes once (head 7 after head 42), so the layer's first incarnation
+        // holds it at a higher version than the next one starts with.
+        for head in [42, 7] {
+            let t0 = Instant::now();
+            let mut seen = false;
+            while t0.elapsed() < Duration::from_secs(20) && !seen {
+                round_with(&e1, head).await;
+                seen = eu_head(&round(&u1).await) == Some(vec![(head, 16)]);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(seen, "u1 holds eu's record with head {head}");
+        }
+
+        // Two made-up eu members that outrank e1 for the region's two representative roles.
+        let me = e1
+            .members()
+            .await
+            .into_iter()
+            .find(|m| m.is_self)
+            .expect("e1 lists itself");
+        let fakes: Vec<kvmesh::mesh::Member> = (0..200)
+            .map(|i| format!("eu-x{i}"))
+            .filter(|id| representatives([id.as_str(), "e1"], 1) == [id.as_str()])
+            .take(2)
+            .enumerate()
+            .map(|(i, id)| kvmesh::mesh::Member {
+                node_id: id,
+                is_self: false,
+                gossip_addr: SocketAddr::from(([127, 0, 0, 1], 9 + i as u16)),
+                ..me.clone()
+            })
+            .collect();
+        assert_eq!(fakes.len(), 2);
+        // e1 steps down while u1 goes on; u1 forgets eu's record once e1's layer is silent.
+        let t0 = Instant::now();
+        let mut forgotten = false;
+        while t0.elapsed() < Duration::from_secs(20) && !forgotten {
+            let mut live: Vec<_> = e1.members().await.into_iter().filter(|x| x.live).collect();
+            live.extend(fakes.iter().cloned());
+            let r = e1.sync_regions(&live, || offer_with_head("eu", 7)).await;
+            assert!(!r.representative);
+            forgotten = eu_head(&round(&u1).await).is_none();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            forgotten,
+            "u1 drops eu's record once e1 left the region layer"
+        );
+        println!(
+            "e1 stepped down; u1 forgot eu's record after {:?}",
+            t0.elapsed()
+        );
+
+        // The made-up members leave: e1 is a representative again. First with the record it
+        // published last, then with the one before it.
+        for head in [7, 42] {
+            let t0 = Instant::now();
+            let mut seen = None;
+            while t0.elapsed() < Duration::from_secs(10) && seen.is_none() {
+                round_with(&e1, head).await;
+                if eu_head(&round(&u1).await) == Some(vec![(head, 16)]) {
+                    seen = Some(t0.elapsed());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            println!("e1 back as representative; u1 holds head {head} after {seen:?}");
+            assert!(
+                seen.is_some(),
+                "u1 hears eu's record with head {head} from e1's new layer"
+            );
+        }
     })
     .await;
 }

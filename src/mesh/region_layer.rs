@@ -82,8 +82,9 @@ pub struct RegionLayer {
     failure: FailureDetectorConfig,
     handle: tokio::sync::Mutex<Option<ChitchatHandle>>,
     /// Times the layer was started. Each start is a new chitchat incarnation with the next
-    /// generation: peers that still hold the previous one's state (with higher key versions)
-    /// would otherwise ignore the new one's keys until their versions caught up.
+    /// generation, as chitchat asks of a restarted node (a generation "distinguishes a node's
+    /// state between restarts" and must increase). Peers still hold the previous incarnation's
+    /// state, dead, with its key versions.
     starts: AtomicU64,
     errors: Arc<AtomicU64>,
     /// When each address was last asked for a round by [`RegionLayer::reach`].

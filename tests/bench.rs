@@ -219,3 +219,63 @@ async fn a_pd_fleet_serves_pairs_and_reports_the_prefill_hit_and_itl() {
     })
     .await;
 }
+
+/// Issue #17: in the demo's multi-region fleet a request forwarded to another region pays the
+/// regions' round trip on the wire (the delay line in front of each node), not only in the
+/// routing decision. All clients at eu, whose one replica takes one request at a time, so some
+/// requests spill to us, 2 s (model time) away: each of those answers at least that late.
+/// (Without the delay they answer in 0.3–0.7 s, queueing included, in a debug build.)
+#[tokio::test]
+async fn a_request_forwarded_to_another_region_pays_its_round_trip_on_the_wire() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        demo: kvmesh::bench::demo::DemoArgs,
+    }
+    let out = std::env::temp_dir().join(format!("kvmesh-demo-wire-{}", std::process::id()));
+    let args = Cli::parse_from([
+        "demo",
+        "--regions=2",
+        "--nodes-per-region=1",
+        "--replicas-per-region=1",
+        "--entry-weights=1,0",
+        "--max-in-flight=1",
+        "--workload=system-prompt",
+        "--family-param=groups=1",
+        "--family-param=prompts_per_group=40",
+        "--family-param=system_tokens=256",
+        "--family-param=output_tokens=8",
+        "--rate=40",
+        "--requests=40",
+        "--region-rtt-ms=2000",
+        "--policy=p2c-cache",
+        &format!("--out={}", out.display()),
+    ])
+    .demo;
+    tokio::time::timeout(Duration::from_secs(90), kvmesh::bench::demo::main(args))
+        .await
+        .expect("the demo ends within 90 s")
+        .unwrap();
+    let text = std::fs::read_to_string(out.join("bench-report.json")).unwrap();
+    let _ = std::fs::remove_dir_all(&out);
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let run = &report["runs"][0];
+    let scale = run["time_scale"].as_f64().unwrap();
+    let mut forwarded = Vec::new();
+    for r in run["records"].as_array().unwrap() {
+        assert!(r["error"].is_null(), "{r}");
+        if r["replica"].as_str().unwrap().starts_with("us-") {
+            forwarded.push(r["ttft_s"].as_f64().unwrap() * scale);
+        }
+    }
+    println!(
+        "forwarded to us: {} of 40, TTFT (model s) {forwarded:?}",
+        forwarded.len()
+    );
+    assert!(!forwarded.is_empty(), "eu spills to us");
+    assert!(
+        forwarded.iter().all(|t| *t >= 2.0),
+        "every forwarded request pays the 2 s round trip: {forwarded:?}"
+    );
+}

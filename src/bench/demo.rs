@@ -7,36 +7,62 @@
 //! Everything runs in this process on 127.0.0.1 with real sockets; certificates go to a temporary
 //! directory that is removed at the end. Replicas run `time_scale` times faster than real time
 //! and arrivals are sped up to match, so figures are in model seconds.
+//!
+//! Regions lie on a line, `--region-rtt-ms` apart, and a request forwarded between them pays
+//! that distance on the wire too: each node gives its peers the URL of a [`DelayLine`] in front
+//! of it. A line delays whatever comes in by one distance, the one from the node's nearest
+//! region that takes clients: exact for two regions and for any fleet whose every region is
+//! forwarded to from one distance only (three regions with clients at the two ends, say).
+//! `--entry-weights` puts the clients near some regions, `--workload` swaps the trace for a
+//! synthetic family, and `--forward-by cost,nearest` runs each policy with both ways of choosing
+//! the region a request is forwarded to (issue #17).
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 
+use super::delay_line::DelayLine;
 use super::fleet::{mesh_section, wait_ready, Haproxy, MeshCerts};
 use super::replay::{replay, ReplayConfig, RunResult};
 use super::report;
 use super::sim::{self, SimConfig};
 use super::sim_bound::ttft_floor;
 use super::trace::{self, default_trace};
-use super::workload::{from_trace, WorkloadRequest};
+use super::workload::args::build_with;
+use super::workload::{from_trace, GenParams, WorkloadKind, WorkloadRequest};
 use crate::core::policy::PolicyKind;
+use crate::core::region_choice::ForwardChoice;
 use crate::engine_sim::EngineConfig;
 use crate::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::proxy::{self, RunningNode};
 use crate::replica::{self, ReplicaHandle};
 
 const MODEL: &str = "sim-llama-8b";
-/// Region names, in order; `--regions N` uses the first N. Neighbours are 80 ms apart.
+/// Region names, in order; `--regions N` uses the first N, on a line.
 const REGIONS: [&str; 4] = ["eu", "us", "ap", "sa"];
 
 /// Arguments of `kvmesh demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Requests of the conversation trace to replay (1,200 ≈ 6 minutes of the trace).
+    /// Requests to replay: the first of the conversation trace (1,200 ≈ 6 minutes of it), or
+    /// as many of a synthetic family.
     #[arg(long, default_value_t = 1200)]
     pub requests: usize,
+    /// Workload: `trace[:path]` (default: the shipped conversation trace) or a synthetic
+    /// family (`rag`, `chat`, … as for `kvmesh bench`).
+    #[arg(long, default_value = "trace")]
+    pub workload: WorkloadKind,
+    /// Synthetic families: the Poisson arrival rate in requests/s of model time (default 20).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Synthetic families: one parameter, `KEY=VALUE` (repeatable; keys as for `kvmesh bench`).
+    #[arg(long = "family-param", value_name = "KEY=VALUE")]
+    pub family_params: Vec<String>,
+    /// Seed of the synthetic family and of the clients' choice of node.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
     /// Regions (1–4); the default two are `eu` and `us`.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=4))]
     pub regions: u8,
@@ -46,9 +72,10 @@ pub struct DemoArgs {
     /// Simulated replicas per region.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=16))]
     pub replicas_per_region: u8,
-    /// Trace arrivals are compressed by this factor, to load the six replicas (≈ 55% at 4).
-    #[arg(long, default_value_t = 4.0)]
-    pub speedup: f64,
+    /// Arrivals are compressed by this factor; default 4 for the trace (to load the six
+    /// replicas ≈ 55%), 1 for a synthetic family (set its `--rate` instead).
+    #[arg(long)]
+    pub speedup: Option<f64>,
     /// Replicas run this many times faster than real time.
     #[arg(long, default_value_t = 4.0)]
     pub time_scale: f64,
@@ -67,6 +94,26 @@ pub struct DemoArgs {
     /// connections, and send the workload to it: how users deploy several nodes.
     #[arg(long)]
     pub haproxy: bool,
+    /// Round trip between neighbouring regions in ms of model time: the nodes'
+    /// `[[mesh.distance]]`, and with `--wire-delay` what a forwarded request pays.
+    #[arg(long, default_value_t = 80.0)]
+    pub region_rtt_ms: f64,
+    /// Forwarded requests pay their regions' distance on the wire (a delay line in front of
+    /// each node); false: loopback's ~0 ms whatever the configured distance.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub wire_delay: bool,
+    /// Share of the clients each region's nodes take, `w0,w1,…` by region (a region of weight
+    /// 0 gets no client: only what other regions forward); default every node alike.
+    #[arg(long, value_delimiter = ',')]
+    pub entry_weights: Vec<f64>,
+    /// How a forwarded request's region is chosen (the nodes' `forward_by`); with both, each
+    /// policy runs once with each.
+    #[arg(long, value_delimiter = ',', default_value = "cost")]
+    pub forward_by: Vec<ForwardChoice>,
+    /// Every replica's `max_in_flight` at the nodes (a region whose replicas are all at it
+    /// forwards); default the nodes' own (256).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: Option<u32>,
     /// Send the workload to the first this many nodes only (0: every node); the others still
     /// gossip and share load. With 1, a mesh's decisions are one node's: what is left of a gap
     /// to a lone node is the mesh's overhead, not split decisions.
@@ -83,7 +130,7 @@ impl DemoArgs {
         &REGIONS[..usize::from(self.regions).clamp(1, REGIONS.len())]
     }
 
-    /// Configured distances: regions on a line, neighbours 80 ms apart.
+    /// Configured distances: regions on a line, neighbours `region_rtt_ms` apart.
     fn distances(&self) -> Vec<DistanceConfig> {
         let names = self.region_names();
         let mut out = Vec::new();
@@ -92,52 +139,154 @@ impl DemoArgs {
                 out.push(DistanceConfig {
                     a: (*a).into(),
                     b: (*b).into(),
-                    ms: 80.0 * (j - i) as f64,
+                    ms: self.region_rtt_ms * (j - i) as f64,
                 });
             }
         }
         out
     }
+
+    /// Whether region `i` takes clients.
+    fn is_entry(&self, i: usize) -> bool {
+        self.entry_weights.is_empty() || self.entry_weights.get(i).is_some_and(|w| *w > 0.0)
+    }
+
+    /// The round trip in ms of model time that requests forwarded to region `i` pay: its
+    /// distance from the nearest other region that takes clients (the only regions that
+    /// forward), else from its nearest neighbour; 0 with one region.
+    fn wire_rtt_ms(&self, i: usize) -> f64 {
+        let n = self.region_names().len();
+        let others = || (0..n).filter(move |j| *j != i);
+        let from = |j: usize| self.region_rtt_ms * i.abs_diff(j) as f64;
+        others()
+            .filter(|j| self.is_entry(*j))
+            .map(from)
+            .reduce(f64::min)
+            .or_else(|| others().map(from).reduce(f64::min))
+            .unwrap_or(0.0)
+    }
+
+    /// Arrivals are divided by this.
+    fn speedup(&self) -> f64 {
+        let default = if matches!(self.workload, WorkloadKind::Trace(_)) {
+            4.0
+        } else {
+            1.0
+        };
+        self.speedup.unwrap_or(default)
+    }
+
+    /// The requests to replay.
+    fn workload(&self) -> anyhow::Result<Vec<WorkloadRequest>> {
+        let mut workload = match &self.workload {
+            WorkloadKind::Trace(path) => {
+                let path = path.clone().unwrap_or_else(default_trace);
+                let trace =
+                    trace::load(&path).with_context(|| format!("loading {}", path.display()))?;
+                from_trace(&trace[..self.requests.min(trace.len())], true)
+            }
+            kind => {
+                let gen = GenParams {
+                    rate: self.rate.unwrap_or(GenParams::default().rate),
+                    requests: self.requests,
+                    seed: self.seed,
+                };
+                build_with(kind, &gen, &self.family_params)?.requests
+            }
+        };
+        for r in &mut workload {
+            r.output_tokens = r.output_tokens.clamp(1, self.max_output.max(1));
+        }
+        Ok(workload)
+    }
+
+    /// Checks what clap cannot.
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.requests > 0, "--requests must be at least 1");
+        anyhow::ensure!(
+            self.speedup() > 0.0 && self.speedup().is_finite() && self.time_scale > 0.0,
+            "--speedup and --time-scale must be > 0"
+        );
+        anyhow::ensure!(
+            self.region_rtt_ms.is_finite() && (0.0..=10_000.0).contains(&self.region_rtt_ms),
+            "--region-rtt-ms must be within 0..=10000"
+        );
+        let regions = self.region_names().len();
+        anyhow::ensure!(
+            self.entry_weights.is_empty()
+                || (self.entry_weights.len() == regions
+                    && self
+                        .entry_weights
+                        .iter()
+                        .all(|w| w.is_finite() && *w >= 0.0)
+                    && self.entry_weights.iter().any(|w| *w > 0.0)),
+            "--entry-weights needs one weight per region ({regions}), none negative, not all 0"
+        );
+        anyhow::ensure!(
+            self.entry_weights.is_empty() || (!self.haproxy && self.entry_nodes == 0),
+            "--entry-weights does not go with --haproxy or --entry-nodes"
+        );
+        anyhow::ensure!(!self.forward_by.is_empty(), "--forward-by needs a choice");
+        anyhow::ensure!(
+            !matches!(self.workload, WorkloadKind::Trace(_))
+                || (self.family_params.is_empty() && self.rate.is_none()),
+            "--family-param and --rate apply to the synthetic families, not the trace"
+        );
+        Ok(())
+    }
 }
 
 /// Runs `kvmesh demo`.
 pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.requests > 0, "--requests must be at least 1");
-    anyhow::ensure!(
-        args.speedup > 0.0 && args.time_scale > 0.0,
-        "--speedup and --time-scale must be > 0"
-    );
+    args.validate()?;
     let started = Instant::now();
-    let path = default_trace();
-    let trace = trace::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    let mut workload = from_trace(&trace[..args.requests.min(trace.len())], true);
-    for r in &mut workload {
-        r.output_tokens = r.output_tokens.clamp(1, args.max_output.max(1));
-    }
+    let workload = args.workload()?;
     let names: Vec<String> = args
         .region_names()
         .iter()
         .flat_map(|r| (0..usize::from(args.nodes_per_region)).map(move |n| node_name(r, n)))
         .collect();
     let certs = MeshCerts::new(names.iter().map(String::as_str))?;
+    let what = match &args.workload {
+        WorkloadKind::Trace(None) => "the Mooncake conversation trace".to_owned(),
+        kind => format!("the {} workload", kind.name()),
+    };
     eprintln!(
         "kvmesh demo: {} region(s) x ({} nodes + {} simulated replicas), mTLS gossip over QUIC on \
-         127.0.0.1; {} requests of the Mooncake conversation trace, arrivals x{}, replicas at {}x real time",
+         127.0.0.1; {} requests of {what}, arrivals x{}, replicas at {}x real time",
         args.regions,
         args.nodes_per_region,
         args.replicas_per_region,
         workload.len(),
-        args.speedup,
+        args.speedup(),
         args.time_scale
     );
+    if args.wire_delay && args.regions > 1 {
+        let rtts: Vec<String> = args
+            .region_names()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| format!("{r} {:.0} ms", args.wire_rtt_ms(i)))
+            .collect();
+        eprintln!(
+            "  a request forwarded to a region pays on the wire (round trip, model time): {}",
+            rtts.join(", ")
+        );
+    }
     let mut runs = Vec::new();
     for policy in &args.policy {
-        let t = Instant::now();
-        let run = run_mesh(&workload, *policy, &args, &certs)
-            .await
-            .with_context(|| format!("the {policy} run"))?;
-        eprintln!("  {policy}: done in {:.1} s", t.elapsed().as_secs_f64());
-        runs.push(run);
+        for &forward_by in &args.forward_by {
+            let label = match args.forward_by.len() {
+                1 => policy.as_str().to_owned(),
+                _ => format!("{policy} by {}", forward_name(forward_by)),
+            };
+            let t = Instant::now();
+            let run = run_mesh(&workload, *policy, forward_by, &label, &args, &certs)
+                .await
+                .with_context(|| format!("the {label} run"))?;
+            eprintln!("  {label}: done in {:.1} s", t.elapsed().as_secs_f64());
+            runs.push(run);
+        }
     }
 
     let engine = EngineConfig::default();
@@ -148,12 +297,19 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
             replicas: usize::from(args.regions) * usize::from(args.replicas_per_region),
             oracle: true,
             engine,
-            arrival_speedup: args.speedup,
+            arrival_speedup: args.speedup(),
             ..SimConfig::default()
         },
     )?;
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     let mut table = report::markdown(&reports);
+    // Behind haproxy the entry node is unknown.
+    if args.regions > 1 && !args.haproxy {
+        table.push_str("\nServed in another region than the one the client sent to:\n\n");
+        for run in &runs {
+            table.push_str(&format!("- {}: {}\n", run.label, forwarded(run, &args)));
+        }
+    }
     table.push_str(&format!(
         "\nCentral greedy reference (kvmesh sim: one central router reading every engine's true \
          cache and queue, same workload and replicas; greedy, so beatable): TTFT mean {:.3} s, \
@@ -204,16 +360,65 @@ fn node_name(region: &str, n: usize) -> String {
     format!("{region}-node-{n}")
 }
 
-/// One fresh two-region fleet running `policy`: start, wait until every node is ready, replay,
-/// stop (also on error).
+/// How many of `run`'s answered requests a replica of another region than their entry node's
+/// served, in all and by serving region. Nodes are numbered region by region, as `run_mesh`
+/// starts them; replicas are named after their region.
+fn forwarded(run: &RunResult, args: &DemoArgs) -> String {
+    let names = args.region_names();
+    let per_region = usize::from(args.nodes_per_region).max(1);
+    let mut to = vec![0usize; names.len()];
+    let mut answered = 0;
+    for r in &run.records {
+        let (Some(entry), Some(replica)) = (names.get(r.target / per_region), &r.replica) else {
+            continue;
+        };
+        answered += 1;
+        let served = names
+            .iter()
+            .position(|n| replica.starts_with(&format!("{n}-replica-")));
+        if let Some(g) = served.filter(|g| names[*g] != *entry) {
+            to[g] += 1;
+        }
+    }
+    let by: Vec<String> = names
+        .iter()
+        .zip(&to)
+        .filter(|(_, n)| **n > 0)
+        .map(|(name, n)| format!("{name} {n}"))
+        .collect();
+    format!(
+        "{} of {answered} ({})",
+        to.iter().sum::<usize>(),
+        if by.is_empty() {
+            "none".into()
+        } else {
+            format!("to {}", by.join(", "))
+        }
+    )
+}
+
+fn forward_name(f: ForwardChoice) -> &'static str {
+    match f {
+        ForwardChoice::Cost => "cost",
+        ForwardChoice::Nearest => "nearest",
+    }
+}
+
+/// One fresh fleet running `policy`: start, wait until every node is ready, replay, stop (also
+/// on error).
 async fn run_mesh(
     workload: &[WorkloadRequest],
     policy: PolicyKind,
+    forward_by: ForwardChoice,
+    label: &str,
     args: &DemoArgs,
     certs: &MeshCerts,
 ) -> anyhow::Result<RunResult> {
     let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
     let mut nodes: Vec<RunningNode> = Vec::new();
+    // Each node's delay line, and the client weight of each node.
+    let mut lines: Vec<DelayLine> = Vec::new();
+    let mut weights: Vec<f64> = Vec::new();
     let mut front: Option<Haproxy> = None;
     let result = async {
         let engine = EngineConfig::default();
@@ -231,9 +436,19 @@ async fn run_mesh(
             }
         }
         let mut seed_addr = None;
-        for &region in args.region_names() {
+        for (g, &region) in args.region_names().iter().enumerate() {
             for n in 0..usize::from(args.nodes_per_region) {
                 let name = node_name(region, n);
+                let line = match args.wire_delay && args.regions > 1 {
+                    // Half the round trip each way, in wall time.
+                    true => Some(
+                        DelayLine::start(Duration::from_secs_f64(
+                            args.wire_rtt_ms(g) / 2000.0 / args.time_scale,
+                        ))
+                        .await?,
+                    ),
+                    false => None,
+                };
                 let mut cfg = NodeConfig {
                     listen: ([127, 0, 0, 1], 0).into(),
                     debug_headers: true,
@@ -242,6 +457,7 @@ async fn run_mesh(
                     policy: policy.as_str().into(),
                     seed: nodes.len() as u64,
                     drain_s: 5,
+                    forward_by,
                     ..NodeConfig::default()
                 };
                 cfg.health.interval_ms = 200;
@@ -255,22 +471,38 @@ async fn run_mesh(
                         capacity_tokens: Some(engine.kv_capacity_tokens as u64),
                         // Model-time rate, so the cost model works in model seconds.
                         prefill_tokens_per_s: 1000.0 / engine.prefill_ms_per_token,
+                        max_in_flight: args
+                            .max_in_flight
+                            .unwrap_or(NodeReplica::from_url(h.base_url()).max_in_flight),
                         ..NodeReplica::from_url(h.base_url())
                     })
                     .collect();
                 cfg.mesh = Some(MeshSection {
                     distance: args.distances(),
                     load_share_interval_ms: args.load_share_ms,
+                    http_url: line.as_ref().map(|l| format!("https://{}", l.addr)),
                     ..mesh_section(&name, certs, seed_addr)
                 });
                 let node = proxy::spawn(cfg).await?;
                 if seed_addr.is_none() {
                     seed_addr = node.node.mesh().map(|m| m.addr());
                 }
+                if let Some(line) = line {
+                    let peer = node
+                        .peer_addr
+                        .context("a meshed node has a listener for forwarded requests")?;
+                    line.set_upstream(peer);
+                    lines.push(line);
+                }
+                weights.push(match args.entry_weights.get(g) {
+                    Some(w) => w / f64::from(args.nodes_per_region),
+                    None => 1.0,
+                });
                 nodes.push(node);
             }
         }
         wait_ready(&nodes).await?;
+        wait_regions(&nodes, args.region_names().len()).await?;
         let entry = match args.entry_nodes {
             0 => nodes.len(),
             n => n.min(nodes.len()),
@@ -287,12 +519,18 @@ async fn run_mesh(
         }
         let before: Vec<(u64, u64)> = nodes.iter().map(mesh_bytes).collect();
         let started = Instant::now();
+        let target_weights = match args.entry_weights.is_empty() {
+            true => Vec::new(),
+            false => weights.clone(),
+        };
         let cfg = ReplayConfig {
             targets,
+            target_weights,
+            seed: args.seed,
             model: Some(MODEL.into()),
-            speedup: args.speedup * args.time_scale,
+            speedup: args.speedup() * args.time_scale,
             time_scale: args.time_scale,
-            label: policy.as_str().into(),
+            label: label.into(),
             progress: true,
             ..ReplayConfig::default()
         };
@@ -324,10 +562,29 @@ async fn run_mesh(
     for n in nodes {
         n.shutdown().await;
     }
+    drop(lines);
     for (_, r) in replicas {
         r.shutdown().await;
     }
     result
+}
+
+/// Waits until every node knows every other region's record, so that spills can be forwarded
+/// from the first request (a region's record arrives a region-layer round or two after the
+/// nodes are ready).
+async fn wait_regions(nodes: &[RunningNode], regions: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !nodes
+        .iter()
+        .all(|n| n.node.lock().view.remote_regions.len() + 1 >= regions)
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the nodes did not learn every region's record in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 /// Bytes a node's mesh moved so far, sent plus received: (gossip and summary sync, load sharing).
@@ -386,11 +643,82 @@ mod tests {
         );
         for bad in [
             ["demo", "--regions", "0"],
+            ["demo", "--forward-by", "far"],
+            ["demo", "--max-in-flight", "0"],
             ["demo", "--regions", "5"],
             ["demo", "--nodes-per-region", "0"],
             ["demo", "--replicas-per-region", "17"],
         ] {
             assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_forwarded_request_pays_the_distance_from_the_nearest_region_with_clients() {
+        let two = Cli::parse_from(["demo"]).demo;
+        assert_eq!((two.wire_rtt_ms(0), two.wire_rtt_ms(1)), (80.0, 80.0));
+        // Clients at both ends of three regions 50 ms apart: the middle is forwarded to from
+        // 50 ms either way, each end only from the other end.
+        let ends = Cli::parse_from([
+            "demo",
+            "--regions",
+            "3",
+            "--region-rtt-ms",
+            "50",
+            "--entry-weights",
+            "0.8,0,0.2",
+        ])
+        .demo;
+        ends.validate().unwrap();
+        let rtts: Vec<f64> = (0..3).map(|i| ends.wire_rtt_ms(i)).collect();
+        assert_eq!(rtts, [100.0, 50.0, 100.0]);
+        let d: Vec<f64> = ends.distances().iter().map(|d| d.ms).collect();
+        assert_eq!(d, [50.0, 100.0, 50.0]);
+        // One region with clients: it is forwarded to by nobody; the others from it.
+        let one = Cli::parse_from(["demo", "--regions", "3", "--entry-weights", "0,1,0"]).demo;
+        let rtts: Vec<f64> = (0..3).map(|i| one.wire_rtt_ms(i)).collect();
+        assert_eq!(rtts, [80.0, 80.0, 80.0]);
+        assert_eq!(
+            Cli::parse_from(["demo", "--regions", "1"])
+                .demo
+                .wire_rtt_ms(0),
+            0.0
+        );
+    }
+
+    #[test]
+    fn entry_weights_and_workloads_are_checked_before_anything_starts() {
+        for bad in [
+            &["demo", "--entry-weights", "1,1,1"][..],
+            &["demo", "--entry-weights", "0,0"],
+            &["demo", "--entry-weights=1,-1"],
+            &["demo", "--entry-weights", "1,1", "--haproxy"],
+            &["demo", "--region-rtt-ms=-1"],
+            &["demo", "--speedup", "0"],
+            &["demo", "--rate", "5"],
+        ] {
+            let a = Cli::parse_from(bad).demo;
+            assert!(a.validate().is_err(), "{bad:?}");
+        }
+        let rag = Cli::parse_from([
+            "demo",
+            "--workload",
+            "rag",
+            "--requests",
+            "50",
+            "--rate",
+            "5",
+            "--family-param",
+            "chunk_tokens=1024",
+        ])
+        .demo;
+        rag.validate().unwrap();
+        assert_eq!(rag.speedup(), 1.0);
+        let w = rag.workload().unwrap();
+        assert_eq!(w.len(), 50);
+        assert!(w.iter().all(|r| r.output_tokens <= 64));
+        assert_eq!(Cli::parse_from(["demo"]).demo.speedup(), 4.0);
+        let bad_key = Cli::parse_from(["demo", "--workload", "rag", "--family-param", "x=1"]).demo;
+        assert!(bad_key.workload().is_err());
     }
 }

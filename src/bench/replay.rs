@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use rand::distr::weighted::WeightedIndex;
+use rand::distr::Distribution;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -49,8 +51,11 @@ pub const TENANT_HEADER: &str = "x-tenant-id";
 /// How to replay.
 #[derive(Clone, Debug)]
 pub struct ReplayConfig {
-    /// Base URLs (`http://host:port`); each request goes to one drawn uniformly at random.
+    /// Base URLs (`http://host:port`); each request goes to one drawn at random.
     pub targets: Vec<String>,
+    /// Relative weight of each target's draw, in `targets`' order (clients nearer some nodes);
+    /// empty: every target alike. Default empty.
+    pub target_weights: Vec<f64>,
     /// Model name; `None` = the first model `GET /v1/models` of the first target lists.
     pub model: Option<String>,
     /// Workload arrival times are divided by this. Default 1.
@@ -78,6 +83,7 @@ impl Default for ReplayConfig {
     fn default() -> Self {
         ReplayConfig {
             targets: Vec::new(),
+            target_weights: Vec::new(),
             model: None,
             speedup: 1.0,
             concurrency: 512,
@@ -232,8 +238,7 @@ pub async fn replay(
         .unwrap_or(workload.len())
         .min(workload.len());
     let work: Arc<[WorkloadRequest]> = workload[..n].into();
-    let mut rng = SmallRng::seed_from_u64(cfg.seed);
-    let choice: Vec<usize> = (0..n).map(|_| rng.random_range(0..targets.len())).collect();
+    let choice = draw_targets(n, targets.len(), &cfg.target_weights, cfg.seed)?;
     let before = scrape_all(&client, &cfg.metrics_urls).await;
 
     let shared = Arc::new(Shared {
@@ -597,9 +602,54 @@ pub fn prefix_counters(text: &str) -> MetricsDelta {
     d
 }
 
+/// The target of each of `n` requests among `targets`: uniform, or drawn by `weights` (one per
+/// target, finite, not negative, not all zero), from `seed`.
+fn draw_targets(
+    n: usize,
+    targets: usize,
+    weights: &[f64],
+    seed: u64,
+) -> Result<Vec<usize>, ReplayError> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    if weights.is_empty() {
+        return Ok((0..n).map(|_| rng.random_range(0..targets)).collect());
+    }
+    if weights.len() != targets {
+        return Err(ReplayError::Invalid(format!(
+            "{} target weights for {targets} targets",
+            weights.len()
+        )));
+    }
+    let draw = WeightedIndex::new(weights)
+        .map_err(|e| ReplayError::Invalid(format!("target weights {weights:?}: {e}")))?;
+    Ok((0..n).map(|_| draw.sample(&mut rng)).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn targets_are_drawn_by_their_weights() {
+        let uniform = draw_targets(1000, 3, &[], 1).unwrap();
+        assert!((0..3).all(|t| uniform.contains(&t)));
+        let weighted = draw_targets(10_000, 3, &[0.8, 0.0, 0.2], 1).unwrap();
+        let count = |t| weighted.iter().filter(|c| **c == t).count();
+        assert_eq!(count(1), 0, "a target of weight 0 gets nothing");
+        assert!((7_700..=8_300).contains(&count(0)), "{}", count(0));
+        assert_eq!(count(0) + count(2), 10_000);
+        for bad in [
+            &[1.0, 1.0][..],
+            &[0.0, 0.0, 0.0],
+            &[1.0, -1.0, 1.0],
+            &[1.0, f64::NAN, 1.0],
+        ] {
+            assert!(
+                matches!(draw_targets(10, 3, bad, 1), Err(ReplayError::Invalid(_))),
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn event_ends_are_found_for_both_newline_styles() {

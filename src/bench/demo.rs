@@ -1,8 +1,8 @@
 //! `kvmesh demo`: the first thing a newcomer runs. A real two-region mesh on loopback — per region
 //! two kvmesh nodes (gossip over QUIC with mTLS) in front of three simulated engine replicas —
-//! replays a slice of the real Mooncake conversation trace through random nodes, once per policy
-//! on a fresh fleet, and compares the results with the simulator's central greedy router and
-//! with the TTFT floor no router can beat (`sim_bound.rs`).
+//! replays a slice of the real Mooncake conversation trace (or a synthetic family) through random
+//! nodes, once per policy on a fresh fleet, and compares the results with the simulator's central
+//! greedy router and with the TTFT floor no router can beat (`sim_bound.rs`).
 //!
 //! Everything runs in this process on 127.0.0.1 with real sockets; certificates go to a temporary
 //! directory that is removed at the end. Replicas run `time_scale` times faster than real time
@@ -204,7 +204,10 @@ impl DemoArgs {
     fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.requests > 0, "--requests must be at least 1");
         anyhow::ensure!(
-            self.speedup() > 0.0 && self.speedup().is_finite() && self.time_scale > 0.0,
+            self.speedup() > 0.0
+                && self.speedup().is_finite()
+                && self.time_scale > 0.0
+                && self.time_scale.is_finite(),
             "--speedup and --time-scale must be > 0"
         );
         anyhow::ensure!(
@@ -441,12 +444,12 @@ async fn run_mesh(
                 let name = node_name(region, n);
                 let line = match args.wire_delay && args.regions > 1 {
                     // Half the round trip each way, in wall time.
-                    true => Some(
-                        DelayLine::start(Duration::from_secs_f64(
-                            args.wire_rtt_ms(g) / 2000.0 / args.time_scale,
-                        ))
-                        .await?,
-                    ),
+                    true => {
+                        let one_way = args.wire_rtt_ms(g) / 2000.0 / args.time_scale;
+                        let one_way = Duration::try_from_secs_f64(one_way)
+                            .with_context(|| format!("a one-way delay of {one_way} s"))?;
+                        Some(DelayLine::start(one_way).await?)
+                    }
                     false => None,
                 };
                 let mut cfg = NodeConfig {

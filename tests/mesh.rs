@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::wait_until;
+
 use kvmesh::core::keys::BlockKey;
 use kvmesh::core::summary::{ReplicaSummary, SummaryConfig, SummaryMessage};
 use kvmesh::mesh::certs::{ClusterCa, CLUSTER_SAN};
@@ -36,22 +38,6 @@ async fn bounded<F: Future<Output = ()>>(secs: u64, f: F) {
 
 async fn start(ca: &ClusterCa, name: &str, region: &str, seeds: &[SocketAddr]) -> Mesh {
     Mesh::start(config(ca, name, region, seeds)).await.unwrap()
-}
-
-/// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
-async fn wait_for<F, Fut>(limit: Duration, mut cond: F) -> Option<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        if cond().await {
-            return Some(t0.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    None
 }
 
 async fn sees_live(m: &Mesh, names: &[&str]) -> bool {
@@ -99,7 +85,7 @@ async fn three_nodes_converge_and_measure_rtt() {
         let c = start(&ca, "c", "us", &[a.addr()]).await;
         let all = ["a", "b", "c"];
         for m in [&a, &b, &c] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &all))
+            wait_until(Duration::from_secs(5), || sees_live(m, &all))
                 .await
                 .expect("3 nodes did not converge");
         }
@@ -119,7 +105,7 @@ async fn three_nodes_converge_and_measure_rtt() {
         // In-flight counts gossip too.
         let inflight = InflightRecord::fit([("r1".to_string(), 3), ("r2".to_string(), 0)]);
         b.publish_inflight(&inflight).await.unwrap();
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             c.members()
                 .await
                 .iter()
@@ -128,7 +114,7 @@ async fn three_nodes_converge_and_measure_rtt() {
         .await
         .expect("inflight record did not reach c");
         // RTT per region is measured on QUIC connections, gossiped, and becomes a RegionMap.
-        wait_for(Duration::from_secs(5), || async {
+        wait_until(Duration::from_secs(5), || async {
             let map = a.region_map().await;
             map.distance("eu", "us") < 1000.0
         })
@@ -168,7 +154,7 @@ async fn node_from_another_ca_cannot_join_or_read() {
         let b = start(&ca, "b", "eu", &[a.addr()]).await;
         let d = start(&rogue_ca, "d", "eu", &[a.addr(), b.addr()]).await;
         publish(&a, "r1", &record("eu", SummaryVersion::default())).await;
-        wait_for(Duration::from_secs(5), || sees_live(&b, &["a", "b"]))
+        wait_until(Duration::from_secs(5), || sees_live(&b, &["a", "b"]))
             .await
             .expect("a and b did not converge");
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -277,7 +263,7 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
             "r1",
             &routed.iter().map(|k| k.0).collect::<Vec<_>>(),
         );
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             !home.reports.lock().unwrap().is_empty()
         })
         .await
@@ -289,7 +275,7 @@ async fn summary_sync_delta_then_snapshot_and_block_reports() {
         // The home publishes the new version (a node does this every gossip round); b sees it
         // by gossip, and a delta brings b's copy to the home's digest.
         publish(&a, "r1", &record("eu", home.version())).await;
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             b.replicas_in_region("eu").await.iter().any(|e| {
                 e.id == "r1" && needs_pull(Some((copy.epoch(), copy.seq())), &e.record.summary)
             })
@@ -404,7 +390,7 @@ async fn oversized_and_malformed_input_is_refused_and_counted() {
         let resp = r.read_to_end(4096).await.unwrap();
         assert_eq!(resp[0], RESP_BAD_REQUEST);
 
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             let s = a.stats().transport;
             s.malformed >= 4 && s.oversized >= 1
         })
@@ -414,7 +400,7 @@ async fn oversized_and_malformed_input_is_refused_and_counted() {
 
         // The node keeps working: gossip converges and sync answers.
         publish(&b, "r1", &record("eu", SummaryVersion::default())).await;
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             a.replicas_in_region("eu")
                 .await
                 .iter()
@@ -463,7 +449,7 @@ async fn dead_node_is_detected_and_its_replicas_move() {
         let b = start(&ca, "b", "eu", &[a.addr()]).await;
         let c = start(&ca, "c", "eu", &[a.addr()]).await;
         for m in [&a, &b, &c] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
+            wait_until(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
                 .await
                 .expect("did not converge");
         }
@@ -478,7 +464,7 @@ async fn dead_node_is_detected_and_its_replicas_move() {
         assert!(before.iter().any(|h| h == "c"));
         c.shutdown().await;
         let t0 = Instant::now();
-        let detected = wait_for(Duration::from_secs(6), || async {
+        let detected = wait_until(Duration::from_secs(6), || async {
             let a_done = !a.live_nodes().await.iter().any(|m| m.node_id == "c");
             let b_done = !b.live_nodes().await.iter().any(|m| m.node_id == "c");
             a_done && b_done
@@ -548,7 +534,7 @@ async fn a_node_back_on_its_old_address_is_heard_at_once() {
         });
         let (addr, old_gen) = started_rx.await.unwrap();
         for m in [&a, &b] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
+            wait_until(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
                 .await
                 .expect("did not converge");
         }
@@ -573,7 +559,7 @@ async fn a_node_back_on_its_old_address_is_heard_at_once() {
         let c = c.expect("the old address is free again");
         let new_gen = c.node_record().generation;
         assert_ne!(new_gen, old_gen);
-        let took = wait_for(Duration::from_secs(8), || async {
+        let took = wait_until(Duration::from_secs(8), || async {
             let new_c_live = |live: Vec<kvmesh::mesh::Member>| {
                 live.iter()
                     .any(|m| m.node_id == "c" && m.generation == new_gen)
@@ -604,7 +590,7 @@ async fn partition_heals_and_state_converges() {
         let b = start(&ca, "b", "eu", &[a.addr()]).await;
         let c = start(&ca, "c", "eu", &[a.addr()]).await;
         for m in [&a, &b, &c] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
+            wait_until(Duration::from_secs(5), || sees_live(m, &["a", "b", "c"]))
                 .await
                 .expect("did not converge");
         }
@@ -616,7 +602,7 @@ async fn partition_heals_and_state_converges() {
         c.transport().block(a.addr());
         publish(&c, "r-split", &record("eu", SummaryVersion::default())).await;
         publish(&a, "r-lonely", &record("eu", SummaryVersion::default())).await;
-        wait_for(Duration::from_secs(3), || async {
+        wait_until(Duration::from_secs(3), || async {
             b.replicas_in_region("eu")
                 .await
                 .iter()
@@ -625,7 +611,7 @@ async fn partition_heals_and_state_converges() {
         .await
         .expect("b did not see c's write inside its side");
         // Long enough for each side to declare the other dead.
-        let split = wait_for(Duration::from_secs(6), || async {
+        let split = wait_until(Duration::from_secs(6), || async {
             !a.live_nodes().await.iter().any(|m| m.node_id == "c")
         })
         .await
@@ -645,7 +631,7 @@ async fn partition_heals_and_state_converges() {
         b.transport().unblock(a.addr());
         c.transport().unblock(a.addr());
         let t0 = Instant::now();
-        wait_for(Duration::from_secs(10), || async {
+        wait_until(Duration::from_secs(10), || async {
             let a_ok = a
                 .replicas_in_region("eu")
                 .await
@@ -719,12 +705,12 @@ async fn srv_seed_discovery_joins_the_cluster() {
         let b = Mesh::start(cfg).await.unwrap();
         let changes = b.watch_changes().await.unwrap();
         for m in [&a, &b] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b"]))
+            wait_until(Duration::from_secs(5), || sees_live(m, &["a", "b"]))
                 .await
                 .expect("SRV-discovered seed did not join");
         }
         // The watch reports the joined member without polling `members()`.
-        wait_for(Duration::from_secs(2), || {
+        wait_until(Duration::from_secs(2), || {
             let seen = changes.borrow().keys().any(|id| &*id.node_id == "a");
             async move { seen }
         })
@@ -756,7 +742,7 @@ async fn a_node_whose_certificate_does_not_name_its_node_id_is_refused() {
         let b = start(&ca, "b", "eu", &[a.addr()]).await;
         let n3 = start(&ca, "n3", "eu", &[a.addr()]).await;
         for m in [&a, &b, &n3] {
-            wait_for(Duration::from_secs(5), || sees_live(m, &["a", "b", "n3"]))
+            wait_until(Duration::from_secs(5), || sees_live(m, &["a", "b", "n3"]))
                 .await
                 .expect("mesh did not converge");
         }
@@ -813,7 +799,7 @@ async fn a_node_whose_certificate_does_not_name_its_node_id_is_refused() {
         .unwrap();
 
         // Its gossip reaches a and b, and is refused there.
-        wait_for(Duration::from_secs(5), || {
+        wait_until(Duration::from_secs(5), || {
             let refused = [&a, &b]
                 .iter()
                 .all(|m| m.stats().transport.identity_refused > 0);
@@ -867,7 +853,7 @@ async fn records_under_overlong_replica_ids_are_dropped_and_counted() {
             .await;
         // A well-formed record after them, to know when gossip has carried them over.
         publish(&a, "r1", &record("eu", SummaryVersion::default())).await;
-        wait_for(Duration::from_secs(5), || async {
+        wait_until(Duration::from_secs(5), || async {
             b.members()
                 .await
                 .iter()
@@ -913,7 +899,7 @@ async fn a_replicas_changing_part_travels_alone_and_overlays_its_record() {
                     .any(|e| e.id == "r1" && e.record == want)
             }
         };
-        wait_for(Duration::from_secs(5), || seen(first.clone()))
+        wait_until(Duration::from_secs(5), || seen(first.clone()))
             .await
             .expect("the record did not reach b");
         let mut busier = first.clone();
@@ -923,11 +909,11 @@ async fn a_replicas_changing_part_travels_alone_and_overlays_its_record() {
         a.publish_replica("r1", &busier, RecordChange::Load)
             .await
             .unwrap();
-        wait_for(Duration::from_secs(5), || seen(busier.clone()))
+        wait_until(Duration::from_secs(5), || seen(busier.clone()))
             .await
             .expect("the changing part did not reach b");
         a.unpublish_replica("r1").await.unwrap();
-        wait_for(Duration::from_secs(5), || async {
+        wait_until(Duration::from_secs(5), || async {
             b.replicas_in_region("eu").await.is_empty()
         })
         .await

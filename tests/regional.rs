@@ -5,15 +5,15 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvmesh::core::region_offer::{OfferedModel, RegionHead, RegionOffer};
 use kvmesh::mesh::certs::ClusterCa;
 use kvmesh::mesh::region_layer::representatives;
 use kvmesh::mesh::regional::RegionalRound;
-use kvmesh::mesh::Mesh;
+use kvmesh::mesh::{Member, Mesh};
 
-use common::{bounded, init_logs};
+use common::{bounded, init_logs, wait_until};
 
 const CLUSTER: &str = "regional-test";
 
@@ -48,38 +48,34 @@ fn offer_with_head(region: &str, head: u64) -> RegionOffer {
     }
 }
 
-/// One sync round at `m`, as a node's loop makes it.
-async fn round(m: &Mesh) -> RegionalRound {
-    let live: Vec<_> = m.members().await.into_iter().filter(|x| x.live).collect();
-    let region = m.node_record().region.clone();
-    m.sync_regions(&live, || offer(&region)).await
+/// One sync round at `m`, as a node's loop makes it, offering `offer`, with `extra` members
+/// counted live besides the ones `m` knows.
+async fn round_offering(m: &Mesh, offer: RegionOffer, extra: &[Member]) -> RegionalRound {
+    let mut live: Vec<_> = m.members().await.into_iter().filter(|x| x.live).collect();
+    live.extend(extra.iter().cloned());
+    m.sync_regions(&live, || offer).await
 }
 
-/// Runs rounds on every mesh every 50 ms until `done` holds for all, or `limit` passes.
+/// One sync round at `m`, as a node's loop makes it.
+async fn round(m: &Mesh) -> RegionalRound {
+    round_offering(m, offer(&m.node_record().region), &[]).await
+}
+
+/// Runs rounds on every mesh every 20 ms until `done` holds for all, or `limit` passes.
 async fn rounds_until(
     meshes: &[&Mesh],
     limit: Duration,
     done: impl Fn(&Mesh, &RegionalRound) -> bool,
 ) -> Option<Duration> {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
+    wait_until(limit, async || {
         let mut all = true;
         for m in meshes {
             let r = round(m).await;
             all &= done(m, &r);
         }
-        if all {
-            return Some(t0.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
-}
-
-/// One round at `m` with an eu offer naming `head`.
-async fn round_with(m: &Mesh, head: u64) -> RegionalRound {
-    let live: Vec<_> = m.members().await.into_iter().filter(|x| x.live).collect();
-    m.sync_regions(&live, || offer_with_head("eu", head)).await
+        all
+    })
+    .await
 }
 
 fn region_members(live: &[kvmesh::mesh::Member]) -> Vec<String> {
@@ -163,15 +159,16 @@ async fn a_regions_nodes_meet_through_another_regions_seed_before_any_round() {
         let seed = [e1.addr()];
         let u1 = start(&ca, "u1", "us", &seed).await;
         let u2 = start(&ca, "u2", "us", &seed).await;
-        let t0 = Instant::now();
-        let mut met = false;
-        while t0.elapsed() < Duration::from_secs(20) && !met {
-            met = region_members(&u1.live_nodes().await) == ["u1", "u2"]
-                && region_members(&u2.live_nodes().await) == ["u1", "u2"];
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        println!("u1 and u2 met after {:?}", t0.elapsed());
-        assert!(met, "us nodes met through the eu seed's rendezvous");
+        let met = wait_until(Duration::from_secs(20), async || {
+            region_members(&u1.live_nodes().await) == ["u1", "u2"]
+                && region_members(&u2.live_nodes().await) == ["u1", "u2"]
+        })
+        .await;
+        println!("u1 and u2 met after {met:?}");
+        assert!(
+            met.is_some(),
+            "us nodes met through the eu seed's rendezvous"
+        );
         assert_eq!(region_members(&e1.live_nodes().await), ["e1"]);
     })
     .await;
@@ -190,18 +187,25 @@ async fn a_representative_that_steps_down_and_back_is_heard_again() {
         let ca = ClusterCa::generate().unwrap();
         let e1 = start(&ca, "e1", "eu", &[]).await;
         let u1 = start(&ca, "u1", "us", &[e1.addr()]).await;
-        let eu_head = |r: &RegionalRound| r.records.get("eu").map(|rec| rec.heads.clone());
+        // e1 offers eu with `head` (and `extra` members); u1 runs its own round: does u1 hold
+        // eu's record, and with which head?
+        let eu_at_u1 = async |head: u64, extra: &[Member]| {
+            let r = round_offering(&e1, offer_with_head("eu", head), extra).await;
+            let heads = round(&u1)
+                .await
+                .records
+                .get("eu")
+                .map(|rec| rec.heads.clone());
+            (r.representative, heads)
+        };
         // eu's record changes once (head 7 after head 42), so the layer's first incarnation
         // holds it at a higher version than the next one starts with.
         for head in [42, 7] {
-            let t0 = Instant::now();
-            let mut seen = false;
-            while t0.elapsed() < Duration::from_secs(20) && !seen {
-                round_with(&e1, head).await;
-                seen = eu_head(&round(&u1).await) == Some(vec![(head, 16)]);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert!(seen, "u1 holds eu's record with head {head}");
+            let seen = wait_until(Duration::from_secs(20), async || {
+                eu_at_u1(head, &[]).await.1 == Some(vec![(head, 16)])
+            })
+            .await;
+            assert!(seen.is_some(), "u1 holds eu's record with head {head}");
         }
 
         // Two made-up eu members that outrank e1 for the region's two representative roles.
@@ -211,12 +215,12 @@ async fn a_representative_that_steps_down_and_back_is_heard_again() {
             .into_iter()
             .find(|m| m.is_self)
             .expect("e1 lists itself");
-        let fakes: Vec<kvmesh::mesh::Member> = (0..200)
+        let fakes: Vec<Member> = (0..200)
             .map(|i| format!("eu-x{i}"))
             .filter(|id| representatives([id.as_str(), "e1"], 1) == [id.as_str()])
             .take(2)
             .enumerate()
-            .map(|(i, id)| kvmesh::mesh::Member {
+            .map(|(i, id)| Member {
                 node_id: id,
                 is_self: false,
                 gossip_addr: SocketAddr::from(([127, 0, 0, 1], 9 + i as u16)),
@@ -225,37 +229,25 @@ async fn a_representative_that_steps_down_and_back_is_heard_again() {
             .collect();
         assert_eq!(fakes.len(), 2);
         // e1 steps down while u1 goes on; u1 forgets eu's record once e1's layer is silent.
-        let t0 = Instant::now();
-        let mut forgotten = false;
-        while t0.elapsed() < Duration::from_secs(20) && !forgotten {
-            let mut live: Vec<_> = e1.members().await.into_iter().filter(|x| x.live).collect();
-            live.extend(fakes.iter().cloned());
-            let r = e1.sync_regions(&live, || offer_with_head("eu", 7)).await;
-            assert!(!r.representative);
-            forgotten = eu_head(&round(&u1).await).is_none();
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let forgotten = wait_until(Duration::from_secs(20), async || {
+            let (representative, heads) = eu_at_u1(7, &fakes).await;
+            assert!(!representative);
+            heads.is_none()
+        })
+        .await;
+        println!("e1 stepped down; u1 forgot eu's record after {forgotten:?}");
         assert!(
-            forgotten,
+            forgotten.is_some(),
             "u1 drops eu's record once e1 left the region layer"
-        );
-        println!(
-            "e1 stepped down; u1 forgot eu's record after {:?}",
-            t0.elapsed()
         );
 
         // The made-up members leave: e1 is a representative again. First with the record it
         // published last, then with the one before it.
         for head in [7, 42] {
-            let t0 = Instant::now();
-            let mut seen = None;
-            while t0.elapsed() < Duration::from_secs(10) && seen.is_none() {
-                round_with(&e1, head).await;
-                if eu_head(&round(&u1).await) == Some(vec![(head, 16)]) {
-                    seen = Some(t0.elapsed());
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            let seen = wait_until(Duration::from_secs(10), async || {
+                eu_at_u1(head, &[]).await.1 == Some(vec![(head, 16)])
+            })
+            .await;
             println!("e1 back as representative; u1 holds head {head} after {seen:?}");
             assert!(
                 seen.is_some(),

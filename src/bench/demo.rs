@@ -376,9 +376,11 @@ fn forwarded(run: &RunResult, args: &DemoArgs) -> String {
             continue;
         };
         answered += 1;
-        let served = names
-            .iter()
-            .position(|n| replica.starts_with(&format!("{n}-replica-")));
+        let served = names.iter().position(|n| {
+            replica
+                .strip_prefix(n)
+                .is_some_and(|rest| rest.starts_with("-replica-"))
+        });
         if let Some(g) = served.filter(|g| names[*g] != *entry) {
             to[g] += 1;
         }
@@ -442,15 +444,14 @@ async fn run_mesh(
         for (g, &region) in args.region_names().iter().enumerate() {
             for n in 0..usize::from(args.nodes_per_region) {
                 let name = node_name(region, n);
-                let line = match args.wire_delay && args.regions > 1 {
+                let line = if args.wire_delay && args.regions > 1 {
                     // Half the round trip each way, in wall time.
-                    true => {
-                        let one_way = args.wire_rtt_ms(g) / 2000.0 / args.time_scale;
-                        let one_way = Duration::try_from_secs_f64(one_way)
-                            .with_context(|| format!("a one-way delay of {one_way} s"))?;
-                        Some(DelayLine::start(one_way).await?)
-                    }
-                    false => None,
+                    let one_way = args.wire_rtt_ms(g) / 2000.0 / args.time_scale;
+                    let one_way = Duration::try_from_secs_f64(one_way)
+                        .with_context(|| format!("a one-way delay of {one_way} s"))?;
+                    Some(DelayLine::start(one_way).await?)
+                } else {
+                    None
                 };
                 let mut cfg = NodeConfig {
                     listen: ([127, 0, 0, 1], 0).into(),
@@ -522,13 +523,14 @@ async fn run_mesh(
         }
         let before: Vec<(u64, u64)> = nodes.iter().map(mesh_bytes).collect();
         let started = Instant::now();
-        let target_weights = match args.entry_weights.is_empty() {
-            true => Vec::new(),
-            false => weights.clone(),
-        };
         let cfg = ReplayConfig {
             targets,
-            target_weights,
+            // Empty (every node alike) unless the clients sit near some regions.
+            target_weights: if args.entry_weights.is_empty() {
+                Vec::new()
+            } else {
+                std::mem::take(&mut weights)
+            },
             seed: args.seed,
             model: Some(MODEL.into()),
             speedup: args.speedup() * args.time_scale,

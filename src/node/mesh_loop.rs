@@ -156,6 +156,8 @@ async fn sync_loop(
     // fifth of an interval.
     let spacing = interval / 5;
     let mut changes = mesh.watch_changes().await;
+    // `kvmesh_mesh_sync_rounds_total` by cause, looked up once.
+    let rounds = ["tick", "gossip", "local"].map(|c| metrics.sync_rounds.with_label_values(&[c]));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut st = LoopState {
@@ -188,12 +190,12 @@ async fn sync_loop(
             }
         };
         let cause = tokio::select! {
-            _ = tick.tick() => "tick",
-            _ = changed => "gossip",
-            _ = node.mesh_slot().changed.notified() => "local",
+            _ = tick.tick() => &rounds[0],
+            _ = changed => &rounds[1],
+            _ = node.mesh_slot().changed.notified() => &rounds[2],
             _ = stopped(&mut stop) => return,
         };
-        metrics.sync_rounds.with_label_values(&[cause]).inc();
+        cause.inc();
         sync_once(&node, &mesh, &section, &metrics, &mut st, &stop).await;
         tokio::time::sleep(spacing).await;
     }

@@ -58,6 +58,18 @@ pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option
     None
 }
 
+/// Awaits `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
+pub async fn wait_until(limit: Duration, mut cond: impl AsyncFnMut() -> bool) -> Option<Duration> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if cond().await {
+            return Some(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
 /// A TCP port free on 127.0.0.1 a moment ago.
 pub fn free_tcp_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

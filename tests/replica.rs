@@ -85,9 +85,10 @@ fn header_usize(h: &reqwest::header::HeaderMap, name: &str) -> usize {
 #[tokio::test]
 async fn streams_and_a_cache_hit_cuts_ttft_by_the_modelled_factor() {
     bounded(async {
-        // Scale 2 keeps the test short while the modelled times (94 ms cold, 28 ms warm for an 8k
-        // prompt with 6k cached, engine-timing.md §3) stay well above HTTP overheads.
-        let time_scale = 2.0;
+        // Scale 0.5 makes the modelled times (376 ms cold, 115 ms warm for an 8k prompt with 6k
+        // cached, engine-timing.md §3) large against HTTP and tokenizing overheads; a busy 2-core
+        // CI machine once added 40 ms to a 28 ms warm request at scale 2.
+        let time_scale = 0.5;
         let r = start(ReplicaConfig {
             engine: EngineConfig {
                 time_scale,
@@ -98,36 +99,50 @@ async fn streams_and_a_cache_hit_cuts_ttft_by_the_modelled_factor() {
         .await;
         let c = client();
         let base = r.base_url();
-        let shared = text("system", 6144);
-        let first = format!("{shared}{}", text("alpha", 2048));
-        let second = format!("{shared}{}", text("bravo", 2048));
-
-        let (cold, h1, body) = stream_completion(&c, &base, &first, 4).await;
-        assert_eq!(h1.get("x-kvmesh-replica").unwrap(), "r-test");
-        assert_eq!(header_usize(&h1, "x-kvmesh-prompt-tokens"), 8192);
-        assert_eq!(header_usize(&h1, "x-kvmesh-cached-tokens"), 0);
-        assert_eq!(h1.get("content-type").unwrap(), "text/event-stream");
-        let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
-        assert_eq!(events.len(), 4 + 1 + 1, "4 tokens, usage, [DONE]: {body}");
-        assert_eq!(*events.last().unwrap(), "data: [DONE]");
-        let usage: Value = serde_json::from_str(events[4].strip_prefix("data: ").unwrap()).unwrap();
-        assert_eq!(usage["usage"]["completion_tokens"], 4);
-        assert_eq!(usage["usage"]["prompt_tokens"], 8192);
-
-        let (warm, h2, _) = stream_completion(&c, &base, &second, 4).await;
-        assert_eq!(header_usize(&h2, "x-kvmesh-cached-tokens"), 6144);
-
         let model = Engine::new(EngineConfig::default());
         let modelled_cold = model.step_ms(&[(8192, 0)], 0, 0);
         let modelled_warm = model.step_ms(&[(2048, 6144)], 0, 0);
         let modelled = modelled_cold / modelled_warm;
-        let measured = cold.as_secs_f64() / warm.as_secs_f64();
-        eprintln!("cold {cold:?} warm {warm:?} ratio {measured:.2} modelled {modelled:.2}");
-        assert!(
-            measured > modelled * 0.6 && measured < modelled * 1.4,
-            "cold {cold:?} warm {warm:?}: measured ratio {measured:.2}, modelled {modelled:.2}"
-        );
-        assert!(cold.as_secs_f64() * 1000.0 >= modelled_cold / time_scale * 0.95);
+
+        // Scheduling noise only ever adds time, and to either request, so each attempt uses a
+        // fresh shared prefix and the test passes on the first attempt whose ratio is in range.
+        // A model without the cache discount (ratio 1) fails every attempt.
+        let mut attempts = Vec::new();
+        let mut in_range = None;
+        for attempt in 0..3 {
+            let shared = text(&format!("system{attempt}"), 6144);
+            let first = format!("{shared}{}", text(&format!("alpha{attempt}"), 2048));
+            let second = format!("{shared}{}", text(&format!("bravo{attempt}"), 2048));
+
+            let (cold, h1, body) = stream_completion(&c, &base, &first, 4).await;
+            assert_eq!(h1.get("x-kvmesh-replica").unwrap(), "r-test");
+            assert_eq!(header_usize(&h1, "x-kvmesh-prompt-tokens"), 8192);
+            assert_eq!(header_usize(&h1, "x-kvmesh-cached-tokens"), 0);
+            assert_eq!(h1.get("content-type").unwrap(), "text/event-stream");
+            let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+            assert_eq!(events.len(), 4 + 1 + 1, "4 tokens, usage, [DONE]: {body}");
+            assert_eq!(*events.last().unwrap(), "data: [DONE]");
+            let usage: Value =
+                serde_json::from_str(events[4].strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(usage["usage"]["completion_tokens"], 4);
+            assert_eq!(usage["usage"]["prompt_tokens"], 8192);
+            // No noise makes a request faster than its model.
+            assert!(cold.as_secs_f64() * 1000.0 >= modelled_cold / time_scale * 0.95);
+
+            let (warm, h2, _) = stream_completion(&c, &base, &second, 4).await;
+            assert_eq!(header_usize(&h2, "x-kvmesh-cached-tokens"), 6144);
+
+            let measured = cold.as_secs_f64() / warm.as_secs_f64();
+            eprintln!("cold {cold:?} warm {warm:?} ratio {measured:.2} modelled {modelled:.2}");
+            attempts.push(format!("{cold:?}/{warm:?} = {measured:.2}"));
+            if measured > modelled * 0.6 && measured < modelled * 1.4 {
+                in_range = Some((cold, second));
+                break;
+            }
+        }
+        let Some((cold, second)) = in_range else {
+            panic!("no attempt's cold/warm ratio was within 0.6-1.4x of the modelled {modelled:.2}: {attempts:?}");
+        };
 
         // An identical prompt hits all but its last block.
         let (again, h3, _) = stream_completion(&c, &base, &second, 1).await;

@@ -13,6 +13,7 @@
 //! line's URL before the node binds its own port; a connection before that is closed.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -35,6 +36,7 @@ pub struct DelayLine {
     /// Where it listens (on 127.0.0.1): what peers are sent to instead of the upstream.
     pub addr: SocketAddr,
     upstream: Arc<OnceLock<SocketAddr>>,
+    connections: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -46,6 +48,8 @@ impl DelayLine {
         let addr = listener.local_addr()?;
         let upstream = Arc::new(OnceLock::new());
         let to = Arc::clone(&upstream);
+        let connections = Arc::new(AtomicU64::new(0));
+        let relayed = Arc::clone(&connections);
         let accept = tokio::spawn(async move {
             // Dropped with the accept task: aborting it ends every connection.
             let mut conns = JoinSet::new();
@@ -58,6 +62,7 @@ impl DelayLine {
                             continue;
                         };
                         if let Some(addr) = to.get().copied() {
+                            relayed.fetch_add(1, Ordering::Relaxed);
                             conns.spawn(relay(client, addr, one_way));
                         }
                     }
@@ -68,6 +73,7 @@ impl DelayLine {
         Ok(DelayLine {
             addr,
             upstream,
+            connections,
             accept,
         })
     }
@@ -75,6 +81,11 @@ impl DelayLine {
     /// Where the line's connections go from now on (the first call wins).
     pub fn set_upstream(&self, addr: SocketAddr) {
         let _ = self.upstream.set(addr);
+    }
+
+    /// Connections relayed so far: how many a destination's clients opened.
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
     }
 }
 

@@ -36,7 +36,7 @@ use crate::core::policy::PolicyKind;
 use crate::core::region_choice::ForwardChoice;
 use crate::engine_sim::EngineConfig;
 use crate::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
-use crate::proxy::{self, RunningNode};
+use crate::proxy::{self, warm_peers, RunningNode};
 use crate::replica::{self, ReplicaHandle};
 
 const MODEL: &str = "sim-llama-8b";
@@ -421,8 +421,8 @@ async fn run_mesh(
 ) -> anyhow::Result<RunResult> {
     let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
     let mut nodes: Vec<RunningNode> = Vec::new();
-    // Each node's delay line, and the client weight of each node.
-    let mut lines: Vec<DelayLine> = Vec::new();
+    // Each node's delay line (with the node's name), and the client weight of each node.
+    let mut lines: Vec<(String, DelayLine)> = Vec::new();
     let mut weights: Vec<f64> = Vec::new();
     let mut front: Option<Haproxy> = None;
     let result = async {
@@ -496,7 +496,7 @@ async fn run_mesh(
                         .peer_addr
                         .context("a meshed node has a listener for forwarded requests")?;
                     line.set_upstream(peer);
-                    lines.push(line);
+                    lines.push((name, line));
                 }
                 weights.push(match args.entry_weights.get(g) {
                     Some(w) => w / f64::from(args.nodes_per_region),
@@ -559,6 +559,18 @@ async fn run_mesh(
                 per_node.join("; ")
             );
         }
+        if !lines.is_empty() {
+            // Peers' connections to each node (warm-ups and forwards; HTTP/2, so one per peer
+            // unless one was lost): each new one paid its handshakes across the regions.
+            let opened: Vec<String> = lines
+                .iter()
+                .map(|(name, line)| format!("{name} {}", line.connections()))
+                .collect();
+            eprintln!(
+                "  connections peers opened to each node: {}",
+                opened.join(", ")
+            );
+        }
         run.replicas = replicas.iter().map(|(_, h)| h.id.clone()).collect();
         anyhow::Ok(run)
     }
@@ -574,18 +586,29 @@ async fn run_mesh(
     result
 }
 
-/// Waits until every node knows every other region's record, so that spills can be forwarded
-/// from the first request (a region's record arrives a region-layer round or two after the
-/// nodes are ready).
+/// Waits until every node knows every other region's record and holds a connection to the
+/// nodes it would forward to there, so that spills can be forwarded from the first request as
+/// they would be in a fleet that has run for a while (a region's record arrives a region-layer
+/// round or two after the nodes are ready; the connection one handshake later).
 async fn wait_regions(nodes: &[RunningNode], regions: usize) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !nodes
-        .iter()
-        .all(|n| n.node.lock().view.remote_regions.len() + 1 >= regions)
-    {
+    let settled = |n: &RunningNode| {
+        let known = n.node.lock().view.remote_regions.len() + 1 >= regions;
+        let warmed = n.node.mesh_slot().metrics.get().map_or(0, |m| {
+            m.forward_warmups.with_label_values(&["ok"]).get()
+        });
+        let warm_off = n
+            .node
+            .cfg
+            .mesh
+            .as_ref()
+            .is_none_or(|m| m.warm_forward_interval_ms == 0);
+        known && (warm_off || warmed >= warm_peers::targets(&n.node).len() as u64)
+    };
+    while !nodes.iter().all(settled) {
         anyhow::ensure!(
             Instant::now() < deadline,
-            "the nodes did not learn every region's record in 30 s"
+            "the nodes did not learn every region's record (and connect to its nodes) in 30 s"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

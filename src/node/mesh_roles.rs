@@ -210,6 +210,24 @@ impl Node {
             .any(|(r, a)| r == region && *a == addr)
     }
 
+    /// The regions other than this node's with a live peer that takes forwarded requests
+    /// (a member in the flat layout, a target of the region's record in the regional one),
+    /// sorted.
+    pub fn forward_regions(&self) -> Vec<String> {
+        let st = self.status();
+        let own = &self.cfg.region;
+        let mut regions: Vec<String> = st
+            .peers
+            .iter()
+            .chain(&st.region_targets)
+            .filter(|p| &p.region != own)
+            .map(|p| p.region.clone())
+            .collect();
+        regions.sort_unstable();
+        regions.dedup();
+        regions
+    }
+
     /// Live peers of `region` that take forwarded requests.
     pub fn peers_in(&self, region: &str) -> Vec<Peer> {
         let st = self.status();

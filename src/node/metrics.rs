@@ -378,6 +378,9 @@ pub struct MeshMetrics {
     /// `kvmesh_forwards_total{region,outcome}`: ok, retry (a node failed, next tried),
     /// unavailable (every node failed or none live).
     pub forwards: IntCounterVec,
+    /// `kvmesh_forward_warmups_total{outcome}`: `GET /health` sent to keep a connection open
+    /// to a node this node would forward to (`proxy/warm_peers.rs`): ok, failed.
+    pub forward_warmups: IntCounterVec,
     /// `kvmesh_mesh_live_members`: live members, this node included.
     pub live_members: IntGauge,
     /// `kvmesh_mesh_load_updates_total{direction}`: load-sharing datagrams.
@@ -475,6 +478,11 @@ impl MeshMetrics {
                 ),
                 &["region", "outcome"],
             )?,
+            forward_warmups: vec(
+                "kvmesh_forward_warmups_total",
+                "Connections to forwarding targets kept open, by outcome",
+                "outcome",
+            )?,
             live_members: IntGauge::new("kvmesh_mesh_live_members", "Live mesh members")?,
             load_updates: vec(
                 "kvmesh_mesh_load_updates_total",
@@ -536,6 +544,7 @@ impl MeshMetrics {
         registry.register(Box::new(m.dropped.clone()))?;
         registry.register(Box::new(m.pulls.clone()))?;
         registry.register(Box::new(m.forwards.clone()))?;
+        registry.register(Box::new(m.forward_warmups.clone()))?;
         registry.register(Box::new(m.live_members.clone()))?;
         registry.register(Box::new(m.load_updates.clone()))?;
         registry.register(Box::new(m.load_bytes.clone()))?;

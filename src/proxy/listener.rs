@@ -7,7 +7,8 @@
 //!
 //! - **Time.** A request head must arrive within `header_read_timeout_ms`, which also bounds an
 //!   idle keep-alive wait (HTTP/1); an HTTP/2 connection with no open stream for as long is
-//!   closed. Body reads have their own limit (`forward.rs`).
+//!   closed (a peer's, on the mesh listener, after [`PEER_IDLE`]). Body reads have their own
+//!   limit (`forward.rs`).
 //! - **Number.** At most `max_connections` (capped by the open-files limit less a reserve for
 //!   replicas, peers and files) are open. At the cap the least recently active connection is
 //!   told to close — gracefully: a request in flight on it finishes first — and the new one is
@@ -38,6 +39,15 @@ use crate::shutdown::stopped;
 
 /// Connections admitted over the cap while evicted ones finish their requests.
 const OVERFLOW_SHARE: usize = 8;
+/// How long the peer listener keeps a peer's HTTP/2 connection without a request: twice the
+/// longest `mesh.warm_forward_interval_ms`. Peers proved a cluster certificate, and the
+/// connection cap still evicts the least recently active.
+pub const PEER_IDLE: Duration = Duration::from_secs(120);
+/// HTTP/2 flow-control windows of a peer's connection: what a peer may send before this node
+/// reads it, per connection and per forwarded request.
+const PEER_CONNECTION_WINDOW: u32 = 16 << 20;
+/// See [`PEER_CONNECTION_WINDOW`].
+const PEER_STREAM_WINDOW: u32 = 4 << 20;
 /// File descriptors kept free for replicas, peers, DNS and files when capping connections.
 const FD_RESERVE: u64 = 512;
 
@@ -46,6 +56,11 @@ const FD_RESERVE: u64 = 512;
 pub struct ListenerConfig {
     /// Whole request head (and idle keep-alive) deadline.
     pub header_read_timeout: Duration,
+    /// An HTTP/2 connection with no open stream for this long is closed. The client listener
+    /// uses the head deadline; the peer listener [`PEER_IDLE`], longer than
+    /// `mesh.warm_forward_interval_ms` allows, so the connections peers keep open for their
+    /// forwards (`warm_peers.rs`) stay open between rounds.
+    pub idle_timeout: Duration,
     /// Open connections at most (soft cap: least recently active evicted).
     pub max_connections: usize,
     /// Concurrent HTTP/2 streams per connection.
@@ -309,6 +324,15 @@ async fn run_http<I>(
         .max_header_list_size(256 * 1024)
         .keep_alive_interval(cfg.header_read_timeout)
         .keep_alive_timeout(cfg.header_read_timeout);
+    if cfg.peer {
+        // A peer sends every forward it has for this node on one connection: room for a burst
+        // of long prompts in flight across a region's round trip (hyper's 1 MiB would hold 1
+        // MiB per round trip, 12 MiB/s at 80 ms).
+        builder
+            .http2()
+            .initial_connection_window_size(PEER_CONNECTION_WINDOW)
+            .initial_stream_window_size(PEER_STREAM_WINDOW);
+    }
     let svc_table = Arc::clone(table);
     let svc_slot = Arc::clone(slot);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
@@ -328,8 +352,8 @@ async fn run_http<I>(
     });
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
-    let idle_limit = cfg.header_read_timeout.as_millis() as u64;
-    let mut tick = tokio::time::interval(cfg.header_read_timeout / 2 + Duration::from_millis(1));
+    let idle_limit = cfg.idle_timeout.as_millis() as u64;
+    let mut tick = tokio::time::interval(cfg.idle_timeout / 2 + Duration::from_millis(1));
     let mut closing = false;
     loop {
         tokio::select! {

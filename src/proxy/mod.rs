@@ -21,6 +21,7 @@ pub mod region_forward;
 mod respond;
 mod tls;
 mod trace_span;
+pub mod warm_peers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -42,6 +43,10 @@ use crate::replicas::dns::DnsSource;
 use crate::replicas::k8s::{K8sMetrics, K8sSource};
 use auth::authorized;
 use error::ApiError;
+
+/// How often the peer client pings a pooled connection to another node, and how long it waits
+/// for the answer before dropping the connection.
+const PEER_KEEP_ALIVE: Duration = Duration::from_secs(10);
 use listener::{Listener, ListenerConfig};
 
 /// The node's HTTP routes.
@@ -257,6 +262,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     };
     let listener_cfg = ListenerConfig {
         header_read_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
         max_connections: server_cfg.max_connections,
         http2_max_streams: server_cfg.http2_max_streams,
         tls: client_tls,
@@ -278,8 +284,18 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
             let (server_tls, client_tls) =
                 crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
                     .context("mesh certificates for the peer listener")?;
+            // Every peer listener speaks HTTP/2, so forwards to a peer share one connection:
+            // with ALPN alone the pool cannot know that before the first handshake, and a
+            // burst of forwards to another region opened one TLS connection (one more round
+            // trip across regions) per request in flight.
             let peer_client = reqwest::Client::builder()
                 .use_preconfigured_tls(client_tls)
+                .http2_prior_knowledge()
+                // A connection to a peer that died without a word is found out and dropped
+                // from the pool between forwards, not by the next forward's timeout.
+                .http2_keep_alive_interval(PEER_KEEP_ALIVE)
+                .http2_keep_alive_timeout(PEER_KEEP_ALIVE)
+                .http2_keep_alive_while_idle(true)
                 .connect_timeout(node.cfg.connect_timeout())
                 .tcp_nodelay(true)
                 .build()
@@ -297,6 +313,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
                 ListenerConfig {
                     tls: Some(Arc::new(server_tls)),
                     peer: true,
+                    idle_timeout: listener::PEER_IDLE,
                     ..listener_cfg.clone()
                 },
                 stop_rx.clone(),
@@ -318,6 +335,12 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     )
     .await?;
     spawn_watchers(&node, &stop_rx, dns, kubernetes);
+    if let Some(section) = node.cfg.mesh.as_ref().filter(|_| peer_server.is_some()) {
+        if section.warm_forward_interval_ms > 0 {
+            let interval = Duration::from_millis(section.warm_forward_interval_ms);
+            warm_peers::spawn(&node, interval, stop_rx.clone());
+        }
+    }
     let certs = Arc::new(tls::Certificates {
         client: client_cert,
         mesh: mesh_cert,

@@ -74,16 +74,7 @@ pub async fn forward(
             m.forwards.with_label_values(&[region, outcome]).inc();
         }
     };
-    let mut peers = node.peers_in(region);
-    let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
-    peers.shuffle(&mut rand::rng());
-    // Stable sort on RTT in 5 ms steps: nodes about as near as each other share the forwarded
-    // load at random (one "nearest" node would take it all); unmeasured nodes come last.
-    let step = |p: &Peer| {
-        rtts.get(&p.quic_addr)
-            .map_or(u128::MAX, |d| d.as_millis() / FORWARD_RTT_STEP_MS)
-    };
-    peers.sort_by_key(|p| step(p));
+    let peers = forward_order(node, region, true);
     let mut headers = headers.clone();
     headers.insert(
         HeaderName::from_static(HOP_HEADER),
@@ -144,6 +135,26 @@ pub async fn forward(
     Err(ForwardError::RegionFailed(ApiError::unavailable(format!(
         "no local replica can serve this request and forwarding to region '{region}' failed"
     ))))
+}
+
+/// The nodes of `region` in the order a forward tries them: nearest
+/// by QUIC RTT in 5 ms steps, unmeasured ones last (`u128::MAX`). Within a step the order is
+/// random when `shuffle` (nodes about as near as each other share the forwarded load; one
+/// "nearest" node would take it all), else by node id.
+pub(super) fn forward_order(node: &Node, region: &str, shuffle: bool) -> Vec<Peer> {
+    let mut peers = node.peers_in(region);
+    let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();
+    if shuffle {
+        peers.shuffle(&mut rand::rng());
+    } else {
+        peers.sort_unstable_by(|a, b| a.node_id.cmp(&b.node_id));
+    }
+    // A stable sort keeps the order within a step.
+    peers.sort_by_key(|p| {
+        rtts.get(&p.quic_addr)
+            .map_or(u128::MAX, |d| d.as_millis() / FORWARD_RTT_STEP_MS)
+    });
+    peers
 }
 
 /// Streams another node's answer back, cutting it after the idle timeout; `span` (the request's,

@@ -109,6 +109,13 @@ pub struct MeshSection {
     /// The region layer's gossip interval, and the least time between two region records
     /// (ms). Default 1,000, 50–10,000.
     pub region_interval_ms: u64,
+    /// How often this node makes sure it holds a connection to the nodes it would forward to
+    /// in every other region (ms; `proxy/warm_peers.rs`): a forward on an open connection pays
+    /// one round trip to the other region, on a new one three (TCP, TLS, then the request).
+    /// Each round costs one `GET /health` per such node (at most 8 a region). 0 turns it off.
+    /// Default 20,000; 0 or 1,000–60,000 (the peer listener closes a peer's connection after
+    /// 120 s without a request).
+    pub warm_forward_interval_ms: u64,
 }
 
 /// `mesh.layout`.
@@ -150,6 +157,7 @@ impl Default for MeshSection {
             layout: LayoutConfig::Regional,
             representatives: 2,
             region_interval_ms: 1000,
+            warm_forward_interval_ms: 20_000,
         }
     }
 }
@@ -189,6 +197,14 @@ impl MeshSection {
         }
         if !(50..=10_000).contains(&self.region_interval_ms) {
             return Err(invalid("mesh.region_interval_ms", "must be 50 to 10000"));
+        }
+        if self.warm_forward_interval_ms != 0
+            && !(1_000..=60_000).contains(&self.warm_forward_interval_ms)
+        {
+            return Err(invalid(
+                "mesh.warm_forward_interval_ms",
+                "must be 0 (off) or 1000 to 60000",
+            ));
         }
         if self.replica_load_interval_ms > 10_000 {
             return Err(invalid("mesh.replica_load_interval_ms", "at most 10000"));
@@ -371,6 +387,7 @@ mod tests {
         let c = NodeConfig::from_toml(ok).unwrap();
         let m = c.mesh.unwrap();
         assert_eq!(m.gossip_interval_ms, 200);
+        assert_eq!(m.warm_forward_interval_ms, 20_000);
         assert_eq!(m.distance[0].ms, 80.0);
         for (toml, key) in [
             ("[mesh]\ncerts_dir = \"/x\"", "mesh.node_id"),
@@ -382,6 +399,10 @@ mod tests {
             (
                 "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nfailure_detection_ms = 50",
                 "mesh.failure_detection_ms",
+            ),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\nwarm_forward_interval_ms = 500",
+                "mesh.warm_forward_interval_ms",
             ),
             (
                 "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\n[[mesh.distance]]\na = \"x\"\nb = \"y\"\nms = -1.0",

@@ -214,7 +214,10 @@ pub async fn replay(
         }
     }
     crate::proxy::install_crypto_provider();
+    // HTTP/1.1, a connection per request in flight, as the load generators it is compared
+    // with (and the figures measured before reqwest's HTTP/2 was built in).
     let client = reqwest::Client::builder()
+        .http1_only()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(cfg.concurrency)
         // Below every target's keep-alive (a node's `header_read_timeout_ms`, 10 s; uvicorn's

@@ -328,7 +328,10 @@ impl Node {
             },
             Tenants::new(cfg.tenants.clone(), cfg.default_tenant.clone()),
         );
+        // HTTP/1.1 to engines, as they speak it (reqwest's HTTP/2, on for the peer client,
+        // would otherwise be offered to any engine behind TLS).
         let client = reqwest::Client::builder()
+            .http1_only()
             .connect_timeout(cfg.connect_timeout())
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(90))

@@ -291,6 +291,9 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
             let peer_client = reqwest::Client::builder()
                 .use_preconfigured_tls(client_tls)
                 .http2_prior_knowledge()
+                // Only to servers that prove a cluster certificate: a peer's record naming a
+                // plain `http://` URL (config refuses one; a rogue peer might not) gets nothing.
+                .https_only(true)
                 // A connection to a peer that died without a word is found out and dropped
                 // from the pool between forwards, not by the next forward's timeout.
                 .http2_keep_alive_interval(PEER_KEEP_ALIVE)

@@ -43,11 +43,11 @@ use crate::replicas::dns::DnsSource;
 use crate::replicas::k8s::{K8sMetrics, K8sSource};
 use auth::authorized;
 use error::ApiError;
+use listener::{Listener, ListenerConfig};
 
 /// How often the peer client pings a pooled connection to another node, and how long it waits
 /// for the answer before dropping the connection.
 const PEER_KEEP_ALIVE: Duration = Duration::from_secs(10);
-use listener::{Listener, ListenerConfig};
 
 /// The node's HTTP routes.
 pub fn app(node: Arc<Node>) -> axum::Router {

@@ -137,10 +137,10 @@ pub async fn forward(
     ))))
 }
 
-/// The nodes of `region` in the order a forward tries them: nearest
-/// by QUIC RTT in 5 ms steps, unmeasured ones last (`u128::MAX`). Within a step the order is
-/// random when `shuffle` (nodes about as near as each other share the forwarded load; one
-/// "nearest" node would take it all), else by node id.
+/// The nodes of `region` in the order a forward tries them: nearest by QUIC RTT in 5 ms steps,
+/// unmeasured ones last. Within a step the order is random when `shuffle` (nodes about as near
+/// as each other share the forwarded load; one "nearest" node would take it all), else by node
+/// id (the nodes `warm_peers.rs` keeps a connection to).
 pub(super) fn forward_order(node: &Node, region: &str, shuffle: bool) -> Vec<Peer> {
     let mut peers = node.peers_in(region);
     let rtts = node.mesh().map(|m| m.peer_rtts()).unwrap_or_default();

@@ -800,6 +800,63 @@ async fn forwards_share_one_connection_opened_before_the_first() {
     .await;
 }
 
+/// A peer's certificate does not make any URL it names a place to send requests: a member that
+/// advertises a plain `http://` address (a node's own configuration refuses one) gets no
+/// connection, neither a warm-up nor a forward, since the peer client speaks only TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_naming_a_plain_http_url_gets_no_connection() {
+    bounded(30, async {
+        let dir = certs();
+        let mut cfg = mesh_config(dir.path(), "a1", "a", &[], &[], None);
+        if let Some(m) = cfg.mesh.as_mut() {
+            // One cluster for both regions: b's member is a peer with its own URL.
+            m.layout = kvmesh::node::config::mesh::LayoutConfig::Flat;
+        }
+        let a1 = proxy::spawn(cfg).await.unwrap();
+        // Where the rogue points its peers, counting every connection made to it.
+        let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let plain_addr = plain.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        let server = tokio::spawn(async move {
+            while let Ok((conn, _)) = plain.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        kvmesh::mesh::certs::issue_in_dir(dir.path(), "b9").unwrap();
+        let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(dir.path(), "b9").unwrap();
+        let mut rogue_cfg =
+            common::loopback_mesh("mesh-node-test", "b9", "b", identity, &[mesh_addr(&a1)]);
+        rogue_cfg.layout = kvmesh::mesh::GossipLayout::Flat;
+        rogue_cfg.gossip_interval = Duration::from_millis(100);
+        rogue_cfg.http_url = format!("http://{plain_addr}");
+        let rogue = kvmesh::mesh::Mesh::start(rogue_cfg).await.unwrap();
+        wait_for(Duration::from_secs(10), || {
+            !a1.node.peers_in("b").is_empty()
+        })
+        .await
+        .expect("a1 lists b9 as a peer of region b");
+        let failed = || {
+            a1.node.mesh_slot().metrics.get().map_or(0, |m| {
+                m.forward_warmups.with_label_values(&["failed"]).get()
+            })
+        };
+        wait_for(Duration::from_secs(5), || failed() >= 1)
+            .await
+            .expect("a1 tries to warm b9 and fails");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            0,
+            "nothing reached b9's URL"
+        );
+        server.abort();
+        drop(rogue);
+        a1.shutdown().await;
+    })
+    .await;
+}
+
 /// An HTTPS address on loopback where nothing listens: a node advertising it has gone dark.
 fn dead_https_url() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

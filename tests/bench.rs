@@ -226,7 +226,7 @@ async fn a_pd_fleet_serves_pairs_and_reports_the_prefill_hit_and_itl() {
 /// requests spill to us, 2 s (model time) away: each of those answers at least that late.
 /// (Without the delay, at a configured 400 ms, they answered in 0.30–0.68 s, queueing included,
 /// in a debug build. With the delay, 2.04–2.08 s over the connection the demo waits for each
-/// node to open before the workload; 3.6–4.3 s before connections were kept warm, when each
+/// node to open before the workload; 3.7–4.4 s before connections were kept warm, when each
 /// forward of the first burst paid the TLS handshake's round trip too.)
 #[tokio::test]
 async fn a_request_forwarded_to_another_region_pays_its_round_trip_on_the_wire() {

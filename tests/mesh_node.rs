@@ -18,6 +18,7 @@ use kvmesh::bench::delay_line::DelayLine;
 use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::node::NodeState;
+use kvmesh::proxy::warm_peers::warmups;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 use serde_json::json;
@@ -707,9 +708,19 @@ async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
     .await;
 }
 
+/// Sends every prompt to `node` at once; each must be answered, forwarded to `peer`.
+async fn burst_forwarded_to(c: &reqwest::Client, node: SocketAddr, prompts: &[String], peer: &str) {
+    let answers =
+        futures::future::join_all(prompts.iter().map(|p| complete(c, node, p, &[]))).await;
+    for (k, (status, h)) in answers.iter().enumerate() {
+        assert_eq!(*status, 200, "request {k} at {node}");
+        assert_eq!(header(h, "x-kvmesh-forwarded-to"), peer);
+    }
+}
+
 /// A node opens its connection to the node it would forward to in another region before any
 /// forward, and a burst of forwards shares it: one handshake across the regions, not one per
-/// request in flight (each costs a round trip between regions; 3.5–4.4 s instead of 2 in the
+/// request in flight (each costs a round trip between regions; 3.7–4.4 s instead of 2 in the
 /// demo's wire test, regions 2 s apart). A node that does not warm its connections still
 /// opens only one for a burst: peers speak HTTP/2, so the burst waits for one handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -736,20 +747,13 @@ async fn forwards_share_one_connection_opened_before_the_first() {
         )
         .await;
         line.set_upstream(b1.peer_addr.unwrap());
-        let warmups = |n: &RunningNode, outcome: &str| -> u64 {
-            n.node
-                .mesh_slot()
-                .metrics
-                .get()
-                .map_or(0, |m| m.forward_warmups.with_label_values(&[outcome]).get())
-        };
         wait_for(Duration::from_secs(10), || {
             a1.node.ready() && region_offered(&a1, "b", 1)
         })
         .await
         .expect("a1 learns region b");
         // Within a second of learning b1, with no request yet.
-        let warmed = wait_for(Duration::from_secs(5), || warmups(&a1, "ok") >= 1)
+        let warmed = wait_for(Duration::from_secs(5), || warmups(&a1.node, "ok") >= 1)
             .await
             .expect("a1 opens a connection to b1 before any forward");
         println!("a1 warmed its connection to b1 {warmed:?} after learning region b");
@@ -757,36 +761,24 @@ async fn forwards_share_one_connection_opened_before_the_first() {
 
         let http = client();
         let prompts: Vec<String> = (0..8).map(|k| text(&format!("burst{k}"), 1024)).collect();
-        let burst =
-            futures::future::join_all(prompts.iter().map(|p| complete(&http, a1.addr, p, &[])))
-                .await;
-        for (k, (status, h)) in burst.iter().enumerate() {
-            assert_eq!(*status, 200, "request {k}");
-            assert_eq!(header(h, "x-kvmesh-forwarded-to"), "b1");
-        }
+        burst_forwarded_to(&http, a1.addr, &prompts, "b1").await;
         assert_eq!(
             line.connections(),
             1,
             "eight forwards in flight at once share the warm connection"
         );
-        assert_eq!(warmups(&a1, "failed"), 0);
+        assert_eq!(warmups(&a1.node, "failed"), 0);
 
         wait_for(Duration::from_secs(10), || region_offered(&a2, "b", 1))
             .await
             .expect("a2 learns region b");
-        assert_eq!(warmups(&a2, "ok"), 0);
+        assert_eq!(warmups(&a2.node, "ok"), 0);
         assert_eq!(
             line.connections(),
             1,
             "a2 opened nothing before its first forward"
         );
-        let burst =
-            futures::future::join_all(prompts.iter().map(|p| complete(&http, a2.addr, p, &[])))
-                .await;
-        for (k, (status, h)) in burst.iter().enumerate() {
-            assert_eq!(*status, 200, "request {k} at a2");
-            assert_eq!(header(h, "x-kvmesh-forwarded-to"), "b1");
-        }
+        burst_forwarded_to(&http, a2.addr, &prompts, "b1").await;
         assert_eq!(
             line.connections(),
             2,
@@ -824,25 +816,17 @@ async fn a_peer_naming_a_plain_http_url_gets_no_connection() {
                 drop(conn);
             }
         });
-        kvmesh::mesh::certs::issue_in_dir(dir.path(), "b9").unwrap();
-        let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(dir.path(), "b9").unwrap();
-        let mut rogue_cfg =
-            common::loopback_mesh("mesh-node-test", "b9", "b", identity, &[mesh_addr(&a1)]);
-        rogue_cfg.layout = kvmesh::mesh::GossipLayout::Flat;
-        rogue_cfg.gossip_interval = Duration::from_millis(100);
-        rogue_cfg.http_url = format!("http://{plain_addr}");
-        let rogue = kvmesh::mesh::Mesh::start(rogue_cfg).await.unwrap();
+        let rogue = rogue_member_with(dir.path(), "b9", "b", mesh_addr(&a1), |c| {
+            c.layout = kvmesh::mesh::GossipLayout::Flat;
+            c.http_url = format!("http://{plain_addr}");
+        })
+        .await;
         wait_for(Duration::from_secs(10), || {
             !a1.node.peers_in("b").is_empty()
         })
         .await
         .expect("a1 lists b9 as a peer of region b");
-        let failed = || {
-            a1.node.mesh_slot().metrics.get().map_or(0, |m| {
-                m.forward_warmups.with_label_values(&["failed"]).get()
-            })
-        };
-        wait_for(Duration::from_secs(5), || failed() >= 1)
+        wait_for(Duration::from_secs(5), || warmups(&a1.node, "failed") >= 1)
             .await
             .expect("a1 tries to warm b9 and fails");
         assert_eq!(
@@ -1147,11 +1131,23 @@ async fn separate_processes_form_a_mesh_and_serve() {
 /// A plain `Mesh` member (no HTTP front, no replicas of its own) named `name`, seeded with
 /// `seed`: stands for a member that publishes what it likes.
 async fn rogue_member(certs: &Path, name: &str, seed: SocketAddr) -> kvmesh::mesh::Mesh {
+    rogue_member_with(certs, name, "eu", seed, |_| {}).await
+}
+
+/// [`rogue_member`] of `region`, its configuration adjusted by `adjust`.
+async fn rogue_member_with(
+    certs: &Path,
+    name: &str,
+    region: &str,
+    seed: SocketAddr,
+    adjust: impl FnOnce(&mut kvmesh::mesh::MeshConfig),
+) -> kvmesh::mesh::Mesh {
     kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
     let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(certs, name).unwrap();
-    let mut cfg = common::loopback_mesh("mesh-node-test", name, "eu", identity, &[seed]);
+    let mut cfg = common::loopback_mesh("mesh-node-test", name, region, identity, &[seed]);
     cfg.gossip_interval = Duration::from_millis(100);
     cfg.failure_detection = Duration::from_millis(FAILURE_DETECTION_MS);
+    adjust(&mut cfg);
     kvmesh::mesh::Mesh::start(cfg).await.unwrap()
 }
 

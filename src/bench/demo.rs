@@ -594,12 +594,7 @@ async fn wait_regions(nodes: &[RunningNode], regions: usize) -> anyhow::Result<(
     let deadline = Instant::now() + Duration::from_secs(30);
     let settled = |n: &RunningNode| {
         let known = n.node.lock().view.remote_regions.len() + 1 >= regions;
-        let warmed = n
-            .node
-            .mesh_slot()
-            .metrics
-            .get()
-            .map_or(0, |m| m.forward_warmups.with_label_values(&["ok"]).get());
+        let warmed = warm_peers::warmups(&n.node, "ok");
         let warm_off = n
             .node
             .cfg

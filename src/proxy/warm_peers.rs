@@ -5,7 +5,7 @@
 //! of one. Forwards are rare and come in bursts (a region spills when it is full), so by the
 //! next burst the connections of the last one have closed; before HTTP/2 was the peer client's
 //! only protocol, a burst even opened one connection per request in flight (the demo's wire
-//! test, regions 2 s apart: every forward of a burst answered after 3.5–4.4 s).
+//! test, regions 2 s apart: every forward of a burst answered after 3.7–4.4 s).
 //!
 //! So every second this task looks at the first [`WARM_PER_REGION`] nodes of every other
 //! region in forwarding order (`region_forward::forward_order`: nearest first, so all of a
@@ -25,6 +25,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::error::upstream_cause;
 use super::region_forward::forward_order;
 use crate::node::Node;
 use crate::shutdown::stopped;
@@ -104,23 +105,26 @@ async fn warm(node: &Node, urls: &[String]) {
     .await;
     let metrics = node.mesh_slot().metrics.get();
     for (url, answer) in urls.iter().zip(answers) {
-        let outcome = match answer {
-            Ok(Ok(resp)) if resp.status().is_success() => "ok",
-            Ok(Ok(resp)) => {
-                tracing::debug!(%url, status = %resp.status(), "warming a forwarding target");
-                "failed"
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(%url, error = %e, "warming a forwarding target");
-                "failed"
-            }
-            Err(_) => {
-                tracing::debug!(%url, "warming a forwarding target timed out");
-                "failed"
-            }
+        let failure = match answer {
+            Ok(Ok(resp)) if resp.status().is_success() => None,
+            Ok(Ok(resp)) => Some(format!("answered {}", resp.status())),
+            Ok(Err(e)) => Some(upstream_cause(e)),
+            Err(_) => Some(format!("no answer within {limit:?}")),
         };
+        if let Some(error) = &failure {
+            tracing::debug!(%url, %error, "warming a forwarding target failed");
+        }
         if let Some(m) = metrics {
+            let outcome = if failure.is_none() { "ok" } else { "failed" };
             m.forward_warmups.with_label_values(&[outcome]).inc();
         }
     }
+}
+
+/// Warm-ups this node sent so far with `outcome` (`ok` or `failed`); 0 without a mesh.
+pub fn warmups(node: &Node, outcome: &str) -> u64 {
+    node.mesh_slot()
+        .metrics
+        .get()
+        .map_or(0, |m| m.forward_warmups.with_label_values(&[outcome]).get())
 }

@@ -375,6 +375,167 @@ async fn a_body_that_trickles_in_gets_408() {
     .await;
 }
 
+/// `kvmesh_in_flight_total`: requests whose handler runs (bodies being read included).
+async fn handlers_running(c: &reqwest::Client, node: &RunningNode) -> Option<u64> {
+    let text = c
+        .get(url(node, "/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("kvmesh_in_flight_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Heads that declare 32 MiB bodies and then send next to nothing reserve nothing: 16 of them
+/// (the whole 512 MiB body budget, had their declarations been reserved) do not make a small
+/// completion wait. Before, each declaration reserved its whole size up front and held it to
+/// the body deadline, so the small request waited for that deadline (59 s at the defaults).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_lengths_reserve_no_budget_and_starve_no_one() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        // Long enough that a request waiting for the declarations' deadline fails below.
+        cfg.server.body_read_timeout_ms = 25_000;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        let t0 = std::time::Instant::now();
+        assert_eq!(complete(&c, &node, "warm", false).await, 200);
+        let alone = t0.elapsed();
+        let mut slow = Vec::new();
+        for _ in 0..16 {
+            let mut s = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+            s.write_all(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                  content-length: 33554432\r\n\r\n{\"model\":\"",
+            )
+            .await
+            .unwrap();
+            slow.push(s);
+        }
+        // Every one of them is being read (the handlers run) before the small request goes.
+        let mut waited = 0;
+        while handlers_running(&c, &node).await != Some(16) {
+            waited += 1;
+            assert!(waited < 500, "the 16 bodies never started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let small = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let status = small
+            .post(url(&node, "/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": "hi", "max_tokens": 1}))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .expect("the small request was starved by the declared bodies");
+        let beside = t0.elapsed();
+        assert_eq!(status, 200);
+        println!(
+            "a small completion alone: {alone:?}; beside 16 declared 32 MiB bodies: {beside:?}"
+        );
+        // And the 16 were still held when it was served: it did not wait for them to go.
+        assert_eq!(handlers_running(&c, &node).await, Some(16));
+        drop(slow);
+        node.shutdown().await;
+    })
+    .await;
+}
+
+/// A 32 MiB prompt of token ids (`[1,1,…]`) costs the node less than 4× its size at peak:
+/// the ids parse straight into a capped `Vec<u32>`, and a prompt over the 4 Mi-token cap gets a
+/// 400. Before, the untagged parse buffered ~32 bytes per id (about 0.5 GB). Measured on a
+/// `kvmesh serve` process of its own (peak RSS from /proc, Linux only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_array_prompt_costs_under_four_times_its_size() {
+    let Ok(_) = std::fs::read_to_string("/proc/self/status") else {
+        eprintln!("skipping: no /proc");
+        return;
+    };
+    bounded(async {
+        let replica = fake_replica(Fake::Poison).await;
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--replica", &format!("http://{replica}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let pid = child.id().unwrap();
+        let c = client();
+        let base = format!("http://127.0.0.1:{port}");
+        let mut tries = 0;
+        while !c
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            tries += 1;
+            assert!(tries < 1000, "the node never became ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let peak = || -> u64 {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap()
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap()
+                * 1024
+        };
+        let before = peak();
+        let size: usize = 32 << 20;
+        let mut body = String::with_capacity(size);
+        body.push_str(&format!(
+            "{{\"model\":\"{MODEL}\",\"max_tokens\":1,\"prompt\":[1"
+        ));
+        while body.len() < size - 2 {
+            body.push_str(",1");
+        }
+        body.push_str("]}");
+        let resp = c
+            .post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let answer: Value = resp.json().await.unwrap();
+        let grown = peak().saturating_sub(before);
+        println!(
+            "32 MiB token-id prompt: {status}, peak RSS grew {} MiB (from {} MiB)",
+            grown >> 20,
+            before >> 20
+        );
+        assert_eq!(status, 400, "{answer}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("token ids"),
+            "{answer}"
+        );
+        assert!(grown < 4 * size as u64, "peak RSS grew {grown} bytes");
+        child.kill().await.unwrap();
+    })
+    .await;
+}
+
 /// 2,000 idle connections cannot keep others out: past `server.max_connections` the
 /// least recently active connection is closed to admit the next, and past the open-files limit
 /// the node never stops accepting (it raises the limit and caps connections below it).

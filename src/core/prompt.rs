@@ -25,8 +25,8 @@ pub struct RoutingFields {
     /// Completions prompt.
     #[serde(default)]
     pub prompt: Option<Prompt>,
-    /// Chat messages.
-    #[serde(default)]
+    /// Chat messages (at most [`MAX_MESSAGES`]).
+    #[serde(default, deserialize_with = "super::prompt_de::messages")]
     pub messages: Option<Vec<ChatMessage>>,
     /// Tool definitions; rendered into the prompt by every chat template that supports tools.
     #[serde(default)]
@@ -52,8 +52,12 @@ pub struct RoutingFields {
 }
 
 /// A completions prompt in any of its four shapes.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+///
+/// Deserialized by hand (see [`PromptVisitor`]), not as an untagged enum: serde buffers an
+/// untagged value whole before trying each shape, about 32 bytes per array element, so a 32 MiB
+/// token-id array would take ~0.5 GB. Here token ids go straight into a `Vec<u32>` and their
+/// count is capped by [`MAX_PROMPT_TOKENS`].
+#[derive(Debug)]
 pub enum Prompt {
     /// One string.
     Text(String),
@@ -89,8 +93,7 @@ pub struct ChatMessage {
 }
 
 /// Message content.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Content {
     /// Plain text.
     Text(String),
@@ -107,14 +110,21 @@ pub struct ContentPart {
     /// The text of a text part.
     #[serde(default)]
     pub text: Option<String>,
-    /// An image part's payload. (A `Value`, not a `RawValue`: serde cannot buffer raw values
-    /// inside an untagged enum.)
+    /// An image part's payload, as sent (raw: no tree is built for it).
     #[serde(default)]
-    pub image_url: Option<serde_json::Value>,
-    /// An audio part's payload.
+    pub image_url: Option<Box<RawValue>>,
+    /// An audio part's payload, as sent.
     #[serde(default)]
-    pub input_audio: Option<serde_json::Value>,
+    pub input_audio: Option<Box<RawValue>>,
 }
+
+/// The most token ids one request's prompt may hold (4 Mi): beyond any served context window, and
+/// what bounds the memory a token-id prompt takes to 16 MiB whatever the body's size.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
+/// The most chat messages (or input items, or batched prompts) one request may hold.
+pub const MAX_MESSAGES: usize = 1 << 16;
+/// The most content parts one message may hold.
+pub const MAX_PARTS: usize = 1 << 12;
 
 /// Why a body cannot be routed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -122,6 +132,12 @@ pub enum PromptError {
     /// Neither `prompt` nor `messages` is present.
     #[error("the request has neither 'prompt' nor 'messages'")]
     Missing,
+    /// An Anthropic Messages body without `messages`.
+    #[error("the request has no 'messages'")]
+    MissingMessages,
+    /// A Responses body without `input`.
+    #[error("the request has no 'input'")]
+    MissingInput,
 }
 
 impl RoutingFields {
@@ -135,13 +151,11 @@ impl RoutingFields {
         out.clear();
         if let Some(messages) = &self.messages {
             if let Some(tools) = &self.tools {
-                out.push_str("tools\n");
-                out.push_str(tools.get());
-                out.push(RECORD_SEPARATOR);
+                push_tools(tools, out);
             }
             for m in messages {
                 render_message(m, out);
-                out.push(RECORD_SEPARATOR);
+                end_message(out);
             }
             return Ok(());
         }
@@ -168,13 +182,36 @@ impl RoutingFields {
     }
 }
 
-fn render_message(m: &ChatMessage, out: &mut String) {
-    out.push_str(&m.role);
-    if let Some(name) = &m.name {
+/// Starts one message of the routing text: its role, and its participant name if any. Every
+/// dialect renders a message this way, so one conversation keys alike whichever API carries it.
+pub(crate) fn begin_message(role: &str, name: Option<&str>, out: &mut String) {
+    out.push_str(role);
+    if let Some(name) = name {
         out.push(UNIT_SEPARATOR);
         out.push_str(name);
     }
     out.push('\n');
+}
+
+/// Separates two parts of one message.
+pub(crate) fn next_part(out: &mut String) {
+    out.push(UNIT_SEPARATOR);
+}
+
+/// Ends one message.
+pub(crate) fn end_message(out: &mut String) {
+    out.push(RECORD_SEPARATOR);
+}
+
+/// The tool definitions, rendered before the first message (as chat templates do).
+pub(crate) fn push_tools(tools: &RawValue, out: &mut String) {
+    out.push_str("tools\n");
+    out.push_str(tools.get());
+    out.push(RECORD_SEPARATOR);
+}
+
+fn render_message(m: &ChatMessage, out: &mut String) {
+    begin_message(&m.role, m.name.as_deref(), out);
     match &m.content {
         Some(Content::Text(t)) => out.push_str(t),
         Some(Content::Parts(parts)) => {
@@ -187,7 +224,7 @@ fn render_message(m: &ChatMessage, out: &mut String) {
                 } else {
                     out.push_str(&p.kind);
                     for value in [&p.image_url, &p.input_audio].into_iter().flatten() {
-                        out.push_str(&value.to_string());
+                        out.push_str(value.get());
                     }
                 }
             }

@@ -18,6 +18,11 @@ use prometheus::{
 pub struct Metrics {
     /// The registry `/metrics` renders.
     pub registry: Registry,
+    /// Predicted against engine-reported cached tokens, per answered request.
+    pub receipts: ReceiptMetrics,
+    /// `kvmesh_response_lookups_total{outcome}`: stored responses looked for on the replicas
+    /// (`found`, `missing`).
+    pub response_lookups: IntCounterVec,
     /// `kvmesh_requests_total{replica,policy,outcome}`.
     pub requests: IntCounterVec,
     /// `kvmesh_hit_blocks`: blocks the chosen replica was believed to hold, per routed request.
@@ -307,6 +312,15 @@ impl Metrics {
         registry.register(Box::new(scrape_errors.clone()))?;
         registry.register(Box::new(scrape_skipped_lines.clone()))?;
         let decisions = DecisionMetrics::new(&registry)?;
+        let receipts = ReceiptMetrics::new(&registry)?;
+        let response_lookups = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_response_lookups_total",
+                "Stored responses looked for on the replicas, by outcome (found, missing)",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(response_lookups.clone()))?;
         // Fixed label sets exist at 0 from the start (dashboards and alerts see them at once).
         for blame in ["replica", "request"] {
             upstream_failures.with_label_values(&[blame]).reset();
@@ -319,6 +333,8 @@ impl Metrics {
         }
         Ok(Metrics {
             registry,
+            receipts,
+            response_lookups,
             requests,
             hit_blocks,
             decision_seconds,
@@ -613,5 +629,75 @@ impl MeshMetrics {
         self.sync_served.inc_by(d(|s| s.sync_served));
         self.directory_served.inc_by(d(|s| s.directory_served));
         self.sync_bytes_sent.inc_by(d(|s| s.sync_bytes_sent));
+    }
+}
+
+/// Receipts (`proxy/receipts.rs`): per answered request, the prompt tokens the node predicted
+/// cached at the replica it chose against what the engine reported. Routing precision is
+/// `matched / predicted` (how much of what the node believed cached was), recall `matched /
+/// reported` (how much of what was cached the node knew of), per API and decision branch.
+#[derive(Clone)]
+pub struct ReceiptMetrics {
+    /// `kvmesh_receipts_total{api,branch,outcome}`: answers ended whole, by whether the engine
+    /// reported cached tokens (`reported`) or not (`no_usage`).
+    pub receipts: IntCounterVec,
+    /// `kvmesh_receipt_predicted_tokens_total{api,branch}`: predicted cached, reported answers.
+    pub predicted: IntCounterVec,
+    /// `kvmesh_receipt_reported_tokens_total{api,branch}`: reported cached.
+    pub reported: IntCounterVec,
+    /// `kvmesh_receipt_matched_tokens_total{api,branch}`: min(predicted, reported) per answer.
+    pub matched: IntCounterVec,
+    /// `kvmesh_receipt_error_tokens`: reported − predicted cached tokens per answer.
+    pub error_tokens: Histogram,
+}
+
+impl ReceiptMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let tokens =
+            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["api", "branch"]);
+        let receipts = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_receipts_total",
+                "Answers ended whole, by API, decision branch and whether the engine reported cached tokens",
+            ),
+            &["api", "branch", "outcome"],
+        )?;
+        let predicted = tokens(
+            "kvmesh_receipt_predicted_tokens_total",
+            "Prompt tokens the node predicted cached at the chosen replica (answers with a report)",
+        )?;
+        let reported = tokens(
+            "kvmesh_receipt_reported_tokens_total",
+            "Prompt tokens the engine reported served from cache",
+        )?;
+        let matched = tokens(
+            "kvmesh_receipt_matched_tokens_total",
+            "min(predicted, reported) cached tokens per answer: precision = matched / predicted",
+        )?;
+        let mut buckets: Vec<f64> = [65536.0, 16384.0, 4096.0, 1024.0, 256.0, 64.0, 16.0]
+            .iter()
+            .map(|b: &f64| -b)
+            .collect();
+        buckets.push(0.0);
+        buckets.extend([16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0]);
+        let error_tokens = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_receipt_error_tokens",
+                "Reported minus predicted cached tokens per answer (negative: the node believed more was cached)",
+            )
+            .buckets(buckets),
+        )?;
+        registry.register(Box::new(receipts.clone()))?;
+        registry.register(Box::new(predicted.clone()))?;
+        registry.register(Box::new(reported.clone()))?;
+        registry.register(Box::new(matched.clone()))?;
+        registry.register(Box::new(error_tokens.clone()))?;
+        Ok(ReceiptMetrics {
+            receipts,
+            predicted,
+            reported,
+            matched,
+            error_tokens,
+        })
     }
 }

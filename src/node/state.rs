@@ -34,6 +34,11 @@ use crate::replicas::kv_events::{KvEventsSource, KvMetrics};
 use crate::replicas::prom::EngineLoad;
 use crate::tokenize::TokenMode;
 
+/// Located stored responses a node remembers (`Node::response_homes`).
+pub const RESPONSE_HOMES: std::num::NonZeroUsize = match std::num::NonZeroUsize::new(65_536) {
+    Some(n) => n,
+    None => unreachable!(),
+};
 /// Driver-side state of one replica, indexed like the view.
 #[derive(Debug)]
 pub struct ReplicaRuntime {
@@ -242,10 +247,17 @@ pub struct Node {
     pub secrets: Secrets,
     /// Request bodies held at once, in KiB permits (`server.max_buffered_body_bytes`).
     pub body_budget: tokio::sync::Semaphore,
+    /// The first `server.body_fair_share_bytes` of every body, in KiB permits: a quarter of
+    /// `max_buffered_body_bytes` more, kept apart so that bodies stalled after filling the main
+    /// budget never make a small request wait (`proxy/body.rs`).
+    pub body_budget_first: tokio::sync::Semaphore,
     /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
     pub peer_client: std::sync::OnceLock<reqwest::Client>,
     /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one.
     pub(super) kv_watched: Mutex<HashSet<usize>>,
+    /// Stored responses (OpenAI Responses API) this node has located: response id → the id of
+    /// the replica that stores it, at most [`RESPONSE_HOMES`] (`proxy/stored_responses.rs`).
+    pub response_homes: Mutex<lru::LruCache<String, String>>,
     /// The `[[replicas]]` of the configuration last loaded (`reload.rs` diffs against it).
     pub(super) configured: Mutex<Vec<crate::replicas::entry::ReplicaConfig>>,
     /// Operator commands applied and to publish (`admin.rs`).
@@ -374,8 +386,10 @@ impl Node {
             mesh: NodeMesh::default(),
             secrets,
             body_budget: tokio::sync::Semaphore::new(body_kib),
+            body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashSet::new()),
+            response_homes: Mutex::new(lru::LruCache::new(RESPONSE_HOMES)),
             configured: Mutex::new(cfg.replicas.clone()),
             admin: Mutex::new(super::admin_book::AdminBook::default()),
             stop_signal: std::sync::OnceLock::new(),

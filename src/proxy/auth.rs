@@ -32,3 +32,16 @@ pub(super) fn authorized(headers: &HeaderMap, expected: Option<&str>) -> Result<
         Some(_) => Err(ApiError::unauthorized()),
     }
 }
+
+/// The client's API key: a bearer token (OpenAI's clients) or `x-api-key` (Anthropic's).
+pub(super) fn api_key(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers).or_else(|| {
+        headers
+            .get(API_KEY_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+    })
+}
+
+/// The header Anthropic's clients send their key in.
+pub(super) const API_KEY_HEADER: &str = "x-api-key";

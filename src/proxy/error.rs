@@ -99,6 +99,16 @@ impl ApiError {
         }
     }
 
+    /// 404 with `code`: something the request names does not exist.
+    pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            code,
+            message.into(),
+        )
+    }
+
     /// 503 with `Retry-After`: the node cannot serve now.
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError {
@@ -188,6 +198,16 @@ impl ApiError {
         )
     }
 
+    /// 408: the body arrived slower than `server.min_body_bytes_per_s` on average.
+    pub fn body_too_slow(min_rate: u64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the request body arrived slower than {min_rate} bytes/s"),
+        )
+    }
+
     /// 500: the node itself failed.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(
@@ -199,16 +219,64 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::to_vec(&Envelope {
-            error: Body {
-                message: &self.message,
-                kind: self.kind,
-                param: self.param,
-                code: self.code,
-            },
-        })
+/// Anthropic's error envelope: `{"type":"error","error":{"type","message"}}`.
+#[derive(Serialize)]
+struct AnthropicEnvelope<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    error: AnthropicBody<'a>,
+}
+
+#[derive(Serialize)]
+struct AnthropicBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    message: &'a str,
+}
+
+/// The shape an API's clients read errors in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error":{"message","type","param","code"}}`: OpenAI's APIs, pooling, the node's own.
+    OpenAi,
+    /// `{"type":"error","error":{"type","message"}}`: Anthropic's Messages API.
+    Anthropic,
+}
+
+impl ApiError {
+    /// Anthropic's error type for this status (its documented list).
+    fn anthropic_kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            s if s >= 500 => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The error as a response in `shape`.
+    pub fn into_response_shaped(self, shape: ErrorShape) -> Response {
+        let body = match shape {
+            ErrorShape::OpenAi => serde_json::to_vec(&Envelope {
+                error: Body {
+                    message: &self.message,
+                    kind: self.kind,
+                    param: self.param,
+                    code: self.code,
+                },
+            }),
+            ErrorShape::Anthropic => serde_json::to_vec(&AnthropicEnvelope {
+                kind: "error",
+                error: AnthropicBody {
+                    kind: self.anthropic_kind(),
+                    message: &self.message,
+                },
+            }),
+        }
         .unwrap_or_else(|_| b"{\"error\":{\"message\":\"error\"}}".to_vec());
         let mut resp = (self.status, body).into_response();
         let h = resp.headers_mut();
@@ -220,6 +288,12 @@ impl IntoResponse for ApiError {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.into_response_shaped(ErrorShape::OpenAi)
     }
 }
 

@@ -9,18 +9,25 @@ pub mod admin;
 pub mod admin_cli;
 mod auth;
 mod blame;
+mod body;
+mod decide;
+mod deliver;
 pub mod error;
 pub mod forward;
+mod identify;
 pub mod listener;
 pub mod otel;
 pub mod pd;
 mod pd_leg;
 mod pd_sglang;
 mod pd_vllm;
+mod receipts;
 pub mod region_forward;
 mod respond;
+pub mod stored_responses;
 mod tls;
 mod trace_span;
+mod understand;
 pub mod warm_peers;
 
 use std::net::SocketAddr;
@@ -54,6 +61,15 @@ pub fn app(node: Arc<Node>) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(forward::completions))
         .route("/v1/chat/completions", post(forward::chat_completions))
+        .route("/v1/messages", post(forward::messages))
+        .route("/v1/messages/count_tokens", post(forward::count_tokens))
+        .route("/v1/responses", post(forward::responses))
+        .route("/v1/responses/{id}", get(stored_responses::get))
+        .route("/v1/responses/{id}/cancel", post(stored_responses::cancel))
+        .route("/v1/embeddings", post(forward::embeddings))
+        .route("/v1/rerank", post(forward::rerank_v1))
+        .route("/rerank", post(forward::rerank))
+        .route("/v1/score", post(forward::score))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/ready", get(ready))
@@ -207,43 +223,13 @@ pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// Starts a node: state, one health round, the listener, the watcher tasks.
+/// Starts a node: state, one health round, the listeners, the mesh, the watcher tasks.
 pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     install_crypto_provider();
     let listen = cfg.listen;
     let node = Node::new(cfg)?;
-    if node.cfg.tracing.enabled() {
-        // The process's export counters, on this node's `/metrics`.
-        let stats = otel::stats()?;
-        for c in [&stats.exported, &stats.dropped, &stats.failed] {
-            node.metrics.registry.register(Box::new(c.clone()))?;
-        }
-        match node.cfg.tracing.traces_url() {
-            Some(url) if otel::installed() => {
-                tracing::info!(%url, sample_ratio = node.cfg.tracing.sample_ratio, "exporting traces");
-            }
-            _ => tracing::warn!("[tracing] is on but no trace export pipeline is installed"),
-        }
-    }
-    // Resolve DNS sources once, so the node starts with their replicas.
-    let mut dns = Vec::with_capacity(node.cfg.dns.len());
-    for d in &node.cfg.dns {
-        let mut source = DnsSource::new(d.clone())?;
-        let (_, next) = source.sync(node.as_ref()).await;
-        dns.push((source, next));
-    }
-    // List Kubernetes sources once too (a failed list starts empty and retries in the watch
-    // loop); their metrics are registered once per node, for all of them.
-    let mut kubernetes = Vec::with_capacity(node.cfg.kubernetes.len());
-    if !node.cfg.kubernetes.is_empty() {
-        let metrics = K8sMetrics::new(&node.metrics.registry)?;
-        for (n, k) in node.cfg.kubernetes.iter().enumerate() {
-            let mut source = K8sSource::new(k.clone(), metrics.clone())
-                .with_context(|| format!("kubernetes[{n}]"))?;
-            source.initial_sync(node.as_ref()).await;
-            kubernetes.push(source);
-        }
-    }
+    register_tracing(&node)?;
+    let (dns, kubernetes) = initial_sources(&node).await?;
     // Start knowing which replicas are up and what they serve, bounded by the check timeout.
     check_all(&node, 0..node.replica_count()).await;
     let tcp = tokio::net::TcpListener::bind(listen)
@@ -270,7 +256,6 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     };
     let (stop, stop_rx) = watch::channel(false);
     let _ = node.stop_signal.set(stop_rx.clone());
-    // The peer listener: forwarded requests arrive here, inside the cluster's mutual TLS.
     // One certificate for every mesh connection (QUIC both ways, peer HTTPS both ways), so one
     // reload rotates them all.
     let mesh_cert = node
@@ -279,52 +264,9 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         .as_ref()
         .map(tls::MeshCert::load)
         .transpose()?;
-    let (peer_server, peer_url) = match (&node.cfg.mesh, &mesh_cert) {
-        (Some(section), Some(cert)) => {
-            let (server_tls, client_tls) =
-                crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
-                    .context("mesh certificates for the peer listener")?;
-            // Every peer listener speaks HTTP/2, so forwards to a peer share one connection:
-            // with ALPN alone the pool cannot know that before the first handshake, and a
-            // burst of forwards to another region opened one TLS connection (one more round
-            // trip across regions) per request in flight.
-            let peer_client = reqwest::Client::builder()
-                .use_preconfigured_tls(client_tls)
-                .http2_prior_knowledge()
-                // Only to servers that prove a cluster certificate: a peer's record naming a
-                // plain `http://` URL (config refuses one; a rogue peer might not) gets nothing.
-                .https_only(true)
-                // A connection to a peer that died without a word is found out and dropped
-                // from the pool between forwards, not by the next forward's timeout.
-                .http2_keep_alive_interval(PEER_KEEP_ALIVE)
-                .http2_keep_alive_timeout(PEER_KEEP_ALIVE)
-                .http2_keep_alive_while_idle(true)
-                .connect_timeout(node.cfg.connect_timeout())
-                .tcp_nodelay(true)
-                .build()
-                .context("peer HTTPS client")?;
-            let _ = node.peer_client.set(peer_client);
-            let bind = section
-                .peer_listen
-                .unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
-            let tcp = tokio::net::TcpListener::bind(bind)
-                .await
-                .with_context(|| format!("cannot listen on {bind} (mesh.peer_listen)"))?;
-            let peer = Listener::serve(
-                tcp,
-                app(Arc::clone(&node)),
-                ListenerConfig {
-                    tls: Some(Arc::new(server_tls)),
-                    peer: true,
-                    idle_timeout: listener::PEER_IDLE,
-                    ..listener_cfg.clone()
-                },
-                stop_rx.clone(),
-            )?;
-            let url = format!("https://{}", peer.addr);
-            (Some(peer), url)
-        }
-        _ => (None, String::new()),
+    let (peer_server, peer_url) = match &mesh_cert {
+        Some(cert) => peer_front(&node, cert, listen, &listener_cfg, &stop_rx).await?,
+        None => (None, String::new()),
     };
     let server = Listener::serve(tcp, app(Arc::clone(&node)), listener_cfg, stop_rx.clone())?;
     let addr = server.addr;
@@ -367,6 +309,105 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         mesh,
         certs,
     })
+}
+
+/// With `[tracing]`: the process's export counters on this node's `/metrics`.
+fn register_tracing(node: &Node) -> anyhow::Result<()> {
+    if !node.cfg.tracing.enabled() {
+        return Ok(());
+    }
+    let stats = otel::stats()?;
+    for c in [&stats.exported, &stats.dropped, &stats.failed] {
+        node.metrics.registry.register(Box::new(c.clone()))?;
+    }
+    match node.cfg.tracing.traces_url() {
+        Some(url) if otel::installed() => {
+            tracing::info!(%url, sample_ratio = node.cfg.tracing.sample_ratio, "exporting traces");
+        }
+        _ => tracing::warn!("[tracing] is on but no trace export pipeline is installed"),
+    }
+    Ok(())
+}
+
+/// DNS sources resolved and Kubernetes sources listed once, so the node starts with their
+/// replicas (a failed list starts empty and retries in the watch loop).
+async fn initial_sources(
+    node: &Arc<Node>,
+) -> anyhow::Result<(Vec<(DnsSource, Duration)>, Vec<K8sSource>)> {
+    let mut dns = Vec::with_capacity(node.cfg.dns.len());
+    for d in &node.cfg.dns {
+        let mut source = DnsSource::new(d.clone())?;
+        let (_, next) = source.sync(node.as_ref()).await;
+        dns.push((source, next));
+    }
+    // Their metrics are registered once per node, for all of them.
+    let mut kubernetes = Vec::with_capacity(node.cfg.kubernetes.len());
+    if !node.cfg.kubernetes.is_empty() {
+        let metrics = K8sMetrics::new(&node.metrics.registry)?;
+        for (n, k) in node.cfg.kubernetes.iter().enumerate() {
+            let mut source = K8sSource::new(k.clone(), metrics.clone())
+                .with_context(|| format!("kubernetes[{n}]"))?;
+            source.initial_sync(node.as_ref()).await;
+            kubernetes.push(source);
+        }
+    }
+    Ok((dns, kubernetes))
+}
+
+/// The peer listener, where forwarded requests arrive inside the cluster's mutual TLS, and the
+/// peer client the node forwards with; returns the listener and its URL.
+async fn peer_front(
+    node: &Arc<Node>,
+    cert: &tls::MeshCert,
+    listen: SocketAddr,
+    listener_cfg: &ListenerConfig,
+    stop_rx: &watch::Receiver<bool>,
+) -> anyhow::Result<(Option<Listener>, String)> {
+    let Some(section) = &node.cfg.mesh else {
+        return Ok((None, String::new()));
+    };
+    let (server_tls, client_tls) =
+        crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
+            .context("mesh certificates for the peer listener")?;
+    // Every peer listener speaks HTTP/2, so forwards to a peer share one connection: with ALPN
+    // alone the pool cannot know that before the first handshake, and a burst of forwards to
+    // another region opened one TLS connection (one more round trip across regions) per
+    // request in flight.
+    let peer_client = reqwest::Client::builder()
+        .use_preconfigured_tls(client_tls)
+        .http2_prior_knowledge()
+        // Only to servers that prove a cluster certificate: a peer's record naming a plain
+        // `http://` URL (config refuses one; a rogue peer might not) gets nothing.
+        .https_only(true)
+        // A connection to a peer that died without a word is found out and dropped from the
+        // pool between forwards, not by the next forward's timeout.
+        .http2_keep_alive_interval(PEER_KEEP_ALIVE)
+        .http2_keep_alive_timeout(PEER_KEEP_ALIVE)
+        .http2_keep_alive_while_idle(true)
+        .connect_timeout(node.cfg.connect_timeout())
+        .tcp_nodelay(true)
+        .build()
+        .context("peer HTTPS client")?;
+    let _ = node.peer_client.set(peer_client);
+    let bind = section
+        .peer_listen
+        .unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
+    let tcp = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("cannot listen on {bind} (mesh.peer_listen)"))?;
+    let peer = Listener::serve(
+        tcp,
+        app(Arc::clone(node)),
+        ListenerConfig {
+            tls: Some(Arc::new(server_tls)),
+            peer: true,
+            idle_timeout: listener::PEER_IDLE,
+            ..listener_cfg.clone()
+        },
+        stop_rx.clone(),
+    )?;
+    let url = format!("https://{}", peer.addr);
+    Ok((Some(peer), url))
 }
 
 /// `kvmesh serve`: runs a node until SIGINT/SIGTERM, then drains; SIGHUP reloads the

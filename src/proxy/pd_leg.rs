@@ -13,8 +13,9 @@ use serde_json::{Map, Value};
 
 use super::blame::Failure;
 use super::error::{is_failure, upstream_cause};
-use super::respond::respond;
+use super::respond::{respond, Relay};
 use super::trace_span::RequestTrace;
+use crate::core::dialect::Api;
 use crate::core::keys::BlockKey;
 use crate::node::{Endpoint, Node, Ticket};
 
@@ -169,7 +170,13 @@ pub(super) fn answer(
         .with_label_values(&[&ticket.endpoint().id, node.policy().as_str(), outcome])
         .inc();
     let span = ctx.trace.map(|t| t.span().clone());
-    respond(node, resp, ticket, hit_blocks, std::mem::take(keys), span)
+    let api = if ctx.path == "/v1/completions" {
+        Api::Completions
+    } else {
+        Api::Chat
+    };
+    let relay = Relay::new(api, hit_blocks, span);
+    respond(node, resp, ticket, std::mem::take(keys), relay)
 }
 
 /// `body` with `edits` applied (a key set to `Some` value, or removed with `None`).

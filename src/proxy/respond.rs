@@ -14,8 +14,38 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tracing::Span;
 
+use super::receipts::Receipt;
+use crate::core::dialect::Api;
 use crate::core::keys::BlockKey;
+use crate::core::router::Branch;
 use crate::node::{Node, Ticket};
+
+/// How an answer is relayed: what its receipt records, and the span it keeps open.
+pub(crate) struct Relay {
+    api: Api,
+    hit_blocks: u32,
+    branch: Option<Branch>,
+    span: Option<Span>,
+}
+
+impl Relay {
+    /// The relay of an `api` answer whose replica was believed to hold `hit_blocks`; `span`,
+    /// the request's span when the node traces, stays open until the body ends.
+    pub fn new(api: Api, hit_blocks: u32, span: Option<Span>) -> Self {
+        Relay {
+            api,
+            hit_blocks,
+            branch: None,
+            span,
+        }
+    }
+
+    /// The decision's branch, for the receipt's labels (none: a P/D pair).
+    pub fn branch(mut self, branch: Branch) -> Self {
+        self.branch = Some(branch);
+        self
+    }
+}
 
 /// Response header naming the replica the node sent the request to (distinct from the
 /// simulated replica's own `x-kvmesh-replica`, which a real engine does not send); only with
@@ -62,16 +92,19 @@ pub(super) fn decision_header(d: &crate::core::router::Routed, dp_rank: Option<u
 /// the body ends (or the client goes away). The body's first chunk signals the ticket's first
 /// byte with the request's block `keys`, which count as cached there only if the replica
 /// accepted the request (a success status); a body that fails before its first chunk records
-/// nothing. `span`, the request's span when the node traces, stays open until the body ends.
+/// nothing. A successful answer's receipt is read as it passes and recorded when it ends.
 pub(super) fn respond(
     node: &Arc<Node>,
     resp: reqwest::Response,
     ticket: Ticket,
-    hit_blocks: u32,
     mut keys: Vec<BlockKey>,
-    span: Option<Span>,
+    relay: Relay,
 ) -> Response {
     let status = resp.status();
+    let hit_blocks = relay.hit_blocks;
+    let receipt = status
+        .is_success()
+        .then(|| Receipt::new(relay.api, relay.branch, ticket.hit_tokens()));
     if !status.is_success() {
         keys = Vec::new();
     }
@@ -99,7 +132,8 @@ pub(super) fn respond(
         idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
         node: Arc::clone(node),
         done: false,
-        _span: span,
+        receipt,
+        _span: relay.span,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -109,6 +143,9 @@ pub(super) fn respond(
             Ok(Some(Ok(chunk))) => {
                 // Only the first call counts; the keys are freed with it.
                 st.ticket.first_byte(&std::mem::take(&mut st.keys));
+                if let Some(r) = &mut st.receipt {
+                    r.feed(&chunk);
+                }
                 Some((Ok(chunk), st))
             }
             Ok(Some(Err(e))) => {
@@ -116,7 +153,12 @@ pub(super) fn respond(
                 st.aborted(&e.to_string());
                 Some((Err(std::io::Error::other(e)), st))
             }
-            Ok(None) => None,
+            Ok(None) => {
+                if let Some(r) = &st.receipt {
+                    r.finish(&st.node);
+                }
+                None
+            }
             Err(_) => {
                 st.done = true;
                 let msg = format!("no data from the replica for {:?}", st.idle);
@@ -145,6 +187,8 @@ struct BodyState {
     idle: Duration,
     node: Arc<Node>,
     done: bool,
+    /// What the engine reports cached, read as the answer passes (successful answers).
+    receipt: Option<Receipt>,
     /// The request's span when the node traces: it ends when the body does.
     _span: Option<Span>,
 }

@@ -257,13 +257,6 @@ fn template_messages(messages: &[Json]) -> Result<Vec<Json>, TokenizeError> {
         .collect()
 }
 
-fn token_ids(v: &Json) -> Option<Vec<u32>> {
-    v.as_array()?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect()
-}
-
 impl TokenMode {
     /// Loads the tokenizer and, if configured, the chat template.
     pub fn load(cfg: &TokenizerConfig) -> Result<Self, TokenizeError> {
@@ -324,26 +317,38 @@ impl TokenMode {
     /// (the template has them); a completion prompt through the tokenizer with them; token-id
     /// prompts as they are.
     pub fn request_tokens(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
-        let body: Json = serde_json::from_slice(body)
-            .map_err(|_| TokenizeError::Unsupported("body is not JSON"))?;
-        if let Some(Json::Array(messages)) = body.get("messages") {
-            let template = self
-                .template
-                .as_ref()
-                .ok_or(TokenizeError::Unsupported("no chat template configured"))?;
-            let text = template.render(&body, template_messages(messages)?)?;
-            return self.encode(&text, false);
+        // The shape first, typed and bounded: a token-id prompt goes straight into a capped
+        // `Vec<u32>` (a `Json` tree would take ~32 bytes per id). Only a chat is read as a tree,
+        // for the template.
+        #[derive(serde::Deserialize)]
+        struct Shape {
+            #[serde(default)]
+            messages: Option<Box<serde_json::value::RawValue>>,
+            #[serde(default)]
+            prompt: Option<crate::core::prompt::Prompt>,
         }
-        match body.get("prompt") {
-            Some(Json::String(p)) => self.encode(p, true),
-            Some(Json::Array(items)) if items.len() == 1 => match &items[0] {
-                Json::String(p) => self.encode(p, true),
-                one => token_ids(one).ok_or(TokenizeError::Unsupported("prompt")),
-            },
-            Some(v @ Json::Array(_)) => {
-                token_ids(v).ok_or(TokenizeError::Unsupported("several prompts"))
+        let shape: Shape = serde_json::from_slice(body)
+            .map_err(|_| TokenizeError::Unsupported("body is not JSON"))?;
+        if shape.messages.is_some() {
+            let body: Json = serde_json::from_slice(body)
+                .map_err(|_| TokenizeError::Unsupported("body is not JSON"))?;
+            if let Some(Json::Array(messages)) = body.get("messages") {
+                let template = self
+                    .template
+                    .as_ref()
+                    .ok_or(TokenizeError::Unsupported("no chat template configured"))?;
+                let text = template.render(&body, template_messages(messages)?)?;
+                return self.encode(&text, false);
             }
-            _ => Err(TokenizeError::Unsupported("no prompt or messages")),
+        }
+        use crate::core::prompt::Prompt;
+        match shape.prompt {
+            Some(Prompt::Text(p)) => self.encode(&p, true),
+            Some(Prompt::Texts(p)) if p.len() == 1 => self.encode(&p[0], true),
+            Some(Prompt::Tokens(ids)) => Ok(ids),
+            Some(Prompt::TokenLists(mut lists)) if lists.len() == 1 => Ok(lists.swap_remove(0)),
+            Some(_) => Err(TokenizeError::Unsupported("several prompts")),
+            None => Err(TokenizeError::Unsupported("no prompt or messages")),
         }
     }
 

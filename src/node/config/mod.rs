@@ -81,6 +81,10 @@ pub struct NodeConfig {
     /// Header carrying the session id for affinity (the body's `user` is the fallback). Default
     /// `x-session-id`.
     pub session_header: String,
+    /// More headers naming a session, read in order after `session_header` (and before the
+    /// body's user id): what agents send. At most 16. Default `x-claude-code-session-id`,
+    /// `session-id`, `session_id`, `x-session-affinity`.
+    pub session_headers: Vec<String>,
     /// Header carrying an affinity key, e.g. the ids of a RAG request's documents: when no
     /// replica's cache holds more of the prompt than another's, requests with the same key go to
     /// the same replica (`RouteRequest::affinity_key`). Ignored when a session is named. Default
@@ -163,6 +167,14 @@ impl Default for NodeConfig {
             server: ServerConfig::default(),
             auth: AuthConfig::default(),
             session_header: "x-session-id".into(),
+            session_headers: [
+                "x-claude-code-session-id",
+                "session-id",
+                "session_id",
+                "x-session-affinity",
+            ]
+            .map(String::from)
+            .to_vec(),
             affinity_header: "x-affinity-key".into(),
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
@@ -318,11 +330,17 @@ impl NodeConfig {
                 "must not be empty (omit it instead)",
             ));
         }
+        if self.session_headers.len() > 16 {
+            return Err(invalid("session_headers", "at most 16 headers"));
+        }
         for (key, v) in [
             ("session_header", &self.session_header),
             ("affinity_header", &self.affinity_header),
             ("tenant_header", &self.tenant_header),
-        ] {
+        ]
+        .into_iter()
+        .chain(self.session_headers.iter().map(|h| ("session_headers", h)))
+        {
             if axum::http::HeaderName::from_bytes(v.as_bytes()).is_err() {
                 return Err(invalid(key, format!("'{v}' is not a valid header name")));
             }

@@ -39,9 +39,18 @@ pub struct ServerConfig {
     /// (after its request in flight, if any) to admit a new one. Also bounded by the process's
     /// open-files limit, raised to its hard maximum at start. Default 8,192.
     pub max_connections: usize,
-    /// Bytes of request bodies held at once, across requests; a body that would exceed it waits
-    /// up to `body_read_timeout_ms`, then gets 503. Default 512 MiB.
+    /// Bytes of request bodies held at once, across requests, reserved as they arrive (never as
+    /// declared); a body that would exceed it waits up to `body_read_timeout_ms`, then gets 503.
+    /// The first `body_fair_share_bytes` of each body come from a separate quarter of this on
+    /// top, so small requests never queue behind big ones. Default 512 MiB.
     pub max_buffered_body_bytes: u64,
+    /// The part of each body taken from the fair-share quarter (see `max_buffered_body_bytes`).
+    /// Default 1 MiB.
+    pub body_fair_share_bytes: u64,
+    /// After the first 2 s of a body, it must have arrived at this average rate at least (bytes
+    /// per second), else 408: a client cannot hold budget by trickling. 0 turns it off.
+    /// Default 32,768.
+    pub min_body_bytes_per_s: u64,
     /// Concurrent streams per HTTP/2 connection (h2c prior knowledge and HTTPS ALPN `h2`).
     /// Default 256.
     pub http2_max_streams: u32,
@@ -63,6 +72,8 @@ impl Default for ServerConfig {
             body_read_timeout_ms: 60_000,
             max_connections: 8_192,
             max_buffered_body_bytes: 512 << 20,
+            body_fair_share_bytes: 1 << 20,
+            min_body_bytes_per_s: 32 << 10,
             http2_max_streams: 256,
             tls_cert: None,
             tls_key: None,
@@ -87,6 +98,15 @@ impl ServerConfig {
         }
         if self.max_buffered_body_bytes < 1 << 20 {
             return Err(invalid("server.max_buffered_body_bytes", "at least 1 MiB"));
+        }
+        if !(1024..=self.max_buffered_body_bytes / 4).contains(&self.body_fair_share_bytes) {
+            return Err(invalid(
+                "server.body_fair_share_bytes",
+                "must be 1 KiB..=max_buffered_body_bytes / 4",
+            ));
+        }
+        if self.min_body_bytes_per_s > 1 << 30 {
+            return Err(invalid("server.min_body_bytes_per_s", "at most 1 GiB/s"));
         }
         if !(1..=10_000).contains(&self.http2_max_streams) {
             return Err(invalid("server.http2_max_streams", "must be 1..=10000"));

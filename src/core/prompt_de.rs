@@ -1,0 +1,297 @@
+//! Bounded, non-buffering deserializers for the prompt shapes a client controls.
+//!
+//! Exists because the obvious `#[serde(untagged)]` enums buffer a whole value before trying each
+//! shape (about 32 bytes per JSON element), so a body's parse could take 16× its size or more:
+//! a 32 MiB `[1,1,…]` prompt took ~0.5 GB. These visitors decide the shape from the first token
+//! they see, write token ids straight into a `Vec<u32>`, and refuse more than
+//! [`MAX_PROMPT_TOKENS`] ids, [`MAX_MESSAGES`] messages or [`MAX_PARTS`] parts, so a parse takes
+//! at most a small multiple of the body, and never more than the caps allow, whatever its shape.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::prompt::{
+    ChatMessage, Content, ContentPart, Prompt, MAX_MESSAGES, MAX_PARTS, MAX_PROMPT_TOKENS,
+};
+
+/// Reads a sequence of `T` into a vector of at most `cap` elements; `what` names them in the
+/// error. The vector grows as elements arrive (no trust in a size hint).
+fn capped_seq<'de, A, T>(mut seq: A, cap: usize, what: &str) -> Result<Vec<T>, A::Error>
+where
+    A: SeqAccess<'de>,
+    T: Deserialize<'de>,
+{
+    let mut out = Vec::new();
+    while let Some(item) = seq.next_element::<T>()? {
+        if out.len() == cap {
+            return Err(de::Error::custom(format!("more than {cap} {what}")));
+        }
+        out.push(item);
+    }
+    Ok(out)
+}
+
+/// Token ids after the first, into `ids`, keeping the running total `total` under the cap.
+fn more_ids<'de, A: SeqAccess<'de>>(
+    seq: &mut A,
+    ids: &mut Vec<u32>,
+    total: &mut usize,
+) -> Result<(), A::Error> {
+    while let Some(id) = seq.next_element::<u32>()? {
+        *total += 1;
+        if *total > MAX_PROMPT_TOKENS {
+            return Err(de::Error::custom(format!(
+                "the prompt has more than {MAX_PROMPT_TOKENS} token ids"
+            )));
+        }
+        ids.push(id);
+    }
+    Ok(())
+}
+
+/// The first element of a prompt array, which fixes the array's shape.
+enum First {
+    Text(String),
+    Id(u32),
+    Ids(Vec<u32>),
+}
+
+/// A nested token-id list, counted against the prompt's total.
+struct IdList<'t>(&'t mut usize);
+
+impl<'de> de::DeserializeSeed<'de> for IdList<'_> {
+    type Value = Vec<u32>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for IdList<'_> {
+    type Value = Vec<u32>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of token ids")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
+        let mut ids = Vec::new();
+        more_ids(&mut seq, &mut ids, self.0)?;
+        Ok(ids)
+    }
+}
+
+/// The first element: a string, a token id or a token-id list.
+struct FirstSeed<'t>(&'t mut usize);
+
+impl<'de> de::DeserializeSeed<'de> for FirstSeed<'_> {
+    type Value = First;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<First, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for FirstSeed<'_> {
+    type Value = First;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id or a list of token ids")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<First, E> {
+        Ok(First::Text(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<First, E> {
+        Ok(First::Text(v))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<First, E> {
+        *self.0 += 1;
+        u32::try_from(v)
+            .map(First::Id)
+            .map_err(|_| E::custom("a token id must fit in 32 bits"))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<First, A::Error> {
+        IdList(self.0).visit_seq(seq).map(First::Ids)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a list of strings, a list of token ids or a list of such lists")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        let mut total = 0usize;
+        let Some(first) = seq.next_element_seed(FirstSeed(&mut total))? else {
+            return Ok(Prompt::Tokens(Vec::new()));
+        };
+        match first {
+            First::Text(t) => {
+                let mut texts = vec![t];
+                while let Some(t) = seq.next_element::<String>()? {
+                    if texts.len() == MAX_MESSAGES {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_MESSAGES} prompts"
+                        )));
+                    }
+                    texts.push(t);
+                }
+                Ok(Prompt::Texts(texts))
+            }
+            First::Id(id) => {
+                let mut ids = vec![id];
+                more_ids(&mut seq, &mut ids, &mut total)?;
+                Ok(Prompt::Tokens(ids))
+            }
+            First::Ids(ids) => {
+                let mut lists = vec![ids];
+                while let Some(ids) = seq.next_element_seed(IdList(&mut total))? {
+                    if lists.len() == MAX_MESSAGES {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_MESSAGES} prompts"
+                        )));
+                    }
+                    lists.push(ids);
+                }
+                Ok(Prompt::TokenLists(lists))
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor)
+    }
+}
+
+struct ContentVisitor;
+
+impl<'de> Visitor<'de> for ContentVisitor {
+    type Value = Content;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string or a list of content parts")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Content, E> {
+        Ok(Content::Text(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Content, E> {
+        Ok(Content::Text(v))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Content, A::Error> {
+        capped_seq::<A, ContentPart>(seq, MAX_PARTS, "content parts").map(Content::Parts)
+    }
+}
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+/// `messages`: a list of at most [`MAX_MESSAGES`] chat messages, or null.
+pub(super) fn messages<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<ChatMessage>>, D::Error> {
+    struct Messages;
+    impl<'de> Visitor<'de> for Messages {
+        type Value = Option<Vec<ChatMessage>>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a list of messages")
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            capped_seq(seq, MAX_MESSAGES, "messages").map(Some)
+        }
+    }
+    d.deserialize_any(Messages)
+}
+
+/// A list of at most `MAX_MESSAGES` raw items (Anthropic blocks, Responses input items), each
+/// kept as its own JSON text: rendered by reading a few fields of each, never as a tree.
+pub(super) fn raw_items<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<Box<serde_json::value::RawValue>>, D::Error> {
+    struct Items;
+    impl<'de> Visitor<'de> for Items {
+        type Value = Vec<Box<serde_json::value::RawValue>>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a list")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            capped_seq(seq, MAX_MESSAGES, "items")
+        }
+    }
+    d.deserialize_seq(Items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::prompt::RoutingFields;
+    use super::*;
+
+    fn prompt(body: &str) -> Result<Option<Prompt>, String> {
+        RoutingFields::parse(body.as_bytes())
+            .map(|f| f.prompt)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn every_prompt_shape_without_buffering() {
+        assert!(matches!(prompt(r#"{"prompt":"a"}"#), Ok(Some(Prompt::Text(t))) if t == "a"));
+        assert!(
+            matches!(prompt(r#"{"prompt":["a","b"]}"#), Ok(Some(Prompt::Texts(t))) if t.len() == 2)
+        );
+        assert!(
+            matches!(prompt(r#"{"prompt":[1,2]}"#), Ok(Some(Prompt::Tokens(t))) if t == [1, 2])
+        );
+        assert!(
+            matches!(prompt(r#"{"prompt":[[1],[2,3]]}"#), Ok(Some(Prompt::TokenLists(t))) if t.len() == 2)
+        );
+        assert!(matches!(prompt(r#"{"prompt":[]}"#), Ok(Some(Prompt::Tokens(t))) if t.is_empty()));
+        assert!(matches!(prompt(r#"{"prompt":null}"#), Ok(None)));
+    }
+
+    #[test]
+    fn mixed_or_wrong_shapes_are_errors_not_guesses() {
+        for bad in [
+            r#"{"prompt":["a",1]}"#,
+            r#"{"prompt":[1,"a"]}"#,
+            r#"{"prompt":[[1],"a"]}"#,
+            r#"{"prompt":[-1]}"#,
+            r#"{"prompt":[4294967296]}"#,
+            r#"{"prompt":{"a":1}}"#,
+            r#"{"prompt":7}"#,
+        ] {
+            assert!(prompt(bad).is_err(), "{bad} parsed");
+        }
+    }
+
+    #[test]
+    fn token_ids_are_capped_across_lists() {
+        let over = MAX_PROMPT_TOKENS / 2 + 1;
+        let list = format!("[{}0]", "0,".repeat(over - 1));
+        let err = prompt(&format!(r#"{{"prompt":[{list},{list}]}}"#)).unwrap_err();
+        assert!(err.contains("token ids"), "{err}");
+        let ok = format!("[{}0]", "0,".repeat(MAX_PROMPT_TOKENS / 2 - 1));
+        assert!(prompt(&format!(r#"{{"prompt":[{ok},{ok}]}}"#)).is_ok());
+    }
+
+    #[test]
+    fn messages_and_parts_are_capped() {
+        let many = vec!["{}"; MAX_MESSAGES + 1].join(",");
+        let body = format!(r#"{{"messages":[{many}]}}"#);
+        assert!(RoutingFields::parse(body.as_bytes()).is_err());
+        let parts = vec![r#"{"type":"text","text":""}"#; MAX_PARTS + 1].join(",");
+        let body = format!(r#"{{"messages":[{{"role":"user","content":[{parts}]}}]}}"#);
+        assert!(RoutingFields::parse(body.as_bytes()).is_err());
+        assert!(RoutingFields::parse(br#"{"messages":null,"prompt":"x"}"#).is_ok());
+    }
+}

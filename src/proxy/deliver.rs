@@ -1,0 +1,530 @@
+//! The deliver stage: attempts at serving a decided request — to a replica, a P/D pair or
+//! another region — with failover while nothing has reached the client.
+//!
+//! Exists to keep the data plane's rules in one place: the body is sent byte for byte; a replica
+//! that fails before answering (connect error, first-byte timeout, 500/502/503/504) is retried
+//! elsewhere within an attempt and time budget (its index joins `RouteRequest::exclude`); once
+//! response headers go to the client the request is committed and never retried; a late stream
+//! may be hedged once. A `Forward` decision (on the first attempt, or a retry with no local
+//! candidate left) goes to another region (`region_forward.rs`). The request's block keys move
+//! into the response body stream (no copy), whose first chunk hands them to
+//! `Ticket::first_byte` (none for a non-2xx answer).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::Response;
+use bytes::Bytes;
+
+use super::blame::{Attempts, Failure};
+use super::decide::{decide, AttemptCtx, Decided};
+use super::error::{is_failure, upstream_cause, ApiError};
+use super::pd;
+use super::pd_leg::PairCtx;
+use super::region_forward;
+use super::respond::{decision_header, respond, Relay, DECISION_HEADER};
+use super::trace_span::{self, RequestTrace};
+use super::understand::Understood;
+use crate::core::keys::BlockKey;
+use crate::core::pd::PdPair;
+use crate::core::router::{Decision, RouteRequest, Routed};
+use crate::node::{Endpoint, Node, Ticket};
+
+/// A body at least this big that every replica tried cut off mid-upload is answered with 413:
+/// over someone's size limit is the likeliest reason.
+const LIKELY_REFUSED_BODY_BYTES: usize = 1 << 20;
+
+/// What a request's attempts share.
+pub(crate) struct Delivery<'a> {
+    pub node: &'a Arc<Node>,
+    pub u: Understood,
+    /// Headers to send upstream (hop-by-hop removed, auth replaced).
+    pub headers: HeaderMap,
+    pub tenant: Option<&'a str>,
+    pub class: Option<crate::core::priority::ClassId>,
+    pub trace: Option<&'a RequestTrace>,
+}
+
+/// Where the attempts stand.
+#[derive(Default)]
+struct Progress {
+    tried: Vec<usize>,
+    attempts: Attempts,
+    last_error: Option<ApiError>,
+    /// The last replica error answer: more useful to the client than ours.
+    last_failed_response: Option<(reqwest::Response, Ticket, u32)>,
+}
+
+/// One attempt at a replica, answered or not.
+enum Answer {
+    /// The replica answered with a status that is not a failure: the client gets it.
+    Served(reqwest::Response, Target, Instant),
+    /// The attempt failed before anything reached the client (booked in `Progress`).
+    Failed,
+}
+
+/// Serves `route_req` (built over `d.u`) with up to `retry.max_attempts` attempts.
+pub(crate) async fn deliver(
+    mut d: Delivery<'_>,
+    route_req: RouteRequest<'_>,
+) -> Result<Response, ApiError> {
+    let node = d.node;
+    let budget = Duration::from_millis(node.cfg.retry.budget_ms);
+    let mut started = Instant::now();
+    let mut p = Progress::default();
+    let mut keys = std::mem::take(&mut d.u.keys);
+    // Under `[pd]` the body is rewritten per leg: parsed once, here.
+    let pd_map = match super::decide::pd_protocol(node).filter(|_| pd_capable(&d.u)) {
+        Some(_) => Some(pd::json_object(&d.u.body).ok_or_else(pd::not_an_object)?),
+        None => None,
+    };
+    for attempt in 0..node.cfg.retry.max_attempts {
+        if attempt > 0 && started.elapsed() >= budget {
+            break;
+        }
+        let attempt_req = RouteRequest {
+            keys: &keys,
+            exclude: &p.tried,
+            ..route_req
+        };
+        let ctx = AttemptCtx {
+            attempt,
+            class: d.class,
+            pd: pd_map.is_some(),
+        };
+        match decide(node, &attempt_req, ctx).await {
+            Decided::Refuse(e) => return Err(e),
+            Decided::NoneLeft => break,
+            Decided::Forward { region, reason } => {
+                match forward(&d, &region, reason).await {
+                    Ok(resp) => return Ok(resp),
+                    Err(region_forward::ForwardError::RegionFailed(e)) => {
+                        // Nothing reached the client: route again without that region (it may
+                        // have gone dark while its record still stands).
+                        node.mark_region_unreachable(&region);
+                        p.last_error = Some(e);
+                    }
+                    Err(region_forward::ForwardError::Unavailable(e)) => return Err(e),
+                }
+            }
+            Decided::Pair {
+                pair,
+                prefill,
+                decode,
+            } => {
+                let map = pd_map.as_ref().ok_or_else(pd::not_an_object)?;
+                let served = serve_pair(&d, map, attempt, pair, prefill, decode, &keys).await;
+                match served {
+                    Ok(resp) => {
+                        std::mem::take(&mut p.attempts).succeeded(node);
+                        return Ok(resp);
+                    }
+                    Err((replica, failure, error)) => {
+                        p.failed(node, replica, failure, error);
+                    }
+                }
+            }
+            Decided::Route { routed, ticket } => {
+                if attempt == 0 {
+                    // The retry budget counts from the slot, not from the wait for it.
+                    started = Instant::now();
+                } else {
+                    node.metrics.retries.inc();
+                }
+                // A hedge is routed like the request, excluding only the replica it hedges.
+                let hedge_req = RouteRequest {
+                    keys: &keys,
+                    ..route_req
+                };
+                let ctx = Attempt {
+                    d: &d,
+                    route_req: &hedge_req,
+                    number: attempt,
+                };
+                if let Answer::Served(resp, target, sent_at) =
+                    ctx.run(routed, ticket, &keys, &mut p).await
+                {
+                    std::mem::take(&mut p.attempts).succeeded(node);
+                    // Nothing else needs the keys once a replica answered: they go with the
+                    // response, whose first byte records them (see `Ticket::first_byte`).
+                    let keys = std::mem::take(&mut keys);
+                    return Ok(relay(&d, resp, target, sent_at, keys));
+                }
+            }
+        }
+    }
+    gave_up(&d, p)
+}
+
+/// Whether the request may run as a P/D pair: the adapters rewrite OpenAI bodies only.
+fn pd_capable(u: &Understood) -> bool {
+    matches!(
+        u.api,
+        crate::core::dialect::Api::Completions | crate::core::dialect::Api::Chat
+    )
+}
+
+impl Progress {
+    fn failed(&mut self, node: &Arc<Node>, replica: usize, failure: Failure, error: String) {
+        self.attempts.failed(node, replica, failure);
+        self.tried.push(replica);
+        self.last_error = Some(ApiError::bad_gateway(error));
+    }
+}
+
+/// Every attempt failed: the answer the client gets.
+fn gave_up(d: &Delivery<'_>, p: Progress) -> Result<Response, ApiError> {
+    let cut = p.attempts.all_cut();
+    let big = d.u.body.len() > LIKELY_REFUSED_BODY_BYTES;
+    let request_blamed = p.attempts.gave_up(d.node, big);
+    if request_blamed && cut && big {
+        // Replicas (or proxies before them) commonly cut the connection on a body over their
+        // limit instead of answering 413.
+        return Err(ApiError::refused_as_too_large(d.u.body.len()));
+    }
+    if let Some((resp, ticket, hit)) = p.last_failed_response {
+        let relay = Relay::new(d.u.api, hit, d.trace.map(|t| t.span().clone()));
+        return Ok(respond(d.node, resp, ticket, Vec::new(), relay));
+    }
+    Err(p
+        .last_error
+        .unwrap_or_else(|| ApiError::unavailable("no replica could take the request")))
+}
+
+/// A `Forward` decision: the request to a node of `region`, with its tenant.
+async fn forward(
+    d: &Delivery<'_>,
+    region: &str,
+    reason: crate::core::router::ForwardReason,
+) -> Result<Response, region_forward::ForwardError> {
+    let mut headers = d.headers.clone();
+    if let Some(v) = d.tenant.and_then(|t| HeaderValue::from_str(t).ok()) {
+        headers.insert(HeaderName::from_static(region_forward::TENANT_HEADER), v);
+    }
+    if let Some(t) = d.trace {
+        t.forwarding(region, reason);
+    }
+    region_forward::forward(
+        d.node,
+        region,
+        reason,
+        d.u.path,
+        &headers,
+        d.u.body.clone(),
+        d.trace.map(RequestTrace::span),
+    )
+    .await
+}
+
+/// A P/D pair's two legs; a failed leg names its replica, the failure and the error.
+async fn serve_pair(
+    d: &Delivery<'_>,
+    map: &serde_json::Map<String, serde_json::Value>,
+    attempt: u32,
+    pair: PdPair,
+    prefill: Ticket,
+    decode: Ticket,
+    keys: &[BlockKey],
+) -> Result<Response, (usize, Failure, String)> {
+    let Some(protocol) = super::decide::pd_protocol(d.node) else {
+        return Err((pair.decode, Failure::Status, "P/D is off".into()));
+    };
+    if attempt > 0 {
+        d.node.metrics.retries.inc();
+    }
+    let ctx = PairCtx {
+        node: d.node,
+        path: d.u.path,
+        headers: &d.headers,
+        body: map,
+        first_byte: first_byte_timeout(d.node, d.u.stream()),
+        trace: d.trace,
+    };
+    // The legs take a copy of the keys into the answer.
+    let mut leg_keys = keys.to_vec();
+    pd::serve_pair(&ctx, protocol, pair, prefill, decode, &mut leg_keys)
+        .await
+        .map_err(|f| {
+            tracing::warn!(leg = f.leg, attempt, error = %f.error, "disaggregated leg failed");
+            (f.replica, f.failure, f.error)
+        })
+}
+
+/// Streams send their headers before the prefill; a whole completion only when done.
+fn first_byte_timeout(node: &Node, stream: bool) -> Duration {
+    Duration::from_millis(if stream {
+        node.cfg.timeouts.stream_first_byte_ms
+    } else {
+        node.cfg.timeouts.first_byte_ms
+    })
+}
+
+/// One attempt at a local replica.
+struct Attempt<'a, 'd> {
+    d: &'a Delivery<'d>,
+    route_req: &'a RouteRequest<'a>,
+    number: u32,
+}
+
+/// The replica an attempt is at (a won hedge replaces it).
+struct Target {
+    routed: Routed,
+    ticket: Ticket,
+    endpoint: Endpoint,
+    span: Option<tracing::Span>,
+}
+
+impl Attempt<'_, '_> {
+    /// Sends the request to the routed replica (hedging a late stream), and either relays the
+    /// answer or records the failure in `p`.
+    async fn run(
+        &self,
+        routed: Routed,
+        ticket: Ticket,
+        keys: &[BlockKey],
+        p: &mut Progress,
+    ) -> Answer {
+        let trace = self.d.trace;
+        let endpoint = ticket.endpoint().clone();
+        tracing::debug!(
+            replica = %endpoint.id, hit_blocks = routed.hit_blocks,
+            reason = routed.reason.as_str(), attempt = self.number, "routed"
+        );
+        let mut headers = None;
+        let mut span = None;
+        if let Some(t) = trace {
+            t.routed(&routed, &endpoint.id, ticket.hit_tokens(), self.number + 1);
+            let s = t.attempt(&endpoint.id, self.number + 1);
+            let mut h = self.d.headers.clone();
+            trace_span::inject(&s, &mut h);
+            headers = Some(h);
+            span = Some(s);
+        }
+        let mut target = Target {
+            routed,
+            ticket,
+            endpoint,
+            span,
+        };
+        let headers = headers.as_ref().unwrap_or(&self.d.headers);
+        let sent_at = Instant::now();
+        let answer = self
+            .send_hedged(&mut target, headers, keys, &mut p.tried)
+            .await;
+        if let Some(span) = target.span.take() {
+            let (status, error) = match &answer {
+                Some(Ok(resp)) => (Some(resp.status()), None),
+                Some(Err(e)) if e.is_connect() => (None, Some("connect")),
+                Some(Err(_)) => (None, Some("transport")),
+                None => (None, Some("timeout")),
+            };
+            trace_span::attempt_done(&span, status, error);
+        }
+        self.settle(answer, target, sent_at, keys, p)
+    }
+
+    /// The answer of the routed replica within the first-byte timeout (`None`: nothing came).
+    /// A stream that is late past `retry.hedge_after_ms` on a first attempt is also sent to the
+    /// next best replica; the first answer wins and the other is dropped (its engine sees the
+    /// connection close). The loser is not blamed: slow is not failed.
+    async fn send_hedged(
+        &self,
+        t: &mut Target,
+        headers: &HeaderMap,
+        keys: &[BlockKey],
+        tried: &mut Vec<usize>,
+    ) -> Option<reqwest::Result<reqwest::Response>> {
+        let (node, u) = (self.d.node, &self.d.u);
+        let first_byte = first_byte_timeout(node, u.stream());
+        let mut send = std::pin::pin!(send_to(
+            node,
+            &t.endpoint,
+            t.ticket.rank(),
+            u.path,
+            headers,
+            &u.body
+        ));
+        let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
+        if self.number != 0 || !u.stream() || hedge_after.is_zero() || hedge_after >= first_byte {
+            return tokio::time::timeout(first_byte, send).await.ok();
+        }
+        if let Ok(r) = tokio::time::timeout(hedge_after, &mut send).await {
+            return Some(r);
+        }
+        let left = first_byte - hedge_after;
+        let exclude = [t.routed.replica];
+        let (Decision::Route(r2), Some(t2)) = node.route(&RouteRequest {
+            exclude: &exclude,
+            ..*self.route_req
+        }) else {
+            return tokio::time::timeout(left, send).await.ok();
+        };
+        let e2 = t2.endpoint().clone();
+        // The hedge is an attempt of its own, with its own span.
+        let mut hedge_span = None;
+        let hedge_headers = self.d.trace.map(|tr| {
+            let span = tr.attempt(&e2.id, self.number + 2);
+            let mut h = headers.clone();
+            trace_span::inject(&span, &mut h);
+            hedge_span = Some(span);
+            h
+        });
+        let hedge = std::pin::pin!(send_to(
+            node,
+            &e2,
+            t2.rank(),
+            u.path,
+            hedge_headers.as_ref().unwrap_or(headers),
+            &u.body
+        ));
+        node.metrics.hedges.with_label_values(&["sent"]).inc();
+        match tokio::time::timeout(left, futures::future::select(send, hedge)).await {
+            Ok(futures::future::Either::Left((r, _))) => {
+                node.metrics.hedges.with_label_values(&["first_won"]).inc();
+                t2.failed(keys);
+                Some(r)
+            }
+            Ok(futures::future::Either::Right((r, _))) => {
+                node.metrics.hedges.with_label_values(&["hedge_won"]).inc();
+                std::mem::replace(&mut t.ticket, t2).failed(keys);
+                tried.push(t.routed.replica);
+                if let Some(tr) = self.d.trace {
+                    tr.routed(&r2, &e2.id, t.ticket.hit_tokens(), self.number + 2);
+                }
+                // The first attempt's span ends (unanswered); the hedge's records the outcome.
+                t.span = hedge_span;
+                (t.routed, t.endpoint) = (r2, e2);
+                Some(r)
+            }
+            Err(_) => {
+                t2.failed(keys);
+                None
+            }
+        }
+    }
+
+    /// Relays a served answer, or books the failure. What the client is told stays free of
+    /// replica names and addresses; the log has them.
+    fn settle(
+        &self,
+        answer: Option<reqwest::Result<reqwest::Response>>,
+        t: Target,
+        sent_at: Instant,
+        keys: &[BlockKey],
+        p: &mut Progress,
+    ) -> Answer {
+        let node = self.d.node;
+        let i = t.routed.replica;
+        let first_byte = first_byte_timeout(node, self.d.u.stream());
+        let (failure, error) = match answer {
+            Some(Ok(resp)) if !is_failure(resp.status()) => {
+                return Answer::Served(resp, t, sent_at)
+            }
+            Some(Ok(resp)) => {
+                let msg = format!("the replica answered {}", resp.status());
+                if let Some((_, earlier, _)) = p.last_failed_response.take() {
+                    earlier.failed(keys);
+                }
+                p.last_failed_response = Some((resp, t.ticket, t.routed.hit_blocks));
+                (Failure::Status, msg)
+            }
+            Some(Err(e)) => {
+                t.ticket.failed(keys);
+                let failure = if e.is_connect() {
+                    Failure::Connect
+                } else {
+                    Failure::Transport
+                };
+                (
+                    failure,
+                    format!("the replica failed: {}", upstream_cause(e)),
+                )
+            }
+            None => {
+                t.ticket.failed(keys);
+                let msg = format!("the replica sent nothing within {first_byte:?}");
+                (Failure::Timeout, msg)
+            }
+        };
+        tracing::warn!(replica = %t.endpoint.id, url = %t.endpoint.base, attempt = self.number, error = %error, "attempt failed");
+        node.metrics
+            .requests
+            .with_label_values(&[&t.endpoint.id, node.policy().as_str(), "failed"])
+            .inc();
+        p.failed(node, i, failure, error);
+        Answer::Failed
+    }
+}
+
+/// The replica answered: count it and stream the answer to the client.
+fn relay(
+    d: &Delivery<'_>,
+    resp: reqwest::Response,
+    t: Target,
+    sent_at: Instant,
+    keys: Vec<BlockKey>,
+) -> Response {
+    let node = d.node;
+    let replica_id: &str = &t.endpoint.id;
+    let first_byte_s = sent_at.elapsed().as_secs_f64();
+    node.metrics
+        .first_byte_seconds
+        .with_label_values(&[replica_id])
+        .observe(first_byte_s);
+    // Streamed responses start at the first token; others only when complete.
+    if d.u.stream() && resp.status().is_success() {
+        node.metrics
+            .decisions
+            .prediction(t.routed.predicted_s, first_byte_s);
+    }
+    node.request_succeeded(t.routed.replica);
+    let outcome = if resp.status().is_success() {
+        "ok"
+    } else {
+        "client_error"
+    };
+    node.metrics
+        .requests
+        .with_label_values(&[replica_id, node.policy().as_str(), outcome])
+        .inc();
+    let rank = t.ticket.rank().map(|r| r.rank);
+    let relay = Relay::new(
+        d.u.api,
+        t.routed.hit_blocks,
+        d.trace.map(|tr| tr.span().clone()),
+    )
+    .branch(t.routed.branch());
+    let mut out = respond(node, resp, t.ticket, keys, relay);
+    if node.cfg.debug_headers {
+        if let Ok(v) = HeaderValue::from_str(&decision_header(&t.routed, rank)) {
+            out.headers_mut()
+                .insert(HeaderName::from_static(DECISION_HEADER), v);
+        }
+    }
+    out
+}
+
+/// Sends the request's original bytes to replica `endpoint` (pinned by the caller, on its stack),
+/// naming the data-parallel `rank` the node chose, if any (header, or body field for SGLang).
+pub(super) fn send_to(
+    node: &Node,
+    endpoint: &Endpoint,
+    rank: Option<crate::node::RankTarget>,
+    path: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
+    let req = node
+        .client
+        .post(format!("{}{}", endpoint.base, path))
+        .headers(headers.clone());
+    match rank {
+        Some(rank) => {
+            node.metrics.decisions.dp_rank_named.inc();
+            rank.apply(req, body)
+        }
+        None => req.body(body.clone()),
+    }
+    .send()
+}

@@ -1,0 +1,172 @@
+//! Receipts: for every answered request, the prefix tokens the node predicted cached at the
+//! replica it chose against what the engine reports it served from cache.
+//!
+//! Exists to close the loop on each decision: "was this miss the router, a stale index or the
+//! workload?". The engine's count is read from the answer as it streams past — the last
+//! `"cached_tokens":N` (OpenAI chat and completions' `prompt_tokens_details`, Responses'
+//! `input_tokens_details`) or `"cache_read_input_tokens":N` (Anthropic) in the body — without
+//! buffering or delaying a byte: each chunk is searched once, and the last 64 bytes of the one
+//! before are searched again with the new chunk's head, so a field split across chunks is
+//! still found. An answer that reports no usage (a stream without `include_usage`, an engine
+//! without prompt-token details) is counted as such, never guessed.
+
+use memchr::memmem;
+
+use crate::core::dialect::Api;
+use crate::core::router::Branch;
+use crate::node::Node;
+
+/// Bytes of a chunk kept to search again with the next one: a needle, `:`, spaces and 20 digits.
+const CARRY: usize = 64;
+
+/// The usage fields that count prompt tokens served from cache.
+const NEEDLES: [&[u8]; 2] = [b"\"cached_tokens\"", b"\"cache_read_input_tokens\""];
+
+/// The engine's reported cached tokens, found in a byte stream.
+#[derive(Debug, Default)]
+pub(crate) struct UsageScan {
+    carry: Vec<u8>,
+    /// The last value seen, if any.
+    pub last: Option<u64>,
+}
+
+impl UsageScan {
+    /// Searches one more chunk of the answer.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut joined = std::mem::take(&mut self.carry);
+        let carried = joined.len();
+        joined.extend_from_slice(&chunk[..chunk.len().min(CARRY)]);
+        // Only matches that start in the carried bytes: the rest are the chunk's own.
+        self.search(&joined, carried);
+        self.search(chunk, chunk.len());
+        // The stream's last bytes, whatever the chunks' sizes.
+        if chunk.len() >= CARRY {
+            joined.clear();
+            joined.extend_from_slice(&chunk[chunk.len() - CARRY..]);
+        } else {
+            let from = joined.len().saturating_sub(CARRY);
+            joined.drain(..from);
+        }
+        self.carry = joined;
+    }
+
+    /// Reads every needle starting before `starts_before` whose number ends inside `hay`.
+    fn search(&mut self, hay: &[u8], starts_before: usize) {
+        for needle in NEEDLES {
+            for at in memmem::find_iter(hay, needle) {
+                if at >= starts_before {
+                    break;
+                }
+                if let Some(n) = number_after(&hay[at + needle.len()..]) {
+                    self.last = Some(n);
+                }
+            }
+        }
+    }
+}
+
+/// The integer after `:` (spaces allowed), when its last digit is not the input's last byte (a
+/// number at the end may continue in the next chunk; it is read again with the carry).
+fn number_after(rest: &[u8]) -> Option<u64> {
+    let rest = trim_start(rest);
+    let rest = trim_start(rest.strip_prefix(b":")?);
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits == rest.len() || digits > 19 {
+        return None;
+    }
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+fn trim_start(b: &[u8]) -> &[u8] {
+    let n = b.iter().take_while(|c| c.is_ascii_whitespace()).count();
+    &b[n..]
+}
+
+/// What the relay of one answer records when the answer ends.
+pub(crate) struct Receipt {
+    api: Api,
+    branch: Option<Branch>,
+    predicted: u64,
+    scan: UsageScan,
+}
+
+impl Receipt {
+    /// A receipt for an answer to an `api` request routed by `branch`, predicted to find
+    /// `predicted` prompt tokens cached.
+    pub fn new(api: Api, branch: Option<Branch>, predicted: u64) -> Self {
+        Receipt {
+            api,
+            branch,
+            predicted,
+            scan: UsageScan::default(),
+        }
+    }
+
+    /// Searches one more chunk.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.scan.feed(chunk);
+    }
+
+    /// The answer ended whole: count the prediction against the report.
+    pub fn finish(&self, node: &Node) {
+        let branch = self.branch.map_or("pd", Branch::as_str);
+        let labels = [self.api.as_str(), branch];
+        let m = &node.metrics.receipts;
+        let Some(reported) = self.scan.last else {
+            m.receipts
+                .with_label_values(&[labels[0], labels[1], "no_usage"])
+                .inc();
+            return;
+        };
+        m.receipts
+            .with_label_values(&[labels[0], labels[1], "reported"])
+            .inc();
+        m.predicted
+            .with_label_values(&labels)
+            .inc_by(self.predicted);
+        m.reported.with_label_values(&labels).inc_by(reported);
+        m.matched
+            .with_label_values(&labels)
+            .inc_by(self.predicted.min(reported));
+        m.error_tokens
+            .observe(reported as f64 - self.predicted as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(chunks: &[&str]) -> Option<u64> {
+        let mut s = UsageScan::default();
+        for c in chunks {
+            s.feed(c.as_bytes());
+        }
+        s.last
+    }
+
+    #[test]
+    fn reads_each_api_usage_shape() {
+        let chat = r#"{"usage":{"prompt_tokens":90,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        assert_eq!(scan(&[chat]), Some(64));
+        let anthropic = "event: message_start\ndata: {\"usage\":{\"input_tokens\":3,\"cache_read_input_tokens\": 128,\"output_tokens\":1}}\n\n";
+        assert_eq!(scan(&[anthropic]), Some(128));
+        let none = r#"{"choices":[{"text":"cached_tokens are great"}]}"#;
+        assert_eq!(scan(&[none]), None);
+    }
+
+    #[test]
+    fn the_last_report_wins_and_a_split_field_is_found() {
+        let body = r#"data: {"usage":{"cached_tokens":5}}
+
+data: {"usage":{"prompt_tokens_details":{"cached_tokens":1234}}}
+"#;
+        for cut in 0..body.len() {
+            let (a, b) = body.split_at(cut);
+            assert_eq!(scan(&[a, b]), Some(1234), "cut at {cut}");
+        }
+        let small: Vec<String> = body.chars().map(String::from).collect();
+        let parts: Vec<&str> = small.iter().map(String::as_str).collect();
+        assert_eq!(scan(&parts), Some(1234), "one byte a chunk");
+    }
+}

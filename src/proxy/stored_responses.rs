@@ -1,0 +1,196 @@
+//! Stored responses (OpenAI Responses API): a follow-up that names `previous_response_id`, and
+//! `GET /v1/responses/{id}` / `POST /v1/responses/{id}/cancel`, must reach the replica that
+//! stores the response — through whichever node of the mesh the client calls.
+//!
+//! Exists because an engine keeps stored responses in its own memory: only that replica has the
+//! conversation's context, and no other can answer without silently dropping it. A node locates
+//! the holder by asking its region's replicas of the model (`GET /v1/responses/{id}`, all at
+//! once, each within [`LOOKUP_TIMEOUT`]; the first that has it wins) and remembers the answer
+//! (`Node::response_homes`, bounded), so the lookup needs no mesh state, works from every node
+//! alike, and survives node deaths. When no replica has it (its replica is gone, or it was not
+//! stored), the client gets a clear 404 in the Responses shape — never an answer without the
+//! conversation.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use super::error::ApiError;
+use super::listener::conn_info;
+use super::respond::is_hop_header;
+use crate::node::Node;
+
+/// How long one replica may take to say whether it stores a response.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most replicas one lookup asks.
+const LOOKUP_FANOUT: usize = 256;
+/// The longest response id accepted.
+const MAX_ID_BYTES: usize = 256;
+
+/// A response id checked to be safe in a URL path.
+fn checked_id(id: &str) -> Result<&str, ApiError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_BYTES
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(id)
+    } else {
+        Err(ApiError::bad_request(
+            format!(
+                "'{}' is not a response id",
+                id.escape_debug().take(64).collect::<String>()
+            ),
+            Some("previous_response_id"),
+        ))
+    }
+}
+
+/// 404: no replica this node can reach stores `id`.
+pub(crate) fn not_found(id: &str) -> ApiError {
+    ApiError {
+        param: Some("previous_response_id"),
+        ..ApiError::not_found(
+            "response_not_found",
+            format!(
+                "no replica this node can reach stores response '{id}': the replica that served \
+                 it is gone, or it was created with store=false; send the whole conversation \
+                 as input instead"
+            ),
+        )
+    }
+}
+
+/// The view index of the replica that stores response `id` (of `model`, when named), if any.
+pub(crate) async fn locate(
+    node: &Arc<Node>,
+    model: Option<&str>,
+    id: &str,
+) -> Result<Option<usize>, ApiError> {
+    let id = checked_id(id)?;
+    let state = node.state();
+    let remembered = lock(node).get(id).cloned();
+    if let Some(rid) = remembered {
+        if let Some(i) = state
+            .replicas
+            .iter()
+            .position(|r| r.id == rid && r.health != "unhealthy")
+        {
+            return Ok(Some(i));
+        }
+    }
+    let mut asks: FuturesUnordered<_> = state
+        .replicas
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.health != "unhealthy")
+        .filter(|(_, r)| model.is_none_or(|m| r.models.iter().any(|x| x == m)))
+        .take(LOOKUP_FANOUT)
+        .map(|(i, r)| {
+            let url = format!("{}/v1/responses/{id}", r.url.trim_end_matches('/'));
+            let ask = node.client.get(url).timeout(LOOKUP_TIMEOUT).send();
+            async move { (i, ask.await.is_ok_and(|a| a.status().is_success())) }
+        })
+        .collect();
+    while let Some((i, has)) = asks.next().await {
+        if has {
+            if let Some(r) = state.replicas.get(i) {
+                lock(node).put(id.to_owned(), r.id.clone());
+            }
+            node.metrics
+                .response_lookups
+                .with_label_values(&["found"])
+                .inc();
+            return Ok(Some(i));
+        }
+    }
+    node.metrics
+        .response_lookups
+        .with_label_values(&["missing"])
+        .inc();
+    Ok(None)
+}
+
+fn lock(node: &Node) -> std::sync::MutexGuard<'_, lru::LruCache<String, String>> {
+    node.response_homes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// `GET /v1/responses/{id}`.
+pub async fn get(State(node): State<Arc<Node>>, Path(id): Path<String>, req: Request) -> Response {
+    relay_to_holder(&node, &id, reqwest::Method::GET, "", req)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/responses/{id}/cancel`.
+pub async fn cancel(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    relay_to_holder(&node, &id, reqwest::Method::POST, "/cancel", req)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Sends a request about stored response `id` to the replica that stores it, and its answer
+/// back as it arrives.
+async fn relay_to_holder(
+    node: &Arc<Node>,
+    id: &str,
+    method: reqwest::Method,
+    suffix: &str,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let from_peer = conn_info(&req).is_some_and(|c| c.peer);
+    // With API keys, only a client with a key may read or cancel a stored response.
+    super::identify::identify(node, req.headers(), from_peer)?;
+    let i = locate(node, None, id).await?.ok_or_else(|| not_found(id))?;
+    let state = node.state();
+    let r = state.replicas.get(i).ok_or_else(|| not_found(id))?;
+    let url = format!("{}/v1/responses/{id}{suffix}", r.url.trim_end_matches('/'));
+    let mut headers = HeaderMap::new();
+    for (k, v) in req.headers() {
+        if !is_hop_header(k)
+            && k != header::AUTHORIZATION
+            && k.as_str() != super::auth::API_KEY_HEADER
+        {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Some(t) = node.secrets.replica_token.as_deref() {
+        if let Ok(v) = format!("Bearer {t}").parse() {
+            headers.insert(header::AUTHORIZATION, v);
+        }
+    }
+    let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
+    let resp = node
+        .client
+        .request(method, url)
+        .headers(headers)
+        .timeout(first_byte)
+        .send()
+        .await
+        .map_err(|e| {
+            ApiError::bad_gateway(format!(
+                "the replica failed: {}",
+                super::error::upstream_cause(e)
+            ))
+        })?;
+    let status = resp.status();
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let mut out = Response::new(Body::from_stream(resp.bytes_stream()));
+    *out.status_mut() = status;
+    if let Some(ct) = content_type {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    Ok(out)
+}

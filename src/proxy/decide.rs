@@ -135,14 +135,16 @@ mod tests {
 
     fn node(replicas: usize) -> Arc<Node> {
         crate::proxy::install_crypto_provider();
-        let mut cfg = NodeConfig::default();
-        cfg.replicas = (0..replicas)
-            .map(|i| ReplicaConfig {
-                id: Some(format!("r{i}")),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url(format!("http://10.0.0.{}:8000", i + 1))
-            })
-            .collect();
+        let cfg = NodeConfig {
+            replicas: (0..replicas)
+                .map(|i| ReplicaConfig {
+                    id: Some(format!("r{i}")),
+                    models: vec!["m".into()],
+                    ..ReplicaConfig::from_url(format!("http://10.0.0.{}:8000", i + 1))
+                })
+                .collect(),
+            ..NodeConfig::default()
+        };
         Node::new(cfg).unwrap()
     }
 

@@ -56,12 +56,12 @@ struct Progress {
     last_failed_response: Option<(reqwest::Response, Ticket, u32)>,
 }
 
-/// One attempt at a replica, answered or not.
-enum Answer {
-    /// The replica answered with a status that is not a failure: the client gets it.
-    Served(reqwest::Response, Target, Instant),
-    /// The attempt failed before anything reached the client (booked in `Progress`).
-    Failed,
+/// An attempt the replica answered with a status that is not a failure: the client gets it.
+/// (An attempt that failed before anything reached the client is booked in `Progress`.)
+struct Served {
+    resp: reqwest::Response,
+    target: Target,
+    sent_at: Instant,
 }
 
 /// Serves `route_req` (built over `d.u`) with up to `retry.max_attempts` attempts.
@@ -142,8 +142,11 @@ pub(crate) async fn deliver(
                     route_req: &hedge_req,
                     number: attempt,
                 };
-                if let Answer::Served(resp, target, sent_at) =
-                    ctx.run(routed, ticket, &keys, &mut p).await
+                if let Some(Served {
+                    resp,
+                    target,
+                    sent_at,
+                }) = ctx.run(routed, ticket, &keys, &mut p).await
                 {
                     std::mem::take(&mut p.attempts).succeeded(node);
                     // Nothing else needs the keys once a replica answered: they go with the
@@ -284,7 +287,7 @@ impl Attempt<'_, '_> {
         ticket: Ticket,
         keys: &[BlockKey],
         p: &mut Progress,
-    ) -> Answer {
+    ) -> Option<Served> {
         let trace = self.d.trace;
         let endpoint = ticket.endpoint().clone();
         tracing::debug!(
@@ -413,13 +416,17 @@ impl Attempt<'_, '_> {
         sent_at: Instant,
         keys: &[BlockKey],
         p: &mut Progress,
-    ) -> Answer {
+    ) -> Option<Served> {
         let node = self.d.node;
         let i = t.routed.replica;
         let first_byte = first_byte_timeout(node, self.d.u.stream());
         let (failure, error) = match answer {
             Some(Ok(resp)) if !is_failure(resp.status()) => {
-                return Answer::Served(resp, t, sent_at)
+                return Some(Served {
+                    resp,
+                    target: t,
+                    sent_at,
+                })
             }
             Some(Ok(resp)) => {
                 let msg = format!("the replica answered {}", resp.status());
@@ -453,7 +460,7 @@ impl Attempt<'_, '_> {
             .with_label_values(&[&t.endpoint.id, node.policy().as_str(), "failed"])
             .inc();
         p.failed(node, i, failure, error);
-        Answer::Failed
+        None
     }
 }
 

@@ -11,15 +11,23 @@
 //! `x-kvmesh-dp-rank` response header, so tests and benches can see whether routing hit the rank
 //! holding the prefix.
 
+pub mod anthropic;
+#[cfg(test)]
+mod api_tests;
 pub mod args;
 pub mod config;
 pub mod driver;
+pub mod engine_call;
 pub mod faults;
 pub mod http;
+pub mod http_apis;
 pub mod listener;
 pub mod metrics;
 pub mod openai;
 pub mod pd;
+pub mod pooling;
+pub mod responses;
+pub mod shared;
 pub mod tokenize_api;
 
 use std::future::Future;
@@ -141,7 +149,7 @@ pub async fn spawn(config: ReplicaConfig) -> Result<ReplicaHandle, ReplicaError>
         .unzip();
     let faults = Arc::new(faults::Faults::new(config.faults.clone()));
     let faults_changed = Arc::new(Notify::new());
-    let shared = Arc::new(http::Shared {
+    let shared = Arc::new(shared::Shared {
         id: config.id.clone(),
         model: config.model.clone(),
         max_model_len: config.engine.max_model_len,
@@ -165,6 +173,7 @@ pub async fn spawn(config: ReplicaConfig) -> Result<ReplicaHandle, ReplicaError>
         pd: config.pd.clone(),
         transfers: pd::Transfers::default(),
         kv_client: std::sync::OnceLock::new(),
+        responses: responses::Store::default(),
     });
     let app = http::router(shared);
     let listener = listener::FaultyListener::new(tcp, addr, faults, faults_changed);

@@ -384,6 +384,12 @@ fn sse(v: &Value) -> String {
     format!("data: {v}\n\n")
 }
 
+/// One SSE event with an `event:` line, as Anthropic's stream and the Responses API's typed
+/// stream send them (clients dispatch on it; Anthropic's skips events without one).
+pub fn typed_sse(event: &str, data: &Value) -> String {
+    format!("event: {event}\ndata: {data}\n\n")
+}
+
 /// The SSE terminator.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 

@@ -9,13 +9,30 @@
 #   4. for each policy (round-robin, p2c-cache): runs `kvmesh serve` in token mode with both
 #      engines' KV events, drives a prefix-sharing chat workload through it, and prints vLLM's own
 #      prefix-cache hit rate (Δ vllm:prefix_cache_hits_total / Δ vllm:prefix_cache_queries_total),
-#      client TTFT and vLLM's mean TTFT, plus what kvmesh believes each engine holds.
+#      client TTFT and vLLM's mean TTFT, plus what kvmesh believes each engine holds;
+#   5. agent APIs through a mesh: two `kvmesh serve` nodes (token mode, both engines each,
+#      p2c-cache, certificates from `kvmesh certs`) and scripts/vllm-agent-apis.py, which drives,
+#      with the official `anthropic` and `openai` clients (pip-installed into the venv), the same
+#      multi-turn conversations (one long shared system prompt) through /v1/messages (streamed,
+#      tools, x-claude-code-session-id), /v1/responses (previous_response_id chains, store on) and
+#      /v1/chat/completions, each turn of a conversation entering through the other node. Per API
+#      it prints vLLM's hit rate, the cached tokens the clients saw, whether every Responses
+#      follow-up succeeded, and the nodes' receipts (precision matched/predicted, recall
+#      matched/reported). The engines run with the Responses store on
+#      (VLLM_ENABLE_RESPONSES_API_STORE=1), --enable-prompt-tokens-details (cached tokens in usage)
+#      and --enable-auto-tool-choice --tool-call-parser pythonic: vLLM 0.32's api_server serves
+#      /v1/messages itself, but refuses tools without a tool parser ("auto" tool choice requires
+#      --enable-auto-tool-choice and --tool-call-parser), and Messages always sends tool_choice auto.
 #
 # Usage: scripts/vllm-cpu-e2e.sh [path/to/kvmesh]   (default: $CARGO_TARGET_DIR/debug/kvmesh)
 # Env: WORK (default /tmp/kvmesh-vllm-e2e), NUM_BLOCKS per engine (default 160 = 5,120 tokens,
 # small so that duplicated prefixes evict each other), N_GROUPS (6), PER_GROUP (6), CONCURRENCY (2),
 # PREFIX_WORDS (300 words ≈ 1,000 tokens per shared system prompt: the six fit in the two caches
-# when each prefix stays on one engine, not when every engine sees all six).
+# when each prefix stays on one engine, not when every engine sees all six), POLICIES
+# ("round-robin p2c-cache"; empty skips phase 4), AGENT_CONVS (4) conversations of AGENT_TURNS (4)
+# turns per API with an AGENT_SYSTEM_WORDS (300) word shared system prompt and AGENT_MAX_TOKENS (16)
+# per answer, MESH_NODE_PORTS ("8181 8182", HTTP) and MESH_UDP_PORTS ("7946 7947", QUIC); SKIP_MESH=1
+# skips phase 5. Logs and configs land in $WORK (engine-*.log, node-*.log, mesh-*.log/.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-${CARGO_TARGET_DIR:-target}/debug/kvmesh}
@@ -25,6 +42,14 @@ N_GROUPS=${N_GROUPS:-6}
 PER_GROUP=${PER_GROUP:-6}
 CONCURRENCY=${CONCURRENCY:-2}
 PREFIX_WORDS=${PREFIX_WORDS:-300}
+POLICIES=${POLICIES-round-robin p2c-cache}
+AGENT_CONVS=${AGENT_CONVS:-4}
+AGENT_TURNS=${AGENT_TURNS:-4}
+AGENT_SYSTEM_WORDS=${AGENT_SYSTEM_WORDS:-300}
+AGENT_MAX_TOKENS=${AGENT_MAX_TOKENS:-16}
+read -r -a MESH_NODE_PORTS <<< "${MESH_NODE_PORTS:-8181 8182}"
+read -r -a MESH_UDP_PORTS <<< "${MESH_UDP_PORTS:-7946 7947}"
+SKIP_MESH=${SKIP_MESH:-0}
 VENV=$WORK/venv
 PY=$VENV/bin/python
 MODEL_DIR=$WORK/tiny-llama
@@ -68,6 +93,11 @@ EOF
   "$PY" -m pip install -q -r "$WORK/requirements.txt"
   "$PY" -m pip install -q --no-deps "$WHEEL"
 fi
+# The official clients for phase 5 (vLLM already brings `openai`; pip leaves it as it is).
+if ! "$PY" -c 'import anthropic, openai' 2>/dev/null; then
+  echo "== installing the anthropic and openai clients into $VENV"
+  "$PY" -m pip install -q anthropic openai
+fi
 
 # ---- 2. the tiny model -------------------------------------------------------------------------
 if [ ! -f "$MODEL_DIR/tokenizer.json" ]; then
@@ -110,10 +140,15 @@ fi
 
 # ---- 3. two engines ----------------------------------------------------------------------------
 start_engine() { # port core pub_port replay_port
+  # Responses store on (previous_response_id), cached tokens in usage (kvmesh's receipts), and a
+  # tool parser: /v1/messages turns `tools` into tool_choice "auto", which vLLM refuses without
+  # one. `pythonic` needs no special tokens, so it loads with the tiny model's tokenizer.
   HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$2 \
+  VLLM_ENABLE_RESPONSES_API_STORE=1 \
   "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --served-model-name tiny-llama \
     --load-format dummy --enable-prefix-caching --block-size 32 --max-model-len 4096 \
     --max-num-seqs 16 --host 127.0.0.1 --port "$1" --num-gpu-blocks-override "$NUM_BLOCKS" \
+    --enable-prompt-tokens-details --enable-auto-tool-choice --tool-call-parser pythonic \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$3\", \"replay_endpoint\": \"tcp://*:$4\", \"topic\": \"kv-events\"}" \
     > "$WORK/engine-$1.log" 2>&1 &
   PIDS+=($!)
@@ -129,6 +164,17 @@ for port in 8101 8102; do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "engine $port did not start; see $WORK/engine-$port.log" >&2; exit 1; }
 done
 echo "engines up"
+# The agent APIs, straight at one engine: the api_server serves them (status and a short body).
+probe() { # path body
+  curl -s -o "$WORK/probe.out" -w '%{http_code}' -H 'content-type: application/json' \
+    "http://127.0.0.1:8101$1" -d "$2" || true
+}
+code=$(probe /v1/messages '{"model":"tiny-llama","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}')
+echo "engine POST /v1/messages: HTTP $code $(head -c 200 "$WORK/probe.out")"
+code=$(probe /v1/responses '{"model":"tiny-llama","max_output_tokens":2,"input":"hi"}')
+echo "engine POST /v1/responses: HTTP $code $(head -c 200 "$WORK/probe.out")"
+rid=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("id",""))' "$WORK/probe.out" 2>/dev/null || true)
+echo "engine GET /v1/responses/$rid: HTTP $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:8101/v1/responses/$rid" || true)"
 
 # ---- 4. kvmesh in token mode, one run per policy -----------------------------------------------
 cat > "$WORK/node.toml" <<EOF
@@ -230,7 +276,8 @@ print(f"RESULT run={run} requests={len(jobs)} wall_s={wall:.1f} vllm_prefix_hit_
       f"kvmesh_predicted_hit_tokens={predicted[0]}")
 EOF
 
-for POLICY in round-robin p2c-cache; do
+# shellcheck disable=SC2086 # POLICIES is a word list
+for POLICY in $POLICIES; do
   echo "== policy $POLICY"
   RUST_LOG=${RUST_LOG:-info} "$BIN" serve --config "$WORK/node.toml" --policy "$POLICY" \
     > "$WORK/node-$POLICY.log" 2>&1 &
@@ -257,3 +304,73 @@ for r in json.load(sys.stdin)["replicas"]:
   kill "$NODE_PID" 2>/dev/null || true
   wait "$NODE_PID" 2>/dev/null || true
 done
+
+# ---- 5. agent APIs through a mesh of two nodes -------------------------------------------------
+[ "$SKIP_MESH" = 1 ] && exit 0
+echo "== mesh of two kvmesh nodes (p2c-cache, token mode, both engines each)"
+CERTS=$WORK/certs
+[ -f "$CERTS/ca.pem" ] || "$BIN" certs init --dir "$CERTS"
+mesh_node() { # index (0 or 1): writes the config, starts the node
+  local id="node-$(($1 + 1))" seeds="[]"
+  [ "$1" = 0 ] || seeds="[\"127.0.0.1:${MESH_UDP_PORTS[0]}\"]"
+  [ -f "$CERTS/$id.pem" ] || "$BIN" certs issue --dir "$CERTS" --name "$id"
+  cat > "$WORK/mesh-$id.toml" <<TOML
+listen = "127.0.0.1:${MESH_NODE_PORTS[$1]}"
+cluster_id = "kvmesh-vllm-e2e"
+debug_headers = true
+[timeouts]
+first_byte_ms = 600000
+stream_first_byte_ms = 600000
+[tokenizer]
+path = "$MODEL_DIR/tokenizer.json"
+chat_template_config = "$MODEL_DIR/tokenizer_config.json"
+block_size = 32
+[mesh]
+node_id = "$id"
+listen = "127.0.0.1:${MESH_UDP_PORTS[$1]}"
+seeds = $seeds
+certs_dir = "$CERTS"
+$(sed -n '/^\[\[replicas\]\]/,$p' "$WORK/node.toml")
+TOML
+  RUST_LOG=${RUST_LOG:-info} "$BIN" serve --config "$WORK/mesh-$id.toml" --policy p2c-cache \
+    > "$WORK/mesh-$id.log" 2>&1 &
+  PIDS+=($!)
+}
+mesh_node 0
+sleep 1
+mesh_node 1
+NODES=()
+for port in "${MESH_NODE_PORTS[@]}"; do
+  NODES+=("http://127.0.0.1:$port")
+  for _ in $(seq 150); do
+    curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
+    sleep 0.2
+  done
+  curl -sf "http://127.0.0.1:$port/ready" >/dev/null || { echo "node on $port not ready; see $WORK/mesh-*.log" >&2; exit 1; }
+done
+# Both nodes see each other and know both replicas (one of them is each replica's home).
+for _ in $(seq 100); do
+  live=$(for n in "${NODES[@]}"; do curl -sf "$n/metrics" | awk '/^kvmesh_mesh_live_members /{print $2}'; done | sort -n | head -1)
+  [ "${live%.*}" = 2 ] && break
+  sleep 0.2
+done
+echo "live mesh members (the smaller of the two nodes' counts): ${live:-?}"
+mesh_state() {
+  for n in "${NODES[@]}"; do
+    curl -sf "$n/admin/state" | "$PY" -c '
+import json, sys
+s = json.load(sys.stdin)
+print("  %s: %s" % (sys.argv[1], ", ".join("%s %s model %d blocks" % (r["id"], r["cache_source"], r["cache_keys"]) for r in s["replicas"])))' "$n" || true
+  done
+}
+mesh_state
+rc=0
+"$PY" scripts/vllm-agent-apis.py "$(IFS=,; echo "${NODES[*]}")" http://127.0.0.1:8101,http://127.0.0.1:8102 \
+  "$AGENT_CONVS" "$AGENT_TURNS" "$AGENT_SYSTEM_WORDS" "$AGENT_MAX_TOKENS" || rc=$?
+echo "== after the agent phases"
+mesh_state
+for n in "${NODES[@]}"; do
+  echo "  $n:"
+  curl -sf "$n/metrics" | grep -E '^kvmesh_(response_lookups_total|token_mode_fallbacks_total|decisions_total|kv_events_up|mesh_live_members)' | sed 's/^/    /' || true
+done
+exit "$rc"

@@ -64,6 +64,18 @@ fn mesh_addr(n: &RunningNode) -> String {
     n.node.mesh().expect("a mesh node").addr().to_string()
 }
 
+/// The sum over `texts` (Prometheus expositions) of `metric`'s series for `api` whose labels
+/// also contain `also`.
+fn sum_metric(texts: &[String], metric: &str, api: &str, also: &str) -> f64 {
+    let api = format!("api=\"{api}\"");
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter(|l| l.starts_with(&format!("{metric}{{")) && l.contains(&api) && l.contains(also))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_anthropic_and_openai_clients_work_through_a_three_node_mesh() {
     if !clients_available() {
@@ -131,6 +143,29 @@ async fn the_anthropic_and_openai_clients_work_through_a_three_node_mesh() {
             String::from_utf8_lossy(&out.stderr)
         );
         eprintln!("{}", String::from_utf8_lossy(&out.stdout).trim());
+        // Every answered request left a receipt: the engine's reported cached tokens against
+        // the node's prediction, per API.
+        let mut texts = Vec::new();
+        for n in [&a, &b, &c] {
+            let url = format!("http://{}/metrics", n.addr);
+            texts.push(http.get(url).send().await.unwrap().text().await.unwrap());
+        }
+        for api in ["messages", "responses"] {
+            let sum = |metric: &str, also: &str| sum_metric(&texts, metric, api, also);
+            let receipts = sum("kvmesh_receipts_total", "outcome=\"reported\"");
+            let predicted = sum("kvmesh_receipt_predicted_tokens_total", "");
+            let reported = sum("kvmesh_receipt_reported_tokens_total", "");
+            let matched = sum("kvmesh_receipt_matched_tokens_total", "");
+            eprintln!(
+                "{api}: {receipts} receipts; cached tokens predicted {predicted}, reported by the \
+                 engine {reported}, matched {matched}"
+            );
+            assert!(receipts >= 2.0, "{api}: no receipts");
+            assert!(
+                reported > 0.0,
+                "{api}: the engine's cached tokens were not read"
+            );
+        }
         for n in [a, b, c] {
             n.shutdown().await;
         }

@@ -12,6 +12,7 @@ use super::fleet::{run_fleet_comparison, FleetConfig};
 use super::fleet_pd::FleetPd;
 use super::hot_args::{bench_row, hot_markdown, HotArgs};
 use super::replay::{self, ReplayConfig, RunResult};
+use super::replay_api::Api;
 use super::report;
 use super::sim_classes::{class_markdown, ClassStats};
 use super::tenant_args::{class_records, split_markdown, split_records, TenantArgs};
@@ -92,6 +93,11 @@ pub struct BenchArgs {
     /// Most requests in flight at once.
     #[arg(long, default_value_t = 512)]
     pub concurrency: usize,
+    /// The API requests go through, each prompt as one user message: `completions`
+    /// (/v1/completions), `chat` (/v1/chat/completions), `messages` (Anthropic, /v1/messages) or
+    /// `responses` (OpenAI, /v1/responses). Runs are labelled with it unless it is completions.
+    #[arg(long, value_enum, default_value_t = Api::Completions)]
+    pub api: Api,
     /// Model name. Default: the first model the (first) target lists in /v1/models.
     #[arg(long)]
     pub model: Option<String>,
@@ -152,6 +158,17 @@ fn pd_fleets(args: &BenchArgs) -> anyhow::Result<Vec<Option<FleetPd>>> {
         .collect()
 }
 
+/// Names a non-default API in every run's label (tables, charts, report files), so runs through
+/// different APIs compared side by side stay apart.
+fn label_api(mut runs: Vec<RunResult>, api: Api) -> Vec<RunResult> {
+    if api != Api::default() {
+        for r in &mut runs {
+            r.label = format!("{} api={api}", r.label);
+        }
+    }
+    runs
+}
+
 /// Runs `kvmesh bench`.
 pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
     let workload = args.workload.load()?;
@@ -165,6 +182,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.timeout_s),
         progress: !args.quiet,
         time_scale: args.report_scale,
+        api: args.api,
         ..ReplayConfig::default()
     };
     anyhow::ensure!(
@@ -172,10 +190,11 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         "--report-scale must be > 0"
     );
     eprintln!(
-        "kvmesh bench: {} ({} requests, ideal hit ratio {:.3})",
+        "kvmesh bench: {} ({} requests, ideal hit ratio {:.3}) through {}",
         args.workload.workload,
         workload.requests.len(),
-        super::workload::ideal_hit_ratio(&workload.requests)
+        super::workload::ideal_hit_ratio(&workload.requests),
+        args.api.path()
     );
     let modes = [
         !args.url.is_empty(),
@@ -281,6 +300,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         }
         runs
     };
+    let runs = label_api(runs, args.api);
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     println!("{}", report::markdown(&reports));
     let window = args.hot.window_s;

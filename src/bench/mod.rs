@@ -10,6 +10,7 @@ pub mod fleet_pd;
 pub mod fuzz;
 pub mod hot_args;
 pub mod replay;
+pub mod replay_api;
 pub mod report;
 pub mod sim;
 pub mod sim_bound;

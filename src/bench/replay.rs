@@ -4,12 +4,14 @@
 //! It exists apart from the CLI so the demo (and tests) can replay against fleets they started
 //! themselves: [`replay`] for any URLs; `fleet.rs` starts in-process fleets to replay against.
 //!
-//! Measurement, per request: streaming `/v1/completions` (`stream: true`,
-//! `stream_options.include_usage`); TTFT = first SSE `data:` event, latency = end of stream, both
+//! Measurement, per request, through the API of [`ReplayConfig::api`] (streaming completions by
+//! default; chat, Anthropic Messages or OpenAI Responses with the prompt as one user message:
+//! `replay_api.rs`): TTFT = the first event carrying generated text, latency = end of stream, both
 //! from the moment the request was sent (after the concurrency cap let it go); output tokens from
-//! the usage chunk (else the number of content chunks); serving replica from
+//! the API's usage (else the number of text events); serving replica from
 //! `x-kvmesh-replica` (else `x-kvmesh-routed-to`); cached prompt tokens from
-//! `x-kvmesh-cached-tokens`, else `usage.prompt_tokens_details.cached_tokens`. For engines with
+//! `x-kvmesh-cached-tokens`, else the API's usage (`prompt_tokens_details.cached_tokens`,
+//! `cache_read_input_tokens`, `input_tokens_details.cached_tokens`). For engines with
 //! neither, the run also scrapes `--metrics-url`s before and after and reports the deltas of
 //! `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` summed over them.
 //! A prefill/decode pair (a kvmesh node's `x-kvmesh-pd` debug header) counts the prefill's hit
@@ -30,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
+use super::replay_api::{split_event, Api, StreamTally};
 use super::workload::WorkloadRequest;
 
 /// Header naming the replica that served a completion (set by simulated replicas).
@@ -77,6 +80,8 @@ pub struct ReplayConfig {
     /// Measured durations are multiplied by this in reports (the time scale of simulated
     /// replicas, so figures are in model seconds). Default 1.
     pub time_scale: f64,
+    /// The API requests go through. Default completions.
+    pub api: Api,
 }
 
 impl Default for ReplayConfig {
@@ -94,6 +99,7 @@ impl Default for ReplayConfig {
             progress: true,
             label: "run".into(),
             time_scale: 1.0,
+            api: Api::Completions,
         }
     }
 }
@@ -109,13 +115,13 @@ pub struct RequestRecord {
     pub sent_s: f64,
     /// HTTP status (0 when no response arrived).
     pub status: u16,
-    /// Time to the first SSE data event.
+    /// Time to the first event carrying generated text.
     pub ttft_s: Option<f64>,
     /// Time to the end of the stream (or the failure).
     pub latency_s: f64,
-    /// Prompt tokens (from the usage chunk, else the workload's count).
+    /// Prompt tokens (from the usage, else the workload's count).
     pub prompt_tokens: u64,
-    /// Output tokens (usage chunk, else content chunks counted).
+    /// Output tokens (from the usage, else text events counted).
     pub output_tokens: u64,
     /// Prompt tokens served from the prefix cache, when the endpoint says.
     pub cached_tokens: Option<u64>,
@@ -248,8 +254,9 @@ pub async fn replay(
         client,
         targets: targets
             .iter()
-            .map(|t| format!("{t}/v1/completions"))
+            .map(|t| format!("{t}{}", cfg.api.path()))
             .collect(),
+        api: cfg.api,
         model: model.clone(),
         timeout: cfg.request_timeout,
         done: AtomicUsize::new(0),
@@ -332,8 +339,9 @@ pub async fn replay(
 
 struct Shared {
     client: reqwest::Client,
-    /// Completions URL per target, built once.
+    /// The API's URL per target, built once.
     targets: Vec<String>,
+    api: Api,
     model: String,
     timeout: Duration,
     done: AtomicUsize,
@@ -379,33 +387,6 @@ async fn discover_model(client: &reqwest::Client, base: &str) -> Result<String, 
         .ok_or_else(|| fail("no model listed".into()))
 }
 
-/// The parts of a streamed chunk the bench reads.
-#[derive(Deserialize)]
-struct Chunk {
-    #[serde(default)]
-    choices: Vec<serde::de::IgnoredAny>,
-    #[serde(default)]
-    usage: Option<Usage>,
-    #[serde(default)]
-    error: Option<serde_json::Value>,
-}
-
-#[derive(Deserialize)]
-struct Usage {
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-    #[serde(default)]
-    prompt_tokens_details: Option<PromptDetails>,
-}
-
-#[derive(Deserialize)]
-struct PromptDetails {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
-
 /// Sends one request and reads its stream to the end.
 async fn send(
     shared: &Shared,
@@ -416,15 +397,9 @@ async fn send(
 ) -> RequestRecord {
     let mut prompt = String::with_capacity(req.prompt_tokens() as usize * 4);
     req.write_prompt(&mut prompt);
-    let body = serde_json::json!({
-        "model": shared.model,
-        "prompt": prompt,
-        "max_tokens": req.output_tokens.max(1),
-        // vLLM / SGLang extension: generate exactly max_tokens, as the workload says.
-        "ignore_eos": true,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
+    let body = shared
+        .api
+        .body(&shared.model, prompt, req.output_tokens.max(1));
     let sent = Instant::now();
     let mut rec = RequestRecord {
         index,
@@ -434,6 +409,9 @@ async fn send(
         ..RequestRecord::default()
     };
     let mut http = shared.client.post(&shared.targets[target]).json(&body);
+    for &(name, value) in shared.api.headers() {
+        http = http.header(name, value);
+    }
     if let Some(s) = &req.session {
         http = http.header(SESSION_HEADER, s);
     }
@@ -443,7 +421,8 @@ async fn send(
     if let Some(t) = &req.tenant {
         http = http.header(TENANT_HEADER, t);
     }
-    let outcome = tokio::time::timeout(shared.timeout, exchange(http, sent, &mut rec)).await;
+    let outcome =
+        tokio::time::timeout(shared.timeout, exchange(http, shared.api, sent, &mut rec)).await;
     rec.latency_s = sent.elapsed().as_secs_f64();
     match outcome {
         Ok(Ok(())) => {}
@@ -457,9 +436,16 @@ fn header_str<'a>(h: &'a reqwest::header::HeaderMap, name: &str) -> Option<&'a s
     h.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// Largest SSE event read: a Responses `response.completed` repeats the whole answer, far
+/// below this; a server that never ends an event fails the request instead of filling memory.
+const MAX_EVENT_BYTES: usize = 8 << 20;
+/// Most bytes of an error answer kept for the record.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+
 /// The request/response exchange; fills `rec` as data arrives.
 async fn exchange(
     http: reqwest::RequestBuilder,
+    api: Api,
     sent: Instant,
     rec: &mut RequestRecord,
 ) -> Result<(), String> {
@@ -476,60 +462,52 @@ async fn exchange(
             rec.cached_tokens = Some(c);
         }
     }
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let text = resp.text().await.unwrap_or_default();
-        let cut: String = text.chars().take(200).collect();
+    let status = resp.status();
+    let mut stream = resp.bytes_stream();
+    if !status.is_success() {
+        let mut text = Vec::new();
+        while let Some(Ok(piece)) = stream.next().await {
+            text.extend_from_slice(&piece);
+            if text.len() >= MAX_ERROR_BYTES {
+                break;
+            }
+        }
+        let cut: String = String::from_utf8_lossy(&text).chars().take(200).collect();
         return Err(format!("status {status}: {cut}"));
     }
-    let mut stream = resp.bytes_stream();
     let mut buf: Vec<u8> = Vec::with_capacity(1024);
-    let mut content_chunks = 0u64;
-    let mut usage_tokens = None;
-    let mut done = false;
-    while let Some(piece) = stream.next().await {
-        let piece = piece.map_err(|e| format!("stream: {e}"))?;
-        buf.extend_from_slice(&piece);
-        // Events end with a blank line; handle every complete one in the buffer.
-        while let Some(end) = find_event_end(&buf) {
-            let (event_len, sep_len) = end;
-            for line in buf[..event_len].split(|&b| b == b'\n') {
-                let line = line.strip_suffix(b"\r").unwrap_or(line);
-                let Some(data) = line.strip_prefix(b"data:") else {
-                    continue;
-                };
-                let data = data.strip_prefix(b" ").unwrap_or(data);
-                if rec.ttft_s.is_none() {
-                    rec.ttft_s = Some(sent.elapsed().as_secs_f64());
-                }
-                if data == b"[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let chunk: Chunk = serde_json::from_slice(data)
-                    .map_err(|e| format!("malformed stream chunk: {e}"))?;
-                if let Some(err) = chunk.error {
-                    return Err(format!("error in stream: {err}"));
-                }
-                if !chunk.choices.is_empty() {
-                    content_chunks += 1;
-                }
-                if let Some(u) = chunk.usage {
-                    usage_tokens = u.completion_tokens.or(usage_tokens);
-                    if let Some(p) = u.prompt_tokens {
-                        rec.prompt_tokens = p;
-                    }
-                    if rec.cached_tokens.is_none() {
-                        rec.cached_tokens = u.prompt_tokens_details.and_then(|d| d.cached_tokens);
+    let mut tally = StreamTally::default();
+    let result = async {
+        while let Some(piece) = stream.next().await {
+            buf.extend_from_slice(&piece.map_err(|e| format!("stream: {e}"))?);
+            // Events end with a blank line; handle every complete one in the buffer.
+            while let Some((event_len, sep_len)) = find_event_end(&buf) {
+                if let Some((name, data)) = split_event(&buf[..event_len]) {
+                    api.read_event(name, &data, &mut tally)?;
+                    if rec.ttft_s.is_none() && tally.text_events > 0 {
+                        rec.ttft_s = Some(sent.elapsed().as_secs_f64());
                     }
                 }
+                buf.drain(..event_len + sep_len);
             }
-            buf.drain(..event_len + sep_len);
+            if buf.len() > MAX_EVENT_BYTES {
+                return Err(format!("a stream event over {MAX_EVENT_BYTES} bytes"));
+            }
         }
+        Ok(())
     }
-    rec.output_tokens = usage_tokens.unwrap_or(content_chunks);
-    if !done {
-        return Err("stream ended without [DONE]".into());
+    .await;
+    // What arrived counts even when the stream failed later.
+    rec.output_tokens = tally.output_tokens.unwrap_or(tally.text_events);
+    if let Some(p) = tally.prompt_tokens {
+        rec.prompt_tokens = p;
+    }
+    if rec.cached_tokens.is_none() {
+        rec.cached_tokens = tally.cached_tokens;
+    }
+    result?;
+    if !tally.ended {
+        return Err(format!("stream ended without {}", api.last_event()));
     }
     Ok(())
 }

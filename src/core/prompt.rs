@@ -11,6 +11,8 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+pub use super::prompt_de::{Content, ContentPart, Prompt};
+
 /// Separates chat messages in the routing text (ASCII record separator).
 const RECORD_SEPARATOR: char = '\u{1e}';
 /// Separates the parts inside one message (ASCII unit separator).
@@ -26,7 +28,7 @@ pub struct RoutingFields {
     #[serde(default)]
     pub prompt: Option<Prompt>,
     /// Chat messages (at most [`MAX_MESSAGES`]).
-    #[serde(default, deserialize_with = "super::prompt_de::messages")]
+    #[serde(default, deserialize_with = "super::prompt_de::capped_list")]
     pub messages: Option<Vec<ChatMessage>>,
     /// Tool definitions; rendered into the prompt by every chat template that supports tools.
     #[serde(default)]
@@ -51,24 +53,6 @@ pub struct RoutingFields {
     pub max_completion_tokens: Option<u64>,
 }
 
-/// A completions prompt in any of its four shapes.
-///
-/// Deserialized by hand (see [`PromptVisitor`]), not as an untagged enum: serde buffers an
-/// untagged value whole before trying each shape, about 32 bytes per array element, so a 32 MiB
-/// token-id array would take ~0.5 GB. Here token ids go straight into a `Vec<u32>` and their
-/// count is capped by [`MAX_PROMPT_TOKENS`].
-#[derive(Debug)]
-pub enum Prompt {
-    /// One string.
-    Text(String),
-    /// A batch of strings.
-    Texts(Vec<String>),
-    /// One prompt as token ids.
-    Tokens(Vec<u32>),
-    /// A batch of token-id prompts.
-    TokenLists(Vec<Vec<u32>>),
-}
-
 /// One chat message; every field the chat template may render.
 #[derive(Debug, Deserialize)]
 pub struct ChatMessage {
@@ -91,40 +75,6 @@ pub struct ChatMessage {
     #[serde(default)]
     pub reasoning_content: Option<String>,
 }
-
-/// Message content.
-#[derive(Debug)]
-pub enum Content {
-    /// Plain text.
-    Text(String),
-    /// Typed parts (text, image_url, input_audio, ...).
-    Parts(Vec<ContentPart>),
-}
-
-/// One content part. Non-text parts contribute their raw JSON, so two different images differ.
-#[derive(Debug, Deserialize)]
-pub struct ContentPart {
-    /// `text`, `image_url`, ...
-    #[serde(rename = "type", default)]
-    pub kind: String,
-    /// The text of a text part.
-    #[serde(default)]
-    pub text: Option<String>,
-    /// An image part's payload, as sent (raw: no tree is built for it).
-    #[serde(default)]
-    pub image_url: Option<Box<RawValue>>,
-    /// An audio part's payload, as sent.
-    #[serde(default)]
-    pub input_audio: Option<Box<RawValue>>,
-}
-
-/// The most token ids one request's prompt may hold (4 Mi): beyond any served context window, and
-/// what bounds the memory a token-id prompt takes to 16 MiB whatever the body's size.
-pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
-/// The most chat messages (or input items, or batched prompts) one request may hold.
-pub const MAX_MESSAGES: usize = 1 << 16;
-/// The most content parts one message may hold.
-pub const MAX_PARTS: usize = 1 << 12;
 
 /// Why a body cannot be routed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! Bounded, non-buffering deserializers for the prompt shapes a client controls.
+//! The prompt shapes a client controls (a completions prompt, message content) and their
+//! bounded, non-buffering deserializers.
 //!
 //! Exists because the obvious `#[serde(untagged)]` enums buffer a whole value before trying each
 //! shape (about 32 bytes per JSON element), so a body's parse could take 16× its size or more:
@@ -12,9 +13,59 @@ use std::fmt;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use super::prompt::{
-    ChatMessage, Content, ContentPart, Prompt, MAX_MESSAGES, MAX_PARTS, MAX_PROMPT_TOKENS,
-};
+use serde_json::value::RawValue;
+
+/// The most token ids one request's prompt may hold (4 Mi): beyond any served context window, and
+/// what bounds the memory a token-id prompt takes to 16 MiB whatever the body's size.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
+/// The most chat messages (or input items, or batched prompts) one request may hold.
+pub const MAX_MESSAGES: usize = 1 << 16;
+/// The most content parts one message may hold.
+pub const MAX_PARTS: usize = 1 << 12;
+
+/// A completions prompt in any of its four shapes.
+///
+/// Deserialized by hand (see [`PromptVisitor`]), not as an untagged enum: serde buffers an
+/// untagged value whole before trying each shape, about 32 bytes per array element, so a 32 MiB
+/// token-id array would take ~0.5 GB. Here token ids go straight into a `Vec<u32>` and their
+/// count is capped by [`MAX_PROMPT_TOKENS`].
+#[derive(Debug)]
+pub enum Prompt {
+    /// One string.
+    Text(String),
+    /// A batch of strings.
+    Texts(Vec<String>),
+    /// One prompt as token ids.
+    Tokens(Vec<u32>),
+    /// A batch of token-id prompts.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// Message content.
+#[derive(Debug)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Typed parts (text, image_url, input_audio, ...).
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part. Non-text parts contribute their raw JSON, so two different images differ.
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    /// `text`, `image_url`, ...
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    /// The text of a text part.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// An image part's payload, as sent (raw: no tree is built for it).
+    #[serde(default)]
+    pub image_url: Option<Box<RawValue>>,
+    /// An audio part's payload, as sent.
+    #[serde(default)]
+    pub input_audio: Option<Box<RawValue>>,
+}
 
 /// Reads a sequence of `T` into a vector of at most `cap` elements; `what` names them in the
 /// error. The vector grows as elements arrive (no trust in a size hint).
@@ -194,13 +245,15 @@ impl<'de> Deserialize<'de> for Content {
     }
 }
 
-/// `messages`: a list of at most [`MAX_MESSAGES`] chat messages, or null.
-pub(super) fn messages<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<Vec<ChatMessage>>, D::Error> {
-    struct Messages;
-    impl<'de> Visitor<'de> for Messages {
-        type Value = Option<Vec<ChatMessage>>;
+/// A list of at most [`MAX_MESSAGES`] items (chat messages), or null.
+pub(super) fn capped_list<'de, D, T>(d: D) -> Result<Option<Vec<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct List<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for List<T> {
+        type Value = Option<Vec<T>>;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a list of messages")
         }
@@ -211,17 +264,15 @@ pub(super) fn messages<'de, D: Deserializer<'de>>(
             capped_seq(seq, MAX_MESSAGES, "messages").map(Some)
         }
     }
-    d.deserialize_any(Messages)
+    d.deserialize_any(List(std::marker::PhantomData))
 }
 
 /// A list of at most `MAX_MESSAGES` raw items (Anthropic blocks, Responses input items), each
 /// kept as its own JSON text: rendered by reading a few fields of each, never as a tree.
-pub(super) fn raw_items<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Vec<Box<serde_json::value::RawValue>>, D::Error> {
+pub(super) fn raw_items<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Box<RawValue>>, D::Error> {
     struct Items;
     impl<'de> Visitor<'de> for Items {
-        type Value = Vec<Box<serde_json::value::RawValue>>;
+        type Value = Vec<Box<RawValue>>;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a list")
         }
@@ -234,11 +285,31 @@ pub(super) fn raw_items<'de, D: Deserializer<'de>>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::prompt::RoutingFields;
     use super::*;
 
+    /// The fields of a body these shapes parse (as `prompt::RoutingFields` has them).
+    #[derive(Deserialize)]
+    struct Body {
+        #[serde(default)]
+        prompt: Option<Prompt>,
+        #[serde(default, deserialize_with = "capped_list")]
+        #[allow(dead_code)]
+        messages: Option<Vec<Message>>,
+    }
+
+    #[derive(Deserialize)]
+    struct Message {
+        #[serde(default)]
+        #[allow(dead_code)]
+        content: Option<Content>,
+    }
+
+    fn parse(body: &[u8]) -> Result<Body, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+
     fn prompt(body: &str) -> Result<Option<Prompt>, String> {
-        RoutingFields::parse(body.as_bytes())
+        parse(body.as_bytes())
             .map(|f| f.prompt)
             .map_err(|e| e.to_string())
     }
@@ -288,10 +359,10 @@ mod tests {
     fn messages_and_parts_are_capped() {
         let many = vec!["{}"; MAX_MESSAGES + 1].join(",");
         let body = format!(r#"{{"messages":[{many}]}}"#);
-        assert!(RoutingFields::parse(body.as_bytes()).is_err());
+        assert!(parse(body.as_bytes()).is_err());
         let parts = vec![r#"{"type":"text","text":""}"#; MAX_PARTS + 1].join(",");
         let body = format!(r#"{{"messages":[{{"role":"user","content":[{parts}]}}]}}"#);
-        assert!(RoutingFields::parse(body.as_bytes()).is_err());
-        assert!(RoutingFields::parse(br#"{"messages":null,"prompt":"x"}"#).is_ok());
+        assert!(parse(body.as_bytes()).is_err());
+        assert!(parse(br#"{"messages":null,"prompt":"x"}"#).is_ok());
     }
 }

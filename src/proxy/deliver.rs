@@ -72,7 +72,12 @@ pub(crate) async fn deliver(
     let node = d.node;
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
     let mut started = Instant::now();
-    let mut p = Progress::default();
+    // A pinned request (a stored response's follow-up) starts with every other replica out.
+    let mut p = Progress {
+        tried: route_req.exclude.to_vec(),
+        ..Progress::default()
+    };
+    let pinned = !route_req.exclude.is_empty();
     let mut keys = std::mem::take(&mut d.u.keys);
     // Under `[pd]` the body is rewritten per leg: parsed once, here.
     let pd_map = match super::decide::pd_protocol(node).filter(|_| pd_capable(&d.u)) {
@@ -141,6 +146,7 @@ pub(crate) async fn deliver(
                     d: &d,
                     route_req: &hedge_req,
                     number: attempt,
+                    pinned,
                 };
                 if let Some(Served {
                     resp,
@@ -268,6 +274,8 @@ struct Attempt<'a, 'd> {
     d: &'a Delivery<'d>,
     route_req: &'a RouteRequest<'a>,
     number: u32,
+    /// Only one replica may serve it: never hedged elsewhere.
+    pinned: bool,
 }
 
 /// The replica an attempt is at (a won hedge replaces it).
@@ -349,7 +357,8 @@ impl Attempt<'_, '_> {
             &u.body
         ));
         let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
-        if self.number != 0 || !u.stream() || hedge_after.is_zero() || hedge_after >= first_byte {
+        let hedged = self.number == 0 && u.stream() && !self.pinned;
+        if !hedged || hedge_after.is_zero() || hedge_after >= first_byte {
             return tokio::time::timeout(first_byte, send).await.ok();
         }
         if let Ok(r) = tokio::time::timeout(hedge_after, &mut send).await {

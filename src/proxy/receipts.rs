@@ -7,8 +7,10 @@
 //! `input_tokens_details`) or `"cache_read_input_tokens":N` (Anthropic) in the body — without
 //! buffering or delaying a byte: each chunk is searched once, and the last 64 bytes of the one
 //! before are searched again with the new chunk's head, so a field split across chunks is
-//! still found. An answer that reports no usage (a stream without `include_usage`, an engine
-//! without prompt-token details) is counted as such, never guessed.
+//! still found. An answer counts when it ends, or when it is dropped after the report passed (a
+//! client may stop reading at `[DONE]`). An answer that ends without a report (a stream without
+//! `include_usage`, an engine without prompt-token details) is counted as such, never guessed;
+//! a broken one not at all.
 
 use memchr::memmem;
 
@@ -107,7 +109,12 @@ impl Receipt {
         self.scan.feed(chunk);
     }
 
-    /// The answer ended whole: count the prediction against the report.
+    /// Whether the engine's report has passed.
+    pub fn reported(&self) -> bool {
+        self.scan.last.is_some()
+    }
+
+    /// The answer ended: count the prediction against the report.
     pub fn finish(&self, node: &Node) {
         let branch = self.branch.map_or("pd", Branch::as_str);
         let labels = [self.api.as_str(), branch];

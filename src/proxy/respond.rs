@@ -92,7 +92,9 @@ pub(super) fn decision_header(d: &crate::core::router::Routed, dp_rank: Option<u
 /// the body ends (or the client goes away). The body's first chunk signals the ticket's first
 /// byte with the request's block `keys`, which count as cached there only if the replica
 /// accepted the request (a success status); a body that fails before its first chunk records
-/// nothing. A successful answer's receipt is read as it passes and recorded when it ends.
+/// nothing. A successful answer's receipt is read as it passes and recorded when it ends, or
+/// when the body is dropped after the engine's usage passed (a client that stops reading at
+/// `[DONE]`, or at a `Content-Length` the server then stops polling at).
 pub(super) fn respond(
     node: &Arc<Node>,
     resp: reqwest::Response,
@@ -154,7 +156,7 @@ pub(super) fn respond(
                 Some((Err(std::io::Error::other(e)), st))
             }
             Ok(None) => {
-                if let Some(r) = &st.receipt {
+                if let Some(r) = st.receipt.take() {
                     r.finish(&st.node);
                 }
                 None
@@ -193,8 +195,19 @@ struct BodyState {
     _span: Option<Span>,
 }
 
+impl Drop for BodyState {
+    fn drop(&mut self) {
+        // Not polled to its end: the answer still counts if the engine's report went by.
+        if let Some(r) = self.receipt.take().filter(Receipt::reported) {
+            r.finish(&self.node);
+        }
+    }
+}
+
 impl BodyState {
-    fn aborted(&self, why: &str) {
+    fn aborted(&mut self, why: &str) {
+        // A broken answer leaves no receipt: its usage (if any) is not what was served.
+        self.receipt = None;
         let i = self.ticket.replica();
         let id: &str = &self.ticket.endpoint().id;
         tracing::warn!(replica = %id, error = %why, "response stream aborted");

@@ -32,8 +32,8 @@ const LOOKUP_FANOUT: usize = 256;
 /// The longest response id accepted.
 const MAX_ID_BYTES: usize = 256;
 
-/// A response id checked to be safe in a URL path.
-fn checked_id(id: &str) -> Result<&str, ApiError> {
+/// A response id checked to be safe in a URL path; `param` names where it came from.
+fn checked_id<'a>(id: &'a str, param: &'static str) -> Result<&'a str, ApiError> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID_BYTES
         && id
@@ -47,12 +47,12 @@ fn checked_id(id: &str) -> Result<&str, ApiError> {
                 "'{}' is not a response id",
                 id.escape_debug().take(64).collect::<String>()
             ),
-            Some("previous_response_id"),
+            Some(param),
         ))
     }
 }
 
-/// 404: no replica this node can reach stores `id`.
+/// 404 for a follow-up: no replica this node can reach stores `id`.
 pub(crate) fn not_found(id: &str) -> ApiError {
     ApiError {
         param: Some("previous_response_id"),
@@ -67,13 +67,33 @@ pub(crate) fn not_found(id: &str) -> ApiError {
     }
 }
 
+/// 404 for a retrieve or cancel: no replica this node can reach stores `id`.
+fn retrieve_not_found(id: &str) -> ApiError {
+    ApiError {
+        param: Some("response_id"),
+        ..ApiError::not_found(
+            "response_not_found",
+            format!(
+                "Response with id '{id}' not found: no replica this node can reach stores it \
+                 (the replica that served it is gone, or it was created with store=false)"
+            ),
+        )
+    }
+}
+
 /// The view index of the replica that stores response `id` (of `model`, when named), if any.
 pub(crate) async fn locate(
     node: &Arc<Node>,
     model: Option<&str>,
     id: &str,
 ) -> Result<Option<usize>, ApiError> {
-    let id = checked_id(id)?;
+    // A follow-up names the model; a retrieve or cancel does not.
+    let param = if model.is_some() {
+        "previous_response_id"
+    } else {
+        "response_id"
+    };
+    let id = checked_id(id, param)?;
     let state = node.state();
     let remembered = lock(node).get(id).cloned();
     if let Some(rid) = remembered {
@@ -153,9 +173,14 @@ async fn relay_to_holder(
     let from_peer = conn_info(&req).is_some_and(|c| c.peer);
     // With API keys, only a client with a key may read or cancel a stored response.
     super::identify::identify(node, req.headers(), from_peer)?;
-    let i = locate(node, None, id).await?.ok_or_else(|| not_found(id))?;
+    let i = locate(node, None, id)
+        .await?
+        .ok_or_else(|| retrieve_not_found(id))?;
     let state = node.state();
-    let r = state.replicas.get(i).ok_or_else(|| not_found(id))?;
+    let r = state
+        .replicas
+        .get(i)
+        .ok_or_else(|| retrieve_not_found(id))?;
     let url = format!("{}/v1/responses/{id}{suffix}", r.url.trim_end_matches('/'));
     let mut headers = HeaderMap::new();
     for (k, v) in req.headers() {

@@ -3,6 +3,7 @@
 use std::str::FromStr;
 
 use super::agent::{agent, AgentParams};
+use super::agentic::{agentic, default_agentic_dir, AgenticParams};
 use super::burst::{burst, BurstParams};
 use super::chat::{chat, ChatParams};
 use super::from_trace::from_trace;
@@ -18,16 +19,19 @@ use crate::bench::trace::{self, default_trace};
 #[derive(Clone, Debug, clap::Args)]
 pub struct WorkloadArgs {
     /// Workload: `trace[:path]` (Mooncake JSONL; default the shipped conversation trace),
-    /// `system-prompt`, `chat`, `rag`, `agent`, `zipf`, `tenants` or `burst`.
+    /// `agentic[:path]` (Claude Code conversations, a directory or one file; default the shipped
+    /// ones in data/traces/agentic), `system-prompt`, `chat`, `rag`, `agent`, `zipf`, `tenants`
+    /// or `burst`.
     #[arg(long, default_value = "trace")]
     pub workload: WorkloadKind,
     /// Mean arrival rate in requests/s. Synthetic families: the Poisson rate they are generated
-    /// at (default 20). Trace: its arrival times are rescaled to this mean rate (default: as
-    /// recorded, 3.4 req/s for the conversation trace).
+    /// at (default 20). Trace and agentic: arrival times are rescaled to this mean rate
+    /// (default: as recorded, 3.4 req/s for the conversation trace; agentic: as recorded, with
+    /// its gap_s and max_pause_s).
     #[arg(long)]
     pub rate: Option<f64>,
     /// Requests: the number to generate (synthetic, default 2,000) or to replay from the start
-    /// of the trace (default all).
+    /// of the trace or the agentic conversations (default all).
     #[arg(long)]
     pub requests: Option<usize>,
     /// Seed of the generators (and of every other random choice of the command).
@@ -37,8 +41,11 @@ pub struct WorkloadArgs {
     /// replay the recorded bursts).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub dequantize: bool,
-    /// Synthetic families: set one parameter of the family, `KEY=VALUE` (repeatable). Ranges are
-    /// `LO..=HI`, `LO-HI` or one number. Keys — system-prompt: groups, prompts_per_group,
+    /// Synthetic and agentic families: set one parameter of the family, `KEY=VALUE`
+    /// (repeatable). Ranges are `LO..=HI`, `LO-HI` or one number. Keys — agentic:
+    /// conversations (0 = all), gap_s (mean s between conversation starts), max_pause_s (cap on
+    /// a pause within one), prompt_scale (tokens per block × this, (0, 1]), max_prompt_tokens
+    /// (keep the first N; 0 = all), max_output_tokens; system-prompt: groups, prompts_per_group,
     /// system_tokens, question_tokens, output_tokens; chat: concurrent_sessions, turns,
     /// system_tokens, user_tokens, answer_tokens; rag: documents, zipf_s, chunks_per_prompt,
     /// chunk_tokens, system_tokens, question_tokens, output_tokens; agent: concurrent_runs, steps,
@@ -131,6 +138,14 @@ macro_rules! family_params {
     (@parse range $key:ident $value:ident) => { parse_range($key, $value)? };
 }
 
+family_params!(AgenticParams {
+    num conversations,
+    num gap_s,
+    num max_pause_s,
+    num prompt_scale,
+    num max_prompt_tokens,
+    num max_output_tokens,
+});
 family_params!(SystemPromptParams {
     num groups,
     num prompts_per_group,
@@ -208,6 +223,10 @@ pub fn build_with(
             }
             return build(kind, gen);
         }
+        WorkloadKind::Agentic(path) => {
+            let path = path.clone().unwrap_or_else(default_agentic_dir);
+            agentic(&path, &FamilyParams::from_pairs(f, pairs)?, gen)?
+        }
         WorkloadKind::SystemPrompt => system_prompt(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Chat => chat(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Rag => rag(&FamilyParams::from_pairs(f, pairs)?, gen)?,
@@ -251,6 +270,19 @@ impl WorkloadArgs {
                     name: "trace".into(),
                     requests,
                 })
+            }
+            WorkloadKind::Agentic(_) => {
+                // All of every conversation unless cut; the rate only when given.
+                let all = GenParams {
+                    requests: self.requests.unwrap_or(usize::MAX),
+                    ..gen
+                };
+                let mut w = build_with(&self.workload, &all, &self.family_params)?;
+                if let Some(rate) = self.rate {
+                    gen.validate()?;
+                    retime(&mut w.requests, rate);
+                }
+                Ok(w)
             }
             kind => build_with(kind, &gen, &self.family_params),
         }
@@ -332,6 +364,43 @@ mod tests {
             };
             assert!(a.load().is_ok(), "{k}");
         }
+    }
+
+    #[test]
+    fn agentic_args_take_family_params_cut_and_retime() {
+        let args = WorkloadArgs {
+            workload: WorkloadKind::Agentic(None),
+            rate: None,
+            requests: None,
+            seed: 1,
+            dequantize: true,
+            family_params: vec!["conversations=4".into(), "prompt_scale=0.25".into()],
+        };
+        let w = args.load().unwrap();
+        let sessions: HashSet<_> = w.requests.iter().map(|r| r.session.clone()).collect();
+        assert_eq!((w.name.as_str(), sessions.len()), ("agentic", 4));
+        assert!(w
+            .requests
+            .iter()
+            .all(|r| r.segments.iter().all(|s| s.1 <= 16)));
+        let cut = WorkloadArgs {
+            rate: Some(2.0),
+            requests: Some(20),
+            ..args.clone()
+        }
+        .load()
+        .unwrap();
+        assert_eq!(cut.requests.len(), 20);
+        let span = cut.requests[19].at_s - cut.requests[0].at_s;
+        assert!((19.0 / span - 2.0).abs() < 1e-6, "rate {}", 19.0 / span);
+        let e = WorkloadArgs {
+            family_params: vec!["gap=3".into()],
+            ..args
+        }
+        .load()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("conversations, gap_s"), "{e}");
     }
 
     #[test]

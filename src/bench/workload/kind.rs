@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use super::agent::{agent, AgentParams};
+use super::agentic::{agentic, default_agentic_dir, AgenticParams};
 use super::burst::{burst, BurstParams};
 use super::chat::{chat, ChatParams};
 use super::from_trace::from_trace;
@@ -16,11 +17,14 @@ use super::zipf::{zipf, ZipfParams};
 use crate::bench::trace::{self, default_trace};
 
 /// Which workload to build, as given on the command line:
-/// `trace[:path] | system-prompt | chat | rag | agent | zipf | tenants | burst`.
+/// `trace[:path] | agentic[:path] | system-prompt | chat | rag | agent | zipf | tenants | burst`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WorkloadKind {
     /// The Mooncake trace; `None` = the conversation trace shipped in `data/traces/`.
     Trace(Option<PathBuf>),
+    /// Real agentic conversations ([`AgenticParams`]) from a directory or one file; `None` =
+    /// the ones shipped in `data/traces/agentic/`.
+    Agentic(Option<PathBuf>),
     /// Shared system prompts ([`SystemPromptParams`]).
     SystemPrompt,
     /// Multi-turn chat ([`ChatParams`]).
@@ -52,6 +56,7 @@ impl WorkloadKind {
     pub fn name(&self) -> &'static str {
         match self {
             WorkloadKind::Trace(_) => "trace",
+            WorkloadKind::Agentic(_) => "agentic",
             WorkloadKind::SystemPrompt => "system-prompt",
             WorkloadKind::Chat => "chat",
             WorkloadKind::Rag => "rag",
@@ -67,6 +72,7 @@ impl fmt::Display for WorkloadKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WorkloadKind::Trace(Some(p)) => write!(f, "trace:{}", p.display()),
+            WorkloadKind::Agentic(Some(p)) => write!(f, "agentic:{}", p.display()),
             other => f.write_str(other.name()),
         }
     }
@@ -82,8 +88,15 @@ impl FromStr for WorkloadKind {
             }
             return Ok(WorkloadKind::Trace(Some(PathBuf::from(path))));
         }
+        if let Some(path) = s.strip_prefix("agentic:") {
+            if path.is_empty() {
+                return Err("agentic: needs a path (or use plain `agentic`)".into());
+            }
+            return Ok(WorkloadKind::Agentic(Some(PathBuf::from(path))));
+        }
         match s {
             "trace" => Ok(WorkloadKind::Trace(None)),
+            "agentic" => Ok(WorkloadKind::Agentic(None)),
             "system-prompt" => Ok(WorkloadKind::SystemPrompt),
             "chat" => Ok(WorkloadKind::Chat),
             "rag" => Ok(WorkloadKind::Rag),
@@ -92,7 +105,7 @@ impl FromStr for WorkloadKind {
             "tenants" => Ok(WorkloadKind::Tenants),
             "burst" => Ok(WorkloadKind::Burst),
             other => Err(format!(
-                "unknown workload '{other}' (expected trace[:path], system-prompt, chat, rag, agent, zipf, tenants or burst)"
+                "unknown workload '{other}' (expected trace[:path], agentic[:path], system-prompt, chat, rag, agent, zipf, tenants or burst)"
             )),
         }
     }
@@ -100,12 +113,17 @@ impl FromStr for WorkloadKind {
 
 /// Builds a workload with the families' default parameters. For the trace, `gen` is ignored:
 /// the whole trace is returned with dequantised arrivals (use `WorkloadArgs::load` in `args.rs` to cut or
-/// retime it).
+/// retime it). The agentic conversations take `gen`'s seed and request cap, not its rate (their
+/// times are recorded ones).
 pub fn build(kind: &WorkloadKind, gen: &GenParams) -> Result<Workload, WorkloadError> {
     let requests = match kind {
         WorkloadKind::Trace(path) => {
             let path = path.clone().unwrap_or_else(default_trace);
             from_trace(&trace::load(&path)?, true)
+        }
+        WorkloadKind::Agentic(path) => {
+            let path = path.clone().unwrap_or_else(default_agentic_dir);
+            agentic(&path, &AgenticParams::default(), gen)?
         }
         WorkloadKind::SystemPrompt => system_prompt(&SystemPromptParams::default(), gen)?,
         WorkloadKind::Chat => chat(&ChatParams::default(), gen)?,
@@ -143,6 +161,13 @@ mod tests {
             "burst".parse::<WorkloadKind>().unwrap(),
             WorkloadKind::Burst
         );
+        for k in [
+            WorkloadKind::Agentic(None),
+            WorkloadKind::Agentic(Some("/x/agentic".into())),
+        ] {
+            assert_eq!(k.to_string().parse::<WorkloadKind>().unwrap(), k);
+        }
+        assert!("agentic:".parse::<WorkloadKind>().is_err());
         assert!("nope".parse::<WorkloadKind>().is_err());
         assert!(chat(
             &ChatParams::default(),

@@ -10,6 +10,8 @@
 //!
 //! Families (each seeded, arrivals Poisson at a rate; parameters and defaults on the structs):
 //! - [`WorkloadKind::Trace`]: the Mooncake trace (512-token segments, last one partial).
+//! - [`AgenticParams`] (`WorkloadKind::Agentic`): real Claude Code conversations, one session
+//!   each, 64-token segments, staggered starts (not in `WorkloadKind::SYNTHETIC`: read from files).
 //! - [`SystemPromptParams`]: groups × prompts sharing one system prompt per group.
 //! - [`ChatParams`]: multi-turn sessions whose context grows turn by turn (session header).
 //! - [`RagParams`]: k document chunks drawn by Zipf popularity, then a question.
@@ -22,10 +24,13 @@
 //!   (tenant header).
 //!
 //! Layout: [`request`] (the types), [`synth`] (what the generators share), one file per family,
-//! [`from_trace`](mod@from_trace), [`kind`] (names and defaults), [`args`] (the flags),
+//! [`from_trace`](mod@from_trace), [`agentic`](mod@agentic) + [`agentic_file`] (the conversation
+//! files), [`kind`] (names and defaults), [`args`] (the flags),
 //! [`ideal`] (the best hit ratio possible).
 
 pub mod agent;
+pub mod agentic;
+pub mod agentic_file;
 pub mod args;
 pub mod burst;
 pub mod chat;
@@ -40,6 +45,7 @@ pub mod tenants;
 pub mod zipf;
 
 pub use agent::{agent, AgentParams};
+pub use agentic::{agentic, default_agentic_dir, AgenticParams};
 pub use args::{build_with, FamilyParams, WorkloadArgs};
 pub use burst::{burst, BurstParams};
 pub use chat::{chat, ChatParams};

@@ -60,6 +60,14 @@ pub enum WorkloadError {
     /// A parameter is out of range.
     #[error("invalid workload parameter: {0}")]
     Invalid(String),
+    /// An agentic conversation file cannot be read or is not a conversation.
+    #[error("agentic trace {path}: {reason}")]
+    Agentic {
+        /// The file (or directory) at fault.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// What every family takes from the command line.

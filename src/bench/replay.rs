@@ -143,6 +143,50 @@ pub struct MetricsDelta {
     pub queries: f64,
 }
 
+/// Receipt counter deltas (`kvmesh_receipt_*`) scraped from kvmesh targets: per answered
+/// request, the prompt tokens the node predicted cached against what the engine reported.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReceiptDelta {
+    /// Answers with an engine report.
+    pub answers: f64,
+    /// Cached tokens the nodes predicted, over those answers.
+    pub predicted: f64,
+    /// Cached tokens the engines reported.
+    pub reported: f64,
+    /// min(predicted, reported) per answer, summed.
+    pub matched: f64,
+}
+
+impl ReceiptDelta {
+    /// The receipt counters in one Prometheus exposition, summed over label sets.
+    pub fn of(text: &str) -> Self {
+        let mut d = ReceiptDelta::default();
+        for line in text.lines() {
+            if let Ok(Some(s)) = crate::replicas::prom::parse_line(line) {
+                match s.name {
+                    "kvmesh_receipts_total" if s.labels.contains("outcome=\"reported\"") => {
+                        d.answers += s.value
+                    }
+                    "kvmesh_receipt_predicted_tokens_total" => d.predicted += s.value,
+                    "kvmesh_receipt_reported_tokens_total" => d.reported += s.value,
+                    "kvmesh_receipt_matched_tokens_total" => d.matched += s.value,
+                    _ => {}
+                }
+            }
+        }
+        d
+    }
+
+    fn minus(self, before: Self) -> Self {
+        ReceiptDelta {
+            answers: (self.answers - before.answers).max(0.0),
+            predicted: (self.predicted - before.predicted).max(0.0),
+            reported: (self.reported - before.reported).max(0.0),
+            matched: (self.matched - before.matched).max(0.0),
+        }
+    }
+}
+
 /// One replay's raw results.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunResult {
@@ -163,6 +207,9 @@ pub struct RunResult {
     pub replicas: Vec<String>,
     /// Prefix-cache counter deltas, when metrics URLs were given and answered.
     pub metrics: Option<MetricsDelta>,
+    /// Receipt counter deltas, when every target is a kvmesh node that answered `/metrics`.
+    #[serde(default)]
+    pub receipts: Option<ReceiptDelta>,
     /// Hot-prefix warm-ups the fleet's nodes sent (fleet runs; 0 otherwise).
     #[serde(default)]
     pub warmups: u64,
@@ -249,6 +296,7 @@ pub async fn replay(
     let work: Arc<[WorkloadRequest]> = workload[..n].into();
     let choice = draw_targets(n, targets.len(), &cfg.target_weights, cfg.seed)?;
     let before = scrape_all(&client, &cfg.metrics_urls).await;
+    let receipts_before = scrape_receipts(&client, &targets).await;
 
     let shared = Arc::new(Shared {
         client,
@@ -306,6 +354,13 @@ pub async fn replay(
     }
     records.sort_by_key(|r| r.index);
     let after = scrape_all(&shared.client, &cfg.metrics_urls).await;
+    let receipts = match (
+        receipts_before,
+        scrape_receipts(&shared.client, &targets).await,
+    ) {
+        (Some(b), Some(a)) => Some(a.minus(b)),
+        _ => None,
+    };
     let metrics = match (before, after) {
         (Some(b), Some(a)) => Some(MetricsDelta {
             hits: (a.hits - b.hits).max(0.0),
@@ -332,6 +387,7 @@ pub async fn replay(
         time_scale: cfg.time_scale,
         replicas: Vec::new(),
         metrics,
+        receipts,
         warmups: 0,
         warmup_tokens: 0,
     })
@@ -568,6 +624,31 @@ async fn scrape_all(client: &reqwest::Client, urls: &[String]) -> Option<Metrics
     Some(sum)
 }
 
+/// The receipt counters summed over `targets` (kvmesh nodes); `None` if any does not answer or
+/// exposes none (another router).
+async fn scrape_receipts(client: &reqwest::Client, targets: &[String]) -> Option<ReceiptDelta> {
+    let mut sum = ReceiptDelta::default();
+    for t in targets {
+        let resp = client
+            .get(format!("{t}/metrics"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())?;
+        let text = resp.text().await.ok()?;
+        if !text.contains("kvmesh_receipts_total") {
+            return None;
+        }
+        let d = ReceiptDelta::of(&text);
+        sum.answers += d.answers;
+        sum.predicted += d.predicted;
+        sum.reported += d.reported;
+        sum.matched += d.matched;
+    }
+    Some(sum)
+}
+
 /// The prefix-cache counters in one Prometheus exposition, summed over label sets.
 pub fn prefix_counters(text: &str) -> MetricsDelta {
     let mut d = MetricsDelta::default();
@@ -660,6 +741,27 @@ mod tests {
                 queries: 40.0
             }
         );
+    }
+
+    #[test]
+    fn receipts_sum_label_sets_and_count_only_reported_answers() {
+        let text = "kvmesh_receipts_total{api=\"chat\",branch=\"cache\",outcome=\"reported\"} 3\n\
+                    kvmesh_receipts_total{api=\"chat\",branch=\"cache\",outcome=\"no_usage\"} 9\n\
+                    kvmesh_receipt_predicted_tokens_total{api=\"chat\",branch=\"cache\"} 100\n\
+                    kvmesh_receipt_predicted_tokens_total{api=\"messages\",branch=\"load\"} 20\n\
+                    kvmesh_receipt_reported_tokens_total{api=\"chat\",branch=\"cache\"} 90\n\
+                    kvmesh_receipt_matched_tokens_total{api=\"chat\",branch=\"cache\"} 80\n";
+        let d = ReceiptDelta::of(text);
+        assert_eq!(
+            d,
+            ReceiptDelta {
+                answers: 3.0,
+                predicted: 120.0,
+                reported: 90.0,
+                matched: 80.0
+            }
+        );
+        assert_eq!(d.minus(d), ReceiptDelta::default());
     }
 
     #[tokio::test]

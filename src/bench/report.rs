@@ -78,6 +78,8 @@ pub struct BenchReport {
     pub tokens_max_over_mean: f64,
     /// Multiply wall times by this for model time (1 = real endpoints).
     pub time_scale: f64,
+    /// The kvmesh nodes' receipts for the run, when the targets were kvmesh nodes.
+    pub receipts: Option<super::replay::ReceiptDelta>,
 }
 
 /// Summarises one run.
@@ -151,6 +153,7 @@ pub fn summarize(run: &RunResult) -> BenchReport {
         tokens_max_over_mean: max_over_mean(&tok_counts),
         per_replica,
         time_scale: scale,
+        receipts: run.receipts,
     }
 }
 
@@ -204,6 +207,27 @@ pub fn markdown(reports: &[BenchReport]) -> String {
             r.itl.p99 * 1000.0,
             r.pd_pairs
         ));
+    }
+    if reports.iter().any(|r| r.receipts.is_some()) {
+        s.push_str(
+            "\nReceipts (the nodes' predicted cached tokens against the engines' reports):\n\n\
+             | run | answers | predicted | reported | matched | precision | recall |\n\
+             |---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for r in reports {
+            if let Some(d) = r.receipts {
+                s.push_str(&format!(
+                    "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} |\n",
+                    r.label,
+                    d.answers,
+                    d.predicted,
+                    d.reported,
+                    d.matched,
+                    ratio(d.matched, d.predicted),
+                    ratio(d.matched, d.reported),
+                ));
+            }
+        }
     }
     s.push_str("\nRequests per replica:\n\n");
     for r in reports {
@@ -492,6 +516,7 @@ mod tests {
             wall_s: 2.0,
             time_scale: 10.0,
             replicas: vec!["a".into(), "b".into(), "c".into()],
+            receipts: None,
             metrics: Some(MetricsDelta {
                 hits: 1.0,
                 queries: 4.0,

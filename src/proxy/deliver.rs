@@ -38,7 +38,7 @@ const LIKELY_REFUSED_BODY_BYTES: usize = 1 << 20;
 /// What a request's attempts share.
 pub(crate) struct Delivery<'a> {
     pub node: &'a Arc<Node>,
-    pub u: Understood,
+    pub u: &'a Understood,
     /// Headers to send upstream (hop-by-hop removed, auth replaced).
     pub headers: HeaderMap,
     pub tenant: Option<&'a str>,
@@ -64,10 +64,12 @@ struct Served {
     sent_at: Instant,
 }
 
-/// Serves `route_req` (built over `d.u`) with up to `retry.max_attempts` attempts.
+/// Serves `route_req` (built over `d.u`, whose block keys are `keys`) with up to
+/// `retry.max_attempts` attempts.
 pub(crate) async fn deliver(
-    mut d: Delivery<'_>,
+    d: Delivery<'_>,
     route_req: RouteRequest<'_>,
+    mut keys: Vec<BlockKey>,
 ) -> Result<Response, ApiError> {
     let node = d.node;
     let budget = Duration::from_millis(node.cfg.retry.budget_ms);
@@ -78,9 +80,8 @@ pub(crate) async fn deliver(
         ..Progress::default()
     };
     let pinned = !route_req.exclude.is_empty();
-    let mut keys = std::mem::take(&mut d.u.keys);
     // Under `[pd]` the body is rewritten per leg: parsed once, here.
-    let pd_map = match super::decide::pd_protocol(node).filter(|_| pd_capable(&d.u)) {
+    let pd_map = match super::decide::pd_protocol(node).filter(|_| pd_capable(d.u)) {
         Some(_) => Some(pd::json_object(&d.u.body).ok_or_else(pd::not_an_object)?),
         None => None,
     };

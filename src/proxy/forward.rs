@@ -170,7 +170,7 @@ async fn pipeline(
         .is_some_and(|c| c.peer);
     let who = identify(node, &parts.headers, from_peer)?;
     let (body, _budget) = super::body::read(node, body, &parts.headers).await?;
-    let u = understand(node, api, path, body, who.tenant).await?;
+    let mut u = understand(node, api, path, body, who.tenant).await?;
     if let Some(t) = trace {
         t.request(u.model(), who.tenant, u.prompt_tokens);
     }
@@ -183,49 +183,33 @@ async fn pipeline(
             .as_ref()
             .and_then(|p| header_str(&parts.headers, &p.header)),
     );
-    let headers = upstream_headers(node, &parts.headers);
-    // Built over the keys `deliver` takes from `u`: it reborrows them per attempt.
-    let model = u.model().to_owned();
-    let session = who.session.or(u.fields.user()).map(str::to_owned);
-    let affinity = who
-        .affinity_key
-        .or(u.fields.affinity_key())
-        .map(str::to_owned);
-    let route_req = route_request(
-        &who,
-        &u,
-        &model,
-        session.as_deref(),
-        affinity.as_deref(),
-        pinned.as_deref(),
-    );
+    // The keys travel apart (they end up in the answer); the rest is read in place.
+    let keys = std::mem::take(&mut u.keys);
+    let route_req = route_request(&who, &u, pinned.as_deref());
     let d = Delivery {
         node,
-        headers,
+        headers: upstream_headers(node, &parts.headers),
         tenant: who.tenant,
         class,
         trace,
-        u,
+        u: &u,
     };
-    deliver(d, route_req).await
+    deliver(d, route_req, keys).await
 }
 
 /// What the router is asked; `keys` are filled in per attempt by `deliver`. `pinned`: every
 /// replica but a stored response's holder, excluded, and no forwarding.
 fn route_request<'a>(
     who: &Identity<'a>,
-    u: &Understood,
-    model: &'a str,
-    session: Option<&'a str>,
-    affinity_key: Option<&'a str>,
+    u: &'a Understood,
     pinned: Option<&'a [usize]>,
 ) -> RouteRequest<'a> {
     RouteRequest {
-        model,
+        model: u.model(),
         keys: &[],
         prompt_tokens: u.prompt_tokens,
-        session,
-        affinity_key,
+        session: who.session.or(u.fields.user()),
+        affinity_key: who.affinity_key.or(u.fields.affinity_key()),
         tenant: who.tenant,
         // A request another node forwarded is served here or refused, never forwarded again;
         // a stored response's follow-up is served by its holder or refused.

@@ -24,32 +24,47 @@ const CARRY: usize = 64;
 /// The usage fields that count prompt tokens served from cache.
 const NEEDLES: [&[u8]; 2] = [b"\"cached_tokens\"", b"\"cache_read_input_tokens\""];
 
-/// The engine's reported cached tokens, found in a byte stream.
-#[derive(Debug, Default)]
+/// The engine's reported cached tokens, found in a byte stream (no allocation: the carried
+/// bytes live in the scan itself).
+#[derive(Debug)]
 pub(crate) struct UsageScan {
-    carry: Vec<u8>,
+    /// The stream's last bytes (at most [`CARRY`]), `carry[..carried]`.
+    carry: [u8; CARRY],
+    carried: usize,
     /// The last value seen, if any.
     pub last: Option<u64>,
+}
+
+impl Default for UsageScan {
+    fn default() -> Self {
+        UsageScan {
+            carry: [0; CARRY],
+            carried: 0,
+            last: None,
+        }
+    }
 }
 
 impl UsageScan {
     /// Searches one more chunk of the answer.
     pub fn feed(&mut self, chunk: &[u8]) {
-        let mut joined = std::mem::take(&mut self.carry);
-        let carried = joined.len();
-        joined.extend_from_slice(&chunk[..chunk.len().min(CARRY)]);
+        // The carried bytes and the chunk's head, for a field split between them.
+        let mut joined = [0u8; 2 * CARRY];
+        let head = chunk.len().min(CARRY);
+        joined[..self.carried].copy_from_slice(&self.carry[..self.carried]);
+        joined[self.carried..self.carried + head].copy_from_slice(&chunk[..head]);
         // Only matches that start in the carried bytes: the rest are the chunk's own.
-        self.search(&joined, carried);
+        self.search(&joined[..self.carried + head], self.carried);
         self.search(chunk, chunk.len());
         // The stream's last bytes, whatever the chunks' sizes.
-        if chunk.len() >= CARRY {
-            joined.clear();
-            joined.extend_from_slice(&chunk[chunk.len() - CARRY..]);
+        let tail = if chunk.len() >= CARRY {
+            &chunk[chunk.len() - CARRY..]
         } else {
-            let from = joined.len().saturating_sub(CARRY);
-            joined.drain(..from);
-        }
-        self.carry = joined;
+            let total = self.carried + head;
+            &joined[total.saturating_sub(CARRY)..total]
+        };
+        self.carry[..tail.len()].copy_from_slice(tail);
+        self.carried = tail.len();
     }
 
     /// Reads every needle starting before `starts_before` whose number ends inside `hay`.

@@ -240,11 +240,9 @@ pub enum ReplayError {
     },
 }
 
-/// Replays `workload` against `cfg.targets` and returns every request's record.
-pub async fn replay(
-    workload: &[WorkloadRequest],
-    cfg: &ReplayConfig,
-) -> Result<RunResult, ReplayError> {
+/// Refuses a replay that cannot run: no target, a speedup or concurrency out of range, or a
+/// workload that would take more than a year.
+fn check(workload: &[WorkloadRequest], cfg: &ReplayConfig) -> Result<(), ReplayError> {
     if cfg.targets.is_empty() {
         return Err(ReplayError::NoTargets);
     }
@@ -266,10 +264,15 @@ pub async fn replay(
             )));
         }
     }
+    Ok(())
+}
+
+/// The load generator's HTTP client.
+fn http_client(cfg: &ReplayConfig) -> Result<reqwest::Client, ReplayError> {
     crate::proxy::install_crypto_provider();
     // HTTP/1.1, a connection per request in flight, as the load generators it is compared
     // with (and the figures measured before reqwest's HTTP/2 was built in).
-    let client = reqwest::Client::builder()
+    reqwest::Client::builder()
         .http1_only()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(cfg.concurrency)
@@ -279,7 +282,16 @@ pub async fn replay(
         .pool_idle_timeout(Duration::from_secs(4))
         .connect_timeout(Duration::from_secs(5))
         .build()
-        .map_err(ReplayError::Client)?;
+        .map_err(ReplayError::Client)
+}
+
+/// Replays `workload` against `cfg.targets` and returns every request's record.
+pub async fn replay(
+    workload: &[WorkloadRequest],
+    cfg: &ReplayConfig,
+) -> Result<RunResult, ReplayError> {
+    check(workload, cfg)?;
+    let client = http_client(cfg)?;
     let targets: Vec<String> = cfg
         .targets
         .iter()
@@ -637,7 +649,8 @@ async fn scrape_receipts(client: &reqwest::Client, targets: &[String]) -> Option
             .ok()
             .filter(|r| r.status().is_success())?;
         let text = resp.text().await.ok()?;
-        if !text.contains("kvmesh_receipts_total") {
+        // A kvmesh node (its receipt series appear with the first answer); not another router.
+        if !text.contains("kvmesh_in_flight_total") {
             return None;
         }
         let d = ReceiptDelta::of(&text);

@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use super::mesh_state::MeshStateJson;
-use super::state::Node;
+use super::state::{Endpoint, Node};
 use crate::core::cache_model::CacheSource;
 use crate::core::view::Health;
 
@@ -27,6 +27,26 @@ impl Node {
                 .remote_regions
                 .values()
                 .any(|o| o.models.iter().any(|m| m.open > 0))
+    }
+
+    /// The view index and address of every replica not unhealthy that serves `model` (any
+    /// model when `None`): where a stored response may be (`proxy/stored_responses.rs`).
+    pub fn serving(&self, model: Option<&str>) -> Vec<(usize, Endpoint)> {
+        let indexes: Vec<usize> = {
+            let core = self.lock();
+            core.view
+                .replicas()
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.health != Health::Unhealthy)
+                .filter(|(_, r)| model.is_none_or(|m| r.info.models.iter().any(|x| x == m)))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        indexes
+            .into_iter()
+            .filter_map(|i| Some((i, self.endpoint(i)?)))
+            .collect()
     }
 
     /// The union of the models of every replica still in the registry and of every other

@@ -230,13 +230,13 @@ async fn pin_to_stored_response(
     let holder = super::stored_responses::locate(node, Some(u.model()), id)
         .await?
         .ok_or_else(|| super::stored_responses::not_found(id))?;
-    let replicas = node.state().replicas.len();
+    let replicas = node.replica_count();
     Ok(Some((0..replicas).filter(|&i| i != holder).collect()))
 }
 
 /// The client's headers as the replica gets them: hop-by-hop ones removed; with API keys, the
 /// client's key (for this node) replaced by the operator's replica token, if any.
-fn upstream_headers(node: &Node, client: &HeaderMap) -> HeaderMap {
+pub(super) fn upstream_headers(node: &Node, client: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(client.len());
     for (k, v) in client {
         if !is_hop_header(k) {

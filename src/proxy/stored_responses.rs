@@ -16,13 +16,12 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use super::error::ApiError;
 use super::listener::conn_info;
-use super::respond::is_hop_header;
 use crate::node::Node;
 
 /// How long one replica may take to say whether it stores a response.
@@ -94,34 +93,33 @@ pub(crate) async fn locate(
         "response_id"
     };
     let id = checked_id(id, param)?;
-    let state = node.state();
+    let candidates = node.serving(model);
     let remembered = lock(node).get(id).cloned();
     if let Some(rid) = remembered {
-        if let Some(i) = state
-            .replicas
-            .iter()
-            .position(|r| r.id == rid && r.health != "unhealthy")
-        {
+        if let Some(&(i, _)) = candidates.iter().find(|(_, e)| *e.id == *rid) {
             return Ok(Some(i));
         }
     }
-    let mut asks: FuturesUnordered<_> = state
-        .replicas
+    let auth = replica_auth(node);
+    let mut asks: FuturesUnordered<_> = candidates
         .iter()
-        .enumerate()
-        .filter(|(_, r)| r.health != "unhealthy")
-        .filter(|(_, r)| model.is_none_or(|m| r.models.iter().any(|x| x == m)))
         .take(LOOKUP_FANOUT)
-        .map(|(i, r)| {
-            let url = format!("{}/v1/responses/{id}", r.url.trim_end_matches('/'));
-            let ask = node.client.get(url).timeout(LOOKUP_TIMEOUT).send();
-            async move { (i, ask.await.is_ok_and(|a| a.status().is_success())) }
+        .map(|(i, e)| {
+            let mut ask = node
+                .client
+                .get(format!("{}/v1/responses/{id}", e.base))
+                .timeout(LOOKUP_TIMEOUT);
+            if let Some(v) = &auth {
+                ask = ask.header(header::AUTHORIZATION, v.clone());
+            }
+            let ask = ask.send();
+            async move { (*i, ask.await.is_ok_and(|a| a.status().is_success())) }
         })
         .collect();
     while let Some((i, has)) = asks.next().await {
         if has {
-            if let Some(r) = state.replicas.get(i) {
-                lock(node).put(id.to_owned(), r.id.clone());
+            if let Some((_, e)) = candidates.iter().find(|(j, _)| *j == i) {
+                lock(node).put(id.to_owned(), e.id.to_string());
             }
             node.metrics
                 .response_lookups
@@ -135,6 +133,12 @@ pub(crate) async fn locate(
         .with_label_values(&["missing"])
         .inc();
     Ok(None)
+}
+
+/// The operator's token for replicas (`[auth]`), as an `Authorization` value.
+fn replica_auth(node: &Node) -> Option<axum::http::HeaderValue> {
+    let t = node.secrets.replica_token.as_deref()?;
+    axum::http::HeaderValue::from_str(&format!("Bearer {t}")).ok()
 }
 
 fn lock(node: &Node) -> std::sync::MutexGuard<'_, lru::LruCache<String, String>> {
@@ -176,26 +180,10 @@ async fn relay_to_holder(
     let i = locate(node, None, id)
         .await?
         .ok_or_else(|| retrieve_not_found(id))?;
-    let state = node.state();
-    let r = state
-        .replicas
-        .get(i)
-        .ok_or_else(|| retrieve_not_found(id))?;
-    let url = format!("{}/v1/responses/{id}{suffix}", r.url.trim_end_matches('/'));
-    let mut headers = HeaderMap::new();
-    for (k, v) in req.headers() {
-        if !is_hop_header(k)
-            && k != header::AUTHORIZATION
-            && k.as_str() != super::auth::API_KEY_HEADER
-        {
-            headers.append(k.clone(), v.clone());
-        }
-    }
-    if let Some(t) = node.secrets.replica_token.as_deref() {
-        if let Ok(v) = format!("Bearer {t}").parse() {
-            headers.insert(header::AUTHORIZATION, v);
-        }
-    }
+    let endpoint = node.endpoint(i).ok_or_else(|| retrieve_not_found(id))?;
+    let url = format!("{}/v1/responses/{id}{suffix}", endpoint.base);
+    // As the request path sends them: the node's API key replaced by the replica token.
+    let headers = super::forward::upstream_headers(node, req.headers());
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
     let resp = node
         .client

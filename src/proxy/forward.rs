@@ -15,16 +15,16 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use tracing::Instrument;
 
+use super::auth::upstream_headers;
 use super::deliver::{deliver, Delivery};
 use super::error::{ApiError, ErrorShape};
 use super::identify::{header_str, identify, Identity};
 use super::listener::conn_info;
 use super::region_forward;
-use super::respond::is_hop_header;
 use super::trace_span::RequestTrace;
 use super::understand::{understand, Understood};
 use crate::core::dialect::Api;
@@ -232,28 +232,4 @@ async fn pin_to_stored_response(
         .ok_or_else(|| super::stored_responses::not_found(id))?;
     let replicas = node.replica_count();
     Ok(Some((0..replicas).filter(|&i| i != holder).collect()))
-}
-
-/// The client's headers as the replica gets them: hop-by-hop ones removed; with API keys, the
-/// client's key (for this node) replaced by the operator's replica token, if any.
-pub(super) fn upstream_headers(node: &Node, client: &HeaderMap) -> HeaderMap {
-    let mut out = HeaderMap::with_capacity(client.len());
-    for (k, v) in client {
-        if !is_hop_header(k) {
-            out.append(k.clone(), v.clone());
-        }
-    }
-    if node.secrets.api_keys.is_some() {
-        out.remove(header::AUTHORIZATION);
-        out.remove(super::auth::API_KEY_HEADER);
-        if let Some(v) = node
-            .secrets
-            .replica_token
-            .as_deref()
-            .and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok())
-        {
-            out.insert(header::AUTHORIZATION, v);
-        }
-    }
-    out
 }

@@ -183,7 +183,7 @@ async fn relay_to_holder(
     let endpoint = node.endpoint(i).ok_or_else(|| retrieve_not_found(id))?;
     let url = format!("{}/v1/responses/{id}{suffix}", endpoint.base);
     // As the request path sends them: the node's API key replaced by the replica token.
-    let headers = super::forward::upstream_headers(node, req.headers());
+    let headers = super::auth::upstream_headers(node, req.headers());
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
     let resp = node
         .client

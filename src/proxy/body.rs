@@ -29,8 +29,9 @@ use crate::node::Node;
 const RATE_WINDOW: Duration = Duration::from_secs(2);
 /// The largest single reservation, in KiB: a request for more waits in line as several.
 const STEP_KIB: u32 = 64;
-/// A declared length pre-sizes the buffer only up to this (the rest grows as bytes arrive).
-const PRESIZE_MAX: usize = 1 << 20;
+/// A declared length pre-sizes the buffer only up to this; past it the buffer grows to the
+/// declared length once bytes arrive (`reserve_for`), so a head alone costs little memory.
+const PRESIZE_MAX: usize = 64 << 10;
 
 /// Budget a body holds; released when dropped (with the body).
 pub(super) struct BodyPermit<'n> {

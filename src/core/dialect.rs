@@ -13,7 +13,7 @@ use serde_json::value::RawValue;
 use super::prompt::{
     begin_message, end_message, next_part, push_tools, PromptError, RoutingFields,
 };
-use super::prompt_de::raw_items;
+use super::prompt_de::{capped_list, raw_items};
 
 /// The API a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -157,7 +157,7 @@ pub struct MessagesFields {
     #[serde(default)]
     pub system: Option<Blocks>,
     /// The conversation (at most `MAX_MESSAGES`).
-    #[serde(default, deserialize_with = "anthropic_messages")]
+    #[serde(default, deserialize_with = "capped_list")]
     pub messages: Option<Vec<AnthropicMessage>>,
     /// Tool definitions.
     #[serde(default)]
@@ -171,16 +171,6 @@ pub struct MessagesFields {
     /// End-user metadata.
     #[serde(default)]
     pub metadata: Option<Metadata>,
-}
-
-fn anthropic_messages<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<Option<Vec<AnthropicMessage>>, D::Error> {
-    let raw = raw_items(d)?;
-    raw.iter()
-        .map(|r| serde_json::from_str(r.get()).map_err(serde::de::Error::custom))
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
 }
 
 impl MessagesFields {

@@ -18,6 +18,10 @@ use crate::core::dialect::Api;
 use crate::core::router::Branch;
 use crate::node::Node;
 
+/// The largest count of cached tokens believed from an engine: beyond any context window, so a
+/// larger (broken or hostile) report is clamped rather than swamping the counters.
+const MAX_REPORTED: u64 = 1 << 32;
+
 /// Bytes of a chunk kept to search again with the next one: a needle, `:`, spaces and 20 digits.
 const CARRY: usize = 64;
 
@@ -91,7 +95,8 @@ fn number_after(rest: &[u8]) -> Option<u64> {
     if digits == 0 || digits == rest.len() || digits > 19 {
         return None;
     }
-    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+    let n: u64 = std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()?;
+    Some(n.min(MAX_REPORTED))
 }
 
 fn trim_start(b: &[u8]) -> &[u8] {
@@ -175,6 +180,14 @@ mod tests {
         assert_eq!(scan(&[anthropic]), Some(128));
         let none = r#"{"choices":[{"text":"cached_tokens are great"}]}"#;
         assert_eq!(scan(&[none]), None);
+        let huge = r#"{"cached_tokens":9999999999999999999,"x":1}"#;
+        assert_eq!(
+            scan(&[huge]),
+            Some(MAX_REPORTED),
+            "a wild report is clamped"
+        );
+        let longer = r#"{"cached_tokens":99999999999999999999999,"x":1}"#;
+        assert_eq!(scan(&[longer]), None, "too many digits is not a number");
     }
 
     #[test]

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::proxy::{self, RunningNode};
-use kvmesh::replica::{self, ReplicaConfig};
+
+mod common;
 
 fn clients_available() -> bool {
     std::process::Command::new("python3")
@@ -90,13 +91,7 @@ async fn the_anthropic_and_openai_clients_work_through_a_three_node_mesh() {
     tokio::time::timeout(Duration::from_secs(90), async {
         let mut replicas = Vec::new();
         for i in 0..3 {
-            let mut cfg = ReplicaConfig {
-                id: format!("r{i}"),
-                exit_on_crash: false,
-                ..ReplicaConfig::default()
-            };
-            cfg.engine.time_scale = 50.0;
-            replicas.push(replica::spawn(cfg).await.unwrap());
+            replicas.push(common::sim_replica(&format!("r{i}"), |_| {}).await);
         }
         let list: Vec<(String, String)> = replicas
             .iter()
@@ -114,16 +109,15 @@ async fn the_anthropic_and_openai_clients_work_through_a_three_node_mesh() {
         let c = proxy::spawn(mesh_config(certs.path(), "c", &seed, &list))
             .await
             .unwrap();
-        let http = reqwest::Client::new();
+        let http = common::client();
         for n in [&a, &b, &c] {
-            while !http
-                .get(format!("http://{}/ready", n.addr))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            let ready = format!("http://{}/ready", n.addr);
+            common::wait_until(Duration::from_secs(30), async || {
+                let r = http.get(&ready).send().await;
+                r.is_ok_and(|r| r.status().is_success())
+            })
+            .await
+            .expect("every node gets ready");
         }
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),

@@ -23,6 +23,7 @@
 //! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
 //!   requests wait when no replica has room.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
+//! - [`stream_resume`]: what a stream sent, and the request that continues it elsewhere.
 
 pub mod admission;
 pub mod affinity;
@@ -47,6 +48,7 @@ pub mod region_offer;
 pub mod regions;
 pub mod role;
 pub mod router;
+pub mod stream_resume;
 pub mod summary;
 pub mod tenants;
 pub mod view;

@@ -45,6 +45,11 @@ pub struct Metrics {
     /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
     /// (`first_won`, `hedge_won`).
     pub hedges: IntCounterVec,
+    /// `kvmesh_stream_resumes_total{api,outcome}`: streams whose replica failed mid-stream:
+    /// `resumed` (continued on another replica), `failed` (a continuation attempt failed),
+    /// `finished` (nothing was left to generate: ended cleanly), `error_event` (ended with the
+    /// API's error event: unresumable, or no continuation left).
+    pub stream_resumes: IntCounterVec,
     /// `kvmesh_pd_decisions_total{outcome}`: disaggregated requests, by how they ran: `pair`,
     /// or whole for a reason (`bypass`, `no_prefill`, `no_decode`, `same_replica`, `no_pair`).
     pub pd_decisions: IntCounterVec,
@@ -248,6 +253,13 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
+        let stream_resumes = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_stream_resumes_total",
+                "Streams whose replica failed mid-stream, by API and outcome",
+            ),
+            &["api", "outcome"],
+        )?;
         let pd_decisions = IntCounterVec::new(
             Opts::new(
                 "kvmesh_pd_decisions_total",
@@ -307,6 +319,7 @@ impl Metrics {
         registry.register(Box::new(ejections.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(hedges.clone()))?;
+        registry.register(Box::new(stream_resumes.clone()))?;
         registry.register(Box::new(pd_decisions.clone()))?;
         registry.register(Box::new(pd_legs_failed.clone()))?;
         registry.register(Box::new(scrape_errors.clone()))?;
@@ -346,6 +359,7 @@ impl Metrics {
             ejections,
             upstream_failures,
             hedges,
+            stream_resumes,
             pd_decisions,
             pd_legs_failed,
             scrape_errors,

@@ -24,6 +24,7 @@ use super::pd;
 use super::pd_leg::PairCtx;
 use super::region_forward;
 use super::respond::{decision_header, respond, Relay, DECISION_HEADER};
+use super::resume::StreamGuard;
 use super::trace_span::{self, RequestTrace};
 use super::understand::Understood;
 use crate::core::keys::BlockKey;
@@ -506,12 +507,15 @@ fn relay(
         .with_label_values(&[replica_id, node.policy().as_str(), outcome])
         .inc();
     let rank = t.ticket.rank().map(|r| r.rank);
+    // A stream whose replica fails mid-way continues elsewhere (`resume.rs`).
+    let guard = StreamGuard::for_answer(node, d.u, &d.headers, d.tenant, d.class, &resp);
     let relay = Relay::new(
         d.u.api,
         t.routed.hit_blocks,
         d.trace.map(|tr| tr.span().clone()),
     )
-    .branch(t.routed.branch());
+    .branch(t.routed.branch())
+    .guard(guard);
     let mut out = respond(node, resp, t.ticket, keys, relay);
     if node.cfg.debug_headers {
         if let Ok(v) = HeaderValue::from_str(&decision_header(&t.routed, rank)) {

@@ -24,6 +24,7 @@ mod pd_vllm;
 mod receipts;
 pub mod region_forward;
 mod respond;
+mod resume;
 pub mod stored_responses;
 mod tls;
 mod trace_span;

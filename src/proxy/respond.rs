@@ -3,6 +3,10 @@
 //!
 //! Shared by the ordinary request path (`forward.rs`) and the decode leg of a disaggregated
 //! request (`pd_leg.rs`), so both release their accounting and record their blocks the same way.
+//! A streamed answer of the ordinary path also has a [`StreamGuard`] (`resume.rs`): it passes
+//! whole events, and when the replica fails mid-stream (an error, an end without the stream's
+//! terminator, silence past `timeouts.stream_idle_ms`) the relay goes on with a continuation
+//! from another replica, or ends with the API's error event — never a bare truncation.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +19,7 @@ use futures::StreamExt;
 use tracing::Span;
 
 use super::receipts::Receipt;
+use super::resume::{Recovery, StreamGuard};
 use crate::core::dialect::Api;
 use crate::core::keys::BlockKey;
 use crate::core::router::Branch;
@@ -26,6 +31,7 @@ pub(crate) struct Relay {
     hit_blocks: u32,
     branch: Option<Branch>,
     span: Option<Span>,
+    guard: Option<Box<StreamGuard>>,
 }
 
 impl Relay {
@@ -37,7 +43,14 @@ impl Relay {
             hit_blocks,
             branch: None,
             span,
+            guard: None,
         }
+    }
+
+    /// Watch the answer as a stream that may continue elsewhere (`resume.rs`).
+    pub fn guard(mut self, guard: Option<Box<StreamGuard>>) -> Self {
+        self.guard = guard;
+        self
     }
 
     /// The decision's branch, for the receipt's labels (none: a P/D pair).
@@ -132,43 +145,57 @@ pub(super) fn respond(
         ticket,
         keys,
         idle: Duration::from_millis(node.cfg.timeouts.idle_ms),
+        stream_idle: Duration::from_millis(node.cfg.timeouts.stream_idle_ms),
+        started: false,
         node: Arc::clone(node),
         done: false,
         receipt,
+        guard: relay.guard,
         _span: relay.span,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
-        if st.done {
-            return None;
-        }
-        match tokio::time::timeout(st.idle, st.inner.next()).await {
-            Ok(Some(Ok(chunk))) => {
-                // Only the first call counts; the keys are freed with it.
-                st.ticket.first_byte(&std::mem::take(&mut st.keys));
-                if let Some(r) = &mut st.receipt {
-                    r.feed(&chunk);
+        loop {
+            if st.done {
+                return None;
+            }
+            // Past the first chunk a guarded stream is a decode: silence means a hung engine.
+            let idle = match (&st.guard, st.started) {
+                (Some(_), true) => st.stream_idle,
+                _ => st.idle,
+            };
+            let why = match tokio::time::timeout(idle, st.inner.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    st.started = true;
+                    // Only the first call counts; the keys are freed with it.
+                    st.ticket.first_byte(&std::mem::take(&mut st.keys));
+                    if let Some(r) = &mut st.receipt {
+                        r.feed(&chunk);
+                    }
+                    let out = match &mut st.guard {
+                        Some(g) => g.pass(chunk),
+                        None => chunk,
+                    };
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Some((Ok(out), st));
                 }
-                Some((Ok(chunk), st))
-            }
-            Ok(Some(Err(e))) => {
-                st.done = true;
-                st.aborted(&e.to_string());
-                Some((Err(std::io::Error::other(e)), st))
-            }
-            Ok(None) => {
-                if let Some(r) = st.receipt.take() {
-                    r.finish(&st.node);
-                }
-                None
-            }
-            Err(_) => {
-                st.done = true;
-                let msg = format!("no data from the replica for {:?}", st.idle);
-                st.aborted(&msg);
-                Some((
-                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, msg)),
-                    st,
-                ))
+                Ok(Some(Err(e))) => e.to_string(),
+                Ok(None) => match st.guard.as_mut().map(|g| g.end()) {
+                    Some(None) => "the replica ended the stream before its end".to_owned(),
+                    Some(Some(last)) => {
+                        st.finished();
+                        return (!last.is_empty()).then_some((Ok(last), st));
+                    }
+                    None => {
+                        st.finished();
+                        return None;
+                    }
+                },
+                Err(_) => format!("no data from the replica for {idle:?}"),
+            };
+            if let Some(item) = st.failed(why).await {
+                return Some((item, st));
             }
         }
     });
@@ -189,8 +216,14 @@ struct BodyState {
     idle: Duration,
     node: Arc<Node>,
     done: bool,
+    /// Longest silence between chunks of a guarded stream after its first.
+    stream_idle: Duration,
+    /// A chunk of the current answer arrived.
+    started: bool,
     /// What the engine reports cached, read as the answer passes (successful answers).
     receipt: Option<Receipt>,
+    /// A streamed answer's events and continuation (`resume.rs`).
+    guard: Option<Box<StreamGuard>>,
     /// The request's span when the node traces: it ends when the body does.
     _span: Option<Span>,
 }
@@ -205,6 +238,38 @@ impl Drop for BodyState {
 }
 
 impl BodyState {
+    /// The answer ended properly: its receipt counts; nothing more is read.
+    fn finished(&mut self) {
+        self.done = true;
+        if let Some(r) = self.receipt.take() {
+            r.finish(&self.node);
+        }
+    }
+
+    /// The replica failed the answer (`why`): continue elsewhere (`None`: read on), or end the
+    /// body — with the API's error event when guarded, else with an error (a cut).
+    async fn failed(&mut self, why: String) -> Option<std::io::Result<Bytes>> {
+        self.aborted(&why);
+        let Some(guard) = self.guard.as_mut() else {
+            self.done = true;
+            return Some(Err(std::io::Error::other(why)));
+        };
+        match guard.recover(self.ticket.replica(), &why).await {
+            Recovery::Continued { resp, ticket, keys } => {
+                self.inner = Box::pin(resp.bytes_stream());
+                // The failed replica's booking is released as its ticket drops.
+                self.ticket = ticket;
+                self.keys = keys;
+                self.started = false;
+                None
+            }
+            Recovery::End(bytes) => {
+                self.done = true;
+                (!bytes.is_empty()).then_some(Ok(bytes))
+            }
+        }
+    }
+
     fn aborted(&mut self, why: &str) {
         // A broken answer leaves no receipt: its usage (if any) is not what was served.
         self.receipt = None;

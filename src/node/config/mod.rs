@@ -220,6 +220,11 @@ pub struct TimeoutConfig {
     pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,
+    /// Longest silence between two chunks of a streamed answer once its first chunk came: past
+    /// it the replica counts as hung and the stream continues elsewhere (`retry.stream_resumes`).
+    /// An engine sends a chunk every decode step (tens of ms, under a second beside chunked
+    /// prefills); a preempted request's recompute of a long context takes seconds. Default 20,000.
+    pub stream_idle_ms: u64,
 }
 
 impl Default for TimeoutConfig {
@@ -229,6 +234,7 @@ impl Default for TimeoutConfig {
             first_byte_ms: 300_000,
             stream_first_byte_ms: 30_000,
             idle_ms: 60_000,
+            stream_idle_ms: 20_000,
         }
     }
 }
@@ -246,6 +252,11 @@ pub struct RetryConfig {
     /// next best replica; the first answer wins and the other is dropped. It costs a duplicate
     /// prefill per hedge, and a replica that only lost races is not ejected. 0 = off. Default 0.
     pub hedge_after_ms: u64,
+    /// Times a streamed completions or chat answer whose replica fails (or goes silent past
+    /// `timeouts.stream_idle_ms`) mid-stream is continued on another replica, from the text
+    /// already sent; past it the stream ends with an error event. 0 = never. At most 16.
+    /// Default 2.
+    pub stream_resumes: u32,
 }
 
 impl Default for RetryConfig {
@@ -254,6 +265,7 @@ impl Default for RetryConfig {
             max_attempts: 3,
             budget_ms: 30_000,
             hedge_after_ms: 0,
+            stream_resumes: 2,
         }
     }
 }
@@ -262,6 +274,10 @@ impl Default for RetryConfig {
 /// would make there).
 const PLACEHOLDER: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8000);
+
+/// Most continuations of one stream (`retry.stream_resumes`): each costs a prefill of the
+/// prompt and the text so far.
+pub const MAX_STREAM_RESUMES: u32 = 16;
 
 /// Largest config file read.
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
@@ -386,6 +402,10 @@ impl NodeConfig {
                 self.timeouts.stream_first_byte_ms,
             ),
             ("timeouts.idle_ms".into(), self.timeouts.idle_ms),
+            (
+                "timeouts.stream_idle_ms".into(),
+                self.timeouts.stream_idle_ms,
+            ),
             ("retry.budget_ms".into(), self.retry.budget_ms),
             ("retry.hedge_after_ms".into(), self.retry.hedge_after_ms),
             ("health.interval_ms".into(), self.health.interval_ms),
@@ -436,6 +456,7 @@ impl NodeConfig {
                 self.timeouts.stream_first_byte_ms,
             ),
             ("timeouts.idle_ms", self.timeouts.idle_ms),
+            ("timeouts.stream_idle_ms", self.timeouts.stream_idle_ms),
             ("health.interval_ms", self.health.interval_ms),
             ("health.timeout_ms", self.health.timeout_ms),
             ("health.eject_backoff_ms", self.health.eject_backoff_ms),
@@ -447,6 +468,12 @@ impl NodeConfig {
         }
         if self.retry.max_attempts == 0 {
             return Err(invalid("retry.max_attempts", "must be at least 1"));
+        }
+        if self.retry.stream_resumes > MAX_STREAM_RESUMES {
+            return Err(invalid(
+                "retry.stream_resumes",
+                format!("at most {MAX_STREAM_RESUMES}"),
+            ));
         }
         if self.health.unhealthy_after == 0 {
             return Err(invalid("health.unhealthy_after", "must be at least 1"));
@@ -803,6 +830,8 @@ mod tests {
             ("policy = \"fastest\"", "policy"),
             ("block_bytes = 0", "block_bytes"),
             ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+            ("[retry]\nstream_resumes = 17", "retry.stream_resumes"),
+            ("[timeouts]\nstream_idle_ms = 0", "timeouts.stream_idle_ms"),
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",

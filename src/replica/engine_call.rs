@@ -6,7 +6,6 @@
 //! parsing and shapes, so completions, chat, Anthropic Messages, Responses and the pooling
 //! endpoints count, fail and are charged alike.
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -21,7 +20,7 @@ use crate::engine_sim::{Output, Request, TokenId};
 
 use super::anthropic;
 use super::driver::{Command, Update};
-use super::faults::Verdict;
+use super::faults::{StreamFault, Verdict};
 use super::openai::{ApiError, Usage};
 use super::shared::Shared;
 
@@ -488,7 +487,7 @@ pub fn stream(
     max_tokens: u32,
     mut shape: impl SseShape,
 ) -> Response {
-    let (body_tx, body_rx) = mpsc::channel::<Bytes>(64);
+    let (body_tx, body_rx) = mpsc::channel::<std::io::Result<Bytes>>(64);
     let Started {
         mut rx,
         charge,
@@ -497,20 +496,35 @@ pub fn stream(
     } = started;
     tokio::spawn(async move {
         let _guards = guards;
-        let send = |events: Vec<String>| {
+        let send = |events: Vec<String>, sent: u32| {
             let body_tx = body_tx.clone();
+            let s = Arc::clone(&s);
             async move {
                 for e in events {
-                    if body_tx.send(Bytes::from(e)).await.is_err() {
+                    if body_tx.send(Ok(Bytes::from(e))).await.is_err() {
                         return false;
                     }
                 }
-                true
+                match s.faults.stream_fault(sent) {
+                    StreamFault::Continue => true,
+                    StreamFault::Stall => {
+                        tracing::warn!(replica = %s.id, "fault: stream stalled");
+                        // Hung until the client leaves.
+                        body_tx.closed().await;
+                        false
+                    }
+                    StreamFault::Cut => {
+                        tracing::warn!(replica = %s.id, "fault: stream cut");
+                        let cut = std::io::Error::other("stream cut (fault injection)");
+                        let _ = body_tx.send(Err(cut)).await;
+                        false
+                    }
+                }
             }
         };
         // The first token already arrived.
         let mut generated = 1u32;
-        if !send(shape.opening(max_tokens == 1)).await {
+        if !send(shape.opening(max_tokens == 1), generated).await {
             return;
         }
         loop {
@@ -518,7 +532,7 @@ pub fn stream(
                 Some(Ok(Output::Token { .. })) => {
                     generated += 1;
                     let event = shape.token(generated - 1, generated >= max_tokens);
-                    if !send(vec![event]).await {
+                    if !send(vec![event], generated).await {
                         return;
                     }
                 }
@@ -533,10 +547,10 @@ pub fn stream(
             cached: charge.cached,
             completion: generated,
         };
-        send(shape.closing(usage)).await;
+        send(shape.closing(usage), 0).await;
     });
     let body = futures::stream::unfold(body_rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
+        rx.recv().await.map(|b| (b, rx))
     });
     let mut resp = Body::from_stream(body).into_response();
     let h = resp.headers_mut();

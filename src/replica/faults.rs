@@ -27,6 +27,13 @@ pub struct FaultConfig {
     pub refuse_connections_ms: u64,
     /// Seed of the error-rate draws. Default 0.
     pub seed: u64,
+    /// Streamed answers send this many tokens' events, then nothing more while the connection
+    /// stays open: an engine hung mid-stream. Read at every token (a change reaches streams
+    /// already running). Default `None`.
+    pub stall_stream_after: Option<u32>,
+    /// Streamed answers send this many tokens' events, then the connection drops without the
+    /// stream's end: an engine dying mid-stream. Read at every token. Default `None`.
+    pub cut_stream_after: Option<u32>,
 }
 
 /// A partial update for `POST /admin/faults`: absent fields stay as they are.
@@ -46,13 +53,21 @@ pub struct FaultPatch {
     pub refuse_connections_ms: Option<u64>,
     /// See [`FaultConfig::seed`]; re-seeds the generator.
     pub seed: Option<u64>,
+    /// See [`FaultConfig::stall_stream_after`]; `null` clears it.
+    #[serde(default, with = "double_option")]
+    pub stall_stream_after: Option<Option<u32>>,
+    /// See [`FaultConfig::cut_stream_after`]; `null` clears it.
+    #[serde(default, with = "double_option")]
+    pub cut_stream_after: Option<Option<u32>>,
 }
 
 mod double_option {
     use serde::{Deserialize, Deserializer};
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<u64>>, D::Error> {
-        Option::<u64>::deserialize(d).map(Some)
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Option<Option<T>>, D::Error> {
+        Option::<T>::deserialize(d).map(Some)
     }
 }
 
@@ -72,6 +87,17 @@ pub enum Verdict {
     Crash,
     /// Answer 503 and close the connection (refusing mode).
     Refuse,
+}
+
+/// What a stream does after a token, under the mid-stream faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFault {
+    /// Go on.
+    Continue,
+    /// Send nothing more, keep the connection open.
+    Stall,
+    /// Drop the connection without the stream's end.
+    Cut,
 }
 
 /// Live fault state shared by the handlers.
@@ -145,11 +171,29 @@ impl Faults {
             s.cfg.refuse_connections_ms = v;
             s.refuse_until = refuse_until(v);
         }
+        if let Some(v) = patch.stall_stream_after {
+            s.cfg.stall_stream_after = v;
+        }
+        if let Some(v) = patch.cut_stream_after {
+            s.cfg.cut_stream_after = v;
+        }
         if let Some(v) = patch.seed {
             s.cfg.seed = v;
             s.rng = SmallRng::seed_from_u64(v);
         }
         s.cfg.clone()
+    }
+
+    /// What a stream that has sent `sent` tokens' events does next.
+    pub fn stream_fault(&self, sent: u32) -> StreamFault {
+        let s = self.lock();
+        if s.cfg.cut_stream_after.is_some_and(|n| sent >= n) {
+            StreamFault::Cut
+        } else if s.cfg.stall_stream_after.is_some_and(|n| sent >= n) {
+            StreamFault::Stall
+        } else {
+            StreamFault::Continue
+        }
     }
 
     /// Decides the fate of the next completion request.
@@ -215,5 +259,13 @@ mod tests {
         f.apply(patch);
         assert_eq!(f.verdict(), Verdict::Refuse);
         assert!(f.refusing_until().is_some());
+        let patch: FaultPatch =
+            serde_json::from_str(r#"{"stall_stream_after": 3, "cut_stream_after": 5}"#).unwrap();
+        f.apply(patch);
+        assert_eq!(f.stream_fault(2), StreamFault::Continue);
+        assert_eq!(f.stream_fault(3), StreamFault::Stall);
+        assert_eq!(f.stream_fault(5), StreamFault::Cut);
+        f.apply(serde_json::from_str(r#"{"cut_stream_after": null}"#).unwrap());
+        assert_eq!(f.stream_fault(9), StreamFault::Stall);
     }
 }

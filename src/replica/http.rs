@@ -275,6 +275,7 @@ async fn serve_openai(
         let shape = OpenAiSse {
             meta,
             include_usage: parsed.include_usage,
+            offset: parsed.offset,
         };
         call::stream(s.clone(), started, parsed.max_tokens, shape)
     } else {
@@ -302,15 +303,19 @@ async fn serve_openai(
 struct OpenAiSse {
     meta: Meta,
     include_usage: bool,
+    /// The filler word the answer starts at (a continuation's).
+    offset: u32,
 }
 
 impl SseShape for OpenAiSse {
     fn opening(&mut self, last: bool) -> Vec<String> {
-        vec![self.meta.token_chunk(0, last, self.include_usage)]
+        let word = self.offset;
+        vec![self.meta.token_chunk(word, true, last, self.include_usage)]
     }
 
     fn token(&mut self, i: u32, last: bool) -> String {
-        self.meta.token_chunk(i, last, self.include_usage)
+        let word = self.offset.wrapping_add(i);
+        self.meta.token_chunk(word, false, last, self.include_usage)
     }
 
     fn closing(&mut self, usage: Usage) -> Vec<String> {

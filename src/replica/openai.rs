@@ -81,6 +81,9 @@ pub struct Parsed {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Filler tokens the text being continued already ends with (a completion prompt, or a
+    /// chat's open assistant message): the answer goes on from there ([`filler_offset`]).
+    pub offset: u32,
 }
 
 fn max_tokens(body: &Value, default: u32) -> Result<u32, ApiError> {
@@ -142,8 +145,14 @@ pub fn parse_completion(body: &Value, default_max_tokens: u32) -> Result<Parsed,
         _ => return Err(missing()),
     };
     let (stream, include_usage) = stream_flags(body);
+    let text = match body.get("prompt") {
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::Array(items)) => items.first().and_then(Value::as_str),
+        _ => None,
+    };
     Ok(Parsed {
         kind: Kind::Completion,
+        offset: text.map_or(0, filler_offset),
         prompt,
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
@@ -256,8 +265,20 @@ pub fn chat_prompt(body: &Value) -> Result<String, ApiError> {
 pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiError> {
     let prompt = tokenize(&chat_prompt(body)?);
     let (stream, include_usage) = stream_flags(body);
+    // An open assistant message (`continue_final_message`) is continued where it stops.
+    let open = body.get("continue_final_message").and_then(Value::as_bool) == Some(true);
+    let last = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+        .filter(|m| open && m.get("role").and_then(Value::as_str) == Some("assistant"));
+    let offset = last
+        .and_then(|m| m.get("content"))
+        .and_then(Value::as_str)
+        .map_or(0, filler_offset);
     Ok(Parsed {
         kind: Kind::Chat,
+        offset,
         prompt,
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
@@ -273,6 +294,35 @@ const WORDS: &[&str] = &[
 /// The text of generated token `i` (0-based): deterministic filler.
 pub fn filler(i: u32) -> &'static str {
     WORDS[i as usize % WORDS.len()]
+}
+
+/// Longest run of filler words a text is scanned back for.
+const MAX_FILLER_RUN: u32 = 1 << 20;
+
+/// How many filler tokens `text` ends with, counted from the filler's first word: the index a
+/// continuation of `text` starts at, so an answer continued on another replica reads as one
+/// (`filler_text(k) + continuation == filler_text(k + m)`). 0 when it ends with none.
+pub fn filler_offset(text: &str) -> u32 {
+    let Some(last) = WORDS.iter().position(|w| text.ends_with(w)) else {
+        return 0;
+    };
+    let mut rest = &text[..text.len() - WORDS[last].len()];
+    let (mut run, mut at) = (1u32, last);
+    while run < MAX_FILLER_RUN {
+        let prev = (at + WORDS.len() - 1) % WORDS.len();
+        let Some(before) = rest.strip_suffix(WORDS[prev]) else {
+            break;
+        };
+        (rest, at, run) = (before, prev, run + 1);
+    }
+    // The run's words have indexes ≡ last − run + 1 ..= last; the longest suffix starting at a
+    // first word has a length ≡ last + 1 (mod the cycle).
+    let shortest = last as u32 + 1;
+    if run < shortest {
+        return 0;
+    }
+    let cycle = WORDS.len() as u32;
+    shortest + (run - shortest) / cycle * cycle
 }
 
 /// The whole filler text of `n` tokens.
@@ -325,8 +375,9 @@ impl Meta {
         }
     }
 
-    /// One SSE event carrying generated token `i`; `last` sets `finish_reason`.
-    pub fn token_chunk(&self, i: u32, last: bool, include_usage: bool) -> String {
+    /// One SSE event carrying filler word `i` (the answer's `first` token carries the chat
+    /// role); `last` sets `finish_reason`.
+    pub fn token_chunk(&self, i: u32, first: bool, last: bool, include_usage: bool) -> String {
         let finish = if last { json!("length") } else { Value::Null };
         let choice = match self.kind {
             Kind::Completion => json!({
@@ -334,7 +385,7 @@ impl Meta {
                 "finish_reason": finish, "stop_reason": null,
             }),
             Kind::Chat => {
-                let delta = if i == 0 {
+                let delta = if first {
                     json!({"role": "assistant", "content": filler(i)})
                 } else {
                     json!({"content": filler(i)})
@@ -431,6 +482,22 @@ mod tests {
         assert!(p.include_usage);
         assert!(parse_chat(&json!({"messages": []}), 16).is_err());
         assert!(parse_chat(&json!({"prompt": "x"}), 16).is_err());
+    }
+
+    #[test]
+    fn a_continuation_goes_on_where_the_text_stopped() {
+        for k in [0, 1, 5, 11, 12, 13, 40] {
+            assert_eq!(filler_offset(&filler_text(k)), k, "{k}");
+            assert_eq!(filler_offset(&format!("Tell me{}", filler_text(k))), k);
+        }
+        assert_eq!(filler_offset("no filler here"), 0);
+        assert_eq!(filler_offset(" quick"), 0, "a run must start at the first word");
+        let p = parse_completion(&json!({"prompt": format!("x{}", filler_text(3))}), 4).unwrap();
+        assert_eq!(p.offset, 3);
+        let body = json!({"messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": filler_text(2)}],
+            "continue_final_message": true, "add_generation_prompt": false});
+        assert_eq!(parse_chat(&body, 4).unwrap().offset, 2);
     }
 
     #[test]

@@ -316,13 +316,14 @@ impl StreamLog {
                 // either; it is dropped.
                 return;
             };
+            // Logged as the engine counts (its usage, before the legs' sum is written in).
+            self.observe_event(name, data);
             if !self.restyle(&mut chunk) {
                 return;
             }
             let Ok(json) = serde_json::to_vec(&chunk) else {
                 return;
             };
-            self.observe_event(name, &json);
             out.extend_from_slice(b"data: ");
             out.extend_from_slice(&json);
             out.extend_from_slice(b"\n\n");

@@ -72,7 +72,7 @@ struct Stream {
 
 /// Opens stream `i` (chat when `chat`) of `max_tokens` at `node`.
 async fn open(c: &reqwest::Client, node: &RunningNode, i: usize, chat: bool, max: u32) -> Stream {
-    let usage = i % 2 == 0;
+    let usage = i.is_multiple_of(2);
     let (path, body) = if chat {
         let body = json!({"model": MODEL, "max_tokens": max, "stream": true,
             "stream_options": {"include_usage": usage},
@@ -118,8 +118,16 @@ fn check_seamless(s: &Stream, text: &str) {
         .split("\n\n")
         .filter_map(|e| e.strip_prefix("data: "))
         .collect();
-    assert_eq!(datas.last(), Some(&"[DONE]"), "no [DONE] at the end: {text}");
-    assert_eq!(datas.iter().filter(|d| **d == "[DONE]").count(), 1, "{text}");
+    assert_eq!(
+        datas.last(),
+        Some(&"[DONE]"),
+        "no [DONE] at the end: {text}"
+    );
+    assert_eq!(
+        datas.iter().filter(|d| **d == "[DONE]").count(),
+        1,
+        "{text}"
+    );
     let chunks: Vec<Value> = datas[..datas.len() - 1]
         .iter()
         .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
@@ -171,7 +179,9 @@ async fn resumes(c: &reqwest::Client, node: &RunningNode, api: &str, outcome: &s
 /// Waits until every stream has read `n` chunks.
 async fn under_way(streams: &[Stream], n: usize) {
     let ok = wait_for(Duration::from_secs(20), || {
-        streams.iter().all(|s| s.chunks.load(Ordering::Relaxed) >= n)
+        streams
+            .iter()
+            .all(|s| s.chunks.load(Ordering::Relaxed) >= n)
     })
     .await;
     assert!(ok.is_some(), "the streams never got going");
@@ -220,8 +230,8 @@ async fn kill_9_of_a_replica_serving_20_streams_loses_none() {
             check_seamless(s, &text);
             complete += 1;
         }
-        let resumed =
-            resumes(&c, &n, "chat", "resumed").await + resumes(&c, &n, "completions", "resumed").await;
+        let resumed = resumes(&c, &n, "chat", "resumed").await
+            + resumes(&c, &n, "completions", "resumed").await;
         println!(
             "kill -9 of a replica serving 20 streams ({open_at_kill} open at the kill): \
              {complete}/20 complete and continuous, {resumed} continued on the other replica"

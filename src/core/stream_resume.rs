@@ -526,7 +526,9 @@ fn continue_message(body: &mut Map<String, Value>, text: &str) -> Result<(), Unr
         return Err(Unresumable::Request);
     };
     let open = match messages.last_mut() {
-        Some(Value::Object(m)) if continuing && m.get("role").and_then(Value::as_str) == Some("assistant") => {
+        Some(Value::Object(m))
+            if continuing && m.get("role").and_then(Value::as_str) == Some("assistant") =>
+        {
             Some(m)
         }
         _ => None,
@@ -679,13 +681,18 @@ mod tests {
         };
         let next: Value = serde_json::from_slice(&next).unwrap();
         assert_eq!(next["prompt"], json!(["Say ab"]));
-        assert_eq!((next["max_tokens"].as_u64(), next["min_tokens"].as_u64()), (Some(2), Some(1)));
+        assert_eq!(
+            (next["max_tokens"].as_u64(), next["min_tokens"].as_u64()),
+            (Some(2), Some(1))
+        );
         let spent = json!({"model": "m", "prompt": "Say", "max_tokens": 1});
         let Ok(Continuation::Finished(end)) = continuation_body(spent.to_string().as_bytes(), &log)
         else {
             panic!("a spent budget is finished")
         };
-        assert!(String::from_utf8(end).unwrap().contains("\"finish_reason\":\"length\""));
+        assert!(String::from_utf8(end)
+            .unwrap()
+            .contains("\"finish_reason\":\"length\""));
     }
 
     #[test]

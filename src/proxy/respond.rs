@@ -256,7 +256,7 @@ impl BodyState {
         };
         match guard.recover(self.ticket.replica(), &why).await {
             Recovery::Continued { resp, ticket, keys } => {
-                self.inner = Box::pin(resp.bytes_stream());
+                self.inner = Box::pin((*resp).bytes_stream());
                 // The failed replica's booking is released as its ticket drops.
                 self.ticket = ticket;
                 self.keys = keys;

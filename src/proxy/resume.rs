@@ -67,7 +67,8 @@ pub(crate) struct StreamGuard {
 pub(crate) enum Recovery {
     /// Another replica continues: relay its answer, under its ticket, recording its keys.
     Continued {
-        resp: reqwest::Response,
+        /// Boxed: the variant is returned once per failure, and the answer is large.
+        resp: Box<reqwest::Response>,
         ticket: Ticket,
         keys: Vec<BlockKey>,
     },
@@ -221,7 +222,11 @@ impl StreamGuard {
                         tokens_sent = self.log.tokens(), "stream continued on another replica");
                     self.continuing = true;
                     self.log.next_leg();
-                    return Recovery::Continued { resp, ticket, keys };
+                    return Recovery::Continued {
+                        resp: Box::new(resp),
+                        ticket,
+                        keys,
+                    };
                 }
                 Err(Some(replica)) => {
                     again.tried.push(replica);
@@ -235,7 +240,11 @@ impl StreamGuard {
 
     fn give_up(&self, why: &str) -> Recovery {
         self.count("error_event");
-        tracing::warn!(api = self.api.as_str(), reason = why, "stream ended with an error event");
+        tracing::warn!(
+            api = self.api.as_str(),
+            reason = why,
+            "stream ended with an error event"
+        );
         let message = format!("the stream's replica failed and {why}");
         Recovery::End(error_event(self.api, &message, self.log.events).into())
     }

@@ -549,9 +549,11 @@ pub fn stream(
         };
         send(shape.closing(usage), 0).await;
     });
-    let body = futures::stream::unfold(body_rx, |mut rx| async move {
-        rx.recv().await.map(|b| (b, rx))
-    });
+    let body =
+        futures::stream::unfold(
+            body_rx,
+            |mut rx| async move { rx.recv().await.map(|b| (b, rx)) },
+        );
     let mut resp = Body::from_stream(body).into_response();
     let h = resp.headers_mut();
     h.insert(

@@ -491,7 +491,11 @@ mod tests {
             assert_eq!(filler_offset(&format!("Tell me{}", filler_text(k))), k);
         }
         assert_eq!(filler_offset("no filler here"), 0);
-        assert_eq!(filler_offset(" quick"), 0, "a run must start at the first word");
+        assert_eq!(
+            filler_offset(" quick"),
+            0,
+            "a run must start at the first word"
+        );
         let p = parse_completion(&json!({"prompt": format!("x{}", filler_text(3))}), 4).unwrap();
         assert_eq!(p.offset, 3);
         let body = json!({"messages": [{"role": "user", "content": "hi"},

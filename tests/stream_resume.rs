@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kvmesh::mesh::admin::AdminOp;
@@ -67,7 +67,8 @@ struct Stream {
     usage: bool,
     max_tokens: u32,
     chunks: Arc<AtomicUsize>,
-    task: tokio::task::JoinHandle<String>,
+    /// Its bytes, and when each chunk arrived.
+    task: tokio::task::JoinHandle<(String, Vec<Instant>)>,
 }
 
 /// Opens stream `i` (chat when `chat`) of `max_tokens` at `node`.
@@ -96,11 +97,13 @@ async fn open(c: &reqwest::Client, node: &RunningNode, i: usize, chat: bool, max
     let task = tokio::spawn(async move {
         let mut body = resp.bytes_stream();
         let mut all = Vec::new();
+        let mut arrivals = Vec::new();
         while let Some(Ok(b)) = body.next().await {
             all.extend_from_slice(&b);
             seen.fetch_add(1, Ordering::Relaxed);
+            arrivals.push(Instant::now());
         }
-        String::from_utf8_lossy(&all).into_owned()
+        (String::from_utf8_lossy(&all).into_owned(), arrivals)
     });
     Stream {
         chat,
@@ -176,6 +179,17 @@ async fn resumes(c: &reqwest::Client, node: &RunningNode, api: &str, outcome: &s
         .unwrap_or(0)
 }
 
+/// The longest a client waited for a byte from `since` on (the pause a failure cost it).
+fn pause_after(arrivals: &[Instant], since: Instant) -> Duration {
+    let mut last = since;
+    let mut longest = Duration::ZERO;
+    for t in arrivals.iter().filter(|t| **t > since) {
+        longest = longest.max(*t - last);
+        last = *t;
+    }
+    longest
+}
+
 /// Waits until every stream has read `n` chunks.
 async fn under_way(streams: &[Stream], n: usize) {
     let ok = wait_for(Duration::from_secs(20), || {
@@ -195,7 +209,7 @@ async fn kill_9_of_a_replica_serving_20_streams_loses_none() {
         let port = free_tcp_port();
         let mut a = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
             .args(["replica", "--port", &port.to_string(), "--id", "a"])
-            .args(["--model", MODEL, "--time-scale", "1"])
+            .args(["--model", MODEL, "--time-scale", "0.2"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
@@ -222,19 +236,26 @@ async fn kill_9_of_a_replica_serving_20_streams_loses_none() {
             .admin_command(AdminOp::Add, "b", Some(&spec("b", &b.base_url())))
             .expect("b back");
         let open_at_kill = streams.iter().filter(|s| !s.task.is_finished()).count();
+        let killed = Instant::now();
         a.start_kill().expect("kill -9");
         let _ = a.wait().await;
         let mut complete = 0;
+        let mut gaps = Vec::new();
         for s in &mut streams {
-            let text = (&mut s.task).await.expect("client task");
+            let (text, arrivals) = (&mut s.task).await.expect("client task");
             check_seamless(s, &text);
             complete += 1;
+            gaps.push(pause_after(&arrivals, killed));
         }
+        gaps.sort();
         let resumed = resumes(&c, &n, "chat", "resumed").await
             + resumes(&c, &n, "completions", "resumed").await;
         println!(
             "kill -9 of a replica serving 20 streams ({open_at_kill} open at the kill): \
-             {complete}/20 complete and continuous, {resumed} continued on the other replica"
+             {complete}/20 complete and continuous, {resumed} continued on the other replica; \
+             kill → next byte at the client: median {:?}, max {:?}",
+            gaps[gaps.len() / 2],
+            gaps[gaps.len() - 1]
         );
         assert_eq!(open_at_kill, 20, "the kill came after a stream ended");
         assert_eq!(resumed, 20);
@@ -251,7 +272,7 @@ async fn kill_9_of_a_replica_serving_20_streams_loses_none() {
 async fn a_replica_hung_or_cut_mid_stream_is_continued_elsewhere() {
     bounded(90, async {
         for fault in ["stall_stream_after", "cut_stream_after"] {
-            let a = sim_replica("a", |cfg| cfg.engine.time_scale = 1.0).await;
+            let a = sim_replica("a", |cfg| cfg.engine.time_scale = 0.2).await;
             let b = sim_replica("b", |_| {}).await;
             let c = client();
             let n = node(&[("a", a.base_url()), ("b", b.base_url())]).await;
@@ -263,6 +284,7 @@ async fn a_replica_hung_or_cut_mid_stream_is_continued_elsewhere() {
             n.node
                 .admin_command(AdminOp::Add, "b", Some(&spec("b", &b.base_url())))
                 .expect("b back");
+            let faulted = Instant::now();
             let set = c
                 .post(format!("{}/admin/faults", a.base_url()))
                 .json(&json!({ fault: 0 }))
@@ -270,10 +292,13 @@ async fn a_replica_hung_or_cut_mid_stream_is_continued_elsewhere() {
                 .await
                 .expect("fault");
             assert!(set.status().is_success());
+            let mut gap = Duration::ZERO;
             for s in &mut streams {
-                let text = (&mut s.task).await.expect("client task");
+                let (text, arrivals) = (&mut s.task).await.expect("client task");
                 check_seamless(s, &text);
+                gap = gap.max(pause_after(&arrivals, faulted));
             }
+            println!("{fault}: 4/4 streams continued; fault → next byte at the client ≤ {gap:?}");
             let resumed = resumes(&c, &n, "chat", "resumed").await
                 + resumes(&c, &n, "completions", "resumed").await;
             assert_eq!(resumed, 4, "{fault}");

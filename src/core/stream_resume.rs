@@ -143,8 +143,8 @@ pub enum Unresumable {
     NotText,
     /// More text than [`MAX_TEXT_BYTES`], or an event over [`MAX_EVENT_BYTES`].
     TooLong,
-    /// The request cannot be rewritten: `echo`, a token-id or batched prompt, `best_of`, no
-    /// JSON object.
+    /// The request cannot be rewritten: `echo`, structured output, a token-id or batched
+    /// prompt, no JSON object.
     Request,
 }
 
@@ -476,7 +476,7 @@ pub fn continuation_body(original: &[u8], log: &StreamLog) -> Result<Continuatio
     if more_than_one("n") || more_than_one("best_of") {
         return Err(Unresumable::Choices);
     }
-    if body.get("echo").and_then(Value::as_bool) == Some(true) {
+    if body.get("echo").and_then(Value::as_bool) == Some(true) || constrained(&body) {
         return Err(Unresumable::Request);
     }
     let sent = log.tokens();
@@ -502,6 +502,25 @@ pub fn continuation_body(original: &[u8], log: &StreamLog) -> Result<Continuatio
     serde_json::to_vec(&body)
         .map(Continuation::Body)
         .map_err(|_| Unresumable::Request)
+}
+
+/// Structured output (`response_format` other than text, vLLM's `guided_*` and
+/// `structured_outputs`): its grammar would start over in the continuation, mid-document.
+fn constrained(body: &Map<String, Value>) -> bool {
+    let format = body
+        .get("response_format")
+        .and_then(|f| f.get("type"))
+        .and_then(Value::as_str);
+    let guided = [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    ]
+    .iter()
+    .any(|k| body.get(*k).is_some_and(|v| !v.is_null()));
+    guided || format.is_some_and(|t| t != "text")
 }
 
 /// Completions: the prompt (a string, or a list of one) followed by the text so far.
@@ -705,6 +724,12 @@ mod tests {
         let ids = json!({"model": "m", "prompt": [1, 2, 3]});
         assert_eq!(
             continuation_body(ids.to_string().as_bytes(), &log),
+            Err(Unresumable::Request)
+        );
+        let json_mode =
+            json!({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}});
+        assert_eq!(
+            continuation_body(json_mode.to_string().as_bytes(), &log),
             Err(Unresumable::Request)
         );
         let n = json!({"model": "m", "prompt": "x", "n": 2});

@@ -227,8 +227,9 @@ impl View {
             .is_some_and(|until| *until > now)
     }
 
-    /// Adds or updates a replica's static facts; returns its index. Indexes are stable for the
-    /// view's lifetime (a removed replica stays, marked unhealthy), so decisions can hold them.
+    /// Adds or updates a replica's static facts; returns its index. Indexes are stable while a
+    /// replica is known (a removed one stays, marked draining, until the registry drops it and
+    /// may give its slot to another: [`View::replace`]), so decisions can hold them.
     pub fn upsert(&mut self, info: impl Into<Arc<ReplicaInfo>>) -> usize {
         let info: Arc<ReplicaInfo> = info.into();
         if let Some(&i) = self.index.get(&info.id) {
@@ -248,6 +249,33 @@ impl View {
             kv_shares: Vec::new(),
         });
         i
+    }
+
+    /// Puts a new replica in slot `i` in place of the one there (a dropped tombstone the
+    /// registry reclaims): the old id no longer names it, and its health, load, summary,
+    /// overlay and shares start over. The caller makes sure nothing holds `i` for the old
+    /// replica (nothing in flight there). Returns false, changing nothing, if `i` is out of
+    /// range or the new id already has a slot.
+    pub fn replace(&mut self, i: usize, info: impl Into<Arc<ReplicaInfo>>) -> bool {
+        let info: Arc<ReplicaInfo> = info.into();
+        if i >= self.replicas.len() || self.index.contains_key(&info.id) {
+            return false;
+        }
+        let old = &self.replicas[i].info.id;
+        if self.index.get(old) == Some(&i) {
+            self.index.remove(old);
+        }
+        self.index.insert(info.id.clone(), i);
+        self.replicas[i] = ReplicaState {
+            seed: super::affinity::replica_seed(&info.id),
+            info,
+            health: Health::Healthy,
+            load: ReplicaLoad::default(),
+            summary: None,
+            overlay: HashMap::new(),
+            kv_shares: Vec::new(),
+        };
+        true
     }
 
     /// Index of a replica by id.

@@ -2,19 +2,28 @@
 //! from DNS and Kubernetes sources (`node/watchers.rs`) or from peers' gossip
 //! (`node/mesh_roles.rs`).
 //!
-//! Indexes are append-only, like the view's: a replica that leaves is marked removed and drains
-//! (it takes no new requests, its in-flight ones finish), and one that comes back gets its old
-//! index. Once drained — nothing in flight and [`DROP_AFTER`] since it left — it is *dropped*:
-//! its index stays as a tombstone (id and URL), while its cache model, view summary, engine
-//! figures and metric series are freed and its watcher tasks end; coming back revives it with a
-//! fresh model. So DNS churn and expired learned replicas cost a tombstone each, not a model.
+//! A replica that leaves is marked removed and drains (it takes no new requests, its in-flight
+//! ones finish), and one that comes back gets its old index. Once drained — nothing in flight
+//! and `drop_departed_after_s` (default [`DROP_AFTER`]) since it left — it is *dropped*: its
+//! index stays as a tombstone (id and URL), while its cache model, view summary, engine figures
+//! and metric series are freed and its watcher tasks end; coming back revives it with a fresh
+//! model. A replica new to the node takes a tombstone's slot before the registry grows, so
+//! Kubernetes rollouts and invented ids cost nothing that lasts: the slots number at most the
+//! replicas present plus those departed within the drop time.
+//!
+//! **Reusing a slot is safe** because nothing holds a dropped replica's index: it was dropped
+//! with nothing in flight (no `Ticket`, warm-up or P/D leg holds it), it is never routed to
+//! (draining), its watcher tasks end with its incarnation (bumped again on reuse), its pending
+//! load-sharing tips are discarded, and its view slot (summary, overlay, shares) starts over.
+//! Peers' tips name replicas by id and last seconds. An operator's drain outlives the slot: the
+//! id is remembered (`Core::reclaimed_drains`) and drained again if it comes back.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::NodeConfig;
 use super::mesh_state::ReplicaMesh;
-use super::state::{Endpoint, Node, ReplicaRuntime};
+use super::state::{Core, Endpoint, Node, ReplicaRuntime};
 use crate::core::cache_model::CacheSource;
 use crate::core::rank_hints::RankHints;
 use crate::core::view::{Health, ReplicaInfo};
@@ -22,8 +31,8 @@ use crate::replicas::dns::ReplicaRegistry;
 use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::replicas::health::HealthTracker;
 
-/// Least time a departed replica drains before it is dropped (flapping DNS answers bring it
-/// back within this without rebuilding anything).
+/// Default least time a departed replica drains before it is dropped (flapping DNS answers
+/// bring it back within this without rebuilding anything); `drop_departed_after_s`.
 pub const DROP_AFTER: Duration = Duration::from_secs(30);
 
 impl Node {
@@ -111,14 +120,13 @@ impl Node {
             }
             return Ok((i, revived));
         }
-        let i = core.view.upsert(info);
         let cache = self.cache_model(
             CacheSource::Approximate,
             self.epoch_base,
             capacity,
             core.view.tokens_per_block,
         )?;
-        core.replicas.push(ReplicaRuntime {
+        let mut rt = ReplicaRuntime {
             cache,
             summary_dirty: false,
             health: HealthTracker::new(),
@@ -138,14 +146,37 @@ impl Node {
             rank_loads: Vec::new(),
             rank_rotate: 0,
             rank_hints: RankHints::default(),
-        });
-        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
-        endpoints.push(Endpoint {
+        };
+        let endpoint = Endpoint {
             id: Arc::from(id.as_str()),
             base: Arc::from(r.url.trim_end_matches('/')),
-        });
+        };
+        rt.admin_drained = core.reclaimed_drains.pop(&endpoint.id).is_some();
+        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+        let slot = reclaimable_slot(core);
+        let i = match slot {
+            Some(i) if core.view.replace(i, info.clone()) => {
+                let old = std::mem::replace(&mut core.replicas[i], rt);
+                core.replicas[i].incarnation = old.incarnation + 1;
+                core.pending_tips.retain(|t| t.replica != i);
+                if old.admin_drained {
+                    core.reclaimed_drains.put(Arc::clone(&endpoints[i].id), ());
+                }
+                tracing::info!(replica = %id, slot = i, was = %endpoints[i].id, "replica takes a dropped replica's slot");
+                endpoints[i] = endpoint;
+                i
+            }
+            _ => {
+                let i = core.view.upsert(info);
+                core.replicas.push(rt);
+                endpoints.push(endpoint);
+                i
+            }
+        };
         debug_assert_eq!(endpoints.len(), core.replicas.len());
         drop(endpoints);
+        let health = core.replicas[i].effective_health();
+        core.view.set_health(i, health);
         self.metrics
             .replica_healthy
             .with_label_values(&[&id])
@@ -217,6 +248,7 @@ impl Node {
 
     /// [`Node::sweep_departed`] at core time `now`.
     pub(super) fn sweep_departed_at(&self, now: Duration) -> usize {
+        let drop_after = Duration::from_secs(self.cfg.drop_departed_after_s);
         let mut dropped = Vec::new();
         {
             let mut guard = self.lock();
@@ -226,7 +258,7 @@ impl Node {
                     && !rt.dropped
                     && rt
                         .removed_at
-                        .is_some_and(|t| now.saturating_sub(t) >= DROP_AFTER);
+                        .is_some_and(|t| now.saturating_sub(t) >= drop_after);
                 let idle = core.view.replica(i).is_some_and(|r| r.load.in_flight == 0)
                     && rt.pending_prefill_tokens == 0;
                 if !(due && idle) {
@@ -270,6 +302,21 @@ impl Node {
         }
         dropped.len()
     }
+}
+
+/// A dropped replica's slot that a new replica may take: nothing in flight or pending there
+/// and no record of it left to withdraw from the mesh.
+fn reclaimable_slot(core: &Core) -> Option<usize> {
+    core.replicas
+        .iter()
+        .enumerate()
+        .find(|(i, rt)| {
+            rt.dropped
+                && rt.mesh.published.is_none()
+                && rt.pending_prefill_tokens == 0
+                && core.view.replica(*i).is_some_and(|r| r.load.in_flight == 0)
+        })
+        .map(|(i, _)| i)
 }
 
 // What a DNS or Kubernetes source needs of the node (`replicas::dns`, `replicas::k8s`).

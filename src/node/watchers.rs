@@ -233,7 +233,9 @@ fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
 
 /// Makes sure replica `i` has a KV-event supervisor: it subscribes while the replica is in the
 /// registry, stops (back to the approximate model) when it leaves, subscribes again when it
-/// comes back, until `stop` turns true. At most one per replica; later calls are no-ops.
+/// comes back, and ends when `stop` turns true or the replica is dropped (a departed replica
+/// keeps no task; revived, or its slot reused, it gets a new one). At most one per replica
+/// incarnation; later calls are no-ops.
 pub(super) fn ensure_kv_events(
     node: &Arc<Node>,
     stop: &watch::Receiver<bool>,
@@ -243,13 +245,16 @@ pub(super) fn ensure_kv_events(
     let Some(ep) = node.endpoint(i) else {
         return;
     };
-    if !node
-        .kv_watched
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(i)
-    {
+    let Some(incarnation) = node.live_incarnation(i) else {
         return;
+    };
+    {
+        let mut watched = node.kv_watched.lock().unwrap_or_else(|p| p.into_inner());
+        if watched.get(&i) == Some(&incarnation) {
+            return;
+        }
+        // An older incarnation's supervisor is on its way out (it sees the change).
+        watched.insert(i, incarnation);
     }
     if node.tokenizer.is_none() {
         tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
@@ -257,44 +262,73 @@ pub(super) fn ensure_kv_events(
     let node = Arc::clone(node);
     let mut stop = stop.clone();
     tokio::spawn(async move {
-        loop {
-            // Wait until the replica is in the registry (and, learned, homed here).
-            while !node.kv_events_wanted(i) {
-                tokio::select! {
-                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
-                    _ = stopped(&mut stop) => return,
-                }
-            }
-            let (leave, leave_rx) = watch::channel(false);
-            let sink: Arc<dyn KvEventSink> = Arc::clone(&node) as Arc<dyn KvEventSink>;
-            let mut sub = tokio::spawn(kv_events::run(
-                sink,
-                node.kv_metrics.clone(),
-                i,
-                Arc::clone(&ep.id),
-                source.clone(),
-                leave_rx,
-            ));
-            let node_stopped = loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
-                        if !node.kv_events_wanted(i) {
-                            tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
-                            break false;
-                        }
-                    }
-                    _ = stopped(&mut stop) => break true,
-                    // The subscriber gave up on its own (bad endpoints, logged): so do we.
-                    _ = &mut sub => return,
-                }
-            };
-            let _ = leave.send(true);
-            let _ = sub.await;
-            if node_stopped {
-                return;
+        supervise_kv_events(&node, &mut stop, i, incarnation, ep, source).await;
+        // Ended with its incarnation: the slot may get a supervisor again. (One that gave up on
+        // bad endpoints stays listed, so it is not restarted to fail again.)
+        if node.live_incarnation(i) != Some(incarnation) {
+            let mut watched = node.kv_watched.lock().unwrap_or_else(|p| p.into_inner());
+            if watched.get(&i) == Some(&incarnation) {
+                watched.remove(&i);
             }
         }
     });
+}
+
+/// The supervisor of [`ensure_kv_events`]: runs replica `i`'s subscriber while it is wanted,
+/// until the node stops or the replica's `incarnation` ends.
+async fn supervise_kv_events(
+    node: &Arc<Node>,
+    stop: &mut watch::Receiver<bool>,
+    i: usize,
+    incarnation: u64,
+    ep: super::state::Endpoint,
+    source: KvEventsSource,
+) {
+    let current = || node.live_incarnation(i) == Some(incarnation);
+    loop {
+        // Wait until the replica is in the registry (and, learned, homed here).
+        while !node.kv_events_wanted(i) {
+            if !current() {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                _ = stopped(stop) => return,
+            }
+        }
+        if !current() {
+            return;
+        }
+        let (leave, leave_rx) = watch::channel(false);
+        let sink: Arc<dyn KvEventSink> = Arc::clone(node) as Arc<dyn KvEventSink>;
+        let mut sub = tokio::spawn(kv_events::run(
+            sink,
+            node.kv_metrics.clone(),
+            i,
+            Arc::clone(&ep.id),
+            source.clone(),
+            node.cfg.kv_events,
+            leave_rx,
+        ));
+        let node_stopped = loop {
+            tokio::select! {
+                _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
+                    if !node.kv_events_wanted(i) || !current() {
+                        tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
+                        break false;
+                    }
+                }
+                _ = stopped(stop) => break true,
+                // The subscriber gave up on its own (bad endpoints, logged): so do we.
+                _ = &mut sub => return,
+            }
+        };
+        let _ = leave.send(true);
+        let _ = sub.await;
+        if node_stopped {
+            return;
+        }
+    }
 }
 
 /// Keeps a source's replicas in the registry until `stop` turns true, first resolving after

@@ -1269,6 +1269,30 @@ mod tests {
     }
 
     proptest! {
+        /// Region marks are on a lease: whatever regions are marked when, the map never holds
+        /// more than `MAX_REMOTE_REGIONS`, and once the latest mark's end has passed no region
+        /// is skipped; the next mark then clears every expired one.
+        #[test]
+        fn region_marks_end_and_stay_bounded(
+            marks in proptest::collection::vec((0u32..200, 0u64..10_000, 1u64..30_000), 1..300),
+        ) {
+            let mut v = View::new("here", 16);
+            let mut now = 0u64;
+            let mut last_end = 0u64;
+            for (region, gap, hold) in marks {
+                now += gap;
+                let until = now + hold;
+                last_end = last_end.max(until);
+                v.mark_unreachable(&format!("r{region}"), Duration::from_millis(now), Duration::from_millis(until));
+                prop_assert!(v.unreachable_regions.len() <= crate::core::region_offer::MAX_REMOTE_REGIONS);
+            }
+            let after = Duration::from_millis(last_end);
+            for region in 0..200 {
+                prop_assert!(!v.is_unreachable(&format!("r{region}"), after));
+            }
+            v.mark_unreachable("other", after, after + Duration::from_secs(5));
+            prop_assert_eq!(v.unreachable_regions.len(), 1);
+        }
         /// The memoised hit search (shared scratch across replicas and requests, several filter
         /// geometries and seeds, more geometries than the scratch memoises) gives exactly the
         /// hits of the unmemoised search, false positives included.

@@ -135,7 +135,7 @@ impl Node {
                 None
             }
         };
-        let new = self.apply_admin(op, id, spec)?;
+        let new = self.apply_admin(op, id, spec, None)?;
         let self_id = self.self_node_id();
         {
             let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
@@ -176,13 +176,15 @@ impl Node {
         })
     }
 
-    /// Applies `op` to replica `id` here; returns whether it is new to this node (its watcher
-    /// tasks are started once the node runs).
+    /// Applies `op` to replica `id` here, taken here (`by` = `None`) or from region peer `by`'s
+    /// record; returns whether it is new to this node (its watcher tasks are started once the
+    /// node runs).
     fn apply_admin(
         self: &Arc<Self>,
         op: AdminOp,
         id: &str,
         spec: Option<&ReplicaConfig>,
+        by: Option<&str>,
     ) -> Result<bool, AdminError> {
         match (op, spec) {
             (AdminOp::Add, Some(r)) => {
@@ -195,6 +197,7 @@ impl Node {
                     let mut core = self.lock();
                     if let Some(rt) = core.replicas.get_mut(i) {
                         rt.admin_drained = false;
+                        rt.admin_drained_by = None;
                         // Configured here now: it no longer expires with a peer.
                         rt.mesh.learned = false;
                         let h = rt.effective_health();
@@ -218,6 +221,7 @@ impl Node {
                         .ok_or_else(|| AdminError::NotFound(id.to_owned()))?;
                     if let Some(rt) = core.replicas.get_mut(i) {
                         rt.admin_drained = true;
+                        rt.admin_drained_by = by.map(str::to_owned);
                     }
                     core.view.set_health(i, Health::Draining);
                     i
@@ -265,7 +269,7 @@ impl Node {
                     continue;
                 }
             }
-            match self.apply_admin(record.op, id, spec.as_ref()) {
+            match self.apply_admin(record.op, id, spec.as_ref(), Some(by)) {
                 Ok(_) => {
                     tracing::info!(replica = %id, op = record.op.as_str(), from = %by, "operator command from a peer applied");
                 }
@@ -277,6 +281,7 @@ impl Node {
             }
             self.remember_applied(id, record.stamp_ms, by);
         }
+        self.lift_departed_peers_drains(live);
         let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         if book.applied.len() > MAX_APPLIED {
             let published: std::collections::HashSet<&str> = live
@@ -286,6 +291,27 @@ impl Node {
             let own: Vec<String> = book.own.keys().cloned().collect();
             book.applied
                 .retain(|id, _| published.contains(id.as_str()) || own.contains(id));
+        }
+    }
+
+    /// Ends the drains learned from region peers that are no longer live: a drain is on the
+    /// lease of its publisher's membership (one taken here holds until undone).
+    fn lift_departed_peers_drains(&self, live: &[Member]) {
+        let live: std::collections::HashSet<&str> =
+            live.iter().map(|m| m.node_id.as_str()).collect();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        for (i, rt) in core.replicas.iter_mut().enumerate() {
+            let gone = rt
+                .admin_drained_by
+                .as_deref()
+                .is_some_and(|by| !live.contains(by));
+            if gone {
+                tracing::info!(replica = %self.id_of(i), by = ?rt.admin_drained_by, "drain lifted: the peer that sent it left");
+                rt.admin_drained = false;
+                rt.admin_drained_by = None;
+                core.view.set_health(i, rt.effective_health());
+            }
         }
     }
 

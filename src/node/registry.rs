@@ -31,9 +31,10 @@ use crate::replicas::dns::ReplicaRegistry;
 use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::replicas::health::HealthTracker;
 
-/// Default least time a departed replica drains before it is dropped (flapping DNS answers
-/// bring it back within this without rebuilding anything); `drop_departed_after_s`.
-pub const DROP_AFTER: Duration = Duration::from_secs(30);
+/// The default least time a departed replica drains before it is dropped
+/// (`drop_departed_after_s`), as tests use it.
+#[cfg(test)]
+pub const DROP_AFTER: Duration = Duration::from_secs(super::config::DEFAULT_DROP_DEPARTED_AFTER_S);
 
 impl Node {
     /// Builds the node's state from a validated config, with the static replicas registered.
@@ -143,6 +144,7 @@ impl Node {
             mesh: ReplicaMesh::default(),
             kv_source: r.kv_events.clone(),
             admin_drained: false,
+            admin_drained_by: None,
             rank_loads: Vec::new(),
             rank_rotate: 0,
             rank_hints: RankHints::default(),
@@ -159,7 +161,8 @@ impl Node {
                 let old = std::mem::replace(&mut core.replicas[i], rt);
                 core.replicas[i].incarnation = old.incarnation + 1;
                 core.pending_tips.retain(|t| t.replica != i);
-                if old.admin_drained {
+                // Only a drain taken here outlives its slot (a peer's lasts while it is live).
+                if old.admin_drained && old.admin_drained_by.is_none() {
                     core.reclaimed_drains.put(Arc::clone(&endpoints[i].id), ());
                 }
                 tracing::info!(replica = %id, slot = i, was = %endpoints[i].id, "replica takes a dropped replica's slot");

@@ -81,6 +81,10 @@ pub struct ReplicaRuntime {
     /// Drained by an operator command (`admin.rs`): takes nothing new until added again, even
     /// when a DNS answer or a peer's record brings it back into the registry.
     pub admin_drained: bool,
+    /// The region peer whose `admin:` record drained it, `None` when the command was taken
+    /// here: a drain taken here holds until undone, one learned from a peer only while that
+    /// peer is live (`admin.rs`), so a member that left cannot keep replicas out for good.
+    pub admin_drained_by: Option<String>,
     /// This node's load on each data-parallel rank it named (`routing.rs`), grown as ranks are
     /// named (at most `kv_source.dp_ranks` ≤ 64 entries).
     pub rank_loads: Vec<RankLoad>,

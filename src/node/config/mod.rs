@@ -43,6 +43,10 @@ pub use crate::replicas::k8s::KubernetesConfig;
 pub use crate::replicas::kv_events::{KvEventsSource, KvWatchConfig};
 pub use crate::replicas::probe::ScrapeConfig;
 
+/// Default `drop_departed_after_s`: flapping DNS answers bring a replica back within it
+/// without rebuilding anything.
+pub const DEFAULT_DROP_DEPARTED_AFTER_S: u64 = 30;
+
 /// Longest duration any setting may name: 7 days.
 pub const MAX_DURATION_MS: u64 = 7 * 86_400_000;
 
@@ -208,7 +212,7 @@ impl Default for NodeConfig {
             pd: PdSection::default(),
             hot_prefix: HotPrefixConfig::default(),
             kv_events: KvWatchConfig::default(),
-            drop_departed_after_s: 30,
+            drop_departed_after_s: DEFAULT_DROP_DEPARTED_AFTER_S,
             priorities: None,
         }
     }

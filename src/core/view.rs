@@ -1288,7 +1288,8 @@ mod tests {
             }
             let after = Duration::from_millis(last_end);
             for region in 0..200 {
-                prop_assert!(!v.is_unreachable(&format!("r{region}"), after));
+                let name = format!("r{region}");
+                prop_assert!(!v.is_unreachable(&name, after), "{} still skipped", name);
             }
             v.mark_unreachable("other", after, after + Duration::from_secs(5));
             prop_assert_eq!(v.unreachable_regions.len(), 1);

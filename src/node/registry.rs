@@ -385,4 +385,55 @@ mod tests {
         // The other replica was never touched.
         assert!(!node.is_removed(0));
     }
+
+    /// A new replica takes a dropped one's slot instead of growing the registry: the old id
+    /// no longer names it, the view slot starts over, the incarnation moves on (old tasks
+    /// end); an operator's drain of the old id outlives the slot.
+    #[test]
+    fn a_new_replica_reclaims_a_dropped_slot() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let spec = |id: &str, host: u8| ReplicaConfig {
+            id: Some(id.into()),
+            ..ReplicaConfig::from_url(format!("http://10.0.0.{host}:8000"))
+        };
+        let (i, _) = node.add_replica(&spec("old", 1)).unwrap();
+        let (busy, _) = node.add_replica(&spec("busy", 2)).unwrap();
+        node.lock().replicas[i].admin_drained = true;
+        node.remove_replica(i);
+        node.remove_replica(busy);
+        node.lock().view.replica_mut(busy).unwrap().load.in_flight = 1;
+        let left = node.lock().replicas[i].removed_at.unwrap();
+        // Not reclaimable before it is dropped: a newcomer grows the registry.
+        assert_eq!(node.add_replica(&spec("early", 3)).unwrap(), (2, true));
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER), 1, "busy stays");
+        let inc = node.lock().replicas[i].incarnation;
+        assert_eq!(node.add_replica(&spec("new", 4)).unwrap(), (i, true));
+        {
+            let core = node.lock();
+            assert_eq!(core.view.index_of("new"), Some(i));
+            assert_eq!(core.view.index_of("old"), None);
+            let r = core.view.replica(i).unwrap();
+            assert_eq!(
+                (r.health, r.info.url.as_str()),
+                (Health::Healthy, "http://10.0.0.4:8000")
+            );
+            let rt = &core.replicas[i];
+            assert!(!rt.dropped && !rt.removed && !rt.admin_drained);
+            assert!(rt.incarnation > inc);
+        }
+        assert_eq!(&*node.id_of(i), "new");
+        assert_eq!(node.live_incarnation(i), Some(inc + 1));
+        assert_eq!(node.replica_count(), 3);
+        // The busy one (something in flight) is never reclaimed: the next newcomer grows.
+        assert_eq!(node.add_replica(&spec("next", 5)).unwrap(), (3, true));
+        // The drained id back: a new slot, still drained by the operator.
+        let (back, new) = node.add_replica(&spec("old", 1)).unwrap();
+        assert!(new && back == 4);
+        assert!(node.lock().replicas[back].admin_drained);
+        assert_eq!(
+            node.lock().view.replica(back).unwrap().health,
+            Health::Draining
+        );
+    }
 }

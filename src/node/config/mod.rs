@@ -861,6 +861,11 @@ mod tests {
             ),
             ("[priorities]\nheader = \"x y\"", "priorities.header"),
             ("listen = \"nowhere\"", "listen"),
+            ("[kv_events]\nheartbeat_ms = 10", "kv_events.heartbeat_ms"),
+            ("[kv_events]\nheartbeat_ms = 1000\nsilence_ms = 1500", "kv_events.silence_ms"),
+            ("[kv_events]\nsilence_ms = 700000", "kv_events.silence_ms"),
+            ("[kv_events]\nping_ms = 1", "ping_ms"),
+            ("drop_departed_after_s = 86401", "drop_departed_after_s"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
             (

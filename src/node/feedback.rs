@@ -92,6 +92,7 @@ impl Node {
             return Ok(());
         };
         rt.engine = Some(load);
+        rt.engine_at = Some(self.now());
         if let (Some(bs), Some(tm)) = (load.block_size, self.tokenizer.as_ref()) {
             if let Some(bs) = u32::try_from(bs)
                 .ok()
@@ -181,6 +182,7 @@ impl Node {
                 .set(healthy as i64);
         }
         self.sweep_departed();
+        self.expire_stale_scrapes();
     }
 
     /// Switches replica `i`'s cache model between exact (events up) and approximate (events down),

@@ -137,6 +137,7 @@ impl Node {
             models_configured: !r.models.is_empty(),
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,
+            engine_at: None,
             removed: false,
             removed_at: None,
             dropped: false,
@@ -278,6 +279,7 @@ impl Node {
                 rt.dropped = true;
                 rt.incarnation += 1;
                 rt.engine = None;
+                rt.engine_at = None;
                 rt.summary_dirty = false;
                 rt.health = HealthTracker::new();
                 rt.peer_in_flight = 0;
@@ -320,6 +322,41 @@ fn reclaimable_slot(core: &Core) -> Option<usize> {
                 && core.view.replica(*i).is_some_and(|r| r.load.in_flight == 0)
         })
         .map(|(i, _)| i)
+}
+
+impl Node {
+    /// Forgets engine figures older than their lease ([`scrape_lease`]): a replica whose
+    /// scrapes keep failing (but whose health checks pass) is no longer avoided for the queue
+    /// its last scrape reported. Returns how many it forgot.
+    pub(super) fn expire_stale_scrapes(&self) -> usize {
+        self.expire_stale_scrapes_at(self.now())
+    }
+
+    /// [`Node::expire_stale_scrapes`] at core time `now`.
+    pub(super) fn expire_stale_scrapes_at(&self, now: Duration) -> usize {
+        let lease = scrape_lease(self.cfg.scrape.interval_ms);
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let mut expired = 0;
+        for (i, rt) in core.replicas.iter_mut().enumerate() {
+            if rt
+                .engine_at
+                .is_some_and(|at| now.saturating_sub(at) >= lease)
+            {
+                rt.engine = None;
+                rt.engine_at = None;
+                core.view
+                    .set_engine_load(i, 0, 0, 0.0, rt.queued_estimate());
+                expired += 1;
+            }
+        }
+        expired
+    }
+}
+
+/// How long a scrape's figures count: 10 scrape intervals, at least 10 s.
+pub fn scrape_lease(interval_ms: u64) -> Duration {
+    Duration::from_millis(interval_ms.saturating_mul(10).max(10_000))
 }
 
 // What a DNS or Kubernetes source needs of the node (`replicas::dns`, `replicas::k8s`).
@@ -384,6 +421,45 @@ mod tests {
         assert_eq!(node.replica_count(), 2);
         // The other replica was never touched.
         assert!(!node.is_removed(0));
+    }
+
+    /// A scrape's figures are on a lease: a replica that reported a long queue and then could
+    /// not be scraped stops being avoided for it once the lease is over.
+    #[test]
+    fn stale_engine_figures_expire() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let (i, _) = node
+            .add_replica(&ReplicaConfig::from_url("http://10.0.0.1:8000".to_owned()))
+            .unwrap();
+        let load = crate::replicas::prom::EngineLoad {
+            waiting: Some(500.0),
+            running: Some(64.0),
+            ..Default::default()
+        };
+        node.apply_scrape(i, load).unwrap();
+        let at = node.lock().replicas[i].engine_at.unwrap();
+        assert_eq!(node.lock().view.replica(i).unwrap().load.waiting, 500);
+        let lease = scrape_lease(node.cfg.scrape.interval_ms);
+        assert_eq!(
+            node.expire_stale_scrapes_at(at + lease - Duration::from_millis(1)),
+            0
+        );
+        assert_eq!(node.expire_stale_scrapes_at(at + lease), 1);
+        let core = node.lock();
+        let r = core.view.replica(i).unwrap();
+        assert_eq!((r.load.waiting, r.load.running), (0, 0));
+        assert!(core.replicas[i].engine.is_none());
+    }
+
+    proptest::proptest! {
+        /// The lease is at least 10 s and 10 scrape intervals, and never overflows.
+        #[test]
+        fn the_scrape_lease_covers_ten_intervals(interval in 0u64..u64::MAX) {
+            let lease = scrape_lease(interval);
+            proptest::prop_assert!(lease >= Duration::from_secs(10));
+            proptest::prop_assert!(lease.as_millis() >= u128::from(interval.min(u64::MAX / 10)) * 10);
+        }
     }
 
     /// A new replica takes a dropped one's slot instead of growing the registry: the old id

@@ -61,8 +61,10 @@ pub struct ReplicaRuntime {
     pub models_configured: bool,
     /// Capacity came from the config (never replaced by a scrape).
     pub capacity_configured: bool,
-    /// Latest scrape, if any succeeded.
+    /// Latest scrape, if any succeeded (and not older than its lease, `registry.rs`).
     pub engine: Option<EngineLoad>,
+    /// When `engine` was scraped (core time).
+    pub engine_at: Option<Duration>,
     /// Left the registry (DNS no longer lists it, or a learned replica expired): takes no new
     /// requests.
     pub removed: bool,

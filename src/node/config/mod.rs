@@ -595,18 +595,25 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
-        self.kv_events
-            .validate()
-            .map_err(|(k, msg)| invalid(format!("kv_events.{k}"), msg))?;
-        if self.drop_departed_after_s > 86_400 {
-            return Err(invalid("drop_departed_after_s", "must be at most 86400"));
-        }
+        self.validate_upkeep()?;
         self.hot_prefix
             .validate()
             .map_err(|m| invalid("hot_prefix", m))?;
         if let Some(p) = &self.priorities {
             p.validate()
                 .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
+        }
+        Ok(())
+    }
+
+    /// Checks how engines are watched and departed replicas dropped (`[kv_events]`,
+    /// `drop_departed_after_s`).
+    fn validate_upkeep(&self) -> Result<(), ConfigError> {
+        self.kv_events
+            .validate()
+            .map_err(|(k, msg)| invalid(format!("kv_events.{k}"), msg))?;
+        if self.drop_departed_after_s > 86_400 {
+            return Err(invalid("drop_departed_after_s", "must be at most 86400"));
         }
         Ok(())
     }

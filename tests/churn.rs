@@ -18,6 +18,16 @@ use kvmesh::replicas::kv_events::KvEventsSource;
 
 const CYCLES: usize = 1_000;
 
+/// Metric series the node exports.
+fn series(node: &Arc<Node>) -> usize {
+    node.metrics
+        .registry
+        .gather()
+        .iter()
+        .map(|f| f.get_metric().len())
+        .sum()
+}
+
 fn alive_tasks() -> usize {
     tokio::runtime::Handle::current()
         .metrics()
@@ -78,6 +88,7 @@ async fn a_thousand_replicas_come_and_go_and_leave_nothing_behind() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let tasks_before = alive_tasks();
         let slots_before = slots(&node);
+        let series_before = series(&node);
 
         for k in 0..CYCLES {
             cycle(&node, &format!("pod-{k}"), &url, &events).await;
@@ -87,8 +98,9 @@ async fn a_thousand_replicas_come_and_go_and_leave_nothing_behind() {
         wait_for(Duration::from_secs(20), || alive_tasks() <= tasks_before + 4).await;
         let tasks_after = alive_tasks();
         let slots_after = slots(&node);
+        let series_after = series(&node);
         println!(
-            "after {CYCLES} add/remove cycles: tasks {tasks_before} → {tasks_after}, slots {slots_before:?} → {slots_after:?}"
+            "after {CYCLES} add/remove cycles: tasks {tasks_before} → {tasks_after}, slots {slots_before:?} → {slots_after:?}, metric series {series_before} → {series_after}"
         );
         assert_eq!(slots_after.0, slots_after.1, "registry and view disagree");
         assert!(
@@ -98,6 +110,10 @@ async fn a_thousand_replicas_come_and_go_and_leave_nothing_behind() {
         assert!(
             tasks_after <= tasks_before + 4,
             "tasks grew from {tasks_before} to {tasks_after}"
+        );
+        assert!(
+            series_after <= series_before + 16,
+            "metric series grew from {series_before} to {series_after}"
         );
         // A departed id is gone from the view; the last one's slot serves a newcomer.
         assert!(node.lock().view.index_of("pod-0").is_none());

@@ -119,6 +119,7 @@ impl Node {
             if back {
                 tracing::info!(replica = %id, "replica back in the registry");
             }
+            self.registry_changed.send_modify(|v| *v += 1);
             return Ok((i, revived));
         }
         let cache = self.cache_model(
@@ -138,6 +139,7 @@ impl Node {
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,
             engine_at: None,
+            kv_subscribed: false,
             removed: false,
             removed_at: None,
             dropped: false,
@@ -193,6 +195,7 @@ impl Node {
             .with_label_values(&[&id])
             .reset();
         tracing::info!(replica = %id, url = %r.url, "replica registered");
+        self.registry_changed.send_modify(|v| *v += 1);
         Ok((i, true))
     }
 
@@ -207,6 +210,7 @@ impl Node {
                 rt.removed_at = Some(now);
                 core.view.set_health(i, Health::Draining);
                 drop(core);
+                self.registry_changed.send_modify(|v| *v += 1);
                 if let Some(ep) = self.endpoint(i) {
                     tracing::info!(replica = %ep.id, "replica left the registry");
                     self.metrics
@@ -263,8 +267,12 @@ impl Node {
                     && rt
                         .removed_at
                         .is_some_and(|t| now.saturating_sub(t) >= drop_after);
+                // Nothing in flight that holds the index: requests, a KV-event subscription
+                // (the slot may go to another replica once dropped; a summary pull in flight
+                // only delays that, see `reclaimable_slot`).
                 let idle = core.view.replica(i).is_some_and(|r| r.load.in_flight == 0)
-                    && rt.pending_prefill_tokens == 0;
+                    && rt.pending_prefill_tokens == 0
+                    && !rt.kv_subscribed;
                 if !(due && idle) {
                     continue;
                 }
@@ -288,6 +296,8 @@ impl Node {
                 rt.mesh = ReplicaMesh {
                     home: false,
                     learned: rt.mesh.learned,
+                    // A pull in flight still ends on this slot: it is not reused before.
+                    pulling: rt.mesh.pulling,
                     published,
                     ..ReplicaMesh::default()
                 };
@@ -295,6 +305,9 @@ impl Node {
                 core.view.set_health(i, Health::Draining);
                 dropped.push(i);
             }
+        }
+        if !dropped.is_empty() {
+            self.registry_changed.send_modify(|v| *v += 1);
         }
         for &i in &dropped {
             let id = self.id_of(i);
@@ -304,19 +317,23 @@ impl Node {
             }
             let _ = self.metrics.ejections.remove_label_values(&[&id]);
             let _ = self.metrics.scrape_refused.remove_label_values(&[&id]);
+            self.kv_metrics.forget(&id);
         }
         dropped.len()
     }
 }
 
 /// A dropped replica's slot that a new replica may take: nothing in flight or pending there
-/// and no record of it left to withdraw from the mesh.
+/// (requests, a KV-event subscription, a summary pull) and no record of it left to withdraw
+/// from the mesh.
 fn reclaimable_slot(core: &Core) -> Option<usize> {
     core.replicas
         .iter()
         .enumerate()
         .find(|(i, rt)| {
             rt.dropped
+                && !rt.kv_subscribed
+                && !rt.mesh.pulling
                 && rt.mesh.published.is_none()
                 && rt.pending_prefill_tokens == 0
                 && core.view.replica(*i).is_some_and(|r| r.load.in_flight == 0)
@@ -325,6 +342,26 @@ fn reclaimable_slot(core: &Core) -> Option<usize> {
 }
 
 impl Node {
+    /// Marks replica `i`'s KV-event subscription running, if `incarnation` is still live (its
+    /// slot is then not dropped until [`Node::end_kv_subscription`]). Returns whether it did.
+    pub(super) fn begin_kv_subscription(&self, i: usize, incarnation: u64) -> bool {
+        let mut core = self.lock();
+        match core.replicas.get_mut(i) {
+            Some(rt) if rt.incarnation == incarnation && !rt.dropped => {
+                rt.kv_subscribed = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Replica `i`'s KV-event subscription has ended (its task is done).
+    pub(super) fn end_kv_subscription(&self, i: usize) {
+        if let Some(rt) = self.lock().replicas.get_mut(i) {
+            rt.kv_subscribed = false;
+        }
+    }
+
     /// Forgets engine figures older than their lease ([`scrape_lease`]): a replica whose
     /// scrapes keep failing (but whose health checks pass) is no longer avoided for the queue
     /// its last scrape reported. Returns how many it forgot.
@@ -437,7 +474,7 @@ mod tests {
             running: Some(64.0),
             ..Default::default()
         };
-        node.apply_scrape(i, load).unwrap();
+        node.apply_scrape(i, 0, load).unwrap();
         let at = node.lock().replicas[i].engine_at.unwrap();
         assert_eq!(node.lock().view.replica(i).unwrap().load.waiting, 500);
         let lease = scrape_lease(node.cfg.scrape.interval_ms);

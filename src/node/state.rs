@@ -65,6 +65,9 @@ pub struct ReplicaRuntime {
     pub engine: Option<EngineLoad>,
     /// When `engine` was scraped (core time).
     pub engine_at: Option<Duration>,
+    /// Its KV-event subscriber task is running (`watchers.rs`): the slot is not dropped
+    /// meanwhile, so no event of it reaches a replica that takes the slot later.
+    pub kv_subscribed: bool,
     /// Left the registry (DNS no longer lists it, or a learned replica expired): takes no new
     /// requests.
     pub removed: bool,
@@ -272,6 +275,9 @@ pub struct Node {
     /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one: index → the
     /// incarnation it serves (it ends when the replica is dropped or its slot reused).
     pub(super) kv_watched: Mutex<HashMap<usize, u64>>,
+    /// Bumped whenever a replica joins, leaves or is dropped (`registry.rs`): KV-event
+    /// supervisors wake on it instead of waiting for their next poll.
+    pub(super) registry_changed: tokio::sync::watch::Sender<u64>,
     /// Stored responses (OpenAI Responses API) this node has located: response id → the id of
     /// the replica that stores it, at most [`RESPONSE_HOMES`] (`proxy/stored_responses.rs`).
     pub response_homes: Mutex<lru::LruCache<String, String>>,
@@ -407,6 +413,7 @@ impl Node {
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashMap::new()),
+            registry_changed: tokio::sync::watch::Sender::new(0),
             response_homes: Mutex::new(lru::LruCache::new(RESPONSE_HOMES)),
             configured: Mutex::new(cfg.replicas.clone()),
             admin: Mutex::new(super::admin_book::AdminBook::default()),

@@ -26,6 +26,9 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
+    let Some(incarnation) = node.live_incarnation(i) else {
+        return;
+    };
     // In a mesh, followers leave most checks to the replica's home (see `mesh_roles.rs`).
     if node.is_removed(i) || !node.should_check(i) {
         return;
@@ -37,7 +40,8 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     } else {
         None
     };
-    node.active_check(i, ok, models);
+    // Applied only to the incarnation asked: the slot may have gone to another replica.
+    node.active_check(i, incarnation, ok, models);
 }
 
 /// Unix ms of the last warning about refused scrape values (process-wide: one per 10 s).
@@ -60,6 +64,9 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
+    let Some(incarnation) = node.live_incarnation(i) else {
+        return;
+    };
     if node.is_removed(i) || !node.should_scrape(i) {
         return;
     }
@@ -79,7 +86,7 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
                     tracing::warn!(replica = %id, refused = load.refused_values, "scrape values out of bounds refused (further ones counted, not logged, for 10 s)");
                 }
             }
-            if let Err(e) = node.apply_scrape(i, load) {
+            if let Err(e) = node.apply_scrape(i, incarnation, load) {
                 tracing::warn!(replica = %id, error = %e, "cannot apply scrape");
             }
         }
@@ -285,6 +292,8 @@ async fn supervise_kv_events(
     source: KvEventsSource,
 ) {
     let current = || node.live_incarnation(i) == Some(incarnation);
+    // Registry changes wake it at once; the poll catches what else moves homes (the mesh).
+    let mut changed = node.registry_changed.subscribe();
     loop {
         // Wait until the replica is in the registry (and, learned, homed here).
         while !node.kv_events_wanted(i) {
@@ -293,10 +302,13 @@ async fn supervise_kv_events(
             }
             tokio::select! {
                 _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                _ = changed.changed() => {}
                 _ = stopped(stop) => return,
             }
         }
-        if !current() {
+        // Atomic with the incarnation check: a slot with a subscription is never dropped (its
+        // events must not reach whoever takes the slot next).
+        if !node.begin_kv_subscription(i, incarnation) {
             return;
         }
         let (leave, leave_rx) = watch::channel(false);
@@ -312,7 +324,12 @@ async fn supervise_kv_events(
         ));
         let node_stopped = loop {
             tokio::select! {
-                _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
+                _ = async {
+                    tokio::select! {
+                        _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                        _ = changed.changed() => {}
+                    }
+                } => {
                     if !node.kv_events_wanted(i) || !current() {
                         tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
                         break false;
@@ -320,11 +337,19 @@ async fn supervise_kv_events(
                 }
                 _ = stopped(stop) => break true,
                 // The subscriber gave up on its own (bad endpoints, logged): so do we.
-                _ = &mut sub => return,
+                _ = &mut sub => {
+                    node.end_kv_subscription(i);
+                    return;
+                }
             }
         };
         let _ = leave.send(true);
         let _ = sub.await;
+        node.end_kv_subscription(i);
+        if !current() {
+            // Its last writer is done: the replica's KV series go with it.
+            node.kv_metrics.forget(&ep.id);
+        }
         if node_stopped {
             return;
         }

@@ -371,6 +371,35 @@ impl KvMetrics {
         .with_fixed_labels())
     }
 
+    /// Forgets replica `id`'s series (it was dropped): a fleet's churn leaves no series behind.
+    pub fn forget(&self, id: &str) {
+        for vec in [&self.batches, &self.malformed, &self.silences] {
+            let _ = vec.remove_label_values(&[id]);
+        }
+        for vec in [&self.up, &self.exact_blocks] {
+            let _ = vec.remove_label_values(&[id]);
+        }
+        let reasons = [
+            ("gap", &self.clears),
+            ("history_lost", &self.clears),
+            ("restarted", &self.clears),
+            ("replay_overflow", &self.clears),
+            ("all_blocks_cleared", &self.clears),
+            ("unknown_parent", &self.skipped),
+            ("unknown_removed", &self.skipped),
+            ("other_group", &self.skipped),
+            ("unsupported", &self.skipped),
+            ("malformed_event", &self.skipped),
+            ("over_capacity", &self.skipped),
+            ("unknown_copied", &self.skipped),
+            ("exact", &self.switches),
+            ("approximate", &self.switches),
+        ];
+        for (label, vec) in reasons {
+            let _ = vec.remove_label_values(&[id, label]);
+        }
+    }
+
     /// Fixed label values exist at 0 from the start.
     fn with_fixed_labels(self) -> Self {
         for reason in ["other_model", "load", "template", "encode", "unsupported"] {

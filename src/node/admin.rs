@@ -452,3 +452,101 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
         kv_load: s.kv_load.filter(|l| l.validate().is_ok()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::schema::{NodeRecord, SCHEMA_VERSION};
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::net::SocketAddr;
+
+    fn node() -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = ["r0", "r1"]
+            .iter()
+            .enumerate()
+            .map(|(k, id)| ReplicaConfig {
+                id: Some((*id).into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{}:8000", k + 1))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            listen: "127.0.0.1:7946".parse().unwrap(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        Node::new(cfg).unwrap()
+    }
+
+    /// A region member publishing `drains` as `admin:` drain records.
+    fn member(id: &str, port: u16, is_self: bool, drains: &[&str]) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let admin = drains
+            .iter()
+            .map(|r| {
+                let record = AdminRecord {
+                    stamp_ms: now_ms(),
+                    op: AdminOp::Drain,
+                    spec: None,
+                };
+                ((*r).to_owned(), record)
+            })
+            .collect();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: String::new(),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: Default::default(),
+            inflight: Default::default(),
+            hot: Default::default(),
+            rtt: Default::default(),
+            homes: None,
+            admin: Arc::new(admin),
+            regions: Default::default(),
+        }
+    }
+
+    fn drained(n: &Node, id: &str) -> bool {
+        let core = n.lock();
+        let i = core.view.index_of(id).unwrap();
+        core.replicas[i].admin_drained && core.view.replica(i).unwrap().health == Health::Draining
+    }
+
+    /// A drain learned from a peer holds while the peer is live and ends when it leaves; a
+    /// drain taken here holds until undone, whoever comes and goes.
+    #[test]
+    fn a_departed_peers_drain_ends_and_a_local_one_stays() {
+        let n = node();
+        let policy = LearnPolicy::of(&n);
+        let me = member("a", 7000, true, &[]);
+        let rogue = member("rogue", 7001, false, &["r0"]);
+        n.admin_command(AdminOp::Drain, "r1", None).unwrap();
+        n.apply_admin_records(&[me.clone(), rogue], &policy);
+        assert!(drained(&n, "r0") && drained(&n, "r1"));
+        // Still live a round later: still drained.
+        let rogue = member("rogue", 7001, false, &["r0"]);
+        n.apply_admin_records(&[me.clone(), rogue], &policy);
+        assert!(drained(&n, "r0"));
+        // Gone: its drain ends; the operator's own stays.
+        n.apply_admin_records(std::slice::from_ref(&me), &policy);
+        assert!(!drained(&n, "r0"), "a departed peer's drain stuck");
+        assert!(drained(&n, "r1"));
+    }
+}

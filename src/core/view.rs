@@ -227,8 +227,9 @@ impl View {
             .is_some_and(|until| *until > now)
     }
 
-    /// Adds or updates a replica's static facts; returns its index. Indexes are stable for the
-    /// view's lifetime (a removed replica stays, marked unhealthy), so decisions can hold them.
+    /// Adds or updates a replica's static facts; returns its index. Indexes are stable while a
+    /// replica is known (a removed one stays, marked draining, until the registry drops it and
+    /// may give its slot to another: [`View::replace`]), so decisions can hold them.
     pub fn upsert(&mut self, info: impl Into<Arc<ReplicaInfo>>) -> usize {
         let info: Arc<ReplicaInfo> = info.into();
         if let Some(&i) = self.index.get(&info.id) {
@@ -248,6 +249,33 @@ impl View {
             kv_shares: Vec::new(),
         });
         i
+    }
+
+    /// Puts a new replica in slot `i` in place of the one there (a dropped tombstone the
+    /// registry reclaims): the old id no longer names it, and its health, load, summary,
+    /// overlay and shares start over. The caller makes sure nothing holds `i` for the old
+    /// replica (nothing in flight there). Returns false, changing nothing, if `i` is out of
+    /// range or the new id already has a slot.
+    pub fn replace(&mut self, i: usize, info: impl Into<Arc<ReplicaInfo>>) -> bool {
+        let info: Arc<ReplicaInfo> = info.into();
+        if i >= self.replicas.len() || self.index.contains_key(&info.id) {
+            return false;
+        }
+        let old = &self.replicas[i].info.id;
+        if self.index.get(old) == Some(&i) {
+            self.index.remove(old);
+        }
+        self.index.insert(info.id.clone(), i);
+        self.replicas[i] = ReplicaState {
+            seed: super::affinity::replica_seed(&info.id),
+            info,
+            health: Health::Healthy,
+            load: ReplicaLoad::default(),
+            summary: None,
+            overlay: HashMap::new(),
+            kv_shares: Vec::new(),
+        };
+        true
     }
 
     /// Index of a replica by id.
@@ -1241,6 +1269,31 @@ mod tests {
     }
 
     proptest! {
+        /// Region marks are on a lease: whatever regions are marked when, the map never holds
+        /// more than `MAX_REMOTE_REGIONS`, and once the latest mark's end has passed no region
+        /// is skipped; the next mark then clears every expired one.
+        #[test]
+        fn region_marks_end_and_stay_bounded(
+            marks in proptest::collection::vec((0u32..200, 0u64..10_000, 1u64..30_000), 1..300),
+        ) {
+            let mut v = View::new("here", 16);
+            let mut now = 0u64;
+            let mut last_end = 0u64;
+            for (region, gap, hold) in marks {
+                now += gap;
+                let until = now + hold;
+                last_end = last_end.max(until);
+                v.mark_unreachable(&format!("r{region}"), Duration::from_millis(now), Duration::from_millis(until));
+                prop_assert!(v.unreachable_regions.len() <= crate::core::region_offer::MAX_REMOTE_REGIONS);
+            }
+            let after = Duration::from_millis(last_end);
+            for region in 0..200 {
+                let name = format!("r{region}");
+                prop_assert!(!v.is_unreachable(&name, after), "{} still skipped", name);
+            }
+            v.mark_unreachable("other", after, after + Duration::from_secs(5));
+            prop_assert_eq!(v.unreachable_regions.len(), 1);
+        }
         /// The memoised hit search (shared scratch across replicas and requests, several filter
         /// geometries and seeds, more geometries than the scratch memoises) gives exactly the
         /// hits of the unmemoised search, false positives included.

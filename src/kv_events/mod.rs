@@ -4,6 +4,7 @@
 pub mod msgpack;
 pub mod publisher;
 pub mod wire;
+pub mod zmtp;
 
 pub use publisher::{KvPublisher, KvPublisherConfig, PublisherError};
 pub use wire::{

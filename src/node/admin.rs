@@ -135,7 +135,7 @@ impl Node {
                 None
             }
         };
-        let new = self.apply_admin(op, id, spec)?;
+        let new = self.apply_admin(op, id, spec, None)?;
         let self_id = self.self_node_id();
         {
             let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
@@ -176,13 +176,15 @@ impl Node {
         })
     }
 
-    /// Applies `op` to replica `id` here; returns whether it is new to this node (its watcher
-    /// tasks are started once the node runs).
+    /// Applies `op` to replica `id` here, taken here (`by` = `None`) or from region peer `by`'s
+    /// record; returns whether it is new to this node (its watcher tasks are started once the
+    /// node runs).
     fn apply_admin(
         self: &Arc<Self>,
         op: AdminOp,
         id: &str,
         spec: Option<&ReplicaConfig>,
+        by: Option<&str>,
     ) -> Result<bool, AdminError> {
         match (op, spec) {
             (AdminOp::Add, Some(r)) => {
@@ -195,6 +197,7 @@ impl Node {
                     let mut core = self.lock();
                     if let Some(rt) = core.replicas.get_mut(i) {
                         rt.admin_drained = false;
+                        rt.admin_drained_by = None;
                         // Configured here now: it no longer expires with a peer.
                         rt.mesh.learned = false;
                         let h = rt.effective_health();
@@ -218,6 +221,7 @@ impl Node {
                         .ok_or_else(|| AdminError::NotFound(id.to_owned()))?;
                     if let Some(rt) = core.replicas.get_mut(i) {
                         rt.admin_drained = true;
+                        rt.admin_drained_by = by.map(str::to_owned);
                     }
                     core.view.set_health(i, Health::Draining);
                     i
@@ -265,7 +269,7 @@ impl Node {
                     continue;
                 }
             }
-            match self.apply_admin(record.op, id, spec.as_ref()) {
+            match self.apply_admin(record.op, id, spec.as_ref(), Some(by)) {
                 Ok(_) => {
                     tracing::info!(replica = %id, op = record.op.as_str(), from = %by, "operator command from a peer applied");
                 }
@@ -277,6 +281,7 @@ impl Node {
             }
             self.remember_applied(id, record.stamp_ms, by);
         }
+        self.lift_departed_peers_drains(live);
         let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         if book.applied.len() > MAX_APPLIED {
             let published: std::collections::HashSet<&str> = live
@@ -286,6 +291,27 @@ impl Node {
             let own: Vec<String> = book.own.keys().cloned().collect();
             book.applied
                 .retain(|id, _| published.contains(id.as_str()) || own.contains(id));
+        }
+    }
+
+    /// Ends the drains learned from region peers that are no longer live: a drain is on the
+    /// lease of its publisher's membership (one taken here holds until undone).
+    fn lift_departed_peers_drains(&self, live: &[Member]) {
+        let live: std::collections::HashSet<&str> =
+            live.iter().map(|m| m.node_id.as_str()).collect();
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        for (i, rt) in core.replicas.iter_mut().enumerate() {
+            let gone = rt
+                .admin_drained_by
+                .as_deref()
+                .is_some_and(|by| !live.contains(by));
+            if gone {
+                tracing::info!(replica = %self.id_of(i), by = ?rt.admin_drained_by, "drain lifted: the peer that sent it left");
+                rt.admin_drained = false;
+                rt.admin_drained_by = None;
+                core.view.set_health(i, rt.effective_health());
+            }
         }
     }
 
@@ -424,5 +450,103 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
             .as_ref()
             .and_then(|k| super::kv_gossip::from_wire(&s.url, k)),
         kv_load: s.kv_load.filter(|l| l.validate().is_ok()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::schema::{NodeRecord, SCHEMA_VERSION};
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::net::SocketAddr;
+
+    fn node() -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = ["r0", "r1"]
+            .iter()
+            .enumerate()
+            .map(|(k, id)| ReplicaConfig {
+                id: Some((*id).into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url(format!("http://10.0.0.{}:8000", k + 1))
+            })
+            .collect();
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            listen: "127.0.0.1:7946".parse().unwrap(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        Node::new(cfg).unwrap()
+    }
+
+    /// A region member publishing `drains` as `admin:` drain records.
+    fn member(id: &str, port: u16, is_self: bool, drains: &[&str]) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let admin = drains
+            .iter()
+            .map(|r| {
+                let record = AdminRecord {
+                    stamp_ms: now_ms(),
+                    op: AdminOp::Drain,
+                    spec: None,
+                };
+                ((*r).to_owned(), record)
+            })
+            .collect();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: String::new(),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: Default::default(),
+            inflight: Default::default(),
+            hot: Default::default(),
+            rtt: Default::default(),
+            homes: None,
+            admin: Arc::new(admin),
+            regions: Default::default(),
+        }
+    }
+
+    fn drained(n: &Node, id: &str) -> bool {
+        let core = n.lock();
+        let i = core.view.index_of(id).unwrap();
+        core.replicas[i].admin_drained && core.view.replica(i).unwrap().health == Health::Draining
+    }
+
+    /// A drain learned from a peer holds while the peer is live and ends when it leaves; a
+    /// drain taken here holds until undone, whoever comes and goes.
+    #[test]
+    fn a_departed_peers_drain_ends_and_a_local_one_stays() {
+        let n = node();
+        let policy = LearnPolicy::of(&n);
+        let me = member("a", 7000, true, &[]);
+        let rogue = member("rogue", 7001, false, &["r0"]);
+        n.admin_command(AdminOp::Drain, "r1", None).unwrap();
+        n.apply_admin_records(&[me.clone(), rogue], &policy);
+        assert!(drained(&n, "r0") && drained(&n, "r1"));
+        // Still live a round later: still drained.
+        let rogue = member("rogue", 7001, false, &["r0"]);
+        n.apply_admin_records(&[me.clone(), rogue], &policy);
+        assert!(drained(&n, "r0"));
+        // Gone: its drain ends; the operator's own stays.
+        n.apply_admin_records(std::slice::from_ref(&me), &policy);
+        assert!(!drained(&n, "r0"), "a departed peer's drain stuck");
+        assert!(drained(&n, "r1"));
     }
 }

@@ -46,9 +46,19 @@ impl Node {
     }
 
     /// Result of an active health check; `models` when discovered from `/v1/models`.
-    pub(super) fn active_check(&self, i: usize, ok: bool, models: Option<Vec<String>>) {
+    pub(super) fn active_check(
+        &self,
+        i: usize,
+        incarnation: u64,
+        ok: bool,
+        models: Option<Vec<String>>,
+    ) {
         let mut core = self.lock();
-        let Some(rt) = core.replicas.get_mut(i) else {
+        let Some(rt) = core
+            .replicas
+            .get_mut(i)
+            .filter(|rt| rt.incarnation == incarnation && !rt.dropped)
+        else {
             return;
         };
         let before = rt.effective_health();
@@ -85,13 +95,23 @@ impl Node {
     }
 
     /// A scrape of replica `i`'s `/metrics`.
-    pub(super) fn apply_scrape(&self, i: usize, load: EngineLoad) -> anyhow::Result<()> {
+    pub(super) fn apply_scrape(
+        &self,
+        i: usize,
+        incarnation: u64,
+        load: EngineLoad,
+    ) -> anyhow::Result<()> {
         let mut core = self.lock();
         let core = &mut *core;
-        let Some(rt) = core.replicas.get_mut(i) else {
+        let Some(rt) = core
+            .replicas
+            .get_mut(i)
+            .filter(|rt| rt.incarnation == incarnation && !rt.dropped)
+        else {
             return Ok(());
         };
         rt.engine = Some(load);
+        rt.engine_at = Some(self.now());
         if let (Some(bs), Some(tm)) = (load.block_size, self.tokenizer.as_ref()) {
             if let Some(bs) = u32::try_from(bs)
                 .ok()
@@ -181,6 +201,7 @@ impl Node {
                 .set(healthy as i64);
         }
         self.sweep_departed();
+        self.expire_stale_scrapes();
     }
 
     /// Switches replica `i`'s cache model between exact (events up) and approximate (events down),
@@ -348,7 +369,7 @@ mod tests {
             running: Some(3.0),
             ..EngineLoad::default()
         };
-        node.apply_scrape(0, scraped).unwrap();
+        node.apply_scrape(0, 0, scraped).unwrap();
         let core = node.lock();
         let load = core.view.replica(0).unwrap().load;
         assert_eq!((load.waiting, load.running), (1, 3));

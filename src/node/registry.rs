@@ -2,19 +2,28 @@
 //! from DNS and Kubernetes sources (`node/watchers.rs`) or from peers' gossip
 //! (`node/mesh_roles.rs`).
 //!
-//! Indexes are append-only, like the view's: a replica that leaves is marked removed and drains
-//! (it takes no new requests, its in-flight ones finish), and one that comes back gets its old
-//! index. Once drained — nothing in flight and [`DROP_AFTER`] since it left — it is *dropped*:
-//! its index stays as a tombstone (id and URL), while its cache model, view summary, engine
-//! figures and metric series are freed and its watcher tasks end; coming back revives it with a
-//! fresh model. So DNS churn and expired learned replicas cost a tombstone each, not a model.
+//! A replica that leaves is marked removed and drains (it takes no new requests, its in-flight
+//! ones finish), and one that comes back gets its old index. Once drained — nothing in flight
+//! and `drop_departed_after_s` (default [`DROP_AFTER`]) since it left — it is *dropped*: its
+//! index stays as a tombstone (id and URL), while its cache model, view summary, engine figures
+//! and metric series are freed and its watcher tasks end; coming back revives it with a fresh
+//! model. A replica new to the node takes a tombstone's slot before the registry grows, so
+//! Kubernetes rollouts and invented ids cost nothing that lasts: the slots number at most the
+//! replicas present plus those departed within the drop time.
+//!
+//! **Reusing a slot is safe** because nothing holds a dropped replica's index: it was dropped
+//! with nothing in flight (no `Ticket`, warm-up or P/D leg holds it), it is never routed to
+//! (draining), its watcher tasks end with its incarnation (bumped again on reuse), its pending
+//! load-sharing tips are discarded, and its view slot (summary, overlay, shares) starts over.
+//! Peers' tips name replicas by id and last seconds. An operator's drain outlives the slot: the
+//! id is remembered (`Core::reclaimed_drains`) and drained again if it comes back.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::NodeConfig;
 use super::mesh_state::ReplicaMesh;
-use super::state::{Endpoint, Node, ReplicaRuntime};
+use super::state::{Core, Endpoint, Node, ReplicaRuntime};
 use crate::core::cache_model::CacheSource;
 use crate::core::rank_hints::RankHints;
 use crate::core::view::{Health, ReplicaInfo};
@@ -22,9 +31,10 @@ use crate::replicas::dns::ReplicaRegistry;
 use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 use crate::replicas::health::HealthTracker;
 
-/// Least time a departed replica drains before it is dropped (flapping DNS answers bring it
-/// back within this without rebuilding anything).
-pub const DROP_AFTER: Duration = Duration::from_secs(30);
+/// The default least time a departed replica drains before it is dropped
+/// (`drop_departed_after_s`), as tests use it.
+#[cfg(test)]
+pub const DROP_AFTER: Duration = Duration::from_secs(super::config::DEFAULT_DROP_DEPARTED_AFTER_S);
 
 impl Node {
     /// Builds the node's state from a validated config, with the static replicas registered.
@@ -109,16 +119,16 @@ impl Node {
             if back {
                 tracing::info!(replica = %id, "replica back in the registry");
             }
+            self.registry_changed.send_modify(|v| *v += 1);
             return Ok((i, revived));
         }
-        let i = core.view.upsert(info);
         let cache = self.cache_model(
             CacheSource::Approximate,
             self.epoch_base,
             capacity,
             core.view.tokens_per_block,
         )?;
-        core.replicas.push(ReplicaRuntime {
+        let mut rt = ReplicaRuntime {
             cache,
             summary_dirty: false,
             health: HealthTracker::new(),
@@ -128,6 +138,8 @@ impl Node {
             models_configured: !r.models.is_empty(),
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,
+            engine_at: None,
+            kv_subscribed: false,
             removed: false,
             removed_at: None,
             dropped: false,
@@ -135,17 +147,42 @@ impl Node {
             mesh: ReplicaMesh::default(),
             kv_source: r.kv_events.clone(),
             admin_drained: false,
+            admin_drained_by: None,
             rank_loads: Vec::new(),
             rank_rotate: 0,
             rank_hints: RankHints::default(),
-        });
-        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
-        endpoints.push(Endpoint {
+        };
+        let endpoint = Endpoint {
             id: Arc::from(id.as_str()),
             base: Arc::from(r.url.trim_end_matches('/')),
-        });
+        };
+        rt.admin_drained = core.reclaimed_drains.pop(&endpoint.id).is_some();
+        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+        let slot = reclaimable_slot(core);
+        let i = match slot {
+            Some(i) if core.view.replace(i, info.clone()) => {
+                let old = std::mem::replace(&mut core.replicas[i], rt);
+                core.replicas[i].incarnation = old.incarnation + 1;
+                core.pending_tips.retain(|t| t.replica != i);
+                // Only a drain taken here outlives its slot (a peer's lasts while it is live).
+                if old.admin_drained && old.admin_drained_by.is_none() {
+                    core.reclaimed_drains.put(Arc::clone(&endpoints[i].id), ());
+                }
+                tracing::info!(replica = %id, slot = i, was = %endpoints[i].id, "replica takes a dropped replica's slot");
+                endpoints[i] = endpoint;
+                i
+            }
+            _ => {
+                let i = core.view.upsert(info);
+                core.replicas.push(rt);
+                endpoints.push(endpoint);
+                i
+            }
+        };
         debug_assert_eq!(endpoints.len(), core.replicas.len());
         drop(endpoints);
+        let health = core.replicas[i].effective_health();
+        core.view.set_health(i, health);
         self.metrics
             .replica_healthy
             .with_label_values(&[&id])
@@ -158,6 +195,7 @@ impl Node {
             .with_label_values(&[&id])
             .reset();
         tracing::info!(replica = %id, url = %r.url, "replica registered");
+        self.registry_changed.send_modify(|v| *v += 1);
         Ok((i, true))
     }
 
@@ -172,6 +210,7 @@ impl Node {
                 rt.removed_at = Some(now);
                 core.view.set_health(i, Health::Draining);
                 drop(core);
+                self.registry_changed.send_modify(|v| *v += 1);
                 if let Some(ep) = self.endpoint(i) {
                     tracing::info!(replica = %ep.id, "replica left the registry");
                     self.metrics
@@ -217,6 +256,7 @@ impl Node {
 
     /// [`Node::sweep_departed`] at core time `now`.
     pub(super) fn sweep_departed_at(&self, now: Duration) -> usize {
+        let drop_after = Duration::from_secs(self.cfg.drop_departed_after_s);
         let mut dropped = Vec::new();
         {
             let mut guard = self.lock();
@@ -226,9 +266,13 @@ impl Node {
                     && !rt.dropped
                     && rt
                         .removed_at
-                        .is_some_and(|t| now.saturating_sub(t) >= DROP_AFTER);
+                        .is_some_and(|t| now.saturating_sub(t) >= drop_after);
+                // Nothing in flight that holds the index: requests, a KV-event subscription
+                // (the slot may go to another replica once dropped; a summary pull in flight
+                // only delays that, see `reclaimable_slot`).
                 let idle = core.view.replica(i).is_some_and(|r| r.load.in_flight == 0)
-                    && rt.pending_prefill_tokens == 0;
+                    && rt.pending_prefill_tokens == 0
+                    && !rt.kv_subscribed;
                 if !(due && idle) {
                     continue;
                 }
@@ -243,6 +287,7 @@ impl Node {
                 rt.dropped = true;
                 rt.incarnation += 1;
                 rt.engine = None;
+                rt.engine_at = None;
                 rt.summary_dirty = false;
                 rt.health = HealthTracker::new();
                 rt.peer_in_flight = 0;
@@ -251,6 +296,8 @@ impl Node {
                 rt.mesh = ReplicaMesh {
                     home: false,
                     learned: rt.mesh.learned,
+                    // A pull in flight still ends on this slot: it is not reused before.
+                    pulling: rt.mesh.pulling,
                     published,
                     ..ReplicaMesh::default()
                 };
@@ -258,6 +305,9 @@ impl Node {
                 core.view.set_health(i, Health::Draining);
                 dropped.push(i);
             }
+        }
+        if !dropped.is_empty() {
+            self.registry_changed.send_modify(|v| *v += 1);
         }
         for &i in &dropped {
             let id = self.id_of(i);
@@ -267,9 +317,83 @@ impl Node {
             }
             let _ = self.metrics.ejections.remove_label_values(&[&id]);
             let _ = self.metrics.scrape_refused.remove_label_values(&[&id]);
+            self.kv_metrics.forget(&id);
         }
         dropped.len()
     }
+}
+
+/// A dropped replica's slot that a new replica may take: nothing in flight or pending there
+/// (requests, a KV-event subscription, a summary pull) and no record of it left to withdraw
+/// from the mesh.
+fn reclaimable_slot(core: &Core) -> Option<usize> {
+    core.replicas
+        .iter()
+        .enumerate()
+        .find(|(i, rt)| {
+            rt.dropped
+                && !rt.kv_subscribed
+                && !rt.mesh.pulling
+                && rt.mesh.published.is_none()
+                && rt.pending_prefill_tokens == 0
+                && core.view.replica(*i).is_some_and(|r| r.load.in_flight == 0)
+        })
+        .map(|(i, _)| i)
+}
+
+impl Node {
+    /// Marks replica `i`'s KV-event subscription running, if `incarnation` is still live (its
+    /// slot is then not dropped until [`Node::end_kv_subscription`]). Returns whether it did.
+    pub(super) fn begin_kv_subscription(&self, i: usize, incarnation: u64) -> bool {
+        let mut core = self.lock();
+        match core.replicas.get_mut(i) {
+            Some(rt) if rt.incarnation == incarnation && !rt.dropped => {
+                rt.kv_subscribed = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Replica `i`'s KV-event subscription has ended (its task is done).
+    pub(super) fn end_kv_subscription(&self, i: usize) {
+        if let Some(rt) = self.lock().replicas.get_mut(i) {
+            rt.kv_subscribed = false;
+        }
+    }
+
+    /// Forgets engine figures older than their lease ([`scrape_lease`]): a replica whose
+    /// scrapes keep failing (but whose health checks pass) is no longer avoided for the queue
+    /// its last scrape reported. Returns how many it forgot.
+    pub(super) fn expire_stale_scrapes(&self) -> usize {
+        self.expire_stale_scrapes_at(self.now())
+    }
+
+    /// [`Node::expire_stale_scrapes`] at core time `now`.
+    pub(super) fn expire_stale_scrapes_at(&self, now: Duration) -> usize {
+        let lease = scrape_lease(self.cfg.scrape.interval_ms);
+        let mut guard = self.lock();
+        let core = &mut *guard;
+        let mut expired = 0;
+        for (i, rt) in core.replicas.iter_mut().enumerate() {
+            if rt
+                .engine_at
+                .is_some_and(|at| now.saturating_sub(at) >= lease)
+            {
+                rt.engine = None;
+                rt.engine_at = None;
+                core.view
+                    .set_engine_load(i, 0, 0, 0.0, rt.queued_estimate());
+                expired += 1;
+            }
+        }
+        expired
+    }
+}
+
+/// How long a scrape's figures count: 10 scrape intervals, at least 10 s.
+pub fn scrape_lease(interval_ms: u64) -> Duration {
+    Duration::from_millis(interval_ms.saturating_mul(10).max(10_000))
 }
 
 // What a DNS or Kubernetes source needs of the node (`replicas::dns`, `replicas::k8s`).
@@ -334,5 +458,95 @@ mod tests {
         assert_eq!(node.replica_count(), 2);
         // The other replica was never touched.
         assert!(!node.is_removed(0));
+    }
+
+    /// A scrape's figures are on a lease: a replica that reported a long queue and then could
+    /// not be scraped stops being avoided for it once the lease is over.
+    #[test]
+    fn stale_engine_figures_expire() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let (i, _) = node
+            .add_replica(&ReplicaConfig::from_url("http://10.0.0.1:8000".to_owned()))
+            .unwrap();
+        let load = crate::replicas::prom::EngineLoad {
+            waiting: Some(500.0),
+            running: Some(64.0),
+            ..Default::default()
+        };
+        node.apply_scrape(i, 0, load).unwrap();
+        let at = node.lock().replicas[i].engine_at.unwrap();
+        assert_eq!(node.lock().view.replica(i).unwrap().load.waiting, 500);
+        let lease = scrape_lease(node.cfg.scrape.interval_ms);
+        assert_eq!(
+            node.expire_stale_scrapes_at(at + lease - Duration::from_millis(1)),
+            0
+        );
+        assert_eq!(node.expire_stale_scrapes_at(at + lease), 1);
+        let core = node.lock();
+        let r = core.view.replica(i).unwrap();
+        assert_eq!((r.load.waiting, r.load.running), (0, 0));
+        assert!(core.replicas[i].engine.is_none());
+    }
+
+    proptest::proptest! {
+        /// The lease is at least 10 s and 10 scrape intervals, and never overflows.
+        #[test]
+        fn the_scrape_lease_covers_ten_intervals(interval in 0u64..u64::MAX) {
+            let lease = scrape_lease(interval);
+            proptest::prop_assert!(lease >= Duration::from_secs(10));
+            proptest::prop_assert!(lease.as_millis() >= u128::from(interval.min(u64::MAX / 10)) * 10);
+        }
+    }
+
+    /// A new replica takes a dropped one's slot instead of growing the registry: the old id
+    /// no longer names it, the view slot starts over, the incarnation moves on (old tasks
+    /// end); an operator's drain of the old id outlives the slot.
+    #[test]
+    fn a_new_replica_reclaims_a_dropped_slot() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let spec = |id: &str, host: u8| ReplicaConfig {
+            id: Some(id.into()),
+            ..ReplicaConfig::from_url(format!("http://10.0.0.{host}:8000"))
+        };
+        let (i, _) = node.add_replica(&spec("old", 1)).unwrap();
+        let (busy, _) = node.add_replica(&spec("busy", 2)).unwrap();
+        node.lock().replicas[i].admin_drained = true;
+        node.remove_replica(i);
+        node.remove_replica(busy);
+        node.lock().view.replica_mut(busy).unwrap().load.in_flight = 1;
+        let left = node.lock().replicas[i].removed_at.unwrap();
+        // Not reclaimable before it is dropped: a newcomer grows the registry.
+        assert_eq!(node.add_replica(&spec("early", 3)).unwrap(), (2, true));
+        assert_eq!(node.sweep_departed_at(left + DROP_AFTER), 1, "busy stays");
+        let inc = node.lock().replicas[i].incarnation;
+        assert_eq!(node.add_replica(&spec("new", 4)).unwrap(), (i, true));
+        {
+            let core = node.lock();
+            assert_eq!(core.view.index_of("new"), Some(i));
+            assert_eq!(core.view.index_of("old"), None);
+            let r = core.view.replica(i).unwrap();
+            assert_eq!(
+                (r.health, r.info.url.as_str()),
+                (Health::Healthy, "http://10.0.0.4:8000")
+            );
+            let rt = &core.replicas[i];
+            assert!(!rt.dropped && !rt.removed && !rt.admin_drained);
+            assert!(rt.incarnation > inc);
+        }
+        assert_eq!(&*node.id_of(i), "new");
+        assert_eq!(node.live_incarnation(i), Some(inc + 1));
+        assert_eq!(node.replica_count(), 3);
+        // The busy one (something in flight) is never reclaimed: the next newcomer grows.
+        assert_eq!(node.add_replica(&spec("next", 5)).unwrap(), (3, true));
+        // The drained id back: a new slot, still drained by the operator.
+        let (back, new) = node.add_replica(&spec("old", 1)).unwrap();
+        assert!(new && back == 4);
+        assert!(node.lock().replicas[back].admin_drained);
+        assert_eq!(
+            node.lock().view.replica(back).unwrap().health,
+            Health::Draining
+        );
     }
 }

@@ -8,7 +8,7 @@
 //! [`Duration`] since the node started, from a monotonic clock. What the node *does* with this
 //! state sits beside it, one concern a file (see `node/mod.rs`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -61,8 +61,13 @@ pub struct ReplicaRuntime {
     pub models_configured: bool,
     /// Capacity came from the config (never replaced by a scrape).
     pub capacity_configured: bool,
-    /// Latest scrape, if any succeeded.
+    /// Latest scrape, if any succeeded (and not older than its lease, `registry.rs`).
     pub engine: Option<EngineLoad>,
+    /// When `engine` was scraped (core time).
+    pub engine_at: Option<Duration>,
+    /// Its KV-event subscriber task is running (`watchers.rs`): the slot is not dropped
+    /// meanwhile, so no event of it reaches a replica that takes the slot later.
+    pub kv_subscribed: bool,
     /// Left the registry (DNS no longer lists it, or a learned replica expired): takes no new
     /// requests.
     pub removed: bool,
@@ -81,6 +86,10 @@ pub struct ReplicaRuntime {
     /// Drained by an operator command (`admin.rs`): takes nothing new until added again, even
     /// when a DNS answer or a peer's record brings it back into the registry.
     pub admin_drained: bool,
+    /// The region peer whose `admin:` record drained it, `None` when the command was taken
+    /// here: a drain taken here holds until undone, one learned from a peer only while that
+    /// peer is live (`admin.rs`), so a member that left cannot keep replicas out for good.
+    pub admin_drained_by: Option<String>,
     /// This node's load on each data-parallel rank it named (`routing.rs`), grown as ranks are
     /// named (at most `kv_source.dp_ranks` ≤ 64 entries).
     pub rank_loads: Vec<RankLoad>,
@@ -157,7 +166,17 @@ pub struct Core {
     /// representatives (`remote_regions.rs` sets and clears it each mesh round): the other
     /// nodes of a regional mesh, a flat mesh and a single node do no such work per request.
     pub heads: Option<crate::core::region_offer::RecentHeads>,
+    /// Ids of operator-drained replicas whose dropped slot went to another replica
+    /// (`registry.rs`): one of them back in the registry is still drained. At most
+    /// [`MAX_RECLAIMED_DRAINS`], the least recently reclaimed forgotten first.
+    pub reclaimed_drains: lru::LruCache<Arc<str>, ()>,
 }
+
+/// Most operator drains remembered for replicas whose slot was reclaimed.
+pub const MAX_RECLAIMED_DRAINS: std::num::NonZeroUsize = match std::num::NonZeroUsize::new(4096) {
+    Some(n) => n,
+    None => unreachable!(),
+};
 
 /// Most routed prefixes kept for the next load update.
 pub const MAX_PENDING_TIPS: usize = 1024;
@@ -253,8 +272,12 @@ pub struct Node {
     pub body_budget_first: tokio::sync::Semaphore,
     /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
     pub peer_client: std::sync::OnceLock<reqwest::Client>,
-    /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one.
-    pub(super) kv_watched: Mutex<HashSet<usize>>,
+    /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one: index → the
+    /// incarnation it serves (it ends when the replica is dropped or its slot reused).
+    pub(super) kv_watched: Mutex<HashMap<usize, u64>>,
+    /// Bumped whenever a replica joins, leaves or is dropped (`registry.rs`): KV-event
+    /// supervisors wake on it instead of waiting for their next poll.
+    pub(super) registry_changed: tokio::sync::watch::Sender<u64>,
     /// Stored responses (OpenAI Responses API) this node has located: response id → the id of
     /// the replica that stores it, at most [`RESPONSE_HOMES`] (`proxy/stored_responses.rs`).
     pub response_homes: Mutex<lru::LruCache<String, String>>,
@@ -371,6 +394,7 @@ impl Node {
                 pending_tips: Vec::new(),
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
                 heads: None,
+                reclaimed_drains: lru::LruCache::new(MAX_RECLAIMED_DRAINS),
                 hot_owners: Vec::new(),
                 hot_self: String::new(),
                 admission: cfg
@@ -388,7 +412,8 @@ impl Node {
             body_budget: tokio::sync::Semaphore::new(body_kib),
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
             peer_client: std::sync::OnceLock::new(),
-            kv_watched: Mutex::new(HashSet::new()),
+            kv_watched: Mutex::new(HashMap::new()),
+            registry_changed: tokio::sync::watch::Sender::new(0),
             response_homes: Mutex::new(lru::LruCache::new(RESPONSE_HOMES)),
             configured: Mutex::new(cfg.replicas.clone()),
             admin: Mutex::new(super::admin_book::AdminBook::default()),

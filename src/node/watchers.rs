@@ -26,6 +26,9 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
+    let Some(incarnation) = node.live_incarnation(i) else {
+        return;
+    };
     // In a mesh, followers leave most checks to the replica's home (see `mesh_roles.rs`).
     if node.is_removed(i) || !node.should_check(i) {
         return;
@@ -37,7 +40,8 @@ pub(super) async fn check_once(node: &Node, i: usize) {
     } else {
         None
     };
-    node.active_check(i, ok, models);
+    // Applied only to the incarnation asked: the slot may have gone to another replica.
+    node.active_check(i, incarnation, ok, models);
 }
 
 /// Unix ms of the last warning about refused scrape values (process-wide: one per 10 s).
@@ -60,6 +64,9 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
     let Some(ep) = node.endpoint(i) else {
         return;
     };
+    let Some(incarnation) = node.live_incarnation(i) else {
+        return;
+    };
     if node.is_removed(i) || !node.should_scrape(i) {
         return;
     }
@@ -79,7 +86,7 @@ pub(super) async fn scrape_once(node: &Node, i: usize) {
                     tracing::warn!(replica = %id, refused = load.refused_values, "scrape values out of bounds refused (further ones counted, not logged, for 10 s)");
                 }
             }
-            if let Err(e) = node.apply_scrape(i, load) {
+            if let Err(e) = node.apply_scrape(i, incarnation, load) {
                 tracing::warn!(replica = %id, error = %e, "cannot apply scrape");
             }
         }
@@ -233,7 +240,9 @@ fn spawn_kv_events(node: &Arc<Node>, stop: &watch::Receiver<bool>, i: usize) {
 
 /// Makes sure replica `i` has a KV-event supervisor: it subscribes while the replica is in the
 /// registry, stops (back to the approximate model) when it leaves, subscribes again when it
-/// comes back, until `stop` turns true. At most one per replica; later calls are no-ops.
+/// comes back, and ends when `stop` turns true or the replica is dropped (a departed replica
+/// keeps no task; revived, or its slot reused, it gets a new one). At most one per replica
+/// incarnation; later calls are no-ops.
 pub(super) fn ensure_kv_events(
     node: &Arc<Node>,
     stop: &watch::Receiver<bool>,
@@ -243,13 +252,16 @@ pub(super) fn ensure_kv_events(
     let Some(ep) = node.endpoint(i) else {
         return;
     };
-    if !node
-        .kv_watched
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(i)
-    {
+    let Some(incarnation) = node.live_incarnation(i) else {
         return;
+    };
+    {
+        let mut watched = node.kv_watched.lock().unwrap_or_else(|p| p.into_inner());
+        if watched.get(&i) == Some(&incarnation) {
+            return;
+        }
+        // An older incarnation's supervisor is on its way out (it sees the change).
+        watched.insert(i, incarnation);
     }
     if node.tokenizer.is_none() {
         tracing::warn!(replica = %ep.id, "kv_events without [tokenizer]: event keys are token keys, text-mode requests will not match them");
@@ -257,44 +269,91 @@ pub(super) fn ensure_kv_events(
     let node = Arc::clone(node);
     let mut stop = stop.clone();
     tokio::spawn(async move {
-        loop {
-            // Wait until the replica is in the registry (and, learned, homed here).
-            while !node.kv_events_wanted(i) {
-                tokio::select! {
-                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
-                    _ = stopped(&mut stop) => return,
-                }
-            }
-            let (leave, leave_rx) = watch::channel(false);
-            let sink: Arc<dyn KvEventSink> = Arc::clone(&node) as Arc<dyn KvEventSink>;
-            let mut sub = tokio::spawn(kv_events::run(
-                sink,
-                node.kv_metrics.clone(),
-                i,
-                Arc::clone(&ep.id),
-                source.clone(),
-                leave_rx,
-            ));
-            let node_stopped = loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(KV_REGISTRY_POLL) => {
-                        if !node.kv_events_wanted(i) {
-                            tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
-                            break false;
-                        }
-                    }
-                    _ = stopped(&mut stop) => break true,
-                    // The subscriber gave up on its own (bad endpoints, logged): so do we.
-                    _ = &mut sub => return,
-                }
-            };
-            let _ = leave.send(true);
-            let _ = sub.await;
-            if node_stopped {
-                return;
+        supervise_kv_events(&node, &mut stop, i, incarnation, ep, source).await;
+        // Ended with its incarnation: the slot may get a supervisor again. (One that gave up on
+        // bad endpoints stays listed, so it is not restarted to fail again.)
+        if node.live_incarnation(i) != Some(incarnation) {
+            let mut watched = node.kv_watched.lock().unwrap_or_else(|p| p.into_inner());
+            if watched.get(&i) == Some(&incarnation) {
+                watched.remove(&i);
             }
         }
     });
+}
+
+/// The supervisor of [`ensure_kv_events`]: runs replica `i`'s subscriber while it is wanted,
+/// until the node stops or the replica's `incarnation` ends.
+async fn supervise_kv_events(
+    node: &Arc<Node>,
+    stop: &mut watch::Receiver<bool>,
+    i: usize,
+    incarnation: u64,
+    ep: super::state::Endpoint,
+    source: KvEventsSource,
+) {
+    let current = || node.live_incarnation(i) == Some(incarnation);
+    // Registry changes wake it at once; the poll catches what else moves homes (the mesh).
+    let mut changed = node.registry_changed.subscribe();
+    loop {
+        // Wait until the replica is in the registry (and, learned, homed here).
+        while !node.kv_events_wanted(i) {
+            if !current() {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                _ = changed.changed() => {}
+                _ = stopped(stop) => return,
+            }
+        }
+        // Atomic with the incarnation check: a slot with a subscription is never dropped (its
+        // events must not reach whoever takes the slot next).
+        if !node.begin_kv_subscription(i, incarnation) {
+            return;
+        }
+        let (leave, leave_rx) = watch::channel(false);
+        let sink: Arc<dyn KvEventSink> = Arc::clone(node) as Arc<dyn KvEventSink>;
+        let mut sub = tokio::spawn(kv_events::run(
+            sink,
+            node.kv_metrics.clone(),
+            i,
+            Arc::clone(&ep.id),
+            source.clone(),
+            node.cfg.kv_events,
+            leave_rx,
+        ));
+        let node_stopped = loop {
+            tokio::select! {
+                _ = async {
+                    tokio::select! {
+                        _ = tokio::time::sleep(KV_REGISTRY_POLL) => {}
+                        _ = changed.changed() => {}
+                    }
+                } => {
+                    if !node.kv_events_wanted(i) || !current() {
+                        tracing::info!(replica = %ep.id, "replica left the registry or this node's homes: KV-event subscription ends");
+                        break false;
+                    }
+                }
+                _ = stopped(stop) => break true,
+                // The subscriber gave up on its own (bad endpoints, logged): so do we.
+                _ = &mut sub => {
+                    node.end_kv_subscription(i);
+                    return;
+                }
+            }
+        };
+        let _ = leave.send(true);
+        let _ = sub.await;
+        node.end_kv_subscription(i);
+        if !current() {
+            // Its last writer is done: the replica's KV series go with it.
+            node.kv_metrics.forget(&ep.id);
+        }
+        if node_stopped {
+            return;
+        }
+    }
 }
 
 /// Keeps a source's replicas in the registry until `stop` turns true, first resolving after

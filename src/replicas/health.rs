@@ -8,6 +8,12 @@
 //! check passes. Independently, `eject_after_failures` consecutive failed requests eject it for a
 //! backoff; when the backoff ends it is *half-open*: it takes traffic again, but a single failure
 //! re-ejects it for twice as long (up to the maximum), while a success clears the record.
+//!
+//! **On a lease.** Every part of the record ends by itself: an ejection at its backoff (≤
+//! `max_eject_backoff_ms`), and the memory behind the next one (failures counted towards an
+//! ejection, the doubling, the half-open state) `max_eject_backoff_ms` after its last failure
+//! or reopening, so a replica that failed long ago and has had no traffic since does not go
+//! straight back out on its next failure. Active checks are refreshed every interval.
 
 use std::time::Duration;
 
@@ -24,6 +30,9 @@ pub struct HealthTracker {
     request_failures: u32,
     ejections: u32,
     ejected_until: Option<Duration>,
+    /// When the failure record (`request_failures`, `ejections`) last changed: its lease
+    /// starts there.
+    record_since: Duration,
 }
 
 impl HealthTracker {
@@ -36,6 +45,7 @@ impl HealthTracker {
             request_failures: 0,
             ejections: 0,
             ejected_until: None,
+            record_since: Duration::ZERO,
         }
     }
 
@@ -89,6 +99,7 @@ impl HealthTracker {
             return false;
         }
         self.request_failures = self.request_failures.saturating_add(1);
+        self.record_since = now;
         if self.request_failures < cfg.eject_after_failures {
             return false;
         }
@@ -101,16 +112,27 @@ impl HealthTracker {
         true
     }
 
-    /// Ends an ejection whose backoff has passed (half-open). Returns whether it did.
+    /// Ends an ejection whose backoff has passed (half-open), and forgets a failure record
+    /// whose lease (`max_eject_backoff_ms` since it last changed) is over. Returns whether it
+    /// ended an ejection.
     pub fn tick(&mut self, now: Duration, cfg: &HealthConfig) -> bool {
         match self.ejected_until {
             Some(until) if until <= now => {
                 self.ejected_until = None;
                 // Half-open: one more failure re-ejects.
                 self.request_failures = cfg.eject_after_failures.saturating_sub(1);
+                self.record_since = now;
                 true
             }
-            _ => false,
+            Some(_) => false,
+            None => {
+                let lease = Duration::from_millis(cfg.max_eject_backoff_ms);
+                if now.saturating_sub(self.record_since) >= lease {
+                    self.request_failures = 0;
+                    self.ejections = 0;
+                }
+                false
+            }
         }
     }
 }
@@ -197,5 +219,57 @@ mod tests {
         assert!(!h.request_failed(ms(20_001), &cfg));
         assert!(h.request_failed(ms(20_002), &cfg));
         assert!(h.tick(ms(25_002), &cfg));
+    }
+
+    /// One step of a replica's life, for the lease property.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Check(bool),
+        Failed,
+        Succeeded,
+        Tick,
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = (Step, u64)> {
+        use proptest::prelude::*;
+        (
+            prop_oneof![
+                any::<bool>().prop_map(Step::Check),
+                Just(Step::Failed),
+                Just(Step::Succeeded),
+                Just(Step::Tick),
+            ],
+            0u64..20_000,
+        )
+    }
+
+    proptest::proptest! {
+        /// Whatever happened, once failures stop an ejection ends and the record behind the
+        /// next one is forgotten: two ticks, `max_eject_backoff_ms` apart, after the last step
+        /// leave a replica that passes its checks healthy, with a clean record.
+        #[test]
+        fn ejection_and_its_memory_are_on_a_lease(
+            steps in proptest::collection::vec(step(), 0..200),
+            max in 1_000u64..120_000,
+        ) {
+            let cfg = HealthConfig { max_eject_backoff_ms: max, ..HealthConfig::default() };
+            let mut h = HealthTracker::new();
+            let mut now = 0;
+            for (s, gap) in steps {
+                now += gap;
+                match s {
+                    Step::Check(ok) => h.active_result(ok, &cfg),
+                    Step::Failed => { h.request_failed(ms(now), &cfg); }
+                    Step::Succeeded => h.request_succeeded(),
+                    Step::Tick => { h.tick(ms(now), &cfg); }
+                }
+            }
+            h.tick(ms(now + max), &cfg);
+            h.tick(ms(now + 2 * max), &cfg);
+            h.active_result(true, &cfg);
+            proptest::prop_assert!(!h.ejected());
+            proptest::prop_assert_eq!(h.health(), Health::Healthy);
+            proptest::prop_assert_eq!((h.request_failures(), h.ejections), (0, 0));
+        }
     }
 }

@@ -26,6 +26,13 @@
 //! of silence fails the replay. Malformed messages are dropped, counted, and warned about at
 //! most once per 10 s per replica.
 //!
+//! **Silence.** A publisher can vanish without closing its connection (its host lost, its
+//! process stopped, a partition): the SUB would wait forever and the model stay "exact" and
+//! frozen. So every connection has TCP keepalive, and a publisher speaking ZMTP 3.1 (libzmq,
+//! so vLLM; `kvmesh replica`) is sent a `PING` every `[kv_events] heartbeat_ms`; nothing heard
+//! for `silence_ms` ends the connection like a disconnect (the model goes approximate at once),
+//! counts in `kvmesh_kv_events_silences_total{replica}`, and reconnects with backoff.
+//!
 //! **Bounds.** Both sockets are this crate's own ZMTP client (`zmtp.rs`), which checks every
 //! declared frame length against `max_message_bytes` before allocating and drops a peer that
 //! breaks it (counted as malformed, reconnected with backoff). At most [`CHANNEL_DEPTH`]
@@ -65,6 +72,59 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 << 20;
 /// Largest `max_message_bytes` / `max_buffered_bytes` a configuration may set (1 GiB).
 pub const MAX_LIMIT_BYTES: usize = 1 << 30;
+
+/// Default `[kv_events] heartbeat_ms`.
+pub const DEFAULT_HEARTBEAT_MS: u64 = 1_000;
+/// Default `[kv_events] silence_ms`.
+pub const DEFAULT_SILENCE_MS: u64 = 5_000;
+
+/// `[kv_events]` of the node config: how every KV-event connection is watched for silence.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvWatchConfig {
+    /// Time between two ZMTP `PING`s to a publisher speaking ZMTP 3.1, and between TCP
+    /// keepalive probes, in ms (50..=60000). Default 1000.
+    pub heartbeat_ms: u64,
+    /// Nothing heard for this long from a pinged publisher (no message, no `PONG`), in ms: the
+    /// stream counts as down (the replica's model goes approximate) and is reconnected. Also
+    /// TCP keepalive's idle time before the first probe. At least 2 × `heartbeat_ms`, at most
+    /// 600000. Default 5000.
+    pub silence_ms: u64,
+}
+
+impl Default for KvWatchConfig {
+    fn default() -> Self {
+        KvWatchConfig {
+            heartbeat_ms: DEFAULT_HEARTBEAT_MS,
+            silence_ms: DEFAULT_SILENCE_MS,
+        }
+    }
+}
+
+impl KvWatchConfig {
+    /// Checks the bounds; the message names the field at fault.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if !(50..=60_000).contains(&self.heartbeat_ms) {
+            return Err(("heartbeat_ms", "must be within 50..=60000".into()));
+        }
+        let least = self.heartbeat_ms * 2;
+        if !(least..=600_000).contains(&self.silence_ms) {
+            return Err((
+                "silence_ms",
+                format!("must be within 2 × heartbeat_ms ({least})..=600000"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_ms)
+    }
+
+    fn silence(&self) -> Duration {
+        Duration::from_millis(self.silence_ms)
+    }
+}
 
 /// `kv_events = { ... }` of a replica in the node config: where its engine publishes KV events.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -242,6 +302,9 @@ pub struct KvMetrics {
     pub exact_blocks: IntGaugeVec,
     /// `kvmesh_cache_source_switches_total{replica,to}`: exact ↔ approximate switches.
     pub switches: IntCounterVec,
+    /// `kvmesh_kv_events_silences_total{replica}`: connections ended because a pinged
+    /// publisher stopped answering for `[kv_events] silence_ms`.
+    pub silences: IntCounterVec,
     /// `kvmesh_token_mode_fallbacks_total{reason}`: requests routed by text keys although a
     /// tokenizer is configured.
     pub token_fallbacks: IntCounterVec,
@@ -294,6 +357,11 @@ impl KvMetrics {
                 "Cache model switches between exact (events) and approximate",
                 &["replica", "to"],
             )?,
+            silences: counter(
+                "kvmesh_kv_events_silences_total",
+                "KV-event connections ended because the publisher went silent",
+                &["replica"],
+            )?,
             token_fallbacks: counter(
                 "kvmesh_token_mode_fallbacks_total",
                 "Requests keyed by text although token mode is configured, by reason",
@@ -301,6 +369,35 @@ impl KvMetrics {
             )?,
         }
         .with_fixed_labels())
+    }
+
+    /// Forgets replica `id`'s series (it was dropped): a fleet's churn leaves no series behind.
+    pub fn forget(&self, id: &str) {
+        for vec in [&self.batches, &self.malformed, &self.silences] {
+            let _ = vec.remove_label_values(&[id]);
+        }
+        for vec in [&self.up, &self.exact_blocks] {
+            let _ = vec.remove_label_values(&[id]);
+        }
+        let reasons = [
+            ("gap", &self.clears),
+            ("history_lost", &self.clears),
+            ("restarted", &self.clears),
+            ("replay_overflow", &self.clears),
+            ("all_blocks_cleared", &self.clears),
+            ("unknown_parent", &self.skipped),
+            ("unknown_removed", &self.skipped),
+            ("other_group", &self.skipped),
+            ("unsupported", &self.skipped),
+            ("malformed_event", &self.skipped),
+            ("over_capacity", &self.skipped),
+            ("unknown_copied", &self.skipped),
+            ("exact", &self.switches),
+            ("approximate", &self.switches),
+        ];
+        for (label, vec) in reasons {
+            let _ = vec.remove_label_values(&[id, label]);
+        }
     }
 
     /// Fixed label values exist at 0 from the start.
@@ -317,6 +414,8 @@ impl KvMetrics {
 enum Input {
     Connected,
     Disconnected,
+    /// The publisher stopped answering heartbeats (a `Disconnected` follows).
+    Silent,
     Live(u64, Bytes),
     /// A message of the wrong shape (frame count, sequence width).
     Bad(&'static str),
@@ -347,7 +446,14 @@ fn peer_fault(e: &ZmtpError) -> Option<&'static str> {
 }
 
 /// Keeps a SUB connection to `endpoint` and forwards what it receives; reconnects with backoff.
-async fn sub_reader(endpoint: String, topic: String, limits: ZmtpLimits, rank: usize, tx: Tx) {
+async fn sub_reader(
+    endpoint: String,
+    topic: String,
+    limits: ZmtpLimits,
+    watching: KvWatchConfig,
+    rank: usize,
+    tx: Tx,
+) {
     let mut backoff = Duration::from_millis(50);
     loop {
         if tx.is_closed() {
@@ -357,6 +463,8 @@ async fn sub_reader(endpoint: String, topic: String, limits: ZmtpLimits, rank: u
             let mut conn =
                 ZmtpConnection::connect(&endpoint, SocketType::Sub, limits, REPLAY_TIMEOUT).await?;
             conn.subscribe(topic.as_bytes()).await?;
+            let pinged = conn.heartbeat(watching.heartbeat(), watching.silence());
+            tracing::debug!(%endpoint, pinged, "KV event SUB connected");
             Ok::<_, ZmtpError>(conn)
         };
         let mut conn = match connected.await {
@@ -396,6 +504,9 @@ async fn sub_reader(endpoint: String, topic: String, limits: ZmtpLimits, rank: u
             }
         };
         tracing::debug!(%endpoint, error = %ended, "KV event SUB connection ended");
+        if matches!(ended, ZmtpError::Silent(_)) && !send(&tx, rank, Input::Silent).await {
+            return;
+        }
         if let Some(why) = peer_fault(&ended) {
             if !send(&tx, rank, Input::Bad(why)).await {
                 return;
@@ -493,6 +604,7 @@ pub async fn run(
     i: usize,
     id: Arc<str>,
     source: KvEventsSource,
+    watching: KvWatchConfig,
     mut stop: watch::Receiver<bool>,
 ) {
     let endpoints = match source.rank_endpoints() {
@@ -504,6 +616,7 @@ pub async fn run(
     };
     // At 0 from the start, so dashboards and alerts see the series.
     metrics.malformed.with_label_values(&[&id]).reset();
+    metrics.silences.with_label_values(&[&id]).reset();
     let (tx, mut rx) = mpsc::channel::<(usize, Input)>(CHANNEL_DEPTH);
     let limits = source.limits();
     let mut ranks = Vec::with_capacity(endpoints.len());
@@ -514,6 +627,7 @@ pub async fn run(
             sub,
             source.topic.clone(),
             limits,
+            watching,
             r,
             tx.clone(),
         )));
@@ -598,6 +712,11 @@ impl EventLoop {
             }
             Input::Disconnected => {
                 r.connected = false;
+                Vec::new()
+            }
+            Input::Silent => {
+                self.metrics.silences.with_label_values(&[&self.id]).inc();
+                tracing::warn!(replica = %self.id, rank, "KV event publisher silent past [kv_events] silence_ms: cache model approximate, reconnecting");
                 Vec::new()
             }
             Input::Live(seq, payload) => r.tracker.live(seq, payload),

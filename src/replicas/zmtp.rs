@@ -1,131 +1,38 @@
-//! A small ZMTP 3 client (NULL mechanism) for the two sockets the node opens to an engine: SUB
-//! for live KV events and DEALER for replays.
+//! The node's ZMTP 3 client (NULL mechanism) for the two sockets it opens to an engine: SUB for
+//! live KV events and DEALER for replays. The framing, every length bounded before a byte is
+//! allocated, is `kv_events::zmtp`; this adds connecting, deadlines and heartbeats.
 //!
-//! Exists because the `zeromq` crate (0.7) reserves a frame's declared length before its body
-//! arrives and has no size limit: one 8-byte length field of 2^40 from anything listening on a
-//! replica's event port aborts the node. Here every length is checked against [`ZmtpLimits`]
-//! *before* a byte is allocated for it; a frame or message over the limit, a malformed greeting
-//! or command, or too many frames in one message end the connection with a [`ZmtpError`] (the
-//! caller counts it and reconnects with backoff).
-//!
-//! Wire (ZMTP 3.0, rfc.zeromq.org/spec/23): a 64-byte greeting each way (signature `ff 0…0 7f`,
-//! version 3.0, mechanism `NULL`, as-server 0), then a `READY` command with our `Socket-Type`,
-//! then frames: a flags byte (bit 0 more, bit 1 long, bit 2 command), a 1- or 8-byte big-endian
-//! size, the body. A SUB subscribes with a message `[0x01, topic…]` (the 3.0 form, which libzmq
-//! and `zeromq` publishers both take). Peers' commands after `READY` (3.1 `PING`, …) are read
-//! within the limits and ignored.
+//! **Watching for silence.** A publisher that vanishes without closing its connection (host
+//! gone, process stopped, a network partition) would otherwise leave the subscriber waiting
+//! forever, and the replica's cache model "exact" and frozen. [`ZmtpConnection::heartbeat`]
+//! turns on TCP keepalive (a dead host is found by the kernel) and, when the peer speaks ZMTP
+//! 3.1 (libzmq ≥ 4.2, so vLLM's pyzmq publisher, and `kvmesh replica`), sends a `PING` every
+//! `every`; anything received — a message or the `PONG` — counts as heard, and nothing heard for
+//! `silence` ends the connection with [`ZmtpError::Silent`]. A ZMTP 3.0 peer (which may drop a
+//! `PING`) gets no pings and no deadline: an idle stream is not a dead one.
 
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use bytes::Bytes;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
-/// Bounds on what a peer may make this client read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ZmtpLimits {
-    /// Largest frame body accepted (bytes).
-    pub max_frame_bytes: usize,
-    /// Largest message accepted, all frames together (bytes).
-    pub max_message_bytes: usize,
-    /// Most frames in one message.
-    pub max_frames: usize,
-}
+pub use crate::kv_events::zmtp::{encode_message, read_message, SocketType, ZmtpError, ZmtpLimits};
+use crate::kv_events::zmtp::{handshake, ping, read_incoming, Incoming};
 
-impl Default for ZmtpLimits {
-    fn default() -> Self {
-        ZmtpLimits {
-            max_frame_bytes: 4 << 20,
-            max_message_bytes: 4 << 20,
-            max_frames: 16,
-        }
-    }
-}
-
-/// Largest command body accepted (`READY` with its properties, `PING`, `ERROR`).
-const MAX_COMMAND_BYTES: usize = 4096;
-
-/// Why a connection failed or ended.
-#[derive(Debug, thiserror::Error)]
-pub enum ZmtpError {
-    /// The endpoint is not `tcp://host:port`.
-    #[error("bad ZMQ endpoint '{0}': must be tcp://host:port")]
-    Endpoint(String),
-    /// Connecting or handshaking took too long.
-    #[error("ZMTP connect to {0} timed out")]
-    Timeout(String),
-    /// The socket failed.
-    #[error("ZMTP I/O error: {0}")]
-    Io(#[from] std::io::Error),
-    /// The peer's greeting is not ZMTP 3 with the NULL mechanism.
-    #[error("bad ZMTP greeting: {0}")]
-    Greeting(&'static str),
-    /// The peer broke the handshake or sent a malformed command.
-    #[error("ZMTP handshake failed: {0}")]
-    Handshake(String),
-    /// A frame declared more than the limit.
-    #[error("ZMTP frame of {declared} bytes exceeds the {limit}-byte limit")]
-    FrameTooLarge {
-        /// The length the peer declared.
-        declared: u64,
-        /// The limit.
-        limit: usize,
-    },
-    /// A message's frames add up to more than the limit, or it has too many frames.
-    #[error("ZMTP message exceeds the limit ({0})")]
-    MessageTooLarge(&'static str),
-}
-
-impl ZmtpError {
-    /// Whether the peer broke a limit or the protocol (as opposed to a network failure): worth
-    /// counting as malformed input.
-    pub fn is_peer_fault(&self) -> bool {
-        !matches!(
-            self,
-            ZmtpError::Io(_) | ZmtpError::Timeout(_) | ZmtpError::Endpoint(_)
-        )
-    }
-}
-
-/// The socket type announced in `READY`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SocketType {
-    /// Subscriber (to a PUB).
-    Sub,
-    /// Dealer (to a ROUTER).
-    Dealer,
-}
-
-impl SocketType {
-    fn name(self) -> &'static [u8] {
-        match self {
-            SocketType::Sub => b"SUB",
-            SocketType::Dealer => b"DEALER",
-        }
-    }
-
-    /// Whether a peer announcing `peer` may talk to this socket type (ZMTP 3.0's table).
-    fn accepts(self, peer: &[u8]) -> bool {
-        match self {
-            SocketType::Sub => matches!(peer, b"PUB" | b"XPUB"),
-            SocketType::Dealer => matches!(peer, b"ROUTER" | b"DEALER" | b"REP"),
-        }
-    }
-}
-
-/// The `Socket-Type` property of a `READY` command's properties (after the command name).
-fn socket_type_property(mut props: &[u8]) -> Option<&[u8]> {
-    while let Some((&name_len, rest)) = props.split_first() {
-        let name = rest.get(..usize::from(name_len))?;
-        let rest = &rest[usize::from(name_len)..];
-        let len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
-        let value = rest.get(4..4usize.checked_add(len)?)?;
-        if name.eq_ignore_ascii_case(b"Socket-Type") {
-            return Some(value);
-        }
-        props = &rest[4 + len..];
-    }
-    None
+/// Heartbeat state of a connection whose peer answers `PING`.
+#[derive(Debug)]
+struct Heartbeat {
+    /// Time between two `PING`s.
+    every: Duration,
+    /// Longest time with nothing received before the peer counts as gone.
+    silence: Duration,
+    /// When something last arrived.
+    last_heard: Instant,
+    /// When the next `PING` is due.
+    next_ping: Instant,
 }
 
 /// `tcp://host:port` → (host without IPv6 brackets, port).
@@ -141,141 +48,17 @@ pub fn parse_endpoint(endpoint: &str) -> Result<(String, u16), ZmtpError> {
     Ok((host.to_owned(), port))
 }
 
-/// The 64-byte greeting this client sends: ZMTP 3.0, NULL, as-server 0.
-fn greeting() -> [u8; 64] {
-    let mut g = [0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-/// Checks a peer's greeting.
-pub fn check_greeting(g: &[u8; 64]) -> Result<(), ZmtpError> {
-    if g[0] != 0xff || g[9] & 1 != 1 {
-        return Err(ZmtpError::Greeting("bad signature"));
-    }
-    if g[10] < 3 {
-        return Err(ZmtpError::Greeting("ZMTP version before 3"));
-    }
-    let mech = &g[12..32];
-    let end = mech.iter().position(|&b| b == 0).unwrap_or(mech.len());
-    if &mech[..end] != b"NULL" {
-        return Err(ZmtpError::Greeting("mechanism is not NULL"));
-    }
-    Ok(())
-}
-
-/// A `READY` command frame announcing `socket_type`.
-fn ready(socket_type: SocketType) -> BytesMut {
-    let name = socket_type.name();
-    let mut body = BytesMut::new();
-    body.put_u8(5);
-    body.put_slice(b"READY");
-    body.put_u8(11);
-    body.put_slice(b"Socket-Type");
-    body.put_u32(name.len() as u32);
-    body.put_slice(name);
-    let mut out = BytesMut::with_capacity(body.len() + 2);
-    out.put_u8(0x04);
-    out.put_u8(body.len() as u8);
-    out.put_slice(&body);
-    out
-}
-
-/// Encodes one message's frames (data frames, MORE on all but the last).
-pub fn encode_message(frames: &[&[u8]]) -> BytesMut {
-    let mut out = BytesMut::new();
-    for (i, f) in frames.iter().enumerate() {
-        let more = if i + 1 < frames.len() { 1 } else { 0 };
-        if f.len() > 255 {
-            out.put_u8(0x02 | more);
-            out.put_u64(f.len() as u64);
-        } else {
-            out.put_u8(more);
-            out.put_u8(f.len() as u8);
-        }
-        out.put_slice(f);
-    }
-    out
-}
-
-/// One frame header: (command, more, declared length).
-async fn read_header<R: AsyncReadExt + Unpin>(r: &mut R) -> Result<(bool, bool, u64), ZmtpError> {
-    let flags = r.read_u8().await?;
-    if flags & !0x07 != 0 {
-        return Err(ZmtpError::Handshake(format!(
-            "bad frame flags {flags:#04x}"
-        )));
-    }
-    let len = if flags & 0x02 != 0 {
-        r.read_u64().await?
-    } else {
-        u64::from(r.read_u8().await?)
-    };
-    Ok((flags & 0x04 != 0, flags & 0x01 != 0, len))
-}
-
-/// Reads exactly `len` bytes, already checked against a limit.
-async fn read_body<R: AsyncReadExt + Unpin>(r: &mut R, len: usize) -> Result<Bytes, ZmtpError> {
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf).await?;
-    Ok(Bytes::from(buf))
-}
-
-/// Reads the next whole message, skipping commands, within `limits`. Generic over the reader
-/// so the limits can be tested on bytes.
-pub async fn read_message<R: AsyncReadExt + Unpin>(
-    r: &mut R,
-    limits: &ZmtpLimits,
-) -> Result<Vec<Bytes>, ZmtpError> {
-    let mut frames = Vec::new();
-    let mut total = 0usize;
-    loop {
-        let (command, more, len) = read_header(r).await?;
-        if command {
-            if !frames.is_empty() {
-                return Err(ZmtpError::Handshake("command inside a message".into()));
-            }
-            if len > MAX_COMMAND_BYTES as u64 {
-                return Err(ZmtpError::FrameTooLarge {
-                    declared: len,
-                    limit: MAX_COMMAND_BYTES,
-                });
-            }
-            // Heartbeats and other commands after READY carry nothing we act on.
-            read_body(r, len as usize).await?;
-            continue;
-        }
-        let limit = limits.max_frame_bytes;
-        let len =
-            usize::try_from(len)
-                .ok()
-                .filter(|l| *l <= limit)
-                .ok_or(ZmtpError::FrameTooLarge {
-                    declared: len,
-                    limit,
-                })?;
-        total = total.saturating_add(len);
-        if total > limits.max_message_bytes {
-            return Err(ZmtpError::MessageTooLarge("bytes"));
-        }
-        if frames.len() >= limits.max_frames {
-            return Err(ZmtpError::MessageTooLarge("frames"));
-        }
-        frames.push(read_body(r, len).await?);
-        if !more {
-            return Ok(frames);
-        }
-    }
-}
-
 /// One connected, handshaken ZMTP peer.
 pub struct ZmtpConnection {
-    stream: BufReader<TcpStream>,
+    /// The receiving half, buffered.
+    reader: BufReader<OwnedReadHalf>,
+    /// The sending half (subscriptions, requests, `PING`s).
+    writer: OwnedWriteHalf,
     limits: ZmtpLimits,
+    /// The peer's ZMTP minor version (1: it answers `PING`).
+    peer_minor: u8,
+    /// Set by [`ZmtpConnection::heartbeat`] when the peer answers `PING`.
+    heartbeat: Option<Heartbeat>,
 }
 
 impl ZmtpConnection {
@@ -288,50 +71,48 @@ impl ZmtpConnection {
         timeout: Duration,
     ) -> Result<Self, ZmtpError> {
         let (host, port) = parse_endpoint(endpoint)?;
-        let handshake = async {
-            let tcp = TcpStream::connect((host.as_str(), port)).await?;
+        let connect = async {
+            let mut tcp = TcpStream::connect((host.as_str(), port)).await?;
             let _ = tcp.set_nodelay(true);
-            let mut stream = BufReader::new(tcp);
-            stream.get_mut().write_all(&greeting()).await?;
-            let mut peer = [0u8; 64];
-            stream.read_exact(&mut peer).await?;
-            check_greeting(&peer)?;
-            stream.get_mut().write_all(&ready(socket_type)).await?;
-            let (command, _, len) = read_header(&mut stream).await?;
-            if !command {
-                return Err(ZmtpError::Handshake("first frame is not a command".into()));
-            }
-            if len > MAX_COMMAND_BYTES as u64 {
-                return Err(ZmtpError::FrameTooLarge {
-                    declared: len,
-                    limit: MAX_COMMAND_BYTES,
-                });
-            }
-            let body = read_body(&mut stream, len as usize).await?;
-            match body.split_first() {
-                Some((5, rest)) if rest.starts_with(b"READY") => {
-                    let peer = socket_type_property(&rest[5..]).unwrap_or_default();
-                    if !socket_type.accepts(peer) {
-                        return Err(ZmtpError::Handshake(format!(
-                            "peer socket type {:?} cannot talk to {:?}",
-                            String::from_utf8_lossy(peer),
-                            String::from_utf8_lossy(socket_type.name())
-                        )));
-                    }
-                }
-                Some((5, rest)) if rest.starts_with(b"ERROR") => {
-                    return Err(ZmtpError::Handshake(format!(
-                        "peer refused: {}",
-                        String::from_utf8_lossy(rest.get(6..).unwrap_or_default())
-                    )))
-                }
-                _ => return Err(ZmtpError::Handshake("expected READY".into())),
-            }
-            Ok(ZmtpConnection { stream, limits })
+            // The client says 3.0: it subscribes the 3.0 way, which every publisher takes.
+            let peer_minor = handshake(&mut tcp, socket_type, 0).await?;
+            let (read, writer) = tcp.into_split();
+            Ok(ZmtpConnection {
+                reader: BufReader::new(read),
+                writer,
+                limits,
+                peer_minor,
+                heartbeat: None,
+            })
         };
-        tokio::time::timeout(timeout, handshake)
+        tokio::time::timeout(timeout, connect)
             .await
             .map_err(|_| ZmtpError::Timeout(endpoint.to_owned()))?
+    }
+
+    /// Watches the peer for silence from now on: TCP keepalive (first probe after `silence`
+    /// idle, then every `every`, 3 probes), and with a ZMTP 3.1 peer a `PING` every `every`
+    /// and [`ZmtpError::Silent`] from [`ZmtpConnection::recv`] when nothing arrived for
+    /// `silence`. Returns whether the peer is pinged.
+    pub fn heartbeat(&mut self, every: Duration, silence: Duration) -> bool {
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(silence)
+            .with_interval(every)
+            .with_retries(3);
+        if let Err(e) = socket2::SockRef::from(self.writer.as_ref()).set_tcp_keepalive(&keepalive) {
+            tracing::debug!(error = %e, "cannot set TCP keepalive");
+        }
+        if self.peer_minor < 1 {
+            return false;
+        }
+        let now = Instant::now();
+        self.heartbeat = Some(Heartbeat {
+            every,
+            silence,
+            last_heard: now,
+            next_ping: now + every,
+        });
+        true
     }
 
     /// SUB: subscribes to messages whose first frame starts with `topic` ("" = all).
@@ -345,105 +126,67 @@ impl ZmtpConnection {
     /// Sends one message.
     pub async fn send(&mut self, frames: &[&[u8]]) -> Result<(), ZmtpError> {
         let bytes = encode_message(frames);
-        self.stream.get_mut().write_all(&bytes).await?;
+        self.writer.write_all(&bytes).await?;
         Ok(())
     }
 
-    /// Receives the next message, within the limits.
+    /// Receives the next message, within the limits; with a heartbeat, pings on time and fails
+    /// with [`ZmtpError::Silent`] once the peer has been silent too long. Not cancel-safe (a
+    /// message half read is lost): cancel only to drop the connection.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
-        read_message(&mut self.stream, &self.limits).await
+        loop {
+            let incoming = match &mut self.heartbeat {
+                None => read_incoming(&mut self.reader, &self.limits).await?,
+                Some(hb) => {
+                    let read = read_incoming(&mut self.reader, &self.limits);
+                    let got = heartbeat_while(hb, &mut self.writer, read).await?;
+                    hb.last_heard = Instant::now();
+                    got
+                }
+            };
+            // Commands (PONG, anything after READY) only prove the peer is there.
+            if let Incoming::Message(frames) = incoming {
+                return Ok(frames);
+            }
+        }
+    }
+}
+
+/// Awaits `read`, sending `hb`'s `PING`s on `writer` meanwhile; fails once nothing was heard
+/// for `hb.silence` (a `PING` write that stalls that long counts as silence too).
+async fn heartbeat_while(
+    hb: &mut Heartbeat,
+    writer: &mut OwnedWriteHalf,
+    read: impl std::future::Future<Output = Result<Incoming, ZmtpError>>,
+) -> Result<Incoming, ZmtpError> {
+    tokio::pin!(read);
+    loop {
+        tokio::select! {
+            got = &mut read => return got,
+            _ = tokio::time::sleep_until(hb.next_ping) => {
+                let now = Instant::now();
+                if now.duration_since(hb.last_heard) >= hb.silence {
+                    return Err(ZmtpError::Silent(hb.silence));
+                }
+                // The TTL asks the peer to drop us in turn if our pings stop.
+                let frame = ping(hb.silence, b"");
+                tokio::time::timeout(hb.silence, writer.write_all(&frame))
+                    .await
+                    .map_err(|_| ZmtpError::Silent(hb.silence))??;
+                hb.next_ping = now + hb.every;
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn run<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread()
-            .build()
-            .map(|rt| rt.block_on(f))
-            .expect("runtime")
-    }
+    use crate::kv_events::zmtp::{command_data, pong_for, ready, MAX_COMMAND_BYTES};
+    use tokio::net::TcpListener;
 
     #[test]
-    fn the_peers_socket_type_must_match() {
-        // Our own READY, as a peer would send it: a DEALER is fine for a DEALER, not for a SUB.
-        let frame = ready(SocketType::Dealer);
-        let props = &frame[2 + 6..];
-        assert_eq!(socket_type_property(props), Some(&b"DEALER"[..]));
-        assert!(SocketType::Dealer.accepts(b"DEALER"));
-        assert!(!SocketType::Sub.accepts(b"DEALER"));
-        assert!(SocketType::Sub.accepts(b"PUB"));
-        // Truncated or absurd lengths read as "none", never out of bounds.
-        assert_eq!(socket_type_property(&[11, b'S']), None);
-        assert_eq!(socket_type_property(&[0, 0xff, 0xff, 0xff, 0xff]), None);
-    }
-
-    #[test]
-    fn frames_round_trip() {
-        let bytes = encode_message(&[b"topic", &[7u8; 300], b""]);
-        let got = run(read_message(&mut &bytes[..], &ZmtpLimits::default())).unwrap();
-        assert_eq!(got.len(), 3);
-        assert_eq!(
-            (&got[0][..], got[1].len(), got[2].len()),
-            (&b"topic"[..], 300, 0)
-        );
-    }
-
-    #[test]
-    fn a_huge_declared_frame_is_refused_before_allocating() {
-        // A long frame declaring 2^40 bytes, and no body: refused from the header alone.
-        let mut bytes = vec![0x02];
-        bytes.extend_from_slice(&(1u64 << 40).to_be_bytes());
-        let err = run(read_message(&mut &bytes[..], &ZmtpLimits::default())).unwrap_err();
-        assert!(matches!(err, ZmtpError::FrameTooLarge { declared, .. } if declared == 1 << 40));
-        assert!(err.is_peer_fault());
-        // u64::MAX too, and a command over its own limit.
-        let mut bytes = vec![0x06];
-        bytes.extend_from_slice(&u64::MAX.to_be_bytes());
-        assert!(run(read_message(&mut &bytes[..], &ZmtpLimits::default())).is_err());
-    }
-
-    #[test]
-    fn message_limits_count_frames_and_bytes() {
-        let limits = ZmtpLimits {
-            max_frame_bytes: 100,
-            max_message_bytes: 150,
-            max_frames: 3,
-        };
-        let two = encode_message(&[&[0u8; 100], &[0u8; 100]]);
-        assert!(matches!(
-            run(read_message(&mut &two[..], &limits)),
-            Err(ZmtpError::MessageTooLarge("bytes"))
-        ));
-        let many = encode_message(&[b"a", b"b", b"c", b"d"]);
-        assert!(matches!(
-            run(read_message(&mut &many[..], &limits)),
-            Err(ZmtpError::MessageTooLarge("frames"))
-        ));
-        // A command between messages is skipped; truncation is an I/O error, never a panic.
-        let mut with_ping = vec![0x04, 5, 4, b'P', b'I', b'N', b'G'];
-        with_ping.extend_from_slice(&encode_message(&[b"x"]));
-        assert_eq!(
-            run(read_message(&mut &with_ping[..], &limits))
-                .unwrap()
-                .len(),
-            1
-        );
-        assert!(run(read_message(&mut &two[..5], &limits)).is_err());
-        assert!(run(read_message(&mut &[0xf0u8, 1, 1][..], &limits)).is_err());
-    }
-
-    #[test]
-    fn greetings_and_endpoints() {
-        check_greeting(&greeting()).unwrap();
-        let mut g = greeting();
-        g[12..17].copy_from_slice(b"CURVE");
-        assert!(check_greeting(&g).is_err());
-        let mut g = greeting();
-        g[10] = 2;
-        assert!(check_greeting(&g).is_err());
+    fn endpoints() {
         assert_eq!(
             parse_endpoint("tcp://[::1]:5557").unwrap(),
             ("::1".into(), 5557)
@@ -451,5 +194,96 @@ mod tests {
         assert_eq!(parse_endpoint("tcp://a.b:1").unwrap(), ("a.b".into(), 1));
         assert!(parse_endpoint("tcp://:1").is_err());
         assert!(parse_endpoint("ipc://x").is_err());
+    }
+
+    /// A PUB peer on loopback speaking ZMTP 3.`minor` that answers `pongs` PINGs, then goes
+    /// silent (keeps the connection open, reads and ignores everything). Returns its endpoint.
+    async fn peer(minor: u8, pongs: usize) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            handshake(&mut s, SocketType::Pub, minor).await.unwrap();
+            let limits = ZmtpLimits::default();
+            let mut answered = 0;
+            while let Ok(got) = read_incoming(&mut s, &limits).await {
+                if let Incoming::Command(body) = got {
+                    if answered < pongs {
+                        if let Some(pong) = pong_for(&body) {
+                            answered += 1;
+                            s.write_all(&pong).await.unwrap();
+                        }
+                    }
+                }
+            }
+        });
+        format!("tcp://{addr}")
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_answering_pings_is_found_silent() {
+        let ep = peer(1, 3).await;
+        let mut c = ZmtpConnection::connect(
+            &ep,
+            SocketType::Sub,
+            ZmtpLimits::default(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(c.heartbeat(Duration::from_millis(50), Duration::from_millis(300)));
+        c.subscribe(b"").await.unwrap();
+        let t0 = Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), c.recv())
+            .await
+            .expect("silence is detected")
+            .unwrap_err();
+        assert!(matches!(err, ZmtpError::Silent(_)), "{err}");
+        assert!(!err.is_peer_fault());
+        // Three pongs kept it alive past one silence; then one silence and at most a ping more.
+        assert!(
+            t0.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_zmtp_3_0_peer_is_not_pinged() {
+        let ep = peer(0, 0).await;
+        let mut c = ZmtpConnection::connect(
+            &ep,
+            SocketType::Sub,
+            ZmtpLimits::default(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(!c.heartbeat(Duration::from_millis(20), Duration::from_millis(100)));
+        // Idle, never silent: nothing ends the wait but our own deadline.
+        assert!(tokio::time::timeout(Duration::from_millis(400), c.recv())
+            .await
+            .is_err());
+    }
+
+    #[test]
+    fn ping_and_pong_frames() {
+        let p = ping(Duration::from_secs(5), b"ctx");
+        // Command flag, short size, then the body.
+        assert_eq!((p[0], usize::from(p[1])), (0x04, p.len() - 2));
+        let body = &p[2..];
+        assert_eq!(
+            command_data(body, b"PING"),
+            Some(&[0, 50, b'c', b't', b'x'][..])
+        );
+        let pong = pong_for(body).unwrap();
+        assert_eq!(command_data(&pong[2..], b"PONG"), Some(&b"ctx"[..]));
+        // Not a PING, truncated, or an oversized context: no answer.
+        assert!(pong_for(&ready(SocketType::Sub)[2..]).is_none());
+        assert!(pong_for(&[4, b'P', b'I', b'N', b'G', 0]).is_none());
+        let mut long = vec![4, b'P', b'I', b'N', b'G', 0, 1];
+        long.extend_from_slice(&[0; 17]);
+        assert!(pong_for(&long).is_none());
+        assert!(long.len() < MAX_COMMAND_BYTES);
     }
 }

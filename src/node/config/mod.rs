@@ -40,8 +40,12 @@ pub use crate::replicas::dns::{DnsConfig, DnsKvEvents, DnsRecord};
 pub use crate::replicas::entry::{ReplicaConfig, DEFAULT_CAPACITY_TOKENS};
 pub use crate::replicas::health::HealthConfig;
 pub use crate::replicas::k8s::KubernetesConfig;
-pub use crate::replicas::kv_events::KvEventsSource;
+pub use crate::replicas::kv_events::{KvEventsSource, KvWatchConfig};
 pub use crate::replicas::probe::ScrapeConfig;
+
+/// Default `drop_departed_after_s`: flapping DNS answers bring a replica back within it
+/// without rebuilding anything.
+pub const DEFAULT_DROP_DEPARTED_AFTER_S: u64 = 30;
 
 /// Longest duration any setting may name: 7 days.
 pub const MAX_DURATION_MS: u64 = 7 * 86_400_000;
@@ -144,6 +148,13 @@ pub struct NodeConfig {
     /// Hot-prefix detection and replication (`[hot_prefix]`, see `core::hot_prefix`):
     /// detection and warm-ups only with `enabled`. Default off.
     pub hot_prefix: HotPrefixConfig,
+    /// How KV-event connections are watched for silence (`[kv_events]`: `heartbeat_ms`,
+    /// `silence_ms`; see `replicas::kv_events`). Defaults 1000 and 5000 ms.
+    pub kv_events: KvWatchConfig,
+    /// Least time a replica that left the registry drains before it is dropped and its slot
+    /// may be reused by another replica, in seconds (0..=86400; `node/registry.rs`). A replica
+    /// back within it keeps its state. Default 30.
+    pub drop_departed_after_s: u64,
     /// Priority classes and the admission queue (`[priorities]`): with it, a request that finds
     /// every eligible replica at its `max_in_flight`, or its tenant at a quota, waits in a
     /// bounded fair queue with a deadline instead of being sent (full replica) or refused
@@ -200,6 +211,8 @@ impl Default for NodeConfig {
             tracing: TracingConfig::default(),
             pd: PdSection::default(),
             hot_prefix: HotPrefixConfig::default(),
+            kv_events: KvWatchConfig::default(),
+            drop_departed_after_s: DEFAULT_DROP_DEPARTED_AFTER_S,
             priorities: None,
         }
     }
@@ -609,12 +622,25 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
+        self.validate_upkeep()?;
         self.hot_prefix
             .validate()
             .map_err(|m| invalid("hot_prefix", m))?;
         if let Some(p) = &self.priorities {
             p.validate()
                 .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
+        }
+        Ok(())
+    }
+
+    /// Checks how engines are watched and departed replicas dropped (`[kv_events]`,
+    /// `drop_departed_after_s`).
+    fn validate_upkeep(&self) -> Result<(), ConfigError> {
+        self.kv_events
+            .validate()
+            .map_err(|(k, msg)| invalid(format!("kv_events.{k}"), msg))?;
+        if self.drop_departed_after_s > 86_400 {
+            return Err(invalid("drop_departed_after_s", "must be at most 86400"));
         }
         Ok(())
     }
@@ -871,6 +897,11 @@ mod tests {
             ),
             ("[priorities]\nheader = \"x y\"", "priorities.header"),
             ("listen = \"nowhere\"", "listen"),
+            ("[kv_events]\nheartbeat_ms = 10", "kv_events.heartbeat_ms"),
+            ("[kv_events]\nheartbeat_ms = 1000\nsilence_ms = 1500", "kv_events.silence_ms"),
+            ("[kv_events]\nsilence_ms = 700000", "kv_events.silence_ms"),
+            ("[kv_events]\nping_ms = 1", "ping_ms"),
+            ("drop_departed_after_s = 86401", "drop_departed_after_s"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"a\"", "dns[0].port"),
             ("[[dns]]\nname = \"x.\"\nrecord = \"mx\"", "record"),
             (

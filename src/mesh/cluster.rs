@@ -560,11 +560,16 @@ impl Mesh {
         Ok(())
     }
 
-    /// Publishes `value` under `key` as it is, bypassing every check: fault injection, so tests
-    /// can play a peer that publishes what a correct node never would.
+    /// Publishes `value` under `key` as it is (signed), bypassing every check, the key cap
+    /// included: fault injection, so tests can play a peer that publishes what a correct node
+    /// never would.
     #[doc(hidden)]
     pub async fn publish_unchecked(&self, key: &str, value: &str) {
-        self.set(key.to_owned(), value.to_owned()).await;
+        if let Some(h) = self.chitchat() {
+            let (signer, id) = (&self.signer, &self.self_id);
+            h.with_chitchat(|c| signer.publish(c.self_node_state(), id, key, value))
+                .await;
+        }
     }
 
     /// Fault injection: rewrites, in this node's copy, member `victim`'s value under `key` as

@@ -616,6 +616,9 @@ impl MeshMetrics {
                 d(|s| s.handshake_failures),
             ),
             (&self.dropped, "identity_refused", d(|s| s.identity_refused)),
+            (&self.dropped, "forged_refused", d(|s| s.forged_refused)),
+            (&self.dropped, "authority_refused", d(|s| s.authority_refused)),
+            (&self.dropped, "key_cap_refused", d(|s| s.key_cap_refused)),
             (
                 &self.dropped,
                 "bad_gossip_value",

@@ -91,9 +91,11 @@ async fn trio(ca: &ClusterCa) -> (Mesh, Mesh, Mesh) {
     let b = start(ca, "b", &[a.addr()]).await;
     let rogue = start(ca, "rogue", &[a.addr()]).await;
     for m in [&a, &b, &rogue] {
-        wait_until(Duration::from_secs(10), || sees_live(m, &["a", "b", "rogue"]))
-            .await
-            .expect("the three meet");
+        wait_until(Duration::from_secs(10), || {
+            sees_live(m, &["a", "b", "rogue"])
+        })
+        .await
+        .expect("the three meet");
     }
     (a, b, rogue)
 }
@@ -110,8 +112,12 @@ async fn relayed_forgeries_of_another_members_records_are_refused() {
             .await
             .unwrap();
         wait_until(Duration::from_secs(5), || async {
-            member(&b, "a").await.is_some_and(|m| m.replicas.contains_key("r1"))
-                && member(&rogue, "a").await.is_some_and(|m| m.replicas.contains_key("r1"))
+            member(&b, "a")
+                .await
+                .is_some_and(|m| m.replicas.contains_key("r1"))
+                && member(&rogue, "a")
+                    .await
+                    .is_some_and(|m| m.replicas.contains_key("r1"))
         })
         .await
         .expect("a's record reaches b and the rogue");
@@ -139,12 +145,17 @@ async fn relayed_forgeries_of_another_members_records_are_refused() {
                 Some("https://a.example:8443"),
                 "b took the forged node record"
             );
-            assert_eq!(seen.replicas.get("r1"), Some(&replica("http://10.0.0.1:8000")));
+            assert_eq!(
+                seen.replicas.get("r1"),
+                Some(&replica("http://10.0.0.1:8000"))
+            );
         }
         // a's own later update still reaches b past the forged versions.
         let mut newer = replica("http://10.0.0.1:8000");
         newer.load.waiting = 7;
-        a.publish_replica("r1", &newer, RecordChange::Full).await.unwrap();
+        a.publish_replica("r1", &newer, RecordChange::Full)
+            .await
+            .unwrap();
         wait_until(Duration::from_secs(5), || async {
             member(&b, "a")
                 .await
@@ -179,7 +190,9 @@ async fn admin_records_need_an_operator_certificate() {
         }
         op.publish_admin("r1", &drain).await.unwrap();
         wait_until(Duration::from_secs(10), || async {
-            member(&b, "op").await.is_some_and(|m| m.admin.contains_key("r1"))
+            member(&b, "op")
+                .await
+                .is_some_and(|m| m.admin.contains_key("r1"))
         })
         .await
         .expect("the operator's record reaches b");
@@ -258,7 +271,10 @@ async fn a_key_flood_is_capped_and_freed_when_the_member_leaves() {
         .await
         .expect("a refuses keys past the cap");
         let held = member(&a, "rogue").await.unwrap().replicas.len();
-        assert!(held > 0 && held <= MAX_KEYS_PER_MEMBER, "a holds {held} of its keys");
+        assert!(
+            held > 0 && held <= MAX_KEYS_PER_MEMBER,
+            "a holds {held} of its keys"
+        );
         rogue.shutdown().await;
         wait_until(Duration::from_secs(30), || async {
             member(&a, "rogue").await.is_none()

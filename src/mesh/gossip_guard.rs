@@ -689,4 +689,84 @@ mod tests {
         assert_eq!(got[0].1.len(), MAX_KEYS_PER_MEMBER);
         assert_eq!(g.stats.key_cap_refused.load(Ordering::Relaxed), 11);
     }
+
+    /// The cost of signing, measured: `cargo test --lib cost_of_signed_state -- --ignored
+    /// --nocapture`. A node's full state (32 homed replicas: `replica:` + `rload:`, the fixed
+    /// records) as one zstd-compressed Ack, signed vs plain, and the time to sign and verify.
+    #[test]
+    #[ignore]
+    fn cost_of_signed_state() {
+        use crate::mesh::replica_load::ReplicaLoadRecord;
+        use crate::mesh::schema::{ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
+        let ca = ClusterCa::generate().unwrap();
+        let g = guard(&ca);
+        let a = node(&ca, "a", &CertRoles::default());
+        let rec = |i: usize| ReplicaRecord {
+            url: format!("http://10.0.{i}.1:8000"),
+            region: "eu".into(),
+            zone: String::new(),
+            pool: String::new(),
+            models: vec!["meta-llama/Llama-3.1-8B-Instruct".into()],
+            capacity_tokens: 1_000_000,
+            prefill_tokens_per_s: 10_000.0,
+            max_in_flight: 64,
+            health: WireHealth::Healthy,
+            load: WireLoad::default(),
+            summary: SummaryVersion {
+                epoch: 1_700_000_000_000 + i as u64,
+                seq: 42,
+                digest: 7,
+            },
+            origin: String::new(),
+            kv_events: None,
+            pd: None,
+            kv_shares: None,
+            kv_load: None,
+        };
+        let mut plain: Vec<(String, String)> = vec![(KEY_NODE.into(), node_record("eu"))];
+        for i in 0..32 {
+            plain.push((format!("replica:r{i}"), rec(i).encode().unwrap()));
+            plain.push((
+                format!("rload:r{i}"),
+                ReplicaLoadRecord::of(&rec(i)).encode().unwrap(),
+            ));
+        }
+        let sign_start = Instant::now();
+        let mut signed: Vec<(String, String)> = vec![(KEY_CERT.into(), a.value(KEY_CERT, 1, ""))];
+        for (k, (key, v)) in plain.iter().enumerate() {
+            signed.push((key.clone(), a.value(key, 2 + k as u64, v)));
+        }
+        let sign_us = sign_start.elapsed().as_secs_f64() * 1e6 / plain.len() as f64;
+        let as_ack = |kvs: &[(String, String)]| {
+            let kvs: Vec<(&str, String, u64, u8)> = kvs
+                .iter()
+                .enumerate()
+                .map(|(k, (key, v))| (key.as_str(), v.clone(), 1 + k as u64, 0))
+                .collect();
+            ack(&[(&a.id, kvs)])
+        };
+        let z = |b: &[u8]| zstd::bulk::compress(b, 1).unwrap().len();
+        let (p, s) = (as_ack(&plain[..]), as_ack(&signed[..]));
+        let t = Instant::now();
+        assert_eq!(g.filter(&s), Filtered::Unchanged);
+        let verify_us = t.elapsed().as_secs_f64() * 1e6 / signed.len() as f64;
+        let t = Instant::now();
+        assert_eq!(g.filter(&s), Filtered::Unchanged);
+        let again_us = t.elapsed().as_secs_f64() * 1e6 / signed.len() as f64;
+        // One round's change: 32 `rload:` updates.
+        let rl = |kvs: &[(String, String)]| -> Vec<(String, String)> {
+            kvs.iter()
+                .filter(|(k, _)| k.starts_with("rload:"))
+                .cloned()
+                .collect()
+        };
+        let (pr, sr) = (as_ack(&rl(&plain)), as_ack(&rl(&signed)));
+        println!(
+            "full state (65 values): plain {} B, signed {} B (zstd-1: {} vs {} B); \
+             32 rload updates: plain {} B, signed {} B (zstd-1: {} vs {} B); \
+             sign {sign_us:.0} us/value, first check {verify_us:.0} us/value (cert check included), \
+             repeat {again_us:.1} us/value",
+            p.len(), s.len(), z(&p), z(&s), pr.len(), sr.len(), z(&pr), z(&sr)
+        );
+    }
 }

@@ -85,6 +85,27 @@ fn replica(url: &str) -> ReplicaRecord {
     }
 }
 
+/// `m` publishes a replica record `marker`, and `of` waits until it sees it, then for ten more
+/// gossip messages: what `m` published before has had its chance to arrive.
+async fn after_marker(m: &Mesh, of: &Mesh, marker: &str) {
+    m.publish_replica(marker, &replica("http://10.0.0.9:8000"), RecordChange::Full)
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(20), || async {
+        member(of, m.node_id())
+            .await
+            .is_some_and(|x| x.replicas.contains_key(marker))
+    })
+    .await
+    .expect("the marker arrives");
+    let seen = of.stats().transport.gossip_received;
+    wait_until(Duration::from_secs(10), || async {
+        of.stats().transport.gossip_received >= seen + 10
+    })
+    .await
+    .expect("gossip goes on");
+}
+
 /// Three members of one region, all seeing each other live: (a, b, rogue).
 async fn trio(ca: &ClusterCa) -> (Mesh, Mesh, Mesh) {
     let a = start(ca, "a", &[]).await;
@@ -132,13 +153,7 @@ async fn relayed_forgeries_of_another_members_records_are_refused() {
         ];
         for (key, value) in &forgeries {
             rogue.forge_member_state(&victim, key, value).await;
-            // Let the forgery travel a few rounds.
-            wait_until(Duration::from_secs(5), || async {
-                b.stats().transport.forged_refused >= 1
-            })
-            .await
-            .unwrap_or_else(|| panic!("b never refused the forged {key}: {:?}", b.stats()));
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            after_marker(&rogue, &b, &format!("marker-{key}")).await;
             let seen = member(&b, "a").await.unwrap();
             assert_eq!(
                 seen.node.as_ref().map(|n| n.http_url.as_str()),
@@ -150,6 +165,7 @@ async fn relayed_forgeries_of_another_members_records_are_refused() {
                 Some(&replica("http://10.0.0.1:8000"))
             );
         }
+        assert!(b.stats().transport.forged_refused >= 1, "{:?}", b.stats());
         // a's own later update still reaches b past the forged versions.
         let mut newer = replica("http://10.0.0.1:8000");
         newer.load.waiting = 7;
@@ -196,16 +212,17 @@ async fn admin_records_need_an_operator_certificate() {
         })
         .await
         .expect("the operator's record reaches b");
-        wait_until(Duration::from_secs(5), || async {
-            b.stats().transport.authority_refused >= 4
-        })
-        .await
-        .expect("b refuses the rogue's four drains");
         for of in [&a, &b] {
+            after_marker(&rogue, of, &format!("marker-{}", of.node_id())).await;
             let seen = member(of, "rogue").await.unwrap();
             assert!(seen.admin.is_empty(), "{:?}", seen.admin);
             assert!(seen.node.is_some(), "the rogue's own records still count");
         }
+        assert!(
+            b.stats().transport.authority_refused >= 4,
+            "{:?}",
+            b.stats()
+        );
         for m in [op, rogue, b, a] {
             m.shutdown().await;
         }
@@ -235,13 +252,14 @@ async fn a_certificate_bound_to_a_region_is_refused_elsewhere() {
         let mut us: NodeRecord = rogue.node_record().clone();
         us.region = "us".into();
         rogue.publish_unchecked("node", &us.encode().unwrap()).await;
-        wait_until(Duration::from_secs(5), || async {
-            a.stats().transport.authority_refused >= 1
-        })
-        .await
-        .expect("a refuses the record");
+        after_marker(&rogue, &a, "marker").await;
         let seen = member(&a, "rogue").await.unwrap();
         assert_eq!(seen.node.map(|n| n.region), Some("eu".to_owned()));
+        assert!(
+            a.stats().transport.authority_refused >= 1,
+            "{:?}",
+            a.stats()
+        );
         rogue.shutdown().await;
         a.shutdown().await;
     })
@@ -265,11 +283,13 @@ async fn a_key_flood_is_capped_and_freed_when_the_member_leaves() {
                 .publish_unchecked(&format!("replica:flood-{i}"), &value)
                 .await;
         }
+        // Every key either held or refused at least once.
         wait_until(Duration::from_secs(40), || async {
-            a.stats().transport.key_cap_refused >= 1
+            let held = member(&a, "rogue").await.map_or(0, |m| m.replicas.len());
+            held as u64 + a.stats().transport.key_cap_refused >= 5_000
         })
         .await
-        .expect("a refuses keys past the cap");
+        .expect("a takes or refuses each of the rogue's keys");
         let held = member(&a, "rogue").await.unwrap().replicas.len();
         assert!(
             held > 0 && held <= MAX_KEYS_PER_MEMBER,

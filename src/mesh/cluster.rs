@@ -241,6 +241,44 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// What a node's certificate gives it (checked as at every reload, and its region): the key to
+/// present, the signer of its values, the check of its peers' values, the operator role.
+fn trust_of(
+    cfg: &MeshConfig,
+) -> Result<
+    (
+        rustls::sign::CertifiedKey,
+        Arc<LocalSigner>,
+        CertCheck,
+        bool,
+    ),
+    MeshError,
+> {
+    let key = cfg.identity.validated_key(&cfg.node_id)?;
+    cfg.identity.verify_region(&cfg.region)?;
+    let operator = cfg.identity.roles()?.operator;
+    let signer = LocalSigner::new(&key)?;
+    let check = CertCheck::new(&cfg.identity)?;
+    Ok((key, signer, check, operator))
+}
+
+/// A node's first values: its certificate (version 1), then its node record (version 2), both
+/// signed (see `signed`).
+fn initial_values(signer: &LocalSigner, id: &ChitchatId, node: &str) -> Vec<(String, String)> {
+    let node_signed = signer.seal(&Signed {
+        node_id: &id.node_id,
+        generation: id.generation_id,
+        key: KEY_NODE,
+        version: 2,
+        status: Status::Set,
+        payload: node,
+    });
+    vec![
+        (KEY_CERT.to_owned(), signer.cert_value(id)),
+        (KEY_NODE.to_owned(), node_signed),
+    ]
+}
+
 /// The failure detector for `cfg`. chitchat 0.11's phi is `silence / mean heartbeat interval`,
 /// and heartbeats arrive about once per gossip round, so a threshold of
 /// `failure_detection / gossip_interval` declares a node dead after about `failure_detection`.
@@ -268,11 +306,7 @@ impl Mesh {
         // Peers refuse a node whose certificate does not chain to the CA, lacks the cluster SAN
         // or does not name its node id: refuse to start so at once, with the reason, rather
         // than join and be ignored. A reload makes the same checks (`validated_key`).
-        let key = cfg.identity.validated_key(&cfg.node_id)?;
-        cfg.identity.verify_region(&cfg.region)?;
-        let operator = cfg.identity.roles()?.operator;
-        let signer = LocalSigner::new(&key)?;
-        let check = CertCheck::new(&cfg.identity)?;
+        let (key, signer, check, operator) = trust_of(&cfg)?;
         let cert = match &cfg.cert {
             Some(cert) => {
                 cert.replace(key);
@@ -335,19 +369,7 @@ impl Mesh {
                 return Err(e.into());
             }
         };
-        // The certificate first (version 1), then the node record (version 2), both signed.
-        let node_signed = signer.seal(&Signed {
-            node_id: &self_id.node_id,
-            generation,
-            key: KEY_NODE,
-            version: 2,
-            status: Status::Set,
-            payload: &node_value,
-        });
-        let initial = vec![
-            (KEY_CERT.to_owned(), signer.cert_value(&self_id)),
-            (KEY_NODE.to_owned(), node_signed),
-        ];
+        let initial = initial_values(&signer, &self_id, &node_value);
         let handle = match spawn_chitchat(config, initial, &transport).await {
             Ok(h) => Arc::new(h),
             Err(e) => {

@@ -512,7 +512,10 @@ mod tests {
     }
 
     /// An Ack message carrying, per node delta, (id, [(key, value, version, status)]).
-    fn ack(deltas: &[(&ChitchatId, Vec<(&str, String, u64, u8)>)]) -> Vec<u8> {
+    /// One value on the wire: key, value, version, status.
+    type Kv<'a> = (&'a str, String, u64, u8);
+
+    fn ack(deltas: &[(&ChitchatId, Vec<Kv<'_>>)]) -> Vec<u8> {
         let mut ops = Vec::new();
         for (id, kvs) in deltas {
             ops.push(0u8);

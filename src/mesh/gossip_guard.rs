@@ -23,6 +23,11 @@
 //!   is the one version nobody signs.
 //!
 //! Each (publisher, key, version, value) is verified once: a bounded set of what passed.
+//!
+//! What a relay can still do: withhold (drop or delay) another member's state, as it always
+//! could; the node delta's unsigned bookkeeping (last GC version) can at worst make a receiver
+//! skip a withdrawal, i.e. withhold it. The region layer's messages (`KIND_REGIONS_Z`) are not
+//! checked here: a `region` record counts only for its publisher's region, as before.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
@@ -187,9 +192,13 @@ impl Guard {
             return true;
         };
         let kvs = &ops[1..];
+        if kvs.is_empty() {
+            kept.push(node_range.clone());
+            return false;
+        }
         if kvs.iter().all(|(op, _)| matches!(op, Op::SetMax)) {
-            // Only a bare max version (or nothing): a max version nobody signed.
-            return !kvs.is_empty();
+            // Only a bare max version: a version nobody signed.
+            return true;
         }
         match self.authenticate(id, kvs) {
             Ok(cert) => {

@@ -62,6 +62,13 @@ enum CertsCommand {
         /// Node name (certificate CN and file name).
         #[arg(long)]
         name: String,
+        /// Bind the node to this region: it refuses to start elsewhere, and peers refuse its
+        /// `node` record for any other region. Without it the certificate fits any region.
+        #[arg(long)]
+        region: Option<String>,
+        /// Let the node publish operator commands (`admin:` records) that its peers apply.
+        #[arg(long)]
+        operator: bool,
     },
 }
 
@@ -100,8 +107,14 @@ async fn main() -> anyhow::Result<()> {
             let (cert, key) = kvmesh::mesh::certs::init_dir(&dir)?;
             println!("wrote {} and {}", cert.display(), key.display());
         }
-        Command::Certs(CertsCommand::Issue { dir, name }) => {
-            let (cert, key) = kvmesh::mesh::certs::issue_in_dir(&dir, &name)?;
+        Command::Certs(CertsCommand::Issue {
+            dir,
+            name,
+            region,
+            operator,
+        }) => {
+            let roles = kvmesh::mesh::certs::CertRoles { region, operator };
+            let (cert, key) = kvmesh::mesh::certs::issue_in_dir_with(&dir, &name, &roles)?;
             println!("wrote {} and {}", cert.display(), key.display());
         }
         Command::Replica(args) => {

@@ -900,6 +900,45 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
     .await;
 }
 
+/// Issue #35: a node's record that points at another node's address does not redirect
+/// forwards. b1 advertises b2's peer listener (b2 itself advertises a dead address): a forward
+/// meant for b1 that reaches b2 is refused (counted `misdirected`) instead of being served as
+/// b1's, so with b2 dark the region fails rather than answer through the wrong node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_reaching_another_node_than_the_one_meant_is_refused() {
+    bounded(40, async {
+        let dir = certs();
+        let rb = replica("rb0").await;
+        let list = [(rb.id.clone(), rb.base_url())];
+        let a1 = mesh_node(dir.path(), "a1", "a", &[], &[]).await;
+        let seed = [mesh_addr(&a1)];
+        let b2 = mesh_node_with(dir.path(), "b2", "b", &seed, &list, Some(dead_https_url())).await;
+        let b2_listener = format!("https://{}", b2.peer_addr.unwrap());
+        let b1 = mesh_node_with(dir.path(), "b1", "b", &seed, &list, Some(b2_listener)).await;
+        wait_for(Duration::from_secs(10), || {
+            a1.node.ready() && region_offered(&a1, "b", 2)
+        })
+        .await
+        .expect("a1 learns region b");
+        let http = client();
+        let (status, h) = complete(&http, a1.addr, &text("redirected", 1024), &[]).await;
+        assert_eq!(
+            status,
+            503,
+            "answered as {:?}",
+            header(&h, "x-kvmesh-forwarded-to")
+        );
+        let m = a1.node.mesh_slot().metrics.get().unwrap();
+        assert_eq!(m.forwards.with_label_values(&["b", "misdirected"]).get(), 1);
+        assert_eq!(m.forwards.with_label_values(&["b", "ok"]).get(), 0);
+        for n in [a1, b1, b2] {
+            n.shutdown().await;
+        }
+        rb.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_whose_nodes_all_fail_gives_way_to_the_next_region() {
     bounded(40, async {

@@ -50,7 +50,12 @@ fn config(certs: Option<(&Path, &str, &[SocketAddr])>, replicas: &[(&str, String
         })
         .collect();
     if let Some((dir, name, seeds)) = certs {
-        kvmesh::mesh::certs::issue_in_dir(dir, name).unwrap();
+        // Operators: their commands reach the region (peers refuse `admin:` records otherwise).
+        let operator = kvmesh::mesh::certs::CertRoles {
+            region: None,
+            operator: true,
+        };
+        kvmesh::mesh::certs::issue_in_dir_with(dir, name, &operator).unwrap();
         cfg.mesh = Some(MeshSection {
             node_id: name.into(),
             listen: "127.0.0.1:0".parse().unwrap(),

@@ -48,6 +48,12 @@ use super::cert_resolver::{certified_key, ReloadableCert};
 pub const CLUSTER_SAN: &str = "kvmesh.mesh.internal";
 /// Prefix of the URI SAN that names a node: `urn:kvmesh:node:<node_id>`.
 pub const NODE_URI_PREFIX: &str = "urn:kvmesh:node:";
+/// Prefix of the URI SAN that binds a node to a region: `urn:kvmesh:region:<region>`
+/// (`kvmesh certs issue --region`). A certificate without one is trusted for any region.
+pub const REGION_URI_PREFIX: &str = "urn:kvmesh:region:";
+/// The URI SAN that lets a node publish operator commands (`admin:` records) to its peers
+/// (`kvmesh certs issue --operator`).
+pub const OPERATOR_URI: &str = "urn:kvmesh:role:operator";
 /// The ALPN protocol of mesh connections; bumped when the stream formats change incompatibly.
 pub const ALPN: &[u8] = b"kvmesh/1";
 /// RTT assumed before a QUIC connection has its first sample (see `quic_configs_with`).
@@ -103,6 +109,25 @@ pub enum CertError {
         /// The node names the certificate carries.
         names: Vec<String>,
     },
+    /// The certificate binds another region than the one configured.
+    #[error("the node certificate binds region {cert:?}, not the configured region {config:?}: issue one with `kvmesh certs issue --region {config}` or set region to the certificate's")]
+    WrongRegion {
+        /// The configured region.
+        config: String,
+        /// The region the certificate binds.
+        cert: String,
+    },
+}
+
+/// What a certificate authorises beyond its node names: the region it binds its nodes to and
+/// whether it may publish operator commands. Read from URI SANs ([`cert_roles`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CertRoles {
+    /// The region the certificate's node must be in; `None`: any region (certificates issued
+    /// before regions were bound, or by `certs issue` without `--region`).
+    pub region: Option<String>,
+    /// Carries [`OPERATOR_URI`]: its `admin:` records are applied by peers.
+    pub operator: bool,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CertError + '_ {
@@ -206,12 +231,29 @@ impl ClusterCa {
     /// `urn:kvmesh:node:<name>`, server + client auth), verified against this CA before it is
     /// returned.
     pub fn issue(&self, name: &str) -> Result<NodeIdentity, CertError> {
+        self.issue_with(name, &CertRoles::default())
+    }
+
+    /// [`ClusterCa::issue`] with `roles` as URI SANs: `urn:kvmesh:region:<r>` and
+    /// [`OPERATOR_URI`].
+    pub fn issue_with(&self, name: &str, roles: &CertRoles) -> Result<NodeIdentity, CertError> {
         check_name(name)?;
+        if let Some(r) = &roles.region {
+            check_name(r)?;
+        }
         let ca_key = KeyPair::from_pem(&self.key_pem)?;
         let issuer = Issuer::new(ca_params()?, ca_key);
         let mut p = CertificateParams::new(vec![CLUSTER_SAN.to_owned()])?;
         let uri = rcgen::string::Ia5String::try_from(format!("{NODE_URI_PREFIX}{name}"))?;
         p.subject_alt_names.push(rcgen::SanType::URI(uri));
+        if let Some(r) = &roles.region {
+            let uri = rcgen::string::Ia5String::try_from(format!("{REGION_URI_PREFIX}{r}"))?;
+            p.subject_alt_names.push(rcgen::SanType::URI(uri));
+        }
+        if roles.operator {
+            let uri = rcgen::string::Ia5String::try_from(OPERATOR_URI.to_owned())?;
+            p.subject_alt_names.push(rcgen::SanType::URI(uri));
+        }
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, name);
         p.distinguished_name = dn;
@@ -276,9 +318,18 @@ pub fn init_dir(dir: &Path) -> Result<(PathBuf, PathBuf), CertError> {
 /// `kvmesh certs issue`: a certificate for `name` signed by the CA in `dir`, written as
 /// `<name>.pem` and `<name>.key`. Returns the paths written.
 pub fn issue_in_dir(dir: &Path, name: &str) -> Result<(PathBuf, PathBuf), CertError> {
+    issue_in_dir_with(dir, name, &CertRoles::default())
+}
+
+/// [`issue_in_dir`] with `roles` (`kvmesh certs issue --region R --operator`).
+pub fn issue_in_dir_with(
+    dir: &Path,
+    name: &str,
+    roles: &CertRoles,
+) -> Result<(PathBuf, PathBuf), CertError> {
     check_name(name)?;
     let ca = ClusterCa::load(dir)?;
-    let id = ca.issue(name)?;
+    let id = ca.issue_with(name, roles)?;
     let cert = dir.join(format!("{name}.pem"));
     let key = dir.join(format!("{name}.key"));
     for p in [&cert, &key] {
@@ -308,6 +359,25 @@ pub fn node_names(cert: &CertificateDer<'_>) -> Vec<String> {
     names.sort();
     names.dedup();
     names
+}
+
+/// The roles a certificate carries (see [`CertRoles`]); none when it does not parse. With
+/// several region SANs the first one counts.
+pub fn cert_roles(cert: &CertificateDer<'_>) -> CertRoles {
+    let Ok(ee) = webpki::EndEntityCert::try_from(cert) else {
+        return CertRoles::default();
+    };
+    let mut roles = CertRoles::default();
+    for uri in ee.valid_uri_names() {
+        if uri == OPERATOR_URI {
+            roles.operator = true;
+        } else if let Some(r) = uri.strip_prefix(REGION_URI_PREFIX) {
+            if roles.region.is_none() && !r.is_empty() && r.len() <= 255 {
+                roles.region = Some(r.to_owned());
+            }
+        }
+    }
+    roles
 }
 
 /// What a node needs for mTLS: the cluster CA, its certificate and its key (all PEM).
@@ -469,6 +539,23 @@ impl NodeIdentity {
     /// The node names this identity's certificate carries ([`node_names`] of the leaf).
     pub fn node_names(&self) -> Result<Vec<String>, CertError> {
         Ok(node_names(&self.chain()?[0]))
+    }
+
+    /// The roles of this identity's certificate ([`cert_roles`] of the leaf).
+    pub fn roles(&self) -> Result<CertRoles, CertError> {
+        Ok(cert_roles(&self.chain()?[0]))
+    }
+
+    /// Checks that the certificate binds `region`, or no region at all: a node refuses to start
+    /// in a region its certificate does not allow, as its peers would refuse its records.
+    pub fn verify_region(&self, region: &str) -> Result<(), CertError> {
+        match self.roles()?.region {
+            Some(r) if r != region => Err(CertError::WrongRegion {
+                config: region.to_owned(),
+                cert: r,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that the certificate names `node_id` (see [`node_names`]): a node refuses to start

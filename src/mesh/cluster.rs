@@ -31,6 +31,7 @@ use crate::core::summary::SummaryMessage;
 use super::admin::{self, AdminRecord};
 use super::cert_resolver::ReloadableCert;
 use super::certs::{CertError, NodeIdentity};
+use super::gossip_guard::{Guard, MAX_KEYS_PER_MEMBER};
 use super::home;
 use super::hot_record::{HotRecord, KEY_HOT};
 pub use super::member::Member;
@@ -44,6 +45,7 @@ use super::schema::{
 };
 use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
+use super::signed::{CertCheck, LocalSigner, SignError, Signed, Status, KEY_CERT};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
 use crate::core::region_offer::RegionOffer;
@@ -163,6 +165,9 @@ pub enum MeshError {
     /// A configuration value is out of range.
     #[error("invalid mesh configuration: {0}")]
     Config(String),
+    /// Gossip values cannot be signed or checked with these certificates.
+    #[error("signed gossip: {0}")]
+    Sign(#[from] SignError),
 }
 
 /// A replica as gossiped, with who published it.
@@ -214,6 +219,10 @@ pub struct Mesh {
     pub(super) regional: Option<Arc<Regional>>,
     /// Members decoded at their state's last change (shared with the RTT loop).
     decoded: Arc<Mutex<MemberCache>>,
+    /// Signs every value this node publishes (see `signed`).
+    signer: Arc<LocalSigner>,
+    /// The certificate carries the operator role: peers apply this node's `admin:` records.
+    operator: bool,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -230,6 +239,44 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+/// What a node's certificate gives it (checked as at every reload, and its region): the key to
+/// present, the signer of its values, the check of its peers' values, the operator role.
+fn trust_of(
+    cfg: &MeshConfig,
+) -> Result<
+    (
+        rustls::sign::CertifiedKey,
+        Arc<LocalSigner>,
+        CertCheck,
+        bool,
+    ),
+    MeshError,
+> {
+    let key = cfg.identity.validated_key(&cfg.node_id)?;
+    cfg.identity.verify_region(&cfg.region)?;
+    let operator = cfg.identity.roles()?.operator;
+    let signer = LocalSigner::new(&key)?;
+    let check = CertCheck::new(&cfg.identity)?;
+    Ok((key, signer, check, operator))
+}
+
+/// A node's first values: its certificate (version 1), then its node record (version 2), both
+/// signed (see `signed`).
+fn initial_values(signer: &LocalSigner, id: &ChitchatId, node: &str) -> Vec<(String, String)> {
+    let node_signed = signer.seal(&Signed {
+        node_id: &id.node_id,
+        generation: id.generation_id,
+        key: KEY_NODE,
+        version: 2,
+        status: Status::Set,
+        payload: node,
+    });
+    vec![
+        (KEY_CERT.to_owned(), signer.cert_value(id)),
+        (KEY_NODE.to_owned(), node_signed),
+    ]
 }
 
 /// The failure detector for `cfg`. chitchat 0.11's phi is `silence / mean heartbeat interval`,
@@ -259,7 +306,7 @@ impl Mesh {
         // Peers refuse a node whose certificate does not chain to the CA, lacks the cluster SAN
         // or does not name its node id: refuse to start so at once, with the reason, rather
         // than join and be ignored. A reload makes the same checks (`validated_key`).
-        let key = cfg.identity.validated_key(&cfg.node_id)?;
+        let (key, signer, check, operator) = trust_of(&cfg)?;
         let cert = match &cfg.cert {
             Some(cert) => {
                 cert.replace(key);
@@ -281,6 +328,7 @@ impl Mesh {
             .identity
             .quic_configs_with(cfg.transport.idle_timeout, cert)?;
         let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
+        transport.set_guard(Guard::new(check, cfg.dead_node_grace_period));
         let bound = transport.local_addr();
         let advertise = cfg.advertise_addr.unwrap_or(bound);
         let generation = now_ms();
@@ -321,7 +369,7 @@ impl Mesh {
                 return Err(e.into());
             }
         };
-        let initial = vec![(KEY_NODE.to_owned(), node_value.clone())];
+        let initial = initial_values(&signer, &self_id, &node_value);
         let handle = match spawn_chitchat(config, initial, &transport).await {
             Ok(h) => Arc::new(h),
             Err(e) => {
@@ -368,6 +416,7 @@ impl Mesh {
                 handle.chitchat(),
                 transport.clone(),
                 cfg.rtt_interval,
+                Arc::clone(&signer),
                 schema_errors.clone(),
                 regional.clone(),
                 decoded.clone(),
@@ -410,6 +459,8 @@ impl Mesh {
             probes: Mutex::new(HashMap::new()),
             regional,
             decoded,
+            signer,
+            operator,
         })
     }
 
@@ -445,10 +496,29 @@ impl Mesh {
         self.handle.as_deref()
     }
 
+    /// Publishes `value` under `key`, signed (see `signed`). A new key past the per-member cap
+    /// peers enforce is not published (warned).
     async fn set(&self, key: String, value: String) {
         if let Some(h) = self.chitchat() {
-            h.with_chitchat(|c| c.self_node_state().set(key.clone(), value.clone()))
+            let (signer, id) = (&self.signer, &self.self_id);
+            let capped = h
+                .with_chitchat(|c| {
+                    let s = c.self_node_state();
+                    let new = s.get_versioned(&key).is_none();
+                    if new && s.key_values_including_deleted().count() >= MAX_KEYS_PER_MEMBER {
+                        return true;
+                    }
+                    signer.publish(s, id, &key, &value);
+                    false
+                })
                 .await;
+            if capped {
+                warn!(
+                    key,
+                    cap = MAX_KEYS_PER_MEMBER,
+                    "gossip key not published: this node holds as many keys as peers accept"
+                );
+            }
         }
     }
 
@@ -485,32 +555,74 @@ impl Mesh {
         Ok(())
     }
 
+    /// Withdraws `key` (a signed withdrawal: see `signed`).
     async fn delete(&self, key: String) {
         if let Some(h) = self.chitchat() {
-            h.with_chitchat(|c| {
-                let s = c.self_node_state();
-                if s.get(&key).is_some() {
-                    s.delete(&key);
-                }
-            })
-            .await;
+            let (signer, id) = (&self.signer, &self.self_id);
+            h.with_chitchat(|c| signer.withdraw(c.self_node_state(), id, &key))
+                .await;
         }
     }
 
     /// Publishes an operator command for replica `id` (see `admin.rs`); errors, without
     /// publishing, when the id or the encoded record is too large.
+    /// Without the operator role in its certificate a node's commands apply only to itself:
+    /// peers would refuse the record, so it is not published.
     pub async fn publish_admin(&self, id: &str, record: &AdminRecord) -> Result<(), MeshError> {
         let key = admin::admin_key(id)?;
         let value = record.encode()?;
+        if !self.operator {
+            debug!(
+                replica = id,
+                "operator command applied here only: the node certificate lacks the operator role"
+            );
+            return Ok(());
+        }
         self.set(key, value).await;
         Ok(())
     }
 
-    /// Publishes `value` under `key` as it is, bypassing every check: fault injection, so tests
-    /// can play a peer that publishes what a correct node never would.
+    /// Publishes `value` under `key` as it is (signed), bypassing every check, the key cap
+    /// included: fault injection, so tests can play a peer that publishes what a correct node
+    /// never would.
     #[doc(hidden)]
     pub async fn publish_unchecked(&self, key: &str, value: &str) {
-        self.set(key.to_owned(), value.to_owned()).await;
+        if let Some(h) = self.chitchat() {
+            let (signer, id) = (&self.signer, &self.self_id);
+            h.with_chitchat(|c| signer.publish(c.self_node_state(), id, key, value))
+                .await;
+        }
+    }
+
+    /// Fault injection: rewrites, in this node's copy, member `victim`'s value under `key` as
+    /// `value` at a version past its newest — what a member relaying forged state of another
+    /// would gossip on. Tests only.
+    #[doc(hidden)]
+    pub async fn forge_member_state(&self, victim: &ChitchatId, key: &str, value: &str) {
+        if let Some(h) = self.chitchat() {
+            h.with_chitchat(|c| {
+                let Some(state) = c.node_state(victim) else {
+                    return;
+                };
+                let max = state.max_version() + 1000;
+                let gc = state.last_gc_version();
+                let mut kvs: Vec<(String, chitchat::VersionedValue)> = state
+                    .key_values_including_deleted()
+                    .map(|(k, v)| (k.to_owned(), v.clone()))
+                    .collect();
+                kvs.retain(|(k, _)| k != key);
+                kvs.push((
+                    key.to_owned(),
+                    chitchat::VersionedValue {
+                        value: value.to_owned(),
+                        version: max,
+                        status: chitchat::DeletionStatus::Set,
+                    },
+                ));
+                c.reset_node_state_if_update(victim, kvs.into_iter(), max, gc);
+            })
+            .await;
+        }
     }
 
     /// Withdraws the operator command for replica `id` (superseded, or the oldest over the cap).
@@ -588,7 +700,7 @@ impl Mesh {
             &self.node.region,
             live,
             build,
-            Relay(h),
+            Relay(h, &self.signer, &self.self_id),
         )
         .await
     }
@@ -788,23 +900,19 @@ impl Drop for Mesh {
 }
 
 /// The regional cluster's own state, as the relay of other regions' records.
-struct Relay<'a>(&'a ChitchatHandle);
+/// Values relayed are signed as this node's own (it vouches for what it relays).
+struct Relay<'a>(&'a ChitchatHandle, &'a LocalSigner, &'a ChitchatId);
 
 impl super::regional::AsyncRelay for Relay<'_> {
     async fn set(&self, key: String, value: String) {
-        self.0
-            .with_chitchat(|c| c.self_node_state().set(key.clone(), value.clone()))
+        let Relay(h, signer, id) = self;
+        h.with_chitchat(|c| signer.publish(c.self_node_state(), id, &key, &value))
             .await;
     }
 
     async fn delete(&self, key: String) {
-        self.0
-            .with_chitchat(|c| {
-                let s = c.self_node_state();
-                if s.get(&key).is_some() {
-                    s.delete(&key);
-                }
-            })
+        let Relay(h, signer, id) = self;
+        h.with_chitchat(|c| signer.withdraw(c.self_node_state(), id, &key))
             .await;
     }
 }
@@ -933,6 +1041,7 @@ async fn rtt_loop(
     chitchat: Arc<tokio::sync::Mutex<chitchat::Chitchat>>,
     transport: QuicTransport,
     every: Duration,
+    signer: Arc<LocalSigner>,
     errors: Arc<AtomicU64>,
     regional: Option<Arc<Regional>>,
     decoded: Arc<Mutex<MemberCache>>,
@@ -968,7 +1077,10 @@ async fn rtt_loop(
                 .collect(),
         };
         match rec.encode() {
-            Ok(v) => c.self_node_state().set(KEY_RTT, v),
+            Ok(v) => {
+                let id = c.self_chitchat_id().clone();
+                signer.publish(c.self_node_state(), &id, KEY_RTT, &v);
+            }
             Err(e) => warn!(error = %e, "RTT record not published"),
         }
     }

@@ -23,6 +23,7 @@ use super::schema::{
     self, HomesRecord, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError,
     KEY_HOMES, KEY_INFLIGHT, KEY_NODE, KEY_RTT, REPLICA_PREFIX,
 };
+use super::signed::payload;
 use super::transport::QuicTransport;
 use crate::core::region_offer::MAX_REMOTE_REGIONS;
 
@@ -102,6 +103,7 @@ fn decode(
     ) -> Option<T> {
         state
             .get(key)
+            .and_then(payload)
             .and_then(|v| decode(v).map_err(|e| bad(&e)).ok())
     }
     // Records keyed `<prefix><replica id>`: ids come from keys, which no value limit
@@ -125,7 +127,11 @@ fn decode(
                 );
                 continue;
             }
-            match decode(&v.value) {
+            // A withdrawn key (see `signed`) reads as absent.
+            let Some(v) = payload(&v.value) else {
+                continue;
+            };
+            match decode(v) {
                 Ok(r) => {
                     out.insert(rid.to_owned(), r);
                 }

@@ -15,6 +15,9 @@
 //! - [`udp_count`]: every UDP byte of the endpoint.
 //! - [`transport`]: the QUIC endpoint — chitchat `Transport`, stream kinds, counters, RTT,
 //!   partition injection.
+//! - [`signed`]: owner-signed values (the envelope, this node's signer, certificate checks).
+//! - [`gossip_guard`]: every gossiped value checked against its publisher before chitchat sees
+//!   it; region and operator authority; keys per member capped.
 //! - [`schema`]: the versioned gossip keys and their ≤ 1 KiB msgpack values.
 //! - [`hot_record`]: the `hot` record, a node's heaviest prefixes (hot-prefix replication).
 //! - `member_decode`: members' chitchat states read into `Member`s, once per change.
@@ -33,6 +36,7 @@ pub mod cert_resolver;
 pub mod certs;
 pub mod cluster;
 pub mod directory;
+pub mod gossip_guard;
 pub mod home;
 pub mod hot_record;
 pub mod load_share;
@@ -45,6 +49,7 @@ pub mod regional;
 pub mod replica_load;
 pub mod schema;
 pub mod seeds;
+pub mod signed;
 pub mod sync;
 pub mod transport;
 pub mod udp_count;

@@ -6,6 +6,10 @@
 //! certificate from the cluster CA; the client side presents this node's certificate and checks
 //! the server's against the CA and [`CLUSTER_SAN`] whatever address it dialled (peers are known
 //! by address, like chitchat's). TLS 1.3 only, ALPN `h2` and `http/1.1`.
+//!
+//! Which member answered is checked per forward, against the node the caller meant
+//! ([`names_node`] on the answer's certificate): a record pointing at another node's address
+//! (a redirected forward) gets no answer through.
 
 use std::sync::Arc;
 
@@ -54,6 +58,16 @@ pub fn https_configs_with(
         .with_client_cert_resolver(cert);
     client.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok((server, client))
+}
+
+/// Whether the DER leaf certificate a peer presented (`reqwest`'s `TlsInfo`) names `node_id`
+/// (see `certs::node_names`): the node a forward reached is the node it meant.
+pub fn names_node(leaf_der: Option<&[u8]>, node_id: &str) -> bool {
+    leaf_der.is_some_and(|der| {
+        super::certs::node_names(&CertificateDer::from(der))
+            .iter()
+            .any(|n| n == node_id)
+    })
 }
 
 /// Verifies a peer's certificate chain against the cluster CA for [`CLUSTER_SAN`], not for the
@@ -105,6 +119,17 @@ impl ServerCertVerifier for ClusterNameVerifier {
 mod tests {
     use super::*;
     use crate::mesh::certs::ClusterCa;
+
+    #[test]
+    fn a_certificate_names_only_its_own_node() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue("n1").unwrap();
+        let leaf = &id.chain().unwrap()[0];
+        assert!(names_node(Some(leaf.as_ref()), "n1"));
+        assert!(!names_node(Some(leaf.as_ref()), "n2"));
+        assert!(!names_node(None, "n1"));
+        assert!(!names_node(Some(b"junk"), "n1"));
+    }
 
     #[test]
     fn configs_build_from_a_cluster_identity() {

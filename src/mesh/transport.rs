@@ -43,6 +43,7 @@ use tracing::{debug, warn};
 
 use super::certs::{self, QuicConfigs, CLUSTER_SAN};
 use super::directory::{self, Askers, Directory, DirectoryAnswer, DirectoryRequest};
+use super::gossip_guard::{Filtered, Guard};
 use super::load_share::{LoadUpdate, MAX_LOAD_UPDATE_BYTES};
 use super::sync::{self, MeshHandler};
 use super::udp_count::{CountingSocket, UdpBytes};
@@ -262,6 +263,14 @@ pub struct StatsSnapshot {
     pub load_bytes_received: u64,
     /// See [`TransportStats::directory_served`].
     pub directory_served: u64,
+    /// Node deltas refused whole: unsigned or forged values (see `gossip_guard`).
+    pub forged_refused: u64,
+    /// Signed values their publisher may not publish (region, operator role).
+    pub authority_refused: u64,
+    /// New keys past a member's key cap.
+    pub key_cap_refused: u64,
+    /// Gossip value signatures verified.
+    pub signatures_verified: u64,
     /// Every UDP byte the endpoint sent (see `udp_count`).
     pub udp_bytes_sent: u64,
     /// Every UDP byte the endpoint received.
@@ -293,6 +302,10 @@ impl TransportStats {
             load_received: g(&self.load_received),
             load_bytes_received: g(&self.load_bytes_received),
             directory_served: g(&self.directory_served),
+            forged_refused: 0,
+            authority_refused: 0,
+            key_cap_refused: 0,
+            signatures_verified: 0,
             udp_bytes_sent: 0,
             udp_bytes_received: 0,
         }
@@ -371,6 +384,9 @@ struct Inner {
     /// Chitchat ids whose node proved its name on a direct connection (see the module doc).
     verified: Mutex<HashSet<ChitchatId>>,
     handler: RwLock<Option<Arc<dyn MeshHandler>>>,
+    /// Checks every value of the region's gossip against its publisher (see `gossip_guard`);
+    /// `None` until `Mesh` installs it (then for the transport's life).
+    guard: RwLock<Option<Arc<Guard>>>,
     stats: TransportStats,
     warn_gate: WarnGate,
 }
@@ -444,6 +460,7 @@ impl QuicTransport {
             refused: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashSet::new()),
             handler: RwLock::new(None),
+            guard: RwLock::new(None),
             stats: TransportStats::default(),
             warn_gate: WarnGate::new(),
         });
@@ -464,6 +481,13 @@ impl QuicTransport {
     /// The counters now, the endpoint's UDP bytes included.
     pub fn snapshot(&self) -> StatsSnapshot {
         let mut s = self.inner.stats.snapshot();
+        if let Some(g) = &*self.inner.guard.read().unwrap_or_else(|e| e.into_inner()) {
+            let g = &g.stats;
+            s.forged_refused = g.forged_refused.load(Ordering::Relaxed);
+            s.authority_refused = g.authority_refused.load(Ordering::Relaxed);
+            s.key_cap_refused = g.key_cap_refused.load(Ordering::Relaxed);
+            s.signatures_verified = g.verified.load(Ordering::Relaxed);
+        }
         s.udp_bytes_sent = self.inner.udp.sent.load(Ordering::Relaxed);
         s.udp_bytes_received = self.inner.udp.received.load(Ordering::Relaxed);
         s
@@ -516,6 +540,12 @@ impl QuicTransport {
             .handler
             .write()
             .unwrap_or_else(|e| e.into_inner()) = Some(handler);
+    }
+
+    /// Installs the gate every gossip message's values pass before chitchat sees them (region
+    /// layer messages excepted; see `gossip_guard`).
+    pub fn set_guard(&self, guard: Arc<Guard>) {
+        *self.inner.guard.write().unwrap_or_else(|e| e.into_inner()) = Some(guard);
     }
 
     /// Fault injection: drops all traffic to and from `peer` (gossip, reports, sync) until
@@ -1195,51 +1225,7 @@ async fn read_uni(
         return;
     }
     if matches!(kind, KIND_GOSSIP | KIND_GOSSIP_Z | KIND_REGIONS_Z) {
-        let wire_len = body.len() as u64 + 1;
-        let body = if kind == KIND_GOSSIP {
-            body
-        } else {
-            match unzstd(&body) {
-                Ok(b) => b,
-                Err(e) => {
-                    bump(&inner.stats.malformed);
-                    inner.warn("gossip message", peer, &e);
-                    return;
-                }
-            }
-        };
-        let mut buf = body.as_slice();
-        match ChitchatMessage::deserialize(&mut buf) {
-            Ok(_) if buf.is_empty() && !inner.check_identity(peer, &names, &body) => {
-                inner.refuse(peer, &conn);
-            }
-            Ok(msg) if buf.is_empty() => {
-                bump(&inner.stats.gossip_received);
-                inner
-                    .stats
-                    .gossip_bytes_received
-                    .fetch_add(wire_len, Ordering::Relaxed);
-                let sent = if kind == KIND_REGIONS_Z {
-                    let tx = lock(&inner.regions_tx).clone();
-                    // Not a representative now: the sender's view is a round old; drop it.
-                    tx.is_some_and(|tx| tx.try_send((peer, msg)).is_ok())
-                } else {
-                    inner.gossip_tx.try_send((peer, msg)).is_ok()
-                };
-                if !sent {
-                    // chitchat is behind or gone; gossip is periodic, so dropping is safe.
-                    debug!(%peer, me = %inner.local_addr, kind, "gossip receive queue full (or no region layer here)");
-                }
-            }
-            Ok(_) => {
-                bump(&inner.stats.malformed);
-                inner.warn("gossip message", peer, &"trailing bytes");
-            }
-            Err(e) => {
-                bump(&inner.stats.malformed);
-                inner.warn("gossip message", peer, &e);
-            }
-        }
+        read_gossip(&inner, &conn, &names, kind, body);
     } else {
         match sync::BlockReport::decode(&body) {
             Ok(report) => {
@@ -1257,6 +1243,107 @@ async fn read_uni(
                 bump(&inner.stats.malformed);
                 inner.warn("block report", peer, &e);
             }
+        }
+    }
+}
+
+/// A gossip message's body (kind byte read): unpacked, decoded, its sender's identity and
+/// (region gossip) its values checked, then handed to chitchat or the region layer.
+fn read_gossip(inner: &Inner, conn: &quinn::Connection, names: &[String], kind: u8, body: Vec<u8>) {
+    let peer = conn.remote_address();
+    let wire_len = body.len() as u64 + 1;
+    let body = if kind == KIND_GOSSIP {
+        body
+    } else {
+        match unzstd(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                bump(&inner.stats.malformed);
+                inner.warn("gossip message", peer, &e);
+                return;
+            }
+        }
+    };
+    let mut buf = body.as_slice();
+    let msg = match ChitchatMessage::deserialize(&mut buf) {
+        Ok(msg) if buf.is_empty() => msg,
+        Ok(_) => {
+            bump(&inner.stats.malformed);
+            inner.warn("gossip message", peer, &"trailing bytes");
+            return;
+        }
+        Err(e) => {
+            bump(&inner.stats.malformed);
+            inner.warn("gossip message", peer, &e);
+            return;
+        }
+    };
+    if !inner.check_identity(peer, names, &body) {
+        inner.refuse(peer, conn);
+        return;
+    }
+    let Some(msg) = guarded(inner, peer, kind, &body, msg) else {
+        return;
+    };
+    bump(&inner.stats.gossip_received);
+    inner
+        .stats
+        .gossip_bytes_received
+        .fetch_add(wire_len, Ordering::Relaxed);
+    let sent = if kind == KIND_REGIONS_Z {
+        let tx = lock(&inner.regions_tx).clone();
+        // Not a representative now: the sender's view is a round old; drop it.
+        tx.is_some_and(|tx| tx.try_send((peer, msg)).is_ok())
+    } else {
+        inner.gossip_tx.try_send((peer, msg)).is_ok()
+    };
+    if !sent {
+        // chitchat is behind or gone; gossip is periodic, so dropping is safe.
+        debug!(%peer, me = %inner.local_addr, kind, "gossip receive queue full (or no region layer here)");
+    }
+}
+
+/// `msg` as chitchat may see it: its values checked by the guard (region gossip, once one is
+/// installed), rebuilt without what was refused. `None`: drop it.
+fn guarded(
+    inner: &Inner,
+    peer: SocketAddr,
+    kind: u8,
+    body: &[u8],
+    msg: ChitchatMessage,
+) -> Option<ChitchatMessage> {
+    if kind == KIND_REGIONS_Z {
+        return Some(msg);
+    }
+    let guard = inner
+        .guard
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let Some(guard) = guard else {
+        return Some(msg);
+    };
+    match guard.filter(body) {
+        Filtered::Unchanged => Some(msg),
+        Filtered::Rewritten(kept) => {
+            inner.warn(
+                "gossip values",
+                peer,
+                &"unsigned, forged or unauthorised values (see kvmesh_mesh_dropped_total)",
+            );
+            let mut buf = kept.as_slice();
+            match ChitchatMessage::deserialize(&mut buf) {
+                Ok(m) if buf.is_empty() => Some(m),
+                _ => {
+                    bump(&inner.stats.malformed);
+                    None
+                }
+            }
+        }
+        Filtered::Malformed(e) => {
+            bump(&inner.stats.malformed);
+            inner.warn("gossip message", peer, &e);
+            None
         }
     }
 }

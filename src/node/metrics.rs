@@ -401,11 +401,14 @@ pub struct MeshMetrics {
     /// `kvmesh_mesh_dropped_total{reason}`: malformed/oversized input, undecodable or
     /// out-of-bounds gossip values, blocked or undeliverable messages, failed dials and
     /// handshakes, gossip from a peer whose certificate does not name the node it claims
-    /// (`identity_refused`).
+    /// (`identity_refused`), unsigned or forged gossip values (`forged_refused`), records
+    /// a certificate does not allow (`authority_refused`), keys past a member's cap
+    /// (`key_cap_refused`).
     pub dropped: IntCounterVec,
     /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
     pub pulls: IntCounterVec,
     /// `kvmesh_forwards_total{region,outcome}`: ok, retry (a node failed, next tried),
+    /// misdirected (the answer came from another node than the one meant; next tried),
     /// unavailable (every node failed or none live).
     pub forwards: IntCounterVec,
     /// `kvmesh_forward_warmups_total{outcome}`: `GET /health` sent to keep a connection open
@@ -602,7 +605,7 @@ impl MeshMetrics {
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
         let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
-        let labelled: [(&IntCounterVec, &str, u64); 20] = [
+        let labelled: [(&IntCounterVec, &str, u64); 23] = [
             (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
             (&self.gossip_messages, "received", d(|s| s.gossip_received)),
             (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
@@ -630,6 +633,13 @@ impl MeshMetrics {
                 d(|s| s.handshake_failures),
             ),
             (&self.dropped, "identity_refused", d(|s| s.identity_refused)),
+            (&self.dropped, "forged_refused", d(|s| s.forged_refused)),
+            (
+                &self.dropped,
+                "authority_refused",
+                d(|s| s.authority_refused),
+            ),
+            (&self.dropped, "key_cap_refused", d(|s| s.key_cap_refused)),
             (
                 &self.dropped,
                 "bad_gossip_value",

@@ -380,6 +380,8 @@ async fn peer_front(
         // Only to servers that prove a cluster certificate: a peer's record naming a plain
         // `http://` URL (config refuses one; a rogue peer might not) gets nothing.
         .https_only(true)
+        // Each answer carries the peer's certificate: a forward checks it names the node meant.
+        .tls_info(true)
         // A connection to a peer that died without a word is found out and dropped from the
         // pool between forwards, not by the next forward's timeout.
         .http2_keep_alive_interval(PEER_KEEP_ALIVE)

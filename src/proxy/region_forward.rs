@@ -109,6 +109,11 @@ pub async fn forward(
             trace_span::attempt_done(span, status, error);
         }
         let last = match answer {
+            // The member that answered is not the one meant (its record pointed elsewhere).
+            Ok(Ok(resp)) if !reached(&resp, &peer.node_id) => {
+                count("misdirected");
+                format!("answered as another node than {}", peer.node_id)
+            }
             Ok(Ok(resp)) if !is_failure(resp.status()) => {
                 tracing::debug!(%region, peer = %peer.node_id, ?reason, "forwarded");
                 count("ok");
@@ -135,6 +140,15 @@ pub async fn forward(
     Err(ForwardError::RegionFailed(ApiError::unavailable(format!(
         "no local replica can serve this request and forwarding to region '{region}' failed"
     ))))
+}
+
+/// Whether `resp` came from node `node_id` (its TLS certificate names it).
+fn reached(resp: &reqwest::Response, node_id: &str) -> bool {
+    let leaf = resp
+        .extensions()
+        .get::<reqwest::tls::TlsInfo>()
+        .and_then(|t| t.peer_certificate());
+    crate::mesh::peer_tls::names_node(leaf, node_id)
 }
 
 /// The nodes of `region` in the order a forward tries them: nearest by QUIC RTT in 5 ms steps,

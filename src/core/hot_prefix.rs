@@ -34,6 +34,10 @@
 //!   Over any run a node's warm-ups cost at most `budget_share` × its routed prefill plus
 //!   `max_warming` warm-ups. When the heat passes, in-flight warm-ups are cancelled and the
 //!   candidate is dropped.
+//! - Scope: a warm-up is the request that made the prefix hot, as far as the engine's cache
+//!   goes — its LoRA adapter, `cache_salt` and tenant ([`WarmScope`]) — and goes only to
+//!   replicas in that tenant's pools: a salted or isolated prompt never lands in another
+//!   partition of an engine's cache (the side channel the salt closes).
 //!
 //! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
 //! [`HotPrefixes::warm_done`]. The per-request path ([`HotPrefixes::observe`]) allocates only
@@ -46,6 +50,7 @@ use serde::Deserialize;
 use super::cost::CostModel;
 use super::hot_sketch::{HotSketch, MAX_COUNTERS};
 use super::keys::BlockKey;
+use super::tenants::Tenants;
 use super::view::{Health, View};
 
 /// Most prefixes tracked as candidates at once.
@@ -191,6 +196,43 @@ pub struct Observed<'a> {
     pub text: Option<&'a str>,
     /// Bytes per block of `text`.
     pub block_bytes: usize,
+    /// What, besides the text, the engine's cache entry depends on (its keys' namespace).
+    pub scope: WarmScope<'a>,
+}
+
+/// A request's engine-cache partition and its tenant: a warm-up of its prefix carries the
+/// same LoRA adapter and `cache_salt`, counts against the same tenant and goes only to that
+/// tenant's pools.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WarmScope<'a> {
+    /// SGLang's `lora_path` (vLLM names an adapter by its model).
+    pub lora: Option<&'a str>,
+    /// The `cache_salt` the engine sees (the node's, with router-derived salts).
+    pub cache_salt: Option<&'a str>,
+    /// The tenant, for its pools and accounting.
+    pub tenant: Option<&'a str>,
+}
+
+impl WarmScope<'_> {
+    fn to_owned(self) -> OwnedScope {
+        let own = |s: Option<&str>| s.map(str::to_owned);
+        OwnedScope {
+            lora: own(self.lora),
+            cache_salt: own(self.cache_salt),
+            tenant: own(self.tenant),
+        }
+    }
+}
+
+/// A [`WarmScope`], kept with a candidate and sent with its warm-ups.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnedScope {
+    /// SGLang's `lora_path`.
+    pub lora: Option<String>,
+    /// The `cache_salt` to send.
+    pub cache_salt: Option<String>,
+    /// The tenant it counts against.
+    pub tenant: Option<String>,
 }
 
 /// A prefill-only request to send: `prompt` to `replica`, `max_tokens: 1`.
@@ -208,6 +250,8 @@ pub struct WarmUp {
     pub keys: Vec<BlockKey>,
     /// Its tokens (the prefill the budget was charged).
     pub tokens: u64,
+    /// The LoRA adapter, salt and tenant of the request that made it hot.
+    pub scope: OwnedScope,
 }
 
 /// What [`HotPrefixes::plan`] asks the caller to do.
@@ -248,6 +292,8 @@ struct Candidate {
     chain: Vec<BlockKey>,
     /// Its text, up to `chain`'s blocks.
     text: String,
+    /// The sample's engine-cache partition and tenant (equal keys imply equal LoRA and salt).
+    scope: OwnedScope,
     block_bytes: usize,
     /// Leading blocks of `chain` every request seen since shares.
     lcp: usize,
@@ -377,6 +423,7 @@ impl HotPrefixes {
             model: req.model.to_owned(),
             chain: req.keys[..blocks].to_vec(),
             text: text[..end].to_owned(),
+            scope: req.scope.to_owned(),
             block_bytes,
             lcp: blocks,
             seen: 1,
@@ -442,11 +489,14 @@ impl HotPrefixes {
     /// (appended to `out`). `view` is this node's view: its local region's healthy replicas
     /// serving the prefix's model are the targets; holders are those whose hit (summary,
     /// overlay, peers' tips) covers the prefix. `region_nodes` (the region's live nodes, this
-    /// one included) divides the capacity cap on the credit.
+    /// one included) divides the capacity cap on the credit. `tenants` says which pools a
+    /// prefix's tenant may use: its warm-ups go only there.
+    #[allow(clippy::too_many_arguments)]
     pub fn plan(
         &mut self,
         view: &View,
         cost: &CostModel,
+        tenants: &Tenants,
         now: Duration,
         region_nodes: usize,
         owns: impl Fn(u64) -> bool,
@@ -476,7 +526,7 @@ impl HotPrefixes {
                     continue;
                 }
             } else if owns(c.key) {
-                if let Some(w) = self.next_warm_up(i, view, cost, now) {
+                if let Some(w) = self.next_warm_up(i, view, cost, tenants, now) {
                     out.push(Action::WarmUp(w));
                 }
             }
@@ -503,9 +553,11 @@ impl HotPrefixes {
         i: usize,
         view: &View,
         cost: &CostModel,
+        tenants: &Tenants,
         now: Duration,
     ) -> Option<WarmUp> {
         let c = &self.candidates[i];
+        let pools = &tenants.config(c.scope.tenant.as_deref()).pools;
         if c.seen < 2 || c.lcp < self.cfg.prefix_blocks as usize {
             return None; // one sample: its unique suffix is not yet told from the prefix
         }
@@ -525,6 +577,7 @@ impl HotPrefixes {
             if rep.health != Health::Healthy
                 || rep.info.region != view.local_region
                 || !rep.info.models.contains(&c.model)
+                || !(pools.is_empty() || pools.contains(&rep.info.pool))
             {
                 continue;
             }
@@ -585,6 +638,7 @@ impl HotPrefixes {
             prompt: c.text[..end].to_owned(),
             keys: c.chain[..c.lcp].to_vec(),
             tokens,
+            scope: c.scope.clone(),
         })
     }
 
@@ -694,6 +748,7 @@ mod tests {
                     keys: &k,
                     text: Some(&text),
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(i * every_ms),
             );
@@ -753,7 +808,15 @@ mod tests {
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         let w = warm_ups(&out);
         assert_eq!(w.len(), 1, "{out:?}");
         assert_eq!(w[0].replica, 1);
@@ -762,11 +825,27 @@ mod tests {
         assert_eq!(w[0].tokens, 8 * 4);
         // The next plan warms another replica, never the same pair twice while in flight.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1010), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1010),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert_eq!(warm_ups(&out)[0].replica, 3);
         // max_warming (2) in flight: nothing more until one ends.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1020), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1020),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
@@ -787,7 +866,15 @@ mod tests {
                 v.replica_mut(r).unwrap().load.queued_prefill_tokens = q;
             }
             let mut out = Vec::new();
-            h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+            h.plan(
+                &v,
+                &CostModel::default(),
+                &Tenants::default(),
+                ms(1000),
+                1,
+                |_| true,
+                &mut out,
+            );
             warm_ups(&out).iter().map(|w| w.replica).collect::<Vec<_>>()
         };
         // Replica 1, computing it, is the idlest: it will share the load soon, so no warm-up
@@ -806,7 +893,15 @@ mod tests {
         // it at once, and a warm-up would only add prefill.
         let v = view_at(50_000.0, &keys[..8], 1_000_000);
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
         assert_eq!(h.stats().over_budget, 0, "not a budget refusal");
     }
@@ -840,7 +935,15 @@ mod tests {
         let mut v = View::new("eu", 4);
         v.upsert(info("r0", "eu"));
         v.upsert(info("r1", "eu"));
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
     }
 
@@ -910,11 +1013,27 @@ mod tests {
         h.credit(10_000);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         let key = warm_ups(&out)[0].key;
         out.clear();
         // 25 s (12 τ) without a request: the rate has decayed to nothing.
-        h.plan(&v, &CostModel::default(), ms(26_000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(26_000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
         assert_eq!(h.hot_count(ms(26_000)), 0);
         assert!(h.candidates.is_empty());
@@ -937,6 +1056,7 @@ mod tests {
                     keys: &k,
                     text: Some(&text),
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(t),
             );
@@ -979,6 +1099,7 @@ mod tests {
                     keys: &k,
                     text: None,
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(t * 20),
             );

@@ -81,6 +81,20 @@ pub struct Parsed {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached blocks.
+    pub cache_salt: Option<String>,
+}
+
+/// The body's `cache_salt`, as vLLM reads it (a non-empty string, else none).
+fn cache_salt(body: &Value) -> Result<Option<String>, ApiError> {
+    match body.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(
+            "cache_salt must be a non-empty string",
+            Some("cache_salt"),
+        )),
+    }
 }
 
 fn max_tokens(body: &Value, default: u32) -> Result<u32, ApiError> {
@@ -148,6 +162,7 @@ pub fn parse_completion(body: &Value, default_max_tokens: u32) -> Result<Parsed,
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
         include_usage,
+        cache_salt: cache_salt(body)?,
     })
 }
 
@@ -262,6 +277,7 @@ pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiEr
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
         include_usage,
+        cache_salt: cache_salt(body)?,
     })
 }
 

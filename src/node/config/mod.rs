@@ -572,6 +572,7 @@ impl NodeConfig {
             ));
         }
         self.server.validate()?;
+        self.auth.validate()?;
         if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
             return Err(invalid(
                 "server.max_buffered_body_bytes",

@@ -107,14 +107,25 @@ async fn tenants_sending_one_prompt_never_share_an_engine_cache_entry() {
         let (hit, _) = cached(&c, &node, BETA, comp, body(Some("acme"))).await;
         assert!(hit > 0, "beta's salt is the node's, whatever beta sends");
         let fresh = text("another question", 4096);
-        let fresh_body = json!({"model": MODEL, "prompt": fresh, "max_tokens": 1, "cache_salt": ""});
+        let fresh_body =
+            json!({"model": MODEL, "prompt": fresh, "max_tokens": 1, "cache_salt": ""});
         assert_eq!(cached(&c, &node, BETA, comp, fresh_body.clone()).await.0, 0);
         assert_eq!(cached(&c, &node, ACME, comp, fresh_body).await.0, 0);
         // Chat too.
         let chat = json!({"model": MODEL, "max_tokens": 1,
             "messages": [{"role": "user", "content": text("a chat", 2048)}]});
-        assert_eq!(cached(&c, &node, ACME, "/v1/chat/completions", chat.clone()).await.0, 0);
-        assert_eq!(cached(&c, &node, BETA, "/v1/chat/completions", chat).await.0, 0);
+        assert_eq!(
+            cached(&c, &node, ACME, "/v1/chat/completions", chat.clone())
+                .await
+                .0,
+            0
+        );
+        assert_eq!(
+            cached(&c, &node, BETA, "/v1/chat/completions", chat)
+                .await
+                .0,
+            0
+        );
         node.shutdown().await;
         replica.shutdown().await;
     })
@@ -134,7 +145,12 @@ async fn a_shared_system_prompt_is_shared_and_the_rest_is_not() {
                 {"role": "user", "content": text(user, 1024)}]})
         };
         let path = "/v1/chat/completions";
-        assert_eq!(cached(&c, &node, ACME, path, chat(&system, "acme asks")).await.0, 0);
+        assert_eq!(
+            cached(&c, &node, ACME, path, chat(&system, "acme asks"))
+                .await
+                .0,
+            0
+        );
         // beta's request under the shared system prompt finds it cached (one entry for both
         // tenants), but not acme's own part.
         let (hit, tokens) = cached(&c, &node, BETA, path, chat(&system, "beta asks")).await;

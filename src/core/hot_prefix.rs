@@ -757,6 +757,72 @@ mod tests {
         keys
     }
 
+    /// A salted, LoRA, tenant prompt made hot: its warm-up carries all three and goes only to
+    /// the tenant's pool, though a replica outside it is idler (issue #35: a warm-up used to
+    /// resend the prompt unsalted, to any pool).
+    #[test]
+    fn a_warm_up_keeps_the_salt_lora_and_tenant_and_the_tenants_pools() {
+        let mut h = HotPrefixes::new(on());
+        let scope = WarmScope {
+            lora: Some("adapter"),
+            cache_salt: Some("salt-of-acme"),
+            tenant: Some("acme"),
+        };
+        let mut keys = Vec::new();
+        for i in 0..50 {
+            let (text, k) = prompt("0123456789abcdef", i);
+            let req = Observed {
+                model: "m",
+                keys: &k,
+                text: Some(&text),
+                block_bytes: BB,
+                scope,
+            };
+            h.observe(req, ms(i * 20));
+            keys = k;
+        }
+        h.credit(10_000);
+        // r0 (gold) holds it, swamped; r1 and r2 (shared pool) idle; r3 (gold) a little busy.
+        let mut v = View::new("eu", 4);
+        for (i, pool) in ["gold", "shared", "shared", "gold"].into_iter().enumerate() {
+            v.upsert(ReplicaInfo {
+                prefill_tokens_per_s: 500.0,
+                pool: pool.into(),
+                ..info(&format!("r{i}"), "eu")
+            });
+        }
+        v.record_routed(0, &keys[..8], ms(0));
+        v.replica_mut(0).unwrap().load.queued_prefill_tokens = 10_000;
+        v.replica_mut(3).unwrap().load.queued_prefill_tokens = 100;
+        let acme = crate::core::tenants::TenantConfig {
+            pools: vec!["gold".into()],
+            ..Default::default()
+        };
+        let tenants = Tenants::new([("acme".to_owned(), acme)].into(), Default::default());
+        let mut out = Vec::new();
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &tenants,
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
+        let w = warm_ups(&out);
+        assert_eq!(w.len(), 1, "{out:?}");
+        assert_eq!(w[0].replica, 3, "acme's pool only");
+        let own = |s: &str| Some(s.to_owned());
+        assert_eq!(
+            w[0].scope,
+            OwnedScope {
+                lora: own("adapter"),
+                cache_salt: own("salt-of-acme"),
+                tenant: own("acme"),
+            }
+        );
+    }
+
     fn warm_ups(out: &[Action]) -> Vec<WarmUp> {
         out.iter()
             .filter_map(|a| match a {
@@ -915,6 +981,7 @@ mod tests {
         h.plan(
             &view(&keys[..8], 10),
             &CostModel::default(),
+            &Tenants::default(),
             ms(1000),
             1,
             |_| true,
@@ -925,6 +992,7 @@ mod tests {
         h.plan(
             &view(&keys[..8], 10_000),
             &CostModel::default(),
+            &Tenants::default(),
             ms(1000),
             1,
             |_| false,
@@ -967,7 +1035,15 @@ mod tests {
     /// back) and returns how many were sent.
     fn plan_and_finish(h: &mut HotPrefixes, v: &View, t: u64) -> usize {
         let mut out = Vec::new();
-        h.plan(v, &CostModel::default(), ms(t), 5, |_| true, &mut out);
+        h.plan(
+            v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(t),
+            5,
+            |_| true,
+            &mut out,
+        );
         let sent = warm_ups(&out);
         for w in &sent {
             assert!(h.warm_done(w.key, w.replica, true));

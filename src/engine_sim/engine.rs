@@ -759,7 +759,6 @@ mod tests {
             Err(SubmitError::TooLong {
                 prompt: 150,
                 max_tokens: 20,
-                cache_salt: None,
                 limit: 160
             })
         );

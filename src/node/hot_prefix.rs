@@ -312,6 +312,34 @@ mod tests {
         Node::new(cfg).unwrap()
     }
 
+    /// A warm-up's body is in the engine-cache partition of the request that made the prefix
+    /// hot: its `cache_salt` and `lora_path` go with it (issue #35).
+    #[test]
+    fn a_warm_up_body_carries_the_salt_and_lora() {
+        let mut w = WarmUp {
+            key: 1,
+            replica: 0,
+            model: "m".into(),
+            prompt: "p".into(),
+            keys: Vec::new(),
+            tokens: 1,
+            scope: Default::default(),
+        };
+        let plain = warm_up_body(&w);
+        assert!(plain.get("cache_salt").is_none() && plain.get("lora_path").is_none());
+        w.scope.cache_salt = Some("salt".into());
+        w.scope.lora = Some("adapter".into());
+        let b = warm_up_body(&w);
+        assert_eq!(
+            (b["cache_salt"].as_str(), b["lora_path"].as_str()),
+            (Some("salt"), Some("adapter"))
+        );
+        assert_eq!(
+            (b["prompt"].as_str(), b["max_tokens"].as_u64()),
+            (Some("p"), Some(1))
+        );
+    }
+
     #[test]
     fn routed_prefill_earns_warm_up_credit_and_a_warm_up_earns_none() {
         let keys: Vec<BlockKey> = (1..=64).map(BlockKey).collect();

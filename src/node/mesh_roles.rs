@@ -372,7 +372,7 @@ impl Node {
                         // The home's own view gets the new summary now, with its record, not at
                         // the next upkeep tick: that tick was the slowest step of visibility.
                         rt.summary_dirty = false;
-                        let copy = rt.cache.summary().clone();
+                        let copy = rt.cache.summary().routing_copy();
                         core.view.set_summary(i, copy);
                     }
                     let rt = &mut core.replicas[i];
@@ -476,9 +476,16 @@ impl Node {
         plan
     }
 
-    /// Applies a pulled summary to replica `i`'s view copy.
+    /// Applies a pulled summary to replica `i`'s view copy. A snapshot's filter is built
+    /// before the lock is taken (a delta is applied under it, to the copy it extends).
     pub(super) fn apply_pulled(&self, i: usize, msg: &SummaryMessage) -> anyhow::Result<PullKind> {
         let now = self.now();
+        let built = match msg {
+            SummaryMessage::Snapshot(snap) => {
+                Some(ReplicaSummary::from_snapshot(snap, &self.summary_cfg))
+            }
+            SummaryMessage::Delta(_) => None,
+        };
         let mut guard = self.lock();
         let core = &mut *guard;
         let Some(rt) = core.replicas.get_mut(i) else {
@@ -491,8 +498,9 @@ impl Node {
         let Some(r) = core.view.replica_mut(i) else {
             anyhow::bail!("no replica {i}");
         };
-        let (summary, kind) = match msg {
-            SummaryMessage::Delta(d) => {
+        let (summary, kind) = match (msg, built) {
+            (_, Some(snapshot)) => (snapshot?, PullKind::Snapshot),
+            (SummaryMessage::Delta(d), None) => {
                 let held = if rt.mesh.pulled.is_some() {
                     r.summary.take()
                 } else {
@@ -512,10 +520,7 @@ impl Node {
                 }
                 (s, PullKind::Delta)
             }
-            SummaryMessage::Snapshot(snap) => (
-                ReplicaSummary::from_snapshot(snap, &self.summary_cfg)?,
-                PullKind::Snapshot,
-            ),
+            (SummaryMessage::Snapshot(_), None) => anyhow::bail!("a snapshot not built"),
         };
         rt.mesh.pulled = Some((summary.epoch(), summary.seq()));
         rt.mesh.updated_at = Some(now);

@@ -675,7 +675,7 @@ fn publish_as_home(
     rt.mesh.remote_queued = 0;
     rt.mesh.remote_kv_shares = None;
     rt.mesh.pulled = None;
-    let record = own_record(rt, &info, &load, &core.router.tenants);
+    let record = own_record(rt, info, load, &core.router.tenants);
     let version = record.summary;
     let change = RecordChange::between(
         rt.mesh.published.as_ref(),
@@ -748,7 +748,7 @@ fn follow_home(
     if !others_publish && !rt.mesh.learned && info.region == local {
         rt.mesh.remote_health = None;
         rt.mesh.remote_queued = 0;
-        let record = own_record(rt, &info, &load, &core.router.tenants);
+        let record = own_record(rt, info, load, &core.router.tenants);
         if rt.mesh.published.as_ref() != Some(&record) {
             // A stand-in goes out whole: it is how the home learns the replica.
             rt.mesh.published = Some(record.clone());

@@ -804,6 +804,10 @@ mod tests {
             ("policy = \"fastest\"", "policy"),
             ("block_bytes = 0", "block_bytes"),
             ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+            (
+                "[auth]\nshared_system_prompts = [\"\"]",
+                "auth.shared_system_prompts",
+            ),
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",

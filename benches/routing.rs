@@ -14,7 +14,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvmesh::core::hot_prefix::{HotPrefixConfig, HotPrefixes, Observed};
+use kvmesh::core::hot_prefix::{HotPrefixConfig, HotPrefixes, Observed, WarmScope};
 use kvmesh::core::keys::{text_block_keys, BlockKey, Namespace};
 use kvmesh::core::policy::PolicyKind;
 use kvmesh::core::router::{RouteRequest, Router, RouterConfig};
@@ -173,6 +173,7 @@ fn hot_prefix(c: &mut Criterion) {
                 keys: black_box(&keys[i]),
                 text: Some(&texts[i]),
                 block_bytes: 256,
+                scope: WarmScope::default(),
             };
             hot.observe(req, t);
         })
@@ -187,6 +188,7 @@ fn hot_prefix(c: &mut Criterion) {
                 keys: black_box(&keys[0]),
                 text: Some(&texts[0]),
                 block_bytes: 256,
+                scope: WarmScope::default(),
             };
             hot.observe(req, t);
         })

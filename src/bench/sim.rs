@@ -73,7 +73,7 @@ use super::workload::WorkloadRequest;
 use crate::core::admission::{AdmissionQueue, RejectReason as QueueReject};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::dp_rank::MAX_RANKS;
-use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmUp};
+use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmScope, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::pd::{self, PdChoice, WholeReason};
 use crate::core::peer_tips::{Ladder, Tip};
@@ -765,6 +765,7 @@ impl<'a> Sim<'a> {
                     keys: &self.keys,
                     text: Some(&self.text),
                     block_bytes: self.cfg.block_bytes,
+                    scope: WarmScope::default(),
                 };
                 h.observe(req, now);
                 h.credit(uncached);
@@ -812,6 +813,7 @@ impl<'a> Sim<'a> {
             } else {
                 req.output_tokens.max(1)
             },
+            cache_salt: None,
         };
         if self.engines[r].submit(request, now).is_err() {
             self.pd_prompts.remove(&i);
@@ -1542,7 +1544,15 @@ impl<'a> Sim<'a> {
             let owns = |key: u64| {
                 home_node(&format!("{key:016x}"), ids.iter().map(String::as_str)) == Some(&me)
             };
-            h.plan(&nr.view, &cost, now, ids.len(), owns, &mut actions);
+            h.plan(
+                &nr.view,
+                &cost,
+                &nr.router.tenants,
+                now,
+                ids.len(),
+                owns,
+                &mut actions,
+            );
             self.hot_max = self.hot_max.max(h.hot_count(now));
             for a in actions.drain(..) {
                 match a {
@@ -1564,6 +1574,7 @@ impl<'a> Sim<'a> {
             id: id as u64,
             prompt,
             max_tokens: 1,
+            cache_salt: w.scope.cache_salt.clone(),
         };
         let submitted = self.engines[r].submit(request, now).is_ok();
         let Some(nr) = self.nodes[n].routing.as_mut() else {

@@ -160,6 +160,7 @@ mod tests {
             parent: None,
             hashes: vec![1, 2, 3, 4],
             token_ids: vec![],
+            cache_salt: None,
         };
         f.apply(batch(vec![stored]), &mut m, now);
         assert_eq!(m.tier(keys[0]), Some(Tier::Gpu));

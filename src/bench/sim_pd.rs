@@ -182,6 +182,7 @@ pub(super) fn submit_decode(
         id: id as u64,
         prompt,
         max_tokens: output_tokens.max(1),
+        cache_salt: None,
     };
     engine.submit_with_kv(req, now).is_ok()
 }

@@ -34,6 +34,10 @@
 //!   Over any run a node's warm-ups cost at most `budget_share` × its routed prefill plus
 //!   `max_warming` warm-ups. When the heat passes, in-flight warm-ups are cancelled and the
 //!   candidate is dropped.
+//! - Scope: a warm-up is the request that made the prefix hot, as far as the engine's cache
+//!   goes — its LoRA adapter, `cache_salt` and tenant ([`WarmScope`]) — and goes only to
+//!   replicas in that tenant's pools: a salted or isolated prompt never lands in another
+//!   partition of an engine's cache (the side channel the salt closes).
 //!
 //! Sans-IO: time is an argument; the caller sends warm-ups and reports them back with
 //! [`HotPrefixes::warm_done`]. The per-request path ([`HotPrefixes::observe`]) allocates only
@@ -46,6 +50,7 @@ use serde::Deserialize;
 use super::cost::CostModel;
 use super::hot_sketch::{HotSketch, MAX_COUNTERS};
 use super::keys::BlockKey;
+use super::tenants::Tenants;
 use super::view::{Health, View};
 
 /// Most prefixes tracked as candidates at once.
@@ -191,6 +196,43 @@ pub struct Observed<'a> {
     pub text: Option<&'a str>,
     /// Bytes per block of `text`.
     pub block_bytes: usize,
+    /// What, besides the text, the engine's cache entry depends on (its keys' namespace).
+    pub scope: WarmScope<'a>,
+}
+
+/// A request's engine-cache partition and its tenant: a warm-up of its prefix carries the
+/// same LoRA adapter and `cache_salt`, counts against the same tenant and goes only to that
+/// tenant's pools.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WarmScope<'a> {
+    /// SGLang's `lora_path` (vLLM names an adapter by its model).
+    pub lora: Option<&'a str>,
+    /// The `cache_salt` the engine sees (the node's, with router-derived salts).
+    pub cache_salt: Option<&'a str>,
+    /// The tenant, for its pools and accounting.
+    pub tenant: Option<&'a str>,
+}
+
+impl WarmScope<'_> {
+    fn to_owned(self) -> OwnedScope {
+        let own = |s: Option<&str>| s.map(str::to_owned);
+        OwnedScope {
+            lora: own(self.lora),
+            cache_salt: own(self.cache_salt),
+            tenant: own(self.tenant),
+        }
+    }
+}
+
+/// A [`WarmScope`], kept with a candidate and sent with its warm-ups.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnedScope {
+    /// SGLang's `lora_path`.
+    pub lora: Option<String>,
+    /// The `cache_salt` to send.
+    pub cache_salt: Option<String>,
+    /// The tenant it counts against.
+    pub tenant: Option<String>,
 }
 
 /// A prefill-only request to send: `prompt` to `replica`, `max_tokens: 1`.
@@ -208,6 +250,8 @@ pub struct WarmUp {
     pub keys: Vec<BlockKey>,
     /// Its tokens (the prefill the budget was charged).
     pub tokens: u64,
+    /// The LoRA adapter, salt and tenant of the request that made it hot.
+    pub scope: OwnedScope,
 }
 
 /// What [`HotPrefixes::plan`] asks the caller to do.
@@ -248,6 +292,8 @@ struct Candidate {
     chain: Vec<BlockKey>,
     /// Its text, up to `chain`'s blocks.
     text: String,
+    /// The sample's engine-cache partition and tenant (equal keys imply equal LoRA and salt).
+    scope: OwnedScope,
     block_bytes: usize,
     /// Leading blocks of `chain` every request seen since shares.
     lcp: usize,
@@ -377,6 +423,7 @@ impl HotPrefixes {
             model: req.model.to_owned(),
             chain: req.keys[..blocks].to_vec(),
             text: text[..end].to_owned(),
+            scope: req.scope.to_owned(),
             block_bytes,
             lcp: blocks,
             seen: 1,
@@ -442,11 +489,14 @@ impl HotPrefixes {
     /// (appended to `out`). `view` is this node's view: its local region's healthy replicas
     /// serving the prefix's model are the targets; holders are those whose hit (summary,
     /// overlay, peers' tips) covers the prefix. `region_nodes` (the region's live nodes, this
-    /// one included) divides the capacity cap on the credit.
+    /// one included) divides the capacity cap on the credit. `tenants` says which pools a
+    /// prefix's tenant may use: its warm-ups go only there.
+    #[allow(clippy::too_many_arguments)]
     pub fn plan(
         &mut self,
         view: &View,
         cost: &CostModel,
+        tenants: &Tenants,
         now: Duration,
         region_nodes: usize,
         owns: impl Fn(u64) -> bool,
@@ -476,7 +526,7 @@ impl HotPrefixes {
                     continue;
                 }
             } else if owns(c.key) {
-                if let Some(w) = self.next_warm_up(i, view, cost, now) {
+                if let Some(w) = self.next_warm_up(i, view, cost, tenants, now) {
                     out.push(Action::WarmUp(w));
                 }
             }
@@ -503,9 +553,11 @@ impl HotPrefixes {
         i: usize,
         view: &View,
         cost: &CostModel,
+        tenants: &Tenants,
         now: Duration,
     ) -> Option<WarmUp> {
         let c = &self.candidates[i];
+        let pools = &tenants.config(c.scope.tenant.as_deref()).pools;
         if c.seen < 2 || c.lcp < self.cfg.prefix_blocks as usize {
             return None; // one sample: its unique suffix is not yet told from the prefix
         }
@@ -525,6 +577,7 @@ impl HotPrefixes {
             if rep.health != Health::Healthy
                 || rep.info.region != view.local_region
                 || !rep.info.models.contains(&c.model)
+                || !(pools.is_empty() || pools.contains(&rep.info.pool))
             {
                 continue;
             }
@@ -585,6 +638,7 @@ impl HotPrefixes {
             prompt: c.text[..end].to_owned(),
             keys: c.chain[..c.lcp].to_vec(),
             tokens,
+            scope: c.scope.clone(),
         })
     }
 
@@ -694,12 +748,79 @@ mod tests {
                     keys: &k,
                     text: Some(&text),
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(i * every_ms),
             );
             keys = k;
         }
         keys
+    }
+
+    /// A salted, LoRA, tenant prompt made hot: its warm-up carries all three and goes only to
+    /// the tenant's pool, though a replica outside it is idler (issue #35: a warm-up used to
+    /// resend the prompt unsalted, to any pool).
+    #[test]
+    fn a_warm_up_keeps_the_salt_lora_and_tenant_and_the_tenants_pools() {
+        let mut h = HotPrefixes::new(on());
+        let scope = WarmScope {
+            lora: Some("adapter"),
+            cache_salt: Some("salt-of-acme"),
+            tenant: Some("acme"),
+        };
+        let mut keys = Vec::new();
+        for i in 0..50 {
+            let (text, k) = prompt("0123456789abcdef", i);
+            let req = Observed {
+                model: "m",
+                keys: &k,
+                text: Some(&text),
+                block_bytes: BB,
+                scope,
+            };
+            h.observe(req, ms(i * 20));
+            keys = k;
+        }
+        h.credit(10_000);
+        // r0 (gold) holds it, swamped; r1 and r2 (shared pool) idle; r3 (gold) a little busy.
+        let mut v = View::new("eu", 4);
+        for (i, pool) in ["gold", "shared", "shared", "gold"].into_iter().enumerate() {
+            v.upsert(ReplicaInfo {
+                prefill_tokens_per_s: 500.0,
+                pool: pool.into(),
+                ..info(&format!("r{i}"), "eu")
+            });
+        }
+        v.record_routed(0, &keys[..8], ms(0));
+        v.replica_mut(0).unwrap().load.queued_prefill_tokens = 10_000;
+        v.replica_mut(3).unwrap().load.queued_prefill_tokens = 100;
+        let acme = crate::core::tenants::TenantConfig {
+            pools: vec!["gold".into()],
+            ..Default::default()
+        };
+        let tenants = Tenants::new([("acme".to_owned(), acme)].into(), Default::default());
+        let mut out = Vec::new();
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &tenants,
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
+        let w = warm_ups(&out);
+        assert_eq!(w.len(), 1, "{out:?}");
+        assert_eq!(w[0].replica, 3, "acme's pool only");
+        let own = |s: &str| Some(s.to_owned());
+        assert_eq!(
+            w[0].scope,
+            OwnedScope {
+                lora: own("adapter"),
+                cache_salt: own("salt-of-acme"),
+                tenant: own("acme"),
+            }
+        );
     }
 
     fn warm_ups(out: &[Action]) -> Vec<WarmUp> {
@@ -753,7 +874,15 @@ mod tests {
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         let w = warm_ups(&out);
         assert_eq!(w.len(), 1, "{out:?}");
         assert_eq!(w[0].replica, 1);
@@ -762,11 +891,27 @@ mod tests {
         assert_eq!(w[0].tokens, 8 * 4);
         // The next plan warms another replica, never the same pair twice while in flight.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1010), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1010),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert_eq!(warm_ups(&out)[0].replica, 3);
         // max_warming (2) in flight: nothing more until one ends.
         out.clear();
-        h.plan(&v, &CostModel::default(), ms(1020), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1020),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
@@ -787,7 +932,15 @@ mod tests {
                 v.replica_mut(r).unwrap().load.queued_prefill_tokens = q;
             }
             let mut out = Vec::new();
-            h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+            h.plan(
+                &v,
+                &CostModel::default(),
+                &Tenants::default(),
+                ms(1000),
+                1,
+                |_| true,
+                &mut out,
+            );
             warm_ups(&out).iter().map(|w| w.replica).collect::<Vec<_>>()
         };
         // Replica 1, computing it, is the idlest: it will share the load soon, so no warm-up
@@ -806,7 +959,15 @@ mod tests {
         // it at once, and a warm-up would only add prefill.
         let v = view_at(50_000.0, &keys[..8], 1_000_000);
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
         assert_eq!(h.stats().over_budget, 0, "not a budget refusal");
     }
@@ -820,6 +981,7 @@ mod tests {
         h.plan(
             &view(&keys[..8], 10),
             &CostModel::default(),
+            &Tenants::default(),
             ms(1000),
             1,
             |_| true,
@@ -830,6 +992,7 @@ mod tests {
         h.plan(
             &view(&keys[..8], 10_000),
             &CostModel::default(),
+            &Tenants::default(),
             ms(1000),
             1,
             |_| false,
@@ -840,7 +1003,15 @@ mod tests {
         let mut v = View::new("eu", 4);
         v.upsert(info("r0", "eu"));
         v.upsert(info("r1", "eu"));
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
     }
 
@@ -864,7 +1035,15 @@ mod tests {
     /// back) and returns how many were sent.
     fn plan_and_finish(h: &mut HotPrefixes, v: &View, t: u64) -> usize {
         let mut out = Vec::new();
-        h.plan(v, &CostModel::default(), ms(t), 5, |_| true, &mut out);
+        h.plan(
+            v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(t),
+            5,
+            |_| true,
+            &mut out,
+        );
         let sent = warm_ups(&out);
         for w in &sent {
             assert!(h.warm_done(w.key, w.replica, true));
@@ -910,11 +1089,27 @@ mod tests {
         h.credit(10_000);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
-        h.plan(&v, &CostModel::default(), ms(1000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(1000),
+            1,
+            |_| true,
+            &mut out,
+        );
         let key = warm_ups(&out)[0].key;
         out.clear();
         // 25 s (12 τ) without a request: the rate has decayed to nothing.
-        h.plan(&v, &CostModel::default(), ms(26_000), 1, |_| true, &mut out);
+        h.plan(
+            &v,
+            &CostModel::default(),
+            &Tenants::default(),
+            ms(26_000),
+            1,
+            |_| true,
+            &mut out,
+        );
         assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
         assert_eq!(h.hot_count(ms(26_000)), 0);
         assert!(h.candidates.is_empty());
@@ -937,6 +1132,7 @@ mod tests {
                     keys: &k,
                     text: Some(&text),
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(t),
             );
@@ -979,6 +1175,7 @@ mod tests {
                     keys: &k,
                     text: None,
                     block_bytes: BB,
+                    scope: WarmScope::default(),
                 },
                 ms(t * 20),
             );

@@ -18,7 +18,8 @@
 //! - [`policy`]: the policies behind one trait.
 //! - [`region_offer`], [`region_choice`]: other regions in aggregate, and which one a
 //!   forwarded request goes to.
-//! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers.
+//! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers;
+//!   [`tenant_salt`]: the engine's `cache_salt` of an authenticated tenant.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
 //! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
 //!   requests wait when no replica has room.
@@ -50,5 +51,6 @@ pub mod role;
 pub mod router;
 pub mod stream_resume;
 pub mod summary;
+pub mod tenant_salt;
 pub mod tenants;
 pub mod view;

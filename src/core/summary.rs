@@ -27,6 +27,7 @@
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use bloomfilter::reexports::siphasher::sip::SipHasher13;
 use bloomfilter::Bloom;
@@ -390,12 +391,16 @@ fn bit_is_set(bitmap: &[u8], bit: u64) -> bool {
 }
 
 /// One replica's summary: the filter, its version, and (on the home node) the addition log.
+///
+/// The filter is shared copy-on-write: [`ReplicaSummary::routing_copy`] (what a home puts in
+/// its view every publish) shares it and leaves the log behind — routing never reads the log,
+/// up to 1 MiB of it — and the first insert after that copies the filter alone, once.
 #[derive(Clone, Debug)]
 pub struct ReplicaSummary {
     epoch: u64,
     seq: u64,
     capacity_items: usize,
-    filter: Bloom<u64>,
+    filter: Arc<Bloom<u64>>,
     /// Additions of this epoch as (seq, key), oldest first; trimmed to `max_log_keys`.
     log: VecDeque<(u64, u64)>,
     /// Deltas can be served to peers whose seq is at least this.
@@ -433,7 +438,7 @@ impl ReplicaSummary {
             epoch,
             seq: 0,
             capacity_items: items,
-            filter,
+            filter: Arc::new(filter),
             log: VecDeque::new(),
             log_floor: 0,
             inserted: 0,
@@ -474,7 +479,7 @@ impl ReplicaSummary {
             epoch: s.epoch,
             seq: s.seq,
             capacity_items: usize::try_from(s.capacity_items).unwrap_or(usize::MAX),
-            filter,
+            filter: Arc::new(filter),
             log: VecDeque::new(),
             log_floor: s.seq,
             inserted: 0,
@@ -586,6 +591,24 @@ impl ReplicaSummary {
             .unwrap_or(&[])
     }
 
+    /// The copy routing reads (a home's view copy): the filter shared, not copied, and no
+    /// addition log (it serves peers' deltas, which only the home's own model answers).
+    pub fn routing_copy(&self) -> Self {
+        ReplicaSummary {
+            epoch: self.epoch,
+            seq: self.seq,
+            capacity_items: self.capacity_items,
+            filter: Arc::clone(&self.filter),
+            log: VecDeque::new(),
+            log_floor: self.seq,
+            inserted: self.inserted,
+            max_log_keys: self.max_log_keys,
+            seed_id: self.seed_id,
+            lower_tiers: self.lower_tiers,
+            geometry: self.geometry,
+        }
+    }
+
     /// Number of leading `keys` the filter holds, stopping at the first miss.
     pub fn hit(&self, keys: &[BlockKey]) -> usize {
         keys.iter().take_while(|k| self.filter.check(&k.0)).count()
@@ -606,7 +629,9 @@ impl ReplicaSummary {
         let mut added = 0;
         for k in keys {
             let k = tier.summary_key(*k);
-            if !self.filter.check_and_set(&k.0) {
+            // Checked first: a batch of known keys never copies a shared filter.
+            if !self.filter.check(&k.0) {
+                Arc::make_mut(&mut self.filter).set(&k.0);
                 added += 1;
                 self.log.push_back((next, k.0));
             }
@@ -677,8 +702,9 @@ impl ReplicaSummary {
                 to_seq: d.to_seq,
             });
         }
+        let filter = Arc::make_mut(&mut self.filter);
         for k in &d.keys {
-            self.filter.set(k);
+            filter.set(k);
         }
         // Sticky within an epoch, like the bits: an overlapping older delta cannot unset it.
         self.lower_tiers |= d.lower_tiers;
@@ -710,6 +736,73 @@ mod tests {
 
     fn cfg() -> SummaryConfig {
         SummaryConfig::for_cluster("test")
+    }
+
+    #[test]
+    fn a_routing_copy_shares_the_filter_and_leaves_the_log() {
+        let mut s = ReplicaSummary::new(1, 1000, &cfg()).unwrap();
+        s.insert(&keys(0..10));
+        let copy = s.routing_copy();
+        assert!(Arc::ptr_eq(&s.filter, &copy.filter));
+        assert!(copy.log.is_empty() && s.log.len() == 10);
+        assert_eq!(
+            (copy.epoch(), copy.seq(), copy.hit(&keys(0..10))),
+            (1, s.seq(), 10)
+        );
+        // Known keys copy nothing; a new key copies the filter once, and the copy keeps its bits.
+        s.insert(&keys(0..10));
+        assert!(Arc::ptr_eq(&s.filter, &copy.filter));
+        s.insert(&keys(10..11));
+        assert!(!Arc::ptr_eq(&s.filter, &copy.filter));
+        assert_eq!((s.hit(&keys(0..11)), copy.hit(&keys(0..11))), (11, 10));
+        // A copy answers no deltas: only the home's own model does.
+        assert!(copy.delta_since(0).is_none());
+    }
+
+    /// The routing lock's share of a summary publish and of a pulled snapshot, before and after
+    /// (issue #35). Before: the view copy was `clone()` (filter + up to 65,536 logged keys) and
+    /// a snapshot's filter was built under the lock. After: `routing_copy()` (filter shared, no
+    /// log) plus the one filter copy the next new key makes; the snapshot is built outside.
+    /// `cargo test --lib routing_lock_share -- --ignored --nocapture` (timings, not asserted).
+    #[test]
+    #[ignore]
+    fn routing_lock_share_of_a_publish() {
+        use std::hint::black_box;
+        use std::time::Instant;
+        let mut s = ReplicaSummary::new(1, 1 << 17, &cfg()).unwrap();
+        for chunk in keys(0..100_000).chunks(64) {
+            s.insert(chunk);
+        }
+        let n = 40u32;
+        let per = |f: &mut dyn FnMut()| {
+            let t = Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            t.elapsed() / n
+        };
+        let deep = per(&mut || drop(black_box(s.clone())));
+        let shared = per(&mut || drop(black_box(s.routing_copy())));
+        let mut next = 1u64 << 40;
+        let cow = per(&mut || {
+            let held = s.routing_copy();
+            next += 1;
+            s.insert(&[BlockKey(next)]);
+            drop(black_box(held));
+        });
+        let plain_insert = per(&mut || {
+            next += 1;
+            s.insert(&[BlockKey(next)]);
+        });
+        let snap = s.snapshot();
+        let build = per(&mut || drop(black_box(ReplicaSummary::from_snapshot(&snap, &cfg()))));
+        println!(
+            "filter {} B, log {} keys: publish copy before {deep:?}, after {shared:?}; \
+             first insert after a publish {cow:?} (an insert otherwise {plain_insert:?}); \
+             snapshot build (was under the lock, now outside) {build:?}",
+            s.filter_bytes(),
+            s.log.len()
+        );
     }
 
     fn keys(range: std::ops::Range<u64>) -> Vec<BlockKey> {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::config::EngineConfig;
 use super::engine::{Engine, EngineStats, Output, Request, SubmitError};
-use super::prefix_cache::block_hashes;
+use super::prefix_cache::salted_block_hashes;
 use crate::core::dp_rank::{pick_rank, RankLoad, RankRuns, MAX_RANKS};
 
 /// Who picks a request's rank.
@@ -83,7 +83,7 @@ impl DpEngine {
                 let cfg = self.config();
                 let bt = cfg.block_tokens.max(1);
                 let rate = 1000.0 / cfg.prefill_ms_per_token.max(1e-9);
-                let hashes = block_hashes(&req.prompt, bt);
+                let hashes = salted_block_hashes(&req.prompt, bt, req.cache_salt.as_deref());
                 let mut runs = RankRuns::zeros(n);
                 let mut loads = [RankLoad::default(); MAX_RANKS];
                 for (r, e) in self.ranks.iter().enumerate() {
@@ -222,6 +222,7 @@ mod tests {
                 id: id as u64,
                 prompt: tokenize(p),
                 max_tokens: 2,
+                cache_salt: None,
             };
             e.submit(req, now).unwrap();
             while let Some(t) = e.next_event_time() {
@@ -265,6 +266,7 @@ mod tests {
             id: 1,
             prompt: tokenize(&"x".repeat(400)),
             max_tokens: 1,
+            cache_salt: None,
         };
         assert_eq!(e.submit(req.clone(), Duration::ZERO), Ok(0));
         assert_eq!(

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use super::config::EngineConfig;
 use super::cpu_tier::CpuTier;
-use super::prefix_cache::{block_hashes, BlockHash, CacheEvent, PrefixCache};
+use super::prefix_cache::{salted_block_hashes, BlockHash, CacheEvent, PrefixCache};
 use super::tokens::TokenId;
 
 /// A generation request.
@@ -36,6 +36,9 @@ pub struct Request {
     pub prompt: Vec<TokenId>,
     /// Tokens to generate, at least 1.
     pub max_tokens: u32,
+    /// vLLM's `cache_salt`: salts the chain root, so only requests with the same salt share
+    /// cached blocks (`prefix_cache::chain_root`).
+    pub cache_salt: Option<String>,
 }
 
 /// Something a step produced for a request.
@@ -127,6 +130,8 @@ pub struct KvBatch {
 #[derive(Debug)]
 struct Seq {
     prompt: Vec<TokenId>,
+    /// The request's `cache_salt`, reported with the chain root it stores.
+    cache_salt: Option<String>,
     hashes: Vec<BlockHash>,
     max_tokens: u32,
     hit_blocks: usize,
@@ -258,11 +263,16 @@ impl Engine {
         if !self.live.insert(req.id) {
             return Err(SubmitError::DuplicateId(req.id));
         }
-        let hashes = block_hashes(&req.prompt, self.cache.block_tokens());
+        let hashes = salted_block_hashes(
+            &req.prompt,
+            self.cache.block_tokens(),
+            req.cache_salt.as_deref(),
+        );
         self.waiting.push_back((
             req.id,
             Seq {
                 prompt: req.prompt,
+                cache_salt: req.cache_salt,
                 hashes,
                 max_tokens: req.max_tokens,
                 hit_blocks: 0,
@@ -350,7 +360,7 @@ impl Engine {
     }
 
     /// Prompt tokens the prefix cache holds right now for a prompt with these block hashes
-    /// (see [`block_hashes`]): what an oracle with exact knowledge would credit.
+    /// (see [`salted_block_hashes`]): what an oracle with exact knowledge would credit.
     pub fn cached_prefix_tokens(&self, hashes: &[BlockHash]) -> usize {
         self.cache.match_prefix(hashes) * self.cache.block_tokens()
     }
@@ -534,6 +544,7 @@ impl Engine {
                         parent,
                         &seq.hashes[hits..],
                         &seq.prompt[hits * bs..full * bs],
+                        seq.cache_salt.as_deref(),
                     );
                     seq.private_blocks -= full - hits;
                     if let Some(cpu) = &mut self.cpu {
@@ -599,6 +610,7 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::engine_sim::config::Preset;
+    use crate::engine_sim::prefix_cache::block_hashes;
 
     fn engine(cfg: EngineConfig) -> Engine {
         Engine::new(cfg)
@@ -609,6 +621,7 @@ mod tests {
             id,
             prompt,
             max_tokens,
+            cache_salt: None,
         }
     }
 

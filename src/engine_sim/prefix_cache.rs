@@ -23,8 +23,27 @@ pub const ROOT_HASH_SEED: u64 = 0x6b76_6d65_7368_0001;
 
 /// Hashes of the full blocks of `tokens` (a trailing partial block is not hashed, as in vLLM).
 pub fn block_hashes(tokens: &[TokenId], block_tokens: usize) -> Vec<BlockHash> {
+    salted_block_hashes(tokens, block_tokens, None)
+}
+
+/// The seed of a chain's first block: with a `cache_salt`, salted, as vLLM adds the salt to the
+/// extra keys of the block starting at token 0 — through chaining every later block differs too,
+/// so requests with different salts never share a block.
+pub fn chain_root(cache_salt: Option<&str>) -> BlockHash {
+    match cache_salt.filter(|s| !s.is_empty()) {
+        None => ROOT_HASH_SEED,
+        Some(salt) => xxh3_64_with_seed(salt.as_bytes(), ROOT_HASH_SEED),
+    }
+}
+
+/// [`block_hashes`] of a request with `cache_salt` (see [`chain_root`]).
+pub fn salted_block_hashes(
+    tokens: &[TokenId],
+    block_tokens: usize,
+    cache_salt: Option<&str>,
+) -> Vec<BlockHash> {
     let block_tokens = block_tokens.max(1);
-    let mut parent = ROOT_HASH_SEED;
+    let mut parent = chain_root(cache_salt);
     let mut bytes = Vec::with_capacity(block_tokens * 4);
     tokens
         .chunks_exact(block_tokens)
@@ -50,6 +69,9 @@ pub enum CacheEvent {
         hashes: Vec<BlockHash>,
         /// The stored blocks' tokens, `hashes.len() × block_tokens` of them.
         token_ids: Vec<TokenId>,
+        /// A chain root's `cache_salt` (vLLM's extra keys of the block at token 0); `None`
+        /// when unsalted or when the first stored block is not the root.
+        cache_salt: Option<String>,
     },
     /// Blocks were evicted.
     Removed {
@@ -183,7 +205,14 @@ impl PrefixCache {
     /// cached meanwhile is shared instead, and the duplicate private block freed.
     // The entry API cannot be used: the hit branch calls `self.pin`, which borrows `self`.
     #[allow(clippy::map_entry)]
-    pub fn commit(&mut self, parent: Option<BlockHash>, hashes: &[BlockHash], tokens: &[TokenId]) {
+    /// `cache_salt` is the request's, reported with a stored chain root.
+    pub fn commit(
+        &mut self,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        tokens: &[TokenId],
+        cache_salt: Option<&str>,
+    ) {
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>, Vec<TokenId>)> = None;
         let mut prev = parent;
         for (i, hash) in hashes.iter().copied().enumerate() {
@@ -207,7 +236,7 @@ impl PrefixCache {
             };
             if shared {
                 if let Some((p, hs, ts)) = run.take() {
-                    self.push_stored(p, hs, ts);
+                    self.push_stored(p, hs, ts, cache_salt);
                 }
             } else {
                 let start = (i * self.block_tokens).min(tokens.len());
@@ -219,7 +248,7 @@ impl PrefixCache {
             prev = Some(hash);
         }
         if let Some((p, hs, ts)) = run {
-            self.push_stored(p, hs, ts);
+            self.push_stored(p, hs, ts, cache_salt);
         }
     }
 
@@ -275,11 +304,16 @@ impl PrefixCache {
         parent: Option<BlockHash>,
         hashes: Vec<BlockHash>,
         tokens: Vec<TokenId>,
+        cache_salt: Option<&str>,
     ) {
+        let cache_salt = cache_salt
+            .filter(|s| parent.is_none() && !s.is_empty())
+            .map(str::to_owned);
         self.events.push(CacheEvent::Stored {
             parent,
             hashes,
             token_ids: tokens,
+            cache_salt,
         });
     }
 }
@@ -303,6 +337,7 @@ mod tests {
             parent,
             &hashes[hits..],
             &tokens[hits * bs..hashes.len() * bs],
+            None,
         );
         cache.release(&hashes, 0);
         hashes
@@ -319,6 +354,10 @@ mod tests {
         c[0] = 999;
         let c = block_hashes(&c, 16);
         assert_ne!(a[1], c[1]);
+        // A salt changes the root, hence every block; no salt and an empty one are alike.
+        let salted = salted_block_hashes(&toks(0, 32), 16, Some("s"));
+        assert!(salted.iter().zip(&b).all(|(x, y)| x != y));
+        assert_eq!(salted_block_hashes(&toks(0, 32), 16, Some("")), b);
     }
 
     #[test]
@@ -331,7 +370,8 @@ mod tests {
             vec![CacheEvent::Stored {
                 parent: None,
                 hashes: hashes.clone(),
-                token_ids: tokens.clone()
+                token_ids: tokens.clone(),
+                cache_salt: None,
             }]
         );
         let mut other = toks(0, 32);
@@ -346,7 +386,8 @@ mod tests {
             vec![CacheEvent::Stored {
                 parent: Some(hashes[2]),
                 hashes: vec![longer_hashes[3]],
-                token_ids: toks(500, 16)
+                token_ids: toks(500, 16),
+                cache_salt: None,
             }]
         );
     }
@@ -373,7 +414,7 @@ mod tests {
         let tokens = toks(0, 32);
         let hashes = block_hashes(&tokens, 16);
         assert!(cache.allocate(&[], 2));
-        cache.commit(None, &hashes, &tokens);
+        cache.commit(None, &hashes, &tokens, None);
         // Two blocks pinned, one free: a request needing two more blocks must wait.
         assert!(!cache.allocate(&[], 2));
         assert!(cache.allocate(&[], 1));
@@ -389,7 +430,7 @@ mod tests {
         let tokens = toks(0, 32);
         let hashes = block_hashes(&tokens, 16);
         assert!(cache.allocate(&[], 2));
-        cache.commit(None, &hashes, &tokens);
+        cache.commit(None, &hashes, &tokens, None);
         assert!(!cache.reset());
         cache.release(&hashes, 0);
         cache.take_events();

@@ -180,7 +180,7 @@ impl Node {
             // A follower's view copy is the one pulled from the home, not this node's model.
             if rt.summary_dirty && rt.mesh.home {
                 rt.summary_dirty = false;
-                core.view.set_summary(i, rt.cache.summary().clone());
+                core.view.set_summary(i, rt.cache.summary().routing_copy());
             }
             if rt.health.tick(now, &self.cfg.health) {
                 core.view.set_health(i, rt.effective_health());

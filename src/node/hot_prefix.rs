@@ -9,7 +9,9 @@
 //!   nodes, among which a prefix's rendezvous owner (`mesh::home::home_node` on the key) is the
 //!   only node that warms it. A node alone owns every prefix.
 //! - A task plans every [`PLAN_EVERY`]: with `[hot_prefix] enabled`, each warm-up is a
-//!   `/v1/completions` request (`max_tokens: 1`) accounted as a routed request (a
+//!   `/v1/completions` request (`max_tokens: 1`, with the LoRA `lora_path`, `cache_salt` and
+//!   tenant of the request that made the prefix hot, to that tenant's pools only) accounted as
+//!   a routed request (a
 //!   [`super::routing::Ticket`] from [`Node::route_to`]), so its first byte puts the blocks in
 //!   the overlay, the cache model and the home's block reports, like any request's; a cancel
 //!   aborts it, which drops its ticket. It also keeps the metrics current.
@@ -23,7 +25,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use super::state::Node;
-use crate::core::hot_prefix::{Action, HotStats, Observed, WarmUp};
+use crate::core::hot_prefix::{Action, HotStats, Observed, WarmScope, WarmUp};
 use crate::core::keys::BlockKey;
 use crate::mesh::home::home_node;
 use crate::mesh::hot_record::HotRecord;
@@ -103,8 +105,15 @@ impl HotMetrics {
 
 impl Node {
     /// Counts a keyed request in the hot-prefix sketch. `text` only when block `i` of `keys` is
-    /// bytes `i · block_bytes ..` of the prompt the engine sees (text mode, completions).
-    pub fn observe_hot(&self, model: &str, keys: &[BlockKey], text: Option<&str>) {
+    /// bytes `i · block_bytes ..` of the prompt the engine sees (text mode, completions);
+    /// `scope`: its LoRA adapter, engine `cache_salt` and tenant, which a warm-up keeps.
+    pub fn observe_hot(
+        &self,
+        model: &str,
+        keys: &[BlockKey],
+        text: Option<&str>,
+        scope: WarmScope<'_>,
+    ) {
         // Off, no request pays for the sketch (one more lock per request): the node counts and
         // publishes no heat, and the gauge reads 0.
         if !self.cfg.hot_prefix.enabled {
@@ -116,6 +125,7 @@ impl Node {
             keys,
             text,
             block_bytes: self.cfg.block_bytes,
+            scope,
         };
         self.lock().hot.observe(req, now);
     }
@@ -157,7 +167,9 @@ impl Node {
                         == Some(me)
             };
             let nodes = owners.len().max(1);
-            core.hot.plan(&core.view, &cost, now, nodes, owns, out);
+            let tenants = &core.router.tenants;
+            core.hot
+                .plan(&core.view, &cost, tenants, now, nodes, owns, out);
         }
         (
             core.hot.hot_count(now),
@@ -229,16 +241,12 @@ pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
 /// Sends one warm-up and reports how it went. Aborted (a cancel), its ticket drops and
 /// releases the accounting; the planner already forgot the pair.
 async fn warm_up(node: Arc<Node>, w: WarmUp) {
-    let Some(mut ticket) = node.route_to(w.replica, &w.keys, w.tokens) else {
+    let tenant = w.scope.tenant.as_deref();
+    let Some(mut ticket) = node.route_to(w.replica, &w.keys, w.tokens, tenant) else {
         node.hot_done(w.key, w.replica, false);
         return;
     };
-    let body = serde_json::json!({
-        "model": w.model,
-        "prompt": w.prompt,
-        "max_tokens": 1,
-        "stream": false,
-    });
+    let body = warm_up_body(&w);
     let url = format!("{}/v1/completions", ticket.endpoint().base);
     let mut req = node
         .client
@@ -268,6 +276,26 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
     node.hot_done(w.key, w.replica, ok);
 }
 
+/// A warm-up's body: the prefix as a one-token completion, in the partition of the engine's
+/// cache the request that made it hot used (its `lora_path`, its `cache_salt`).
+fn warm_up_body(w: &WarmUp) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": w.model,
+        "prompt": w.prompt,
+        "max_tokens": 1,
+        "stream": false,
+    });
+    if let Some(map) = body.as_object_mut() {
+        if let Some(lora) = &w.scope.lora {
+            map.insert("lora_path".into(), lora.as_str().into());
+        }
+        if let Some(salt) = &w.scope.cache_salt {
+            map.insert("cache_salt".into(), salt.as_str().into());
+        }
+    }
+    body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +310,34 @@ mod tests {
         cfg.hot_prefix.enabled = enabled;
         cfg.replicas = (0..2).map(ReplicaConfig::numbered).collect();
         Node::new(cfg).unwrap()
+    }
+
+    /// A warm-up's body is in the engine-cache partition of the request that made the prefix
+    /// hot: its `cache_salt` and `lora_path` go with it (issue #35).
+    #[test]
+    fn a_warm_up_body_carries_the_salt_and_lora() {
+        let mut w = WarmUp {
+            key: 1,
+            replica: 0,
+            model: "m".into(),
+            prompt: "p".into(),
+            keys: Vec::new(),
+            tokens: 1,
+            scope: Default::default(),
+        };
+        let plain = warm_up_body(&w);
+        assert!(plain.get("cache_salt").is_none() && plain.get("lora_path").is_none());
+        w.scope.cache_salt = Some("salt".into());
+        w.scope.lora = Some("adapter".into());
+        let b = warm_up_body(&w);
+        assert_eq!(
+            (b["cache_salt"].as_str(), b["lora_path"].as_str()),
+            (Some("salt"), Some("adapter"))
+        );
+        assert_eq!(
+            (b["prompt"].as_str(), b["max_tokens"].as_u64()),
+            (Some("p"), Some(1))
+        );
     }
 
     #[test]
@@ -305,7 +361,7 @@ mod tests {
         assert!(ticket.is_some());
         assert!((credit() - 0.05 * 4096.0).abs() < 1e-9, "{}", credit());
         // A warm-up is prefill the node sends on its own: it earns nothing.
-        let warm = node.route_to(1, &keys, 4096);
+        let warm = node.route_to(1, &keys, 4096, None);
         assert!(warm.is_some());
         assert!((credit() - 0.05 * 4096.0).abs() < 1e-9, "{}", credit());
         // Warm-ups off: nothing is saved up for the day they are turned on.

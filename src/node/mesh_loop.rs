@@ -30,7 +30,7 @@ use tokio::task::JoinHandle;
 
 use super::config::MeshSection;
 use super::learned::{Ignored, LearnError, LearnPolicy};
-use super::mesh_state::PullKind;
+use super::mesh_state::{MeshPlan, Pull, PullKind};
 use super::metrics::MeshMetrics;
 use super::state::Node;
 use crate::mesh::cert_resolver::ReloadableCert;
@@ -227,18 +227,7 @@ async fn sync_once(
     st: &mut LoopState,
     stop: &watch::Receiver<bool>,
 ) {
-    let members = mesh.members().await;
-    node.set_mesh_members(&members);
-    let live: Vec<Member> = members.into_iter().filter(|m| m.live).collect();
-    metrics.live_members.set(live.len() as i64);
-    let stats = mesh.stats();
-    metrics.add_stats(
-        &st.last_stats,
-        &stats.transport,
-        (st.last_schema_errors, stats.schema_errors),
-    );
-    st.last_stats = stats.transport;
-    st.last_schema_errors = stats.schema_errors;
+    let live = live_members(node, mesh, metrics, st).await;
 
     // First gossip round: a seedless node is the first of its cluster; otherwise some peer
     // answered and every live peer's node record arrived. Until then (or the warm-up timeout)
@@ -269,8 +258,77 @@ async fn sync_once(
         }
     }
     let self_id = mesh.node_id();
-    // Records of live members that are not the replica's home (and not a stand-in for this
-    // node, its home): kept out of the view, counted once each.
+    count_records_not_from_homes(st, metrics, &live, &homes, self_id);
+    learn_replicas(node, stop, st, metrics, &live, &homes, &records, self_id);
+    sync_admin(node, mesh, &live, st).await;
+
+    let mut map = region_map_of(&live);
+    for d in &section.distance {
+        map.configure(&d.a, &d.b, d.ms);
+    }
+    node.set_regions(map);
+
+    // Regional gossip: other regions as one record each (their replicas are not members here).
+    let regional = mesh.sync_regions(&live, || node.region_offer()).await;
+    node.set_remote_regions(&regional.records, regional.representative);
+    let regions_known = regional.records.len();
+
+    node.set_peer_tenant_usage(&live);
+    let mut plan = node.apply_membership(mesh.node_id(), &live, &records);
+    if !plan.expired.is_empty() {
+        metrics.learned_expired.inc_by(plan.expired.len() as u64);
+    }
+    metrics.summaries_behind.set(plan.behind as i64);
+    metrics.summary_age_max.set(node.summary_age_max_s());
+    carry_out(node, mesh, st, &plan).await;
+    spawn_pulls(
+        node,
+        mesh,
+        section,
+        metrics,
+        std::mem::take(&mut plan.pulls),
+    );
+    publish_node_records(node, mesh, st, &live, self_id).await;
+    mark_warm(
+        node,
+        section,
+        st,
+        &live,
+        (plan.behind, regions_known, timed_out),
+    );
+}
+
+/// The members, with the mesh's transport counters into the metrics; the live ones.
+async fn live_members(
+    node: &Arc<Node>,
+    mesh: &Arc<Mesh>,
+    metrics: &MeshMetrics,
+    st: &mut LoopState,
+) -> Vec<Member> {
+    let members = mesh.members().await;
+    node.set_mesh_members(&members);
+    let live: Vec<Member> = members.into_iter().filter(|m| m.live).collect();
+    metrics.live_members.set(live.len() as i64);
+    let stats = mesh.stats();
+    metrics.add_stats(
+        &st.last_stats,
+        &stats.transport,
+        (st.last_schema_errors, stats.schema_errors),
+    );
+    st.last_stats = stats.transport;
+    st.last_schema_errors = stats.schema_errors;
+    live
+}
+
+/// Records of live members that are not the replica's home (and not a stand-in for this
+/// node, its home): kept out of the view, counted once each.
+fn count_records_not_from_homes(
+    st: &mut LoopState,
+    metrics: &MeshMetrics,
+    live: &[Member],
+    homes: &LiveHomes<'_>,
+    self_id: &str,
+) {
     let mut published: HashSet<(String, String)> = HashSet::new();
     for m in live.iter().filter(|m| !m.is_self) {
         for (id, r) in m.replicas.iter() {
@@ -286,11 +344,26 @@ async fn sync_once(
         }
     }
     st.ignored.retain(&published);
+}
+
+/// Learns the replicas peers publish (their homes' records), starting watchers for new ones;
+/// refusals are counted.
+#[allow(clippy::too_many_arguments)]
+fn learn_replicas(
+    node: &Arc<Node>,
+    stop: &watch::Receiver<bool>,
+    st: &mut LoopState,
+    metrics: &MeshMetrics,
+    live: &[Member],
+    homes: &LiveHomes<'_>,
+    records: &BTreeMap<String, ReplicaEntry>,
+    self_id: &str,
+) {
     let me_home = |e: &ReplicaEntry| homes.home_id(&e.id, &e.record.region) == Some(self_id);
     let mut refused = Vec::new();
     node.learn_round(
         records.values(),
-        &live,
+        live,
         self_id,
         me_home,
         &st.policy,
@@ -306,9 +379,11 @@ async fn sync_once(
     for (e, err) in refused {
         note_ignored(st, metrics, &e.publisher, &err);
     }
+}
 
-    // Operator commands: the region's peers' newer ones apply here, this node's own go out.
-    node.apply_admin_records(&live, &st.policy);
+/// Operator commands: the region's peers' newer ones apply here, this node's own go out.
+async fn sync_admin(node: &Arc<Node>, mesh: &Arc<Mesh>, live: &[Member], st: &LoopState) {
+    node.apply_admin_records(live, &st.policy);
     for (id, record) in node.take_admin_outbox() {
         let done = match &record {
             Some(r) => mesh.publish_admin(&id, r).await,
@@ -318,25 +393,10 @@ async fn sync_once(
             tracing::warn!(replica = %id, error = %e, "operator command not published");
         }
     }
+}
 
-    let mut map = region_map_of(&live);
-    for d in &section.distance {
-        map.configure(&d.a, &d.b, d.ms);
-    }
-    node.set_regions(map);
-
-    // Regional gossip: other regions as one record each (their replicas are not members here).
-    let regional = mesh.sync_regions(&live, || node.region_offer()).await;
-    node.set_remote_regions(&regional.records, regional.representative);
-    let regions_known = regional.records.len();
-
-    node.set_peer_tenant_usage(&live);
-    let plan = node.apply_membership(mesh.node_id(), &live, &records);
-    if !plan.expired.is_empty() {
-        metrics.learned_expired.inc_by(plan.expired.len() as u64);
-    }
-    metrics.summaries_behind.set(plan.behind as i64);
-    metrics.summary_age_max.set(node.summary_age_max_s());
+/// Publishes and withdraws the plan's records, hands keys over, and writes the homes marker.
+async fn carry_out(node: &Arc<Node>, mesh: &Arc<Mesh>, st: &mut LoopState, plan: &MeshPlan) {
     for (id, record, change) in &plan.publish {
         match mesh.publish_replica(id, record, *change).await {
             Ok(()) => {
@@ -370,11 +430,21 @@ async fn sync_once(
             tracing::warn!(error = %e, "homes marker not published");
         }
     }
+}
+
+/// Pulls newer summaries, each in its own task, applied as they arrive.
+fn spawn_pulls(
+    node: &Arc<Node>,
+    mesh: &Arc<Mesh>,
+    section: &MeshSection,
+    metrics: &MeshMetrics,
+    pulls: Vec<Pull>,
+) {
     // A pull stuck on a half-dead connection must not hold the replica's copy back for the
     // transport's whole sync timeout: give up after ten rounds (1–5 s) and let a later round retry.
     let pull_timeout =
         (section.gossip_interval() * 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
-    for pull in plan.pulls {
+    for pull in pulls {
         let node = Arc::clone(node);
         let mesh = Arc::clone(mesh);
         let metrics = metrics.clone();
@@ -411,8 +481,17 @@ async fn sync_once(
             }
         });
     }
+}
 
-    let hot = node.hot_gossip(self_id, &live);
+/// This node's own `hot` and `inflight` records, when they changed.
+async fn publish_node_records(
+    node: &Arc<Node>,
+    mesh: &Arc<Mesh>,
+    st: &mut LoopState,
+    live: &[Member],
+    self_id: &str,
+) {
+    let hot = node.hot_gossip(self_id, live);
     if st.last_hot.as_ref() != Some(&hot) {
         match mesh.publish_hot(&hot).await {
             Ok(()) => st.last_hot = Some(hot),
@@ -427,7 +506,18 @@ async fn sync_once(
             Err(e) => tracing::warn!(error = %e, "in-flight record not published"),
         }
     }
+}
 
+/// Marks the node warm (`/ready`) once membership is stable, peers' records arrived and
+/// nothing is left to pull (or the warm-up timed out); logs when its region was seen whole.
+/// `progress`: summaries still behind, other regions' records held, whether it timed out.
+fn mark_warm(
+    node: &Arc<Node>,
+    section: &MeshSection,
+    st: &mut LoopState,
+    live: &[Member],
+    (behind, regions_known, timed_out): (usize, usize, bool),
+) {
     // A peer's keys may arrive over several gossip messages: "nothing to pull" counts only once
     // this node holds every record each live peer says it publishes (its homes marker, written
     // after its records, arrives after them).
@@ -467,12 +557,12 @@ async fn sync_once(
         );
     }
     let stable = st.live_since.elapsed() >= 3 * section.gossip_interval();
-    if !node.mesh_warm() && ((stable && caught_up && plan.behind == 0) || timed_out) {
+    if !node.mesh_warm() && ((stable && caught_up && behind == 0) || timed_out) {
         node.set_mesh_warm();
         tracing::info!(
             elapsed_ms = st.started.elapsed().as_millis() as u64,
             timed_out,
-            behind = plan.behind,
+            behind = behind,
             "node warm"
         );
     }

@@ -42,7 +42,7 @@ use super::mesh_state::{
     MemberJson, MeshPlan, MeshStateJson, NodeMesh, Peer, Pull, PullKind, RegionJson,
     ReplicaMeshJson, Status,
 };
-use super::state::{Node, ReplicaRuntime};
+use super::state::{Core, Node, ReplicaRuntime};
 use crate::core::keys::BlockKey;
 use crate::core::regions::RegionMap;
 use crate::core::summary::{ReplicaSummary, SummaryMessage};
@@ -263,15 +263,15 @@ impl Node {
 
     /// One membership round, under the lock: decide homes, fold records into the view, and say
     /// what to publish, withdraw and pull. `records` holds one entry per replica id (the
-    /// publisher preferred by `replicas_in_region`).
+    /// publisher preferred by `replicas_in_region`). Per replica, in named steps: a removed one
+    /// is withdrawn; a learned one whose origin is gone expires ([`expire_learned`]); then this
+    /// node is its home ([`publish_as_home`]) or follows the home ([`follow_home`]).
     pub(super) fn apply_membership(
         &self,
         self_id: &str,
         live: &[Member],
         records: &BTreeMap<String, ReplicaEntry>,
     ) -> MeshPlan {
-        let now = self.now();
-        let wall = now_ms();
         let load_interval = Duration::from_millis(
             self.cfg
                 .mesh
@@ -281,7 +281,15 @@ impl Node {
         let mut plan = MeshPlan::default();
         let mut guard = self.lock();
         let core = &mut *guard;
-        let local = core.view.local_region.clone();
+        let round = Round {
+            self_id,
+            live,
+            records,
+            now: self.now(),
+            wall: now_ms(),
+            load_interval,
+            local: core.view.local_region.clone(),
+        };
         let homes = LiveHomes::new(live);
         for i in 0..core.replicas.len() {
             let Some(r) = core.view.replica(i) else {
@@ -298,176 +306,13 @@ impl Node {
             }
             let home = homes.home(&info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
-            if rt.mesh.learned {
-                // A learned replica stays while the node that vouches for it is live and some
-                // live member publishes it (this node, as its home, included); else it drains
-                // and is dropped (`learned.rs`, `registry.rs`).
-                if let Some(e) = records.get(&info.id).filter(|e| e.home) {
-                    rt.mesh.origin = Some(super::learned::origin_of(e));
-                }
-                let origin_live = rt
-                    .mesh
-                    .origin
-                    .as_ref()
-                    .is_some_and(|o| live.iter().any(|m| m.node_id == *o));
-                let published = me_home
-                    || live
-                        .iter()
-                        .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
-                if !(origin_live && published) {
-                    tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
-                    rt.removed = true;
-                    rt.removed_at = Some(now);
-                    if rt.mesh.published.take().is_some() {
-                        plan.unpublish.push(info.id.clone());
-                    }
-                    plan.expired.push(i);
-                    core.view.set_health(i, Health::Draining);
-                    continue;
-                }
+            if expire_learned(core, i, &info, me_home, &round, &mut plan) {
+                continue;
             }
             if me_home {
-                let mut restart = None;
-                if !rt.mesh.home {
-                    // Gained: supersede the previous home's epoch, keep what this node routed.
-                    let pulled = rt.mesh.pulled.map_or(0, |(e, _)| e.saturating_add(1));
-                    restart = Some(wall.max(pulled));
-                    tracing::info!(replica = %info.id, "became home");
-                }
-                let ours = rt.cache.summary().epoch();
-                let theirs = live
-                    .iter()
-                    .filter(|m| !m.is_self)
-                    .filter_map(|m| m.replicas.get(&info.id))
-                    .map(|r| r.summary.epoch)
-                    .max();
-                if let Some(t) = theirs.filter(|t| *t >= ours) {
-                    restart = Some(restart.unwrap_or(0).max(t.saturating_add(1)));
-                }
-                if let Some(epoch) = restart {
-                    if let Err(e) = rt.cache.restart_epoch(epoch) {
-                        tracing::warn!(replica = %info.id, error = %e, "cannot start a new epoch");
-                    }
-                    rt.summary_dirty = true;
-                }
-                rt.mesh.home = true;
-                rt.mesh.home_id = Some(self_id.to_owned());
-                rt.mesh.home_addr = None;
-                rt.mesh.remote_health = None;
-                rt.mesh.remote_queued = 0;
-                rt.mesh.remote_kv_shares = None;
-                rt.mesh.pulled = None;
-                let record = own_record(rt, &info, &load, &core.router.tenants);
-                let version = record.summary;
-                let change = RecordChange::between(
-                    rt.mesh.published.as_ref(),
-                    &record,
-                    rt.mesh.load_published_at.map(|t| now.saturating_sub(t)),
-                    load_interval,
-                );
-                if change != RecordChange::None {
-                    rt.mesh.load_published_at = Some(now);
-                    if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
-                        rt.mesh.updated_at = Some(now);
-                        // The home's own view gets the new summary now, with its record, not at
-                        // the next upkeep tick: that tick was the slowest step of visibility.
-                        rt.summary_dirty = false;
-                        let copy = rt.cache.summary().clone();
-                        core.view.set_summary(i, copy);
-                    }
-                    let rt = &mut core.replicas[i];
-                    rt.mesh.published = Some(record.clone());
-                    plan.publish.push((info.id.clone(), record, change));
-                }
+                publish_as_home(core, i, &info, &load, &round, &mut plan);
             } else {
-                if rt.mesh.home {
-                    tracing::info!(replica = %info.id, "no longer home");
-                    // The view keeps this node's own copy until the new home's replaces it.
-                    rt.mesh.pulled = None;
-                }
-                // The record stays up until the new home publishes its own: a new home that
-                // knows the replica only from gossip learns it from this record, and peers
-                // never see the replica vanish. Then this node's keys go to the new home.
-                let taken_over = home.as_ref().is_some_and(|(h, _)| {
-                    live.iter()
-                        .any(|m| m.node_id == *h && m.replicas.contains_key(&info.id))
-                });
-                if taken_over && rt.mesh.published.take().is_some() {
-                    plan.unpublish.push(info.id.clone());
-                    if let Some((_, addr)) = &home {
-                        let keys = rt.cache.live_keys().into_iter().map(|k| k.0).collect();
-                        plan.handover.push((info.id.clone(), *addr, keys));
-                    }
-                }
-                rt.mesh.home = false;
-                rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
-                rt.mesh.home_addr = home.map(|(_, a)| a);
-                // A replica in this node's own config that no live peer publishes (its home
-                // may not know it: configs differ): publish a stand-in record from this node's
-                // own model so the home learns it, until the home takes over as above.
-                let others_publish = live
-                    .iter()
-                    .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
-                if !others_publish && !rt.mesh.learned && info.region == local {
-                    rt.mesh.remote_health = None;
-                    rt.mesh.remote_queued = 0;
-                    let record = own_record(rt, &info, &load, &core.router.tenants);
-                    if rt.mesh.published.as_ref() != Some(&record) {
-                        // A stand-in goes out whole: it is how the home learns the replica.
-                        rt.mesh.published = Some(record.clone());
-                        plan.publish
-                            .push((info.id.clone(), record, RecordChange::Full));
-                    }
-                }
-                match records.get(&info.id).filter(|e| e.publisher != self_id) {
-                    // Published, but not by its home (per this node's membership): ignored.
-                    // What the home last said stands until the home publishes (a handover, or
-                    // memberships that differ for a round).
-                    Some(e) if !e.home => {}
-                    Some(e) => {
-                        let rec = &e.record;
-                        rt.mesh.remote_health = Some(rec.health.into());
-                        rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
-                        super::kv_shares::set_remote_kv_shares(rt, rec, &core.router.tenants);
-                        let queued = rt.queued_estimate();
-                        let learned = rt.mesh.learned;
-                        if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
-                            plan.behind += 1;
-                            if !rt.mesh.pulling {
-                                rt.mesh.pulling = true;
-                                let (epoch, seq) = rt.mesh.pulled.unwrap_or((0, 0));
-                                plan.pulls.push(Pull {
-                                    index: i,
-                                    id: info.id.clone(),
-                                    from: e.publisher_addr,
-                                    epoch,
-                                    seq,
-                                });
-                            }
-                        }
-                        if learned {
-                            let fresh = rec.info(&info.id);
-                            if fresh != *info {
-                                core.view.upsert(fresh);
-                            }
-                        }
-                        core.view.set_engine_load(
-                            i,
-                            rec.load.waiting,
-                            rec.load.running,
-                            rec.load.kv_usage.clamp(0.0, 1.0),
-                            queued,
-                        );
-                    }
-                    None => {
-                        // Nobody else publishes it: a replica known only from gossip has no one
-                        // vouching for it any more; a configured one keeps its own checks (this
-                        // node's own record, if any, only echoes them).
-                        rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
-                        rt.mesh.remote_queued = 0;
-                        rt.mesh.remote_kv_shares = None;
-                    }
-                }
+                follow_home(core, i, &info, &load, home, &round, &mut plan);
             }
             let h = core.replicas[i].effective_health();
             core.view.set_health(i, h);
@@ -476,9 +321,16 @@ impl Node {
         plan
     }
 
-    /// Applies a pulled summary to replica `i`'s view copy.
+    /// Applies a pulled summary to replica `i`'s view copy. A snapshot's filter is built
+    /// before the lock is taken (a delta is applied under it, to the copy it extends).
     pub(super) fn apply_pulled(&self, i: usize, msg: &SummaryMessage) -> anyhow::Result<PullKind> {
         let now = self.now();
+        let built = match msg {
+            SummaryMessage::Snapshot(snap) => {
+                Some(ReplicaSummary::from_snapshot(snap, &self.summary_cfg))
+            }
+            SummaryMessage::Delta(_) => None,
+        };
         let mut guard = self.lock();
         let core = &mut *guard;
         let Some(rt) = core.replicas.get_mut(i) else {
@@ -491,8 +343,9 @@ impl Node {
         let Some(r) = core.view.replica_mut(i) else {
             anyhow::bail!("no replica {i}");
         };
-        let (summary, kind) = match msg {
-            SummaryMessage::Delta(d) => {
+        let (summary, kind) = match (msg, built) {
+            (_, Some(snapshot)) => (snapshot?, PullKind::Snapshot),
+            (SummaryMessage::Delta(d), None) => {
                 let held = if rt.mesh.pulled.is_some() {
                     r.summary.take()
                 } else {
@@ -512,10 +365,7 @@ impl Node {
                 }
                 (s, PullKind::Delta)
             }
-            SummaryMessage::Snapshot(snap) => (
-                ReplicaSummary::from_snapshot(snap, &self.summary_cfg)?,
-                PullKind::Snapshot,
-            ),
+            (SummaryMessage::Snapshot(_), None) => anyhow::bail!("a snapshot not built"),
         };
         rt.mesh.pulled = Some((summary.epoch(), summary.seq()));
         rt.mesh.updated_at = Some(now);
@@ -719,6 +569,242 @@ fn own_record(
         .as_ref()
         .and_then(|k| super::kv_gossip::to_wire(&info.url, k));
     super::kv_shares::with_own_kv_shares(record, rt, tenants)
+}
+
+/// What one membership round knows besides the core: who this node is, who is live, what they
+/// publish, and when.
+struct Round<'a> {
+    /// This node's id.
+    self_id: &'a str,
+    /// The live members, this node included.
+    live: &'a [Member],
+    /// One record per replica id (see [`Node::apply_membership`]).
+    records: &'a BTreeMap<String, ReplicaEntry>,
+    /// The node's clock.
+    now: Duration,
+    /// Wall-clock milliseconds (a new home's epoch).
+    wall: u64,
+    /// Least time between two `rload:` records of a replica.
+    load_interval: Duration,
+    /// This node's region.
+    local: String,
+}
+
+/// A learned replica stays while the node that vouches for it is live and some live member
+/// publishes it (this node, as its home, included); else it drains and is dropped
+/// (`learned.rs`, `registry.rs`). True: it expired this round.
+fn expire_learned(
+    core: &mut Core,
+    i: usize,
+    info: &ReplicaInfo,
+    me_home: bool,
+    round: &Round<'_>,
+    plan: &mut MeshPlan,
+) -> bool {
+    let rt = &mut core.replicas[i];
+    if !rt.mesh.learned {
+        return false;
+    }
+    if let Some(e) = round.records.get(&info.id).filter(|e| e.home) {
+        rt.mesh.origin = Some(super::learned::origin_of(e));
+    }
+    let origin_live = rt
+        .mesh
+        .origin
+        .as_ref()
+        .is_some_and(|o| round.live.iter().any(|m| m.node_id == *o));
+    let published = me_home
+        || round
+            .live
+            .iter()
+            .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
+    if !(origin_live && published) {
+        tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
+        rt.removed = true;
+        rt.removed_at = Some(round.now);
+        if rt.mesh.published.take().is_some() {
+            plan.unpublish.push(info.id.clone());
+        }
+        plan.expired.push(i);
+        core.view.set_health(i, Health::Draining);
+        return true;
+    }
+    false
+}
+
+/// This node is replica `i`'s home: start a new epoch when it just became home (or a peer's
+/// is newer), and publish its record when it changed.
+fn publish_as_home(
+    core: &mut Core,
+    i: usize,
+    info: &Arc<ReplicaInfo>,
+    load: &ReplicaLoad,
+    round: &Round<'_>,
+    plan: &mut MeshPlan,
+) {
+    let (self_id, live, now, wall) = (round.self_id, round.live, round.now, round.wall);
+    let load_interval = round.load_interval;
+    let rt = &mut core.replicas[i];
+    let mut restart = None;
+    if !rt.mesh.home {
+        // Gained: supersede the previous home's epoch, keep what this node routed.
+        let pulled = rt.mesh.pulled.map_or(0, |(e, _)| e.saturating_add(1));
+        restart = Some(wall.max(pulled));
+        tracing::info!(replica = %info.id, "became home");
+    }
+    let ours = rt.cache.summary().epoch();
+    let theirs = live
+        .iter()
+        .filter(|m| !m.is_self)
+        .filter_map(|m| m.replicas.get(&info.id))
+        .map(|r| r.summary.epoch)
+        .max();
+    if let Some(t) = theirs.filter(|t| *t >= ours) {
+        restart = Some(restart.unwrap_or(0).max(t.saturating_add(1)));
+    }
+    if let Some(epoch) = restart {
+        if let Err(e) = rt.cache.restart_epoch(epoch) {
+            tracing::warn!(replica = %info.id, error = %e, "cannot start a new epoch");
+        }
+        rt.summary_dirty = true;
+    }
+    rt.mesh.home = true;
+    rt.mesh.home_id = Some(self_id.to_owned());
+    rt.mesh.home_addr = None;
+    rt.mesh.remote_health = None;
+    rt.mesh.remote_queued = 0;
+    rt.mesh.remote_kv_shares = None;
+    rt.mesh.pulled = None;
+    let record = own_record(rt, info, load, &core.router.tenants);
+    let version = record.summary;
+    let change = RecordChange::between(
+        rt.mesh.published.as_ref(),
+        &record,
+        rt.mesh.load_published_at.map(|t| now.saturating_sub(t)),
+        load_interval,
+    );
+    if change != RecordChange::None {
+        rt.mesh.load_published_at = Some(now);
+        if rt.mesh.published.as_ref().map(|p| p.summary) != Some(version) {
+            rt.mesh.updated_at = Some(now);
+            // The home's own view gets the new summary now, with its record, not at
+            // the next upkeep tick: that tick was the slowest step of visibility.
+            rt.summary_dirty = false;
+            let copy = rt.cache.summary().routing_copy();
+            core.view.set_summary(i, copy);
+        }
+        let rt = &mut core.replicas[i];
+        rt.mesh.published = Some(record.clone());
+        plan.publish.push((info.id.clone(), record, change));
+    }
+}
+
+/// Another node is replica `i`'s home (or none is): hand over to it once it publishes, stand in
+/// for it while nobody does, and fold its record into the view.
+fn follow_home(
+    core: &mut Core,
+    i: usize,
+    info: &Arc<ReplicaInfo>,
+    load: &ReplicaLoad,
+    home: Option<(String, SocketAddr)>,
+    round: &Round<'_>,
+    plan: &mut MeshPlan,
+) {
+    let (self_id, live, records, local) = (
+        round.self_id,
+        round.live,
+        round.records,
+        round.local.as_str(),
+    );
+    let rt = &mut core.replicas[i];
+    if rt.mesh.home {
+        tracing::info!(replica = %info.id, "no longer home");
+        // The view keeps this node's own copy until the new home's replaces it.
+        rt.mesh.pulled = None;
+    }
+    // The record stays up until the new home publishes its own: a new home that
+    // knows the replica only from gossip learns it from this record, and peers
+    // never see the replica vanish. Then this node's keys go to the new home.
+    let taken_over = home.as_ref().is_some_and(|(h, _)| {
+        live.iter()
+            .any(|m| m.node_id == *h && m.replicas.contains_key(&info.id))
+    });
+    if taken_over && rt.mesh.published.take().is_some() {
+        plan.unpublish.push(info.id.clone());
+        if let Some((_, addr)) = &home {
+            let keys = rt.cache.live_keys().into_iter().map(|k| k.0).collect();
+            plan.handover.push((info.id.clone(), *addr, keys));
+        }
+    }
+    rt.mesh.home = false;
+    rt.mesh.home_id = home.as_ref().map(|(h, _)| h.clone());
+    rt.mesh.home_addr = home.map(|(_, a)| a);
+    // A replica in this node's own config that no live peer publishes (its home
+    // may not know it: configs differ): publish a stand-in record from this node's
+    // own model so the home learns it, until the home takes over as above.
+    let others_publish = live
+        .iter()
+        .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
+    if !others_publish && !rt.mesh.learned && info.region == local {
+        rt.mesh.remote_health = None;
+        rt.mesh.remote_queued = 0;
+        let record = own_record(rt, info, load, &core.router.tenants);
+        if rt.mesh.published.as_ref() != Some(&record) {
+            // A stand-in goes out whole: it is how the home learns the replica.
+            rt.mesh.published = Some(record.clone());
+            plan.publish
+                .push((info.id.clone(), record, RecordChange::Full));
+        }
+    }
+    match records.get(&info.id).filter(|e| e.publisher != self_id) {
+        // Published, but not by its home (per this node's membership): ignored.
+        // What the home last said stands until the home publishes (a handover, or
+        // memberships that differ for a round).
+        Some(e) if !e.home => {}
+        Some(e) => {
+            let rec = &e.record;
+            rt.mesh.remote_health = Some(rec.health.into());
+            rt.mesh.remote_queued = rec.load.queued_prefill_tokens;
+            super::kv_shares::set_remote_kv_shares(rt, rec, &core.router.tenants);
+            let queued = rt.queued_estimate();
+            let learned = rt.mesh.learned;
+            if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
+                plan.behind += 1;
+                if !rt.mesh.pulling {
+                    rt.mesh.pulling = true;
+                    let (epoch, seq) = rt.mesh.pulled.unwrap_or((0, 0));
+                    plan.pulls.push(Pull {
+                        index: i,
+                        id: info.id.clone(),
+                        from: e.publisher_addr,
+                        epoch,
+                        seq,
+                    });
+                }
+            }
+            if learned {
+                let fresh = rec.info(&info.id);
+                if fresh != **info {
+                    core.view.upsert(fresh);
+                }
+            }
+            core.view.set_engine_load(
+                i,
+                rec.load.waiting,
+                rec.load.running,
+                rec.load.kv_usage.clamp(0.0, 1.0),
+                queued,
+            );
+        }
+        None => {
+            // Nobody else publishes it: a replica known only from gossip has no one
+            // vouching for it any more; a configured one keeps its own checks (this
+            // node's own record, if any, only echoes them).
+            rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+            rt.mesh.remote_queued = 0;
+            rt.mesh.remote_kv_shares = None;
+        }
+    }
 }
 
 /// Answers peers' summary requests and takes their block reports.

@@ -340,9 +340,16 @@ impl Node {
     }
 
     /// Records a request this node sends on its own — a hot-prefix warm-up of `keys`,
-    /// `tokens` of prefill — to replica `i` as a routed one, so the next decisions see its
-    /// load and, from its first byte, its blocks. `None` for an unknown replica.
-    pub fn route_to(self: &Arc<Self>, i: usize, keys: &[BlockKey], tokens: u64) -> Option<Ticket> {
+    /// `tokens` of prefill, for `tenant` — to replica `i` as a routed one, so the next
+    /// decisions see its load and, from its first byte, its blocks. `None` for an unknown
+    /// replica.
+    pub fn route_to(
+        self: &Arc<Self>,
+        i: usize,
+        keys: &[BlockKey],
+        tokens: u64,
+        tenant: Option<&str>,
+    ) -> Option<Ticket> {
         let now = self.now();
         let ticket = {
             let mut guard = self.lock();
@@ -359,8 +366,8 @@ impl Node {
                 uncached: tokens,
                 cached: 0,
                 new_blocks: keys.len(),
-                tenant: None,
-                kv_slot: core.router.tenants.kv_slot(None),
+                tenant,
+                kv_slot: core.router.tenants.kv_slot(tenant),
                 target: None,
                 ready_in: Duration::try_from_secs_f64(ready_in.clamp(0.0, MAX_READY_IN_S))
                     .unwrap_or_default(),

@@ -10,6 +10,7 @@ pub mod admin_cli;
 mod auth;
 mod blame;
 mod body;
+mod cache_salt;
 mod decide;
 mod deliver;
 pub mod error;

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::engine_sim::{CacheEvent, Engine, EngineConfig, Output, Request, SubmitError};
+use crate::kv_events::msgpack::Value;
 use crate::kv_events::{BlockRemoved, BlockStored, EventBatch, KvEvent, KvPublisher};
 
 use super::metrics::Metrics;
@@ -128,6 +129,13 @@ pub async fn run(
     }
 }
 
+/// vLLM's extra keys of a salted chain: the salt among block 0's, none for the rest.
+fn salt_extra_keys(salt: String, blocks: usize) -> Value {
+    let mut per_block = vec![Value::Nil; blocks.max(1)];
+    per_block[0] = Value::Array(vec![Value::Str(salt)]);
+    Value::Array(per_block)
+}
+
 fn to_wire(events: Vec<CacheEvent>, block_size: u32, rank: u16) -> EventBatch {
     let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -140,7 +148,9 @@ fn to_wire(events: Vec<CacheEvent>, block_size: u32, rank: u16) -> EventBatch {
                 parent,
                 hashes,
                 token_ids,
+                cache_salt,
             } => KvEvent::BlockStored(BlockStored {
+                extra_keys: cache_salt.map(|s| salt_extra_keys(s, hashes.len())),
                 block_hashes: hashes,
                 parent_block_hash: parent,
                 token_ids,

@@ -275,6 +275,8 @@ pub struct Job {
     pub handed_over: bool,
     /// The request field an engine refusal (empty or too long a prompt) names.
     pub param: &'static str,
+    /// vLLM's `cache_salt` (completions and chat).
+    pub cache_salt: Option<String>,
 }
 
 /// What the engine charged a request: the `x-kvmesh-*` headers and the usage fields.
@@ -336,6 +338,7 @@ fn send_job(
         id,
         prompt: job.prompt.clone(),
         max_tokens: job.max_tokens,
+        cache_salt: job.cache_salt.clone(),
     };
     let cmd = Command::Submit {
         req,

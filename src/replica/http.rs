@@ -255,6 +255,7 @@ async fn serve_openai(
         max_tokens: parsed.max_tokens,
         handed_over: matches!(leg, Leg::Decode { .. }),
         param: "prompt",
+        cache_salt: parsed.cache_salt.take(),
     };
     let started = submit(s, rank, in_flight, job, arrived).await?;
     let charge = started.charge;

@@ -74,6 +74,7 @@ async fn serve_messages(
         max_tokens: req.max_tokens,
         handed_over: false,
         param: "messages",
+        cache_salt: None,
     };
     let started = submit(s, a.rank, a.in_flight, job, a.arrived).await?;
     let charge = started.charge;
@@ -156,6 +157,7 @@ async fn serve_responses(
         max_tokens,
         handed_over: false,
         param: "input",
+        cache_salt: None,
     };
     let started = submit(s, a.rank, a.in_flight, job, a.arrived).await?;
     let charge = started.charge;
@@ -264,6 +266,7 @@ async fn serve_pooling(s: &Arc<Shared>, headers: &HeaderMap, body: Body, pool: P
                 max_tokens: 1,
                 handed_over: false,
                 param: pool.param(),
+                cache_salt: None,
             })
             .collect();
         let (charges, total) = submit_batch(s, a.rank, a.in_flight, &jobs, a.arrived).await?;

@@ -84,6 +84,20 @@ pub struct Parsed {
     /// Filler tokens the text being continued already ends with (a completion prompt, or a
     /// chat's open assistant message): the answer goes on from there ([`filler_offset`]).
     pub offset: u32,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached blocks.
+    pub cache_salt: Option<String>,
+}
+
+/// The body's `cache_salt`, as vLLM reads it (a non-empty string, else none).
+fn cache_salt(body: &Value) -> Result<Option<String>, ApiError> {
+    match body.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(
+            "cache_salt must be a non-empty string",
+            Some("cache_salt"),
+        )),
+    }
 }
 
 fn max_tokens(body: &Value, default: u32) -> Result<u32, ApiError> {
@@ -157,6 +171,7 @@ pub fn parse_completion(body: &Value, default_max_tokens: u32) -> Result<Parsed,
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
         include_usage,
+        cache_salt: cache_salt(body)?,
     })
 }
 
@@ -283,6 +298,7 @@ pub fn parse_chat(body: &Value, default_max_tokens: u32) -> Result<Parsed, ApiEr
         max_tokens: max_tokens(body, default_max_tokens)?,
         stream,
         include_usage,
+        cache_salt: cache_salt(body)?,
     })
 }
 

@@ -612,6 +612,7 @@ impl NodeConfig {
             ));
         }
         self.server.validate()?;
+        self.auth.validate()?;
         if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
             return Err(invalid(
                 "server.max_buffered_body_bytes",
@@ -858,6 +859,10 @@ mod tests {
             ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
             ("[retry]\nstream_resumes = 17", "retry.stream_resumes"),
             ("[timeouts]\nstream_idle_ms = 0", "timeouts.stream_idle_ms"),
+            (
+                "[auth]\nshared_system_prompts = [\"\"]",
+                "auth.shared_system_prompts",
+            ),
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",

@@ -14,11 +14,16 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::error::{invalid, ConfigError};
+use crate::core::tenant_salt::{TenantSalts, MAX_SHARED_PROMPTS, MAX_SHARED_PROMPT_BYTES};
 
 /// Environment variable holding the admin token (beats `auth.admin_token_file`).
 pub const ADMIN_TOKEN_ENV: &str = "KVMESH_ADMIN_TOKEN";
 /// Environment variable holding the metrics token (beats `auth.metrics_token_file`).
 pub const METRICS_TOKEN_ENV: &str = "KVMESH_METRICS_TOKEN";
+/// Environment variable holding the tenant-salt secret (beats `auth.tenant_salt_secret_file`).
+pub const TENANT_SALT_SECRET_ENV: &str = "KVMESH_TENANT_SALT_SECRET";
+/// Domain separation of a tenant-salt secret derived from the API keys file.
+const DERIVED_SALT_SECRET_LABEL: &[u8] = b"kvmesh tenant-salt secret from api keys v1\0";
 /// Longest secret or key file read (a token file is a line; a key file a few thousand lines).
 const MAX_SECRET_FILE_BYTES: u64 = 4 << 20;
 /// Most API keys one file may hold.
@@ -129,7 +134,7 @@ impl ServerConfig {
 
 /// `[auth]`: who may call what. Tokens and keys are read from files (or the environment) when
 /// the node starts.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// File holding the bearer token `/admin/*` requires (first line). `KVMESH_ADMIN_TOKEN`
@@ -151,6 +156,35 @@ pub struct AuthConfig {
     /// File holding a bearer token sent to replicas when API keys are on (their own
     /// `--api-key`). Default none.
     pub replica_token_file: Option<PathBuf>,
+    /// With API keys: set every completions and chat request's `cache_salt` from its tenant
+    /// (`core::tenant_salt`), overriding the client's, so tenants never share an engine cache
+    /// entry. Default true.
+    pub tenant_salts: bool,
+    /// File holding the secret tenant salts are keyed with (first line, ≥ 16 bytes);
+    /// `KVMESH_TENANT_SALT_SECRET` beats it. Every node of a mesh should share it (a tenant's
+    /// cache then follows it across nodes). Default none: derived from the API keys file's
+    /// contents (nodes with the same file agree; a changed file changes every salt once).
+    pub tenant_salt_secret_file: Option<PathBuf>,
+    /// System prompts every tenant may share (opt-in, ≤ 16, each 1..=65,536 bytes): a request
+    /// whose prompt begins with one gets that prompt's salt, the same for every tenant. The
+    /// engine salts from the first block on, so the whole prompt is then shared, the tenant's
+    /// own part included. Default none.
+    pub shared_system_prompts: Vec<String>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            admin_token_file: None,
+            admin_open: false,
+            metrics_token_file: None,
+            api_keys_file: None,
+            replica_token_file: None,
+            tenant_salts: true,
+            tenant_salt_secret_file: None,
+            shared_system_prompts: Vec::new(),
+        }
+    }
 }
 
 /// Secrets read from the files and environment `[auth]` names, at start.
@@ -164,6 +198,8 @@ pub struct Secrets {
     pub api_keys: Option<HashMap<[u8; 32], String>>,
     /// Bearer token for replicas.
     pub replica_token: Option<String>,
+    /// The `cache_salt` each tenant's requests get (API keys on and `auth.tenant_salts`).
+    pub tenant_salts: Option<TenantSalts>,
 }
 
 impl std::fmt::Debug for Secrets {
@@ -173,6 +209,7 @@ impl std::fmt::Debug for Secrets {
             .field("metrics_token", &self.metrics_token.as_ref().map(|_| "…"))
             .field("api_keys", &self.api_keys.as_ref().map(HashMap::len))
             .field("replica_token", &self.replica_token.as_ref().map(|_| "…"))
+            .field("tenant_salts", &self.tenant_salts)
             .finish()
     }
 }
@@ -246,19 +283,81 @@ impl AuthConfig {
             None,
             self.replica_token_file.as_deref(),
         )?;
-        let api_keys = match &self.api_keys_file {
-            None => None,
-            Some(path) => Some(parse_api_keys(&read_secret_file(
-                "auth.api_keys_file",
-                path,
-            )?)?),
+        let (api_keys, tenant_salts) = match &self.api_keys_file {
+            None => (None, None),
+            Some(path) => {
+                let text = read_secret_file("auth.api_keys_file", path)?;
+                let keys = parse_api_keys(&text)?;
+                let salts = self.tenant_salts_for(&text, &keys)?;
+                (Some(keys), salts)
+            }
         };
         Ok(Secrets {
             admin_token,
             metrics_token,
             api_keys,
             replica_token,
+            tenant_salts,
         })
+    }
+
+    /// The tenants' salts, keyed by the configured secret or one derived from the API keys
+    /// file's `keys_text` (secret as a whole: a tenant knows its own key only).
+    fn tenant_salts_for(
+        &self,
+        keys_text: &str,
+        keys: &HashMap<[u8; 32], String>,
+    ) -> Result<Option<TenantSalts>, ConfigError> {
+        if !self.tenant_salts {
+            return Ok(None);
+        }
+        let secret = match token_from(
+            "auth.tenant_salt_secret_file",
+            Some(TENANT_SALT_SECRET_ENV),
+            self.tenant_salt_secret_file.as_deref(),
+        )? {
+            Some(s) if s.len() < 16 => {
+                return Err(invalid(
+                    "auth.tenant_salt_secret_file",
+                    "the secret is shorter than 16 bytes",
+                ))
+            }
+            Some(s) => s.into_bytes(),
+            None => {
+                let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+                ctx.update(DERIVED_SALT_SECRET_LABEL);
+                ctx.update(keys_text.as_bytes());
+                ctx.finish().as_ref().to_vec()
+            }
+        };
+        let tenants = keys.values().map(String::as_str);
+        Ok(Some(TenantSalts::new(
+            &secret,
+            tenants,
+            &self.shared_system_prompts,
+        )))
+    }
+
+    /// Checks the shared system prompts' bounds.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let key = "auth.shared_system_prompts";
+        if self.shared_system_prompts.len() > MAX_SHARED_PROMPTS {
+            return Err(invalid(
+                key,
+                format!("at most {MAX_SHARED_PROMPTS} prompts"),
+            ));
+        }
+        if self
+            .shared_system_prompts
+            .iter()
+            .any(|p| p.is_empty() || p.len() > MAX_SHARED_PROMPT_BYTES)
+        {
+            return Err(invalid(
+                key,
+                format!("each prompt is 1..={MAX_SHARED_PROMPT_BYTES} bytes"),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -10,8 +10,11 @@
 //! A drain outlives the replica's other sources: a DNS answer or a learned record that brings
 //! it back leaves it draining until an `add`. Every node applies the newest command per replica
 //! (later stamp, then larger node id), its own and its region's peers' alike; peers' adds pass
-//! the learned-replica allow-list. Commands live in memory: a node restarted alone takes them
-//! back from its peers' records, a whole region restarted starts from its configuration files.
+//! the learned-replica allow-list. A peer's drain lasts only while that peer is a live member
+//! publishing it: a member that leaves (or a rogue one that is thrown out) takes its drains
+//! with it, so they cannot hold a region's capacity after their author's authority is gone.
+//! Commands live in memory: a node restarted alone takes them back from its peers' records, a
+//! whole region restarted starts from its configuration files.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -142,6 +145,8 @@ impl Node {
             let stamp = now_ms().max(book.applied.get(id).map_or(0, |(s, _)| s + 1));
             book.applied
                 .insert(id.to_owned(), (stamp, self_id.to_owned()));
+            // This node's own command now holds the replica, whoever drained it before.
+            book.peer_drains.remove(id);
             let record = AdminRecord {
                 stamp_ms: stamp,
                 op,
@@ -268,6 +273,12 @@ impl Node {
             match self.apply_admin(record.op, id, spec.as_ref()) {
                 Ok(_) => {
                     tracing::info!(replica = %id, op = record.op.as_str(), from = %by, "operator command from a peer applied");
+                    let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
+                    if record.op == AdminOp::Drain {
+                        book.peer_drains.insert(id.to_owned(), by.to_owned());
+                    } else {
+                        book.peer_drains.remove(id);
+                    }
                 }
                 // A drain for a replica this node never heard of: nothing to do.
                 Err(AdminError::NotFound(_)) => {}
@@ -277,6 +288,7 @@ impl Node {
             }
             self.remember_applied(id, record.stamp_ms, by);
         }
+        self.end_orphaned_drains(live);
         let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         if book.applied.len() > MAX_APPLIED {
             let published: std::collections::HashSet<&str> = live
@@ -286,6 +298,47 @@ impl Node {
             let own: Vec<String> = book.own.keys().cloned().collect();
             book.applied
                 .retain(|id, _| published.contains(id.as_str()) || own.contains(id));
+        }
+    }
+
+    /// Ends the drains of peers that no longer publish them (they left the mesh, or withdrew
+    /// the record): the replica returns to its own health, and the command is forgotten, so the
+    /// record is applied again should its author return with it.
+    fn end_orphaned_drains(&self, live: &[Member]) {
+        let orphaned: Vec<String> = {
+            let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
+            let held = |id: &str, by: &str| {
+                live.iter().any(|m| {
+                    m.node_id == by && m.admin.get(id).is_some_and(|r| r.op == AdminOp::Drain)
+                })
+            };
+            let gone: Vec<String> = book
+                .peer_drains
+                .iter()
+                .filter(|(id, by)| !held(id, by))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in &gone {
+                book.peer_drains.remove(id);
+                book.applied.remove(id);
+            }
+            gone
+        };
+        if orphaned.is_empty() {
+            return;
+        }
+        let mut core = self.lock();
+        for id in &orphaned {
+            let Some(i) = core.view.index_of(id) else {
+                continue;
+            };
+            let Some(rt) = core.replicas.get_mut(i) else {
+                continue;
+            };
+            rt.admin_drained = false;
+            let h = rt.effective_health();
+            core.view.set_health(i, h);
+            tracing::info!(replica = %id, "a departed member's drain ended");
         }
     }
 
@@ -424,5 +477,102 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
             .as_ref()
             .and_then(|k| super::kv_gossip::from_wire(&s.url, k)),
         kv_load: s.kv_load.filter(|l| l.validate().is_ok()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::schema::{NodeRecord, SCHEMA_VERSION};
+    use crate::node::config::{MeshSection, NodeConfig};
+    use std::net::SocketAddr;
+
+    fn node() -> Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            region: "eu".into(),
+            ..NodeConfig::default()
+        };
+        cfg.replicas = vec![ReplicaConfig {
+            id: Some("own".into()),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url("http://10.0.0.5:8000".to_owned())
+        }];
+        cfg.mesh = Some(MeshSection {
+            node_id: "a".into(),
+            listen: "10.0.0.1:7946".parse().unwrap(),
+            certs_dir: Some("/nonexistent".into()),
+            ..MeshSection::default()
+        });
+        Node::new(cfg).unwrap()
+    }
+
+    fn member(id: &str, port: u16, is_self: bool, drains: &[&str]) -> Member {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let stamp_ms = now_ms();
+        let admin = drains
+            .iter()
+            .map(|r| {
+                let record = AdminRecord {
+                    stamp_ms,
+                    op: AdminOp::Drain,
+                    spec: None,
+                };
+                ((*r).to_owned(), record)
+            })
+            .collect();
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: String::new(),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: Default::default(),
+            inflight: Default::default(),
+            hot: Default::default(),
+            rtt: Default::default(),
+            homes: None,
+            admin: Arc::new(admin),
+            regions: Default::default(),
+        }
+    }
+
+    /// Issue #35: a member's drains held every replica of the region after it left. A peer's
+    /// drain now lasts while that peer is live and publishes it; an operator's own drain here
+    /// is not touched by peers leaving.
+    #[test]
+    fn a_peers_drain_ends_when_the_peer_leaves_or_withdraws_it() {
+        let n = node();
+        let policy = LearnPolicy::of(&n);
+        let health = || n.admin_replicas()[0].health.clone();
+        let me = member("a", 7000, true, &[]);
+        let rogue = member("z", 7001, false, &["own"]);
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        // Still published: it holds, round after round.
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        // The member leaves: the drain ends with it.
+        n.apply_admin_records(std::slice::from_ref(&me), &policy);
+        assert_eq!(health(), "healthy");
+        // It comes back with the same record: applied again; then it withdraws it: ended.
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        let withdrawn = member("z", 7001, false, &[]);
+        n.apply_admin_records(&[me.clone(), withdrawn], &policy);
+        assert_eq!(health(), "healthy");
+        // This node's own drain is the operator's word here: peers leaving do not end it.
+        n.admin_command(AdminOp::Drain, "own", None).unwrap();
+        n.apply_admin_records(std::slice::from_ref(&me), &policy);
+        assert_eq!(health(), "draining");
     }
 }

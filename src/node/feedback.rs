@@ -337,7 +337,7 @@ mod tests {
             core.peer_loads
                 .apply(peer, update, Duration::ZERO, |_| Some(256))
                 .unwrap();
-            crate::node::load_share::refresh_shared_load(core, 0, 1 << 21);
+            crate::node::load_share::refresh_shared_load(core, 0, 1 << 21, Duration::ZERO);
             assert_eq!(
                 core.view.replica(0).unwrap().load.queued_prefill_tokens,
                 5_100

@@ -14,17 +14,23 @@
 //!   (`total_cap`).
 //!
 //! Each learned replica has an *origin*: the node that has it from its own configuration (the
-//! record's `origin`, or its publisher). It is kept only while the origin is a live member and
-//! some live member publishes it; then it drains and, once drained, is dropped (see
-//! `registry.rs`), so replicas a departed node introduced leave with it. Ignored records are
-//! counted once per (replica, publisher, reason) in `kvmesh_mesh_records_ignored_total{reason}`.
+//! record's `origin`, or its publisher). While the origin is a live member, the replica is kept
+//! as long as some live member publishes it (the origin dropping it from its configuration or
+//! DNS withdraws it everywhere). When the origin dies, its replicas stay in service under their
+//! new rendezvous home, which health-checks and scrapes them like its own: a router's death
+//! costs the mesh no engine capacity. They leave only when their own checks fail, or an
+//! operator removes them ([`keeps_learned`]); a drained one is dropped (see `registry.rs`).
+//! Ignored records are counted once per (replica, publisher, reason) in
+//! `kvmesh_mesh_records_ignored_total{reason}`.
 
 use std::collections::HashSet;
 
 use super::state::Node;
+use crate::core::view::Health;
 use crate::mesh::allow::{self, AllowRule};
 use crate::mesh::{Member, ReplicaEntry};
 use crate::replicas::entry::ReplicaConfig;
+use crate::replicas::health::HealthTracker;
 
 /// Why a peer's replica record was not learned (the metric's `reason`).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -311,6 +317,28 @@ impl Node {
     }
 }
 
+/// Whether a learned replica stays in the registry this round. `origin_live`: the node that
+/// vouches for it is a live member; `published`: a live member publishes its record (this
+/// node, as its home, included); `homed`: the region has a live home for it (a peer that takes
+/// it over within a round or two, or this node); `down`: its active checks fail (not a passing
+/// outlier ejection).
+///
+/// With its origin live, the origin's word holds: unpublished, it goes. With its origin gone,
+/// the engine is still there: it stays under its new home unless it is down itself.
+pub(super) fn keeps_learned(origin_live: bool, published: bool, homed: bool, down: bool) -> bool {
+    if origin_live {
+        published
+    } else {
+        (published || homed) && !down
+    }
+}
+
+/// Whether a replica this node is home of is down by its active health checks, as against
+/// ejected for a while by failed requests (which ends by itself).
+pub(super) fn down_by_checks(health: &HealthTracker) -> bool {
+    health.health() == Health::Unhealthy && !health.ejected()
+}
+
 /// Remembers which ignored records were counted, so a record ignored every round counts once.
 #[derive(Debug, Default)]
 pub(super) struct Ignored {
@@ -348,7 +376,6 @@ impl Ignored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::view::Health;
     use crate::mesh::schema::SCHEMA_VERSION;
     use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
     use crate::mesh::Member;
@@ -543,14 +570,89 @@ mod tests {
         let mut tried = 0;
         n.learn_round([&mine], &all, "a", |_| true, &policy, |_, _| tried += 1);
         assert_eq!(tried, 0);
-        // Learned regardless of the origin (the old order), the same round expires it.
+        // Learned regardless of the origin (the old order): its home still publishes it, so
+        // it stays (a replica outlives the router that configured it).
         let m = node("127.0.0.1:7946");
-        let (i, _) = m.learn_replica(&e, false, &LearnPolicy::of(&m)).unwrap();
-        assert_eq!(m.apply_membership("a", &early, &records).expired, vec![i]);
+        m.learn_replica(&e, false, &LearnPolicy::of(&m)).unwrap();
+        assert!(m.apply_membership("a", &early, &records).expired.is_empty());
+    }
+
+    /// Issue #35: kill -9 of the node that configured two of four replicas took them out of
+    /// the whole mesh ("learned, origin gone"). They stay, under their new home, while their
+    /// own checks pass; a replica whose origin still lives goes when nobody publishes it.
+    #[test]
+    fn a_replica_outlives_its_origin_under_its_new_home_and_leaves_only_when_down() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let me = member("a", 7000, true);
+        let mut o = member("o", 7001, false);
+        let q = member("q", 7002, false);
+        // o configured it and is its home among the three; without o, q is its home.
+        let id = (0..)
+            .map(|i| format!("kept{i}"))
+            .find(|id| {
+                let home = |m: &[Member]| crate::mesh::cluster::home_in(m, id, "eu").unwrap().0;
+                home(&[me.clone(), o.clone(), q.clone()]) == "o"
+                    && home(&[me.clone(), q.clone()]) == "q"
+            })
+            .unwrap();
+        let e = entry(&id, "o", "http://127.0.0.1:8001", true);
+        Arc::make_mut(&mut o.replicas).insert(id.clone(), e.record.clone());
+        let (i, _) = n.learn_replica(&e, false, &policy).unwrap();
+        let all = [me.clone(), o.clone(), q.clone()];
+        let records = BTreeMap::from([(id.clone(), e.clone())]);
+        assert!(n.apply_membership("a", &all, &records).expired.is_empty());
+        let health = |n: &Node| n.lock().view.replica(i).unwrap().health;
+        assert_eq!(health(&n), Health::Healthy);
+        // o dies. The round before q, its new home, publishes it: kept, still routable.
+        let survivors = [me.clone(), q.clone()];
+        let plan = n.apply_membership("a", &survivors, &BTreeMap::new());
+        assert!(plan.expired.is_empty());
+        assert_eq!(health(&n), Health::Healthy, "not 'vouched for by nobody'");
+        // q publishes it (origin o, gone): kept, with q's figures.
+        let mut q2 = q.clone();
+        let mut by_q = entry(&id, "q", "http://127.0.0.1:8001", true);
+        by_q.record.origin = "o".into();
+        Arc::make_mut(&mut q2.replicas).insert(id.clone(), by_q.record.clone());
+        let survivors = [me.clone(), q2.clone()];
+        let records = BTreeMap::from([(id.clone(), by_q.clone())]);
+        for _ in 0..3 {
+            assert!(n
+                .apply_membership("a", &survivors, &records)
+                .expired
+                .is_empty());
+            assert_eq!(health(&n), Health::Healthy);
+        }
+        // Its own checks fail (q says so): now it leaves.
+        let mut down = by_q.clone();
+        down.record.health = WireHealth::Unhealthy;
+        let records = BTreeMap::from([(id.clone(), down)]);
+        assert_eq!(
+            n.apply_membership("a", &survivors, &records).expired,
+            vec![i]
+        );
+        // keeps_learned, in short.
+        assert!(
+            keeps_learned(true, true, true, true),
+            "origin live: its word"
+        );
+        assert!(
+            !keeps_learned(true, false, true, false),
+            "origin live, unpublished"
+        );
+        assert!(
+            keeps_learned(false, false, true, false),
+            "handing over to a new home"
+        );
+        assert!(
+            !keeps_learned(false, true, true, true),
+            "origin gone and down"
+        );
+        assert!(!keeps_learned(false, false, false, false), "no home at all");
     }
 
     #[test]
-    fn a_learned_replica_expires_with_its_origin_and_is_dropped_after_its_drain() {
+    fn a_learned_replica_unpublished_by_its_live_origin_is_dropped_after_its_drain() {
         let n = node("127.0.0.1:7946");
         let policy = LearnPolicy::of(&n);
         let mut p = member("p", 7001, false);
@@ -574,8 +676,9 @@ mod tests {
         let plan = n.apply_membership("a", &live, &records);
         assert!(plan.expired.is_empty());
         assert_eq!(n.lock().replicas[i].mesh.origin.as_deref(), Some("p"));
-        // p leaves: the replica drains (no new requests), keeps its index.
-        let plan = n.apply_membership("a", std::slice::from_ref(&me), &BTreeMap::new());
+        // p, live, withdraws it: the replica drains (no new requests), keeps its index.
+        let p_live = member("p", 7001, false);
+        let plan = n.apply_membership("a", &[me.clone(), p_live], &BTreeMap::new());
         assert_eq!(plan.expired, vec![i]);
         {
             let core = n.lock();

@@ -298,10 +298,13 @@ impl Node {
             }
             let home = homes.home(&info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
+            // A learned replica whose origin died, between its old home's record and its new
+            // home's: not "vouched for by nobody", its new home is about to publish it.
+            let mut handing_over = false;
             if rt.mesh.learned {
-                // A learned replica stays while the node that vouches for it is live and some
-                // live member publishes it (this node, as its home, included); else it drains
-                // and is dropped (`learned.rs`, `registry.rs`).
+                // A learned replica stays while some live member publishes it (this node, as
+                // its home, included), or while its origin is gone and a live peer is its new
+                // home; else it drains and is dropped (`learned.rs::keeps_learned`).
                 if let Some(e) = records.get(&info.id).filter(|e| e.home) {
                     rt.mesh.origin = Some(super::learned::origin_of(e));
                 }
@@ -314,7 +317,18 @@ impl Node {
                     || live
                         .iter()
                         .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
-                if !(origin_live && published) {
+                let down = if me_home {
+                    super::learned::down_by_checks(&rt.health)
+                } else {
+                    records
+                        .get(&info.id)
+                        .filter(|e| e.home)
+                        .is_some_and(|e| Health::from(e.record.health) == Health::Unhealthy)
+                };
+                let keep =
+                    super::learned::keeps_learned(origin_live, published, home.is_some(), down);
+                handing_over = !origin_live && !published;
+                if !keep {
                     tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
                     rt.removed = true;
                     rt.removed_at = Some(now);
@@ -463,7 +477,9 @@ impl Node {
                         // Nobody else publishes it: a replica known only from gossip has no one
                         // vouching for it any more; a configured one keeps its own checks (this
                         // node's own record, if any, only echoes them).
-                        rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+                        if !handing_over {
+                            rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+                        }
                         rt.mesh.remote_queued = 0;
                         rt.mesh.remote_kv_shares = None;
                     }

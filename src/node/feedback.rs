@@ -45,6 +45,16 @@ impl Node {
         }
     }
 
+    /// Whether replica `i` failed requests lately (consecutive failures above zero, or
+    /// ejected): a request that merely timed out there is then held against it too
+    /// (`proxy/blame.rs`).
+    pub fn replica_failing(&self, i: usize) -> bool {
+        let core = self.lock();
+        core.replicas
+            .get(i)
+            .is_some_and(|rt| rt.health.request_failures() > 0 || rt.health.ejected())
+    }
+
     /// Result of an active health check; `models` when discovered from `/v1/models`.
     pub(super) fn active_check(&self, i: usize, ok: bool, models: Option<Vec<String>>) {
         let mut core = self.lock();

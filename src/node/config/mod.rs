@@ -216,7 +216,8 @@ pub struct TimeoutConfig {
     pub first_byte_ms: u64,
     /// The same for a streamed request (`"stream": true`), whose headers engines send before the
     /// prefill: a replica that accepts and never answers holds it this long before it is retried
-    /// elsewhere and counted against the replica. Default 30,000.
+    /// elsewhere and counted against the replica. At most half of `retry.budget_ms`, so a
+    /// timed-out stream has budget left for another replica. Default 10,000.
     pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,
@@ -227,7 +228,7 @@ impl Default for TimeoutConfig {
         TimeoutConfig {
             connect_ms: 2_000,
             first_byte_ms: 300_000,
-            stream_first_byte_ms: 30_000,
+            stream_first_byte_ms: 10_000,
             idle_ms: 60_000,
         }
     }
@@ -246,6 +247,11 @@ pub struct RetryConfig {
     /// next best replica; the first answer wins and the other is dropped. It costs a duplicate
     /// prefill per hedge, and a replica that only lost races is not ejected. 0 = off. Default 0.
     pub hedge_after_ms: u64,
+    /// The same for a non-streamed request, whose answer comes only when done: a slow or stuck
+    /// replica no longer holds it for `timeouts.first_byte_ms`, and a long completion still
+    /// finishes where it runs if it is first. Below `budget_ms`; at or past
+    /// `timeouts.first_byte_ms` it never fires; 0 = off. Default 15,000.
+    pub hedge_whole_after_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -254,6 +260,7 @@ impl Default for RetryConfig {
             max_attempts: 3,
             budget_ms: 30_000,
             hedge_after_ms: 0,
+            hedge_whole_after_ms: 15_000,
         }
     }
 }
@@ -309,6 +316,33 @@ impl NodeConfig {
         self.policy
             .parse()
             .map_err(|e: crate::core::policy::UnknownPolicy| invalid("policy", e.to_string()))
+    }
+
+    /// A first-byte timeout must leave the retry budget room for another replica: a stream
+    /// that timed out at the budget's end was answered 502 instead of going elsewhere (issue
+    /// #35). A hedge of a whole (non-streamed) request starts within the budget.
+    fn validate_retry_fits_timeouts(&self) -> Result<(), ConfigError> {
+        let (t, r) = (&self.timeouts, &self.retry);
+        if r.max_attempts > 1 && t.stream_first_byte_ms.saturating_mul(2) > r.budget_ms {
+            return Err(invalid(
+                "timeouts.stream_first_byte_ms",
+                format!(
+                    "must be at most half of retry.budget_ms ({} ms), so a timed-out stream has budget left for another replica",
+                    r.budget_ms
+                ),
+            ));
+        }
+        let hedge = r.hedge_whole_after_ms;
+        if hedge > 0 && hedge >= r.budget_ms {
+            return Err(invalid(
+                "retry.hedge_whole_after_ms",
+                format!(
+                    "must be below retry.budget_ms ({} ms), or 0 (off)",
+                    r.budget_ms
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks every value; the first problem found is returned, naming its key.
@@ -388,6 +422,10 @@ impl NodeConfig {
             ("timeouts.idle_ms".into(), self.timeouts.idle_ms),
             ("retry.budget_ms".into(), self.retry.budget_ms),
             ("retry.hedge_after_ms".into(), self.retry.hedge_after_ms),
+            (
+                "retry.hedge_whole_after_ms".into(),
+                self.retry.hedge_whole_after_ms,
+            ),
             ("health.interval_ms".into(), self.health.interval_ms),
             ("health.timeout_ms".into(), self.health.timeout_ms),
             (
@@ -448,6 +486,7 @@ impl NodeConfig {
         if self.retry.max_attempts == 0 {
             return Err(invalid("retry.max_attempts", "must be at least 1"));
         }
+        self.validate_retry_fits_timeouts()?;
         if self.health.unhealthy_after == 0 {
             return Err(invalid("health.unhealthy_after", "must be at least 1"));
         }
@@ -803,6 +842,16 @@ mod tests {
             ("policy = \"fastest\"", "policy"),
             ("block_bytes = 0", "block_bytes"),
             ("[retry]\nmax_attempts = 0", "retry.max_attempts"),
+            // Issue #35: a stream's first-byte timeout equal to the budget left none for a retry.
+            (
+                "[timeouts]\nstream_first_byte_ms = 30000\n[retry]\nbudget_ms = 30000",
+                "timeouts.stream_first_byte_ms",
+            ),
+            (
+                "[retry]\nbudget_ms = 30000\nhedge_whole_after_ms = 30000",
+                "retry.hedge_whole_after_ms",
+            ),
+
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",

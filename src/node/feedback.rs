@@ -148,6 +148,7 @@ impl Node {
                 tracing::info!(replica = %self.id_of(i), capacity_tokens = cap, "capacity from metrics");
             }
         }
+        super::load_share::reweigh_claims(core, i, self.now());
         Ok(())
     }
 

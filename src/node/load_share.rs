@@ -75,9 +75,17 @@ pub(super) fn refresh_shared_load(
     let n = core
         .peer_loads
         .weigh(&r.info.id, n.min(peer_cap(r)), backed, peer_slack(r), now);
+    // Tokens: a running request's prompt has its KV blocks already (the engine reports the
+    // share in use), a waiting or not yet reported one at most a request's worth. So a claim
+    // that rides on the scrape's lag (the engine still counting this node's finished request)
+    // weighs the tokens the engine holds, not a whole cache's worth.
     let kv = r.info.capacity_tokens.max(1);
+    let per_request = max_tokens_per_request.min(kv);
+    let held = (f64::from(r.load.kv_usage.clamp(0.0, 1.0)) * kv as f64) as u64;
+    let unheld = r.load.waiting.saturating_add(n.saturating_sub(backed));
     let p = p
-        .min(u64::from(n).saturating_mul(max_tokens_per_request.min(kv)))
+        .min(u64::from(n).saturating_mul(per_request))
+        .min(held.saturating_add(u64::from(unheld).saturating_mul(per_request)))
         .min(kv);
     if (n, p) == (rt.peer_in_flight, rt.peer_pending_tokens) {
         return;
@@ -87,6 +95,19 @@ pub(super) fn refresh_shared_load(
     rt.peer_pending_tokens = p;
     let queued = rt.queued_estimate();
     core.view.set_shared_load(i, n, queued);
+}
+
+/// Weighs the peers' claims at replica `i` again against its engine's new figures (after a
+/// scrape): what the engine no longer confirms stops counting now, not at the next update.
+pub(super) fn reweigh_claims(core: &mut Core, i: usize, now: Duration) {
+    let claimed = core
+        .view
+        .replica(i)
+        .is_some_and(|r| core.peer_loads.totals(&r.info.id) != (0, 0));
+    if claimed {
+        let max_tokens = LoadShareConfig::default().max_tokens_per_request;
+        refresh_shared_load(core, i, max_tokens, now);
+    }
 }
 
 /// Longest wait a peer may announce before a routed prefix counts (an hour, as the overlay's).

@@ -9,6 +9,8 @@
 //! - its URL is http(s) with a host the allow-list admits (`not_allowed`, `bad_url`): this
 //!   node's own replicas' hosts (static or DNS-found), loopback when the mesh is on loopback,
 //!   and `[mesh] learn_replicas_from` (`mesh/allow.rs`);
+//! - no other replica this node knows has the same URL (`same_url`): one engine is one replica
+//!   whatever ids a member gives it, so a member cannot multiply one endpoint's share of traffic;
 //! - the publisher has introduced fewer than `max_learned_replicas_per_peer` replicas here
 //!   (`peer_cap`) and this node holds fewer than `max_learned_replicas` learned ones
 //!   (`total_cap`).
@@ -59,6 +61,14 @@ pub enum LearnError {
         /// The host.
         host: String,
     },
+    /// Another replica in the registry has the same URL (one engine, one replica).
+    #[error("replica {id}: its URL is replica {other}'s")]
+    SameUrl {
+        /// Replica id.
+        id: String,
+        /// The replica already at that URL.
+        other: String,
+    },
     /// The publisher introduced `mesh.max_learned_replicas_per_peer` already.
     #[error("replica {id}: {publisher} already introduced {cap} replicas here (mesh.max_learned_replicas_per_peer)")]
     PeerCap {
@@ -94,6 +104,7 @@ impl LearnError {
             LearnError::NotHome { .. } => "not_home",
             LearnError::BadUrl { .. } => "bad_url",
             LearnError::NotAllowed { .. } => "not_allowed",
+            LearnError::SameUrl { .. } => "same_url",
             LearnError::PeerCap { .. } => "peer_cap",
             LearnError::TotalCap { .. } => "total_cap",
             LearnError::Registry { .. } => "registry",
@@ -218,6 +229,9 @@ impl Node {
         if !self.host_allowed(policy, &host) {
             return Err(LearnError::NotAllowed { id, host });
         }
+        if let Some(other) = self.replica_at(&url) {
+            return Err(LearnError::SameUrl { id, other });
+        }
         let (from_peer, learned) = {
             let core = self.lock();
             let active = core
@@ -299,6 +313,27 @@ impl Node {
             || self.own_host(host)
     }
 
+    /// The id of a replica in the registry at `url` (compared parsed: case, default port and a
+    /// trailing slash do not make another engine).
+    fn replica_at(&self, url: &reqwest::Url) -> Option<String> {
+        let same = |other: &str| {
+            reqwest::Url::parse(other).is_ok_and(|o| {
+                o.scheme() == url.scheme()
+                    && o.host_str() == url.host_str()
+                    && o.port_or_known_default() == url.port_or_known_default()
+                    && o.path().trim_end_matches('/') == url.path().trim_end_matches('/')
+            })
+        };
+        let core = self.lock();
+        core.replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, rt)| !rt.removed)
+            .filter_map(|(i, _)| core.view.replica(i))
+            .find(|r| same(&r.info.url))
+            .map(|r| r.info.id.clone())
+    }
+
     /// Whether `host` is the host of one of this node's own replicas (configured, or found by
     /// its DNS sources), in the registry now.
     fn own_host(&self, host: &str) -> bool {
@@ -358,6 +393,7 @@ impl Ignored {
             LearnError::NotHome { id, .. }
             | LearnError::BadUrl { id, .. }
             | LearnError::NotAllowed { id, .. }
+            | LearnError::SameUrl { id, .. }
             | LearnError::PeerCap { id, .. }
             | LearnError::TotalCap { id, .. }
             | LearnError::Registry { id, .. } => id.clone(),
@@ -509,6 +545,30 @@ mod tests {
             (learn(&e, true).unwrap().0, false)
         );
         assert_eq!(n.replica_count(), 4);
+    }
+
+    /// Issue #35: a member published replica ids it is the rendezvous home of, all at one URL,
+    /// and drew most of the traffic there. One URL is one replica, whatever its ids.
+    #[test]
+    fn one_url_is_one_replica_whatever_its_ids() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let learn =
+            |id: &str, url: &str| n.learn_replica(&entry(id, "p", url, true), false, &policy);
+        // This node's own replica's URL, under another id: refused.
+        let own = learn("alias", "http://10.0.0.5:8000/").unwrap_err();
+        assert_eq!(own.reason(), "same_url");
+        // A new URL is learned once; the same engine under more ids is not.
+        assert!(learn("one", "http://127.0.0.1:8001").is_ok());
+        for (id, url) in [
+            ("two", "http://127.0.0.1:8001/"),
+            ("three", "HTTP://127.0.0.1:8001"),
+        ] {
+            assert_eq!(learn(id, url).unwrap_err().reason(), "same_url", "{url}");
+        }
+        // Another port is another engine.
+        assert!(learn("four", "http://127.0.0.1:8002").is_ok());
+        assert_eq!(n.replica_count(), 3);
     }
 
     #[test]

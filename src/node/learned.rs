@@ -368,10 +368,21 @@ pub(super) fn keeps_learned(origin_live: bool, published: bool, homed: bool, dow
     }
 }
 
-/// Whether a replica this node is home of is down by its active health checks, as against
-/// ejected for a while by failed requests (which ends by itself).
-pub(super) fn down_by_checks(health: &HealthTracker) -> bool {
-    health.health() == Health::Unhealthy && !health.ejected()
+/// Whether a learned replica is down: by this node's active health checks when it is the
+/// home (`me_home`; not an ejection for failed requests, which ends by itself), else by its
+/// home's published record (`record`, if the home's).
+pub(super) fn is_down(
+    me_home: bool,
+    health: &HealthTracker,
+    record: Option<&ReplicaEntry>,
+) -> bool {
+    if me_home {
+        health.health() == Health::Unhealthy && !health.ejected()
+    } else {
+        record
+            .filter(|e| e.home)
+            .is_some_and(|e| Health::from(e.record.health) == Health::Unhealthy)
+    }
 }
 
 /// Remembers which ignored records were counted, so a record ignored every round counts once.

@@ -298,8 +298,7 @@ impl Node {
             }
             let home = homes.home(&info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
-            // A learned replica whose origin died, between its old home's record and its new
-            // home's: not "vouched for by nobody", its new home is about to publish it.
+            // Origin gone, new home not publishing yet: not "vouched for by nobody".
             let mut handing_over = false;
             if rt.mesh.learned {
                 // A learned replica stays while some live member publishes it (this node, as
@@ -317,14 +316,7 @@ impl Node {
                     || live
                         .iter()
                         .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
-                let down = if me_home {
-                    super::learned::down_by_checks(&rt.health)
-                } else {
-                    records
-                        .get(&info.id)
-                        .filter(|e| e.home)
-                        .is_some_and(|e| Health::from(e.record.health) == Health::Unhealthy)
-                };
+                let down = super::learned::is_down(me_home, &rt.health, records.get(&info.id));
                 let keep =
                     super::learned::keeps_learned(origin_live, published, home.is_some(), down);
                 handing_over = !origin_live && !published;

@@ -8,6 +8,11 @@
 //! check passes. Independently, `eject_after_failures` consecutive failed requests eject it for a
 //! backoff; when the backoff ends it is *half-open*: it takes traffic again, but a single failure
 //! re-ejects it for twice as long (up to the maximum), while a success clears the record.
+//!
+//! Envoy's panic threshold: while most replicas of a pool are ejected ([`pool_in_panic`]),
+//! ejections there are ignored (the node sets [`HealthTracker::set_panic`]): a pool whose
+//! replicas all failed a few requests (a bad client, a network blip) is routed to whole rather
+//! than refusing everyone. Failed active checks still take a replica out.
 
 use std::time::Duration;
 
@@ -24,6 +29,13 @@ pub struct HealthTracker {
     request_failures: u32,
     ejections: u32,
     ejected_until: Option<Duration>,
+    /// Most of the replica's pool is ejected: its own ejection does not take it out of routing.
+    panic: bool,
+}
+
+/// Whether a pool with `ejected` of its `total` replicas ejected is in panic: more than half.
+pub fn pool_in_panic(ejected: usize, total: usize) -> bool {
+    ejected.saturating_mul(2) > total
 }
 
 impl HealthTracker {
@@ -36,12 +48,19 @@ impl HealthTracker {
             request_failures: 0,
             ejections: 0,
             ejected_until: None,
+            panic: false,
         }
+    }
+
+    /// Sets whether the replica's pool is in panic ([`pool_in_panic`]); returns whether that
+    /// changed.
+    pub fn set_panic(&mut self, panic: bool) -> bool {
+        std::mem::replace(&mut self.panic, panic) != panic
     }
 
     /// The health routing should use.
     pub fn health(&self) -> Health {
-        if self.active_ok && self.ejected_until.is_none() {
+        if self.active_ok && (self.ejected_until.is_none() || self.panic) {
             Health::Healthy
         } else {
             Health::Unhealthy
@@ -171,6 +190,31 @@ mod tests {
         assert_eq!(h.health(), Health::Unhealthy);
         h.active_result(true, &cfg);
         assert_eq!(h.health(), Health::Healthy);
+    }
+
+    #[test]
+    fn a_pool_mostly_ejected_is_routed_to_whole() {
+        assert!(!pool_in_panic(1, 2), "half ejected: the other one serves");
+        assert!(pool_in_panic(2, 2));
+        assert!(pool_in_panic(3, 4));
+        assert!(!pool_in_panic(0, 0));
+        let cfg = HealthConfig::default();
+        let mut h = HealthTracker::new();
+        for t in 0..3 {
+            h.request_failed(ms(t), &cfg);
+        }
+        assert!(h.ejected());
+        assert_eq!(h.health(), Health::Unhealthy);
+        assert!(h.set_panic(true));
+        assert!(!h.set_panic(true));
+        assert_eq!(h.health(), Health::Healthy, "ejection ignored in panic");
+        // Failed checks still count.
+        h.active_result(false, &cfg);
+        h.active_result(false, &cfg);
+        assert_eq!(h.health(), Health::Unhealthy);
+        h.active_result(true, &cfg);
+        assert!(h.set_panic(false));
+        assert_eq!(h.health(), Health::Unhealthy, "out of panic: ejected again");
     }
 
     #[test]

@@ -184,6 +184,10 @@ debug_headers = true
 [timeouts]
 first_byte_ms = 600000
 stream_first_byte_ms = 600000
+[retry]
+# A CPU engine is slow: a retry budget that fits the timeouts, no duplicate requests.
+budget_ms = 1200000
+hedge_whole_after_ms = 0
 [tokenizer]
 path = "$MODEL_DIR/tokenizer.json"
 chat_template_config = "$MODEL_DIR/tokenizer_config.json"
@@ -321,6 +325,10 @@ debug_headers = true
 [timeouts]
 first_byte_ms = 600000
 stream_first_byte_ms = 600000
+[retry]
+# A CPU engine is slow: a retry budget that fits the timeouts, no duplicate requests.
+budget_ms = 1200000
+hedge_whole_after_ms = 0
 [tokenizer]
 path = "$MODEL_DIR/tokenizer.json"
 chat_template_config = "$MODEL_DIR/tokenizer_config.json"

@@ -21,6 +21,11 @@ pub const ADMIN_PREFIX: &str = "admin:";
 /// Most admin records a node publishes (the oldest go first) and reads from one peer.
 pub const MAX_ADMIN_RECORDS: usize = 256;
 
+/// Furthest ahead of this node's clock a peer's command may be stamped: the clock skew NTP-run
+/// hosts keep well within. A stamp far ahead would win over every later command (a rogue
+/// member's drain stamped a day ahead held a region for a day); refused at decoding, counted.
+pub const MAX_STAMP_LEAD_MS: u64 = 60_000;
+
 /// Most model names an added replica may list in its record.
 pub const MAX_ADMIN_MODELS: usize = 16;
 
@@ -97,11 +102,12 @@ impl AdminRecord {
         schema::encode("admin", self)
     }
 
-    /// Decodes a peer's value; numbers out of bounds and stamps over a day ahead are refused.
+    /// Decodes a peer's value; numbers out of bounds and stamps more than
+    /// [`MAX_STAMP_LEAD_MS`] ahead of this node's clock are refused.
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
         let r: AdminRecord = schema::decode("admin", s)?;
         r.check()?;
-        let latest = schema::wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
+        let latest = schema::wall_ms().saturating_add(MAX_STAMP_LEAD_MS);
         schema::bound("admin", "stamp_ms", r.stamp_ms <= latest, r.stamp_ms)?;
         Ok(r)
     }
@@ -226,6 +232,22 @@ mod tests {
         };
         let value = schema::encode("admin", &future).unwrap();
         assert!(AdminRecord::decode(&value).is_err());
+        // Nor a day, nor an hour (issue #35: 23 h ahead drained a region); a clock's skew is
+        // allowed.
+        for lead_ms in [23 * 3_600_000, 3_600_000, 2 * MAX_STAMP_LEAD_MS] {
+            let ahead = AdminRecord {
+                stamp_ms: schema::wall_ms() + lead_ms,
+                ..future.clone()
+            };
+            let value = schema::encode("admin", &ahead).unwrap();
+            assert!(AdminRecord::decode(&value).is_err(), "{lead_ms} ms ahead");
+        }
+        let skewed = AdminRecord {
+            stamp_ms: schema::wall_ms() + 5_000,
+            ..future.clone()
+        };
+        let value = schema::encode("admin", &skewed).unwrap();
+        assert_eq!(AdminRecord::decode(&value).unwrap(), skewed);
         // Too long for one gossip value.
         assert!(add(&format!("http://{}:1", "h".repeat(1200)))
             .encode()

@@ -31,8 +31,10 @@
 //! replica's `max_in_flight` requests and [`LoadShareConfig::max_tokens_per_request`] tokens per
 //! request; claims for replicas this node does not know are ignored; at most
 //! [`LoadShareConfig::max_peers`] peers and [`LoadShareConfig::max_entries_per_peer`] entries a
-//! peer are kept. The node caps the sum over peers again against the engine's own figures
-//! (`node/load_share.rs`), so lying peers can add only a bounded phantom load.
+//! peer are kept. The node weighs the sum over peers against the engine's own figures
+//! ([`PeerLoads::weigh`], `node/load_share.rs`): claims the engine does not confirm count for
+//! a few seconds (its scrape's lag) and then not at all, and tokens per request are bounded by
+//! the replica's KV capacity, so lying peers add only a small phantom load, briefly.
 //!
 //! Sans-IO: [`LoadPublisher`] decides what to send and [`PeerLoads`] merges what arrives; time is
 //! an argument. The transport carries the bytes, the node drives both.
@@ -63,8 +65,17 @@ pub struct LoadShareConfig {
     /// Entries kept per peer at most. Default 4096.
     pub max_entries_per_peer: usize,
     /// Uncached prompt tokens one in-flight request may claim at most. Default 2^21 (2M tokens,
-    /// beyond any context window served today).
+    /// beyond any context window served today); the node bounds it again by the replica's KV
+    /// capacity.
     pub max_tokens_per_request: u64,
+    /// How long peers' claims for a replica may run ahead of what its engine reports (the
+    /// scrape's and gossip's lag, a burst the engine has not counted yet) before only what the
+    /// engine backs counts. Default 3 s (the lag is ≤ 1–2 s with the default intervals).
+    pub unbacked_grace: Duration,
+    /// How long claims must stay within the engine's figures before they may run ahead again.
+    /// Default 30 s: a member that alternates lies with silence gets at most `unbacked_grace`
+    /// of effect in every `trust_after` (~10 %).
+    pub trust_after: Duration,
 }
 
 impl Default for LoadShareConfig {
@@ -76,6 +87,8 @@ impl Default for LoadShareConfig {
             max_peers: 256,
             max_entries_per_peer: 4096,
             max_tokens_per_request: 1 << 21,
+            unbacked_grace: Duration::from_secs(3),
+            trust_after: Duration::from_secs(30),
         }
     }
 }
@@ -330,11 +343,22 @@ pub struct Applied {
     pub clamped: usize,
 }
 
+/// How the peers' claims for one replica stand against what its engine reports.
+#[derive(Clone, Copy, Debug, Default)]
+struct Backing {
+    /// Since when the claims have run ahead of the engine (kept through short backed spells).
+    unbacked_since: Option<Duration>,
+    /// Since when they have stayed within the engine's figures, while `unbacked_since` is set.
+    backed_since: Option<Duration>,
+}
+
 /// The receiving side: every region peer's latest claims, bounded.
 #[derive(Debug)]
 pub struct PeerLoads {
     cfg: LoadShareConfig,
     peers: HashMap<SocketAddr, PeerTable>,
+    /// Replicas whose claims ran ahead of their engine lately (at most `max_entries_per_peer`).
+    backing: HashMap<String, Backing>,
 }
 
 impl PeerLoads {
@@ -343,7 +367,52 @@ impl PeerLoads {
         PeerLoads {
             cfg,
             peers: HashMap::new(),
+            backing: HashMap::new(),
         }
+    }
+
+    /// How many of the peers' `claimed` requests at `replica` count, given that its engine
+    /// last reported `backed` requests beyond this node's own. What the engine backs counts.
+    /// Up to `slack` more count while the claims have run ahead of the engine for less than
+    /// `unbacked_grace` (a burst the scrape has not seen yet); past it, only what the engine
+    /// backs, until the claims have stayed within it for `trust_after`. So a member claiming
+    /// what no engine confirms steers traffic for seconds, not for as long as it likes.
+    pub fn weigh(
+        &mut self,
+        replica: &str,
+        claimed: u32,
+        backed: u32,
+        slack: u32,
+        now: Duration,
+    ) -> u32 {
+        if claimed <= backed {
+            if let Some(b) = self.backing.get_mut(replica) {
+                let since = *b.backed_since.get_or_insert(now);
+                if now.saturating_sub(since) >= self.cfg.trust_after {
+                    self.backing.remove(replica);
+                }
+            }
+            return claimed;
+        }
+        if !self.backing.contains_key(replica)
+            && self.backing.len() >= self.cfg.max_entries_per_peer
+        {
+            return backed;
+        }
+        let b = self.backing.entry(replica.to_owned()).or_default();
+        b.backed_since = None;
+        let since = *b.unbacked_since.get_or_insert(now);
+        let excess = if now.saturating_sub(since) < self.cfg.unbacked_grace {
+            slack
+        } else {
+            0
+        };
+        claimed.min(backed.saturating_add(excess))
+    }
+
+    /// Replicas whose claims ran ahead of their engine lately: to weigh again as time passes.
+    pub fn unbacked(&self) -> Vec<String> {
+        self.backing.keys().cloned().collect()
     }
 
     /// Applies `update` from the peer at `from`. `max_in_flight(id)` is the replica's bound on
@@ -564,6 +633,35 @@ mod tests {
             .apply(addr(1), update(7, 2, &[("r1", 0, 1 << 40)]), T0, known)
             .unwrap();
         assert_eq!(loads.totals("r1"), (0, 0));
+    }
+
+    /// Issue #35: a member claimed `u32::MAX` in flight at a replica whose engine reported
+    /// nothing, and every node steered away from it for as long as the member kept saying so.
+    #[test]
+    fn claims_no_engine_confirms_count_for_the_grace_then_not_until_trust_returns() {
+        let cfg = LoadShareConfig::default();
+        let mut p = PeerLoads::new(cfg);
+        let s = Duration::from_secs;
+        // What the engine backs always counts.
+        assert_eq!(p.weigh("r", 5, 8, 16, s(0)), 5);
+        // A burst ahead of the engine: the slack counts, for the grace.
+        assert_eq!(p.weigh("r", 40, 8, 16, s(0)), 24);
+        assert_eq!(p.weigh("r", 40, 8, 16, s(2)), 24);
+        // Past the grace, still unconfirmed: only what the engine backs.
+        assert_eq!(p.weigh("r", 40, 8, 16, cfg.unbacked_grace), 8);
+        // Alternating with silence does not earn the slack back...
+        for t in 4..30 {
+            assert_eq!(p.weigh("r", 0, 8, 16, s(t)), 0);
+            assert_eq!(p.weigh("r", 40, 8, 16, s(t)), 8, "at {t} s");
+        }
+        // ...only staying within the engine's figures for `trust_after` does.
+        assert_eq!(p.weigh("r", 3, 8, 16, s(30)), 3);
+        assert_eq!(p.weigh("r", 3, 8, 16, s(30) + cfg.trust_after), 3);
+        assert!(p.unbacked().is_empty());
+        assert_eq!(p.weigh("r", 40, 8, 16, s(61)), 24);
+        assert_eq!(p.unbacked(), vec!["r".to_owned()]);
+        // Another replica is weighed on its own.
+        assert_eq!(p.weigh("q", 2, 0, 16, s(61)), 2);
     }
 
     #[test]

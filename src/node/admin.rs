@@ -10,8 +10,11 @@
 //! A drain outlives the replica's other sources: a DNS answer or a learned record that brings
 //! it back leaves it draining until an `add`. Every node applies the newest command per replica
 //! (later stamp, then larger node id), its own and its region's peers' alike; peers' adds pass
-//! the learned-replica allow-list. Commands live in memory: a node restarted alone takes them
-//! back from its peers' records, a whole region restarted starts from its configuration files.
+//! the learned-replica allow-list. A peer's drain lasts only while that peer is a live member
+//! publishing it: a member that leaves (or a rogue one that is thrown out) takes its drains
+//! with it, so they cannot hold a region's capacity after their author's authority is gone.
+//! Commands live in memory: a node restarted alone takes them back from its peers' records, a
+//! whole region restarted starts from its configuration files.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -142,6 +145,8 @@ impl Node {
             let stamp = now_ms().max(book.applied.get(id).map_or(0, |(s, _)| s + 1));
             book.applied
                 .insert(id.to_owned(), (stamp, self_id.to_owned()));
+            // This node's own command now holds the replica, whoever drained it before.
+            book.peer_drains.remove(id);
             let record = AdminRecord {
                 stamp_ms: stamp,
                 op,
@@ -272,6 +277,12 @@ impl Node {
             match self.apply_admin(record.op, id, spec.as_ref(), Some(by)) {
                 Ok(_) => {
                     tracing::info!(replica = %id, op = record.op.as_str(), from = %by, "operator command from a peer applied");
+                    let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
+                    if record.op == AdminOp::Drain {
+                        book.peer_drains.insert(id.to_owned(), by.to_owned());
+                    } else {
+                        book.peer_drains.remove(id);
+                    }
                 }
                 // A drain for a replica this node never heard of: nothing to do.
                 Err(AdminError::NotFound(_)) => {}
@@ -281,7 +292,7 @@ impl Node {
             }
             self.remember_applied(id, record.stamp_ms, by);
         }
-        self.lift_departed_peers_drains(live);
+        self.end_orphaned_drains(live);
         let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         if book.applied.len() > MAX_APPLIED {
             let published: std::collections::HashSet<&str> = live
@@ -294,24 +305,45 @@ impl Node {
         }
     }
 
-    /// Ends the drains learned from region peers that are no longer live: a drain is on the
-    /// lease of its publisher's membership (one taken here holds until undone).
-    fn lift_departed_peers_drains(&self, live: &[Member]) {
-        let live: std::collections::HashSet<&str> =
-            live.iter().map(|m| m.node_id.as_str()).collect();
-        let mut guard = self.lock();
-        let core = &mut *guard;
-        for (i, rt) in core.replicas.iter_mut().enumerate() {
-            let gone = rt
-                .admin_drained_by
-                .as_deref()
-                .is_some_and(|by| !live.contains(by));
-            if gone {
-                tracing::info!(replica = %self.id_of(i), by = ?rt.admin_drained_by, "drain lifted: the peer that sent it left");
-                rt.admin_drained = false;
-                rt.admin_drained_by = None;
-                core.view.set_health(i, rt.effective_health());
+    /// Ends the drains of peers that no longer publish them (they left the mesh, or withdrew
+    /// the record): the replica returns to its own health, and the command is forgotten, so the
+    /// record is applied again should its author return with it.
+    fn end_orphaned_drains(&self, live: &[Member]) {
+        let orphaned: Vec<String> = {
+            let mut book = self.admin.lock().unwrap_or_else(|p| p.into_inner());
+            let held = |id: &str, by: &str| {
+                live.iter().any(|m| {
+                    m.node_id == by && m.admin.get(id).is_some_and(|r| r.op == AdminOp::Drain)
+                })
+            };
+            let gone: Vec<String> = book
+                .peer_drains
+                .iter()
+                .filter(|(id, by)| !held(id, by))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in &gone {
+                book.peer_drains.remove(id);
+                book.applied.remove(id);
             }
+            gone
+        };
+        if orphaned.is_empty() {
+            return;
+        }
+        let mut core = self.lock();
+        for id in &orphaned {
+            let Some(i) = core.view.index_of(id) else {
+                continue;
+            };
+            let Some(rt) = core.replicas.get_mut(i) else {
+                continue;
+            };
+            rt.admin_drained = false;
+            rt.admin_drained_by = None;
+            let h = rt.effective_health();
+            core.view.set_health(i, h);
+            tracing::info!(replica = %id, "a departed member's drain ended");
         }
     }
 
@@ -466,32 +498,28 @@ mod tests {
             region: "eu".into(),
             ..NodeConfig::default()
         };
-        cfg.replicas = ["r0", "r1"]
-            .iter()
-            .enumerate()
-            .map(|(k, id)| ReplicaConfig {
-                id: Some((*id).into()),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url(format!("http://10.0.0.{}:8000", k + 1))
-            })
-            .collect();
+        cfg.replicas = vec![ReplicaConfig {
+            id: Some("own".into()),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url("http://10.0.0.5:8000".to_owned())
+        }];
         cfg.mesh = Some(MeshSection {
             node_id: "a".into(),
-            listen: "127.0.0.1:7946".parse().unwrap(),
+            listen: "10.0.0.1:7946".parse().unwrap(),
             certs_dir: Some("/nonexistent".into()),
             ..MeshSection::default()
         });
         Node::new(cfg).unwrap()
     }
 
-    /// A region member publishing `drains` as `admin:` drain records.
     fn member(id: &str, port: u16, is_self: bool, drains: &[&str]) -> Member {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let stamp_ms = now_ms();
         let admin = drains
             .iter()
             .map(|r| {
                 let record = AdminRecord {
-                    stamp_ms: now_ms(),
+                    stamp_ms,
                     op: AdminOp::Drain,
                     spec: None,
                 };
@@ -523,30 +551,33 @@ mod tests {
         }
     }
 
-    fn drained(n: &Node, id: &str) -> bool {
-        let core = n.lock();
-        let i = core.view.index_of(id).unwrap();
-        core.replicas[i].admin_drained && core.view.replica(i).unwrap().health == Health::Draining
-    }
-
-    /// A drain learned from a peer holds while the peer is live and ends when it leaves; a
-    /// drain taken here holds until undone, whoever comes and goes.
+    /// Issue #35: a member's drains held every replica of the region after it left. A peer's
+    /// drain now lasts while that peer is live and publishes it; an operator's own drain here
+    /// is not touched by peers leaving.
     #[test]
-    fn a_departed_peers_drain_ends_and_a_local_one_stays() {
+    fn a_peers_drain_ends_when_the_peer_leaves_or_withdraws_it() {
         let n = node();
         let policy = LearnPolicy::of(&n);
+        let health = || n.admin_replicas()[0].health.clone();
         let me = member("a", 7000, true, &[]);
-        let rogue = member("rogue", 7001, false, &["r0"]);
-        n.admin_command(AdminOp::Drain, "r1", None).unwrap();
-        n.apply_admin_records(&[me.clone(), rogue], &policy);
-        assert!(drained(&n, "r0") && drained(&n, "r1"));
-        // Still live a round later: still drained.
-        let rogue = member("rogue", 7001, false, &["r0"]);
-        n.apply_admin_records(&[me.clone(), rogue], &policy);
-        assert!(drained(&n, "r0"));
-        // Gone: its drain ends; the operator's own stays.
+        let rogue = member("z", 7001, false, &["own"]);
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        // Still published: it holds, round after round.
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        // The member leaves: the drain ends with it.
         n.apply_admin_records(std::slice::from_ref(&me), &policy);
-        assert!(!drained(&n, "r0"), "a departed peer's drain stuck");
-        assert!(drained(&n, "r1"));
+        assert_eq!(health(), "healthy");
+        // It comes back with the same record: applied again; then it withdraws it: ended.
+        n.apply_admin_records(&[me.clone(), rogue.clone()], &policy);
+        assert_eq!(health(), "draining");
+        let withdrawn = member("z", 7001, false, &[]);
+        n.apply_admin_records(&[me.clone(), withdrawn], &policy);
+        assert_eq!(health(), "healthy");
+        // This node's own drain is the operator's word here: peers leaving do not end it.
+        n.admin_command(AdminOp::Drain, "own", None).unwrap();
+        n.apply_admin_records(std::slice::from_ref(&me), &policy);
+        assert_eq!(health(), "draining");
     }
 }

@@ -14,4 +14,7 @@ pub struct AdminBook {
     pub(super) own: BTreeMap<String, AdminRecord>,
     /// Own records to publish (`Some`) or withdraw (`None`) at the next gossip round.
     pub(super) outbox: Vec<(String, Option<AdminRecord>)>,
+    /// Replica id → the peer whose drain holds it here: the drain lasts while that peer is a
+    /// live member publishing it, and no longer (a departed member's drain does not outlive it).
+    pub(super) peer_drains: HashMap<String, String>,
 }

@@ -14,6 +14,39 @@ use crate::replicas::kv_events::KvEventSink;
 use crate::replicas::kv_index::Op;
 use crate::replicas::prom::EngineLoad;
 
+/// Envoy's panic threshold (`replicas/health.rs`): in each pool where most replicas are
+/// ejected, ejections stop taking replicas out of routing; recomputed when one starts or ends.
+fn refresh_panic(core: &mut super::state::Core) {
+    let mut pools: std::collections::HashMap<(&str, &str), (usize, usize)> = Default::default();
+    for (i, rt) in core.replicas.iter().enumerate() {
+        if let (Some(r), false) = (core.view.replica(i), rt.removed) {
+            let n = pools.entry((&r.info.region, &r.info.pool)).or_default();
+            n.0 += usize::from(rt.health.ejected());
+            n.1 += 1;
+        }
+    }
+    let panic: Vec<bool> = (0..core.replicas.len())
+        .map(|i| {
+            core.view.replica(i).is_some_and(|r| {
+                let (ejected, total) = pools
+                    .get(&(r.info.region.as_str(), r.info.pool.as_str()))
+                    .copied()
+                    .unwrap_or_default();
+                crate::replicas::health::pool_in_panic(ejected, total)
+            })
+        })
+        .collect();
+    for (i, on) in panic.into_iter().enumerate() {
+        if core.replicas[i].health.set_panic(on) {
+            if on {
+                tracing::warn!(replica = %core.view.replica(i).map_or("", |r| r.info.id.as_str()), "most of its pool is ejected: routed to anyway (panic threshold)");
+            }
+            let h = core.replicas[i].effective_health();
+            core.view.set_health(i, h);
+        }
+    }
+}
+
 impl Node {
     /// A request to replica `i` succeeded (got a non-5xx answer).
     pub fn request_succeeded(&self, i: usize) {
@@ -32,6 +65,7 @@ impl Node {
         if rt.health.request_failed(now, &self.cfg.health) {
             let health = rt.effective_health();
             core.view.set_health(i, health);
+            refresh_panic(&mut core);
             drop(core);
             tracing::warn!(replica = %self.id_of(i), "ejected after consecutive failures");
             self.metrics
@@ -43,6 +77,16 @@ impl Node {
                 .with_label_values(&[&self.id_of(i)])
                 .set(0);
         }
+    }
+
+    /// Whether replica `i` failed requests lately (consecutive failures above zero, or
+    /// ejected): a request that merely timed out there is then held against it too
+    /// (`proxy/blame.rs`).
+    pub fn replica_failing(&self, i: usize) -> bool {
+        let core = self.lock();
+        core.replicas
+            .get(i)
+            .is_some_and(|rt| rt.health.request_failures() > 0 || rt.health.ejected())
     }
 
     /// Result of an active health check; `models` when discovered from `/v1/models`.
@@ -158,6 +202,7 @@ impl Node {
                 tracing::info!(replica = %self.id_of(i), capacity_tokens = cap, "capacity from metrics");
             }
         }
+        super::load_share::reweigh_claims(core, i, self.now());
         Ok(())
     }
 
@@ -186,6 +231,9 @@ impl Node {
                 core.view.set_health(i, rt.effective_health());
                 reopened.push(i);
             }
+        }
+        if !reopened.is_empty() {
+            refresh_panic(core);
         }
         // Shares move with reports, events and expiry too, not only with this node's requests.
         for i in 0..core.replicas.len() {
@@ -328,6 +376,41 @@ mod tests {
     use crate::replicas::entry::ReplicaConfig;
     use crate::replicas::prom::EngineLoad;
 
+    /// Issue #35: six long requests ejected both replicas, then 503 for everyone. With most of
+    /// a pool ejected, ejections are ignored there (Envoy's panic threshold): routed to all.
+    #[test]
+    fn a_pool_mostly_ejected_is_routed_to_rather_than_refused() {
+        use crate::core::router::{Decision, RouteRequest};
+        use crate::core::view::Health;
+        crate::proxy::install_crypto_provider();
+        let replica = |id: &str, port: u16| ReplicaConfig {
+            id: Some(id.into()),
+            models: vec!["m".into()],
+            ..ReplicaConfig::from_url(format!("http://10.0.0.1:{port}"))
+        };
+        let cfg = NodeConfig {
+            replicas: vec![replica("r0", 8000), replica("r1", 8001)],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let health = |i: usize| node.lock().view.replica(i).unwrap().health;
+        let ejections = node.cfg.health.eject_after_failures;
+        for _ in 0..ejections {
+            node.request_failed(0);
+        }
+        assert_eq!(
+            health(0),
+            Health::Unhealthy,
+            "one of two ejected: the other serves"
+        );
+        for _ in 0..ejections {
+            node.request_failed(1);
+        }
+        assert_eq!((health(0), health(1)), (Health::Healthy, Health::Healthy));
+        let req = RouteRequest::plain("m", &[], 16);
+        assert!(matches!(node.route(&req).0, Decision::Route(_)));
+    }
+
     #[test]
     fn a_scrape_keeps_the_prefill_the_regions_other_nodes_queued() {
         crate::proxy::install_crypto_provider();
@@ -358,7 +441,7 @@ mod tests {
             core.peer_loads
                 .apply(peer, update, Duration::ZERO, |_| Some(256))
                 .unwrap();
-            crate::node::load_share::refresh_shared_load(core, 0, 1 << 21);
+            crate::node::load_share::refresh_shared_load(core, 0, 1 << 21, Duration::ZERO);
             assert_eq!(
                 core.view.replica(0).unwrap().load.queued_prefill_tokens,
                 5_100

@@ -9,22 +9,30 @@
 //! - its URL is http(s) with a host the allow-list admits (`not_allowed`, `bad_url`): this
 //!   node's own replicas' hosts (static or DNS-found), loopback when the mesh is on loopback,
 //!   and `[mesh] learn_replicas_from` (`mesh/allow.rs`);
+//! - no other replica this node knows has the same URL (`same_url`): one engine is one replica
+//!   whatever ids a member gives it, so a member cannot multiply one endpoint's share of traffic;
 //! - the publisher has introduced fewer than `max_learned_replicas_per_peer` replicas here
 //!   (`peer_cap`) and this node holds fewer than `max_learned_replicas` learned ones
 //!   (`total_cap`).
 //!
 //! Each learned replica has an *origin*: the node that has it from its own configuration (the
-//! record's `origin`, or its publisher). It is kept only while the origin is a live member and
-//! some live member publishes it; then it drains and, once drained, is dropped (see
-//! `registry.rs`), so replicas a departed node introduced leave with it. Ignored records are
-//! counted once per (replica, publisher, reason) in `kvmesh_mesh_records_ignored_total{reason}`.
+//! record's `origin`, or its publisher). While the origin is a live member, the replica is kept
+//! as long as some live member publishes it (the origin dropping it from its configuration or
+//! DNS withdraws it everywhere). When the origin dies, its replicas stay in service under their
+//! new rendezvous home, which health-checks and scrapes them like its own: a router's death
+//! costs the mesh no engine capacity. They leave only when their own checks fail, or an
+//! operator removes them ([`keeps_learned`]); a drained one is dropped (see `registry.rs`).
+//! Ignored records are counted once per (replica, publisher, reason) in
+//! `kvmesh_mesh_records_ignored_total{reason}`.
 
 use std::collections::HashSet;
 
 use super::state::Node;
+use crate::core::view::Health;
 use crate::mesh::allow::{self, AllowRule};
 use crate::mesh::{Member, ReplicaEntry};
 use crate::replicas::entry::ReplicaConfig;
+use crate::replicas::health::HealthTracker;
 
 /// Why a peer's replica record was not learned (the metric's `reason`).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +60,14 @@ pub enum LearnError {
         id: String,
         /// The host.
         host: String,
+    },
+    /// Another replica in the registry has the same URL (one engine, one replica).
+    #[error("replica {id}: its URL is replica {other}'s")]
+    SameUrl {
+        /// Replica id.
+        id: String,
+        /// The replica already at that URL.
+        other: String,
     },
     /// The publisher introduced `mesh.max_learned_replicas_per_peer` already.
     #[error("replica {id}: {publisher} already introduced {cap} replicas here (mesh.max_learned_replicas_per_peer)")]
@@ -88,6 +104,7 @@ impl LearnError {
             LearnError::NotHome { .. } => "not_home",
             LearnError::BadUrl { .. } => "bad_url",
             LearnError::NotAllowed { .. } => "not_allowed",
+            LearnError::SameUrl { .. } => "same_url",
             LearnError::PeerCap { .. } => "peer_cap",
             LearnError::TotalCap { .. } => "total_cap",
             LearnError::Registry { .. } => "registry",
@@ -212,6 +229,9 @@ impl Node {
         if !self.host_allowed(policy, &host) {
             return Err(LearnError::NotAllowed { id, host });
         }
+        if let Some(other) = self.replica_at(&url) {
+            return Err(LearnError::SameUrl { id, other });
+        }
         let (from_peer, learned) = {
             let core = self.lock();
             let active = core
@@ -293,6 +313,27 @@ impl Node {
             || self.own_host(host)
     }
 
+    /// The id of a replica in the registry at `url` (compared parsed: case, default port and a
+    /// trailing slash do not make another engine).
+    fn replica_at(&self, url: &reqwest::Url) -> Option<String> {
+        let same = |other: &str| {
+            reqwest::Url::parse(other).is_ok_and(|o| {
+                o.scheme() == url.scheme()
+                    && o.host_str() == url.host_str()
+                    && o.port_or_known_default() == url.port_or_known_default()
+                    && o.path().trim_end_matches('/') == url.path().trim_end_matches('/')
+            })
+        };
+        let core = self.lock();
+        core.replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, rt)| !rt.removed)
+            .filter_map(|(i, _)| core.view.replica(i))
+            .find(|r| same(&r.info.url))
+            .map(|r| r.info.id.clone())
+    }
+
     /// Whether `host` is the host of one of this node's own replicas (configured, or found by
     /// its DNS sources), in the registry now.
     fn own_host(&self, host: &str) -> bool {
@@ -308,6 +349,39 @@ impl Node {
                     .and_then(|u| u.host_str().map(|h| allow::same_host(h, host)))
                     .unwrap_or(false)
             })
+    }
+}
+
+/// Whether a learned replica stays in the registry this round. `origin_live`: the node that
+/// vouches for it is a live member; `published`: a live member publishes its record (this
+/// node, as its home, included); `homed`: the region has a live home for it (a peer that takes
+/// it over within a round or two, or this node); `down`: its active checks fail (not a passing
+/// outlier ejection).
+///
+/// With its origin live, the origin's word holds: unpublished, it goes. With its origin gone,
+/// the engine is still there: it stays under its new home unless it is down itself.
+pub(super) fn keeps_learned(origin_live: bool, published: bool, homed: bool, down: bool) -> bool {
+    if origin_live {
+        published
+    } else {
+        (published || homed) && !down
+    }
+}
+
+/// Whether a learned replica is down: by this node's active health checks when it is the
+/// home (`me_home`; not an ejection for failed requests, which ends by itself), else by its
+/// home's published record (`record`, if the home's).
+pub(super) fn is_down(
+    me_home: bool,
+    health: &HealthTracker,
+    record: Option<&ReplicaEntry>,
+) -> bool {
+    if me_home {
+        health.health() == Health::Unhealthy && !health.ejected()
+    } else {
+        record
+            .filter(|e| e.home)
+            .is_some_and(|e| Health::from(e.record.health) == Health::Unhealthy)
     }
 }
 
@@ -330,6 +404,7 @@ impl Ignored {
             LearnError::NotHome { id, .. }
             | LearnError::BadUrl { id, .. }
             | LearnError::NotAllowed { id, .. }
+            | LearnError::SameUrl { id, .. }
             | LearnError::PeerCap { id, .. }
             | LearnError::TotalCap { id, .. }
             | LearnError::Registry { id, .. } => id.clone(),
@@ -348,7 +423,6 @@ impl Ignored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::view::Health;
     use crate::mesh::schema::SCHEMA_VERSION;
     use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
     use crate::mesh::Member;
@@ -484,6 +558,30 @@ mod tests {
         assert_eq!(n.replica_count(), 4);
     }
 
+    /// Issue #35: a member published replica ids it is the rendezvous home of, all at one URL,
+    /// and drew most of the traffic there. One URL is one replica, whatever its ids.
+    #[test]
+    fn one_url_is_one_replica_whatever_its_ids() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let learn =
+            |id: &str, url: &str| n.learn_replica(&entry(id, "p", url, true), false, &policy);
+        // This node's own replica's URL, under another id: refused.
+        let own = learn("alias", "http://10.0.0.5:8000/").unwrap_err();
+        assert_eq!(own.reason(), "same_url");
+        // A new URL is learned once; the same engine under more ids is not.
+        assert!(learn("one", "http://127.0.0.1:8001").is_ok());
+        for (id, url) in [
+            ("two", "http://127.0.0.1:8001/"),
+            ("three", "HTTP://127.0.0.1:8001"),
+        ] {
+            assert_eq!(learn(id, url).unwrap_err().reason(), "same_url", "{url}");
+        }
+        // Another port is another engine.
+        assert!(learn("four", "http://127.0.0.1:8002").is_ok());
+        assert_eq!(n.replica_count(), 3);
+    }
+
     #[test]
     fn loopback_is_allowed_on_a_loopback_mesh() {
         let n = node("127.0.0.1:7946");
@@ -543,14 +641,89 @@ mod tests {
         let mut tried = 0;
         n.learn_round([&mine], &all, "a", |_| true, &policy, |_, _| tried += 1);
         assert_eq!(tried, 0);
-        // Learned regardless of the origin (the old order), the same round expires it.
+        // Learned regardless of the origin (the old order): its home still publishes it, so
+        // it stays (a replica outlives the router that configured it).
         let m = node("127.0.0.1:7946");
-        let (i, _) = m.learn_replica(&e, false, &LearnPolicy::of(&m)).unwrap();
-        assert_eq!(m.apply_membership("a", &early, &records).expired, vec![i]);
+        m.learn_replica(&e, false, &LearnPolicy::of(&m)).unwrap();
+        assert!(m.apply_membership("a", &early, &records).expired.is_empty());
+    }
+
+    /// Issue #35: kill -9 of the node that configured two of four replicas took them out of
+    /// the whole mesh ("learned, origin gone"). They stay, under their new home, while their
+    /// own checks pass; a replica whose origin still lives goes when nobody publishes it.
+    #[test]
+    fn a_replica_outlives_its_origin_under_its_new_home_and_leaves_only_when_down() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let me = member("a", 7000, true);
+        let mut o = member("o", 7001, false);
+        let q = member("q", 7002, false);
+        // o configured it and is its home among the three; without o, q is its home.
+        let id = (0..)
+            .map(|i| format!("kept{i}"))
+            .find(|id| {
+                let home = |m: &[Member]| crate::mesh::cluster::home_in(m, id, "eu").unwrap().0;
+                home(&[me.clone(), o.clone(), q.clone()]) == "o"
+                    && home(&[me.clone(), q.clone()]) == "q"
+            })
+            .unwrap();
+        let e = entry(&id, "o", "http://127.0.0.1:8001", true);
+        Arc::make_mut(&mut o.replicas).insert(id.clone(), e.record.clone());
+        let (i, _) = n.learn_replica(&e, false, &policy).unwrap();
+        let all = [me.clone(), o.clone(), q.clone()];
+        let records = BTreeMap::from([(id.clone(), e.clone())]);
+        assert!(n.apply_membership("a", &all, &records).expired.is_empty());
+        let health = |n: &Node| n.lock().view.replica(i).unwrap().health;
+        assert_eq!(health(&n), Health::Healthy);
+        // o dies. The round before q, its new home, publishes it: kept, still routable.
+        let survivors = [me.clone(), q.clone()];
+        let plan = n.apply_membership("a", &survivors, &BTreeMap::new());
+        assert!(plan.expired.is_empty());
+        assert_eq!(health(&n), Health::Healthy, "not 'vouched for by nobody'");
+        // q publishes it (origin o, gone): kept, with q's figures.
+        let mut q2 = q.clone();
+        let mut by_q = entry(&id, "q", "http://127.0.0.1:8001", true);
+        by_q.record.origin = "o".into();
+        Arc::make_mut(&mut q2.replicas).insert(id.clone(), by_q.record.clone());
+        let survivors = [me.clone(), q2.clone()];
+        let records = BTreeMap::from([(id.clone(), by_q.clone())]);
+        for _ in 0..3 {
+            assert!(n
+                .apply_membership("a", &survivors, &records)
+                .expired
+                .is_empty());
+            assert_eq!(health(&n), Health::Healthy);
+        }
+        // Its own checks fail (q says so): now it leaves.
+        let mut down = by_q.clone();
+        down.record.health = WireHealth::Unhealthy;
+        let records = BTreeMap::from([(id.clone(), down)]);
+        assert_eq!(
+            n.apply_membership("a", &survivors, &records).expired,
+            vec![i]
+        );
+        // keeps_learned, in short.
+        assert!(
+            keeps_learned(true, true, true, true),
+            "origin live: its word"
+        );
+        assert!(
+            !keeps_learned(true, false, true, false),
+            "origin live, unpublished"
+        );
+        assert!(
+            keeps_learned(false, false, true, false),
+            "handing over to a new home"
+        );
+        assert!(
+            !keeps_learned(false, true, true, true),
+            "origin gone and down"
+        );
+        assert!(!keeps_learned(false, false, false, false), "no home at all");
     }
 
     #[test]
-    fn a_learned_replica_expires_with_its_origin_and_is_dropped_after_its_drain() {
+    fn a_learned_replica_unpublished_by_its_live_origin_is_dropped_after_its_drain() {
         let n = node("127.0.0.1:7946");
         let policy = LearnPolicy::of(&n);
         let mut p = member("p", 7001, false);
@@ -574,8 +747,9 @@ mod tests {
         let plan = n.apply_membership("a", &live, &records);
         assert!(plan.expired.is_empty());
         assert_eq!(n.lock().replicas[i].mesh.origin.as_deref(), Some("p"));
-        // p leaves: the replica drains (no new requests), keeps its index.
-        let plan = n.apply_membership("a", std::slice::from_ref(&me), &BTreeMap::new());
+        // p, live, withdraws it: the replica drains (no new requests), keeps its index.
+        let p_live = member("p", 7001, false);
+        let plan = n.apply_membership("a", &[me.clone(), p_live], &BTreeMap::new());
         assert_eq!(plan.expired, vec![i]);
         {
             let core = n.lock();

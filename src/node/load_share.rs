@@ -14,8 +14,10 @@
 //! join the view's `peer_tips` for the replicas of this region this node knows, bounded in
 //! length and wait ([`MAX_TIP_BLOCKS`], [`MAX_TIP_READY_MS`]) and in number (the store's cap). Received updates go through [`Node::apply_load_update`]: only from live
 //! members of this node's region, bounded per claim by the mesh layer, then bounded again in sum
-//! by the engine's own figures here ([`peer_cap`]), so peers can add at most a small phantom load
-//! (at most `max(16, max_in_flight / 8)` requests above what the engine last reported).
+//! by the engine's own figures here ([`peer_cap`], [`refresh_shared_load`]), so peers can add
+//! at most a small phantom load (at most `max(16, max_in_flight / 8)` requests above what the
+//! engine last reported, for at most `unbacked_grace`, then none) of at most the replica's KV
+//! capacity in tokens.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -37,21 +39,54 @@ use crate::shutdown::stopped;
 
 /// Most requests the peers' claims may add above the engine's last reported count: enough for
 /// the requests a busy region sends a replica between two scrapes, small against a liar.
+fn peer_slack(r: &ReplicaState) -> u32 {
+    (r.info.max_in_flight / 8).max(16)
+}
+
+/// Most requests the peers' claims may count at all: the engine's last reported count plus
+/// [`peer_slack`], never above `max_in_flight`.
 pub fn peer_cap(r: &ReplicaState) -> u32 {
     let engine = r.load.waiting.saturating_add(r.load.running);
-    let slack = (r.info.max_in_flight / 8).max(16);
-    r.info.max_in_flight.min(engine.saturating_add(slack))
+    r.info
+        .max_in_flight
+        .min(engine.saturating_add(peer_slack(r)))
 }
 
 /// Recomputes replica `i`'s load from the peers' claims (after they or the engine's figures
-/// changed).
-pub(super) fn refresh_shared_load(core: &mut Core, i: usize, max_tokens_per_request: u64) {
+/// changed, or time passed): bounded by [`peer_cap`], weighed against the engine's figures
+/// (`PeerLoads::weigh`: what it does not confirm counts only for a few seconds), and their
+/// tokens bounded per request and in all by the replica's KV capacity.
+pub(super) fn refresh_shared_load(
+    core: &mut Core,
+    i: usize,
+    max_tokens_per_request: u64,
+    now: Duration,
+) {
     let (Some(r), Some(rt)) = (core.view.replica(i), core.replicas.get(i)) else {
         return;
     };
     let (n, p) = core.peer_loads.totals(&r.info.id);
-    let n = n.min(peer_cap(r));
-    let p = p.min(u64::from(n).saturating_mul(max_tokens_per_request));
+    // What the engine reports beyond this node's own requests there: the peers' at most.
+    let backed = r
+        .load
+        .waiting
+        .saturating_add(r.load.running)
+        .saturating_sub(r.load.in_flight);
+    let n = core
+        .peer_loads
+        .weigh(&r.info.id, n.min(peer_cap(r)), backed, peer_slack(r), now);
+    // Tokens: a running request's prompt has its KV blocks already (the engine reports the
+    // share in use), a waiting or not yet reported one at most a request's worth. So a claim
+    // that rides on the scrape's lag (the engine still counting this node's finished request)
+    // weighs the tokens the engine holds, not a whole cache's worth.
+    let kv = r.info.capacity_tokens.max(1);
+    let per_request = max_tokens_per_request.min(kv);
+    let held = (f64::from(r.load.kv_usage.clamp(0.0, 1.0)) * kv as f64) as u64;
+    let unheld = r.load.waiting.saturating_add(n.saturating_sub(backed));
+    let p = p
+        .min(u64::from(n).saturating_mul(per_request))
+        .min(held.saturating_add(u64::from(unheld).saturating_mul(per_request)))
+        .min(kv);
     if (n, p) == (rt.peer_in_flight, rt.peer_pending_tokens) {
         return;
     }
@@ -60,6 +95,19 @@ pub(super) fn refresh_shared_load(core: &mut Core, i: usize, max_tokens_per_requ
     rt.peer_pending_tokens = p;
     let queued = rt.queued_estimate();
     core.view.set_shared_load(i, n, queued);
+}
+
+/// Weighs the peers' claims at replica `i` again against its engine's new figures (after a
+/// scrape): what the engine no longer confirms stops counting now, not at the next update.
+pub(super) fn reweigh_claims(core: &mut Core, i: usize, now: Duration) {
+    let claimed = core
+        .view
+        .replica(i)
+        .is_some_and(|r| core.peer_loads.totals(&r.info.id) != (0, 0));
+    if claimed {
+        let max_tokens = LoadShareConfig::default().max_tokens_per_request;
+        refresh_shared_load(core, i, max_tokens, now);
+    }
 }
 
 /// Longest wait a peer may announce before a routed prefix counts (an hour, as the overlay's).
@@ -179,7 +227,7 @@ impl Node {
                 let dropped_tips = learn_tips(core, &tips, region, now);
                 for id in &a.changed {
                     if let Some(i) = core.view.index_of(id) {
-                        refresh_shared_load(core, i, cfg.max_tokens_per_request);
+                        refresh_shared_load(core, i, cfg.max_tokens_per_request, now);
                     }
                 }
                 drop(guard);
@@ -210,10 +258,12 @@ impl Node {
         let core = &mut *guard;
         let mut changed = core.peer_loads.retain_peers(|a| live.contains(a));
         changed.extend(core.peer_loads.expire(now));
+        // Claims the engine has not confirmed lose their weight as time passes, unchanged.
+        changed.extend(core.peer_loads.unbacked());
         core.view.peer_tips.expire(now);
         for id in changed {
             if let Some(i) = core.view.index_of(&id) {
-                refresh_shared_load(core, i, cfg.max_tokens_per_request);
+                refresh_shared_load(core, i, cfg.max_tokens_per_request, now);
             }
         }
     }
@@ -488,6 +538,66 @@ mod tests {
         let first = route(&other).unwrap();
         let longer: Vec<BlockKey> = (100..108).map(BlockKey).collect();
         assert_eq!(route(&longer), Some(first));
+    }
+
+    /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a
+    /// replica whose engine reports nothing counted as 67 M tokens (~22 min of queued prefill)
+    /// for as long as the member repeated them. Now: a burst's worth, at most the replica's KV
+    /// capacity in tokens, for the grace; then nothing while the engine does not confirm it.
+    #[test]
+    fn absurd_claims_weigh_a_burst_briefly_then_nothing_the_engine_does_not_confirm() {
+        use crate::mesh::load_share::LoadEntry;
+        use crate::node::config::NodeConfig;
+        use crate::replicas::entry::ReplicaConfig;
+
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                capacity_tokens: Some(1 << 20),
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let mut guard = node.lock();
+        let core = &mut *guard;
+        let grace = LoadShareConfig::default().unbacked_grace;
+        let peer: SocketAddr = "127.0.0.2:7000".parse().unwrap();
+        let claim = |core: &mut Core, seq: u64, now: Duration| {
+            let update = LoadUpdate {
+                origin: 1,
+                seq,
+                entries: vec![LoadEntry {
+                    replica: "r0".into(),
+                    in_flight: u32::MAX,
+                    pending_tokens: u64::MAX,
+                }],
+                tips: Vec::new(),
+            };
+            core.peer_loads
+                .apply(peer, update, now, |_| Some(256))
+                .unwrap();
+            refresh_shared_load(core, 0, 1 << 21, now);
+            let r = core.view.replica(0).unwrap();
+            (r.load.peer_in_flight, core.replicas[0].peer_pending_tokens)
+        };
+        let (n, p) = claim(core, 1, Duration::ZERO);
+        assert_eq!(n, 32, "a burst's slack while the scrape may lag");
+        assert_eq!(p, 1 << 20, "at most the replica's KV capacity");
+        // The member keeps repeating it; the engine still reports nothing.
+        for (seq, ms) in (2..).zip((500..10_000).step_by(500)) {
+            let now = Duration::from_millis(ms);
+            let (n, p) = claim(core, seq, now);
+            if now >= grace {
+                assert_eq!((n, p), (0, 0), "at {ms} ms");
+            }
+        }
+        // An engine that does report the load backs honest claims.
+        core.view.set_engine_load(0, 10, 30, 0.5, 0);
+        let (n, _) = claim(core, 100, Duration::from_secs(11));
+        assert_eq!(n, 40);
     }
 
     #[test]

@@ -264,7 +264,7 @@ impl Node {
     /// One membership round, under the lock: decide homes, fold records into the view, and say
     /// what to publish, withdraw and pull. `records` holds one entry per replica id (the
     /// publisher preferred by `replicas_in_region`). Per replica, in named steps: a removed one
-    /// is withdrawn; a learned one whose origin is gone expires ([`expire_learned`]); then this
+    /// is withdrawn; a learned one whose origin is gone expires ([`learned_fate`]); then this
     /// node is its home ([`publish_as_home`]) or follows the home ([`follow_home`]).
     pub(super) fn apply_membership(
         &self,
@@ -306,13 +306,15 @@ impl Node {
             }
             let home = homes.home(&info.id, &info.region);
             let me_home = home.as_ref().is_some_and(|(h, _)| h == self_id);
-            if expire_learned(core, i, &info, me_home, &round, &mut plan) {
-                continue;
-            }
+            let handing_over =
+                match learned_fate(core, i, &info, me_home, home.is_some(), &round, &mut plan) {
+                    LearnedFate::Expired => continue,
+                    LearnedFate::Kept { handing_over } => handing_over,
+                };
             if me_home {
                 publish_as_home(core, i, &info, &load, &round, &mut plan);
             } else {
-                follow_home(core, i, &info, &load, home, &round, &mut plan);
+                follow_home(core, i, &info, &load, home, handing_over, &round, &mut plan);
             }
             let h = core.replicas[i].effective_health();
             core.view.set_health(i, h);
@@ -590,20 +592,32 @@ struct Round<'a> {
     local: String,
 }
 
-/// A learned replica stays while the node that vouches for it is live and some live member
-/// publishes it (this node, as its home, included); else it drains and is dropped
-/// (`learned.rs`, `registry.rs`). True: it expired this round.
-fn expire_learned(
+/// What becomes of replica `i` if it is learned (known only from a peer's record).
+enum LearnedFate {
+    /// It drains and is dropped: nobody live vouches for it, or it is down.
+    Expired,
+    /// It stays. `handing_over`: its origin is gone and its new home does not publish it yet,
+    /// so "nobody publishes it" does not mean "nobody vouches for it".
+    Kept { handing_over: bool },
+}
+
+/// A learned replica stays while some live member publishes it (this node, as its home,
+/// included), or while its origin is gone and a live peer is its new home, unless it is down
+/// (`learned.rs::keeps_learned`): a router's death costs no capacity. Else it drains.
+fn learned_fate(
     core: &mut Core,
     i: usize,
     info: &ReplicaInfo,
     me_home: bool,
+    has_home: bool,
     round: &Round<'_>,
     plan: &mut MeshPlan,
-) -> bool {
+) -> LearnedFate {
     let rt = &mut core.replicas[i];
     if !rt.mesh.learned {
-        return false;
+        return LearnedFate::Kept {
+            handing_over: false,
+        };
     }
     if let Some(e) = round.records.get(&info.id).filter(|e| e.home) {
         rt.mesh.origin = Some(super::learned::origin_of(e));
@@ -618,18 +632,21 @@ fn expire_learned(
             .live
             .iter()
             .any(|m| !m.is_self && m.replicas.contains_key(&info.id));
-    if !(origin_live && published) {
-        tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
-        rt.removed = true;
-        rt.removed_at = Some(round.now);
-        if rt.mesh.published.take().is_some() {
-            plan.unpublish.push(info.id.clone());
-        }
-        plan.expired.push(i);
-        core.view.set_health(i, Health::Draining);
-        return true;
+    let down = super::learned::is_down(me_home, &rt.health, round.records.get(&info.id));
+    if super::learned::keeps_learned(origin_live, published, has_home, down) {
+        return LearnedFate::Kept {
+            handing_over: !origin_live && !published,
+        };
     }
-    false
+    tracing::info!(replica = %info.id, origin = ?rt.mesh.origin, origin_live, "learned replica expired: draining");
+    rt.removed = true;
+    rt.removed_at = Some(round.now);
+    if rt.mesh.published.take().is_some() {
+        plan.unpublish.push(info.id.clone());
+    }
+    plan.expired.push(i);
+    core.view.set_health(i, Health::Draining);
+    LearnedFate::Expired
 }
 
 /// This node is replica `i`'s home: start a new epoch when it just became home (or a peer's
@@ -707,6 +724,7 @@ fn follow_home(
     info: &Arc<ReplicaInfo>,
     load: &ReplicaLoad,
     home: Option<(String, SocketAddr)>,
+    handing_over: bool,
     round: &Round<'_>,
     plan: &mut MeshPlan,
 ) {
@@ -800,7 +818,11 @@ fn follow_home(
             // Nobody else publishes it: a replica known only from gossip has no one
             // vouching for it any more; a configured one keeps its own checks (this
             // node's own record, if any, only echoes them).
-            rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+            // (Unless it is being handed over: its origin died and the new home has not
+            // published it yet.)
+            if !handing_over {
+                rt.mesh.remote_health = rt.mesh.learned.then_some(Health::Unhealthy);
+            }
             rt.mesh.remote_queued = 0;
             rt.mesh.remote_kv_shares = None;
         }

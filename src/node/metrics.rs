@@ -428,14 +428,14 @@ pub struct MeshMetrics {
     /// `kvmesh_mesh_records_ignored_total{reason}`: peers' `replica:` records not learned or
     /// not applied, once per (replica, publisher, reason): `not_home` (the publisher is not
     /// the replica's rendezvous home), `bad_url`, `not_allowed` (host outside
-    /// `mesh.learn_replicas_from` and this node's own replica hosts), `peer_cap`, `total_cap`,
-    /// `registry`.
+    /// `mesh.learn_replicas_from` and this node's own replica hosts), `same_url` (another
+    /// replica has its URL), `peer_cap`, `total_cap`, `registry`.
     pub records_ignored: IntCounterVec,
     /// `kvmesh_mesh_block_reports_refused_total{reason}`: `not_a_region_member`,
     /// `unknown_replica`, `not_home` (this node is not the replica's home).
     pub reports_refused: IntCounterVec,
-    /// `kvmesh_mesh_learned_expired_total`: learned replicas that expired (their origin left or
-    /// no live member publishes them) and drain.
+    /// `kvmesh_mesh_learned_expired_total`: learned replicas that expired (their live origin
+    /// withdrew them, or their origin left and they are down) and drain.
     pub learned_expired: IntCounter,
     /// `kvmesh_mesh_summaries_behind`: replicas of this region whose home published a newer
     /// summary than this node holds (a pull is due or running); stays above 0 only when pulls
@@ -544,7 +544,7 @@ impl MeshMetrics {
             )?,
             learned_expired: IntCounter::new(
                 "kvmesh_mesh_learned_expired_total",
-                "Learned replicas expired (origin gone or unpublished), now draining",
+                "Learned replicas expired (withdrawn by their origin, or down with their origin gone), now draining",
             )?,
             summaries_behind: IntGauge::new(
                 "kvmesh_mesh_summaries_behind",
@@ -593,6 +593,7 @@ impl MeshMetrics {
             "not_home",
             "bad_url",
             "not_allowed",
+            "same_url",
             "peer_cap",
             "total_cap",
             "registry",

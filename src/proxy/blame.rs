@@ -8,13 +8,18 @@
 //!
 //! - a connect error at once (it says nothing about the request);
 //! - any other failure (reset mid-upload, first-byte timeout, 5xx) when another replica then took
-//!   the same request, or when it was the request's only attempt;
+//!   the same request, or when it was the request's only attempt — except a first-byte timeout
+//!   as the only attempt: a long request (a whole completion that takes longer than the
+//!   timeout) times out wherever it runs, so it counts against the replica only when the
+//!   replica is failing other requests too (its consecutive failures are above zero);
 //! - never when the request failed on two or more replicas and succeeded nowhere, nor when a
 //!   big body (over 1 MiB) was cut mid-upload wherever it was tried: then the request is blamed
 //!   (counted in `kvmesh_upstream_failures_total{blame="request"}`).
 //!
 //! A hung or broken replica is still ejected: the next replica serves its requests, which blames
-//! it. A stream that breaks after its first byte is always the replica's (see `forward.rs`).
+//! it (the first-byte timeouts leave the retry budget room for that: `node/config`). Six long
+//! requests on two replicas eject nobody. A stream that breaks after its first byte is always
+//! the replica's (see `forward.rs`).
 
 use std::sync::Arc;
 
@@ -70,7 +75,15 @@ impl Attempts {
                 .inc_by(self.pending.len() as u64);
             return true;
         }
-        for (i, _) in self.pending {
+        for (i, f) in self.pending {
+            if f == Failure::Timeout && !node.replica_failing(i) {
+                // Slow is not failed: a long request, on a replica that serves the others.
+                node.metrics
+                    .upstream_failures
+                    .with_label_values(&["request"])
+                    .inc();
+                continue;
+            }
             blame_replica(node, i);
         }
         false

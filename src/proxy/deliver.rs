@@ -338,9 +338,10 @@ impl Attempt<'_, '_> {
     }
 
     /// The answer of the routed replica within the first-byte timeout (`None`: nothing came).
-    /// A stream that is late past `retry.hedge_after_ms` on a first attempt is also sent to the
-    /// next best replica; the first answer wins and the other is dropped (its engine sees the
-    /// connection close). The loser is not blamed: slow is not failed.
+    /// A first attempt late past `retry.hedge_after_ms` (a stream) or
+    /// `retry.hedge_whole_after_ms` (a whole answer) is also sent to the next best replica; the
+    /// first answer wins and the other is dropped (its engine sees the connection close). The
+    /// loser is not blamed: slow is not failed.
     async fn send_hedged(
         &self,
         t: &mut Target,
@@ -358,8 +359,13 @@ impl Attempt<'_, '_> {
             headers,
             &u.body
         ));
-        let hedge_after = Duration::from_millis(node.cfg.retry.hedge_after_ms);
-        let hedged = self.number == 0 && u.stream() && !self.pinned;
+        let retry = &node.cfg.retry;
+        let hedge_after = Duration::from_millis(if u.stream() {
+            retry.hedge_after_ms
+        } else {
+            retry.hedge_whole_after_ms
+        });
+        let hedged = self.number == 0 && !self.pinned;
         if !hedged || hedge_after.is_zero() || hedge_after >= first_byte {
             return tokio::time::timeout(first_byte, send).await.ok();
         }

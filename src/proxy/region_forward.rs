@@ -58,7 +58,8 @@ pub enum ForwardError {
 /// the next; the answer streams back unbuffered. `trace` is the request's span when the node
 /// traces: each try gets a child span, sent on as the request's trace context, and the request
 /// span stays open while the answer streams. When every node failed the caller may mark the
-/// region unreachable and route again ([`ForwardError::RegionFailed`]).
+/// region unreachable and route again ([`ForwardError::RegionFailed`]). Like retries at
+/// replicas, no new node is tried once `retry.budget_ms` has passed since the first.
 pub async fn forward(
     node: &Arc<Node>,
     region: &str,
@@ -87,7 +88,14 @@ pub async fn forward(
             "no local replica can serve this request and this node cannot forward",
         )));
     };
-    for peer in &peers {
+    let (started, budget) = (
+        std::time::Instant::now(),
+        Duration::from_millis(node.cfg.retry.budget_ms),
+    );
+    for (n, peer) in peers.iter().enumerate() {
+        if n > 0 && started.elapsed() >= budget {
+            break;
+        }
         let span = trace.map(|parent| {
             let span = trace_span::forward_span(parent, region, &peer.node_id);
             trace_span::inject(&span, &mut headers);

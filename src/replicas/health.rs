@@ -14,6 +14,11 @@
 //! ejection, the doubling, the half-open state) `max_eject_backoff_ms` after its last failure
 //! or reopening, so a replica that failed long ago and has had no traffic since does not go
 //! straight back out on its next failure. Active checks are refreshed every interval.
+//!
+//! Envoy's panic threshold: while most replicas of a pool are ejected ([`pool_in_panic`]),
+//! ejections there are ignored (the node sets [`HealthTracker::set_panic`]): a pool whose
+//! replicas all failed a few requests (a bad client, a network blip) is routed to whole rather
+//! than refusing everyone. Failed active checks still take a replica out.
 
 use std::time::Duration;
 
@@ -33,6 +38,13 @@ pub struct HealthTracker {
     /// When the failure record (`request_failures`, `ejections`) last changed: its lease
     /// starts there.
     record_since: Duration,
+    /// Most of the replica's pool is ejected: its own ejection does not take it out of routing.
+    panic: bool,
+}
+
+/// Whether a pool with `ejected` of its `total` replicas ejected is in panic: more than half.
+pub fn pool_in_panic(ejected: usize, total: usize) -> bool {
+    ejected.saturating_mul(2) > total
 }
 
 impl HealthTracker {
@@ -46,12 +58,19 @@ impl HealthTracker {
             ejections: 0,
             ejected_until: None,
             record_since: Duration::ZERO,
+            panic: false,
         }
+    }
+
+    /// Sets whether the replica's pool is in panic ([`pool_in_panic`]); returns whether that
+    /// changed.
+    pub fn set_panic(&mut self, panic: bool) -> bool {
+        std::mem::replace(&mut self.panic, panic) != panic
     }
 
     /// The health routing should use.
     pub fn health(&self) -> Health {
-        if self.active_ok && self.ejected_until.is_none() {
+        if self.active_ok && (self.ejected_until.is_none() || self.panic) {
             Health::Healthy
         } else {
             Health::Unhealthy
@@ -193,6 +212,31 @@ mod tests {
         assert_eq!(h.health(), Health::Unhealthy);
         h.active_result(true, &cfg);
         assert_eq!(h.health(), Health::Healthy);
+    }
+
+    #[test]
+    fn a_pool_mostly_ejected_is_routed_to_whole() {
+        assert!(!pool_in_panic(1, 2), "half ejected: the other one serves");
+        assert!(pool_in_panic(2, 2));
+        assert!(pool_in_panic(3, 4));
+        assert!(!pool_in_panic(0, 0));
+        let cfg = HealthConfig::default();
+        let mut h = HealthTracker::new();
+        for t in 0..3 {
+            h.request_failed(ms(t), &cfg);
+        }
+        assert!(h.ejected());
+        assert_eq!(h.health(), Health::Unhealthy);
+        assert!(h.set_panic(true));
+        assert!(!h.set_panic(true));
+        assert_eq!(h.health(), Health::Healthy, "ejection ignored in panic");
+        // Failed checks still count.
+        h.active_result(false, &cfg);
+        h.active_result(false, &cfg);
+        assert_eq!(h.health(), Health::Unhealthy);
+        h.active_result(true, &cfg);
+        assert!(h.set_panic(false));
+        assert_eq!(h.health(), Health::Unhealthy, "out of panic: ejected again");
     }
 
     #[test]

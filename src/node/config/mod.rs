@@ -229,7 +229,8 @@ pub struct TimeoutConfig {
     pub first_byte_ms: u64,
     /// The same for a streamed request (`"stream": true`), whose headers engines send before the
     /// prefill: a replica that accepts and never answers holds it this long before it is retried
-    /// elsewhere and counted against the replica. Default 30,000.
+    /// elsewhere and counted against the replica. At most half of `retry.budget_ms`, so a
+    /// timed-out stream has budget left for another replica. Default 10,000.
     pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,
@@ -245,7 +246,7 @@ impl Default for TimeoutConfig {
         TimeoutConfig {
             connect_ms: 2_000,
             first_byte_ms: 300_000,
-            stream_first_byte_ms: 30_000,
+            stream_first_byte_ms: 10_000,
             idle_ms: 60_000,
             stream_idle_ms: 20_000,
         }
@@ -270,6 +271,11 @@ pub struct RetryConfig {
     /// already sent; past it the stream ends with an error event. 0 = never. At most 16.
     /// Default 2.
     pub stream_resumes: u32,
+    /// The same for a non-streamed request, whose answer comes only when done: a slow or stuck
+    /// replica no longer holds it for `timeouts.first_byte_ms`, and a long completion still
+    /// finishes where it runs if it is first. Below `budget_ms`; at or past
+    /// `timeouts.first_byte_ms` it never fires; 0 = off. Default 15,000.
+    pub hedge_whole_after_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -279,6 +285,7 @@ impl Default for RetryConfig {
             budget_ms: 30_000,
             hedge_after_ms: 0,
             stream_resumes: 2,
+            hedge_whole_after_ms: 15_000,
         }
     }
 }
@@ -338,6 +345,33 @@ impl NodeConfig {
         self.policy
             .parse()
             .map_err(|e: crate::core::policy::UnknownPolicy| invalid("policy", e.to_string()))
+    }
+
+    /// A first-byte timeout must leave the retry budget room for another replica: a stream
+    /// that timed out at the budget's end was answered 502 instead of going elsewhere (issue
+    /// #35). A hedge of a whole (non-streamed) request starts within the budget.
+    fn validate_retry_fits_timeouts(&self) -> Result<(), ConfigError> {
+        let (t, r) = (&self.timeouts, &self.retry);
+        if r.max_attempts > 1 && t.stream_first_byte_ms.saturating_mul(2) > r.budget_ms {
+            return Err(invalid(
+                "timeouts.stream_first_byte_ms",
+                format!(
+                    "must be at most half of retry.budget_ms ({} ms), so a timed-out stream has budget left for another replica",
+                    r.budget_ms
+                ),
+            ));
+        }
+        let hedge = r.hedge_whole_after_ms;
+        if hedge > 0 && hedge >= r.budget_ms {
+            return Err(invalid(
+                "retry.hedge_whole_after_ms",
+                format!(
+                    "must be below retry.budget_ms ({} ms), or 0 (off)",
+                    r.budget_ms
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks every value; the first problem found is returned, naming its key.
@@ -421,6 +455,10 @@ impl NodeConfig {
             ),
             ("retry.budget_ms".into(), self.retry.budget_ms),
             ("retry.hedge_after_ms".into(), self.retry.hedge_after_ms),
+            (
+                "retry.hedge_whole_after_ms".into(),
+                self.retry.hedge_whole_after_ms,
+            ),
             ("health.interval_ms".into(), self.health.interval_ms),
             ("health.timeout_ms".into(), self.health.timeout_ms),
             (
@@ -488,6 +526,7 @@ impl NodeConfig {
                 format!("at most {MAX_STREAM_RESUMES}"),
             ));
         }
+        self.validate_retry_fits_timeouts()?;
         if self.health.unhealthy_after == 0 {
             return Err(invalid("health.unhealthy_after", "must be at least 1"));
         }
@@ -863,6 +902,16 @@ mod tests {
                 "[auth]\nshared_system_prompts = [\"\"]",
                 "auth.shared_system_prompts",
             ),
+            // Issue #35: a stream's first-byte timeout equal to the budget left none for a retry.
+            (
+                "[timeouts]\nstream_first_byte_ms = 30000\n[retry]\nbudget_ms = 30000",
+                "timeouts.stream_first_byte_ms",
+            ),
+            (
+                "[retry]\nbudget_ms = 30000\nhedge_whole_after_ms = 30000",
+                "retry.hedge_whole_after_ms",
+            ),
+
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",

@@ -314,7 +314,8 @@ impl Node {
             if me_home {
                 publish_as_home(core, i, &info, &load, &round, &mut plan);
             } else {
-                follow_home(core, i, &info, &load, home, handing_over, &round, &mut plan);
+                let follow = Following { home, handing_over };
+                follow_home(core, i, &info, &load, follow, &round, &mut plan);
             }
             let h = core.replicas[i].effective_health();
             core.view.set_health(i, h);
@@ -716,6 +717,14 @@ fn publish_as_home(
     }
 }
 
+/// Whom a replica this node is not home of follows this round.
+struct Following {
+    /// Its home (node id, gossip address); `None` when no live node of its region is.
+    home: Option<(String, SocketAddr)>,
+    /// Its origin is gone and the new home does not publish it yet ([`LearnedFate::Kept`]).
+    handing_over: bool,
+}
+
 /// Another node is replica `i`'s home (or none is): hand over to it once it publishes, stand in
 /// for it while nobody does, and fold its record into the view.
 fn follow_home(
@@ -723,11 +732,11 @@ fn follow_home(
     i: usize,
     info: &Arc<ReplicaInfo>,
     load: &ReplicaLoad,
-    home: Option<(String, SocketAddr)>,
-    handing_over: bool,
+    follow: Following,
     round: &Round<'_>,
     plan: &mut MeshPlan,
 ) {
+    let Following { home, handing_over } = follow;
     let (self_id, live, records, local) = (
         round.self_id,
         round.live,

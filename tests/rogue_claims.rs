@@ -158,6 +158,8 @@ async fn absurd_load_claims_do_not_steer_traffic_away() {
         })
         .await
         .expect("the rogue never became a live member");
+        // The first requests after start see replicas not yet scraped; measure past them.
+        spread(&c, &[&n1], "warm", 100).await;
         let honest = spread(&c, &[&n1], "honest", 400).await;
         // The rogue claims r0 swamped, again and again.
         let target = mesh_addr(&n1);

@@ -43,7 +43,8 @@ pub struct Metrics {
     /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
     pub ejections: IntCounterVec,
     /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
-    /// (`first_won`, `hedge_won`).
+    /// (`first_won`, `hedge_won`); `over_budget`: not hedged, a fifth of the requests awaiting
+    /// headers (at least 3) being hedged already.
     pub hedges: IntCounterVec,
     /// `kvmesh_stream_resumes_total{api,outcome}`: streams whose replica failed mid-stream:
     /// `resumed` (continued on another replica), `failed` (a continuation attempt failed),
@@ -249,7 +250,7 @@ impl Metrics {
         let hedges = IntCounterVec::new(
             Opts::new(
                 "kvmesh_hedges_total",
-                "Streamed requests hedged at a second replica after retry.hedge_after_ms, by outcome",
+                "Requests hedged at a second replica after retry.hedge_after_ms / hedge_whole_after_ms, by outcome",
             ),
             &["outcome"],
         )?;

@@ -270,6 +270,10 @@ pub struct Node {
     /// `max_buffered_body_bytes` more, kept apart so that bodies stalled after filling the main
     /// budget never make a small request wait (`proxy/body.rs`).
     pub body_budget_first: tokio::sync::Semaphore,
+    /// Hedges in flight (`proxy/deliver.rs`): at most a fifth of the requests awaiting response
+    /// headers (at least 3) may be hedged at once, so hedging cannot double the load of a fleet
+    /// that is slow because it is overloaded.
+    pub hedges_in_flight: std::sync::atomic::AtomicI64,
     /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
     pub peer_client: std::sync::OnceLock<reqwest::Client>,
     /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one: index → the
@@ -411,6 +415,7 @@ impl Node {
             secrets,
             body_budget: tokio::sync::Semaphore::new(body_kib),
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
+            hedges_in_flight: std::sync::atomic::AtomicI64::new(0),
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashMap::new()),
             registry_changed: tokio::sync::watch::Sender::new(0),

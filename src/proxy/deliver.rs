@@ -373,6 +373,13 @@ impl Attempt<'_, '_> {
             return Some(r);
         }
         let left = first_byte - hedge_after;
+        let Some(_slot) = HedgeSlot::take(node) else {
+            node.metrics
+                .hedges
+                .with_label_values(&["over_budget"])
+                .inc();
+            return tokio::time::timeout(left, send).await.ok();
+        };
         let exclude = [t.routed.replica];
         let (Decision::Route(r2), Some(t2)) = node.route(&RouteRequest {
             exclude: &exclude,
@@ -554,4 +561,61 @@ pub(super) fn send_to(
         None => req.body(body.clone()),
     }
     .send()
+}
+
+/// A hedge's place in the node's hedge budget: at most a fifth of the requests awaiting
+/// response headers (at least 3) are hedged at once — Envoy's retry budget defaults. A fleet
+/// slow because it is overloaded would otherwise get a second copy of every late request
+/// exactly when it can least take it.
+struct HedgeSlot<'a>(&'a Node);
+
+impl<'a> HedgeSlot<'a> {
+    fn take(node: &'a Node) -> Option<Self> {
+        use std::sync::atomic::Ordering;
+        let budget = (node.metrics.in_flight_total.get() / 5).max(3);
+        let held = node.hedges_in_flight.fetch_add(1, Ordering::AcqRel);
+        if held >= budget {
+            node.hedges_in_flight.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(HedgeSlot(node))
+    }
+}
+
+impl Drop for HedgeSlot<'_> {
+    fn drop(&mut self) {
+        self.0
+            .hedges_in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::config::NodeConfig;
+
+    /// Hedging cannot double an overloaded fleet's load: a fifth of the requests awaiting
+    /// headers (at least 3) are hedged at once, and a slot comes back when its hedge ends.
+    #[test]
+    fn hedges_in_flight_stay_within_a_fifth_of_the_waiting_requests() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let few: Vec<_> = std::iter::from_fn(|| HedgeSlot::take(&node))
+            .take(10)
+            .collect();
+        assert_eq!(few.len(), 3, "a quiet node: 3 hedges at a time");
+        drop(few);
+        node.metrics.in_flight_total.set(40);
+        let slots: Vec<_> = std::iter::from_fn(|| HedgeSlot::take(&node))
+            .take(20)
+            .collect();
+        assert_eq!(slots.len(), 8, "40 waiting requests: 8 hedges");
+        drop(slots);
+        assert_eq!(
+            node.hedges_in_flight
+                .load(std::sync::atomic::Ordering::Acquire),
+            0
+        );
+    }
 }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{live_members, mesh_addr};
 use kvmesh::bench::delay_line::DelayLine;
 use kvmesh::mesh::replica_load::RecordChange;
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
@@ -44,13 +45,6 @@ fn client() -> reqwest::Client {
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap()
-}
-
-/// A cluster CA in a fresh temporary directory; node certificates are issued on demand.
-fn certs() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    kvmesh::mesh::certs::init_dir(dir.path()).unwrap();
-    dir
 }
 
 async fn replica(id: &str) -> ReplicaHandle {
@@ -141,10 +135,6 @@ fn mesh_config(
     cfg
 }
 
-fn mesh_addr(n: &RunningNode) -> SocketAddr {
-    n.node.mesh().unwrap().addr()
-}
-
 /// Polls `cond` every 20 ms until it holds or `limit` passes; returns the time it took.
 async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
     let t0 = Instant::now();
@@ -165,18 +155,6 @@ fn homes(n: &RunningNode) -> Vec<(String, String)> {
         .replicas
         .into_iter()
         .map(|r| (r.id, r.home))
-        .collect()
-}
-
-fn live_members(n: &RunningNode) -> Vec<String> {
-    n.node
-        .state()
-        .mesh
-        .unwrap()
-        .members
-        .into_iter()
-        .filter(|m| m.live)
-        .map(|m| m.node_id)
         .collect()
 }
 
@@ -282,7 +260,7 @@ async fn three_nodes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_converge_and_a_prefix_routed_at_one_is_preferred_at_another() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let mut reps = Vec::new();
         for i in 0..3 {
             reps.push(replica(&format!("r{i}")).await);
@@ -407,7 +385,7 @@ fn peer_in_flight(n: &RunningNode, id: &str) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_and_its_prefix_at_one_node_count_at_the_others_within_milliseconds() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let r0 = replica("r0").await;
         let list = vec![(r0.id.clone(), r0.base_url())];
         let a = mesh_node(dir.path(), "a", "eu", &[], &list).await;
@@ -450,7 +428,7 @@ async fn a_request_and_its_prefix_at_one_node_count_at_the_others_within_millise
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
     bounded(40, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let mut reps = Vec::new();
         for i in 0..4 {
             reps.push(replica(&format!("r{i}")).await);
@@ -573,8 +551,8 @@ async fn a_dead_nodes_replicas_move_home_and_routing_continues() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_a_foreign_certificate_is_never_listed() {
     bounded(20, async {
-        let dir = certs();
-        let other = certs();
+        let dir = common::cluster_ca();
+        let other = common::cluster_ca();
         let r = replica("r0").await;
         let list = vec![(r.id.clone(), r.base_url())];
         let a = mesh_node(dir.path(), "a", "eu", &[], &list).await;
@@ -607,7 +585,7 @@ async fn a_node_with_a_foreign_certificate_is_never_listed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_at_a_region_without_replicas_is_served_one_hop_away() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let ra = replica("ra0").await;
         let rb = replica("rb0").await;
         let a1 = mesh_node(
@@ -726,7 +704,7 @@ async fn burst_forwarded_to(c: &reqwest::Client, node: SocketAddr, prompts: &[St
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwards_share_one_connection_opened_before_the_first() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let rb = replica("rb0").await;
         // A node of region a without replicas: every request goes to region b.
         let a1 = mesh_node(dir.path(), "a1", "a", &[], &[]).await;
@@ -798,7 +776,7 @@ async fn forwards_share_one_connection_opened_before_the_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_naming_a_plain_http_url_gets_no_connection() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let mut cfg = mesh_config(dir.path(), "a1", "a", &[], &[], None);
         if let Some(m) = cfg.mesh.as_mut() {
             // One cluster for both regions: b's member is a peer with its own URL.
@@ -854,7 +832,7 @@ fn dead_https_url() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let rb = replica("rb0").await;
         let list = [(rb.id.clone(), rb.base_url())];
         // A node of region a without replicas: every request goes to region b.
@@ -907,7 +885,7 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_reaching_another_node_than_the_one_meant_is_refused() {
     bounded(40, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let rb = replica("rb0").await;
         let list = [(rb.id.clone(), rb.base_url())];
         let a1 = mesh_node(dir.path(), "a1", "a", &[], &[]).await;
@@ -942,7 +920,7 @@ async fn a_forward_reaching_another_node_than_the_one_meant_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_whose_nodes_all_fail_gives_way_to_the_next_region() {
     bounded(40, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let rb = replica("rb0").await;
         let rc = replica("rc0").await;
         // a1 has no replicas; region b is nearer than c, but its only node advertises an HTTP
@@ -1051,7 +1029,7 @@ fn free_udp_port() -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn separate_processes_form_a_mesh_and_serve() {
     bounded(40, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         for n in ["n1", "n2"] {
             kvmesh::mesh::certs::issue_in_dir(dir.path(), n).unwrap();
         }
@@ -1181,13 +1159,16 @@ async fn rogue_member_with(
     seed: SocketAddr,
     adjust: impl FnOnce(&mut kvmesh::mesh::MeshConfig),
 ) -> kvmesh::mesh::Mesh {
-    kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
-    let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(certs, name).unwrap();
-    let mut cfg = common::loopback_mesh("mesh-node-test", name, region, identity, &[seed]);
-    cfg.gossip_interval = Duration::from_millis(100);
-    cfg.failure_detection = Duration::from_millis(FAILURE_DETECTION_MS);
-    adjust(&mut cfg);
-    kvmesh::mesh::Mesh::start(cfg).await.unwrap()
+    common::rogue_member(
+        "mesh-node-test",
+        certs,
+        name,
+        region,
+        seed,
+        FAILURE_DETECTION_MS,
+        adjust,
+    )
+    .await
 }
 
 fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
@@ -1239,7 +1220,7 @@ async fn metric(c: &reqwest::Client, n: &RunningNode, series: &str) -> f64 {
 async fn a_member_publishing_300_replicas_outside_the_allow_list_gets_none_learned() {
     bounded(60, async {
         let c = client();
-        let certs = certs();
+        let certs = common::cluster_ca();
         let r = replica("own").await;
         let n1 = mesh_node(
             certs.path(),
@@ -1306,7 +1287,7 @@ async fn a_replica_record_published_by_a_non_home_is_ignored() {
     use kvmesh::mesh::home::home_node;
     bounded(60, async {
         let c = client();
-        let certs = certs();
+        let certs = common::cluster_ca();
         let nodes = ["n1", "n2", "rogue"];
         // A replica whose home is n2 among the three.
         let id = (0..)
@@ -1380,7 +1361,7 @@ async fn a_replica_record_published_by_a_non_home_is_ignored() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_share_of_the_cluster_holds_across_nodes() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         // Real-time replicas: a long completion stays in flight.
         let mut reps = Vec::new();
         for id in ["r0", "r1"] {
@@ -1472,7 +1453,7 @@ async fn a_tenant_share_of_the_cluster_holds_across_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_home_of_a_learned_replica_follows_its_kv_events() {
     bounded(40, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let mut reps = Vec::new();
         for i in 0..3 {
             let events = |c: &mut ReplicaConfig| {
@@ -1561,7 +1542,7 @@ async fn the_home_of_a_learned_replica_follows_its_kv_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_key_tenants_survive_forwarding() {
     bounded(30, async {
-        let dir = certs();
+        let dir = common::cluster_ca();
         let rb = replica("rb0").await;
         let keys = dir.path().join("api-keys");
         std::fs::write(&keys, "acme sk-acme-0123456789abcdef\n").unwrap();

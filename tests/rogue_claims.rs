@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{bounded, client, sim_replica, wait_for};
+use common::{bounded, client, live_members, mesh_addr, sim_replica, wait_for};
 use kvmesh::mesh::load_share::{LoadEntry, LoadUpdate};
 use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::proxy::{self, RunningNode};
@@ -19,13 +19,6 @@ use serde_json::json;
 const MODEL: &str = "sim-llama-8b";
 const ROUTED: &str = "x-kvmesh-routed-to";
 const CLUSTER: &str = "rogue-claims-test";
-
-/// A cluster CA in a fresh temporary directory.
-fn certs() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    kvmesh::mesh::certs::init_dir(dir.path()).unwrap();
-    dir
-}
 
 /// A mesh node `name` of region "eu" with `replicas` (id, url), seeded with `seeds`.
 async fn mesh_node(
@@ -68,29 +61,13 @@ async fn mesh_node(
     proxy::spawn(cfg).await.unwrap()
 }
 
-fn mesh_addr(n: &RunningNode) -> SocketAddr {
-    n.node.mesh().unwrap().addr()
-}
-
-fn live_members(n: &RunningNode) -> Vec<String> {
-    let members = n.node.state().mesh.map(|m| m.members).unwrap_or_default();
-    members
-        .into_iter()
-        .filter(|m| m.live)
-        .map(|m| m.node_id)
-        .collect()
-}
-
 /// A member with a valid certificate and no HTTP front or replicas of its own, that sends
 /// what it likes (named in the region's peers: it gives an HTTP URL).
 async fn rogue_member(certs: &Path, name: &str, seed: SocketAddr) -> kvmesh::mesh::Mesh {
-    kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
-    let identity = kvmesh::mesh::certs::NodeIdentity::load_dir(certs, name).unwrap();
-    let mut cfg = common::loopback_mesh(CLUSTER, name, "eu", identity, &[seed]);
-    cfg.gossip_interval = Duration::from_millis(100);
-    cfg.failure_detection = Duration::from_millis(1_000);
-    cfg.http_url = "http://127.0.0.1:9".into();
-    kvmesh::mesh::Mesh::start(cfg).await.unwrap()
+    common::rogue_member(CLUSTER, certs, name, "eu", seed, 1_000, |cfg| {
+        cfg.http_url = "http://127.0.0.1:9".into();
+    })
+    .await
 }
 
 /// Sends `n` completions of distinct prompts tagged `tag` through `nodes` in turn; returns
@@ -144,7 +121,7 @@ fn peer_in_flight(n: &RunningNode, id: &str) -> Option<u32> {
 async fn absurd_load_claims_do_not_steer_traffic_away() {
     bounded(120, async {
         let c = client();
-        let dir = certs();
+        let dir = common::cluster_ca();
         let r0 = sim_replica("r0", |_| {}).await;
         let r1 = sim_replica("r1", |_| {}).await;
         let list = vec![
@@ -213,7 +190,7 @@ async fn absurd_load_claims_do_not_steer_traffic_away() {
 async fn a_dead_routers_replicas_keep_their_share_of_traffic() {
     bounded(120, async {
         let c = client();
-        let dir = certs();
+        let dir = common::cluster_ca();
         let mut reps = Vec::new();
         for id in ["r0", "r1", "r2", "r3"] {
             reps.push(sim_replica(id, |_| {}).await);

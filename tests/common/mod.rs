@@ -91,3 +91,46 @@ pub fn loopback_mesh(
     cfg.seeds = seeds.iter().map(|s| s.to_string()).collect();
     cfg
 }
+
+/// A cluster CA in a fresh temporary directory (`kvmesh certs init`).
+pub fn cluster_ca() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    kvmesh::mesh::certs::init_dir(dir.path()).unwrap();
+    dir
+}
+
+/// The QUIC address of a running node's mesh.
+pub fn mesh_addr(n: &kvmesh::proxy::RunningNode) -> std::net::SocketAddr {
+    n.node.mesh().unwrap().addr()
+}
+
+/// The ids of the members `n` sees live.
+pub fn live_members(n: &kvmesh::proxy::RunningNode) -> Vec<String> {
+    let members = n.node.state().mesh.map(|m| m.members).unwrap_or_default();
+    members
+        .into_iter()
+        .filter(|m| m.live)
+        .map(|m| m.node_id)
+        .collect()
+}
+
+/// A rogue member: a plain `Mesh` with a valid certificate for `name` in cluster `cluster`,
+/// region `region`, no HTTP front and no replicas of its own, that sends what its test likes;
+/// gossip every 100 ms, death seen after `failure_detection_ms`; `adjust` changes the rest.
+pub async fn rogue_member(
+    cluster: &str,
+    certs: &std::path::Path,
+    name: &str,
+    region: &str,
+    seed: std::net::SocketAddr,
+    failure_detection_ms: u64,
+    adjust: impl FnOnce(&mut MeshConfig),
+) -> kvmesh::mesh::Mesh {
+    kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
+    let identity = NodeIdentity::load_dir(certs, name).unwrap();
+    let mut cfg = loopback_mesh(cluster, name, region, identity, &[seed]);
+    cfg.gossip_interval = Duration::from_millis(100);
+    cfg.failure_detection = Duration::from_millis(failure_detection_ms);
+    adjust(&mut cfg);
+    kvmesh::mesh::Mesh::start(cfg).await.unwrap()
+}

@@ -165,7 +165,10 @@ async fn relayed_forgeries_of_another_members_records_are_refused() {
                 Some(&replica("http://10.0.0.1:8000"))
             );
         }
-        assert!(b.stats().transport.forged_refused >= 1, "{:?}", b.stats());
+        // Whoever heard the forgeries from the rogue refused them (the other may have heard
+        // of them only through that peer, which never took them).
+        let refused = a.stats().transport.forged_refused + b.stats().transport.forged_refused;
+        assert!(refused >= 1, "{:?} / {:?}", a.stats(), b.stats());
         // a's own later update still reaches b past the forged versions.
         let mut newer = replica("http://10.0.0.1:8000");
         newer.load.waiting = 7;
@@ -218,11 +221,10 @@ async fn admin_records_need_an_operator_certificate() {
             assert!(seen.admin.is_empty(), "{:?}", seen.admin);
             assert!(seen.node.is_some(), "the rogue's own records still count");
         }
-        assert!(
-            b.stats().transport.authority_refused >= 4,
-            "{:?}",
-            b.stats()
-        );
+        // Whoever heard the rogue first refused all four (the other may have heard it only
+        // through that peer, which relays its state without them).
+        let refused = a.stats().transport.authority_refused + b.stats().transport.authority_refused;
+        assert!(refused >= 4, "{:?} / {:?}", a.stats(), b.stats());
         for m in [op, rogue, b, a] {
             m.shutdown().await;
         }

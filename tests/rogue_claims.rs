@@ -173,7 +173,10 @@ async fn absurd_load_claims_do_not_steer_traffic_away() {
             "r0's share: honest {h:.2} {honest:?}, under the rogue's claims {d:.2} {during:?}; claim faded after {faded:?}"
         );
         assert!(faded.is_some(), "the rogue's claim still counts");
-        assert!((h - d).abs() <= 0.10, "honest {h:.2}, under claims {d:.2}");
+        // The claim would steer traffic away from r0 (on the old code: 0.00 of it). Under it r0
+        // keeps its honest share, less 0.10 at most; more is no attack but run-to-run noise
+        // (two replicas, sequential requests: shares of 0.40–0.58 were seen in both phases).
+        assert!(d >= h - 0.10, "honest {h:.2}, under claims {d:.2}");
         lies.abort();
         n1.shutdown().await;
         r0.shutdown().await;

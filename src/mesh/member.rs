@@ -49,6 +49,36 @@ pub struct Member {
 }
 
 impl Member {
+    /// A live member `id` of region "eu" at 127.0.0.1:`port` with a `node` record and no other
+    /// records: the fixture the node's unit tests build their rounds from.
+    #[cfg(test)]
+    pub(crate) fn for_test(id: &str, port: u16, is_self: bool) -> Member {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        Member {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: addr,
+            live: true,
+            is_self,
+            node: Some(NodeRecord {
+                schema: super::schema::SCHEMA_VERSION,
+                region: "eu".into(),
+                zone: String::new(),
+                http_url: format!("http://{id}:8080"),
+                quic_addr: addr,
+                version: "t".into(),
+                generation: 1,
+            }),
+            replicas: Default::default(),
+            inflight: Default::default(),
+            hot: Default::default(),
+            rtt: Default::default(),
+            homes: None,
+            admin: Default::default(),
+            regions: Default::default(),
+        }
+    }
+
     /// The member's region, when its node record is known.
     pub fn region(&self) -> Option<&str> {
         self.node.as_ref().map(|n| n.region.as_str())

@@ -488,9 +488,7 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mesh::schema::{NodeRecord, SCHEMA_VERSION};
     use crate::node::config::{MeshSection, NodeConfig};
-    use std::net::SocketAddr;
 
     fn node() -> Arc<Node> {
         crate::proxy::install_crypto_provider();
@@ -512,8 +510,8 @@ mod tests {
         Node::new(cfg).unwrap()
     }
 
+    /// A region member publishing `drains` as `admin:` drain records.
     fn member(id: &str, port: u16, is_self: bool, drains: &[&str]) -> Member {
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let stamp_ms = now_ms();
         let admin = drains
             .iter()
@@ -527,27 +525,8 @@ mod tests {
             })
             .collect();
         Member {
-            node_id: id.into(),
-            generation: 1,
-            gossip_addr: addr,
-            live: true,
-            is_self,
-            node: Some(NodeRecord {
-                schema: SCHEMA_VERSION,
-                region: "eu".into(),
-                zone: String::new(),
-                http_url: String::new(),
-                quic_addr: addr,
-                version: "t".into(),
-                generation: 1,
-            }),
-            replicas: Default::default(),
-            inflight: Default::default(),
-            hot: Default::default(),
-            rtt: Default::default(),
-            homes: None,
             admin: Arc::new(admin),
-            regions: Default::default(),
+            ..Member::for_test(id, port, is_self)
         }
     }
 

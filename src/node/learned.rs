@@ -423,12 +423,10 @@ impl Ignored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mesh::schema::SCHEMA_VERSION;
-    use crate::mesh::schema::{NodeRecord, ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
+    use crate::mesh::schema::{ReplicaRecord, SummaryVersion, WireHealth, WireLoad};
     use crate::mesh::Member;
     use crate::node::config::{MeshSection, NodeConfig};
     use std::collections::BTreeMap;
-    use std::net::SocketAddr;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -483,30 +481,7 @@ mod tests {
     }
 
     fn member(id: &str, port: u16, is_self: bool) -> Member {
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        Member {
-            node_id: id.into(),
-            generation: 1,
-            gossip_addr: addr,
-            live: true,
-            is_self,
-            node: Some(NodeRecord {
-                schema: SCHEMA_VERSION,
-                region: "eu".into(),
-                zone: String::new(),
-                http_url: String::new(),
-                quic_addr: addr,
-                version: "t".into(),
-                generation: 1,
-            }),
-            replicas: Default::default(),
-            inflight: Default::default(),
-            hot: Default::default(),
-            rtt: Default::default(),
-            homes: None,
-            admin: Default::default(),
-            regions: Default::default(),
-        }
+        Member::for_test(id, port, is_self)
     }
 
     #[test]

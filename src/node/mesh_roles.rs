@@ -913,36 +913,13 @@ mod tests {
     use super::*;
     use crate::core::summary::SummaryConfig;
     use crate::mesh::cluster::home_in;
-    use crate::mesh::schema::{NodeRecord, WireHealth, SCHEMA_VERSION};
+    use crate::mesh::schema::WireHealth;
     use crate::node::config::{MeshSection, NodeConfig};
     use crate::replicas::entry::ReplicaConfig;
     use std::time::Duration;
 
     fn member(id: &str, port: u16, is_self: bool) -> Member {
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        Member {
-            node_id: id.into(),
-            generation: 1,
-            gossip_addr: addr,
-            live: true,
-            is_self,
-            node: Some(NodeRecord {
-                schema: SCHEMA_VERSION,
-                region: "eu".into(),
-                zone: String::new(),
-                http_url: format!("http://{id}:8080"),
-                quic_addr: addr,
-                version: "t".into(),
-                generation: 1,
-            }),
-            replicas: Default::default(),
-            inflight: Default::default(),
-            hot: Default::default(),
-            rtt: Default::default(),
-            homes: None,
-            admin: Default::default(),
-            regions: Default::default(),
-        }
+        Member::for_test(id, port, is_self)
     }
 
     /// Node `a` of region `eu` with replicas `r0..r7` (the mesh is never started).

@@ -376,6 +376,37 @@ impl NodeConfig {
 
     /// Checks every value; the first problem found is returned, naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_basics()?;
+        self.validate_routing_numbers()?;
+        self.validate_durations()?;
+        self.validate_retry_and_health()?;
+        self.validate_sources()?;
+        self.validate_tenants()?;
+        self.server.validate()?;
+        self.auth.validate()?;
+        if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
+            return Err(invalid(
+                "server.max_buffered_body_bytes",
+                "must be at least max_body_bytes (one largest body must fit)",
+            ));
+        }
+        if let Some(m) = &self.mesh {
+            m.validate()?;
+        }
+        self.tracing.validate()?;
+        self.validate_upkeep()?;
+        self.hot_prefix
+            .validate()
+            .map_err(|m| invalid("hot_prefix", m))?;
+        if let Some(p) = &self.priorities {
+            p.validate()
+                .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
+        }
+        Ok(())
+    }
+
+    /// The routing basics: policy, P/D, region, sizes, the admin token, header names.
+    fn validate_basics(&self) -> Result<(), ConfigError> {
         self.policy_kind()?;
         self.pd.validate()?;
         if self.region.is_empty() {
@@ -408,6 +439,11 @@ impl NodeConfig {
                 return Err(invalid(key, format!("'{v}' is not a valid header name")));
             }
         }
+        Ok(())
+    }
+
+    /// The routing weights, credits and shares: finite and in range.
+    fn validate_routing_numbers(&self) -> Result<(), ConfigError> {
         for (key, v) in [
             ("spill_after_s", self.spill_after_s),
             ("w_load_s", self.w_load_s),
@@ -432,6 +468,12 @@ impl NodeConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Every duration against one upper bound (so no sum of a time and a configured
+    /// duration can overflow), and the ones that must not be zero.
+    fn validate_durations(&self) -> Result<(), ConfigError> {
         // Every duration has one upper bound, so no sum of a time and a configured duration can
         // overflow (which panics) anywhere in the node.
         let mut durations_ms: Vec<(String, u64)> = vec![
@@ -517,6 +559,12 @@ impl NodeConfig {
                 return Err(invalid(key, "must be at least 1"));
             }
         }
+        Ok(())
+    }
+
+    /// Retries and ejection: attempts, stream continuations, timeouts that leave budget for a
+    /// retry, ejection thresholds and backoffs.
+    fn validate_retry_and_health(&self) -> Result<(), ConfigError> {
         if self.retry.max_attempts == 0 {
             return Err(invalid("retry.max_attempts", "must be at least 1"));
         }
@@ -539,6 +587,12 @@ impl NodeConfig {
                 "must be at least health.eject_backoff_ms",
             ));
         }
+        Ok(())
+    }
+
+    /// Where replicas come from: `[[replicas]]` (unique ids), the tokenizer, `[[dns]]`,
+    /// `[[kubernetes]]`.
+    fn validate_sources(&self) -> Result<(), ConfigError> {
         let mut ids = std::collections::HashSet::new();
         for (n, r) in self.replicas.iter().enumerate() {
             let prefix = format!("replicas[{n}]");
@@ -588,6 +642,11 @@ impl NodeConfig {
             };
             validate_replica(&format!("kubernetes[{n}]"), &k.replica(&found))?;
         }
+        Ok(())
+    }
+
+    /// Tenants and the default tenant: pools, quotas, KV shares.
+    fn validate_tenants(&self) -> Result<(), ConfigError> {
         for (name, t) in self
             .tenants
             .iter()
@@ -649,26 +708,6 @@ impl NodeConfig {
                     crate::core::tenants::KV_SLOTS - 2
                 ),
             ));
-        }
-        self.server.validate()?;
-        self.auth.validate()?;
-        if self.server.max_buffered_body_bytes < self.max_body_bytes as u64 {
-            return Err(invalid(
-                "server.max_buffered_body_bytes",
-                "must be at least max_body_bytes (one largest body must fit)",
-            ));
-        }
-        if let Some(m) = &self.mesh {
-            m.validate()?;
-        }
-        self.tracing.validate()?;
-        self.validate_upkeep()?;
-        self.hot_prefix
-            .validate()
-            .map_err(|m| invalid("hot_prefix", m))?;
-        if let Some(p) = &self.priorities {
-            p.validate()
-                .map_err(|(k, msg)| invalid(format!("priorities.{k}"), msg))?;
         }
         Ok(())
     }

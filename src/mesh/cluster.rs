@@ -314,16 +314,7 @@ impl Mesh {
             }
             None => ReloadableCert::new(key),
         };
-        let seed_nodes = if seeds::has_srv(&cfg.seeds) {
-            let resolver = match cfg.dns_server {
-                Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
-                None => SeedResolver::system(),
-            }
-            .map_err(|e| MeshError::Config(e.to_string()))?;
-            resolver.expand(&cfg.seeds).await
-        } else {
-            cfg.seeds.clone()
-        };
+        let seed_nodes = resolve_seeds(&cfg).await?;
         let quic = cfg
             .identity
             .quic_configs_with(cfg.transport.idle_timeout, cert)?;
@@ -342,26 +333,7 @@ impl Mesh {
             generation,
         };
         let self_id = ChitchatId::new(cfg.node_id.clone(), generation, advertise);
-        // Regional: this region's own cluster, joined through the seeds' directories (a seed
-        // of another region would only answer "wrong cluster"; see `directory`).
-        let (cluster_id, chitchat_seeds) = match cfg.layout {
-            GossipLayout::Flat => (cfg.cluster_id.clone(), seed_nodes.clone()),
-            GossipLayout::Regional => (
-                format!("{}/region/{}", cfg.cluster_id, cfg.region),
-                Vec::new(),
-            ),
-        };
-        let config = ChitchatConfig {
-            chitchat_id: self_id.clone(),
-            cluster_id,
-            gossip_interval: cfg.gossip_interval,
-            listen_addr: bound,
-            seed_nodes: chitchat_seeds,
-            failure_detector_config: failure_detector(&cfg),
-            marked_for_deletion_grace_period: cfg.dead_node_grace_period,
-            catchup_callback: None,
-            extra_liveness_predicate: None,
-        };
+        let config = chitchat_config(&cfg, &self_id, bound, &seed_nodes);
         let node_value = match node.encode() {
             Ok(v) => v,
             Err(e) => {
@@ -382,35 +354,7 @@ impl Mesh {
         let decoded = Arc::new(Mutex::new(MemberCache::default()));
         let reports = Arc::new(Mutex::new(ReportBatches::new()));
         let reports_queued = Arc::new(tokio::sync::Notify::new());
-        let regional = match cfg.layout {
-            GossipLayout::Flat => None,
-            GossipLayout::Regional => {
-                // A silent representative is replaced after the usual detection time, but never
-                // sooner than four of the layer's slower rounds.
-                let settings = LayerSettings {
-                    cluster_id: format!("{}/regions", cfg.cluster_id),
-                    region: cfg.region.clone(),
-                    interval: cfg.region_interval,
-                    failure: failure_detector(&MeshConfig {
-                        gossip_interval: cfg.region_interval,
-                        failure_detection: cfg.failure_detection.max(cfg.region_interval * 4),
-                        ..cfg.clone()
-                    }),
-                };
-                let layer = RegionLayer::new(
-                    transport.clone(),
-                    self_id.clone(),
-                    settings,
-                    node_value,
-                    schema_errors.clone(),
-                );
-                Some(Arc::new(Regional::new(
-                    layer,
-                    cfg.representatives.max(1),
-                    cfg.region_interval,
-                )))
-            }
-        };
+        let regional = region_layer(&cfg, &transport, &self_id, node_value, &schema_errors);
         let mut tasks = vec![
             tokio::spawn(rtt_loop(
                 handle.chitchat(),
@@ -1115,6 +1059,87 @@ async fn report_loop(
                     debug!(error = %e, "block report not sent");
                 }
             }
+        }
+    }
+}
+
+/// The configured seeds, `srv:` names resolved (through `dns_server` when set).
+async fn resolve_seeds(cfg: &MeshConfig) -> Result<Vec<String>, MeshError> {
+    if !seeds::has_srv(&cfg.seeds) {
+        return Ok(cfg.seeds.clone());
+    }
+    let resolver = match cfg.dns_server {
+        Some(server) => SeedResolver::with_server(server, Duration::from_secs(2)),
+        None => SeedResolver::system(),
+    }
+    .map_err(|e| MeshError::Config(e.to_string()))?;
+    Ok(resolver.expand(&cfg.seeds).await)
+}
+
+/// chitchat's settings for this node. Regional: this region's own cluster, joined through the
+/// seeds' directories (a seed of another region would only answer "wrong cluster"; see
+/// `directory`), so chitchat gets no seeds of its own.
+fn chitchat_config(
+    cfg: &MeshConfig,
+    self_id: &ChitchatId,
+    bound: SocketAddr,
+    seed_nodes: &[String],
+) -> ChitchatConfig {
+    let (cluster_id, chitchat_seeds) = match cfg.layout {
+        GossipLayout::Flat => (cfg.cluster_id.clone(), seed_nodes.to_vec()),
+        GossipLayout::Regional => (
+            format!("{}/region/{}", cfg.cluster_id, cfg.region),
+            Vec::new(),
+        ),
+    };
+    ChitchatConfig {
+        chitchat_id: self_id.clone(),
+        cluster_id,
+        gossip_interval: cfg.gossip_interval,
+        listen_addr: bound,
+        seed_nodes: chitchat_seeds,
+        failure_detector_config: failure_detector(cfg),
+        marked_for_deletion_grace_period: cfg.dead_node_grace_period,
+        catchup_callback: None,
+        extra_liveness_predicate: None,
+    }
+}
+
+/// The region layer (regional layout only): the representatives' cluster of regions.
+fn region_layer(
+    cfg: &MeshConfig,
+    transport: &QuicTransport,
+    self_id: &ChitchatId,
+    node_value: String,
+    schema_errors: &Arc<AtomicU64>,
+) -> Option<Arc<Regional>> {
+    match cfg.layout {
+        GossipLayout::Flat => None,
+        GossipLayout::Regional => {
+            // A silent representative is replaced after the usual detection time, but never
+            // sooner than four of the layer's slower rounds.
+            let settings = LayerSettings {
+                cluster_id: format!("{}/regions", cfg.cluster_id),
+                region: cfg.region.clone(),
+                interval: cfg.region_interval,
+                failure: failure_detector(&MeshConfig {
+                    gossip_interval: cfg.region_interval,
+                    failure_detection: cfg.failure_detection.max(cfg.region_interval * 4),
+                    ..cfg.clone()
+                }),
+            };
+            let layer = RegionLayer::new(
+                transport.clone(),
+                self_id.clone(),
+                settings,
+                node_value,
+                schema_errors.clone(),
+            );
+            Some(Arc::new(Regional::new(
+                layer,
+                cfg.representatives.max(1),
+                cfg.region_interval,
+            )))
         }
     }
 }

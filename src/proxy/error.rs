@@ -258,9 +258,9 @@ impl ApiError {
         }
     }
 
-    /// The error as a response in `shape`.
-    pub fn into_response_shaped(self, shape: ErrorShape) -> Response {
-        let body = match shape {
+    /// The error's JSON body in `shape`.
+    pub fn body_shaped(&self, shape: ErrorShape) -> Vec<u8> {
+        match shape {
             ErrorShape::OpenAi => serde_json::to_vec(&Envelope {
                 error: Body {
                     message: &self.message,
@@ -277,7 +277,12 @@ impl ApiError {
                 },
             }),
         }
-        .unwrap_or_else(|_| b"{\"error\":{\"message\":\"error\"}}".to_vec());
+        .unwrap_or_else(|_| b"{\"error\":{\"message\":\"error\"}}".to_vec())
+    }
+
+    /// The error as a response in `shape`.
+    pub fn into_response_shaped(self, shape: ErrorShape) -> Response {
+        let body = self.body_shaped(shape);
         let mut resp = (self.status, body).into_response();
         let h = resp.headers_mut();
         h.insert(

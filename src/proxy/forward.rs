@@ -80,7 +80,7 @@ api_route!(
 );
 
 /// The error shape of `api`'s clients.
-fn error_shape(api: Api) -> ErrorShape {
+pub(super) fn error_shape(api: Api) -> ErrorShape {
     match api {
         Api::Messages | Api::CountTokens => ErrorShape::Anthropic,
         _ => ErrorShape::OpenAi,
@@ -199,7 +199,7 @@ async fn pipeline(
 
 /// What the router is asked; `keys` are filled in per attempt by `deliver`. `pinned`: every
 /// replica but a stored response's holder, excluded, and no forwarding.
-fn route_request<'a>(
+pub(super) fn route_request<'a>(
     who: &Identity<'a>,
     u: &'a Understood,
     pinned: Option<&'a [usize]>,
@@ -220,7 +220,7 @@ fn route_request<'a>(
 
 /// With `previous_response_id`: every replica except the one that stores it (to exclude), or a
 /// 404 when none does.
-async fn pin_to_stored_response(
+pub(super) async fn pin_to_stored_response(
     node: &Arc<Node>,
     u: &Understood,
 ) -> Result<Option<Vec<usize>>, ApiError> {

@@ -22,6 +22,7 @@ pub mod pd;
 mod pd_leg;
 mod pd_sglang;
 mod pd_vllm;
+mod picker;
 mod receipts;
 pub mod region_forward;
 mod respond;
@@ -149,11 +150,14 @@ pub struct RunningNode {
     pub addr: SocketAddr,
     /// The mesh's mutual-TLS listener for forwarded requests, when the node runs a mesh.
     pub peer_addr: Option<SocketAddr>,
+    /// The endpoint picker's ext_proc gRPC listener, with `[picker] listen`.
+    pub picker_addr: Option<SocketAddr>,
     /// The node's shared state (for tests and embedding).
     pub node: Arc<Node>,
     stop: watch::Sender<bool>,
     server: Listener,
     peer_server: Option<Listener>,
+    picker: Option<picker::PickerListener>,
     mesh: Option<MeshRuntime>,
     /// The certificates it presents, and where to reload them from (shared with the file
     /// watcher of `server.cert_reload_interval_s`).
@@ -179,6 +183,9 @@ impl RunningNode {
         }
         self.server.abort();
         if let Some(p) = &self.peer_server {
+            p.abort();
+        }
+        if let Some(p) = &self.picker {
             p.abort();
         }
         // Leave the mesh after draining, so forwarded requests in flight could still finish.
@@ -214,6 +221,9 @@ impl RunningNode {
         }
         self.server.abort();
         if let Some(p) = &self.peer_server {
+            p.abort();
+        }
+        if let Some(p) = &self.picker {
             p.abort();
         }
     }
@@ -272,6 +282,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     };
     let server = Listener::serve(tcp, app(Arc::clone(&node)), listener_cfg, stop_rx.clone())?;
     let addr = server.addr;
+    let picker = picker::start(&node, stop_rx.clone()).await?;
     // The mesh starts once the peer address is known (peers forward to it); until it is warm
     // `/ready` says no, while requests are already served from what the node knows.
     let mesh = mesh_loop::start(
@@ -304,10 +315,12 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     Ok(RunningNode {
         addr,
         peer_addr: peer_server.as_ref().map(|p| p.addr),
+        picker_addr: picker.as_ref().map(|p| p.addr),
         node,
         stop,
         server,
         peer_server,
+        picker,
         mesh,
         certs,
     })

@@ -26,6 +26,7 @@ pub mod error;
 pub mod mesh;
 pub mod otel;
 pub mod pd;
+pub mod picker;
 pub mod server;
 
 use error::invalid;
@@ -33,6 +34,7 @@ pub use error::ConfigError;
 pub use mesh::{DistanceConfig, MeshSection};
 pub use otel::TracingConfig;
 pub use pd::{PdProtocol, PdSection};
+pub use picker::PickerSection;
 pub use server::{AuthConfig, Secrets, ServerConfig};
 // The sections other subsystems own, assembled here (re-exported so that one path names every
 // part of a node's configuration).
@@ -160,6 +162,9 @@ pub struct NodeConfig {
     /// bounded fair queue with a deadline instead of being sent (full replica) or refused
     /// (quota) at once. Default none (off).
     pub priorities: Option<PrioritiesConfig>,
+    /// The Gateway API endpoint picker (`[picker]`: an Envoy ext_proc gRPC listener). Default
+    /// off.
+    pub picker: PickerSection,
 }
 
 impl Default for NodeConfig {
@@ -214,6 +219,7 @@ impl Default for NodeConfig {
             kv_events: KvWatchConfig::default(),
             drop_departed_after_s: DEFAULT_DROP_DEPARTED_AFTER_S,
             priorities: None,
+            picker: PickerSection::default(),
         }
     }
 }
@@ -409,6 +415,7 @@ impl NodeConfig {
     fn validate_basics(&self) -> Result<(), ConfigError> {
         self.policy_kind()?;
         self.pd.validate()?;
+        self.picker.validate()?;
         if self.region.is_empty() {
             return Err(invalid("region", "must not be empty"));
         }

@@ -86,7 +86,7 @@ class Picked:
         return self.endpoints[0]
 
 
-def request(path, body, chunk=1024, extra=None, subset=None, keep_open=False):
+def request(path, body, chunk=1024, extra=None, subset=None):
     """Sends a request's headers and body in `chunk`-byte pieces; returns (stream, Picked or the
     ImmediateResponse)."""
     s = Stream()
@@ -102,6 +102,8 @@ def request(path, body, chunk=1024, extra=None, subset=None, keep_open=False):
     check(first.HasField("request_headers"), f"the first answer is the request headers': {first}")
     common = first.request_headers.response
     hdrs = {o.header.key: (o.header.raw_value or o.header.value.encode()).decode() for o in common.header_mutation.set_headers}
+    check(all(o.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD for o in common.header_mutation.set_headers),
+          "the pick replaces any destination header the client sent")
     md = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DEST].string_value
     got = b""
     if body is not None:
@@ -114,8 +116,6 @@ def request(path, body, chunk=1024, extra=None, subset=None, keep_open=False):
             if sr.end_of_stream:
                 break
     picked = Picked(hdrs[DEST].split(","), md, hdrs.get("content-length"), got, common.clear_route_cache)
-    if not keep_open and body is None:
-        pass
     return s, picked
 
 

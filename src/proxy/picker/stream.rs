@@ -451,6 +451,15 @@ fn served<'a>(metadata: Option<&'a Metadata>, ctx: &PickerCtx) -> Option<&'a str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::config::{NodeConfig, ReplicaConfig};
+    use crate::node::Node;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap as EnvoyHeaders, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{body_mutation, HttpBody, HttpHeaders};
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use tokio::sync::watch;
 
     #[test]
     fn paths_name_the_front_routes_apis() {
@@ -459,5 +468,143 @@ mod tests {
         assert_eq!(api_for("/v1/responses").0, Api::Responses);
         assert_eq!(api_for("/v1/completions").0, Api::Completions);
         assert_eq!(api_for("/somewhere/else"), (Api::Pooling, ""));
+    }
+
+    /// A node with 3 replicas (never dialled) and its picker listening on loopback.
+    async fn picker(max_body: usize) -> (Arc<Node>, SocketAddr, watch::Sender<bool>) {
+        crate::proxy::install_crypto_provider();
+        let mut cfg = NodeConfig {
+            replicas: (0..3).map(ReplicaConfig::numbered).collect(),
+            max_body_bytes: max_body,
+            ..NodeConfig::default()
+        };
+        cfg.picker.listen = Some("127.0.0.1:0".parse().unwrap());
+        let node = Node::new(cfg).unwrap();
+        let (stop, rx) = watch::channel(false);
+        let l = super::super::start(&node, rx).await.unwrap().unwrap();
+        (node, l.addr, stop)
+    }
+
+    fn headers(path: &str) -> ProcessingRequest {
+        let h = |k: &str, v: &str| HeaderValue {
+            key: k.into(),
+            raw_value: v.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        };
+        ProcessingRequest {
+            request: Some(Msg::RequestHeaders(HttpHeaders {
+                headers: Some(EnvoyHeaders {
+                    headers: vec![h(":path", path), h(":method", "POST")],
+                }),
+                ..HttpHeaders::default()
+            })),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    fn chunk(body: &[u8], end: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestBody(HttpBody {
+                body: body.to_vec(),
+                end_of_stream: end,
+                ..HttpBody::default()
+            })),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    /// Opens a stream; the sender feeds it, the answers come back.
+    async fn open(
+        addr: SocketAddr,
+    ) -> (
+        mpsc::Sender<ProcessingRequest>,
+        Streaming<ProcessingResponse>,
+    ) {
+        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let (tx, mut rx) = mpsc::channel(64);
+        let requests = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        let answers = client.process(requests).await.unwrap().into_inner();
+        (tx, answers)
+    }
+
+    fn in_flight(node: &Node) -> u32 {
+        node.state().replicas.iter().map(|r| r.in_flight).sum()
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_is_picked_sent_back_whole_and_released_when_abandoned() {
+        let (node, addr, _stop) = picker(1 << 20).await;
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "m", "prompt": "p".repeat(100_000), "max_tokens": 1
+        }))
+        .unwrap();
+        let (tx, mut answers) = open(addr).await;
+        tx.send(headers("/v1/completions")).await.unwrap();
+        let parts: Vec<&[u8]> = body.chunks(4096).collect();
+        for (i, c) in parts.iter().enumerate() {
+            tx.send(chunk(c, i + 1 == parts.len())).await.unwrap();
+        }
+        let first = answers.message().await.unwrap().unwrap();
+        let Some(Answer::RequestHeaders(h)) = first.response else {
+            panic!("the pick comes first: {first:?}")
+        };
+        let set = h.response.unwrap().header_mutation.unwrap().set_headers;
+        let dest = String::from_utf8(set[0].header.as_ref().unwrap().raw_value.clone()).unwrap();
+        assert_eq!(
+            dest.split(',').count(),
+            3,
+            "the pick and 2 fallbacks: {dest}"
+        );
+        assert!(dest.starts_with("10.0.0."));
+        let mut back = Vec::new();
+        loop {
+            let m = answers.message().await.unwrap().unwrap();
+            let Some(Answer::RequestBody(b)) = m.response else {
+                panic!("body answers follow")
+            };
+            let Some(body_mutation::Mutation::StreamedResponse(s)) =
+                b.response.unwrap().body_mutation.unwrap().mutation
+            else {
+                panic!("streamed")
+            };
+            back.extend_from_slice(&s.body);
+            if s.end_of_stream {
+                break;
+            }
+        }
+        assert_eq!(back, body);
+        assert_eq!(in_flight(&node), 1, "the pick is booked");
+        drop(tx);
+        drop(answers);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while in_flight(&node) != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "an abandoned stream releases its booking"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn out_of_order_and_oversized_requests_get_an_error_not_a_pick() {
+        let (node, addr, _stop) = picker(1000).await;
+        let (tx, mut answers) = open(addr).await;
+        tx.send(chunk(b"{}", true)).await.unwrap();
+        let e = answers.message().await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let (tx, mut answers) = open(addr).await;
+        tx.send(headers("/v1/completions")).await.unwrap();
+        tx.send(chunk(&[b' '; 600], false)).await.unwrap();
+        tx.send(chunk(&[b' '; 600], true)).await.unwrap();
+        let m = answers.message().await.unwrap().unwrap();
+        let Some(Answer::ImmediateResponse(r)) = m.response else {
+            panic!("an immediate response: {m:?}")
+        };
+        assert_eq!(r.status.unwrap().code, 413);
+        assert!(String::from_utf8_lossy(&r.body).contains("request_too_large"));
+        assert_eq!(in_flight(&node), 0);
     }
 }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap as EnvoyHeaders, HeaderValue as EnvoyHeader, HeaderValueOption, Metadata,
 };
@@ -132,6 +133,8 @@ pub fn served_endpoint<'a>(metadata: Option<&'a Metadata>, namespace: &str) -> O
     }
 }
 
+/// Sets header `key`, replacing any the client sent (a client's own destination header must
+/// not add a second endpoint to the pick).
 fn set_header(key: &str, value: impl Into<Vec<u8>>) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(EnvoyHeader {
@@ -139,6 +142,7 @@ fn set_header(key: &str, value: impl Into<Vec<u8>>) -> HeaderValueOption {
             raw_value: value.into(),
             ..EnvoyHeader::default()
         }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..HeaderValueOption::default()
     }
 }

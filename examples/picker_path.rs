@@ -360,6 +360,30 @@ async fn main() -> anyhow::Result<()> {
             n as f64 / took
         );
     }
+    // The node's own share: from the body's last chunk in to the pick out (understand, decide,
+    // fallbacks), whatever the queueing in front of it.
+    let h = &node.node.metrics.registry.gather();
+    for f in h
+        .iter()
+        .filter(|f| f.name() == "kvmesh_picker_decision_seconds")
+    {
+        for m in f.get_metric() {
+            let hist = m.get_histogram();
+            let n = hist.get_sample_count().max(1);
+            println!(
+                "node-side decision (kvmesh_picker_decision_seconds, warm-up included): {} picks, mean {:.1} µs",
+                hist.get_sample_count(),
+                hist.get_sample_sum() / n as f64 * 1e6
+            );
+            for b in hist.get_bucket() {
+                println!(
+                    "  ≤ {:>7.3} ms: {:.3}",
+                    b.upper_bound() * 1e3,
+                    b.cumulative_count() as f64 / n as f64
+                );
+            }
+        }
+    }
     node.shutdown().await;
     for r in replicas {
         r.shutdown().await;

@@ -21,6 +21,8 @@
 //! are several engines on one pod (GIE's data-parallel ranks as ports), each with its own cache.
 //! The engine on the i-th port publishes its KV events on the configured `kv_events` ports + i,
 //! as vLLM offsets its publisher by the data-parallel rank (`KubernetesConfig::kv_events_at`).
+//! With `target_ports = "ranks"` a pod is one replica at its first port instead, whose
+//! data-parallel ranks are the ports (its events: `dp_ranks` = the port count, rank r at + r).
 //! At most `max_endpoints` pods and as many replicas are kept; the rest are dropped and counted.
 
 use std::collections::BTreeMap;
@@ -32,7 +34,7 @@ use super::k8s_api::{
     capped, ApiClient, Batch, Dropped, K8sError, K8sMetrics, ListWatch, Object, ObjectMeta,
     WatchEvent,
 };
-use super::k8s_config::{Found, KubernetesConfig, MAX_NAME_BYTES};
+use super::k8s_config::{Found, KubernetesConfig, TargetPorts, MAX_NAME_BYTES};
 
 /// Most target ports a pool may name (GIE v1: `targetPorts` has at most 8 items).
 pub const MAX_TARGET_PORTS: usize = 8;
@@ -162,8 +164,7 @@ pub enum UnusablePool {
 fn is_label_text(s: &str, key: bool) -> bool {
     let part = |p: &str, max: usize| {
         p.len() <= max
-            && p
-                .bytes()
+            && p.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
             && p.bytes().next().is_none_or(|b| b.is_ascii_alphanumeric())
             && p.bytes().last().is_none_or(|b| b.is_ascii_alphanumeric())
@@ -249,9 +250,12 @@ pub fn routable_ip(pod: &Pod) -> Option<IpAddr> {
     if status.phase.as_deref() != Some("Running") {
         return None;
     }
-    let ready = status.conditions.as_deref().unwrap_or_default().iter().any(|c| {
-        c.kind.as_deref() == Some("Ready") && c.status.as_deref() == Some("True")
-    });
+    let ready = status
+        .conditions
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.kind.as_deref() == Some("Ready") && c.status.as_deref() == Some("True"));
     if !ready {
         return None;
     }
@@ -286,7 +290,17 @@ impl PodSet {
 
     /// The replicas wanted now, by id — one per routable pod and port, at most `max` in pod-name
     /// order — and how many more there were.
-    pub fn desired(&self, ports: &[u16], max: usize) -> (BTreeMap<String, Found>, usize) {
+    pub fn desired(
+        &self,
+        ports: &[u16],
+        as_ranks: bool,
+        max: usize,
+    ) -> (BTreeMap<String, Found>, usize) {
+        // As ranks: one replica at the first port, the rest are its ranks.
+        let (ports, ranks) = match ports.split_first() {
+            Some((first, _)) if as_ranks => (std::slice::from_ref(first), ports.len() as u16),
+            _ => (ports, 0),
+        };
         let found: Vec<Found> = self
             .pods
             .iter()
@@ -299,6 +313,7 @@ impl PodSet {
                         addr,
                         zone: None,
                         port_index: i,
+                        ranks,
                     }
                 })
             })
@@ -323,6 +338,8 @@ pub struct PoolFollow {
     target: Option<PoolTarget>,
     /// The pods seen under the current selector.
     members: PodSet,
+    /// Whether the ports are one replica's ranks (`target_ports = "ranks"`).
+    as_ranks: bool,
 }
 
 /// What one wait brought.
@@ -358,6 +375,7 @@ impl PoolFollow {
             pods,
             target: None,
             members: PodSet::default(),
+            as_ranks: cfg.target_ports == Some(TargetPorts::Ranks),
         }
     }
 
@@ -369,7 +387,7 @@ impl PoolFollow {
     /// The replicas wanted now and how many over `max` were left out.
     pub fn desired(&self, max: usize) -> (BTreeMap<String, Found>, usize) {
         match &self.target {
-            Some(t) => self.members.desired(&t.ports, max),
+            Some(t) => self.members.desired(&t.ports, self.as_ranks, max),
             None => (BTreeMap::new(), 0),
         }
     }
@@ -410,7 +428,10 @@ impl PoolFollow {
         let before = self.target.clone();
         match batch {
             Batch::Listed(pools) => {
-                match pools.iter().find(|p| p.metadata.name.as_deref() == Some(&self.pool)) {
+                match pools
+                    .iter()
+                    .find(|p| p.metadata.name.as_deref() == Some(&self.pool))
+                {
                     Some(pool) => self.set_target(pool),
                     None => self.forget_pool(),
                 }
@@ -418,10 +439,14 @@ impl PoolFollow {
             Batch::Changes(events) => {
                 for event in events {
                     match event {
-                        WatchEvent::Applied(p) if p.metadata.name.as_deref() == Some(&self.pool) => {
+                        WatchEvent::Applied(p)
+                            if p.metadata.name.as_deref() == Some(&self.pool) =>
+                        {
                             self.set_target(&p)
                         }
-                        WatchEvent::Deleted(p) if p.metadata.name.as_deref() == Some(&self.pool) => {
+                        WatchEvent::Deleted(p)
+                            if p.metadata.name.as_deref() == Some(&self.pool) =>
+                        {
                             self.forget_pool()
                         }
                         // The field selector shows only this pool; anything else is noise.
@@ -496,7 +521,10 @@ impl PoolFollow {
             self.pods.count_dropped(Dropped::BadSlice, 1);
             return;
         };
-        if !self.members.upsert(name, routable_ip(pod), self.max_endpoints) {
+        if !self
+            .members
+            .upsert(name, routable_ip(pod), self.max_endpoints)
+        {
             self.pods.count_dropped(Dropped::OverCap, 1);
         }
     }
@@ -534,16 +562,20 @@ mod tests {
     #[test]
     fn unusable_pools_say_why() {
         let with = |spec: serde_json::Value| -> Result<PoolTarget, UnusablePool> {
-            serde_json::from_value::<InferencePool>(serde_json::json!({"metadata":{"name":"p"},"spec":spec}))
-                .unwrap()
-                .target()
+            serde_json::from_value::<InferencePool>(
+                serde_json::json!({"metadata":{"name":"p"},"spec":spec}),
+            )
+            .unwrap()
+            .target()
         };
         assert_eq!(
             with(serde_json::json!({"targetPorts":[{"number":8000}]})),
             Err(UnusablePool::NoSelector)
         );
         assert_eq!(
-            with(serde_json::json!({"selector":{"matchLabels":{}},"targetPorts":[{"number":8000}]})),
+            with(
+                serde_json::json!({"selector":{"matchLabels":{}},"targetPorts":[{"number":8000}]})
+            ),
             Err(UnusablePool::NoSelector),
             "an empty selector would take every pod"
         );
@@ -555,7 +587,9 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    with(serde_json::json!({"selector":{"matchLabels":bad},"targetPorts":[{"number":8000}]})),
+                    with(
+                        serde_json::json!({"selector":{"matchLabels":bad},"targetPorts":[{"number":8000}]})
+                    ),
                     Err(UnusablePool::BadLabel(_))
                 ),
                 "{bad}"
@@ -567,7 +601,9 @@ mod tests {
             serde_json::json!([{"number":0}]),
             serde_json::json!([{"number":70000}]),
             serde_json::json!([{}]),
-            serde_json::json!((1..=9).map(|p| serde_json::json!({"number": 8000 + p})).collect::<Vec<_>>()),
+            serde_json::json!((1..=9)
+                .map(|p| serde_json::json!({"number": 8000 + p}))
+                .collect::<Vec<_>>()),
         ] {
             assert!(
                 matches!(
@@ -579,9 +615,11 @@ mod tests {
         }
         // Repeated ports count once.
         assert_eq!(
-            with(serde_json::json!({"selector":sel,"targetPorts":[{"number":8000},{"number":8000}]}))
-                .unwrap()
-                .ports,
+            with(
+                serde_json::json!({"selector":sel,"targetPorts":[{"number":8000},{"number":8000}]})
+            )
+            .unwrap()
+            .ports,
             vec![8000]
         );
     }
@@ -598,7 +636,10 @@ mod tests {
         assert_eq!(
             routable,
             vec![
-                ("vllm-llama3-8b-6d5f9c7b8-2xkqz".into(), Some("10.244.1.17".parse().unwrap())),
+                (
+                    "vllm-llama3-8b-6d5f9c7b8-2xkqz".into(),
+                    Some("10.244.1.17".parse().unwrap())
+                ),
                 ("vllm-llama3-8b-6d5f9c7b8-8mnpq".into(), None),
                 ("vllm-llama3-8b-6d5f9c7b8-h4tvw".into(), None),
                 ("vllm-llama3-8b-6d5f9c7b8-zr9lk".into(), None),
@@ -615,7 +656,7 @@ mod tests {
         let ip: IpAddr = "10.0.0.5".parse().unwrap();
         assert!(set.upsert("p0".into(), Some(ip), 4));
         assert!(set.upsert("p1".into(), None, 4));
-        let (want, over) = set.desired(&[8000, 8001], 16);
+        let (want, over) = set.desired(&[8000, 8001], false, 16);
         assert_eq!(over, 0);
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
@@ -632,10 +673,21 @@ mod tests {
         assert_eq!(kv.endpoint, "tcp://10.0.0.5:5558");
         assert_eq!(kv.replay.as_deref(), Some("tcp://10.0.0.5:5559"));
         assert_eq!(cfg.replica(second).url, "http://10.0.0.5:8001");
-        assert_eq!(set.desired(&[8000, 8001], 1), (want.into_iter().take(1).collect(), 1));
+        assert_eq!(
+            set.desired(&[8000, 8001], false, 1),
+            (want.into_iter().take(1).collect(), 1)
+        );
+        // As ranks: one replica at the first port, its events over both ranks.
+        let (ranked, _) = set.desired(&[8000, 8001], true, 16);
+        assert_eq!(ranked.keys().collect::<Vec<_>>(), ["p0@10.0.0.5:8000"]);
+        let kv = cfg.kv_events_at(&ranked["p0@10.0.0.5:8000"]).unwrap();
+        assert_eq!(
+            (kv.endpoint.as_str(), kv.dp_ranks),
+            ("tcp://10.0.0.5:5557", 2)
+        );
         assert!(!set.upsert("p2".into(), Some(ip), 2), "pod cap");
         set.remove("p0");
-        assert!(set.desired(&[8000], 16).0.is_empty());
+        assert!(set.desired(&[8000], false, 16).0.is_empty());
     }
 
     #[test]
@@ -643,9 +695,22 @@ mod tests {
         let cfg = |t: &str| toml::from_str::<KubernetesConfig>(t).unwrap().validate();
         cfg("namespace = \"n\"\ninference_pool = \"vllm-llama3-8b\"").unwrap();
         for (text, field) in [
-            ("namespace = \"n\"\ninference_pool = \"Bad_Name\"", "inference_pool"),
-            ("namespace = \"n\"\ninference_pool = \"p\"\nservice = \"s\"", "inference_pool"),
-            ("namespace = \"n\"\ninference_pool = \"p\"\nport_name = \"http\"", "port_name"),
+            (
+                "namespace = \"n\"\ninference_pool = \"Bad_Name\"",
+                "inference_pool",
+            ),
+            (
+                "namespace = \"n\"\ninference_pool = \"p\"\nservice = \"s\"",
+                "inference_pool",
+            ),
+            (
+                "namespace = \"n\"\ninference_pool = \"p\"\nport_name = \"http\"",
+                "port_name",
+            ),
+            (
+                "namespace = \"n\"\nservice = \"s\"\ntarget_ports = \"ranks\"",
+                "target_ports",
+            ),
         ] {
             assert_eq!(cfg(text).unwrap_err().0, field, "{text}");
         }

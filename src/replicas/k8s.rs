@@ -36,8 +36,8 @@ use super::k8s_api::{
     capped, ApiClient, Batch, DropLog, ListWatch, Members, Object, ObjectMeta, WatchEvent,
 };
 pub use super::k8s_api::{Dropped, K8sError, K8sMetrics};
-pub use super::k8s_config::{Found, KubernetesConfig};
 use super::k8s_config::MAX_NAME_BYTES;
+pub use super::k8s_config::{Found, KubernetesConfig};
 use super::kv_events::KvEventsSource;
 
 // ---------------------------------------------------------------------------------------------
@@ -118,8 +118,6 @@ pub struct EndpointPort {
     #[serde(default)]
     pub protocol: Option<String>,
 }
-
-
 
 /// Whether an endpoint with these conditions should get new requests: ready (unset = ready)
 /// and not terminating (unset = not). A terminating endpoint, serving or not, only finishes.
@@ -202,6 +200,7 @@ pub fn slice_endpoints(
             addr,
             zone,
             port_index: 0,
+            ranks: 0,
         });
     }
     let dropped = if bad > 0 {
@@ -456,10 +455,11 @@ fn apply_slice(
 }
 
 /// Decodes one watch line of the EndpointSlice collection.
-pub fn parse_event(line: &[u8]) -> Result<WatchEvent<EndpointSlice>, super::k8s_api::MalformedEvent> {
+pub fn parse_event(
+    line: &[u8],
+) -> Result<WatchEvent<EndpointSlice>, super::k8s_api::MalformedEvent> {
     super::k8s_api::parse_event(line)
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -581,6 +581,7 @@ mod tests {
             addr: SocketAddr::from(([10, 0, 0, 1], port)),
             zone: None,
             port_index: 0,
+            ranks: 0,
         };
         let mut set = SliceSet::default();
         assert!(set.upsert("a".into(), vec![f("x", 1), f("y", 2)], 2));

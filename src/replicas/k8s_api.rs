@@ -413,7 +413,9 @@ fn check_status(
     }
     let hint = match status.as_u16() {
         401 => " (token missing or invalid: check token_file)".to_owned(),
-        403 => format!(" (the service account needs get/list/watch on {resource} in this namespace)"),
+        403 => {
+            format!(" (the service account needs get/list/watch on {resource} in this namespace)")
+        }
         _ => String::new(),
     };
     Err(K8sError::Status {

@@ -15,7 +15,6 @@ use super::dns::DnsKvEvents;
 use super::entry::{default_max_in_flight, default_pool, default_prefill_rate, ReplicaConfig};
 use crate::core::role::Role;
 
-
 /// Largest watch event line read (bytes); a longer one is skipped and counted.
 pub const MAX_EVENT_LINE_BYTES: usize = 1 << 20;
 /// Largest LIST response body read (bytes); a larger one fails the list (the set is kept).
@@ -59,13 +58,21 @@ pub struct KubernetesConfig {
     #[serde(default)]
     pub label_selector: Option<String>,
     /// An `InferencePool` (`inference.networking.k8s.io/v1`) to follow instead: the ready pods
-    /// its `spec.selector.matchLabels` selects, one replica per pod and `spec.targetPorts`
-    /// entry (several ports = several engines per pod, e.g. data-parallel ranks). The pool is
-    /// watched too: a changed selector or port list re-lists the pods.
+    /// its `spec.selector.matchLabels` selects, at its `spec.targetPorts`. The pool is watched
+    /// too: a changed selector or port list re-lists the pods.
     #[serde(default)]
     pub inference_pool: Option<String>,
-    /// Name of the EndpointSlice port to route to (not with `inference_pool`). Default: the slice's only port (a slice with
-    /// several ports and no `port_name` is skipped, and counted).
+    /// What a pool's several target ports are (only with `inference_pool`): `"replicas"`, one
+    /// replica per pod and port (each port its own engine and cache, e.g. vLLM's data-parallel
+    /// ranks behind their own API servers), or `"ranks"`, one replica per pod at its first port
+    /// whose data-parallel ranks are the ports (`kv_events.dp_ranks` becomes the port count;
+    /// a picker names rank r as `ip:targetPorts[r]`, `[picker] rank_ports`). Default
+    /// `"replicas"`.
+    #[serde(default)]
+    pub target_ports: Option<TargetPorts>,
+    /// Name of the EndpointSlice port to route to (not with `inference_pool`). Default: the
+    /// slice's only port (a slice with several ports and no `port_name` is skipped, and
+    /// counted).
     #[serde(default)]
     pub port_name: Option<String>,
     /// URL scheme of the replicas. Default `http`.
@@ -214,6 +221,8 @@ impl KubernetesConfig {
                     "not with inference_pool (the pool's targetPorts name the ports)",
                 );
             }
+        } else if self.target_ports.is_some() {
+            return err("target_ports", "only with inference_pool");
         }
         match (&self.service, &self.label_selector) {
             (None, None) if self.inference_pool.is_some() => {}
@@ -331,7 +340,11 @@ impl KubernetesConfig {
     pub fn kv_events_at(&self, found: &Found) -> Option<super::kv_events::KvEventsSource> {
         let kv = self.kv_events.as_ref()?;
         if found.port_index == 0 {
-            return Some(kv.at(found.addr.ip()));
+            let mut source = kv.at(found.addr.ip());
+            if found.ranks > 0 {
+                source.dp_ranks = found.ranks;
+            }
+            return Some(source);
         }
         let shifted = DnsKvEvents {
             port: kv.port.checked_add(found.port_index)?,
@@ -348,6 +361,17 @@ impl KubernetesConfig {
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }
+}
+
+/// What an `InferencePool`'s several target ports are (`target_ports`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TargetPorts {
+    /// One replica per pod and port.
+    #[default]
+    Replicas,
+    /// One replica per pod; the ports are its data-parallel ranks, in order.
+    Ranks,
 }
 
 /// Whether `s` is a DNS subdomain (RFC 1123): what object names (an `InferencePool`'s) are.
@@ -369,4 +393,7 @@ pub struct Found {
     /// Which of the pod's ports this is (an `InferencePool`'s `targetPorts` index; 0 for an
     /// EndpointSlice's endpoint): its engine's KV-event ports are the configured ones plus this.
     pub port_index: u16,
+    /// Data-parallel ranks behind it, when a pool's ports are its ranks (`target_ports =
+    /// "ranks"`): its KV events' `dp_ranks`. 0: as configured.
+    pub ranks: u16,
 }

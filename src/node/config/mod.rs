@@ -640,6 +640,7 @@ impl NodeConfig {
                 addr: PLACEHOLDER,
                 zone: None,
                 port_index: 0,
+                ranks: 0,
             };
             validate_replica(&format!("kubernetes[{n}]"), &k.replica(&found))?;
         }

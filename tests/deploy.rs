@@ -222,7 +222,10 @@ fn the_picker_overlay_config_follows_its_pool() {
     assert!(read("kustomization.yaml").contains(&format!("namespace: {}\n", k.namespace)));
     let pool = read("inferencepool.yaml");
     assert!(pool.contains("  name: kvmesh-pool\n"), "{pool}");
-    assert!(pool.contains("    name: kvmesh-picker\n    port:\n      number: 9002\n"), "{pool}");
+    assert!(
+        pool.contains("    name: kvmesh-picker\n    port:\n      number: 9002\n"),
+        "{pool}"
+    );
     assert!(read("picker-service.yaml").contains("port: 9002"));
 }
 

@@ -161,7 +161,13 @@ impl FakeApi {
     async fn wait_watch(&self, pods: bool, labels: &str) {
         let deadline = Instant::now() + Duration::from_secs(5);
         let c = self.collection(pods);
-        while !c.watchers.lock().unwrap().iter().any(|(l, _, _)| l == labels) {
+        while !c
+            .watchers
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(l, _, _)| l == labels)
+        {
             assert!(Instant::now() < deadline, "no watch opened for {labels:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -421,18 +427,24 @@ async fn a_pools_pod_serves_on_every_target_port_and_the_pool_steers_discovery()
         }
         assert_eq!(served.len(), 2, "both ranks serve: {served:?}");
         let asked = |pods: bool| api.api.collection(pods).asked.lock().unwrap().clone();
-        assert!(asked(false).iter().all(|(l, f)| l.is_empty() && f == "metadata.name=llama"));
-        assert!(asked(true).iter().all(|(l, f)| l == "app=vllm" && f.is_empty()));
+        assert!(asked(false)
+            .iter()
+            .all(|(l, f)| l.is_empty() && f == "metadata.name=llama"));
+        assert!(asked(true)
+            .iter()
+            .all(|(l, f)| l == "app=vllm" && f.is_empty()));
 
         // (2) The pool keeps only the second port: the first port's replica drains.
         api.api.wait_watch(false, "").await;
-        api.api.event(false, "MODIFIED", pool(json!({"app": "vllm"}), &[p1]));
+        api.api
+            .event(false, "MODIFIED", pool(json!({"app": "vllm"}), &[p1]));
         wait_health(&c, &node, &id0, "draining").await;
         assert_eq!(served_by(&c, &node, "c", 6).await, vec![id1.clone()]);
 
         // (3) A new selector: the pods are re-listed under it; the old pod drains.
         let lists = api.api.pods.lists.load(Ordering::SeqCst);
-        api.api.event(false, "MODIFIED", pool(json!({"app": "other"}), &[p1]));
+        api.api
+            .event(false, "MODIFIED", pool(json!({"app": "other"}), &[p1]));
         wait_health(&c, &node, &id2, "healthy").await;
         wait_health(&c, &node, &id1, "draining").await;
         assert_eq!(api.api.pods.lists.load(Ordering::SeqCst), lists + 1);
@@ -440,7 +452,8 @@ async fn a_pools_pod_serves_on_every_target_port_and_the_pool_steers_discovery()
         assert_eq!(served_by(&c, &node, "d", 6).await, vec![id2.clone()]);
 
         // (4) The pool is deleted: its pods drain, nothing is left to route to.
-        api.api.event(false, "DELETED", pool(json!({"app": "other"}), &[p1]));
+        api.api
+            .event(false, "DELETED", pool(json!({"app": "other"}), &[p1]));
         wait_health(&c, &node, &id2, "draining").await;
         assert_eq!(complete(&c, &node, &text("none", 600)).await.0, 503);
 

@@ -17,18 +17,16 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
-use kvmesh::node::config::NodeConfig;
-use kvmesh::proxy::{self, RunningNode};
+use kvmesh::proxy::RunningNode;
 use kvmesh::replica::ReplicaHandle;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 mod common;
+use common::k8s::{self, complete, health, metric, metrics, text, wait_health};
 use common::{client, sim_replica};
 
 const LIMIT: Duration = Duration::from_secs(40);
-const ROUTED: &str = "x-kvmesh-routed-to";
-const MODEL: &str = "sim-llama-8b";
 const POOL_DATA: &str = include_str!("data/k8s-inferencepool.json");
 const PODS_DATA: &str = include_str!("data/k8s-pod-list.json");
 const POOLS: &str = "/apis/inference.networking.k8s.io/v1/namespaces/serving/inferencepools";
@@ -286,97 +284,11 @@ impl FakeServer {
 
 /// A node on 127.0.0.1:0 whose only replica source is the fake API server's pool `llama`.
 async fn node_for(api: &FakeServer) -> RunningNode {
-    let mut cfg = NodeConfig::from_toml(&format!(
-        "[[kubernetes]]\n\
-         namespace = \"serving\"\n\
-         inference_pool = \"llama\"\n\
-         api_server = \"http://{}\"\n\
-         request_timeout_ms = 1000\n\
-         watch_timeout_s = 60\n\
-         min_backoff_ms = 50\n\
-         max_backoff_ms = 200\n",
-        api.addr
-    ))
-    .unwrap();
-    cfg.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.drain_s = 5;
-    cfg.debug_headers = true;
-    cfg.health.interval_ms = 100;
-    cfg.health.timeout_ms = 500;
-    cfg.scrape.interval_ms = 100;
-    cfg.timeouts.first_byte_ms = 10_000;
-    cfg.timeouts.connect_ms = 500;
-    proxy::spawn(cfg).await.unwrap()
-}
-
-fn url(node: &RunningNode, path: &str) -> String {
-    format!("http://{}{path}", node.addr)
-}
-
-/// `n` distinct prompt bytes starting with `seed`.
-fn text(seed: &str, n: usize) -> String {
-    let mut s = String::new();
-    let mut i = 0;
-    while s.len() < n {
-        s.push_str(&format!("{seed}-{i:06} "));
-        i += 1;
-    }
-    s.truncate(n);
-    s
-}
-
-/// One completion: status and the replica that served it.
-async fn complete(c: &reqwest::Client, node: &RunningNode, prompt: &str) -> (u16, String) {
-    let resp = c
-        .post(url(node, "/v1/completions"))
-        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}))
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    let replica = resp
-        .headers()
-        .get(ROUTED)
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
-    let _ = resp.bytes().await.unwrap();
-    (status, replica)
-}
-
-/// Replica id → health, from `/admin/state`.
-async fn health(c: &reqwest::Client, node: &RunningNode) -> BTreeMap<String, String> {
-    let state: Value = c
-        .get(url(node, "/admin/state"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    state["replicas"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                r["id"].as_str().unwrap().to_owned(),
-                r["health"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
-}
-
-/// Waits (≤ 5 s) until replica `id` has health `want`.
-async fn wait_health(c: &reqwest::Client, node: &RunningNode, id: &str, want: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let h = health(c, node).await;
-        if h.get(id).map(String::as_str) == Some(want) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{id} never became {want}: {h:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    k8s::node_for(
+        "namespace = \"serving\"\ninference_pool = \"llama\"",
+        api.addr,
+    )
+    .await
 }
 
 /// The replicas that serve some of `n` distinct requests.
@@ -517,13 +429,11 @@ async fn pods_join_and_drain_with_their_state_and_an_outage_keeps_the_set() {
         api.shutdown();
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let m = c.get(url(&node, "/metrics")).send().await.unwrap().text().await.unwrap();
-            let errors = m
-                .lines()
-                .find(|l| l.starts_with("kvmesh_k8s_watch_errors_total{source=\"serving/inferencepool/llama\"}"))
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0);
+            let m = metrics(&c, &node).await;
+            let errors = metric(
+                &m,
+                "kvmesh_k8s_watch_errors_total{source=\"serving/inferencepool/llama\"}",
+            );
             if errors >= 2.0 {
                 break;
             }

@@ -31,7 +31,7 @@ use std::net::{IpAddr, SocketAddr};
 use serde::Deserialize;
 
 use super::k8s_api::{
-    capped, ApiClient, Batch, Dropped, K8sError, K8sMetrics, ListWatch, Object, ObjectMeta,
+    capped, ApiClient, Batch, Dropped, K8sError, K8sMetrics, ListWatch, Named, Object, ObjectMeta,
     WatchEvent,
 };
 use super::k8s_config::{Found, KubernetesConfig, TargetPorts, MAX_NAME_BYTES};
@@ -262,32 +262,10 @@ pub fn routable_ip(pod: &Pod) -> Option<IpAddr> {
     status.pod_ip.as_deref()?.parse().ok()
 }
 
-/// The pods a source was shown, by name: `Some(ip)` while routable. At most `max` pods.
-#[derive(Debug, Default)]
-pub struct PodSet {
-    pods: BTreeMap<String, Option<IpAddr>>,
-}
+/// The pods a source was shown, by name: `Some(ip)` while routable. At most `max_endpoints`.
+pub type PodSet = Named<Option<IpAddr>>;
 
 impl PodSet {
-    /// Sets pod `name`'s state; a new pod past `max` is refused (false).
-    pub fn upsert(&mut self, name: String, ip: Option<IpAddr>, max: usize) -> bool {
-        if !self.pods.contains_key(&name) && self.pods.len() >= max {
-            return false;
-        }
-        self.pods.insert(name, ip);
-        true
-    }
-
-    /// Forgets pod `name`.
-    pub fn remove(&mut self, name: &str) {
-        self.pods.remove(name);
-    }
-
-    /// Forgets every pod.
-    pub fn clear(&mut self) {
-        self.pods.clear();
-    }
-
     /// The replicas wanted now, by id — one per routable pod and port, at most `max` in pod-name
     /// order — and how many more there were.
     pub fn desired(
@@ -302,7 +280,6 @@ impl PodSet {
             _ => (ports, 0),
         };
         let found: Vec<Found> = self
-            .pods
             .iter()
             .filter_map(|(name, ip)| Some((name, (*ip)?)))
             .flat_map(|(name, ip)| {

@@ -33,7 +33,7 @@ use serde::Deserialize;
 use super::dns::ReplicaRegistry;
 use super::inference_pool::PoolFollow;
 use super::k8s_api::{
-    capped, ApiClient, Batch, DropLog, ListWatch, Members, Object, ObjectMeta, WatchEvent,
+    capped, ApiClient, Batch, DropLog, ListWatch, Members, Named, Object, ObjectMeta, WatchEvent,
 };
 pub use super::k8s_api::{Dropped, K8sError, K8sMetrics};
 use super::k8s_config::MAX_NAME_BYTES;
@@ -211,48 +211,16 @@ pub fn slice_endpoints(
     (found, dropped)
 }
 
-/// The slices a source was shown, by name, reduced to their routable endpoints: the state a
-/// LIST replaces and watch events edit. At most `max_slices` slices.
-#[derive(Debug, Default)]
-pub struct SliceSet {
-    slices: BTreeMap<String, Vec<Found>>,
-}
+/// The slices a source was shown, by name, reduced to their routable endpoints. At most
+/// `max_endpoints` slices.
+pub type SliceSet = Named<Vec<Found>>;
 
 impl SliceSet {
-    /// Sets slice `name`'s endpoints; a new slice past `max_slices` is refused (false).
-    pub fn upsert(&mut self, name: String, found: Vec<Found>, max_slices: usize) -> bool {
-        if !self.slices.contains_key(&name) && self.slices.len() >= max_slices {
-            return false;
-        }
-        self.slices.insert(name, found);
-        true
-    }
-
-    /// Forgets slice `name`.
-    pub fn remove(&mut self, name: &str) {
-        self.slices.remove(name);
-    }
-
-    /// Forgets every slice (before a LIST's are applied).
-    pub fn clear(&mut self) {
-        self.slices.clear();
-    }
-
-    /// How many slices it holds.
-    pub fn len(&self) -> usize {
-        self.slices.len()
-    }
-
-    /// Whether it holds no slice.
-    pub fn is_empty(&self) -> bool {
-        self.slices.is_empty()
-    }
-
     /// The replicas wanted now, by id — one per id (an endpoint in two slices, as during a
     /// controller's rebalancing, counts once), at most `max` in slice-name order — and how many
     /// more there were.
     pub fn desired(&self, max: usize) -> (BTreeMap<String, Found>, usize) {
-        capped(self.slices.values().flatten(), max)
+        capped(self.iter().flat_map(|(_, found)| found), max)
     }
 }
 

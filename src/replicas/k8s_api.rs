@@ -960,6 +960,58 @@ impl Members {
     }
 }
 
+/// The objects a source was shown, by name, each reduced to what routing needs (a slice's
+/// routable endpoints, a pod's address): the state a LIST replaces and watch events edit. At
+/// most a cap of them.
+#[derive(Debug)]
+pub struct Named<V> {
+    items: BTreeMap<String, V>,
+}
+
+impl<V> Default for Named<V> {
+    fn default() -> Self {
+        Named {
+            items: BTreeMap::new(),
+        }
+    }
+}
+
+impl<V> Named<V> {
+    /// Sets object `name`'s value; a new object past `max` is refused (false).
+    pub fn upsert(&mut self, name: String, value: V, max: usize) -> bool {
+        if !self.items.contains_key(&name) && self.items.len() >= max {
+            return false;
+        }
+        self.items.insert(name, value);
+        true
+    }
+
+    /// Forgets object `name`.
+    pub fn remove(&mut self, name: &str) {
+        self.items.remove(name);
+    }
+
+    /// Forgets every object (before a LIST's are applied).
+    pub fn clear(&mut self) {
+        self.items.clear();
+    }
+
+    /// How many objects it holds.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The objects in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &V)> {
+        self.items.iter()
+    }
+}
+
 /// The first `max` of `found` by id (an endpoint listed twice counts once), and how many more
 /// there were.
 pub fn capped<'a>(

@@ -130,13 +130,17 @@ impl ExternalProcessor for FakePicker {
                         )),
                         ..ProcessingResponse::default()
                     }],
+                    // The pick, then the body back re-chunked (as a picker may).
                     Answer::Pick(dest) => {
-                        let n = held.len();
+                        let whole: Vec<u8> = held.drain(..).flatten().collect();
+                        let chunks: Vec<&[u8]> = whole.chunks(50_000).collect();
+                        let n = chunks.len();
                         std::iter::once(headers_answer(dest))
                             .chain(
-                                held.drain(..)
+                                chunks
+                                    .into_iter()
                                     .enumerate()
-                                    .map(|(i, b)| body_answer(b, i + 1 == n)),
+                                    .map(|(i, b)| body_answer(b.to_vec(), i + 1 == n)),
                             )
                             .collect()
                     }
@@ -271,9 +275,22 @@ async fn the_request_goes_where_the_picker_says_and_the_picker_hears_what_served
         .unwrap();
         let c = client();
         let body = json!({"model": "sim-llama-8b", "prompt": prompt(200_000), "max_tokens": 4});
+        let direct = c
+            .post(format!("http://{}/v1/completions", r0.addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let prompt_tokens = direct.headers()["x-kvmesh-prompt-tokens"].clone();
+        let _ = direct.bytes().await.unwrap();
         let resp = post(&c, &gw, &body).await;
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["x-kvmesh-replica"], "r1");
+        assert_eq!(
+            resp.headers()["x-kvmesh-prompt-tokens"],
+            prompt_tokens,
+            "the body the picker sent back, whole"
+        );
         let text = resp.text().await.unwrap();
         assert!(text.contains("\"choices\""), "{text}");
         // The tap's end reaches the picker after the client has its answer: wait for it.

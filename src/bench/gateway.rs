@@ -362,45 +362,21 @@ async fn ask(
     let mut client = ExternalProcessorClient::new(channel);
     let mut inbound = client.process(outbound).await?.into_inner();
     let mut pick: Option<(Vec<SocketAddr>, Vec<(String, Vec<u8>)>)> = None;
+    // The body the picker sends back. A picker may re-chunk it: once it streams the body, only
+    // its end of stream ends it; answers without a mutation pass the chunks as they were.
     let mut echoed = Vec::new();
     let mut replaced = false;
-    let mut body_answers = 0usize;
-    while pick.is_none() || body_answers < body_chunks {
+    let mut unchanged_answers = 0usize;
+    let mut body_done = body_chunks == 0;
+    while pick.is_none() || !body_done {
         let Some(msg) = inbound.message().await? else {
-            anyhow::bail!("the picker closed the stream before its pick");
+            anyhow::bail!("the picker closed the stream before its pick and body");
         };
         match msg.response {
             Some(processing_response::Response::RequestHeaders(h)) => {
-                let set = h
-                    .response
-                    .and_then(|c| c.header_mutation)
-                    .map(|m| m.set_headers)
-                    .unwrap_or_default();
-                let mut headers = Vec::new();
-                let mut endpoints = None;
-                for option in set {
-                    let Some(header) = option.header else {
-                        continue;
-                    };
-                    let value = if header.raw_value.is_empty() {
-                        header.value.into_bytes()
-                    } else {
-                        header.raw_value
-                    };
-                    if header.key.eq_ignore_ascii_case(DESTINATION) {
-                        endpoints = Some(parse_endpoints(&String::from_utf8_lossy(&value)));
-                    } else {
-                        headers.push((header.key, value));
-                    }
-                }
-                let endpoints = endpoints
-                    .or_else(|| metadata_destination(&msg.dynamic_metadata))
-                    .filter(|e| !e.is_empty())
-                    .context("a headers answer without a destination")?;
-                pick = Some((endpoints, headers));
+                pick = Some(read_pick(h, &msg.dynamic_metadata)?);
             }
             Some(processing_response::Response::RequestBody(b)) => {
-                body_answers += 1;
                 match b
                     .response
                     .and_then(|c| c.body_mutation)
@@ -409,19 +385,22 @@ async fn ask(
                     Some(body_mutation::Mutation::StreamedResponse(s)) => {
                         replaced = true;
                         echoed.extend_from_slice(&s.body);
-                        if s.end_of_stream {
-                            body_answers = body_chunks;
-                        }
+                        body_done |= s.end_of_stream;
                     }
                     Some(body_mutation::Mutation::Body(whole)) => {
                         replaced = true;
                         echoed = whole;
+                        body_done = true;
                     }
                     Some(body_mutation::Mutation::ClearBody(_)) => {
                         replaced = true;
                         echoed.clear();
+                        body_done = true;
                     }
-                    None => {}
+                    None => {
+                        unchanged_answers += 1;
+                        body_done |= !replaced && unchanged_answers >= body_chunks;
+                    }
                 }
             }
             Some(processing_response::Response::ImmediateResponse(i)) => {
@@ -448,6 +427,42 @@ async fn ask(
             ended: false,
         },
     })
+}
+
+/// The pick in a request-headers answer: the destination header (else the same key in
+/// `envoy.lb` dynamic metadata) and the other headers it sets.
+#[allow(clippy::type_complexity)]
+fn read_pick(
+    h: envoy_types::pb::envoy::service::ext_proc::v3::HeadersResponse,
+    dynamic_metadata: &Option<Struct>,
+) -> anyhow::Result<(Vec<SocketAddr>, Vec<(String, Vec<u8>)>)> {
+    let set = h
+        .response
+        .and_then(|c| c.header_mutation)
+        .map(|m| m.set_headers)
+        .unwrap_or_default();
+    let mut headers = Vec::new();
+    let mut endpoints = None;
+    for option in set {
+        let Some(header) = option.header else {
+            continue;
+        };
+        let value = if header.raw_value.is_empty() {
+            header.value.into_bytes()
+        } else {
+            header.raw_value
+        };
+        if header.key.eq_ignore_ascii_case(DESTINATION) {
+            endpoints = Some(parse_endpoints(&String::from_utf8_lossy(&value)));
+        } else {
+            headers.push((header.key, value));
+        }
+    }
+    let endpoints = endpoints
+        .or_else(|| metadata_destination(dynamic_metadata))
+        .filter(|e| !e.is_empty())
+        .context("a headers answer without a destination")?;
+    Ok((endpoints, headers))
 }
 
 /// `ip:port[,ip:port…]`, at most [`MAX_DESTINATIONS`]; entries that do not parse are skipped.

@@ -198,10 +198,8 @@ impl ExternalProcessor for FakePicker {
                                 .unwrap_or_default();
                             seen.statuses.push(status);
                         }
-                        Some(processing_request::Request::ResponseBody(b)) => {
-                            if b.end_of_stream {
-                                seen.ends += 1;
-                            }
+                        Some(processing_request::Request::ResponseBody(b)) if b.end_of_stream => {
+                            seen.ends += 1;
                         }
                         _ => {}
                     }
@@ -302,7 +300,7 @@ async fn the_request_goes_where_the_picker_says_and_the_picker_hears_what_served
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let seen = seen.lock().unwrap();
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
         let header = |k: &str| {
             seen.headers
                 .iter()
@@ -323,7 +321,6 @@ async fn the_request_goes_where_the_picker_says_and_the_picker_hears_what_served
             seen.served
         );
         assert_eq!(gw.stats.forwarded.load(Ordering::SeqCst), 1);
-        drop(seen);
         gw.shutdown().await;
         for r in [r0, r1] {
             r.shutdown().await;

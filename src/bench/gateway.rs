@@ -226,6 +226,9 @@ impl Shared {
     }
 }
 
+/// A pick: the endpoints in order, and the other headers the picker sets.
+type Pick = (Vec<SocketAddr>, Vec<(String, Vec<u8>)>);
+
 /// What one picker said.
 enum Asked {
     /// Send the request to `endpoints` (in order) with `body` and `headers` set.
@@ -233,7 +236,7 @@ enum Asked {
         endpoints: Vec<SocketAddr>,
         headers: Vec<(String, Vec<u8>)>,
         body: Bytes,
-        stream: Tap,
+        stream: Box<Tap>,
     },
     /// Answer the client with this.
     Immediate(Response<Body>),
@@ -361,7 +364,7 @@ async fn ask(
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
     let mut client = ExternalProcessorClient::new(channel);
     let mut inbound = client.process(outbound).await?.into_inner();
-    let mut pick: Option<(Vec<SocketAddr>, Vec<(String, Vec<u8>)>)> = None;
+    let mut pick: Option<Pick> = None;
     // The body the picker sends back. A picker may re-chunk it: once it streams the body, only
     // its end of stream ends it; answers without a mutation pass the chunks as they were.
     let mut echoed = Vec::new();
@@ -419,23 +422,22 @@ async fn ask(
         endpoints,
         headers,
         body,
-        stream: Tap {
+        stream: Box::new(Tap {
             tx,
             inbound: Some(inbound),
             stats: Arc::clone(stats),
             served: String::new(),
             ended: false,
-        },
+        }),
     })
 }
 
 /// The pick in a request-headers answer: the destination header (else the same key in
 /// `envoy.lb` dynamic metadata) and the other headers it sets.
-#[allow(clippy::type_complexity)]
 fn read_pick(
     h: envoy_types::pb::envoy::service::ext_proc::v3::HeadersResponse,
     dynamic_metadata: &Option<Struct>,
-) -> anyhow::Result<(Vec<SocketAddr>, Vec<(String, Vec<u8>)>)> {
+) -> anyhow::Result<Pick> {
     let set = h
         .response
         .and_then(|c| c.header_mutation)
@@ -544,7 +546,7 @@ async fn forward(
     endpoints: Vec<SocketAddr>,
     set: Vec<(String, Vec<u8>)>,
     body: Bytes,
-    mut tap: Tap,
+    mut tap: Box<Tap>,
 ) -> Response<Body> {
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let mut headers = HeaderMap::new();

@@ -61,8 +61,6 @@ pub struct EndpointSlice {
     pub ports: Option<Vec<EndpointPort>>,
 }
 
-/// The part of `metadata` used here.
-
 /// One endpoint of a slice.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct Endpoint {
@@ -238,7 +236,7 @@ enum Follow {
     /// A Service's (or a selector's) EndpointSlices.
     Slices {
         /// The slices' collection.
-        watch: ListWatch,
+        watch: Box<ListWatch>,
         /// The slices shown, reduced to their routable endpoints.
         slices: SliceSet,
     },
@@ -269,14 +267,16 @@ impl K8sSource {
                 "apis/discovery.k8s.io/v1/namespaces/{}/endpointslices",
                 cfg.namespace
             );
-            let watch = ListWatch::new(
-                api,
-                &cfg,
-                &path,
-                "endpointslices.discovery.k8s.io",
-                metrics.clone(),
-            )
-            .with_label_selector(cfg.selector());
+            let watch = Box::new(
+                ListWatch::new(
+                    api,
+                    &cfg,
+                    &path,
+                    "endpointslices.discovery.k8s.io",
+                    metrics.clone(),
+                )
+                .with_label_selector(cfg.selector()),
+            );
             Follow::Slices {
                 watch,
                 slices: SliceSet::default(),

@@ -180,12 +180,53 @@ fn k8s_overlays_render_and_validate() {
     .expect("scripts/validate-k8s.sh took over 60 s");
     eprintln!("{out}");
     assert!(ok, "scripts/validate-k8s.sh failed:\n{out}");
-    for region in ["eu", "us"] {
+    for region in ["eu", "us", "picker"] {
         assert!(
             out.contains(&format!("validate-k8s: {region}: rendered")),
             "{region} not rendered:\n{out}"
         );
     }
+    // The picker overlay's custom resources have no schema: their references are checked.
+    assert!(
+        out.contains("validate-k8s: picker: pool references check passed")
+            || out.contains("PyYAML not installed"),
+        "{out}"
+    );
+}
+
+/// The picker overlay's node.toml follows the overlay's InferencePool in the overlay's
+/// namespace and listens for ext_proc on the port its Service and the pool name.
+#[test]
+fn the_picker_overlay_config_follows_its_pool() {
+    let dir = repo().join("deploy/k8s/overlays/picker");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    let text = read("node.toml")
+        .replace("${POD_IP}", "10.1.2.3")
+        .replace("${POD_NAME}", "kvmesh-0");
+    let cfg = match NodeConfig::from_toml(&text) {
+        Ok(cfg) => cfg,
+        // A build without the endpoint picker's `[picker]` section (the ext_proc listener
+        // lands separately): check the rest.
+        Err(e) if e.to_string().contains("picker") => {
+            eprintln!("this build has no [picker] section ({e}): checking the rest");
+            let start = text.find("[picker]").unwrap();
+            let end = start + text[start..].find("\n\n").unwrap();
+            NodeConfig::from_toml(&format!("{}{}", &text[..start], &text[end..]))
+                .unwrap_or_else(|e| panic!("picker node.toml: {e}"))
+        }
+        Err(e) => panic!("picker node.toml: {e}"),
+    };
+    assert!(text.contains("[picker]\nlisten = \"0.0.0.0:9002\""));
+    let k = &cfg.kubernetes[0];
+    assert_eq!(k.inference_pool.as_deref(), Some("kvmesh-pool"));
+    assert!(read("kustomization.yaml").contains(&format!("namespace: {}\n", k.namespace)));
+    let pool = read("inferencepool.yaml");
+    assert!(pool.contains("  name: kvmesh-pool\n"), "{pool}");
+    assert!(
+        pool.contains("    name: kvmesh-picker\n    port:\n      number: 9002\n"),
+        "{pool}"
+    );
+    assert!(read("picker-service.yaml").contains("port: 9002"));
 }
 
 /// The metric names `expr` mentions (histogram series reduced to their family).

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod fleet;
 pub mod fleet_pd;
 pub mod fuzz;
+pub mod gateway;
 pub mod hot_args;
 pub mod replay;
 pub mod replay_api;

@@ -15,7 +15,10 @@
 pub mod dns;
 pub mod entry;
 pub mod health;
+pub mod inference_pool;
 pub mod k8s;
+pub mod k8s_api;
+pub mod k8s_config;
 pub mod kv_events;
 pub mod kv_index;
 pub mod kv_stream;

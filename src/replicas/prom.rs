@@ -22,13 +22,34 @@ pub struct EngineLoad {
     pub kv_usage: Option<f64>,
     /// KV capacity in tokens: `num_gpu_blocks × block_size` from `vllm:cache_config_info`.
     pub capacity_tokens: Option<u64>,
-    /// Tokens per KV block: `block_size` of `vllm:cache_config_info` (token mode needs it).
+    /// Tokens per KV block: `block_size` of `vllm:cache_config_info`, or `page_size` of
+    /// `sglang:cache_config_info` (token mode needs it).
     pub block_size: Option<u64>,
+    /// LoRA adapters, from the newest `vllm:lora_requests_info` line (GIE model-server
+    /// protocol): how many the engine holds at once (`max_lora`), and how many distinct adapters
+    /// its running and waiting requests use.
+    pub lora: Option<LoraLoad>,
     /// Lines that could not be parsed.
     pub skipped_lines: u64,
     /// Values read but outside their bound (see the `MAX_*` constants), refused.
     pub refused_values: u64,
 }
+
+/// What `vllm:lora_requests_info` says (its value is the time it was written: the newest wins).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoraLoad {
+    /// Adapters the engine can hold at once (`max_lora`).
+    pub max_lora: u64,
+    /// Distinct adapters of running requests (`running_lora_adapters`, comma-separated).
+    pub running_adapters: u64,
+    /// Distinct adapters of waiting requests (`waiting_lora_adapters`).
+    pub waiting_adapters: u64,
+    /// The line's value: when it was written (seconds since the epoch).
+    pub stamp: f64,
+}
+
+/// Largest `max_lora` accepted, and most adapters counted in one list.
+pub const MAX_LORA: u64 = 4096;
 
 /// Largest `block_size` (tokens per KV block) accepted from `vllm:cache_config_info`. Engines
 /// use 1..=256; anything past this is a broken or hostile exporter.
@@ -176,7 +197,13 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
             | "vllm:kv_cache_usage_perc"
             | "sglang:token_usage"
             | "vllm:gpu_cache_usage_perc" => load.refused_values += 1,
-            "vllm:cache_config_info" => cache_config(&mut load, s.labels),
+            "vllm:cache_config_info" => {
+                cache_config(&mut load, s.labels, "block_size", "num_gpu_blocks")
+            }
+            "sglang:cache_config_info" => {
+                cache_config(&mut load, s.labels, "page_size", "num_pages")
+            }
+            "vllm:lora_requests_info" => lora_info(&mut load, s.labels, s.value),
             _ => {}
         }
     }
@@ -186,9 +213,10 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
     load
 }
 
-/// `vllm:cache_config_info`'s `block_size` and `num_gpu_blocks` labels, each within its bound;
-/// the capacity they give adds to the other engines' up to [`MAX_CAPACITY_TOKENS`].
-fn cache_config(load: &mut EngineLoad, labels: &str) {
+/// `vllm:cache_config_info`'s `block_size` and `num_gpu_blocks` labels (SGLang's `page_size`
+/// and `num_pages`), each within its bound; the capacity they give adds to the other engines'
+/// up to [`MAX_CAPACITY_TOKENS`].
+fn cache_config(load: &mut EngineLoad, labels: &str, size_key: &str, blocks_key: &str) {
     // A label that does not parse as a number ("None" before profiling) says nothing; one that
     // parses out of bounds is refused.
     let bounded = |key: &str, max: u64| -> Result<Option<u64>, ()> {
@@ -200,8 +228,8 @@ fn cache_config(load: &mut EngineLoad, labels: &str) {
             Some(Err(_)) | None => Ok(None),
         }
     };
-    let size = bounded("block_size", MAX_BLOCK_SIZE);
-    let blocks = bounded("num_gpu_blocks", MAX_GPU_BLOCKS);
+    let size = bounded(size_key, MAX_BLOCK_SIZE);
+    let blocks = bounded(blocks_key, MAX_GPU_BLOCKS);
     let (size, blocks) = match (size, blocks) {
         (Ok(z), Ok(b)) => (z, b),
         _ => {
@@ -220,6 +248,34 @@ fn cache_config(load: &mut EngineLoad, labels: &str) {
             load.capacity_tokens = Some(total);
         }
     }
+}
+
+/// `vllm:lora_requests_info{max_lora,running_lora_adapters,waiting_lora_adapters}`: kept if
+/// newer than what an earlier line said; a `max_lora` out of bounds is refused.
+fn lora_info(load: &mut EngineLoad, labels: &str, stamp: f64) {
+    if load.lora.is_some_and(|l| l.stamp >= stamp) {
+        return;
+    }
+    let Some(max_lora) = label(labels, "max_lora").and_then(|v| v.trim().parse::<u64>().ok())
+    else {
+        return;
+    };
+    if max_lora > MAX_LORA {
+        load.refused_values += 1;
+        return;
+    }
+    // Adapter names, comma-separated; empty when none. Counted, at most MAX_LORA.
+    let count = |key: &str| {
+        label(labels, key).map_or(0, |v| {
+            (v.split(',').filter(|a| !a.trim().is_empty()).count() as u64).min(MAX_LORA)
+        })
+    };
+    load.lora = Some(LoraLoad {
+        max_lora,
+        running_adapters: count("running_lora_adapters"),
+        waiting_adapters: count("waiting_lora_adapters"),
+        stamp,
+    });
 }
 
 #[cfg(test)]
@@ -309,6 +365,30 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1234 1700000000000
         let l = parse_engine_load(&line.repeat(3));
         assert_eq!(l.capacity_tokens, Some(MAX_CAPACITY_TOKENS));
         assert_eq!(l.refused_values, 2);
+    }
+
+    /// The rest of the GIE model-server protocol's names: vLLM's LoRA info (newest line wins),
+    /// SGLang's cache config.
+    #[test]
+    fn reads_lora_info_and_sglang_cache_config() {
+        let l = parse_engine_load(concat!(
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"sql,chat\",waiting_lora_adapters=\"\"} 1.7e9\n",
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"chat,fr,de\"} 1.8e9\n",
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"x\",waiting_lora_adapters=\"\"} 1.75e9\n",
+            "sglang:cache_config_info{page_size=\"16\",num_pages=\"1000\"} 1\n",
+        ));
+        assert_eq!(
+            l.lora,
+            Some(LoraLoad {
+                max_lora: 4,
+                running_adapters: 1,
+                waiting_adapters: 3,
+                stamp: 1.8e9
+            })
+        );
+        assert_eq!((l.block_size, l.capacity_tokens), (Some(16), Some(16_000)));
+        let l = parse_engine_load("vllm:lora_requests_info{max_lora=\"100000\"} 1\n");
+        assert_eq!((l.lora, l.refused_values), (None, 1));
     }
 
     #[test]

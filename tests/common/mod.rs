@@ -9,6 +9,8 @@ use kvmesh::mesh::certs::NodeIdentity;
 use kvmesh::mesh::MeshConfig;
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 
+pub mod k8s;
+
 /// Runs `f`, failing the test if it takes more than `secs` seconds.
 pub async fn bounded<F: Future>(secs: u64, f: F) -> F::Output {
     tokio::time::timeout(Duration::from_secs(secs), f)

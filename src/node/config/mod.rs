@@ -646,6 +646,8 @@ impl NodeConfig {
                 id: PLACEHOLDER.to_string(),
                 addr: PLACEHOLDER,
                 zone: None,
+                port_index: 0,
+                ranks: 0,
             };
             validate_replica(&format!("kubernetes[{n}]"), &k.replica(&found))?;
         }

@@ -203,19 +203,9 @@ fn the_picker_overlay_config_follows_its_pool() {
     let text = read("node.toml")
         .replace("${POD_IP}", "10.1.2.3")
         .replace("${POD_NAME}", "kvmesh-0");
-    let cfg = match NodeConfig::from_toml(&text) {
-        Ok(cfg) => cfg,
-        // A build without the endpoint picker's `[picker]` section (the ext_proc listener
-        // lands separately): check the rest.
-        Err(e) if e.to_string().contains("picker") => {
-            eprintln!("this build has no [picker] section ({e}): checking the rest");
-            let start = text.find("[picker]").unwrap();
-            let end = start + text[start..].find("\n\n").unwrap();
-            NodeConfig::from_toml(&format!("{}{}", &text[..start], &text[end..]))
-                .unwrap_or_else(|e| panic!("picker node.toml: {e}"))
-        }
-        Err(e) => panic!("picker node.toml: {e}"),
-    };
+    let cfg = NodeConfig::from_toml(&text).unwrap_or_else(|e| panic!("picker node.toml: {e}"));
+    let listen = cfg.picker.listen.map(|a| a.to_string());
+    assert_eq!(listen.as_deref(), Some("0.0.0.0:9002"), "the picker listens on 9002");
     assert!(text.contains("[picker]\nlisten = \"0.0.0.0:9002\""));
     let k = &cfg.kubernetes[0];
     assert_eq!(k.inference_pool.as_deref(), Some("kvmesh-pool"));

@@ -50,6 +50,12 @@ pub struct KvLoad {
     pub cpu_gb_per_s: f64,
     /// Disk (or remote store) to device rate, GB/s. Default 3: one NVMe drive.
     pub disk_gb_per_s: f64,
+    /// The KV-fetch hint this replica's engine takes, if any (`hints = "vllm-envelope"` or
+    /// `"llm-d"`; default `"none"`): only a replica that declares one is ever told to pull a
+    /// prefix from another replica ([`super::kv_fetch`]). Left out of the gossip record when
+    /// `none`, so peers that predate it still read the record.
+    #[serde(skip_serializing_if = "super::kv_fetch::KvHintFormat::is_none")]
+    pub hints: super::kv_fetch::KvHintFormat,
 }
 
 impl Default for KvLoad {
@@ -58,6 +64,7 @@ impl Default for KvLoad {
             bytes_per_token: 131_072,
             cpu_gb_per_s: 25.0,
             disk_gb_per_s: 3.0,
+            hints: super::kv_fetch::KvHintFormat::None,
         }
     }
 }

@@ -109,6 +109,10 @@ pub struct NodeConfig {
     /// in (known from KV events' `medium`), each 0..=1. Default
     /// `{ gpu = 1.0, cpu = 0.75, disk = 0.25 }`; keys left out keep their default.
     pub tier_weights: TierWeights,
+    /// Pulling a prefix's KV from the replica that holds it (`[kv_fetch]`: `mode = "off"`
+    /// (default), `"priced"` or `"reactive"`, link rates; `core::kv_fetch`). Only replicas whose
+    /// `kv_load.hints` names a format are told to pull.
+    pub kv_fetch: crate::core::kv_fetch::KvFetchConfig,
     /// How long a just-routed key counts in the overlay (seconds). Default 10.
     pub overlay_ttl_s: u64,
     /// Approximate cache model: a block not routed again within this long is presumed evicted
@@ -193,6 +197,7 @@ impl Default for NodeConfig {
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),
+            kv_fetch: crate::core::kv_fetch::KvFetchConfig::default(),
             overlay_ttl_s: 10,
             cache_ttl_s: 600,
             summary_interval_ms: 100,
@@ -468,6 +473,9 @@ impl NodeConfig {
                 ));
             }
         }
+        self.kv_fetch
+            .validate()
+            .map_err(|e| invalid("kv_fetch", e.to_string()))?;
         Ok(())
     }
 

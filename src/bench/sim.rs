@@ -1078,6 +1078,7 @@ impl<'a> Sim<'a> {
                     id,
                     cached_tokens: c,
                     prompt_tokens: p,
+                    ..
                 } if id as usize >= requests => {
                     self.warm_first_token(id as usize - requests, p, c, now);
                 }
@@ -1088,6 +1089,7 @@ impl<'a> Sim<'a> {
                     id,
                     cached_tokens: c,
                     prompt_tokens: p,
+                    ..
                 } => {
                     let f = self.flights[id as usize];
                     // A pair's keys serve twice: the prefill's cache, then the decode's.

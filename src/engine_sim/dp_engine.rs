@@ -191,6 +191,7 @@ impl DpEngine {
             s.block_tokens = r.block_tokens;
             s.cached_blocks += r.cached_blocks;
             s.steps += r.steps;
+            s.fetched_tokens += r.fetched_tokens;
             used += r.kv_usage * r.num_blocks as f64;
         }
         s.kv_usage = if s.num_blocks == 0 {

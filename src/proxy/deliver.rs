@@ -321,9 +321,16 @@ impl Attempt<'_, '_> {
             span,
         };
         let headers = headers.as_ref().unwrap_or(&self.d.headers);
+        // A planned KV pull goes in the body, in the form the replica takes (`kv_hint.rs`).
+        let hinted = super::kv_hint::hinted_body(
+            self.d.node,
+            target.routed.fetch.as_ref(),
+            &self.d.u.body,
+        );
+        let body = hinted.as_ref().unwrap_or(&self.d.u.body);
         let sent_at = Instant::now();
         let answer = self
-            .send_hedged(&mut target, headers, keys, &mut p.tried)
+            .send_hedged(&mut target, headers, body, keys, &mut p.tried)
             .await;
         if let Some(span) = target.span.take() {
             let (status, error) = match &answer {
@@ -346,6 +353,7 @@ impl Attempt<'_, '_> {
         &self,
         t: &mut Target,
         headers: &HeaderMap,
+        body: &Bytes,
         keys: &[BlockKey],
         tried: &mut Vec<usize>,
     ) -> Option<reqwest::Result<reqwest::Response>> {
@@ -357,7 +365,7 @@ impl Attempt<'_, '_> {
             t.ticket.rank(),
             u.path,
             headers,
-            &u.body
+            body
         ));
         let retry = &node.cfg.retry;
         let hedge_after = Duration::from_millis(if u.stream() {

@@ -367,6 +367,10 @@ struct Sim<'a> {
     kv_steered: usize,
     /// Requests over their KV quota everywhere that overflowed (`KvSteer::Overflowed`).
     kv_overflowed: usize,
+    /// The fetch the last `Routing::Sent` decision planned (`[kv_fetch]`), for `dispatch`.
+    last_fetch: Option<crate::core::kv_fetch::KvFetchPlan>,
+    /// Pulls planned, pulls that found nothing at their source, and prompt tokens moved.
+    kv_fetch: super::sim_config::FetchStats,
     /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
     shares: VecDeque<Share>,
 
@@ -597,6 +601,8 @@ impl<'a> Sim<'a> {
             tenants: tenants(cfg),
             kv_steered: 0,
             kv_overflowed: 0,
+            last_fetch: None,
+            kv_fetch: Default::default(),
             shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
             arrived: vec![Duration::ZERO; reqs.len()],
@@ -735,7 +741,11 @@ impl<'a> Sim<'a> {
                         return;
                     }
                 };
-            let hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
+            let mut hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
+            if let Some(f) = &self.last_fetch {
+                // A planned pull: the target will hold the source's run, not recompute it.
+                hit_tokens = hit_tokens.max(f.tokens);
+            }
             (
                 node,
                 r,
@@ -743,6 +753,7 @@ impl<'a> Sim<'a> {
                 extra,
             )
         };
+        let fetch = self.last_fetch.take();
         let replica_region = self.replica_region[r];
         extra += self.cfg.rtt(self.nodes[node].region, replica_region);
         if replica_region != client_region {
@@ -815,7 +826,11 @@ impl<'a> Sim<'a> {
             },
             cache_salt: None,
         };
-        if self.engines[r].submit(request, now).is_err() {
+        let submitted = match fetch.and_then(|f| self.pulled(r, f, &request.prompt)) {
+            Some(f) => self.engines[r].submit_fetched(request, now, f),
+            None => self.engines[r].submit(request, now),
+        };
+        if submitted.is_err() {
             self.pd_prompts.remove(&i);
             if let Some(d) = decode {
                 self.decode_gone(node, d, now);
@@ -838,6 +853,52 @@ impl<'a> Sim<'a> {
         }
         self.per_replica[r] += 1;
         self.schedule(r);
+    }
+
+    /// What a pull of `plan` for replica `r` gets: the leading run of the planned blocks its
+    /// source's engine holds now, arriving after the modelled transfer — the link between the
+    /// two (`[kv_fetch] links`), the source's step share (`w_load × its requests`) and the
+    /// bytes, as the core prices it (`core::kv_fetch`). `None` (counted) when it holds none.
+    fn pulled(
+        &mut self,
+        r: usize,
+        plan: crate::core::kv_fetch::KvFetchPlan,
+        prompt: &[u32],
+    ) -> Option<crate::engine_sim::Fetched> {
+        use crate::core::kv_fetch::Link;
+        self.kv_fetch.planned += 1;
+        let bs = self.cfg.engine.block_tokens.max(1);
+        let hashes = block_hashes(prompt, bs);
+        let from = usize::try_from(plan.from_tokens).ok()? / bs;
+        let to = (usize::try_from(plan.tokens).ok()? / bs).min(hashes.len());
+        let source = self.engines.get(plan.source)?;
+        let held = if to > from {
+            source.cached_prefix_tokens(&hashes[from..to]) / bs
+        } else {
+            0
+        };
+        if held == 0 {
+            self.kv_fetch.missed += 1;
+            return None;
+        }
+        let st = source.stats();
+        let cost = &self.cfg.cost;
+        let spec = cost
+            .fetch
+            .links
+            .spec(Link::between(&self.infos[r], &self.infos[plan.source]));
+        let tokens = held * bs;
+        let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
+        let secs = spec.setup_ms / 1000.0
+            + cost.w_load_s * (st.running + st.waiting) as f64
+            + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
+        self.kv_fetch.tokens += tokens as u64;
+        self.kv_fetch.seconds += secs;
+        Some(crate::engine_sim::Fetched {
+            from_block: from,
+            to_block: from + held,
+            transfer: Duration::try_from_secs_f64(secs.clamp(0.0, 3600.0)).unwrap_or_default(),
+        })
     }
 
     /// Routes through `client` (and, if the core forwards, one node of the target region).
@@ -923,6 +984,7 @@ impl<'a> Sim<'a> {
                         KvSteer::Overflowed => self.kv_overflowed += 1,
                         KvSteer::Unsteered => {}
                     }
+                    self.last_fetch = d.fetch;
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
                 Decision::Forward { region, .. } => {
@@ -1807,6 +1869,7 @@ impl<'a> Sim<'a> {
             refused: self.refused.iter().filter(|r| r.is_some()).count(),
             kv_steered: self.kv_steered,
             kv_overflowed: self.kv_overflowed,
+            kv_fetch: self.kv_fetch,
             tenant_split,
             policy: if self.cfg.oracle {
                 CENTRAL_GREEDY.into()

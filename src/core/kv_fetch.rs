@@ -71,6 +71,31 @@ pub enum FetchMode {
     Reactive,
 }
 
+impl std::str::FromStr for FetchMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(FetchMode::Off),
+            "priced" => Ok(FetchMode::Priced),
+            "reactive" => Ok(FetchMode::Reactive),
+            other => Err(format!(
+                "unknown KV fetch mode '{other}' (off, priced, reactive)"
+            )),
+        }
+    }
+}
+
+impl FetchMode {
+    /// The mode's name, as configured.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FetchMode::Off => "off",
+            FetchMode::Priced => "priced",
+            FetchMode::Reactive => "reactive",
+        }
+    }
+}
+
 /// One kind of link between two replicas: its rate and the fixed cost of starting a pull.
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -122,6 +122,19 @@ impl DpEngine {
         Ok(r)
     }
 
+    /// Queues a request with blocks pulled from another replica ([`Engine::submit_fetched`]) on
+    /// the rank [`RankPick`] picks; returns that rank.
+    pub fn submit_fetched(
+        &mut self,
+        req: Request,
+        now: Duration,
+        fetch: super::engine::Fetched,
+    ) -> Result<usize, SubmitError> {
+        let r = self.choose(&req);
+        self.ranks[r].submit_fetched(req, now, fetch)?;
+        Ok(r)
+    }
+
     /// Drops request `id` from whichever rank holds it (a no-op on the others: ids are unique).
     pub fn cancel(&mut self, id: u64) {
         for e in &mut self.ranks {

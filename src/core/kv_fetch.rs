@@ -553,6 +553,66 @@ mod tests {
         assert_eq!(d.fetch.map(|p| p.source), Some(h));
     }
 
+    proptest::proptest! {
+        /// Whatever the hits, loads and links: a pull is planned only for a replica that takes
+        /// hints, from another replica holding more of the prompt, for at least `min_tokens`.
+        #[test]
+        fn a_pull_goes_only_to_a_hint_taker_from_a_longer_holder(
+            fleet in proptest::collection::vec((0usize..40, 0u64..400_000, proptest::bool::ANY, 0u8..3), 2..6),
+            reactive in proptest::bool::ANY,
+            seed in 0u64..1000,
+        ) {
+            use crate::core::keys::BlockKey;
+            use crate::core::policy::PolicyKind;
+            use crate::core::router::{Decision, RouteRequest, Router, RouterConfig};
+            use crate::core::summary::{ReplicaSummary, SummaryConfig};
+            use crate::core::tenants::Tenants;
+            let keys: Vec<BlockKey> = (1..=40).map(BlockKey).collect();
+            let mut v = View::new("eu", 16);
+            for (i, (hit, queued, hints, host)) in fleet.iter().enumerate() {
+                let r = v.upsert(ReplicaInfo {
+                    url: format!("http://10.0.0.{host}:{}", 8000 + i),
+                    kv_load: hints.then(|| KvLoad {
+                        hints: KvHintFormat::LlmD,
+                        ..KvLoad::default()
+                    }),
+                    ..info(&format!("r{i}"), "eu")
+                });
+                let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+                s.insert(&keys[..*hit]);
+                v.set_summary(r, s);
+                v.replica_mut(r).unwrap().load.queued_prefill_tokens = *queued;
+            }
+            let mode = if reactive { FetchMode::Reactive } else { FetchMode::Priced };
+            let mut r = Router::new(
+                RouterConfig {
+                    policy: PolicyKind::P2cCache,
+                    seed,
+                    cost: crate::core::cost::CostModel {
+                        fetch: KvFetchConfig { mode, min_tokens: 16, ..KvFetchConfig::default() },
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                Tenants::default(),
+            );
+            let req = RouteRequest::plain("m", &keys, 40 * 16);
+            let Decision::Route(d) = r.route(&v, &req, std::time::Duration::from_secs(100)) else {
+                panic!("a healthy fleet routes");
+            };
+            if let Some(p) = d.fetch {
+                let (target_hit, _, target_hints, _) = fleet[d.replica];
+                let (source_hit, ..) = fleet[p.source];
+                proptest::prop_assert!(target_hints, "a pull for a replica taking no hints");
+                proptest::prop_assert_ne!(p.source, d.replica);
+                proptest::prop_assert!(source_hit > target_hit);
+                proptest::prop_assert_eq!(p.from_tokens, target_hit as u64 * 16);
+                proptest::prop_assert!(p.tokens >= p.from_tokens + 16);
+                proptest::prop_assert_eq!(p.format, KvHintFormat::LlmD);
+            }
+        }
+    }
+
     #[test]
     fn config_bounds_name_the_key() {
         let mut c = KvFetchConfig::default();

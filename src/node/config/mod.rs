@@ -1178,6 +1178,28 @@ mod tests {
     }
 
     #[test]
+    fn kv_fetch_parses_with_defaults_and_bad_links_name_the_key() {
+        use crate::core::kv_fetch::{FetchMode, KvHintFormat};
+        let c = NodeConfig::from_toml(
+            "[kv_fetch]\nmode = \"priced\"\n[kv_fetch.links]\nsame_zone = { gb_per_s = 25, setup_ms = 2 }\n\
+             [[replicas]]\nurl = \"http://a:1\"\nkv_load = { hints = \"llm-d\" }\n",
+        )
+        .unwrap();
+        assert_eq!(c.kv_fetch.mode, FetchMode::Priced);
+        assert_eq!(c.kv_fetch.links.same_zone.gb_per_s, 25.0);
+        assert_eq!(c.kv_fetch.links.same_host.gb_per_s, 450.0, "others keep their default");
+        assert_eq!(c.replicas[0].kv_load.map(|l| l.hints), Some(KvHintFormat::LlmD));
+        assert_eq!(NodeConfig::default().kv_fetch.mode, FetchMode::Off);
+        let e = NodeConfig::from_toml(
+            "[kv_fetch.links]\ncross_region = { gb_per_s = 0, setup_ms = 1 }\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kv_fetch.links.cross_region"), "{e}");
+        assert!(NodeConfig::from_toml("[kv_fetch]\nmode = \"sometimes\"\n").is_err());
+    }
+
+    #[test]
     fn a_replica_kv_load_parses_with_defaults_and_is_checked_in_every_template() {
         use crate::core::kv_load::KvLoad;
         let c = NodeConfig::from_toml(

@@ -1632,15 +1632,25 @@ impl<'a> Sim<'a> {
     fn start_warm(&mut self, n: usize, w: WarmUp, now: Duration) {
         let r = w.replica;
         let prompt = tokenize(&w.prompt);
-        let uncached = prompt.len() as u64;
         let id = self.reqs.len() + self.warms.len();
+        // Replication by transfer: the prefix pulled from a holder, not recomputed.
+        let pulled = w.fetch.and_then(|f| self.pulled(r, f, &prompt));
+        let uncached = match &pulled {
+            Some(f) => (prompt.len() as u64)
+                .saturating_sub((f.to_block * self.cfg.engine.block_tokens) as u64),
+            None => prompt.len() as u64,
+        };
         let request = Request {
             id: id as u64,
             prompt,
             max_tokens: 1,
             cache_salt: w.scope.cache_salt.clone(),
         };
-        let submitted = self.engines[r].submit(request, now).is_ok();
+        let submitted = match pulled {
+            Some(f) => self.engines[r].submit_fetched(request, now, f),
+            None => self.engines[r].submit(request, now),
+        }
+        .is_ok();
         let Some(nr) = self.nodes[n].routing.as_mut() else {
             return;
         };

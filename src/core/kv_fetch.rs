@@ -17,8 +17,8 @@
 //! regions; `step_s(source)` the source's load: a pull is served between the source engine's
 //! steps, and a step of its current batch lasts about `w_load × outstanding` (the cost model's
 //! decode share). With `mode = "priced"` the router takes the fetch for a candidate only where
-//! it is predicted cheaper than recomputing those tokens there, so the policy weighs it like
-//! any hit (the candidate counts as holding the source's run). The longest holder is found once
+//! it is predicted cheaper than recomputing those tokens there: the candidate's predicted cost
+//! and prefill shrink, and the policy weighs it as usual. The longest holder is found once
 //! per decision, not per pair: the per-candidate work is a few flops and a link lookup, and
 //! only for candidates that take hints and hold less than the holder.
 //!
@@ -314,8 +314,8 @@ where
 }
 
 /// Prices a fetch for every candidate (`mode = "priced"`): where pulling the longest holder's
-/// run is predicted cheaper than recomputing it, the candidate counts that run as held
-/// (`credited_blocks`), its recompute shrinks (`prefill_s`) and its cost takes the transfer;
+/// run is predicted cheaper than recomputing it, the candidate's recompute shrinks
+/// (`prefill_s`) and its cost takes the transfer instead;
 /// `plans[j]` names the pull for candidate `j`. `plans` is cleared and refilled, aligned with
 /// `candidates`.
 pub fn price(
@@ -359,9 +359,12 @@ pub fn price(
         if prefill_s + transfer_s >= c.prefill_s {
             continue;
         }
+        // Its hit stays its own: the policy's longest-hit choice (A) is still the holder, and a
+        // pull only makes this candidate cheaper as the second choice. Counting the pulled run
+        // as held made every hint taker tie for the longest hit, so A became the cheapest
+        // replica on every node at once (the herd p2c-cache's draw exists to avoid).
         c.cost_s = c.queue_s + prefill_s + transfer_s;
         c.prefill_s = prefill_s;
-        c.credited_blocks = c.credited_blocks.max(f64::from(held));
         *plan = Some(KvFetchPlan {
             source: source_index,
             from_tokens: own_tokens,

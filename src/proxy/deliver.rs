@@ -430,6 +430,8 @@ impl Attempt<'_, '_> {
                 // The first attempt's span ends (unanswered); the hedge's records the outcome.
                 t.span = hedge_span;
                 (t.routed, t.endpoint) = (r2, e2);
+                // A hedge goes without a KV-fetch hint.
+                t.routed.fetch = None;
                 Some(r)
             }
             Err(_) => {
@@ -536,6 +538,7 @@ fn relay(
         d.trace.map(|tr| tr.span().clone()),
     )
     .branch(t.routed.branch())
+    .fetch(t.routed.fetch.map_or(0, |f| f.fetched_tokens()))
     .guard(guard);
     let mut out = respond(node, resp, t.ticket, keys, relay);
     if node.cfg.debug_headers {

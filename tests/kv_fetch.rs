@@ -92,7 +92,10 @@ async fn a_hinted_request_pulls_the_prefix_from_the_source_in_either_form() {
         {
             // 8,192 tokens: the source computes them once.
             let prompt = text(&format!("doc{i}"), 4 * 8192);
-            assert_eq!(complete(&c, &src, &body(&prompt, None, 0, format)).await.0, 200);
+            assert_eq!(
+                complete(&c, &src, &body(&prompt, None, 0, format)).await.0,
+                200
+            );
             // The target pulls all but the last block (an engine recomputes the last token's).
             let (status, cached, fetched) =
                 complete(&c, &dst, &body(&prompt, Some(&src), 8192, format)).await;

@@ -618,4 +618,3 @@ pub fn pd_markdown(reports: &[(String, &SimReport)]) -> String {
     }
     s
 }
-

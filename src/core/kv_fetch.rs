@@ -396,8 +396,7 @@ pub fn reactive(
     }
     let source = view.replica(candidates[h].replica)?;
     let target = view.replica(c.replica)?;
-    let transfer_s =
-        cfg.transfer_s(&target.info, source, source_tokens - own_tokens, w_load_s)?;
+    let transfer_s = cfg.transfer_s(&target.info, source, source_tokens - own_tokens, w_load_s)?;
     Some(KvFetchPlan {
         source: candidates[h].replica,
         from_tokens: own_tokens,

@@ -71,7 +71,11 @@ pub enum HintError {
 
 /// The `(field, value)` to set at the top level of a request body for `hint` in `format`
 /// (`None` for [`KvHintFormat::None`]). `message_id` names this hint (and its action).
-pub fn build(format: KvHintFormat, hint: &FetchHint, message_id: &str) -> Option<(&'static str, Value)> {
+pub fn build(
+    format: KvHintFormat,
+    hint: &FetchHint,
+    message_id: &str,
+) -> Option<(&'static str, Value)> {
     match format {
         KvHintFormat::None => None,
         KvHintFormat::VllmEnvelope => Some((
@@ -148,9 +152,13 @@ pub fn parse(body: &Value) -> Result<Option<FetchHint>, HintError> {
             .get("remote_port")
             .and_then(Value::as_u64)
             .and_then(|p| u16::try_from(p).ok())
-            .ok_or(HintError::Malformed("remote_kv_source has no valid remote_port"))?;
+            .ok_or(HintError::Malformed(
+                "remote_kv_source has no valid remote_port",
+            ))?;
         if host.is_empty() || host.contains(['/', '@', '?', '#', ' ']) {
-            return Err(HintError::Malformed("remote_kv_source.remote_host is not a host"));
+            return Err(HintError::Malformed(
+                "remote_kv_source.remote_host is not a host",
+            ));
         }
         let url = if host.contains(':') {
             format!("http://[{host}]:{port}")
@@ -167,7 +175,11 @@ fn checked(url: String, id: Option<&str>, p: &Value) -> Result<FetchHint, HintEr
     if url.len() > MAX_URL_BYTES || !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(HintError::Malformed("the source is not an http(s) URL"));
     }
-    let token = |k: &str| p.get(k).and_then(Value::as_u64).filter(|t| *t <= MAX_TOKENS);
+    let token = |k: &str| {
+        p.get(k)
+            .and_then(Value::as_u64)
+            .filter(|t| *t <= MAX_TOKENS)
+    };
     let start = token("start_token").unwrap_or(0);
     let end = token("end_token").ok_or(HintError::Malformed("no valid end_token"))?;
     if start > end {
@@ -189,7 +201,9 @@ fn split_url(url: &str) -> Option<(String, u16)> {
     let default = if scheme == "https" { 443 } else { 80 };
     if let Some(v6) = authority.strip_prefix('[') {
         let (host, after) = v6.split_once(']')?;
-        let port = after.strip_prefix(':').map_or(Some(default), |p| p.parse().ok())?;
+        let port = after
+            .strip_prefix(':')
+            .map_or(Some(default), |p| p.parse().ok())?;
         return Some((host.to_owned(), port));
     }
     match authority.rsplit_once(':') {

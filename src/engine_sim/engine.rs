@@ -746,7 +746,10 @@ mod tests {
             })
             .sum();
         assert_eq!(stored, blocks);
-        assert_eq!(e.cached_prefix_tokens(&block_hashes(&prompt, cfg.block_tokens)), 8192);
+        assert_eq!(
+            e.cached_prefix_tokens(&block_hashes(&prompt, cfg.block_tokens)),
+            8192
+        );
         // Blocks that do not continue the engine's own run are useless: computed in full.
         let mut e = engine(cfg.clone());
         let gap = Fetched {

@@ -26,9 +26,9 @@ use tokio::task::AbortHandle;
 
 use super::state::Node;
 use crate::core::hot_prefix::{Action, HotStats, Observed, WarmScope, WarmUp};
+use crate::core::keys::BlockKey;
 use crate::core::kv_fetch::KvFetchPlan;
 use crate::core::kv_hint::{self, FetchHint};
-use crate::core::keys::BlockKey;
 use crate::mesh::home::home_node;
 use crate::mesh::hot_record::HotRecord;
 use crate::mesh::Member;

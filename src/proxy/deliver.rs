@@ -322,11 +322,8 @@ impl Attempt<'_, '_> {
         };
         let headers = headers.as_ref().unwrap_or(&self.d.headers);
         // A planned KV pull goes in the body, in the form the replica takes (`kv_hint.rs`).
-        let hinted = super::kv_hint::hinted_body(
-            self.d.node,
-            target.routed.fetch.as_ref(),
-            &self.d.u.body,
-        );
+        let hinted =
+            super::kv_hint::hinted_body(self.d.node, target.routed.fetch.as_ref(), &self.d.u.body);
         let body = hinted.as_ref().unwrap_or(&self.d.u.body);
         let sent_at = Instant::now();
         let answer = self

@@ -80,7 +80,11 @@ mod tests {
 
     #[test]
     fn a_hint_is_appended_or_merged_and_nothing_else_changes() {
-        let v = set(r#"{"model":"m","prompt":"hi"}"#, "kv_hints", json!({"a": 1}));
+        let v = set(
+            r#"{"model":"m","prompt":"hi"}"#,
+            "kv_hints",
+            json!({"a": 1}),
+        );
         assert_eq!(v, json!({"model":"m","prompt":"hi","kv_hints":{"a":1}}));
         assert_eq!(set("{ }", "kv_hints", json!(1)), json!({"kv_hints": 1}));
         // The client's own field is replaced, not duplicated.

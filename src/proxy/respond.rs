@@ -128,9 +128,9 @@ pub(super) fn respond(
 ) -> Response {
     let status = resp.status();
     let hit_blocks = relay.hit_blocks;
-    let receipt = status
-        .is_success()
-        .then(|| Receipt::new(relay.api, relay.branch, ticket.hit_tokens()).fetching(relay.fetch_tokens));
+    let receipt = status.is_success().then(|| {
+        Receipt::new(relay.api, relay.branch, ticket.hit_tokens()).fetching(relay.fetch_tokens)
+    });
     if !status.is_success() {
         keys = Vec::new();
     }

@@ -406,9 +406,7 @@ pub async fn submit(
     let (driver, rank_in_flight) = rank_driver(s, rank)?;
     // A fetch hint: pull the blocks first (a failed pull recomputes them).
     let fetched = match &job.fetch {
-        Some(hint) => {
-            super::kv_fetch::pull(s, hint, &job.prompt, job.cache_salt.as_deref()).await
-        }
+        Some(hint) => super::kv_fetch::pull(s, hint, &job.prompt, job.cache_salt.as_deref()).await,
         None => None,
     };
     let (engine_id, mut rx) = send_job(s, driver, &job, fetched)?;

@@ -53,7 +53,11 @@ pub async fn serve(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     let ask: FetchAsk = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => {
-            return (StatusCode::BAD_REQUEST, format!("invalid fetch request: {e}")).into_response()
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("invalid fetch request: {e}"),
+            )
+                .into_response()
         }
     };
     if ask.block_hashes.len() > MAX_ASK_BLOCKS {

@@ -1187,8 +1187,14 @@ mod tests {
         .unwrap();
         assert_eq!(c.kv_fetch.mode, FetchMode::Priced);
         assert_eq!(c.kv_fetch.links.same_zone.gb_per_s, 25.0);
-        assert_eq!(c.kv_fetch.links.same_host.gb_per_s, 450.0, "others keep their default");
-        assert_eq!(c.replicas[0].kv_load.map(|l| l.hints), Some(KvHintFormat::LlmD));
+        assert_eq!(
+            c.kv_fetch.links.same_host.gb_per_s, 450.0,
+            "others keep their default"
+        );
+        assert_eq!(
+            c.replicas[0].kv_load.map(|l| l.hints),
+            Some(KvHintFormat::LlmD)
+        );
         assert_eq!(NodeConfig::default().kv_fetch.mode, FetchMode::Off);
         let e = NodeConfig::from_toml(
             "[kv_fetch.links]\ncross_region = { gb_per_s = 0, setup_ms = 1 }\n",

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{bounded, client, sim_replica};
-use kvmesh::core::kv_fetch::KvHintFormat;
+use kvmesh::core::kv_load::KvHintFormat;
 use kvmesh::core::kv_hint::{self, FetchHint};
 use serde_json::{json, Value};
 

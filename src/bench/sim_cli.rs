@@ -184,7 +184,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         .any(|m| *m != crate::core::kv_fetch::FetchMode::Off);
     if fetching {
         kv_load = Some(crate::core::kv_load::KvLoad {
-            hints: crate::core::kv_fetch::KvHintFormat::VllmEnvelope,
+            hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
             ..kv_load.unwrap_or(crate::core::kv_load::KvLoad {
                 bytes_per_token: engine.kv_bytes_per_token,
                 ..Default::default()

@@ -1,7 +1,7 @@
 //! The wire shapes of a KV-fetch hint: what the node writes into a request body and what an
 //! engine (or `kvmesh replica`) reads back.
 //!
-//! Two forms, chosen per replica by `kv_load.hints` ([`super::kv_fetch::KvHintFormat`]):
+//! Two forms, chosen per replica by `kv_load.hints` ([`KvHintFormat`]):
 //!
 //! - `vllm-envelope`: vLLM's top-level `kv_hints` request field, a `KvHintsEnvelope`
 //!   `{protocol_version, message_id, actions: [{action_id, action_type, action_version,
@@ -27,7 +27,7 @@
 
 use serde_json::{json, Value};
 
-use super::kv_fetch::KvHintFormat;
+use super::kv_load::KvHintFormat;
 
 /// vLLM's top-level request field.
 pub const ENVELOPE_FIELD: &str = "kv_hints";

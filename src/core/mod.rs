@@ -12,7 +12,8 @@
 //! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
 //! - [`cost`]: the predicted-seconds formula; [`kv_load`]: what an offloaded hit saves;
-//!   [`kv_fetch`]: what pulling a prefix from another replica costs; [`kv_hint`]: its wire forms.
+//!   [`kv_fetch`]: what pulling a prefix from another replica costs, [`fetch_plan`]: which
+//!   candidate pulls, [`kv_hint`]: the hint's wire forms.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`hot_sketch`], [`hot_prefix`]: which prefixes are hot, and warming them on more replicas.
 //! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
@@ -34,6 +35,7 @@ pub mod cost;
 pub mod dialect;
 pub mod dialect_chat;
 pub mod dp_rank;
+pub mod fetch_plan;
 pub mod hot_prefix;
 pub mod hot_sketch;
 pub mod keys;

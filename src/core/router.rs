@@ -34,7 +34,8 @@ use rand::SeedableRng;
 use super::affinity;
 use super::cost::CostModel;
 use super::keys::BlockKey;
-use super::kv_fetch::{self, FetchMode, KvFetchPlan};
+use super::fetch_plan;
+use super::kv_fetch::{FetchMode, KvFetchPlan};
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
 use super::role::Leg;
@@ -585,7 +586,7 @@ impl Router {
             None => KvSteer::Unsteered,
         };
         if uses_cache && cost.fetch.mode == FetchMode::Priced {
-            kv_fetch::price(
+            fetch_plan::price(
                 &cost.fetch,
                 cost.w_load_s,
                 view,
@@ -652,7 +653,7 @@ impl Router {
             FetchMode::Off => None,
             _ if !uses_cache => None,
             FetchMode::Priced => self.fetch_plans.get(pick.chosen).copied().flatten(),
-            FetchMode::Reactive => kv_fetch::reactive(
+            FetchMode::Reactive => fetch_plan::reactive(
                 &cost.fetch,
                 cost.w_load_s,
                 view,

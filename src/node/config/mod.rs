@@ -1179,7 +1179,8 @@ mod tests {
 
     #[test]
     fn kv_fetch_parses_with_defaults_and_bad_links_name_the_key() {
-        use crate::core::kv_fetch::{FetchMode, KvHintFormat};
+        use crate::core::kv_fetch::FetchMode;
+        use crate::core::kv_load::KvHintFormat;
         let c = NodeConfig::from_toml(
             "[kv_fetch]\nmode = \"priced\"\n[kv_fetch.links]\nsame_zone = { gb_per_s = 25, setup_ms = 2 }\n\
              [[replicas]]\nurl = \"http://a:1\"\nkv_load = { hints = \"llm-d\" }\n",

@@ -741,11 +741,7 @@ impl<'a> Sim<'a> {
                         return;
                     }
                 };
-            let mut hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
-            if let Some(f) = &self.last_fetch {
-                // A planned pull: the target will hold the source's run, not recompute it.
-                hit_tokens = hit_tokens.max(f.tokens);
-            }
+            let hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
             (
                 node,
                 r,
@@ -753,7 +749,20 @@ impl<'a> Sim<'a> {
                 extra,
             )
         };
-        let fetch = self.last_fetch.take();
+        // A planned pull: what arrives is not recomputed, and the prefix is there only once the
+        // transfer is through as well.
+        let pulled = self
+            .last_fetch
+            .take()
+            .and_then(|f| self.pulled(r, f, &prompt));
+        let (uncached, transfer) = match &pulled {
+            Some(f) => {
+                let arrived = (f.to_block * self.cfg.engine.block_tokens) as u64;
+                let rest = (prompt.len() as u64).saturating_sub(arrived);
+                (uncached.min(rest), f.transfer)
+            }
+            None => (uncached, Duration::ZERO),
+        };
         let replica_region = self.replica_region[r];
         extra += self.cfg.rtt(self.nodes[node].region, replica_region);
         if replica_region != client_region {
@@ -764,8 +773,9 @@ impl<'a> Sim<'a> {
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
                 nr.router.config().cost.prefill_done_s(rep, uncached)
             });
-            let ready_in =
-                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+            let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0))
+                .unwrap_or_default()
+                + transfer;
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
@@ -826,7 +836,7 @@ impl<'a> Sim<'a> {
             },
             cache_salt: None,
         };
-        let submitted = match fetch.and_then(|f| self.pulled(r, f, &request.prompt)) {
+        let submitted = match pulled {
             Some(f) => self.engines[r].submit_fetched(request, now, f),
             None => self.engines[r].submit(request, now),
         };
@@ -857,8 +867,8 @@ impl<'a> Sim<'a> {
 
     /// What a pull of `plan` for replica `r` gets: the leading run of the planned blocks its
     /// source's engine holds now, arriving after the modelled transfer — the link between the
-    /// two (`[kv_fetch] links`), the source's step share (`w_load × its requests`) and the
-    /// bytes, as the core prices it (`core::kv_fetch`). `None` (counted) when it holds none.
+    /// two (`[kv_fetch] links`), the source's step (`kv_fetch::source_step_s` of its requests)
+    /// and the bytes, as the core prices it (`core::kv_fetch`). `None` (counted) when it holds none.
     fn pulled(
         &mut self,
         r: usize,
@@ -890,7 +900,7 @@ impl<'a> Sim<'a> {
         let tokens = held * bs;
         let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
         let secs = spec.setup_ms / 1000.0
-            + cost.w_load_s * (st.running + st.waiting) as f64
+            + crate::core::kv_fetch::source_step_s(cost.w_load_s, (st.running + st.waiting) as u64)
             + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
         self.kv_fetch.tokens += tokens as u64;
         self.kv_fetch.seconds += secs;
@@ -1663,7 +1673,9 @@ impl<'a> Sim<'a> {
         let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
             nr.router.config().cost.prefill_done_s(rep, uncached)
         });
-        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+        // A pulled warm-up's prefix is there once the transfer is through, too.
+        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default()
+            + pulled.map_or(Duration::ZERO, |f| f.transfer);
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
         if let Some(rep) = nr.view.replica_mut(r) {
             rep.load.queued_prefill_tokens += uncached;

@@ -16,7 +16,7 @@
 //! same region (datacenter TCP), another region (WAN) — read from their URLs' hosts, zones and
 //! regions; `step_s(source)` the source's load: a pull is served between the source engine's
 //! steps, and a step of its current batch lasts about `w_load × outstanding` (the cost model's
-//! decode share). With `mode = "priced"` the router takes the fetch for a candidate only where
+//! decode share), at most one full prefill chunk's ([`source_step_s`]). With `mode = "priced"` the router takes the fetch for a candidate only where
 //! it is predicted cheaper than recomputing those tokens there: the candidate's predicted cost
 //! and prefill shrink, and the policy weighs it as usual. The longest holder is found once
 //! per decision, not per pair: the per-candidate work is a few flops and a link lookup, and
@@ -245,9 +245,20 @@ impl KvFetchConfig {
         let load = target.kv_load.as_ref().filter(|l| !l.hints.is_none())?;
         let spec = self.links.spec(Link::between(target, &source.info));
         let bytes = tokens as f64 * f64::from(load.bytes_per_token);
-        let step_s = w_load_s * f64::from(source.load.outstanding());
+        let step_s = source_step_s(w_load_s, u64::from(source.load.outstanding()));
         Some(spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9))
     }
+}
+
+/// The longest a pull waits for its source's engine: one step, and the longest step is one full
+/// prefill chunk (8,192 tokens ≈ 0.19 s for an 8B model on an H100, engine-timing reference).
+pub const MAX_SOURCE_STEP_S: f64 = 0.2;
+
+/// Seconds a pull waits for a source with `outstanding` requests: its engine serves the pull
+/// between steps, and a step of its batch lasts about `w_load_s × outstanding` (the cost
+/// model's decode share), at most [`MAX_SOURCE_STEP_S`].
+pub fn source_step_s(w_load_s: f64, outstanding: u64) -> f64 {
+    (w_load_s * outstanding as f64).clamp(0.0, MAX_SOURCE_STEP_S)
 }
 
 /// A pull the decision asks of the chosen replica: blocks `from_tokens..tokens` of the prompt

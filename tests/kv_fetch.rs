@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{bounded, client, sim_replica};
-use kvmesh::core::kv_load::KvHintFormat;
 use kvmesh::core::kv_hint::{self, FetchHint};
+use kvmesh::core::kv_load::KvHintFormat;
 use serde_json::{json, Value};
 
 /// `n` distinct prompt bytes starting with `seed` (a token per 4 bytes).

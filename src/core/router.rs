@@ -33,8 +33,8 @@ use rand::SeedableRng;
 
 use super::affinity;
 use super::cost::CostModel;
-use super::keys::BlockKey;
 use super::fetch_plan;
+use super::keys::BlockKey;
 use super::kv_fetch::{FetchMode, KvFetchPlan};
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::region_choice::{choose_region, ForwardChoice, RegionAsk};

@@ -367,6 +367,10 @@ struct Sim<'a> {
     kv_steered: usize,
     /// Requests over their KV quota everywhere that overflowed (`KvSteer::Overflowed`).
     kv_overflowed: usize,
+    /// The fetch the last `Routing::Sent` decision planned (`[kv_fetch]`), for `dispatch`.
+    last_fetch: Option<crate::core::kv_fetch::KvFetchPlan>,
+    /// Pulls planned, pulls that found nothing at their source, and prompt tokens moved.
+    kv_fetch: super::sim_config::FetchStats,
     /// Load changes in flight between nodes, oldest first (one delay for all, so in time order).
     shares: VecDeque<Share>,
 
@@ -597,6 +601,8 @@ impl<'a> Sim<'a> {
             tenants: tenants(cfg),
             kv_steered: 0,
             kv_overflowed: 0,
+            last_fetch: None,
+            kv_fetch: Default::default(),
             shares: VecDeque::new(),
             flights: vec![InFlight::default(); reqs.len()],
             arrived: vec![Duration::ZERO; reqs.len()],
@@ -743,6 +749,20 @@ impl<'a> Sim<'a> {
                 extra,
             )
         };
+        // A planned pull: what arrives is not recomputed, and the prefix is there only once the
+        // transfer is through as well.
+        let pulled = self
+            .last_fetch
+            .take()
+            .and_then(|f| self.pulled(r, f, &prompt));
+        let (uncached, transfer) = match &pulled {
+            Some(f) => {
+                let arrived = (f.to_block * self.cfg.engine.block_tokens) as u64;
+                let rest = (prompt.len() as u64).saturating_sub(arrived);
+                (uncached.min(rest), f.transfer)
+            }
+            None => (uncached, Duration::ZERO),
+        };
         let replica_region = self.replica_region[r];
         extra += self.cfg.rtt(self.nodes[node].region, replica_region);
         if replica_region != client_region {
@@ -753,8 +773,9 @@ impl<'a> Sim<'a> {
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
                 nr.router.config().cost.prefill_done_s(rep, uncached)
             });
-            let ready_in =
-                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+            let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0))
+                .unwrap_or_default()
+                + transfer;
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
@@ -815,7 +836,11 @@ impl<'a> Sim<'a> {
             },
             cache_salt: None,
         };
-        if self.engines[r].submit(request, now).is_err() {
+        let submitted = match pulled {
+            Some(f) => self.engines[r].submit_fetched(request, now, f),
+            None => self.engines[r].submit(request, now),
+        };
+        if submitted.is_err() {
             self.pd_prompts.remove(&i);
             if let Some(d) = decode {
                 self.decode_gone(node, d, now);
@@ -838,6 +863,52 @@ impl<'a> Sim<'a> {
         }
         self.per_replica[r] += 1;
         self.schedule(r);
+    }
+
+    /// What a pull of `plan` for replica `r` gets: the leading run of the planned blocks its
+    /// source's engine holds now, arriving after the modelled transfer — the link between the
+    /// two (`[kv_fetch] links`), the source's step (`kv_fetch::source_step_s` of its requests)
+    /// and the bytes, as the core prices it (`core::kv_fetch`). `None` (counted) when it holds none.
+    fn pulled(
+        &mut self,
+        r: usize,
+        plan: crate::core::kv_fetch::KvFetchPlan,
+        prompt: &[u32],
+    ) -> Option<crate::engine_sim::Fetched> {
+        use crate::core::kv_fetch::Link;
+        self.kv_fetch.planned += 1;
+        let bs = self.cfg.engine.block_tokens.max(1);
+        let hashes = block_hashes(prompt, bs);
+        let from = usize::try_from(plan.from_tokens).ok()? / bs;
+        let to = (usize::try_from(plan.tokens).ok()? / bs).min(hashes.len());
+        let source = self.engines.get(plan.source)?;
+        let held = if to > from {
+            source.cached_prefix_tokens(&hashes[from..to]) / bs
+        } else {
+            0
+        };
+        if held == 0 {
+            self.kv_fetch.missed += 1;
+            return None;
+        }
+        let st = source.stats();
+        let cost = &self.cfg.cost;
+        let spec = cost
+            .fetch
+            .links
+            .spec(Link::between(&self.infos[r], &self.infos[plan.source]));
+        let tokens = held * bs;
+        let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
+        let secs = spec.setup_ms / 1000.0
+            + crate::core::kv_fetch::source_step_s(cost.w_load_s, (st.running + st.waiting) as u64)
+            + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
+        self.kv_fetch.tokens += tokens as u64;
+        self.kv_fetch.seconds += secs;
+        Some(crate::engine_sim::Fetched {
+            from_block: from,
+            to_block: from + held,
+            transfer: Duration::try_from_secs_f64(secs.clamp(0.0, 3600.0)).unwrap_or_default(),
+        })
     }
 
     /// Routes through `client` (and, if the core forwards, one node of the target region).
@@ -923,6 +994,7 @@ impl<'a> Sim<'a> {
                         KvSteer::Overflowed => self.kv_overflowed += 1,
                         KvSteer::Unsteered => {}
                     }
+                    self.last_fetch = d.fetch;
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
                 Decision::Forward { region, .. } => {
@@ -1078,6 +1150,7 @@ impl<'a> Sim<'a> {
                     id,
                     cached_tokens: c,
                     prompt_tokens: p,
+                    ..
                 } if id as usize >= requests => {
                     self.warm_first_token(id as usize - requests, p, c, now);
                 }
@@ -1088,6 +1161,7 @@ impl<'a> Sim<'a> {
                     id,
                     cached_tokens: c,
                     prompt_tokens: p,
+                    ..
                 } => {
                     let f = self.flights[id as usize];
                     // A pair's keys serve twice: the prefill's cache, then the decode's.
@@ -1568,15 +1642,25 @@ impl<'a> Sim<'a> {
     fn start_warm(&mut self, n: usize, w: WarmUp, now: Duration) {
         let r = w.replica;
         let prompt = tokenize(&w.prompt);
-        let uncached = prompt.len() as u64;
         let id = self.reqs.len() + self.warms.len();
+        // Replication by transfer: the prefix pulled from a holder, not recomputed.
+        let pulled = w.fetch.and_then(|f| self.pulled(r, f, &prompt));
+        let uncached = match &pulled {
+            Some(f) => (prompt.len() as u64)
+                .saturating_sub((f.to_block * self.cfg.engine.block_tokens) as u64),
+            None => prompt.len() as u64,
+        };
         let request = Request {
             id: id as u64,
             prompt,
             max_tokens: 1,
             cache_salt: w.scope.cache_salt.clone(),
         };
-        let submitted = self.engines[r].submit(request, now).is_ok();
+        let submitted = match pulled {
+            Some(f) => self.engines[r].submit_fetched(request, now, f),
+            None => self.engines[r].submit(request, now),
+        }
+        .is_ok();
         let Some(nr) = self.nodes[n].routing.as_mut() else {
             return;
         };
@@ -1589,7 +1673,9 @@ impl<'a> Sim<'a> {
         let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
             nr.router.config().cost.prefill_done_s(rep, uncached)
         });
-        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+        // A pulled warm-up's prefix is there once the transfer is through, too.
+        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default()
+            + pulled.map_or(Duration::ZERO, |f| f.transfer);
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
         if let Some(rep) = nr.view.replica_mut(r) {
             rep.load.queued_prefill_tokens += uncached;
@@ -1805,6 +1891,7 @@ impl<'a> Sim<'a> {
             refused: self.refused.iter().filter(|r| r.is_some()).count(),
             kv_steered: self.kv_steered,
             kv_overflowed: self.kv_overflowed,
+            kv_fetch: self.kv_fetch,
             tenant_split,
             policy: if self.cfg.oracle {
                 CENTRAL_GREEDY.into()

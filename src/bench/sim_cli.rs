@@ -115,6 +115,15 @@ pub struct SimArgs {
     /// queue + prefill of what the region does not hold) or `nearest` (nearest with room).
     #[arg(long, default_value = "cost")]
     pub forward_by: ForwardChoice,
+    /// KV fetch modes to compare, one run each (the node's `[kv_fetch] mode`): `off`, `priced`
+    /// (a pull priced in the decision), `reactive` (decide, then pull from the longest holder).
+    /// Any mode but `off` makes every replica take `vllm-envelope` hints.
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub kv_fetch: Vec<crate::core::kv_fetch::FetchMode>,
+    /// The rate of the link between replicas, GB/s (`[kv_fetch] links.same_region`: simulated
+    /// replicas share a region but no zone or host). Default: the node's, 12.5 (100 Gb/s).
+    #[arg(long)]
+    pub kv_fetch_gb_s: Option<f64>,
     /// Routing-text block size in bytes (the node's `block_bytes`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub block_bytes: u64,
@@ -168,7 +177,20 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         engine.kv_capacity_tokens = tokens;
     }
     args.tiers.apply_engine(&mut engine);
-    let kv_load = args.tiers.kv_load(&engine);
+    let mut kv_load = args.tiers.kv_load(&engine);
+    let fetching = args
+        .kv_fetch
+        .iter()
+        .any(|m| *m != crate::core::kv_fetch::FetchMode::Off);
+    if fetching {
+        kv_load = Some(crate::core::kv_load::KvLoad {
+            hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
+            ..kv_load.unwrap_or(crate::core::kv_load::KvLoad {
+                bytes_per_token: engine.kv_bytes_per_token,
+                ..Default::default()
+            })
+        });
+    }
     let policies = if args.policy.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
@@ -200,12 +222,16 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         priorities: args.tenants.priorities_config(),
         max_in_flight: args.tenants.max_in_flight,
         progress: true,
-        cost: match args.affinity_credit_ms {
-            Some(ms) => CostModel {
-                affinity_credit_s: ms as f64 / 1000.0,
-                ..CostModel::default()
-            },
-            None => CostModel::default(),
+        cost: {
+            let mut cost = CostModel::default();
+            if let Some(ms) = args.affinity_credit_ms {
+                cost.affinity_credit_s = ms as f64 / 1000.0;
+            }
+            if let Some(gb) = args.kv_fetch_gb_s {
+                cost.fetch.links.same_region.gb_per_s = gb;
+            }
+            cost.fetch.validate()?;
+            cost
         },
         window: args.hot.window_s,
         forward_by: args.forward_by,
@@ -246,7 +272,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             } else {
                 String::new()
             };
-            for mode in args.hot.modes() {
+            for (mode, fetch) in args
+                .hot
+                .modes()
+                .into_iter()
+                .flat_map(|m| args.kv_fetch.iter().map(move |f| (m.clone(), *f)))
+            {
                 for n in &named {
                     let hot = if mode.is_some() { " +hot" } else { "" };
                     let rank = match (base.dp_ranks > 1, *n) {
@@ -254,6 +285,13 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
                         (true, true) => " rank=header",
                         (true, false) => " rank=off",
                     };
+                    let fetch_label = if fetching {
+                        format!(" fetch={}", fetch.as_str())
+                    } else {
+                        String::new()
+                    };
+                    let mut cost = base.cost;
+                    cost.fetch.mode = fetch;
                     runs.push((
                         SimConfig {
                             policy: *p,
@@ -262,9 +300,10 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
                             hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
                             dp_rank_named: *n,
                             gossip_layout: layout,
+                            cost,
                             ..base.clone()
                         },
-                        format!("{layout_label}{shape}{hot}{rank}"),
+                        format!("{layout_label}{shape}{hot}{rank}{fetch_label}"),
                     ));
                 }
             }
@@ -360,6 +399,23 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if let Some(hot) = hot_table(&reports, base.window) {
         table.push('\n');
         table.push_str(&hot);
+    }
+    if reports.iter().any(|r| r.kv_fetch.planned > 0) {
+        let lines: Vec<String> = reports
+            .iter()
+            .zip(&names)
+            .map(|(r, name)| {
+                let f = r.kv_fetch;
+                format!(
+                    "{name}: {} planned, {} missed, {:.3} of prompt tokens moved, mean transfer {:.1} ms",
+                    f.planned,
+                    f.missed,
+                    f.tokens as f64 / r.prompt_tokens.max(1) as f64,
+                    1000.0 * f.seconds / (f.planned - f.missed).max(1) as f64
+                )
+            })
+            .collect();
+        table.push_str(&format!("\nKV pulls: {}\n", lines.join("; ")));
     }
     if reports.iter().any(|r| r.cpu_hit_tokens > 0) {
         let cpu: Vec<String> = reports

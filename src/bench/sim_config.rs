@@ -324,6 +324,8 @@ pub struct SimReport {
     /// Requests of a tenant over its KV quota everywhere that went by the policy because the
     /// replicas it dominates queued too long.
     pub kv_overflowed: usize,
+    /// KV pulls the decisions planned (`[kv_fetch]`), and what they moved.
+    pub kv_fetch: FetchStats,
     /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
     pub tenant_split: Option<TenantSplit>,
     /// Time to first token of the requests arriving in `SimConfig::window` (when it was set).
@@ -372,4 +374,17 @@ pub enum SimError {
     /// Bad configuration.
     #[error("invalid simulation config: {0}")]
     Config(String),
+}
+
+/// KV pulls in a simulated run (`core::kv_fetch`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct FetchStats {
+    /// Decisions that planned a pull.
+    pub planned: u64,
+    /// Of those, pulls whose source held none of the blocks by then (recomputed).
+    pub missed: u64,
+    /// Prompt tokens moved between replicas.
+    pub tokens: u64,
+    /// Transfer seconds, summed.
+    pub seconds: f64,
 }

@@ -18,7 +18,9 @@
 //! load time instead: `w_cpu = 1 − bytes_per_token × prefill_rate / cpu_bandwidth` (likewise
 //! disk), so a CPU block costs exactly its copy time (see [`super::kv_load`]). Without offload
 //! it is `hit_blocks × tokens_per_block`, as before tiers. The affinity credit applies only to
-//! the session's rendezvous-preferred replica. Prefill rates come from the replica's config (default
+//! the session's rendezvous-preferred replica. With `[kv_fetch]` on, a candidate that takes fetch
+//! hints may instead count the longest holder's run as its own, paying the transfer
+//! ([`super::kv_fetch`]). Prefill rates come from the replica's config (default
 //! 50,000 tokens/s: an 8B model on one H100, ~19 µs per prefill token).
 
 use serde::Deserialize;
@@ -62,6 +64,8 @@ pub struct CostModel {
     pub affinity_credit_s: f64,
     /// Credit per hit block by the tier it is held in. Default 1.0 / 0.75 / 0.25.
     pub tier_weights: TierWeights,
+    /// Pulling a prefix from the replica that holds it ([`super::kv_fetch`]): off by default.
+    pub fetch: super::kv_fetch::KvFetchConfig,
 }
 
 impl Default for CostModel {
@@ -70,6 +74,7 @@ impl Default for CostModel {
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),
+            fetch: super::kv_fetch::KvFetchConfig::default(),
         }
     }
 }

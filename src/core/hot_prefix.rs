@@ -252,6 +252,9 @@ pub struct WarmUp {
     pub tokens: u64,
     /// The LoRA adapter, salt and tenant of the request that made it hot.
     pub scope: OwnedScope,
+    /// With `[kv_fetch]` on and a target that takes hints: pull the prefix from its least
+    /// busy holder instead of recomputing it (replication by transfer, `kv_fetch.rs`).
+    pub fetch: Option<super::kv_fetch::KvFetchPlan>,
 }
 
 /// What [`HotPrefixes::plan`] asks the caller to do.
@@ -573,6 +576,8 @@ impl HotPrefixes {
         };
         let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
         let mut target: Option<(usize, f64)> = None;
+        // The least busy replica holding it now: a pull's source.
+        let mut source: Option<(usize, f64)> = None;
         for (r, rep) in view.replicas().iter().enumerate() {
             if rep.health != Health::Healthy
                 || rep.info.region != view.local_region
@@ -587,6 +592,9 @@ impl HotPrefixes {
             let holds_now = holds(now, &self.tips);
             // A replica whose routed requests are computing the prefix right now holds it
             // soon: warming it too would queue a second copy behind the first.
+            if holds_now && source.is_none_or(|(_, q)| queue < q) {
+                source = Some((r, queue));
+            }
             if holds_now || holds(soon, &self.tips_soon) {
                 ready += u32::from(holds_now);
                 holders += 1;
@@ -625,6 +633,7 @@ impl HotPrefixes {
             self.stats.over_budget += 1;
             return None;
         }
+        let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
         self.budget -= tokens as f64;
         self.stats.sent += 1;
         self.stats.tokens += tokens;
@@ -639,6 +648,7 @@ impl HotPrefixes {
             keys: c.chain[..c.lcp].to_vec(),
             tokens,
             scope: c.scope.clone(),
+            fetch,
         })
     }
 
@@ -657,6 +667,33 @@ impl HotPrefixes {
         }
         true
     }
+}
+
+/// A warm-up of `tokens` on `target` as a pull from `source`, when `[kv_fetch]` is on and the
+/// target takes hints: a transfer costs the target's queue no prefill, so a second holder is
+/// ready in a transfer time rather than a recomputation behind its queue.
+fn warm_by_pull(
+    view: &View,
+    cost: &CostModel,
+    target: usize,
+    source: usize,
+    tokens: u64,
+) -> Option<super::kv_fetch::KvFetchPlan> {
+    if cost.fetch.mode == super::kv_fetch::FetchMode::Off {
+        return None;
+    }
+    let t = view.replica(target)?;
+    let s = view.replica(source)?;
+    // An engine recomputes at least the last token.
+    let tokens = tokens.saturating_sub(1);
+    let predicted_s = cost.fetch.transfer_s(&t.info, s, tokens, cost.w_load_s)?;
+    Some(super::kv_fetch::KvFetchPlan {
+        source,
+        from_tokens: 0,
+        tokens,
+        predicted_s,
+        format: t.info.kv_load.map(|l| l.hints).unwrap_or_default(),
+    })
 }
 
 /// Leading blocks `a` and `b` share. Keys are chained (key `j` names blocks `0..=j`), so

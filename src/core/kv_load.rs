@@ -50,6 +50,12 @@ pub struct KvLoad {
     pub cpu_gb_per_s: f64,
     /// Disk (or remote store) to device rate, GB/s. Default 3: one NVMe drive.
     pub disk_gb_per_s: f64,
+    /// The KV-fetch hint this replica's engine takes, if any (`hints = "vllm-envelope"` or
+    /// `"llm-d"`; default `"none"`): only a replica that declares one is ever told to pull a
+    /// prefix from another replica (`kv_fetch.rs`). Left out of the gossip record when `none`,
+    /// so peers that predate it still read the record.
+    #[serde(skip_serializing_if = "KvHintFormat::is_none")]
+    pub hints: KvHintFormat,
 }
 
 impl Default for KvLoad {
@@ -58,7 +64,29 @@ impl Default for KvLoad {
             bytes_per_token: 131_072,
             cpu_gb_per_s: 25.0,
             disk_gb_per_s: 3.0,
+            hints: KvHintFormat::None,
         }
+    }
+}
+
+/// Which wire form of a fetch hint a replica's engine takes (`proxy/kv_hint.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvHintFormat {
+    /// Takes no hint: never told to fetch. The default.
+    #[default]
+    None,
+    /// vLLM's top-level `kv_hints` field: a `KvHintsEnvelope` with one `kv.fetch@1.0` action
+    /// (vllm-project/vllm#53423, RFC #53421).
+    VllmEnvelope,
+    /// llm-d's `kv_transfer_params.remote_kv_source` (llm-d-router#1929, #2409).
+    LlmD,
+}
+
+impl KvHintFormat {
+    /// No hint (serde's `skip_serializing_if`).
+    pub fn is_none(&self) -> bool {
+        *self == KvHintFormat::None
     }
 }
 

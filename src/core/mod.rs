@@ -11,7 +11,9 @@
 //! - [`cache_model`]: a replica's block set (exact from events, or LRU from routed requests).
 //! - [`view`]: what a node knows — replicas, health, load, summaries, its own overlay.
 //! - [`peer_tips`]: the prefixes the region's other nodes just routed, by their last key.
-//! - [`cost`]: the predicted-seconds formula; [`kv_load`]: what an offloaded hit saves.
+//! - [`cost`]: the predicted-seconds formula; [`kv_load`]: what an offloaded hit saves;
+//!   [`kv_fetch`]: what pulling a prefix from another replica costs, [`fetch_plan`]: which
+//!   candidate pulls, [`kv_hint`]: the hint's wire forms.
 //! - [`dp_rank`]: which data-parallel rank of a replica holds a prefix, and which to name.
 //! - [`hot_sketch`], [`hot_prefix`]: which prefixes are hot, and warming them on more replicas.
 //! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
@@ -33,9 +35,12 @@ pub mod cost;
 pub mod dialect;
 pub mod dialect_chat;
 pub mod dp_rank;
+pub mod fetch_plan;
 pub mod hot_prefix;
 pub mod hot_sketch;
 pub mod keys;
+pub mod kv_fetch;
+pub mod kv_hint;
 pub mod kv_load;
 pub mod pd;
 pub mod peer_tips;

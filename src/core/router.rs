@@ -33,7 +33,9 @@ use rand::SeedableRng;
 
 use super::affinity;
 use super::cost::CostModel;
+use super::fetch_plan;
 use super::keys::BlockKey;
+use super::kv_fetch::{FetchMode, KvFetchPlan};
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
 use super::role::Leg;
@@ -171,6 +173,9 @@ pub struct Routed {
     /// the prefix (the node, at the replica's home, from its exact per-rank cache model; see
     /// `dp_rank.rs`). The router itself sees only merged summaries and leaves it `None`.
     pub dp_rank: Option<u16>,
+    /// The prefix's KV to pull from another replica first, when `[kv_fetch]` planned one
+    /// (`kv_fetch.rs`); the driver sends it as the replica's hint.
+    pub fetch: Option<KvFetchPlan>,
 }
 
 /// Which consideration decided, for operators (`kvmesh_decisions_total{branch}`).
@@ -372,6 +377,9 @@ pub struct Router {
     /// local region, not excluded (pools and quotas are checked apart).
     local: Vec<bool>,
     facts: StaticFacts,
+    /// Each candidate's planned pull under `kv_fetch.mode = "priced"`, aligned with
+    /// `candidates` (reused buffer).
+    fetch_plans: Vec<Option<KvFetchPlan>>,
 }
 
 impl Router {
@@ -387,6 +395,7 @@ impl Router {
             kv_shares: Vec::new(),
             local: Vec::new(),
             facts: StaticFacts::default(),
+            fetch_plans: Vec::new(),
             cfg,
         }
     }
@@ -576,6 +585,16 @@ impl Router {
             Some((_, quota)) => self.steer_kv(quota as f32),
             None => KvSteer::Unsteered,
         };
+        if uses_cache && cost.fetch.mode == FetchMode::Priced {
+            fetch_plan::price(
+                &cost.fetch,
+                cost.w_load_s,
+                view,
+                &mut self.candidates,
+                &mut self.fetch_plans,
+                req.prompt_tokens,
+            );
+        }
 
         // Spill: every local candidate is full or queues too long, and some region is better off.
         let least_queue = self
@@ -630,6 +649,19 @@ impl Router {
             &mut self.rng,
         );
         let chosen = self.candidates[pick.chosen];
+        let fetch = match cost.fetch.mode {
+            FetchMode::Off => None,
+            _ if !uses_cache => None,
+            FetchMode::Priced => self.fetch_plans.get(pick.chosen).copied().flatten(),
+            FetchMode::Reactive => fetch_plan::reactive(
+                &cost.fetch,
+                cost.w_load_s,
+                view,
+                &self.candidates,
+                pick.chosen,
+                req.prompt_tokens,
+            ),
+        };
         let hit_blocks = if uses_cache {
             chosen.hit_blocks
         } else {
@@ -658,6 +690,7 @@ impl Router {
             kv_steer,
             saturated: all_full,
             dp_rank: None,
+            fetch,
         })
     }
 

@@ -122,6 +122,19 @@ impl DpEngine {
         Ok(r)
     }
 
+    /// Queues a request with blocks pulled from another replica ([`Engine::submit_fetched`]) on
+    /// the rank [`RankPick`] picks; returns that rank.
+    pub fn submit_fetched(
+        &mut self,
+        req: Request,
+        now: Duration,
+        fetch: super::engine::Fetched,
+    ) -> Result<usize, SubmitError> {
+        let r = self.choose(&req);
+        self.ranks[r].submit_fetched(req, now, fetch)?;
+        Ok(r)
+    }
+
     /// Drops request `id` from whichever rank holds it (a no-op on the others: ids are unique).
     pub fn cancel(&mut self, id: u64) {
         for e in &mut self.ranks {
@@ -191,6 +204,7 @@ impl DpEngine {
             s.block_tokens = r.block_tokens;
             s.cached_blocks += r.cached_blocks;
             s.steps += r.steps;
+            s.fetched_tokens += r.fetched_tokens;
             used += r.kv_usage * r.num_blocks as f64;
         }
         s.kv_usage = if s.num_blocks == 0 {

@@ -48,10 +48,12 @@ pub enum Output {
     FirstToken {
         /// Request id.
         id: u64,
-        /// Prompt tokens served from the prefix cache.
+        /// Prompt tokens served from the prefix cache (including those fetched).
         cached_tokens: usize,
         /// Prompt length in tokens.
         prompt_tokens: usize,
+        /// Of `cached_tokens`, those pulled from another replica ([`Engine::submit_fetched`]).
+        fetched_tokens: usize,
     },
     /// One more token was decoded.
     Token {
@@ -116,6 +118,8 @@ pub struct EngineStats {
     pub cpu_blocks: usize,
     /// Prompt tokens loaded from the CPU tier so far (part of `prefix_hit_tokens`).
     pub cpu_hit_tokens: u64,
+    /// Prompt tokens pulled from other replicas so far ([`Engine::submit_fetched`]).
+    pub fetched_tokens: u64,
 }
 
 /// The KV events of one engine step, to publish as one vLLM `EventBatch`.
@@ -146,6 +150,23 @@ struct Seq {
     ready_at: Duration,
     /// Prompt tokens in KV at admission: GPU hit plus loaded.
     cached_tokens: usize,
+    /// Blocks another replica sent for it ([`Engine::submit_fetched`]).
+    fetch: Option<Fetched>,
+    /// Of `cached_tokens`, those fetched.
+    fetched_tokens: usize,
+}
+
+/// Prompt blocks `from_block..to_block` pulled from another replica's cache (a KV-fetch hint,
+/// `core::kv_fetch`): usable where they continue this engine's own cached run, arriving
+/// `transfer` after admission (0 when the caller already spent the transfer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fetched {
+    /// First block sent.
+    pub from_block: usize,
+    /// One past the last block sent.
+    pub to_block: usize,
+    /// Time the blocks take to arrive, counted from admission (engine time, before scaling).
+    pub transfer: Duration,
 }
 
 impl Seq {
@@ -186,6 +207,7 @@ pub struct Engine {
     /// The offload tier, with `cpu_capacity_tokens > 0`.
     cpu: Option<CpuTier>,
     cpu_hit_tokens: u64,
+    fetched_tokens: u64,
 }
 
 impl Engine {
@@ -216,6 +238,7 @@ impl Engine {
             steps: 0,
             cpu,
             cpu_hit_tokens: 0,
+            fetched_tokens: 0,
         }
     }
 
@@ -226,7 +249,20 @@ impl Engine {
 
     /// Queues a request that arrived at `now`.
     pub fn submit(&mut self, req: Request, now: Duration) -> Result<(), SubmitError> {
-        self.enqueue(req, now, false)
+        self.enqueue(req, now, false, None)
+    }
+
+    /// Queues a request with part of its prompt's KV pulled from another replica (`fetch`):
+    /// the blocks that continue this engine's cached run count as cached, enter the prefix
+    /// cache with their store events when its prefill commits, and are ready `fetch.transfer`
+    /// after admission; the rest is computed as usual.
+    pub fn submit_fetched(
+        &mut self,
+        req: Request,
+        now: Duration,
+        fetch: Fetched,
+    ) -> Result<(), SubmitError> {
+        self.enqueue(req, now, false, Some(fetch))
     }
 
     /// Queues a request whose prompt's KV cache a prefill replica computed and handed over (a
@@ -234,7 +270,7 @@ impl Engine {
     /// like any request's), but computes only the last prompt token, as vLLM's decode does, and
     /// the handed-over blocks enter the prefix cache (with their store events).
     pub fn submit_with_kv(&mut self, req: Request, now: Duration) -> Result<(), SubmitError> {
-        self.enqueue(req, now, true)
+        self.enqueue(req, now, true, None)
     }
 
     fn enqueue(
@@ -242,6 +278,7 @@ impl Engine {
         req: Request,
         now: Duration,
         transferred: bool,
+        fetch: Option<Fetched>,
     ) -> Result<(), SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
@@ -282,6 +319,8 @@ impl Engine {
                 transferred,
                 ready_at: Duration::ZERO,
                 cached_tokens: 0,
+                fetch,
+                fetched_tokens: 0,
             },
         ));
         if self.step.is_none() {
@@ -405,6 +444,7 @@ impl Engine {
             steps: self.steps,
             cpu_blocks: self.cpu.as_ref().map_or(0, CpuTier::len),
             cpu_hit_tokens: self.cpu_hit_tokens,
+            fetched_tokens: self.fetched_tokens,
         }
     }
 
@@ -435,10 +475,19 @@ impl Engine {
             let max_hit = (seq.prompt.len() - 1) / bs;
             let hits = self.cache.match_prefix(&seq.hashes).min(max_hit);
             // Past the GPU hit, what the CPU tier holds is loaded (into private blocks).
-            let loaded = self
+            let from_cpu = self
                 .cpu
                 .as_ref()
                 .map_or(0, |c| c.run_from(&seq.hashes, hits).min(max_hit - hits));
+            // Fetched blocks count where they continue the GPU hit (a gap makes them useless).
+            let fetched = seq.fetch.map_or(0, |f| {
+                if f.from_block <= hits {
+                    f.to_block.min(max_hit).saturating_sub(hits)
+                } else {
+                    0
+                }
+            });
+            let loaded = from_cpu.max(fetched);
             let total = (seq.prompt.len() + seq.max_tokens as usize).div_ceil(bs);
             let private = total - hits;
             if !self.cache.allocate(&seq.hashes[..hits], private) {
@@ -457,11 +506,19 @@ impl Engine {
                 seq.cached_tokens
             };
             seq.private_blocks = private;
+            let from_cpu = if fetched >= from_cpu { 0 } else { from_cpu };
             if let Some(cpu) = &mut self.cpu {
-                cpu.touch(&seq.hashes[..hits + loaded]);
-                seq.ready_at = cpu.load(loaded, at, self.cfg.time_scale);
+                cpu.touch(&seq.hashes[..hits + from_cpu]);
+                seq.ready_at = cpu.load(from_cpu, at, self.cfg.time_scale);
             }
-            self.cpu_hit_tokens += (loaded * bs) as u64;
+            if fetched > 0 && from_cpu == 0 {
+                seq.fetched_tokens = fetched * bs;
+                let transfer = seq.fetch.map_or(Duration::ZERO, |f| f.transfer);
+                let scale = self.cfg.time_scale.max(1e-3);
+                seq.ready_at = seq.ready_at.max(at + transfer.div_f64(scale));
+                self.fetched_tokens += seq.fetched_tokens as u64;
+            }
+            self.cpu_hit_tokens += (from_cpu * bs) as u64;
             self.query_tokens += seq.prompt.len() as u64;
             self.hit_tokens += (hits * bs) as u64;
             self.running.insert(id, seq);
@@ -564,6 +621,7 @@ impl Engine {
                         id,
                         cached_tokens: seq.cached_tokens,
                         prompt_tokens: seq.prompt.len(),
+                        fetched_tokens: seq.fetched_tokens,
                     });
                 }
                 Work::Decode => {
@@ -648,6 +706,59 @@ mod tests {
                 _ => None,
             })
             .unwrap()
+    }
+
+    #[test]
+    fn fetched_blocks_count_as_cached_arrive_after_the_transfer_and_are_stored() {
+        let cfg = EngineConfig {
+            record_kv_events: true,
+            ..Preset::Llama8bH100.config()
+        };
+        let prompt: Vec<TokenId> = (0..8192).collect();
+        let blocks = 8192 / cfg.block_tokens;
+        let transfer = Duration::from_millis(30);
+        let mut e = engine(cfg.clone());
+        let fetch = Fetched {
+            from_block: 0,
+            to_block: blocks,
+            transfer,
+        };
+        e.submit_fetched(req(1, prompt.clone(), 1), Duration::ZERO, fetch)
+            .unwrap();
+        let out = run(&mut e);
+        let (t, cached) = first_token_at(&out, 1);
+        // All but the last block (an engine recomputes the last token's block).
+        assert_eq!(cached, (blocks - 1) * cfg.block_tokens);
+        assert!(out.iter().any(|(_, o)| matches!(
+            o,
+            Output::FirstToken { fetched_tokens, .. } if *fetched_tokens == cached
+        )));
+        assert!(t >= transfer && t < Duration::from_millis(60), "{t:?}");
+        assert_eq!(e.stats().fetched_tokens, cached as u64);
+        // The fetched blocks are now this engine's: stored (with events), and hit by a follow-up.
+        let stored: usize = e
+            .take_kv_batches()
+            .iter()
+            .flat_map(|b| &b.events)
+            .map(|ev| match ev {
+                CacheEvent::Stored { hashes, .. } => hashes.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(stored, blocks);
+        assert_eq!(
+            e.cached_prefix_tokens(&block_hashes(&prompt, cfg.block_tokens)),
+            8192
+        );
+        // Blocks that do not continue the engine's own run are useless: computed in full.
+        let mut e = engine(cfg.clone());
+        let gap = Fetched {
+            from_block: 4,
+            ..fetch
+        };
+        e.submit_fetched(req(2, prompt, 1), Duration::ZERO, gap)
+            .unwrap();
+        assert_eq!(first_token_at(&run(&mut e), 2).1, 0);
     }
 
     #[test]

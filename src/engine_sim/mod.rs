@@ -11,6 +11,6 @@ pub mod tokens;
 
 pub use config::{EngineConfig, Preset};
 pub use dp_engine::{DpEngine, RankPick};
-pub use engine::{Engine, EngineStats, KvBatch, Output, Request, SubmitError};
+pub use engine::{Engine, EngineStats, Fetched, KvBatch, Output, Request, SubmitError};
 pub use prefix_cache::{block_hashes, BlockHash, CacheEvent, PrefixCache};
 pub use tokens::{count_tokens, tokenize, TokenId};

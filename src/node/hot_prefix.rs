@@ -27,6 +27,8 @@ use tokio::task::AbortHandle;
 use super::state::Node;
 use crate::core::hot_prefix::{Action, HotStats, Observed, WarmScope, WarmUp};
 use crate::core::keys::BlockKey;
+use crate::core::kv_fetch::KvFetchPlan;
+use crate::core::kv_hint::{self, FetchHint};
 use crate::mesh::home::home_node;
 use crate::mesh::hot_record::HotRecord;
 use crate::mesh::Member;
@@ -246,7 +248,10 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
         node.hot_done(w.key, w.replica, false);
         return;
     };
-    let body = warm_up_body(&w);
+    let mut body = warm_up_body(&w);
+    if let Some(plan) = &w.fetch {
+        add_fetch_hint(&node, plan, &mut body);
+    }
     let url = format!("{}/v1/completions", ticket.endpoint().base);
     let mut req = node
         .client
@@ -274,6 +279,25 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
         }
     };
     node.hot_done(w.key, w.replica, ok);
+}
+
+/// Replication by transfer: the warm-up asks its replica to pull the prefix from `plan`'s source
+/// (in the form the replica takes) instead of recomputing it; without the source's address it
+/// recomputes.
+fn add_fetch_hint(node: &Node, plan: &KvFetchPlan, body: &mut serde_json::Value) {
+    let Some(source) = node.endpoint(plan.source) else {
+        return;
+    };
+    let hint = FetchHint {
+        source_url: source.base.to_string(),
+        source_id: Some(source.id.to_string()),
+        start_token: plan.from_tokens,
+        end_token: plan.tokens,
+    };
+    let id = format!("kvmesh-warm-{:016x}", rand::random::<u64>());
+    if let Some((field, value)) = kv_hint::build(plan.format, &hint, &id) {
+        kv_hint::set_in(body, field, value);
+    }
 }
 
 /// A warm-up's body: the prefix as a one-token completion, in the partition of the engine's
@@ -317,6 +341,7 @@ mod tests {
     #[test]
     fn a_warm_up_body_carries_the_salt_and_lora() {
         let mut w = WarmUp {
+            fetch: None,
             key: 1,
             replica: 0,
             model: "m".into(),

@@ -675,6 +675,9 @@ pub struct ReceiptMetrics {
     pub matched: IntCounterVec,
     /// `kvmesh_receipt_error_tokens`: reported − predicted cached tokens per answer.
     pub error_tokens: Histogram,
+    /// `kvmesh_receipt_fetch_planned_tokens_total{api,branch}`: of the predicted, tokens a
+    /// KV-fetch hint asked the replica to pull from another (`core::kv_fetch`).
+    pub fetch_planned: IntCounterVec,
 }
 
 impl ReceiptMetrics {
@@ -717,13 +720,19 @@ impl ReceiptMetrics {
         registry.register(Box::new(predicted.clone()))?;
         registry.register(Box::new(reported.clone()))?;
         registry.register(Box::new(matched.clone()))?;
+        let fetch_planned = tokens(
+            "kvmesh_receipt_fetch_planned_tokens_total",
+            "Of the predicted cached tokens, those a KV-fetch hint asked the replica to pull",
+        )?;
         registry.register(Box::new(error_tokens.clone()))?;
+        registry.register(Box::new(fetch_planned.clone()))?;
         Ok(ReceiptMetrics {
             receipts,
             predicted,
             reported,
             matched,
             error_tokens,
+            fetch_planned,
         })
     }
 }

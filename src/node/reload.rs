@@ -135,6 +135,7 @@ impl Node {
                 w_load_s: new.w_load_s,
                 affinity_credit_s: new.affinity_credit_s,
                 tier_weights: new.tier_weights,
+                fetch: new.kv_fetch,
             };
             let rc = core.router.config();
             let ttl = Duration::from_secs(new.overlay_ttl_s);

@@ -363,6 +363,7 @@ impl Node {
                     w_load_s: cfg.w_load_s,
                     affinity_credit_s: cfg.affinity_credit_s,
                     tier_weights: cfg.tier_weights,
+                    fetch: cfg.kv_fetch,
                 },
             },
             Tenants::new(cfg.tenants.clone(), cfg.default_tenant.clone()),

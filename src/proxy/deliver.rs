@@ -321,9 +321,13 @@ impl Attempt<'_, '_> {
             span,
         };
         let headers = headers.as_ref().unwrap_or(&self.d.headers);
+        // A planned KV pull goes in the body, in the form the replica takes (`kv_hint.rs`).
+        let hinted =
+            super::kv_hint::hinted_body(self.d.node, target.routed.fetch.as_ref(), &self.d.u.body);
+        let body = hinted.as_ref().unwrap_or(&self.d.u.body);
         let sent_at = Instant::now();
         let answer = self
-            .send_hedged(&mut target, headers, keys, &mut p.tried)
+            .send_hedged(&mut target, headers, body, keys, &mut p.tried)
             .await;
         if let Some(span) = target.span.take() {
             let (status, error) = match &answer {
@@ -346,6 +350,7 @@ impl Attempt<'_, '_> {
         &self,
         t: &mut Target,
         headers: &HeaderMap,
+        body: &Bytes,
         keys: &[BlockKey],
         tried: &mut Vec<usize>,
     ) -> Option<reqwest::Result<reqwest::Response>> {
@@ -357,7 +362,7 @@ impl Attempt<'_, '_> {
             t.ticket.rank(),
             u.path,
             headers,
-            &u.body
+            body
         ));
         let retry = &node.cfg.retry;
         let hedge_after = Duration::from_millis(if u.stream() {
@@ -422,6 +427,8 @@ impl Attempt<'_, '_> {
                 // The first attempt's span ends (unanswered); the hedge's records the outcome.
                 t.span = hedge_span;
                 (t.routed, t.endpoint) = (r2, e2);
+                // A hedge goes without a KV-fetch hint.
+                t.routed.fetch = None;
                 Some(r)
             }
             Err(_) => {
@@ -528,6 +535,7 @@ fn relay(
         d.trace.map(|tr| tr.span().clone()),
     )
     .branch(t.routed.branch())
+    .fetch(t.routed.fetch.map_or(0, |f| f.fetched_tokens()))
     .guard(guard);
     let mut out = respond(node, resp, t.ticket, keys, relay);
     if node.cfg.debug_headers {

@@ -16,6 +16,7 @@ mod deliver;
 pub mod error;
 pub mod forward;
 mod identify;
+mod kv_hint;
 pub mod listener;
 pub mod otel;
 pub mod pd;

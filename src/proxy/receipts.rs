@@ -11,6 +11,11 @@
 //! client may stop reading at `[DONE]`). An answer that ends without a report (a stream without
 //! `include_usage`, an engine without prompt-token details) is counted as such, never guessed;
 //! a broken one not at all.
+//!
+//! A decision that told the replica to pull part of the prefix from another (a KV-fetch hint,
+//! `core::kv_fetch`) predicts those tokens cached too — engines report pulled tokens in
+//! `cached_tokens` — and counts them apart (`kvmesh_receipt_fetch_planned_tokens_total`), so
+//! precision shows whether pulls arrive.
 
 use memchr::memmem;
 
@@ -108,7 +113,10 @@ fn trim_start(b: &[u8]) -> &[u8] {
 pub(crate) struct Receipt {
     api: Api,
     branch: Option<Branch>,
+    /// Predicted cached: the replica's own hit plus any planned pull.
     predicted: u64,
+    /// Of `predicted`, the tokens a KV-fetch hint asked it to pull.
+    fetch_planned: u64,
     scan: UsageScan,
 }
 
@@ -120,8 +128,17 @@ impl Receipt {
             api,
             branch,
             predicted,
+            fetch_planned: 0,
             scan: UsageScan::default(),
         }
+    }
+
+    /// The replica was also told to pull `tokens` prompt tokens (they count as predicted
+    /// cached, and apart).
+    pub fn fetching(mut self, tokens: u64) -> Self {
+        self.predicted += tokens;
+        self.fetch_planned = tokens;
+        self
     }
 
     /// Searches one more chunk.
@@ -152,6 +169,11 @@ impl Receipt {
             .with_label_values(&labels)
             .inc_by(self.predicted);
         m.reported.with_label_values(&labels).inc_by(reported);
+        if self.fetch_planned > 0 {
+            m.fetch_planned
+                .with_label_values(&labels)
+                .inc_by(self.fetch_planned);
+        }
         m.matched
             .with_label_values(&labels)
             .inc_by(self.predicted.min(reported));
@@ -170,6 +192,14 @@ mod tests {
             s.feed(c.as_bytes());
         }
         s.last
+    }
+
+    #[test]
+    fn a_planned_pull_counts_as_predicted_cached_and_apart() {
+        let r = Receipt::new(Api::Chat, None, 64);
+        assert_eq!((r.predicted, r.fetch_planned), (64, 0));
+        let r = r.fetching(192);
+        assert_eq!((r.predicted, r.fetch_planned), (256, 192));
     }
 
     #[test]

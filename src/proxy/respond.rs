@@ -32,6 +32,9 @@ pub(crate) struct Relay {
     branch: Option<Branch>,
     span: Option<Span>,
     guard: Option<Box<StreamGuard>>,
+    /// Prompt tokens the replica was told to pull from another (a KV-fetch hint), for the
+    /// receipt.
+    fetch_tokens: u64,
 }
 
 impl Relay {
@@ -44,7 +47,15 @@ impl Relay {
             branch: None,
             span,
             guard: None,
+            fetch_tokens: 0,
         }
+    }
+
+    /// The replica was told to pull `tokens` prompt tokens from another (receipts count them
+    /// apart).
+    pub fn fetch(mut self, tokens: u64) -> Self {
+        self.fetch_tokens = tokens;
+        self
     }
 
     /// Watch the answer as a stream that may continue elsewhere (`resume.rs`).
@@ -117,9 +128,9 @@ pub(super) fn respond(
 ) -> Response {
     let status = resp.status();
     let hit_blocks = relay.hit_blocks;
-    let receipt = status
-        .is_success()
-        .then(|| Receipt::new(relay.api, relay.branch, ticket.hit_tokens()));
+    let receipt = status.is_success().then(|| {
+        Receipt::new(relay.api, relay.branch, ticket.hit_tokens()).fetching(relay.fetch_tokens)
+    });
     if !status.is_success() {
         keys = Vec::new();
     }

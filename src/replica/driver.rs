@@ -10,7 +10,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::engine_sim::{CacheEvent, Engine, EngineConfig, Output, Request, SubmitError};
+use crate::engine_sim::{
+    BlockHash, CacheEvent, Engine, EngineConfig, Fetched, Output, Request, SubmitError,
+};
 use crate::kv_events::msgpack::Value;
 use crate::kv_events::{BlockRemoved, BlockStored, EventBatch, KvEvent, KvPublisher};
 
@@ -30,6 +32,15 @@ pub enum Command {
         tx: mpsc::UnboundedSender<Update>,
         /// Its prompt's KV was handed over by a prefill replica (`pd.rs`).
         handed_over: bool,
+        /// Blocks pulled from another replica on a KV-fetch hint (`kv_fetch.rs`).
+        fetched: Option<Fetched>,
+    },
+    /// How many of `hashes` (a run of one chain) the cache holds, leading: a peer's pull.
+    Holds {
+        /// The asked blocks, in chain order.
+        hashes: Vec<BlockHash>,
+        /// Where the count goes.
+        reply: tokio::sync::oneshot::Sender<usize>,
     },
     /// Drop a request (its client left).
     Cancel(u64),
@@ -80,12 +91,13 @@ pub async fn run(
                     req,
                     tx,
                     handed_over,
+                    fetched,
                 } => {
                     let id = req.id;
-                    let submitted = if handed_over {
-                        engine.submit_with_kv(req, now)
-                    } else {
-                        engine.submit(req, now)
+                    let submitted = match fetched {
+                        _ if handed_over => engine.submit_with_kv(req, now),
+                        Some(f) => engine.submit_fetched(req, now, f),
+                        None => engine.submit(req, now),
                     };
                     match submitted {
                         Ok(()) => {
@@ -99,6 +111,10 @@ pub async fn run(
                 Command::Cancel(id) => {
                     streams.remove(&id);
                     engine.cancel(id);
+                }
+                Command::Holds { hashes, reply } => {
+                    let tokens = engine.cached_prefix_tokens(&hashes);
+                    let _ = reply.send(tokens / engine.config().block_tokens.max(1));
                 }
                 Command::ResetPrefixCache(reply) => {
                     let _ = reply.send(engine.reset_prefix_cache());

@@ -241,6 +241,8 @@ pub struct Admitted<T> {
     pub parsed: T,
     /// The data-parallel rank it runs on.
     pub rank: usize,
+    /// The KV-fetch hint its body carries, if any (`kv_fetch.rs`).
+    pub fetch: Option<crate::core::kv_hint::FetchHint>,
 }
 
 /// The first steps of an engine request: fault verdict and in-flight count ([`admit`]), the
@@ -256,11 +258,13 @@ pub async fn begin<T>(
     let body = read_body(s, headers, body).await?;
     let parsed = parse(&body)?;
     let rank = pick_rank(s, headers, &body)?;
+    let fetch = super::kv_fetch::hint_of(s, &body);
     Ok(Admitted {
         arrived,
         in_flight,
         parsed,
         rank,
+        fetch,
     })
 }
 
@@ -277,6 +281,8 @@ pub struct Job {
     pub param: &'static str,
     /// vLLM's `cache_salt` (completions and chat).
     pub cache_salt: Option<String>,
+    /// A KV-fetch hint: pull its blocks from the named replica first (`kv_fetch.rs`).
+    pub fetch: Option<crate::core::kv_hint::FetchHint>,
 }
 
 /// What the engine charged a request: the `x-kvmesh-*` headers and the usage fields.
@@ -288,6 +294,8 @@ pub struct Charge {
     pub prompt_tokens: usize,
     /// The data-parallel rank that ran it.
     pub rank: usize,
+    /// Of `cached`, the tokens pulled from another replica on a fetch hint.
+    pub fetched: usize,
 }
 
 /// A request whose first token exists: its remaining outputs, its charge and its in-flight
@@ -331,6 +339,7 @@ fn send_job(
     s: &Shared,
     driver: &mpsc::UnboundedSender<Command>,
     job: &Job,
+    fetched: Option<crate::engine_sim::Fetched>,
 ) -> Result<(u64, mpsc::UnboundedReceiver<Update>), Failure> {
     let id = s.next_engine_id();
     let (tx, rx) = mpsc::unbounded_channel::<Update>();
@@ -344,6 +353,7 @@ fn send_job(
         req,
         tx,
         handed_over: job.handed_over,
+        fetched,
     };
     driver
         .send(cmd)
@@ -351,18 +361,19 @@ fn send_job(
     Ok((id, rx))
 }
 
-/// Waits for a request's first token: (cached, prompt) tokens. A refusal by the engine (empty or
-/// too long a prompt) is the client's error, naming `param`.
+/// Waits for a request's first token: (cached, prompt, fetched) tokens. A refusal by the engine
+/// (empty or too long a prompt) is the client's error, naming `param`.
 async fn first_token(
     rx: &mut mpsc::UnboundedReceiver<Update>,
     param: &'static str,
-) -> Result<(usize, usize), Failure> {
+) -> Result<(usize, usize, usize), Failure> {
     match rx.recv().await {
         Some(Ok(Output::FirstToken {
             cached_tokens,
             prompt_tokens,
+            fetched_tokens,
             ..
-        })) => Ok((cached_tokens, prompt_tokens)),
+        })) => Ok((cached_tokens, prompt_tokens, fetched_tokens)),
         Some(Ok(other)) => {
             tracing::error!(?other, "first engine output was not a first token");
             Err(Failure::unavailable("engine protocol error"))
@@ -393,9 +404,15 @@ pub async fn submit(
     arrived: Instant,
 ) -> Result<Started, Failure> {
     let (driver, rank_in_flight) = rank_driver(s, rank)?;
-    let (engine_id, mut rx) = send_job(s, driver, &job)?;
-    let (cached, prompt_tokens) = first_token(&mut rx, job.param).await?;
+    // A fetch hint: pull the blocks first (a failed pull recomputes them).
+    let fetched = match &job.fetch {
+        Some(hint) => super::kv_fetch::pull(s, hint, &job.prompt, job.cache_salt.as_deref()).await,
+        None => None,
+    };
+    let (engine_id, mut rx) = send_job(s, driver, &job, fetched)?;
+    let (cached, prompt_tokens, fetched) = first_token(&mut rx, job.param).await?;
     s.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
+    s.metrics.kv_fetched_tokens.inc_by(fetched as u64);
     Ok(Started {
         rx,
         engine_id,
@@ -403,6 +420,7 @@ pub async fn submit(
             cached,
             prompt_tokens,
             rank,
+            fetched,
         },
         guards: (in_flight, rank_in_flight),
     })
@@ -421,7 +439,7 @@ pub async fn submit_batch(
     let (driver, rank_in_flight) = rank_driver(s, rank)?;
     let mut pending = Vec::with_capacity(jobs.len());
     for job in jobs {
-        pending.push((send_job(s, driver, job)?.1, job.param));
+        pending.push((send_job(s, driver, job, None)?.1, job.param));
     }
     let mut charges = Vec::with_capacity(jobs.len());
     let mut total = Charge {
@@ -429,13 +447,14 @@ pub async fn submit_batch(
         ..Charge::default()
     };
     for (rx, param) in &mut pending {
-        let (cached, prompt_tokens) = first_token(rx, param).await?;
+        let (cached, prompt_tokens, _) = first_token(rx, param).await?;
         total.cached += cached;
         total.prompt_tokens += prompt_tokens;
         charges.push(Charge {
             cached,
             prompt_tokens,
             rank,
+            fetched: 0,
         });
     }
     s.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
@@ -454,6 +473,7 @@ pub fn with_headers(mut resp: Response, replica: &str, charge: Charge) -> Respon
         (REPLICA_HEADER, replica.to_owned()),
         ("x-kvmesh-cached-tokens", charge.cached.to_string()),
         ("x-kvmesh-prompt-tokens", charge.prompt_tokens.to_string()),
+        ("x-kvmesh-fetched-tokens", charge.fetched.to_string()),
         (SERVED_RANK_HEADER, charge.rank.to_string()),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {

@@ -48,6 +48,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/kvmesh/kv/{key}", get(kv_hand_over))
+        .route(super::kv_fetch::FETCH_PATH, post(super::kv_fetch::serve))
         .merge(http_apis::routes())
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "NotFoundError", "no such route")
@@ -249,6 +250,7 @@ async fn serve_openai(
         pull_kv(s, source).await?;
     }
     let rank = pick_rank(s, headers, &body)?;
+    let fetch = super::kv_fetch::hint_of(s, &body);
     drop(body);
     let job = Job {
         prompt: parsed.prompt,
@@ -256,6 +258,7 @@ async fn serve_openai(
         handed_over: matches!(leg, Leg::Decode { .. }),
         param: "prompt",
         cache_salt: parsed.cache_salt.take(),
+        fetch,
     };
     let started = submit(s, rank, in_flight, job, arrived).await?;
     let charge = started.charge;

@@ -75,6 +75,7 @@ async fn serve_messages(
         handed_over: false,
         param: "messages",
         cache_salt: None,
+        fetch: a.fetch,
     };
     let started = submit(s, a.rank, a.in_flight, job, a.arrived).await?;
     let charge = started.charge;
@@ -158,6 +159,7 @@ async fn serve_responses(
         handed_over: false,
         param: "input",
         cache_salt: None,
+        fetch: a.fetch,
     };
     let started = submit(s, a.rank, a.in_flight, job, a.arrived).await?;
     let charge = started.charge;
@@ -267,6 +269,7 @@ async fn serve_pooling(s: &Arc<Shared>, headers: &HeaderMap, body: Body, pool: P
                 handed_over: false,
                 param: pool.param(),
                 cache_salt: None,
+                fetch: None,
             })
             .collect();
         let (charges, total) = submit_batch(s, a.rank, a.in_flight, &jobs, a.arrived).await?;

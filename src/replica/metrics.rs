@@ -30,6 +30,15 @@ pub struct Metrics {
     /// How late the driver ran engine steps versus the model's schedule, seconds: the instrument's
     /// own fidelity (large values mean the replica process, not the model, is the bottleneck).
     pub driver_lag: Histogram,
+    /// Prompt tokens pulled from other replicas on a KV-fetch hint and used
+    /// (`kvmesh_replica_kv_fetched_tokens_total`).
+    pub kv_fetched_tokens: IntCounter,
+    /// KV-fetch hints that moved nothing, by reason: `source` (the source failed, died or holds
+    /// none of it), `malformed` (`kvmesh_replica_kv_fetch_failures_total{reason}`).
+    pub kv_fetch_failures: prometheus::IntCounterVec,
+    /// Pulls this replica served as a source, and the tokens it sent
+    /// (`kvmesh_replica_kv_served_tokens_total`).
+    pub kv_served_tokens: IntCounter,
     /// The latest stats of each data-parallel rank's engine, summed into the gauges.
     ranks: std::sync::Arc<std::sync::Mutex<Vec<EngineStats>>>,
 }
@@ -100,6 +109,24 @@ impl Metrics {
                 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0,
             ]),
         )?;
+        let kv_fetched_tokens = IntCounter::with_opts(label(Opts::new(
+            "kvmesh_replica_kv_fetched_tokens_total",
+            "Prompt tokens pulled from another replica on a KV-fetch hint and used.",
+        )))?;
+        let kv_fetch_failures = prometheus::IntCounterVec::new(
+            label(Opts::new(
+                "kvmesh_replica_kv_fetch_failures_total",
+                "KV-fetch hints that moved nothing, by reason (source, malformed).",
+            )),
+            &["reason"],
+        )?;
+        let kv_served_tokens = IntCounter::with_opts(label(Opts::new(
+            "kvmesh_replica_kv_served_tokens_total",
+            "Prompt tokens of KV this replica sent to others as a fetch source.",
+        )))?;
+        registry.register(Box::new(kv_fetched_tokens.clone()))?;
+        registry.register(Box::new(kv_fetch_failures.clone()))?;
+        registry.register(Box::new(kv_served_tokens.clone()))?;
         registry.register(Box::new(driver_lag.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(waiting.clone()))?;
@@ -119,6 +146,9 @@ impl Metrics {
             ttft,
             success,
             driver_lag,
+            kv_fetched_tokens,
+            kv_fetch_failures,
+            kv_served_tokens,
             ranks: Default::default(),
         })
     }

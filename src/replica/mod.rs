@@ -21,6 +21,7 @@ pub mod engine_call;
 pub mod faults;
 pub mod http;
 pub mod http_apis;
+pub mod kv_fetch;
 pub mod listener;
 pub mod metrics;
 pub mod openai;

@@ -111,6 +111,10 @@ pub struct NodeConfig {
     /// in (known from KV events' `medium`), each 0..=1. Default
     /// `{ gpu = 1.0, cpu = 0.75, disk = 0.25 }`; keys left out keep their default.
     pub tier_weights: TierWeights,
+    /// Pulling a prefix's KV from the replica that holds it (`[kv_fetch]`: `mode = "off"`
+    /// (default), `"priced"` or `"reactive"`, link rates; `core::kv_fetch`). Only replicas whose
+    /// `kv_load.hints` names a format are told to pull.
+    pub kv_fetch: crate::core::kv_fetch::KvFetchConfig,
     /// How long a just-routed key counts in the overlay (seconds). Default 10.
     pub overlay_ttl_s: u64,
     /// Approximate cache model: a block not routed again within this long is presumed evicted
@@ -198,6 +202,7 @@ impl Default for NodeConfig {
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             tier_weights: TierWeights::default(),
+            kv_fetch: crate::core::kv_fetch::KvFetchConfig::default(),
             overlay_ttl_s: 10,
             cache_ttl_s: 600,
             summary_interval_ms: 100,
@@ -475,6 +480,9 @@ impl NodeConfig {
                 ));
             }
         }
+        self.kv_fetch
+            .validate()
+            .map_err(|e| invalid("kv_fetch", e.to_string()))?;
         Ok(())
     }
 
@@ -1176,6 +1184,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("between 0 and 1") && e.contains("1.5"), "{e}");
+    }
+
+    #[test]
+    fn kv_fetch_parses_with_defaults_and_bad_links_name_the_key() {
+        use crate::core::kv_fetch::FetchMode;
+        use crate::core::kv_load::KvHintFormat;
+        let c = NodeConfig::from_toml(
+            "[kv_fetch]\nmode = \"priced\"\n[kv_fetch.links]\nsame_zone = { gb_per_s = 25, setup_ms = 2 }\n\
+             [[replicas]]\nurl = \"http://a:1\"\nkv_load = { hints = \"llm-d\" }\n",
+        )
+        .unwrap();
+        assert_eq!(c.kv_fetch.mode, FetchMode::Priced);
+        assert_eq!(c.kv_fetch.links.same_zone.gb_per_s, 25.0);
+        assert_eq!(
+            c.kv_fetch.links.same_host.gb_per_s, 450.0,
+            "others keep their default"
+        );
+        assert_eq!(
+            c.replicas[0].kv_load.map(|l| l.hints),
+            Some(KvHintFormat::LlmD)
+        );
+        assert_eq!(NodeConfig::default().kv_fetch.mode, FetchMode::Off);
+        let e = NodeConfig::from_toml(
+            "[kv_fetch.links]\ncross_region = { gb_per_s = 0, setup_ms = 1 }\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kv_fetch.links.cross_region"), "{e}");
+        assert!(NodeConfig::from_toml("[kv_fetch]\nmode = \"sometimes\"\n").is_err());
     }
 
     #[test]

@@ -94,9 +94,15 @@ def start_replicas(procs, kvmesh, n, time_scale, kv_events):
     return out
 
 
-def node_config(path, listen, replicas, kv_events, extra=""):
-    """A node's TOML: its listen address, the fleet, optional KV events, `extra` lines."""
+def node_config(path, listen, replicas, kv_events, extra="", tokenizer=False):
+    """A node's TOML: its listen address, the fleet, optional KV events, `extra` lines.
+
+    With KV events (or `tokenizer`) the node keys requests by the replica's own token ids
+    (`[tokenizer] path = "builtin:kvmesh-sim"`): only then do its keys equal those the events
+    carry; in text mode an exact model never matches a request."""
     lines = [f'listen = "{listen}"', "debug_headers = true", extra, ""]
+    if kv_events or tokenizer:
+        lines += ["[tokenizer]", 'path = "builtin:kvmesh-sim"', ""]
     for r in replicas:
         lines.append("[[replicas]]")
         lines.append(f'url = "{r["url"]}"')
@@ -107,16 +113,16 @@ def node_config(path, listen, replicas, kv_events, extra=""):
         f.write("\n".join(lines))
 
 
-def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra):
+def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra, tokenizer=False):
     """`nodes` kvmesh nodes over the same fleet (meshed when more than one; then haproxy in
-    front, round-robin, `option http-no-delay`). Returns the URL clients use."""
+    front, round-robin, `option http-no-delay`). Returns the URL clients use and the nodes'."""
     if nodes == 1:
         port = free_port()
         cfg = os.path.join(work, "node-0.toml")
-        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra)
+        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer)
         procs.start("kvmesh-0", [kvmesh, "serve", "-c", cfg])
         wait_http(f"http://127.0.0.1:{port}/ready")
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port}"]
     certs = os.path.join(work, "certs")
     subprocess.run([kvmesh, "certs", "init", "--dir", certs], check=True,
                    stdout=subprocess.DEVNULL)
@@ -126,7 +132,7 @@ def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra):
                        check=True, stdout=subprocess.DEVNULL)
         port, mesh = free_port(), free_port()
         cfg = os.path.join(work, f"node-{i}.toml")
-        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra)
+        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer)
         argv = [kvmesh, "serve", "-c", cfg, "--node-id", f"n{i}", "--mesh-listen",
                 f"127.0.0.1:{mesh}", "--certs-dir", certs]
         if seed:
@@ -137,7 +143,7 @@ def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra):
         ports.append(port)
     for p in ports:
         wait_http(f"http://127.0.0.1:{p}/ready", timeout_s=60)
-    return start_haproxy(procs, work, ports)
+    return start_haproxy(procs, work, ports), [f"http://127.0.0.1:{p}" for p in ports]
 
 
 def start_haproxy(procs, work, ports):

@@ -91,3 +91,30 @@ def table(rows):
                    f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['hit_ratio']:.3f} | "
                    f"{r['requests']} ({r['failed']}) |")
     return "\n".join(out)
+
+
+def node_receipts(node_urls, out_path):
+    """kvmesh nodes only: saves their `/metrics` and sums the receipts (predicted, reported,
+    matched cached tokens) and decisions by reason; returns {precision, recall, decisions}."""
+    sums = {"predicted": 0.0, "reported": 0.0, "matched": 0.0}
+    decisions = {}
+    with open(out_path, "w") as f:
+        for url in node_urls:
+            text = get_text(url + "/metrics")
+            f.write(f"# node {url}\n{text}\n")
+            for line in text.splitlines():
+                if line.startswith("#") or " " not in line:
+                    continue
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                v = float(line.rsplit(" ", 1)[1])
+                for k in sums:
+                    if name == f"kvmesh_receipt_{k}_tokens_total":
+                        sums[k] += v
+                if name == "kvmesh_decisions_total":
+                    label = line.split("{", 1)[1].split("}", 1)[0]
+                    decisions[label] = decisions.get(label, 0) + v
+    return {
+        "precision": sums["matched"] / sums["predicted"] if sums["predicted"] else None,
+        "recall": sums["matched"] / sums["reported"] if sums["reported"] else None,
+        "decisions": decisions,
+    }

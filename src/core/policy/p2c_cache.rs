@@ -72,6 +72,15 @@ pub struct P2cCache {
     /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
     /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
     pub escape_max_queue_s: f64,
+    /// B's prefill backlog as charged is at least this many seconds, so even an idle B pays
+    /// for the prefill it would recompute over A. Default 0.05 (with the default weight, B must
+    /// save about 2.6× that extra prefill in queue, not 1×). Why: an idle B is idle only now;
+    /// the recomputation duplicates a prefix the fleet already holds and evicts others there,
+    /// and the holder's queue drains within the second. Without it, the real-peer bench
+    /// (`scripts/peer-bench`, Mooncake window, 8 replicas) sent 130 of 1,200 follow-ups off
+    /// their holder and gave up 12 % of the hit tokens on offer, below sglang-router's hit
+    /// ratio (0.135 against 0.158; issue #38). 0 restores the old rule.
+    pub recompute_floor_s: f64,
 }
 
 impl Default for P2cCache {
@@ -81,6 +90,7 @@ impl Default for P2cCache {
             backlog_weight_per_s: 32.0,
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
+            recompute_floor_s: 0.05,
         }
     }
 }
@@ -130,10 +140,11 @@ impl P2cCache {
     }
 
     /// B's cost as weighed against A's: its predicted cost plus the charge for the prefill it
-    /// would spend beyond A's, scaled by B's own prefill backlog.
+    /// would spend beyond A's, scaled by B's own prefill backlog (at least `recompute_floor_s`).
     fn charged_cost(&self, a: &Candidate, b: &Candidate) -> f64 {
         let extra_prefill_s = (b.prefill_s - a.prefill_s).max(0.0);
-        b.cost_s + self.backlog_weight_per_s * b.prefill_queue_s.max(0.0) * extra_prefill_s
+        let backlog_s = b.prefill_queue_s.max(self.recompute_floor_s).max(0.0);
+        b.cost_s + self.backlog_weight_per_s * backlog_s * extra_prefill_s
     }
 }
 
@@ -218,9 +229,9 @@ mod tests {
 
     #[test]
     fn a_loaded_holder_shares_its_hot_prefix() {
-        // The holder has 6 queued requests (~0.27 s of work); a cold replica needs 0.04 s of
-        // prefill for the rest of the prompt: the request spills.
-        let c = [cand(0, 120, 6), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+        // The holder has 10 queued requests (~0.46 s of work); a cold replica needs 0.15 s more
+        // prefill for the rest of the prompt (charged 2.6×, `recompute_floor_s`): it spills.
+        let c = [cand(0, 120, 10), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[0], 0, "{h:?}");
         // Spread over the others, not herded on one.
@@ -259,9 +270,9 @@ mod tests {
         // A holds the prompt (8k tokens) behind a passing prefill queue; B holds nothing and is
         // decoding a large batch, which slows its steps but queues no prefill.
         let holder = Candidate {
-            queue_s: 1.3,
+            queue_s: 1.6,
             prefill_queue_s: 0.3,
-            cost_s: 1.3,
+            cost_s: 1.6,
             prefill_s: 0.0,
             ..cand(0, 128, 100)
         };
@@ -309,16 +320,63 @@ mod tests {
         c
     }
 
+    /// The escape tests pick B; whether B then wins is `recompute_floor_s`'s test below, so
+    /// here B recomputes at its own backlog (none) as before the floor.
+    fn no_floor() -> P2cCache {
+        P2cCache {
+            recompute_floor_s: 0.0,
+            ..P2cCache::default()
+        }
+    }
+
+    #[test]
+    fn an_idle_b_must_save_more_than_the_prefill_it_recomputes() {
+        // A holds the prompt behind 0.3 s of queue; an idle B would recompute 0.15 s of it and
+        // answer 0.15 s sooner. Charged at the floor (0.05 s of backlog, weight 32) B costs
+        // 0.44 s: the holder keeps its prefix (issue #38).
+        let holder = Candidate {
+            queue_s: 0.3,
+            prefill_queue_s: 0.3,
+            prefill_s: 0.05,
+            cost_s: 0.35,
+            ..cand(0, 128, 6)
+        };
+        let idle = Candidate {
+            queue_s: 0.0,
+            prefill_queue_s: 0.0,
+            prefill_s: 0.2,
+            cost_s: 0.2,
+            ..cand(1, 0, 0)
+        };
+        let c = [holder, idle];
+        assert_eq!(
+            histogram(&mut P2cCache::default(), &c, &keys(128), 100),
+            vec![100, 0]
+        );
+        // Without the floor the idle replica took it; and with the holder's queue past 2.6×
+        // the recomputation, it still does.
+        assert_eq!(histogram(&mut no_floor(), &c, &keys(128), 100), vec![0, 100]);
+        let swamped = Candidate {
+            queue_s: 0.6,
+            cost_s: 0.65,
+            ..holder
+        };
+        assert_eq!(
+            histogram(&mut P2cCache::default(), &[swamped, idle], &keys(128), 100),
+            vec![0, 100]
+        );
+    }
+
     #[test]
     fn a_clearly_dearer_holder_gives_way_to_the_nearly_idle_replica() {
         // The idle replica answers in 1.16 s against the holder's 1.25 s. A draw weighted by
         // `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s: it finds it about one time in five.
         let c = busy_fleet(0.0);
-        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
         assert_eq!(h[7], 300, "{h:?}");
         let mut no_escape = P2cCache {
             escape_margin_s: f64::INFINITY,
-            ..P2cCache::default()
+            ..no_floor()
         };
         let h = histogram(&mut no_escape, &c, &keys(128), 300);
         assert!(h[7] < 100 && h[0] > 200, "{h:?}");
@@ -329,12 +387,12 @@ mod tests {
         // The cheapest has 0.12 s of prefill queued (over `escape_max_queue_s`): routers sharing a
         // view must not all pile onto it, so B is a draw again and the holder mostly keeps it.
         let c = busy_fleet(0.12);
-        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
         assert!(h[7] < 100 && h[0] > 200, "{h:?}");
         // Within the margin of the holder (0.05 s), no escape either.
         let mut c = busy_fleet(0.0);
         c[0].cost_s = c[7].cost_s + 0.04;
-        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
         assert!(h[7] < 100, "{h:?}");
     }
 

@@ -231,7 +231,12 @@ mod tests {
     fn a_loaded_holder_shares_its_hot_prefix() {
         // The holder has 10 queued requests (~0.46 s of work); a cold replica needs 0.15 s more
         // prefill for the rest of the prompt (charged 2.6×, `recompute_floor_s`): it spills.
-        let c = [cand(0, 120, 10), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
+        let c = [
+            cand(0, 120, 10),
+            cand(1, 0, 0),
+            cand(2, 0, 0),
+            cand(3, 0, 0),
+        ];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[0], 0, "{h:?}");
         // Spread over the others, not herded on one.
@@ -355,7 +360,10 @@ mod tests {
         );
         // Without the floor the idle replica took it; and with the holder's queue past 2.6×
         // the recomputation, it still does.
-        assert_eq!(histogram(&mut no_floor(), &c, &keys(128), 100), vec![0, 100]);
+        assert_eq!(
+            histogram(&mut no_floor(), &c, &keys(128), 100),
+            vec![0, 100]
+        );
         let swamped = Candidate {
             queue_s: 0.6,
             cost_s: 0.65,

@@ -72,14 +72,12 @@ pub struct P2cCache {
     /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
     /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
     pub escape_max_queue_s: f64,
-    /// B's prefill backlog as charged is at least this many seconds, so even an idle B pays
-    /// for the prefill it would recompute over A. Default 0.05 (with the default weight, B must
-    /// save about 2.6× that extra prefill in queue, not 1×). Why: an idle B is idle only now;
-    /// the recomputation duplicates a prefix the fleet already holds and evicts others there,
-    /// and the holder's queue drains within the second. Without it, the real-peer bench
-    /// (`scripts/peer-bench`, Mooncake window, 8 replicas) sent 130 of 1,200 follow-ups off
-    /// their holder and gave up 12 % of the hit tokens on offer, below sglang-router's hit
-    /// ratio (0.135 against 0.158; issue #38). 0 restores the old rule.
+    /// B's prefill backlog as charged is at least this many seconds, so that even an idle B
+    /// pays for the prefill it would recompute over A. Default 0 (off). Tried at 0.05 s (an idle
+    /// B must then save ~2.6× the prefill it recomputes) against sglang-router through
+    /// `scripts/peer-bench` (Mooncake window, 8 replicas, two runs): the follow-ups sent off their
+    /// holder stayed at 136–139 of 1,200 and the hit ratio at 0.138 (0.135 without), so the
+    /// default stays off: those follow-ups leave holders queued seconds deep (issue #38).
     pub recompute_floor_s: f64,
 }
 
@@ -90,7 +88,7 @@ impl Default for P2cCache {
             backlog_weight_per_s: 32.0,
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
-            recompute_floor_s: 0.05,
+            recompute_floor_s: 0.0,
         }
     }
 }
@@ -229,14 +227,9 @@ mod tests {
 
     #[test]
     fn a_loaded_holder_shares_its_hot_prefix() {
-        // The holder has 10 queued requests (~0.46 s of work); a cold replica needs 0.15 s more
-        // prefill for the rest of the prompt (charged 2.6×, `recompute_floor_s`): it spills.
-        let c = [
-            cand(0, 120, 10),
-            cand(1, 0, 0),
-            cand(2, 0, 0),
-            cand(3, 0, 0),
-        ];
+        // The holder has 6 queued requests (~0.27 s of work); a cold replica needs 0.04 s of
+        // prefill for the rest of the prompt: the request spills.
+        let c = [cand(0, 120, 6), cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0)];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[0], 0, "{h:?}");
         // Spread over the others, not herded on one.
@@ -275,9 +268,9 @@ mod tests {
         // A holds the prompt (8k tokens) behind a passing prefill queue; B holds nothing and is
         // decoding a large batch, which slows its steps but queues no prefill.
         let holder = Candidate {
-            queue_s: 1.6,
+            queue_s: 1.3,
             prefill_queue_s: 0.3,
-            cost_s: 1.6,
+            cost_s: 1.3,
             prefill_s: 0.0,
             ..cand(0, 128, 100)
         };
@@ -325,20 +318,10 @@ mod tests {
         c
     }
 
-    /// The escape tests pick B; whether B then wins is `recompute_floor_s`'s test below, so
-    /// here B recomputes at its own backlog (none) as before the floor.
-    fn no_floor() -> P2cCache {
-        P2cCache {
-            recompute_floor_s: 0.0,
-            ..P2cCache::default()
-        }
-    }
-
     #[test]
-    fn an_idle_b_must_save_more_than_the_prefill_it_recomputes() {
+    fn a_recompute_floor_makes_an_idle_b_save_more_than_the_prefill_it_recomputes() {
         // A holds the prompt behind 0.3 s of queue; an idle B would recompute 0.15 s of it and
-        // answer 0.15 s sooner. Charged at the floor (0.05 s of backlog, weight 32) B costs
-        // 0.44 s: the holder keeps its prefix (issue #38).
+        // answer 0.15 s sooner: by plain costs it goes to B.
         let holder = Candidate {
             queue_s: 0.3,
             prefill_queue_s: 0.3,
@@ -356,21 +339,22 @@ mod tests {
         let c = [holder, idle];
         assert_eq!(
             histogram(&mut P2cCache::default(), &c, &keys(128), 100),
-            vec![100, 0]
-        );
-        // Without the floor the idle replica took it; and with the holder's queue past 2.6×
-        // the recomputation, it still does.
-        assert_eq!(
-            histogram(&mut no_floor(), &c, &keys(128), 100),
             vec![0, 100]
         );
+        // With a 0.05 s floor (weight 32) B costs 0.44 s: the holder keeps its prefix...
+        let mut floored = P2cCache {
+            recompute_floor_s: 0.05,
+            ..P2cCache::default()
+        };
+        assert_eq!(histogram(&mut floored, &c, &keys(128), 100), vec![100, 0]);
+        // ... until its queue passes ~2.6× the recomputation.
         let swamped = Candidate {
             queue_s: 0.6,
             cost_s: 0.65,
             ..holder
         };
         assert_eq!(
-            histogram(&mut P2cCache::default(), &[swamped, idle], &keys(128), 100),
+            histogram(&mut floored, &[swamped, idle], &keys(128), 100),
             vec![0, 100]
         );
     }
@@ -380,11 +364,11 @@ mod tests {
         // The idle replica answers in 1.16 s against the holder's 1.25 s. A draw weighted by
         // `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s: it finds it about one time in five.
         let c = busy_fleet(0.0);
-        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[7], 300, "{h:?}");
         let mut no_escape = P2cCache {
             escape_margin_s: f64::INFINITY,
-            ..no_floor()
+            ..P2cCache::default()
         };
         let h = histogram(&mut no_escape, &c, &keys(128), 300);
         assert!(h[7] < 100 && h[0] > 200, "{h:?}");
@@ -395,12 +379,12 @@ mod tests {
         // The cheapest has 0.12 s of prefill queued (over `escape_max_queue_s`): routers sharing a
         // view must not all pile onto it, so B is a draw again and the holder mostly keeps it.
         let c = busy_fleet(0.12);
-        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert!(h[7] < 100 && h[0] > 200, "{h:?}");
         // Within the margin of the holder (0.05 s), no escape either.
         let mut c = busy_fleet(0.0);
         c[0].cost_s = c[7].cost_s + 0.04;
-        let h = histogram(&mut no_floor(), &c, &keys(128), 300);
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert!(h[7] < 100, "{h:?}");
     }
 

@@ -45,8 +45,12 @@ def main():
                    label="ideal (one infinite cache)")
     ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(routers))])
     ax.set_xticklabels(routers, rotation=30, ha="right", fontsize=8)
+    # An axis that shows the difference: from just under the lowest bar to just over the
+    # highest bar or the ideal, not 0..1.
     lo = min(r["hit_ratio"] for r in rows)
-    ax.set_ylim(max(0.0, lo - 0.1), 1.0)
+    hi = max([r["hit_ratio"] for r in rows] + [res.get("ideal_hit_ratio") or 0.0])
+    pad = max(0.01, (hi - lo) * 0.15)
+    ax.set_ylim(max(0.0, lo - pad), min(1.0, hi + pad))
     ax.set_title(f"{res['trace']}: fleet prefix-hit ratio (higher is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -620,8 +620,13 @@ impl Router {
 
         let mut preferred = None;
         if let Some(session) = req.session {
+            // A session's credit keeps its turns together; it never pulls a turn off a longer
+            // cached prefix elsewhere (a client sending a new session id per request, as aiperf
+            // does, would otherwise scatter follow-ups: issue #38).
+            let longest = self.candidates.iter().map(|c| c.hit_blocks).max();
             if let Some(p) =
                 affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
+                    .filter(|&p| Some(self.candidates[p].hit_blocks) == longest)
             {
                 self.candidates[p].cost_s -= cost.affinity_credit_s;
                 preferred = Some(p);
@@ -891,6 +896,33 @@ mod tests {
         assert!(routed(rr.route(&v, &req(&turn2), NOW))
             .best_hit_blocks
             .is_none());
+    }
+
+    #[test]
+    fn a_sessions_credit_never_pulls_a_turn_off_a_longer_cached_prefix() {
+        // aiperf sends a new `X-Session-Affinity` per request: with the credit on whichever
+        // replica each id prefers, follow-ups scattered off their holder (issue #38).
+        let mut v = View::new("eu", 64);
+        for i in 0..4 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let keys = prompt_keys("an earlier turn of this conversation ");
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        v.set_summary(0, s);
+        let mut r = router(PolicyKind::P2cCache);
+        let ids: Vec<String> = (0..32).map(|i| format!("session-{i}")).collect();
+        for id in &ids {
+            let mut turn = req(&keys);
+            turn.session = Some(id);
+            let d = routed(r.route(&v, &turn, NOW));
+            assert_eq!((d.replica, d.branch()), (0, Branch::Cache), "{id}");
+        }
+        // Where caches do not tell replicas apart, the session still has its replica.
+        let cold = prompt_keys("nobody has this ");
+        let mut turn = req(&cold);
+        turn.session = Some(&ids[0]);
+        assert!(routed(r.route(&v, &turn, NOW)).affinity);
     }
 
     #[test]

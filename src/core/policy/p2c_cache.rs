@@ -72,6 +72,13 @@ pub struct P2cCache {
     /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
     /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
     pub escape_max_queue_s: f64,
+    /// B's prefill backlog as charged is at least this many seconds, so that even an idle B
+    /// pays for the prefill it would recompute over A. Default 0 (off). Tried at 0.05 s (an idle
+    /// B must then save ~2.6× the prefill it recomputes) against sglang-router through
+    /// `scripts/peer-bench` (Mooncake window, 8 replicas, two runs): the follow-ups sent off their
+    /// holder stayed at 136–139 of 1,200 and the hit ratio at 0.138 (0.135 without), so the
+    /// default stays off: those follow-ups leave holders queued seconds deep (issue #38).
+    pub recompute_floor_s: f64,
 }
 
 impl Default for P2cCache {
@@ -81,6 +88,7 @@ impl Default for P2cCache {
             backlog_weight_per_s: 32.0,
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
+            recompute_floor_s: 0.0,
         }
     }
 }
@@ -130,10 +138,11 @@ impl P2cCache {
     }
 
     /// B's cost as weighed against A's: its predicted cost plus the charge for the prefill it
-    /// would spend beyond A's, scaled by B's own prefill backlog.
+    /// would spend beyond A's, scaled by B's own prefill backlog (at least `recompute_floor_s`).
     fn charged_cost(&self, a: &Candidate, b: &Candidate) -> f64 {
         let extra_prefill_s = (b.prefill_s - a.prefill_s).max(0.0);
-        b.cost_s + self.backlog_weight_per_s * b.prefill_queue_s.max(0.0) * extra_prefill_s
+        let backlog_s = b.prefill_queue_s.max(self.recompute_floor_s).max(0.0);
+        b.cost_s + self.backlog_weight_per_s * backlog_s * extra_prefill_s
     }
 }
 
@@ -307,6 +316,47 @@ mod tests {
         c.extend((1..7).map(|i| decoding(i, 0, 0.2)));
         c.push(decoding(7, 0, idle_queue_s));
         c
+    }
+
+    #[test]
+    fn a_recompute_floor_makes_an_idle_b_save_more_than_the_prefill_it_recomputes() {
+        // A holds the prompt behind 0.3 s of queue; an idle B would recompute 0.15 s of it and
+        // answer 0.15 s sooner: by plain costs it goes to B.
+        let holder = Candidate {
+            queue_s: 0.3,
+            prefill_queue_s: 0.3,
+            prefill_s: 0.05,
+            cost_s: 0.35,
+            ..cand(0, 128, 6)
+        };
+        let idle = Candidate {
+            queue_s: 0.0,
+            prefill_queue_s: 0.0,
+            prefill_s: 0.2,
+            cost_s: 0.2,
+            ..cand(1, 0, 0)
+        };
+        let c = [holder, idle];
+        assert_eq!(
+            histogram(&mut P2cCache::default(), &c, &keys(128), 100),
+            vec![0, 100]
+        );
+        // With a 0.05 s floor (weight 32) B costs 0.44 s: the holder keeps its prefix...
+        let mut floored = P2cCache {
+            recompute_floor_s: 0.05,
+            ..P2cCache::default()
+        };
+        assert_eq!(histogram(&mut floored, &c, &keys(128), 100), vec![100, 0]);
+        // ... until its queue passes ~2.6× the recomputation.
+        let swamped = Candidate {
+            queue_s: 0.6,
+            cost_s: 0.65,
+            ..holder
+        };
+        assert_eq!(
+            histogram(&mut floored, &[swamped, idle], &keys(128), 100),
+            vec![0, 100]
+        );
     }
 
     #[test]

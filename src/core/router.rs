@@ -364,6 +364,9 @@ pub struct Router {
     scratch: HitScratch,
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
+    /// Replicas a peer just routed this very prompt to, still computing it, and when it will
+    /// be done (reused buffer; see [`Router::burst_wait_s`]).
+    pending_tips: Vec<(usize, Duration)>,
     /// The tenant's KV share at each candidate and the share this request's new blocks would
     /// add there, aligned with `candidates`; (-1, 0) where the request brings no block (reused
     /// buffer; filled only for a tenant with a KV quota).
@@ -384,6 +387,7 @@ impl Router {
             candidates: Vec::new(),
             scratch: HitScratch::default(),
             tip_hits: Vec::new(),
+            pending_tips: Vec::new(),
             kv_shares: Vec::new(),
             local: Vec::new(),
             facts: StaticFacts::default(),
@@ -500,8 +504,11 @@ impl Router {
         self.scratch.reset(req.keys.len());
         if uses_cache {
             view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
+            view.peer_tips
+                .pending_whole(req.keys, now, &mut self.pending_tips);
         } else {
             self.tip_hits.clear();
+            self.pending_tips.clear();
         }
         for ((i, r), &local) in view.replicas().iter().enumerate().zip(&self.local) {
             if !local {
@@ -518,7 +525,7 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let (hit_blocks, credited_blocks) = if uses_cache {
+            let (mut hit_blocks, mut credited_blocks) = if uses_cache {
                 let mut h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
                 // A peer just routed this prefix here: computed on GPU by the time it counts.
                 if let Some(&(_, t)) = self.tip_hits.iter().find(|(r, _)| *r == i) {
@@ -531,6 +538,16 @@ impl Router {
             } else {
                 (0, 0.0)
             };
+            // A burst of one prompt: the whole prompt is being computed there right now.
+            let burst_wait_s = if uses_cache && (hit_blocks as usize) < req.keys.len() {
+                self.burst_wait_s(view, i, req.keys, now)
+            } else {
+                None
+            };
+            if burst_wait_s.is_some() {
+                hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                credited_blocks = f64::from(hit_blocks);
+            }
             if let Some((slot, _)) = kv_quota {
                 let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
                 self.kv_shares.push(if new_blocks == 0 {
@@ -543,7 +560,13 @@ impl Router {
             }
             let queue_s = cost.queue_s(r);
             let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
-            let cost_s = queue_s + prefill_s;
+            let mut cost_s = queue_s + prefill_s;
+            if let Some(wait_s) = burst_wait_s {
+                // It starts once the prompt is computed, not behind the whole queued prefill
+                // (which counts that very computation from its start).
+                let ride_s = wait_s + cost.w_load_s * f64::from(r.load.outstanding()) + prefill_s;
+                cost_s = cost_s.min(ride_s);
+            }
             self.candidates.push(Candidate {
                 replica: i,
                 seed: r.seed,
@@ -661,6 +684,31 @@ impl Router {
         })
     }
 
+    /// Seconds until replica `i` holds the request's whole prompt, when a request routed there
+    /// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
+    /// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
+    /// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
+    /// ride on the first, which computes the prompt once, instead of each landing on an idle
+    /// replica that computes it again. Until the first's prefill ends neither the summary nor
+    /// the counting overlay holds the prompt, and the replica's queue counts that prefill in
+    /// full, so without this every follower looks dearer there than on an idle replica by the
+    /// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
+    /// computation under way would still compute its own part alongside it.
+    fn burst_wait_s(&self, view: &View, i: usize, keys: &[BlockKey], now: Duration) -> Option<f64> {
+        let last = *keys.last()?;
+        let own = view.pending_ready(i, last, now);
+        let peer = self
+            .pending_tips
+            .iter()
+            .find(|(r, _)| *r == i)
+            .map(|(_, ready)| *ready);
+        let ready = match (own, peer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(ready.saturating_sub(now).as_secs_f64())
+    }
+
     /// Applies a KV quota of `quota` to the candidates (their shares in `kv_shares`): drops those
     /// over it when some are not, else keeps those the tenant dominates (module doc). Never
     /// leaves none. Says whether it dropped any, or let the tenant overflow.
@@ -766,7 +814,7 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
 
     use proptest::prelude::*;
 
@@ -1059,6 +1107,113 @@ mod tests {
         }
     }
 
+    /// Routes `n` identical prompts of `blocks` blocks, `gap` apart, round-robin over `nodes`
+    /// routers with a fresh 8-replica fleet each, booking each route as the live node does
+    /// (overlay from the predicted prefill end, queued prefill) and telling the other routers
+    /// as load sharing does (in flight, queued prefill, the prompt's tip). Returns the replica
+    /// each request went to.
+    fn burst_routes(
+        policy: PolicyKind,
+        nodes: usize,
+        n: usize,
+        blocks: usize,
+        gap: Duration,
+    ) -> Vec<usize> {
+        let keys: Vec<BlockKey> = prompt_keys("one rollout prompt, sampled n times ")
+            .into_iter()
+            .cycle()
+            .enumerate()
+            .map(|(j, k)| BlockKey(k.0 ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .take(blocks)
+            .collect();
+        let mut views: Vec<View> = (0..nodes)
+            .map(|_| {
+                let mut v = View::new("eu", 64);
+                for i in 0..8 {
+                    v.upsert(info(&format!("r{i}"), "eu"));
+                }
+                v
+            })
+            .collect();
+        let mut routers: Vec<Router> = (0..nodes)
+            .map(|k| {
+                Router::new(
+                    RouterConfig {
+                        policy,
+                        seed: k as u64,
+                        ..Default::default()
+                    },
+                    Tenants::default(),
+                )
+            })
+            .collect();
+        let cost = CostModel::default();
+        let mut out = Vec::new();
+        // (replica, predicted prefill end, uncached tokens) of every request routed so far: its
+        // prefill counts in the replica's queue until then (the node releases it at the first
+        // byte).
+        let mut queued: Vec<(usize, Duration, u64)> = Vec::new();
+        for i in 0..n {
+            let now = NOW + gap * i as u32;
+            let node = i % nodes;
+            for v in &mut views {
+                for r in 0..8 {
+                    let tokens = queued
+                        .iter()
+                        .filter(|q| q.0 == r && q.1 > now)
+                        .map(|q| q.2)
+                        .sum();
+                    let peers = v.replica(r).map_or(0, |x| x.load.peer_in_flight);
+                    v.set_shared_load(r, peers, tokens);
+                }
+            }
+            let d = routed(routers[node].route(&views[node], &req(&keys), now));
+            let uncached = (keys.len() as u64).saturating_sub(u64::from(d.hit_blocks)) * 64;
+            let ready_in = views[node].replica(d.replica).map_or(Duration::ZERO, |r| {
+                Duration::from_secs_f64(cost.prefill_done_s(r, uncached))
+            });
+            queued.push((d.replica, now + ready_in, uncached));
+            for (k, v) in views.iter_mut().enumerate() {
+                let peers = v.replica(d.replica).map_or(0, |r| r.load.peer_in_flight);
+                let tokens = v
+                    .replica(d.replica)
+                    .map_or(0, |r| r.load.queued_prefill_tokens);
+                if k == node {
+                    v.record_routed_ready(d.replica, &keys, now, ready_in);
+                } else {
+                    v.set_shared_load(d.replica, peers + 1, tokens + uncached);
+                    let tip = crate::core::peer_tips::Tip {
+                        replica: d.replica,
+                        blocks: keys.len() as u32,
+                        ready: now + ready_in,
+                        until: now + ready_in + Duration::from_secs(3),
+                    };
+                    if let Some(last) = keys.last() {
+                        v.peer_tips.insert(*last, tip);
+                    }
+                }
+            }
+            out.push(d.replica);
+        }
+        out
+    }
+
+    #[test]
+    fn a_burst_of_one_prompt_lands_on_one_replica() {
+        // RL n-sample rollouts: 8 identical 4k-token prompts within 100 ms, on an idle fleet.
+        for nodes in [1, 3] {
+            let routes = burst_routes(
+                PolicyKind::P2cCache,
+                nodes,
+                8,
+                64,
+                Duration::from_micros(12_500),
+            );
+            let distinct: HashSet<usize> = routes.iter().copied().collect();
+            assert_eq!(distinct.len(), 1, "{nodes} node(s): {routes:?}");
+        }
+    }
+
     #[test]
     fn unknown_model_unhealthy_fleet_and_cross_region_fallback() {
         let mut v = View::new("eu", 64);
@@ -1270,7 +1425,6 @@ mod tests {
     #[test]
     fn a_tenant_over_its_kv_share_everywhere_stays_on_the_replicas_it_dominates() {
         let (mut v, mut r) = kv_quota_fleet(0.3, [0.35, 0.95, 0.31, 0.88], 450_000);
-        use std::collections::HashSet;
         // Routes `n` one-block requests of "big" with `router`; the replicas they went to, and
         // what the quota did to each one (all alike, or it panics).
         fn big_to(router: &mut Router, v: &View, n: u64) -> (HashSet<usize>, KvSteer) {

@@ -446,6 +446,19 @@ impl View {
         }
     }
 
+    /// When replica `i`'s overlay says `key` will be held, if that is still ahead at `now`: a
+    /// request this node routed there is computing it.
+    pub fn pending_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
+        let r = self.replicas.get(i)?;
+        if r.overlay.is_empty() {
+            return None;
+        }
+        r.overlay
+            .get(&key.0)
+            .filter(|e| e.ready > now && now < e.until)
+            .map(|e| e.ready)
+    }
+
     /// Overlay size of a replica (for metrics and tests).
     pub fn overlay_len(&self, i: usize) -> usize {
         self.replicas.get(i).map_or(0, |r| r.overlay.len())

@@ -353,6 +353,36 @@ impl StaticFacts {
     }
 }
 
+/// What one decision gathers over its candidates.
+#[derive(Clone, Copy, Debug)]
+struct CandidateTotals {
+    /// The least predicted queue (infinite with no candidate).
+    least_queue_s: f64,
+    /// Every candidate is at its `max_in_flight` (true with none).
+    all_full: bool,
+    /// The longest hit.
+    best_hit_blocks: u32,
+}
+
+impl Default for CandidateTotals {
+    fn default() -> Self {
+        CandidateTotals {
+            least_queue_s: f64::INFINITY,
+            all_full: true,
+            best_hit_blocks: 0,
+        }
+    }
+}
+
+impl CandidateTotals {
+    #[inline]
+    fn add(&mut self, queue_s: f64, full: bool, hit_blocks: u32) {
+        self.least_queue_s = self.least_queue_s.min(queue_s);
+        self.all_full &= full;
+        self.best_hit_blocks = self.best_hit_blocks.max(hit_blocks);
+    }
+}
+
 /// Routes requests; owns the policy, the RNG, tenant state and reusable buffers.
 pub struct Router {
     cfg: RouterConfig,
@@ -501,6 +531,9 @@ impl Router {
         let cost = self.cfg.cost;
         let tpb = view.tokens_per_block as u64;
         self.candidates.clear();
+        // What the spill check and the answer need of the candidates, gathered as they are
+        // made (one pass instead of three; gathered again if a KV quota drops some).
+        let mut gathered = CandidateTotals::default();
         self.scratch.reset(req.keys.len());
         if uses_cache {
             view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
@@ -558,13 +591,16 @@ impl Router {
                     (r.kv_share(slot), added.min(1.0) as f32)
                 });
             }
-            let queue_s = cost.queue_s(r);
+            // `CostModel::queue_s`, with its prefill part kept for the candidate.
+            let outstanding = r.load.outstanding();
+            let prefill_queue_s = cost.prefill_queue_s(r);
+            let queue_s = prefill_queue_s + cost.w_load_s * outstanding as f64;
             let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
             let mut cost_s = queue_s + prefill_s;
             if let Some(wait_s) = burst_wait_s {
                 // It starts once the prompt is computed, not behind the whole queued prefill
                 // (which counts that very computation from its start).
-                let ride_s = wait_s + cost.w_load_s * f64::from(r.load.outstanding()) + prefill_s;
+                let ride_s = wait_s + cost.w_load_s * f64::from(outstanding) + prefill_s;
                 cost_s = cost_s.min(ride_s);
             }
             self.candidates.push(Candidate {
@@ -572,13 +608,14 @@ impl Router {
                 seed: r.seed,
                 hit_blocks,
                 credited_blocks,
-                outstanding: r.load.outstanding(),
+                outstanding,
                 in_flight: r.load.in_flight,
                 queue_s,
-                prefill_queue_s: cost.prefill_queue_s(r),
+                prefill_queue_s,
                 cost_s,
                 prefill_s,
             });
+            gathered.add(queue_s, outstanding >= r.info.max_in_flight, hit_blocks);
         }
         if self.candidates.is_empty() {
             return if quota_blocked {
@@ -600,16 +637,21 @@ impl Router {
             None => KvSteer::Unsteered,
         };
 
+        if kv_steer == KvSteer::Steered {
+            gathered = CandidateTotals::default();
+            for c in &self.candidates {
+                let full = view
+                    .replica(c.replica)
+                    .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight);
+                gathered.add(c.queue_s, full, c.hit_blocks);
+            }
+        }
         // Spill: every local candidate is full or queues too long, and some region is better off.
-        let least_queue = self
-            .candidates
-            .iter()
-            .map(|c| c.queue_s)
-            .fold(f64::INFINITY, f64::min);
-        let all_full = self.candidates.iter().all(|c| {
-            view.replica(c.replica)
-                .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight)
-        });
+        let CandidateTotals {
+            least_queue_s: least_queue,
+            all_full,
+            best_hit_blocks,
+        } = gathered;
         if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
             let bar = if all_full { f64::INFINITY } else { least_queue };
             if let Some(region) =
@@ -658,13 +700,7 @@ impl Router {
         } else {
             view.hit_with(chosen.replica, req.keys, now, &mut self.scratch) as u32
         };
-        let best_hit_blocks = uses_cache.then(|| {
-            self.candidates
-                .iter()
-                .map(|c| c.hit_blocks)
-                .max()
-                .unwrap_or(0)
-        });
+        let best_hit_blocks = uses_cache.then_some(best_hit_blocks);
         Decision::Route(Routed {
             replica: chosen.replica,
             runner_up: pick.runner_up.map(|p| self.candidates[p].replica),

@@ -343,18 +343,7 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
             );
         }
     }
-    // The hit chart's references: what one infinite cache would hit (no router can do better)
-    // and the central greedy router.
-    let refs = [
-        report::HitReference {
-            label: "ideal (one infinite cache)".into(),
-            ratio: ideal_hit_ratio(&workload),
-        },
-        report::HitReference {
-            label: "central greedy reference".into(),
-            ratio: oracle.hit_token_ratio,
-        },
-    ];
+    let refs = hit_references(&workload, oracle.hit_token_ratio);
     let written = report::write_all(&args.out, &runs, &refs)?;
     std::fs::write(
         args.out.join("oracle.json"),
@@ -369,6 +358,21 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The hit chart's references: what one infinite cache would hit (no router does better) and
+/// the central greedy router (`central_ratio`).
+fn hit_references(workload: &[WorkloadRequest], central_ratio: f64) -> [report::HitReference; 2] {
+    [
+        report::HitReference {
+            label: "ideal (one infinite cache)".into(),
+            ratio: ideal_hit_ratio(workload),
+        },
+        report::HitReference {
+            label: "central greedy reference".into(),
+            ratio: central_ratio,
+        },
+    ]
 }
 
 fn node_name(region: &str, n: usize) -> String {

@@ -345,6 +345,39 @@ impl StaticFacts {
         }
     }
 
+    /// Marks in `local` the replicas that serve the model, take `leg`, are healthy, in the local
+    /// region and not excluded (the static facts asked once, and remembered). Returns whether
+    /// any replica serves the model, their slots, and whether a local one is in an allowed pool.
+    fn mark_local(
+        &mut self,
+        local: &mut Vec<bool>,
+        view: &View,
+        req: &RouteRequest<'_>,
+        leg: Leg,
+        allowed_pool: impl Fn(&ReplicaState) -> bool,
+    ) -> (bool, u64, bool) {
+        let (mut model_known, mut cluster_slots, mut local_usable) = (false, 0u64, false);
+        local.clear();
+        self.begin(req.model, &view.local_region, view.replicas().len());
+        for (i, r) in view.replicas().iter().enumerate() {
+            let (serves_model, in_region) = self.get(i, &r.info);
+            let is_local = serves_model
+                && r.info.pd.role.serves(leg)
+                && r.health == Health::Healthy
+                && in_region
+                && !req.exclude.contains(&i);
+            local.push(is_local);
+            if serves_model {
+                model_known = true;
+                cluster_slots += r.info.max_in_flight as u64;
+            }
+            if is_local && allowed_pool(r) {
+                local_usable = true;
+            }
+        }
+        (model_known, cluster_slots, local_usable)
+    }
+
     fn answer(info: &ReplicaInfo, model: &str, region: &str) -> (bool, bool) {
         (
             info.models.iter().any(|m| m == model),
@@ -462,30 +495,10 @@ impl Router {
         let pools = &tenant_cfg.pools;
         let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
 
-        let mut model_known = false;
         let mut quota_blocked = false;
-        let mut cluster_slots = 0u64;
-        let mut local_usable = false;
-        // The static facts asked once (and remembered); the passes below read `local`.
-        self.local.clear();
-        self.facts
-            .begin(req.model, &view.local_region, view.replicas().len());
-        for (i, r) in view.replicas().iter().enumerate() {
-            let (serves_model, in_region) = self.facts.get(i, &r.info);
-            let local = serves_model
-                && r.info.pd.role.serves(leg)
-                && r.health == Health::Healthy
-                && in_region
-                && !req.exclude.contains(&i);
-            self.local.push(local);
-            if serves_model {
-                model_known = true;
-                cluster_slots += r.info.max_in_flight as u64;
-            }
-            if local && allowed_pool(r) {
-                local_usable = true;
-            }
-        }
+        let (mut model_known, cluster_slots, local_usable) =
+            self.facts
+                .mark_local(&mut self.local, view, req, leg, allowed_pool);
         // Regional gossip: another region's replicas are known only by its offer.
         model_known = model_known
             || view
@@ -664,29 +677,7 @@ impl Router {
             }
         }
 
-        let mut preferred = None;
-        if let Some(session) = req.session {
-            if let Some(p) =
-                affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
-            {
-                self.candidates[p].cost_s -= cost.affinity_credit_s;
-                preferred = Some(p);
-            }
-        } else if let Some(key) = req.affinity_key {
-            // Only while caches do not tell the candidates apart: a replica holding more of the
-            // prompt wins on its own.
-            let hits = self.candidates.iter().map(|c| c.hit_blocks);
-            let undecided = hits.clone().max() == hits.min();
-            if undecided {
-                if let Some(p) =
-                    affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))
-                {
-                    self.candidates[p].cost_s -= cost.affinity_credit_s;
-                    preferred = Some(p);
-                }
-            }
-        }
-
+        let preferred = self.credit_affinity(req);
         let pick = self.policy.pick(
             &PolicyInput {
                 candidates: &self.candidates,
@@ -718,6 +709,27 @@ impl Router {
             saturated: all_full,
             dp_rank: None,
         })
+    }
+
+    /// Credits the session's (or, while caches do not tell the candidates apart, the affinity
+    /// key's) rendezvous-preferred candidate with `affinity_credit_s`; returns its position.
+    fn credit_affinity(&mut self, req: &RouteRequest<'_>) -> Option<usize> {
+        let credit_s = self.cfg.cost.affinity_credit_s;
+        let key = if let Some(session) = req.session {
+            session
+        } else {
+            let key = req.affinity_key?;
+            // Only while caches do not tell the candidates apart: a replica holding more of the
+            // prompt wins on its own.
+            let hits = self.candidates.iter().map(|c| c.hit_blocks);
+            if hits.clone().max() != hits.min() {
+                return None;
+            }
+            key
+        };
+        let p = affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))?;
+        self.candidates[p].cost_s -= credit_s;
+        Some(p)
     }
 
     /// Seconds until replica `i` holds the request's whole prompt, when a request routed there

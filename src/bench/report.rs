@@ -416,7 +416,7 @@ pub fn ratio_bars_chart(
     let n = bars.len().max(1);
     let labels: Vec<&str> = bars.iter().map(|(l, _)| l.as_str()).collect();
     let (y_lo, y_hi) = ratio_axis(bars.iter().map(|b| b.1).chain(refs.iter().map(|r| r.ratio)));
-    let caption = if y_lo > 0.0 {
+    let caption = if y_lo >= 0.005 {
         format!("prefix-cache hit tokens / prompt tokens (axis from {y_lo:.2})")
     } else {
         "prefix-cache hit tokens / prompt tokens".to_owned()
@@ -476,7 +476,8 @@ pub fn ratio_bars_chart(
         chart
             .draw_series(std::iter::once(Text::new(
                 format!("{} {:.3}", r.label, r.ratio),
-                (0.05, r.ratio + 0.015 * span),
+                // Above the line: a text hangs down from its anchor.
+                (0.05, r.ratio + 0.06 * span),
                 ("sans-serif", 13),
             )))
             .map_err(chart_err)?;

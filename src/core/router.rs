@@ -584,8 +584,13 @@ impl Router {
             } else {
                 (0, 0.0)
             };
-            // A burst of one prompt: the whole prompt is being computed there right now.
-            let burst_wait_s = if uses_cache && (hit_blocks as usize) < req.keys.len() {
+            // A burst of one prompt: the whole prompt is being computed there right now (only
+            // where an overlay or a peer's tip could say so: most replicas are looked up no
+            // further).
+            let burst_wait_s = if uses_cache
+                && (hit_blocks as usize) < req.keys.len()
+                && (r.has_overlay() || !self.pending_tips.is_empty())
+            {
                 self.burst_wait_s(view, i, req.keys, now)
             } else {
                 None

@@ -130,6 +130,13 @@ pub struct ReplicaState {
 }
 
 impl ReplicaState {
+    /// Whether this node's overlay holds any key for the replica (most replicas' is empty: the
+    /// router then skips every overlay lookup).
+    #[inline]
+    pub fn has_overlay(&self) -> bool {
+        !self.overlay.is_empty()
+    }
+
     /// Whether a ready, unexpired overlay entry holds `key` at `now`.
     #[inline(never)]
     fn overlay_holds(&self, key: BlockKey, now: Duration) -> bool {

@@ -347,7 +347,11 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
             class_markdown(rows.iter().map(|(l, c)| (l.as_str(), c.as_slice())))
         );
     }
-    let files = report::write_all(&args.out, &runs)?;
+    let ideal = report::HitReference {
+        label: "ideal (one infinite cache)".into(),
+        ratio: crate::bench::workload::ideal_hit_ratio(&workload.requests),
+    };
+    let files = report::write_all(&args.out, &runs, &[ideal])?;
     eprintln!(
         "wrote {}",
         files

@@ -31,7 +31,7 @@ use super::sim::{self, SimConfig};
 use super::sim_bound::ttft_floor;
 use super::trace::{self, default_trace};
 use super::workload::args::build_with;
-use super::workload::{from_trace, GenParams, WorkloadKind, WorkloadRequest};
+use super::workload::{from_trace, ideal_hit_ratio, GenParams, WorkloadKind, WorkloadRequest};
 use crate::core::policy::PolicyKind;
 use crate::core::region_choice::ForwardChoice;
 use crate::engine_sim::EngineConfig;
@@ -343,7 +343,8 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let written = report::write_all(&args.out, &runs)?;
+    let refs = hit_references(&workload, oracle.hit_token_ratio);
+    let written = report::write_all(&args.out, &runs, &refs)?;
     std::fs::write(
         args.out.join("oracle.json"),
         serde_json::to_string_pretty(&oracle)?,
@@ -357,6 +358,21 @@ pub async fn main(args: DemoArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The hit chart's references: what one infinite cache would hit (no router does better) and
+/// the central greedy router (`central_ratio`).
+fn hit_references(workload: &[WorkloadRequest], central_ratio: f64) -> [report::HitReference; 2] {
+    [
+        report::HitReference {
+            label: "ideal (one infinite cache)".into(),
+            ratio: ideal_hit_ratio(workload),
+        },
+        report::HitReference {
+            label: "central greedy reference".into(),
+            ratio: central_ratio,
+        },
+    ]
 }
 
 fn node_name(region: &str, n: usize) -> String {

@@ -246,7 +246,11 @@ pub fn markdown(reports: &[BenchReport]) -> String {
 
 /// Writes `bench-report.json` (summaries + raw records), `bench-report.md` and the SVG charts
 /// into `dir`; returns the paths written.
-pub fn write_all(dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<PathBuf>> {
+pub fn write_all(
+    dir: &Path,
+    runs: &[RunResult],
+    refs: &[HitReference],
+) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let reports: Vec<BenchReport> = runs.iter().map(summarize).collect();
     let mut written = Vec::new();
@@ -262,7 +266,7 @@ pub fn write_all(dir: &Path, runs: &[RunResult]) -> anyhow::Result<Vec<PathBuf>>
     ttft_cdf_chart(&p, runs)?;
     written.push(p);
     let p = dir.join("hit-ratio.svg");
-    hit_ratio_chart(&p, &reports)?;
+    hit_ratio_chart(&p, &reports, refs)?;
     written.push(p);
     for run in runs {
         let p = dir.join(format!("replica-load-{}.svg", file_safe(&run.label)));
@@ -357,30 +361,72 @@ pub fn cdf_chart(path: &Path, series: &[(String, Vec<f64>)]) -> anyhow::Result<(
     Ok(())
 }
 
-/// Hit-token ratio per run, as bars.
-pub fn hit_ratio_chart(path: &Path, reports: &[BenchReport]) -> anyhow::Result<()> {
+/// A hit ratio the runs are drawn against: the workload's ideal, a central reference.
+#[derive(Clone, Debug)]
+pub struct HitReference {
+    /// What it is, as the chart names it.
+    pub label: String,
+    /// Hit tokens / prompt tokens.
+    pub ratio: f64,
+}
+
+/// Hit-token ratio per run, as bars, against `refs` (drawn as dashed lines).
+pub fn hit_ratio_chart(
+    path: &Path,
+    reports: &[BenchReport],
+    refs: &[HitReference],
+) -> anyhow::Result<()> {
     let bars: Vec<(String, f64)> = reports
         .iter()
         .map(|r| (r.label.clone(), r.hit_token_ratio))
         .collect();
-    ratio_bars_chart(path, &bars)
+    ratio_bars_chart(path, &bars, refs)
 }
 
-/// Hit-token ratio of labelled runs, as bars.
-pub fn ratio_bars_chart(path: &Path, bars: &[(String, f64)]) -> anyhow::Result<()> {
+/// The hit-ratio axis: from a little below the smallest value to a little above the largest
+/// (bars and references), so a difference of a few points is visible; 0..1 only when the values
+/// span most of it. Never outside 0..1, never narrower than 0.02.
+fn ratio_axis(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.25).max(0.01);
+    let (lo, hi) = ((lo - pad).max(0.0), (hi + pad).min(1.0));
+    if hi - lo > 0.6 {
+        (0.0, 1.0)
+    } else {
+        (lo, hi)
+    }
+}
+
+/// Hit-token ratio of labelled runs, as bars on an axis that shows their differences, with each
+/// of `refs` as a dashed line across the chart, labelled.
+pub fn ratio_bars_chart(
+    path: &Path,
+    bars: &[(String, f64)],
+    refs: &[HitReference],
+) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (800, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_err)?;
     let n = bars.len().max(1);
     let labels: Vec<&str> = bars.iter().map(|(l, _)| l.as_str()).collect();
+    let (y_lo, y_hi) = ratio_axis(bars.iter().map(|b| b.1).chain(refs.iter().map(|r| r.ratio)));
+    let caption = if y_lo >= 0.005 {
+        format!("prefix-cache hit tokens / prompt tokens (axis from {y_lo:.2})")
+    } else {
+        "prefix-cache hit tokens / prompt tokens".to_owned()
+    };
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "prefix-cache hit tokens / prompt tokens",
-            ("sans-serif", 20),
-        )
+        .caption(caption, ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..n as f64, 0.0..1.0)
+        .build_cartesian_2d(0.0..n as f64, y_lo..y_hi)
         .map_err(chart_err)?;
     chart
         .configure_mesh()
@@ -400,25 +446,50 @@ pub fn ratio_bars_chart(path: &Path, bars: &[(String, f64)]) -> anyhow::Result<(
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (_, ratio))| {
             Rectangle::new(
-                [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, *ratio)],
+                [(i as f64 + 0.15, y_lo), (i as f64 + 0.85, ratio.max(y_lo))],
                 Palette99::pick(i).filled(),
             )
         }))
         .map_err(chart_err)?;
+    let span = y_hi - y_lo;
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (_, ratio))| {
             Text::new(
                 format!("{ratio:.3}"),
-                (i as f64 + 0.4, (ratio + 0.03).min(0.97)),
+                (
+                    i as f64 + 0.35,
+                    (ratio + 0.03 * span).min(y_hi - 0.03 * span),
+                ),
                 ("sans-serif", 14),
             )
         }))
         .map_err(chart_err)?;
+    for r in refs {
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(0.0, r.ratio), (n as f64, r.ratio)],
+                6,
+                4,
+                BLACK.stroke_width(2),
+            ))
+            .map_err(chart_err)?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("{} {:.3}", r.label, r.ratio),
+                // Above the line: a text hangs down from its anchor.
+                (0.05, r.ratio + 0.06 * span),
+                ("sans-serif", 13),
+            )))
+            .map_err(chart_err)?;
+    }
     root.present().map_err(chart_err)?;
     Ok(())
 }
 
-/// Requests started per replica per time bin (model seconds), one line per replica.
+/// Requests started per replica per time bin: one row per replica, one cell per bin, darker
+/// for more; each row ends with the replica's share of the run's requests. A heatmap reads
+/// at a glance where overlapping lines do not: a replica left idle is a pale row, a herd a
+/// dark column on one row.
 pub fn replica_load_chart(path: &Path, run: &RunResult) -> anyhow::Result<()> {
     let report = summarize(run);
     let ids: Vec<String> = report
@@ -426,6 +497,7 @@ pub fn replica_load_chart(path: &Path, run: &RunResult) -> anyhow::Result<()> {
         .iter()
         .map(|s| s.replica.clone())
         .collect();
+    let total: u64 = report.per_replica.iter().map(|s| s.requests).sum();
     let end = run
         .records
         .iter()
@@ -442,48 +514,84 @@ pub fn replica_load_chart(path: &Path, run: &RunResult) -> anyhow::Result<()> {
             counts[k][b] += 1;
         }
     }
-    let y_max = counts.iter().flatten().copied().max().unwrap_or(0).max(1) as f64 * 1.1 / width;
-    let root = SVGBackend::new(path, (800, 450)).into_drawing_area();
+    let max_rate = counts.iter().flatten().copied().max().unwrap_or(0).max(1) as f64 / width;
+    let rows = ids.len().max(1);
+    let height = (120 + 28 * rows).clamp(220, 900) as u32;
+    let root = SVGBackend::new(path, (800, height)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_err)?;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            format!("requests per second by replica — {}", run.label),
-            ("sans-serif", 20),
+            format!(
+                "requests/s by replica — {} (white 0, darkest {max_rate:.1}/s)",
+                run.label
+            ),
+            ("sans-serif", 18),
         )
         .margin(15)
         .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..end, 0.0..y_max)
-        .map_err(chart_err)?;
+        .y_label_area_size(110)
+        .right_y_label_area_size(60)
+        .build_cartesian_2d(0.0..end, 0.0..rows as f64)
+        .map_err(chart_err)?
+        .set_secondary_coord(0.0..end, 0.0..rows as f64);
+    let row_label = |y: &f64| {
+        let i = y.floor() as usize;
+        if (y - i as f64 - 0.5).abs() < 0.01 {
+            ids.get(i).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
     chart
         .configure_mesh()
+        .disable_mesh()
         .x_desc("time (s)")
-        .y_desc("requests/s")
+        .y_labels(rows * 2 + 1)
+        .y_label_formatter(&row_label)
         .draw()
         .map_err(chart_err)?;
-    for (k, id) in ids.iter().enumerate() {
-        let color = Palette99::pick(k).to_rgba();
-        chart
-            .draw_series(LineSeries::new(
-                counts[k]
-                    .iter()
-                    .enumerate()
-                    .map(|(b, &c)| ((b as f64 + 0.5) * width, c as f64 / width)),
-                color.stroke_width(2),
-            ))
-            .map_err(chart_err)?
-            .label(id.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
+    let shares: Vec<String> = report
+        .per_replica
+        .iter()
+        .map(|s| format!("{:.0} %", 100.0 * s.requests as f64 / total.max(1) as f64))
+        .collect();
     chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .configure_secondary_axes()
+        .y_labels(rows * 2 + 1)
+        .y_label_formatter(&|y: &f64| {
+            let i = y.floor() as usize;
+            if (y - i as f64 - 0.5).abs() < 0.01 {
+                shares.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
         .draw()
+        .map_err(chart_err)?;
+    chart
+        .draw_series(counts.iter().enumerate().flat_map(|(k, row)| {
+            row.iter().enumerate().map(move |(b, &c)| {
+                let x0 = b as f64 * width;
+                Rectangle::new(
+                    [(x0, k as f64 + 0.05), (x0 + width, k as f64 + 0.95)],
+                    heat(c as f64 / width / max_rate).filled(),
+                )
+            })
+        }))
         .map_err(chart_err)?;
     root.present().map_err(chart_err)?;
     Ok(())
+}
+
+/// A sequential colour for `v` in 0..=1: white to dark blue.
+fn heat(v: f64) -> RGBColor {
+    let v = if v.is_finite() {
+        v.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    let mix = |from: f64, to: f64| (from + (to - from) * v).round() as u8;
+    RGBColor(mix(255.0, 8.0), mix(255.0, 48.0), mix(255.0, 107.0))
 }
 
 #[cfg(test)]
@@ -566,7 +674,11 @@ mod tests {
             rec(0, "a", Some(1), false),
             rec(1, "b", Some(2), false),
         ])];
-        let files = write_all(&dir, &runs).unwrap();
+        let refs = [HitReference {
+            label: "ideal".into(),
+            ratio: 0.5,
+        }];
+        let files = write_all(&dir, &runs, &refs).unwrap();
         assert_eq!(files.len(), 5);
         for f in &files {
             let text = std::fs::read_to_string(f).unwrap();

@@ -468,7 +468,11 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         .iter()
         .map(|r| (r.policy.clone(), r.hit_token_ratio))
         .collect();
-    report::ratio_bars_chart(&args.out.join("sim-hit-ratio.svg"), &bars)?;
+    let ideal = report::HitReference {
+        label: "ideal (one infinite cache)".into(),
+        ratio: ideal,
+    };
+    report::ratio_bars_chart(&args.out.join("sim-hit-ratio.svg"), &bars, &[ideal])?;
     eprintln!("reports written to {}", args.out.display());
     Ok(())
 }

@@ -228,6 +228,33 @@ impl PeerTips {
         self.len = len;
     }
 
+    /// Replicas a peer routed this very prompt to (a tip on its last key naming all its blocks)
+    /// whose prefill is still under way at `now`, with when it is predicted done: appends
+    /// `(replica, ready)` to `out` (cleared first). A burst of one prompt rides on the first
+    /// (`Router`'s burst co-location).
+    pub fn pending_whole(
+        &self,
+        keys: &[BlockKey],
+        now: Duration,
+        out: &mut Vec<(usize, Duration)>,
+    ) {
+        out.clear();
+        let Some(last) = keys.last() else {
+            return;
+        };
+        let Some(tips) = self.by_key.get(&last.0) else {
+            return;
+        };
+        for t in tips {
+            if t.blocks as usize == keys.len() && t.ready > now && t.until > now {
+                match out.iter_mut().find(|(r, _)| *r == t.replica) {
+                    Some(e) => e.1 = e.1.min(t.ready),
+                    None => out.push((t.replica, t.ready)),
+                }
+            }
+        }
+    }
+
     /// For the request's `keys`, the longest counting peer-routed prefix per replica: appends
     /// `(replica, blocks)` to `out` (cleared first; one entry per replica).
     pub fn hits(&self, keys: &[BlockKey], now: Duration, out: &mut Vec<(usize, u32)>) {

@@ -350,11 +350,74 @@ impl StaticFacts {
         }
     }
 
+    /// Marks in `local` the replicas that serve the model, take `leg`, are healthy, in the local
+    /// region and not excluded (the static facts asked once, and remembered). Returns whether
+    /// any replica serves the model, their slots, and whether a local one is in an allowed pool.
+    fn mark_local(
+        &mut self,
+        local: &mut Vec<bool>,
+        view: &View,
+        req: &RouteRequest<'_>,
+        leg: Leg,
+        allowed_pool: impl Fn(&ReplicaState) -> bool,
+    ) -> (bool, u64, bool) {
+        let (mut model_known, mut cluster_slots, mut local_usable) = (false, 0u64, false);
+        local.clear();
+        self.begin(req.model, &view.local_region, view.replicas().len());
+        for (i, r) in view.replicas().iter().enumerate() {
+            let (serves_model, in_region) = self.get(i, &r.info);
+            let is_local = serves_model
+                && r.info.pd.role.serves(leg)
+                && r.health == Health::Healthy
+                && in_region
+                && !req.exclude.contains(&i);
+            local.push(is_local);
+            if serves_model {
+                model_known = true;
+                cluster_slots += r.info.max_in_flight as u64;
+            }
+            if is_local && allowed_pool(r) {
+                local_usable = true;
+            }
+        }
+        (model_known, cluster_slots, local_usable)
+    }
+
     fn answer(info: &ReplicaInfo, model: &str, region: &str) -> (bool, bool) {
         (
             info.models.iter().any(|m| m == model),
             info.region == region,
         )
+    }
+}
+
+/// What one decision gathers over its candidates.
+#[derive(Clone, Copy, Debug)]
+struct CandidateTotals {
+    /// The least predicted queue (infinite with no candidate).
+    least_queue_s: f64,
+    /// Every candidate is at its `max_in_flight` (true with none).
+    all_full: bool,
+    /// The longest hit.
+    best_hit_blocks: u32,
+}
+
+impl Default for CandidateTotals {
+    fn default() -> Self {
+        CandidateTotals {
+            least_queue_s: f64::INFINITY,
+            all_full: true,
+            best_hit_blocks: 0,
+        }
+    }
+}
+
+impl CandidateTotals {
+    #[inline]
+    fn add(&mut self, queue_s: f64, full: bool, hit_blocks: u32) {
+        self.least_queue_s = self.least_queue_s.min(queue_s);
+        self.all_full &= full;
+        self.best_hit_blocks = self.best_hit_blocks.max(hit_blocks);
     }
 }
 
@@ -369,6 +432,9 @@ pub struct Router {
     scratch: HitScratch,
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
+    /// Replicas a peer just routed this very prompt to, still computing it, and when it will
+    /// be done (reused buffer; see [`Router::burst_wait_s`]).
+    pending_tips: Vec<(usize, Duration)>,
     /// The tenant's KV share at each candidate and the share this request's new blocks would
     /// add there, aligned with `candidates`; (-1, 0) where the request brings no block (reused
     /// buffer; filled only for a tenant with a KV quota).
@@ -392,6 +458,7 @@ impl Router {
             candidates: Vec::new(),
             scratch: HitScratch::default(),
             tip_hits: Vec::new(),
+            pending_tips: Vec::new(),
             kv_shares: Vec::new(),
             local: Vec::new(),
             facts: StaticFacts::default(),
@@ -437,30 +504,10 @@ impl Router {
         let pools = &tenant_cfg.pools;
         let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
 
-        let mut model_known = false;
         let mut quota_blocked = false;
-        let mut cluster_slots = 0u64;
-        let mut local_usable = false;
-        // The static facts asked once (and remembered); the passes below read `local`.
-        self.local.clear();
-        self.facts
-            .begin(req.model, &view.local_region, view.replicas().len());
-        for (i, r) in view.replicas().iter().enumerate() {
-            let (serves_model, in_region) = self.facts.get(i, &r.info);
-            let local = serves_model
-                && r.info.pd.role.serves(leg)
-                && r.health == Health::Healthy
-                && in_region
-                && !req.exclude.contains(&i);
-            self.local.push(local);
-            if serves_model {
-                model_known = true;
-                cluster_slots += r.info.max_in_flight as u64;
-            }
-            if local && allowed_pool(r) {
-                local_usable = true;
-            }
-        }
+        let (mut model_known, cluster_slots, local_usable) =
+            self.facts
+                .mark_local(&mut self.local, view, req, leg, allowed_pool);
         // Regional gossip: another region's replicas are known only by its offer.
         model_known = model_known
             || view
@@ -506,11 +553,17 @@ impl Router {
         let cost = self.cfg.cost;
         let tpb = view.tokens_per_block as u64;
         self.candidates.clear();
+        // What the spill check and the answer need of the candidates, gathered as they are
+        // made (one pass instead of three; gathered again if a KV quota drops some).
+        let mut gathered = CandidateTotals::default();
         self.scratch.reset(req.keys.len());
         if uses_cache {
             view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
+            view.peer_tips
+                .pending_whole(req.keys, now, &mut self.pending_tips);
         } else {
             self.tip_hits.clear();
+            self.pending_tips.clear();
         }
         for ((i, r), &local) in view.replicas().iter().enumerate().zip(&self.local) {
             if !local {
@@ -527,7 +580,7 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let (hit_blocks, credited_blocks) = if uses_cache {
+            let (mut hit_blocks, mut credited_blocks) = if uses_cache {
                 let mut h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
                 // A peer just routed this prefix here: computed on GPU by the time it counts.
                 if let Some(&(_, t)) = self.tip_hits.iter().find(|(r, _)| *r == i) {
@@ -540,6 +593,21 @@ impl Router {
             } else {
                 (0, 0.0)
             };
+            // A burst of one prompt: the whole prompt is being computed there right now (only
+            // where an overlay or a peer's tip could say so: most replicas are looked up no
+            // further).
+            let burst_wait_s = if uses_cache
+                && (hit_blocks as usize) < req.keys.len()
+                && (r.has_overlay() || !self.pending_tips.is_empty())
+            {
+                self.burst_wait_s(view, i, req.keys, now)
+            } else {
+                None
+            };
+            if burst_wait_s.is_some() {
+                hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                credited_blocks = f64::from(hit_blocks);
+            }
             if let Some((slot, _)) = kv_quota {
                 let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
                 self.kv_shares.push(if new_blocks == 0 {
@@ -550,21 +618,31 @@ impl Router {
                     (r.kv_share(slot), added.min(1.0) as f32)
                 });
             }
-            let queue_s = cost.queue_s(r);
+            // `CostModel::queue_s`, with its prefill part kept for the candidate.
+            let outstanding = r.load.outstanding();
+            let prefill_queue_s = cost.prefill_queue_s(r);
+            let queue_s = prefill_queue_s + cost.w_load_s * outstanding as f64;
             let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
-            let cost_s = queue_s + prefill_s;
+            let mut cost_s = queue_s + prefill_s;
+            if let Some(wait_s) = burst_wait_s {
+                // It starts once the prompt is computed, not behind the whole queued prefill
+                // (which counts that very computation from its start).
+                let ride_s = wait_s + cost.w_load_s * f64::from(outstanding) + prefill_s;
+                cost_s = cost_s.min(ride_s);
+            }
             self.candidates.push(Candidate {
                 replica: i,
                 seed: r.seed,
                 hit_blocks,
                 credited_blocks,
-                outstanding: r.load.outstanding(),
+                outstanding,
                 in_flight: r.load.in_flight,
                 queue_s,
-                prefill_queue_s: cost.prefill_queue_s(r),
+                prefill_queue_s,
                 cost_s,
                 prefill_s,
             });
+            gathered.add(queue_s, outstanding >= r.info.max_in_flight, hit_blocks);
         }
         if self.candidates.is_empty() {
             return if quota_blocked {
@@ -596,16 +674,21 @@ impl Router {
             );
         }
 
+        if kv_steer == KvSteer::Steered {
+            gathered = CandidateTotals::default();
+            for c in &self.candidates {
+                let full = view
+                    .replica(c.replica)
+                    .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight);
+                gathered.add(c.queue_s, full, c.hit_blocks);
+            }
+        }
         // Spill: every local candidate is full or queues too long, and some region is better off.
-        let least_queue = self
-            .candidates
-            .iter()
-            .map(|c| c.queue_s)
-            .fold(f64::INFINITY, f64::min);
-        let all_full = self.candidates.iter().all(|c| {
-            view.replica(c.replica)
-                .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight)
-        });
+        let CandidateTotals {
+            least_queue_s: least_queue,
+            all_full,
+            best_hit_blocks,
+        } = gathered;
         if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
             let bar = if all_full { f64::INFINITY } else { least_queue };
             if let Some(region) =
@@ -618,34 +701,7 @@ impl Router {
             }
         }
 
-        let mut preferred = None;
-        if let Some(session) = req.session {
-            // A session's credit keeps its turns together; it never pulls a turn off a longer
-            // cached prefix elsewhere (a client sending a new session id per request, as aiperf
-            // does, would otherwise scatter follow-ups: issue #38).
-            let longest = self.candidates.iter().map(|c| c.hit_blocks).max();
-            if let Some(p) =
-                affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
-                    .filter(|&p| Some(self.candidates[p].hit_blocks) == longest)
-            {
-                self.candidates[p].cost_s -= cost.affinity_credit_s;
-                preferred = Some(p);
-            }
-        } else if let Some(key) = req.affinity_key {
-            // Only while caches do not tell the candidates apart: a replica holding more of the
-            // prompt wins on its own.
-            let hits = self.candidates.iter().map(|c| c.hit_blocks);
-            let undecided = hits.clone().max() == hits.min();
-            if undecided {
-                if let Some(p) =
-                    affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))
-                {
-                    self.candidates[p].cost_s -= cost.affinity_credit_s;
-                    preferred = Some(p);
-                }
-            }
-        }
-
+        let preferred = self.credit_affinity(req);
         let pick = self.policy.pick(
             &PolicyInput {
                 candidates: &self.candidates,
@@ -672,13 +728,7 @@ impl Router {
         } else {
             view.hit_with(chosen.replica, req.keys, now, &mut self.scratch) as u32
         };
-        let best_hit_blocks = uses_cache.then(|| {
-            self.candidates
-                .iter()
-                .map(|c| c.hit_blocks)
-                .max()
-                .unwrap_or(0)
-        });
+        let best_hit_blocks = uses_cache.then_some(best_hit_blocks);
         Decision::Route(Routed {
             replica: chosen.replica,
             runner_up: pick.runner_up.map(|p| self.candidates[p].replica),
@@ -697,6 +747,56 @@ impl Router {
             dp_rank: None,
             fetch,
         })
+    }
+
+    /// Credits the session's (or, while caches do not tell the candidates apart, the affinity
+    /// key's) rendezvous-preferred candidate with `affinity_credit_s`; returns its position.
+    fn credit_affinity(&mut self, req: &RouteRequest<'_>) -> Option<usize> {
+        let credit_s = self.cfg.cost.affinity_credit_s;
+        let longest = self.candidates.iter().map(|c| c.hit_blocks).max();
+        if let Some(session) = req.session {
+            // A session's credit keeps its turns together; it never pulls a turn off a longer
+            // cached prefix elsewhere (a client sending a new session id per request, as aiperf
+            // does, would otherwise scatter follow-ups: issue #38).
+            let p = affinity::preferred(session.as_bytes(), self.candidates.iter().map(|c| c.seed))
+                .filter(|&p| Some(self.candidates[p].hit_blocks) == longest)?;
+            self.candidates[p].cost_s -= credit_s;
+            return Some(p);
+        }
+        let key = req.affinity_key?;
+        // Only while caches do not tell the candidates apart: a replica holding more of the
+        // prompt wins on its own.
+        if longest != self.candidates.iter().map(|c| c.hit_blocks).min() {
+            return None;
+        }
+        let p = affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))?;
+        self.candidates[p].cost_s -= credit_s;
+        Some(p)
+    }
+
+    /// Seconds until replica `i` holds the request's whole prompt, when a request routed there
+    /// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
+    /// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
+    /// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
+    /// ride on the first, which computes the prompt once, instead of each landing on an idle
+    /// replica that computes it again. Until the first's prefill ends neither the summary nor
+    /// the counting overlay holds the prompt, and the replica's queue counts that prefill in
+    /// full, so without this every follower looks dearer there than on an idle replica by the
+    /// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
+    /// computation under way would still compute its own part alongside it.
+    fn burst_wait_s(&self, view: &View, i: usize, keys: &[BlockKey], now: Duration) -> Option<f64> {
+        let last = *keys.last()?;
+        let own = view.pending_ready(i, last, now);
+        let peer = self
+            .pending_tips
+            .iter()
+            .find(|(r, _)| *r == i)
+            .map(|(_, ready)| *ready);
+        let ready = match (own, peer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(ready.saturating_sub(now).as_secs_f64())
     }
 
     /// Applies a KV quota of `quota` to the candidates (their shares in `kv_shares`): drops those
@@ -804,7 +904,7 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
 
     use proptest::prelude::*;
 
@@ -1124,6 +1224,113 @@ mod tests {
         }
     }
 
+    /// Routes `n` identical prompts of `blocks` blocks, `gap` apart, round-robin over `nodes`
+    /// routers with a fresh 8-replica fleet each, booking each route as the live node does
+    /// (overlay from the predicted prefill end, queued prefill) and telling the other routers
+    /// as load sharing does (in flight, queued prefill, the prompt's tip). Returns the replica
+    /// each request went to.
+    fn burst_routes(
+        policy: PolicyKind,
+        nodes: usize,
+        n: usize,
+        blocks: usize,
+        gap: Duration,
+    ) -> Vec<usize> {
+        let keys: Vec<BlockKey> = prompt_keys("one rollout prompt, sampled n times ")
+            .into_iter()
+            .cycle()
+            .enumerate()
+            .map(|(j, k)| BlockKey(k.0 ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .take(blocks)
+            .collect();
+        let mut views: Vec<View> = (0..nodes)
+            .map(|_| {
+                let mut v = View::new("eu", 64);
+                for i in 0..8 {
+                    v.upsert(info(&format!("r{i}"), "eu"));
+                }
+                v
+            })
+            .collect();
+        let mut routers: Vec<Router> = (0..nodes)
+            .map(|k| {
+                Router::new(
+                    RouterConfig {
+                        policy,
+                        seed: k as u64,
+                        ..Default::default()
+                    },
+                    Tenants::default(),
+                )
+            })
+            .collect();
+        let cost = CostModel::default();
+        let mut out = Vec::new();
+        // (replica, predicted prefill end, uncached tokens) of every request routed so far: its
+        // prefill counts in the replica's queue until then (the node releases it at the first
+        // byte).
+        let mut queued: Vec<(usize, Duration, u64)> = Vec::new();
+        for i in 0..n {
+            let now = NOW + gap * i as u32;
+            let node = i % nodes;
+            for v in &mut views {
+                for r in 0..8 {
+                    let tokens = queued
+                        .iter()
+                        .filter(|q| q.0 == r && q.1 > now)
+                        .map(|q| q.2)
+                        .sum();
+                    let peers = v.replica(r).map_or(0, |x| x.load.peer_in_flight);
+                    v.set_shared_load(r, peers, tokens);
+                }
+            }
+            let d = routed(routers[node].route(&views[node], &req(&keys), now));
+            let uncached = (keys.len() as u64).saturating_sub(u64::from(d.hit_blocks)) * 64;
+            let ready_in = views[node].replica(d.replica).map_or(Duration::ZERO, |r| {
+                Duration::from_secs_f64(cost.prefill_done_s(r, uncached))
+            });
+            queued.push((d.replica, now + ready_in, uncached));
+            for (k, v) in views.iter_mut().enumerate() {
+                let peers = v.replica(d.replica).map_or(0, |r| r.load.peer_in_flight);
+                let tokens = v
+                    .replica(d.replica)
+                    .map_or(0, |r| r.load.queued_prefill_tokens);
+                if k == node {
+                    v.record_routed_ready(d.replica, &keys, now, ready_in);
+                } else {
+                    v.set_shared_load(d.replica, peers + 1, tokens + uncached);
+                    let tip = crate::core::peer_tips::Tip {
+                        replica: d.replica,
+                        blocks: keys.len() as u32,
+                        ready: now + ready_in,
+                        until: now + ready_in + Duration::from_secs(3),
+                    };
+                    if let Some(last) = keys.last() {
+                        v.peer_tips.insert(*last, tip);
+                    }
+                }
+            }
+            out.push(d.replica);
+        }
+        out
+    }
+
+    #[test]
+    fn a_burst_of_one_prompt_lands_on_one_replica() {
+        // RL n-sample rollouts: 8 identical 4k-token prompts within 100 ms, on an idle fleet.
+        for nodes in [1, 3] {
+            let routes = burst_routes(
+                PolicyKind::P2cCache,
+                nodes,
+                8,
+                64,
+                Duration::from_micros(12_500),
+            );
+            let distinct: HashSet<usize> = routes.iter().copied().collect();
+            assert_eq!(distinct.len(), 1, "{nodes} node(s): {routes:?}");
+        }
+    }
+
     #[test]
     fn unknown_model_unhealthy_fleet_and_cross_region_fallback() {
         let mut v = View::new("eu", 64);
@@ -1335,7 +1542,6 @@ mod tests {
     #[test]
     fn a_tenant_over_its_kv_share_everywhere_stays_on_the_replicas_it_dominates() {
         let (mut v, mut r) = kv_quota_fleet(0.3, [0.35, 0.95, 0.31, 0.88], 450_000);
-        use std::collections::HashSet;
         // Routes `n` one-block requests of "big" with `router`; the replicas they went to, and
         // what the quota did to each one (all alike, or it panics).
         fn big_to(router: &mut Router, v: &View, n: u64) -> (HashSet<usize>, KvSteer) {

@@ -130,6 +130,13 @@ pub struct ReplicaState {
 }
 
 impl ReplicaState {
+    /// Whether this node's overlay holds any key for the replica (most replicas' is empty: the
+    /// router then skips every overlay lookup).
+    #[inline]
+    pub fn has_overlay(&self) -> bool {
+        !self.overlay.is_empty()
+    }
+
     /// Whether a ready, unexpired overlay entry holds `key` at `now`.
     #[inline(never)]
     fn overlay_holds(&self, key: BlockKey, now: Duration) -> bool {
@@ -444,6 +451,19 @@ impl View {
         for r in &mut self.replicas {
             r.overlay.retain(|_, e| e.until > now);
         }
+    }
+
+    /// When replica `i`'s overlay says `key` will be held, if that is still ahead at `now`: a
+    /// request this node routed there is computing it.
+    pub fn pending_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
+        let r = self.replicas.get(i)?;
+        if r.overlay.is_empty() {
+            return None;
+        }
+        r.overlay
+            .get(&key.0)
+            .filter(|e| e.ready > now && now < e.until)
+            .map(|e| e.ready)
     }
 
     /// Overlay size of a replica (for metrics and tests).

@@ -10,6 +10,7 @@ use super::from_trace::from_trace;
 use super::kind::{build, WorkloadKind};
 use super::rag::{rag, RagParams};
 use super::request::{retime, GenParams, Workload, WorkloadError};
+use super::rollout::{rollout, RolloutParams};
 use super::system_prompt::{system_prompt, SystemPromptParams};
 use super::tenants::{tenants, TenantsParams};
 use super::zipf::{zipf, ZipfParams};
@@ -20,8 +21,8 @@ use crate::bench::trace::{self, default_trace};
 pub struct WorkloadArgs {
     /// Workload: `trace[:path]` (Mooncake JSONL; default the shipped conversation trace),
     /// `agentic[:path]` (Claude Code conversations, a directory or one file; default the shipped
-    /// ones in data/traces/agentic), `system-prompt`, `chat`, `rag`, `agent`, `zipf`, `tenants`
-    /// or `burst`.
+    /// ones in data/traces/agentic), `system-prompt`, `chat`, `rag`, `agent`, `zipf`, `tenants`,
+    /// `burst` or `rollout`.
     #[arg(long, default_value = "trace")]
     pub workload: WorkloadKind,
     /// Mean arrival rate in requests/s. Synthetic families: the Poisson rate they are generated
@@ -54,7 +55,8 @@ pub struct WorkloadArgs {
     /// big_system_tokens, small_tenants, small_system_tokens, user_tokens, output_tokens,
     /// big_skew (big tenant's rate ÷ one small tenant's), big_absent (true: drop its requests);
     /// burst: background_prefixes, prefix_tokens, burst_at_s, burst_s, burst_rate,
-    /// burst_prefix_tokens, lead_rate, suffix_tokens, output_tokens.
+    /// burst_prefix_tokens, lead_rate, suffix_tokens, output_tokens; rollout: samples, spread_s,
+    /// system_tokens, problem_tokens, output_tokens.
     /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
@@ -207,6 +209,14 @@ family_params!(BurstParams {
     range output_tokens,
 });
 
+family_params!(RolloutParams {
+    num samples,
+    num spread_s,
+    num system_tokens,
+    range problem_tokens,
+    range output_tokens,
+});
+
 /// Builds a synthetic family with its defaults overridden by `pairs` (`KEY=VALUE`).
 pub fn build_with(
     kind: &WorkloadKind,
@@ -234,6 +244,7 @@ pub fn build_with(
         WorkloadKind::Zipf => zipf(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Tenants => tenants(&FamilyParams::from_pairs(f, pairs)?, gen)?,
         WorkloadKind::Burst => burst(&FamilyParams::from_pairs(f, pairs)?, gen)?,
+        WorkloadKind::Rollout => rollout(&FamilyParams::from_pairs(f, pairs)?, gen)?,
     };
     Ok(Workload {
         name: f.to_owned(),

@@ -11,13 +11,15 @@ use super::chat::{chat, ChatParams};
 use super::from_trace::from_trace;
 use super::rag::{rag, RagParams};
 use super::request::{GenParams, Workload, WorkloadError};
+use super::rollout::{rollout, RolloutParams};
 use super::system_prompt::{system_prompt, SystemPromptParams};
 use super::tenants::{tenants, TenantsParams};
 use super::zipf::{zipf, ZipfParams};
 use crate::bench::trace::{self, default_trace};
 
 /// Which workload to build, as given on the command line:
-/// `trace[:path] | agentic[:path] | system-prompt | chat | rag | agent | zipf | tenants | burst`.
+/// `trace[:path] | agentic[:path] | system-prompt | chat | rag | agent | zipf | tenants | burst |
+/// rollout`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WorkloadKind {
     /// The Mooncake trace; `None` = the conversation trace shipped in `data/traces/`.
@@ -39,6 +41,8 @@ pub enum WorkloadKind {
     Tenants,
     /// A new hot prefix on top of background traffic ([`BurstParams`]).
     Burst,
+    /// RL n-sample rollouts: each prompt n times within 100 ms ([`RolloutParams`]).
+    Rollout,
 }
 
 impl WorkloadKind {
@@ -64,6 +68,7 @@ impl WorkloadKind {
             WorkloadKind::Zipf => "zipf",
             WorkloadKind::Tenants => "tenants",
             WorkloadKind::Burst => "burst",
+            WorkloadKind::Rollout => "rollout",
         }
     }
 }
@@ -104,8 +109,9 @@ impl FromStr for WorkloadKind {
             "zipf" => Ok(WorkloadKind::Zipf),
             "tenants" => Ok(WorkloadKind::Tenants),
             "burst" => Ok(WorkloadKind::Burst),
+            "rollout" => Ok(WorkloadKind::Rollout),
             other => Err(format!(
-                "unknown workload '{other}' (expected trace[:path], agentic[:path], system-prompt, chat, rag, agent, zipf, tenants or burst)"
+                "unknown workload '{other}' (expected trace[:path], agentic[:path], system-prompt, chat, rag, agent, zipf, tenants, burst or rollout)"
             )),
         }
     }
@@ -132,6 +138,7 @@ pub fn build(kind: &WorkloadKind, gen: &GenParams) -> Result<Workload, WorkloadE
         WorkloadKind::Zipf => zipf(&ZipfParams::default(), gen)?,
         WorkloadKind::Tenants => tenants(&TenantsParams::default(), gen)?,
         WorkloadKind::Burst => burst(&BurstParams::default(), gen)?,
+        WorkloadKind::Rollout => rollout(&RolloutParams::default(), gen)?,
     };
     Ok(Workload {
         name: kind.name().to_owned(),
@@ -160,6 +167,10 @@ mod tests {
         assert_eq!(
             "burst".parse::<WorkloadKind>().unwrap(),
             WorkloadKind::Burst
+        );
+        assert_eq!(
+            "rollout".parse::<WorkloadKind>().unwrap(),
+            WorkloadKind::Rollout
         );
         for k in [
             WorkloadKind::Agentic(None),

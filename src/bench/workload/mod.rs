@@ -20,6 +20,8 @@
 //! - [`ZipfParams`]: one hot prefix 100× as popular as each of the others.
 //! - [`BurstParams`]: a new hot prefix appearing at a high rate on top of background traffic
 //!   (not in `WorkloadKind::SYNTHETIC`: its rate is not one Poisson rate).
+//! - [`RolloutParams`]: RL n-sample rollouts, each prompt sent n times within 100 ms (not in
+//!   `WorkloadKind::SYNTHETIC`: its arrivals come in groups).
 //! - [`TenantsParams`]: one big tenant with a fixed system prompt plus many small tenants
 //!   (tenant header).
 //!
@@ -39,6 +41,7 @@ pub mod ideal;
 pub mod kind;
 pub mod rag;
 pub mod request;
+pub mod rollout;
 pub mod synth;
 pub mod system_prompt;
 pub mod tenants;
@@ -56,6 +59,7 @@ pub use rag::{rag, RagParams};
 pub use request::{
     retime, GenParams, Workload, WorkloadError, WorkloadRequest, MAX_SEGMENT_TOKENS,
 };
+pub use rollout::{rollout, RolloutParams};
 pub use system_prompt::{system_prompt, SystemPromptParams};
 pub use tenants::{tenants, TenantsParams};
 pub use zipf::{zipf, ZipfParams};

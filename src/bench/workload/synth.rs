@@ -79,6 +79,7 @@ pub(super) const FAMILY_AGENT: u64 = 4;
 pub(super) const FAMILY_ZIPF: u64 = 5;
 pub(super) const FAMILY_TENANTS: u64 = 6;
 pub(super) const FAMILY_BURST: u64 = 7;
+pub(super) const FAMILY_ROLLOUT: u64 = 8;
 
 /// An open conversation or agent run: its prompt so far and what it still has to say.
 pub(super) struct Thread {

@@ -22,12 +22,15 @@ pub enum PolicyKind {
     SglangThreshold,
     /// Two choices with a cache score (the default).
     P2cCache,
+    /// Lowest uncached prefill × batch size (LMetric).
+    LMetric,
 }
 
 impl PolicyKind {
     /// Every policy, in the order reports list them.
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::P2cCache,
+        PolicyKind::LMetric,
         PolicyKind::CacheArgmin,
         PolicyKind::SglangThreshold,
         PolicyKind::Chwbl,
@@ -48,6 +51,7 @@ impl PolicyKind {
             PolicyKind::CacheArgmin => "cache-argmin",
             PolicyKind::SglangThreshold => "sglang-threshold",
             PolicyKind::P2cCache => "p2c-cache",
+            PolicyKind::LMetric => "lmetric",
         }
     }
 }
@@ -60,7 +64,7 @@ impl fmt::Display for PolicyKind {
 
 /// An unknown policy name.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown policy '{0}' (expected one of: round-robin, random, least-load, p2c, chwbl, cache-argmin, sglang-threshold, p2c-cache)")]
+#[error("unknown policy '{0}' (expected one of: round-robin, random, least-load, p2c, chwbl, cache-argmin, sglang-threshold, p2c-cache, lmetric)")]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for PolicyKind {

@@ -9,6 +9,7 @@ mod cache_argmin;
 mod chwbl;
 mod kind;
 mod least_load;
+mod lmetric;
 mod p2c;
 mod p2c_cache;
 mod pick;
@@ -20,6 +21,7 @@ pub use cache_argmin::CacheArgmin;
 pub use chwbl::Chwbl;
 pub use kind::{PolicyKind, UnknownPolicy};
 pub use least_load::LeastLoad;
+pub use lmetric::LMetric;
 pub use p2c::PowerOfTwo;
 pub use p2c_cache::P2cCache;
 pub use pick::{Candidate, Pick, Policy, PolicyInput, Reason};
@@ -46,6 +48,7 @@ impl PolicyKind {
             PolicyKind::P2c => Box::new(PowerOfTwo),
             PolicyKind::Chwbl => Box::new(Chwbl::default()),
             PolicyKind::CacheArgmin => Box::new(CacheArgmin),
+            PolicyKind::LMetric => Box::new(LMetric),
             PolicyKind::SglangThreshold => Box::new(SglangThreshold::default()),
             PolicyKind::P2cCache if !shared_load => Box::new(P2cCache {
                 escape_margin_s: f64::INFINITY,

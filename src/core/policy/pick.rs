@@ -72,6 +72,8 @@ pub enum Reason {
     LowMatch,
     /// cache-argmin: the lowest predicted cost.
     LowestCost,
+    /// lmetric: the lowest uncached prefill × batch size.
+    LowestProduct,
 }
 
 impl Reason {
@@ -90,6 +92,7 @@ impl Reason {
             Reason::CacheMatch => "cache_match",
             Reason::LowMatch => "low_match",
             Reason::LowestCost => "lowest_cost",
+            Reason::LowestProduct => "lowest_product",
         }
     }
 }

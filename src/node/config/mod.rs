@@ -900,7 +900,7 @@ pub struct ServeArgs {
     /// The node's region.
     #[arg(long)]
     pub region: Option<String>,
-    /// Routing policy (p2c-cache, cache-argmin, sglang-threshold, chwbl, p2c, least-load,
+    /// Routing policy (p2c-cache, lmetric, cache-argmin, sglang-threshold, chwbl, p2c, least-load,
     /// round-robin, random).
     #[arg(long)]
     pub policy: Option<String>,

@@ -7,7 +7,7 @@
 //! Decision: a view of N replicas in one region, each with a summary that holds a shared
 //! 2-block system prompt, one of them also the whole prompt (the warm replica), loads varied.
 //! The keys are computed once outside the timed loop: this measures the decision alone.
-//! Figures, and the issue #12 goals on `decision/p2c-cache/{64,512}r-32k`: docs/benchmarks.md,
+//! Figures, and the issue #12 goals on `decision/p2c-cache/{64,512}r-32k`: docs/benchmarks-notebook.md,
 //! "Decision time".
 
 use std::hint::black_box;

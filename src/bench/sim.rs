@@ -2078,7 +2078,7 @@ mod tests {
         // Before peer tips carried a ladder (`core::peer_tips`) the mesh lost a tenth of the
         // small tenants' hits to the big one here and the quota gave them back; now the region's
         // nodes see each small tenant's system prompt where one node would, and keep ~0.95 of
-        // their hits without a quota too (docs/benchmarks.md, tenant KV quotas, round 7). Since
+        // their hits without a quota too (docs/benchmarks-notebook.md, tenant KV quotas, round 7). Since
         // a request's own blocks count against the quota (round 9) the big tenant no longer
         // refills each replica its blocks aged out of, and the quota gains again: 0.404 against
         // 0.390 without and 0.409 alone. Since p2c-cache escapes to a nearly idle replica
@@ -2582,7 +2582,7 @@ mod tests {
         );
     }
 
-    /// Sustained overload (docs/benchmarks.md, "the agent family under overload"): agent runs
+    /// Sustained overload (docs/benchmarks-notebook.md, "the agent family under overload"): agent runs
     /// arriving faster than the fleet can serve them, so every queue grows. Crediting blocks that
     /// are only promised by requests still queued at a replica piled the steps of a run onto it,
     /// where they missed each other, and p2c-cache lost to round-robin. The first 1,000 requests
@@ -2600,7 +2600,7 @@ mod tests {
     fn p2c_cache_no_worse_than_round_robin_under_overload_full_size() {
         agent_overload(8, 200.0, 3000, 3, 8);
     }
-    /// Hot-prefix replication (docs/benchmarks.md, "Hot-prefix replication"): a prefix one
+    /// Hot-prefix replication (docs/benchmarks-notebook.md, "Hot-prefix replication"): a prefix one
     /// replica holds turns hot (1 → 100 requests/s). With it, the owner warms more replicas
     /// within about its budget, and the burst's p99 is no worse than with p2c-cache's own
     /// spreading. (Before the backlog charge the default spread this burst slowly, 0.229 s p99

@@ -171,7 +171,7 @@ const fn live_regional(nodes: usize, regions: usize, kib_per_s: f64) -> Calibrat
 /// mesh endpoint, `kvmesh_mesh_udp_bytes_total`, sent plus received, mean over the nodes) of
 /// idle regional meshes of N `kvmesh serve` processes on loopback, measured with
 /// `scripts/mesh-scale.py --worker-threads 1 --idle-s 15 --replicas-per-region 2` at the node's
-/// defaults (gossip 200 ms, zstd on the wire, region layer every 1 s); docs/benchmarks.md,
+/// defaults (gossip 200 ms, zstd on the wire, region layer every 1 s); docs/benchmarks-notebook.md,
 /// "The mesh at scale". The wire is compressed, so `e` is a compressed digest entry and `h`
 /// carries QUIC's packet and ACK overhead. (The first fit used the issue #17 table: one flat
 /// cluster at 100 ms, uncompressed payload: 10 nodes 57, 30 nodes 166, 60 nodes 436 KiB/s.)

@@ -1,7 +1,7 @@
 //! Per-priority-class results of a simulator run: how many requests each class had, how many
 //! the admission queue refused, and their time to first token (waiting included).
 //!
-//! Exists so the priority figures (docs/benchmarks.md, "Priorities and fairness") compare runs
+//! Exists so the priority figures (docs/benchmarks-notebook.md, "Priorities and fairness") compare runs
 //! with and without `[priorities]` class by class: a request's class is its tenant's
 //! `priority` (else the default class) in both runs, so the rows line up even when the run
 //! without priorities queues nothing.

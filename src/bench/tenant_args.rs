@@ -1,7 +1,7 @@
 //! The tenant flags `kvmesh sim` and `kvmesh bench` share — KV quotas for the nodes, a smaller
 //! replica KV cache, one tenant reported apart — and the per-tenant table both print.
 //!
-//! They exist for the KV-quota figures (docs/benchmarks.md, "Tenant KV quotas"): a quota only
+//! They exist for the KV-quota figures (docs/benchmarks-notebook.md, "Tenant KV quotas"): a quota only
 //! matters when a big tenant's traffic can flush the cache, which at the presets' 450k-token
 //! caches takes far more traffic than a bench run sends; a smaller cache shows the same
 //! dynamics at a rate both instruments replay in minutes.

@@ -1,7 +1,7 @@
 //! The KV-tier flags of `kvmesh sim` and `kvmesh bench`: a CPU tier on every simulated engine,
 //! the link it loads over, and whether the routers weigh CPU hits by that load time.
 //!
-//! They exist for the load-time figures (docs/benchmarks.md, "KV location as a routing
+//! They exist for the load-time figures (docs/benchmarks-notebook.md, "KV location as a routing
 //! signal"): a CPU tier only matters when the working set outgrows the GPU cache, and the
 //! weighting only when routers can tell a CPU hit from a GPU one, which takes exact (KV-event)
 //! home models — `--exact-homes` in the simulator, KV events on in a fleet.

@@ -101,7 +101,7 @@ pub struct HotPrefixConfig {
     pub budget_share: f64,
     /// Warm-ups in flight per prefix, and warm-ups a node may owe its credit (1..=64).
     /// Default 3: a burst of 100 requests/s on an 8k-token prefix wanted about four holders
-    /// (docs/benchmarks.md).
+    /// (docs/benchmarks-notebook.md).
     pub max_warming: u32,
     /// Most holders a warm-up aims for, per prefix (1..=1024). Default 8.
     pub max_holders: u32,

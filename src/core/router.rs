@@ -551,7 +551,6 @@ impl Router {
 
         let uses_cache = self.policy.uses_cache();
         let cost = self.cfg.cost;
-        let tpb = view.tokens_per_block as u64;
         self.candidates.clear();
         // What the spill check and the answer need of the candidates, gathered as they are
         // made (one pass instead of three; gathered again if a KV quota drops some).
@@ -580,69 +579,21 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let (mut hit_blocks, mut credited_blocks) = if uses_cache {
-                let mut h = view.hit_tiers_with(i, req.keys, now, &mut self.scratch);
-                // A peer just routed this prefix here: computed on GPU by the time it counts.
-                if let Some(&(_, t)) = self.tip_hits.iter().find(|(r, _)| *r == i) {
-                    let t = t as usize;
-                    h.gpu = h.gpu.max(t);
-                    h.cpu = h.cpu.max(t);
-                    h.any = h.any.max(t);
-                }
-                (h.any as u32, cost.credited_blocks_on(&r.info, h))
-            } else {
-                (0, 0.0)
+            let work = CandidateWork {
+                uses_cache,
+                cost: &self.cfg.cost,
+                scratch: &mut self.scratch,
+                tip_hits: &self.tip_hits,
+                pending_tips: &self.pending_tips,
+                kv_shares: &mut self.kv_shares,
             };
-            // A burst of one prompt: the whole prompt is being computed there right now (only
-            // where an overlay or a peer's tip could say so: most replicas are looked up no
-            // further).
-            let burst_wait_s = if uses_cache
-                && (hit_blocks as usize) < req.keys.len()
-                && (r.has_overlay() || !self.pending_tips.is_empty())
-            {
-                self.burst_wait_s(view, i, req.keys, now)
-            } else {
-                None
-            };
-            if burst_wait_s.is_some() {
-                hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
-                credited_blocks = f64::from(hit_blocks);
-            }
-            if let Some((slot, _)) = kv_quota {
-                let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
-                self.kv_shares.push(if new_blocks == 0 {
-                    (-1.0, 0.0)
-                } else {
-                    let added =
-                        (new_blocks as u64 * tpb) as f64 / r.info.capacity_tokens.max(1) as f64;
-                    (r.kv_share(slot), added.min(1.0) as f32)
-                });
-            }
-            // `CostModel::queue_s`, with its prefill part kept for the candidate.
-            let outstanding = r.load.outstanding();
-            let prefill_queue_s = cost.prefill_queue_s(r);
-            let queue_s = prefill_queue_s + cost.w_load_s * outstanding as f64;
-            let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
-            let mut cost_s = queue_s + prefill_s;
-            if let Some(wait_s) = burst_wait_s {
-                // It starts once the prompt is computed, not behind the whole queued prefill
-                // (which counts that very computation from its start).
-                let ride_s = wait_s + cost.w_load_s * f64::from(outstanding) + prefill_s;
-                cost_s = cost_s.min(ride_s);
-            }
-            self.candidates.push(Candidate {
-                replica: i,
-                seed: r.seed,
-                hit_blocks,
-                credited_blocks,
-                outstanding,
-                in_flight: r.load.in_flight,
-                queue_s,
-                prefill_queue_s,
-                cost_s,
-                prefill_s,
-            });
-            gathered.add(queue_s, outstanding >= r.info.max_in_flight, hit_blocks);
+            let c = Self::candidate(work, view, req, now, (i, r), kv_quota.map(|(slot, _)| slot));
+            self.candidates.push(c);
+            gathered.add(
+                c.queue_s,
+                c.outstanding >= r.info.max_in_flight,
+                c.hit_blocks,
+            );
         }
         if self.candidates.is_empty() {
             return if quota_blocked {
@@ -710,19 +661,7 @@ impl Router {
             &mut self.rng,
         );
         let chosen = self.candidates[pick.chosen];
-        let fetch = match cost.fetch.mode {
-            FetchMode::Off => None,
-            _ if !uses_cache => None,
-            FetchMode::Priced => self.fetch_plans.get(pick.chosen).copied().flatten(),
-            FetchMode::Reactive => fetch_plan::reactive(
-                &cost.fetch,
-                cost.w_load_s,
-                view,
-                &self.candidates,
-                pick.chosen,
-                req.prompt_tokens,
-            ),
-        };
+        let fetch = self.fetch_for(view, req, pick.chosen);
         let hit_blocks = if uses_cache {
             chosen.hit_blocks
         } else {
@@ -749,6 +688,101 @@ impl Router {
         })
     }
 
+    /// Candidate `i` (replica `r`) for `req`: its hit (summary, overlay, tiers, peers' tips; a
+    /// burst riding on a computation under way), the tenant's KV share it would reach, and its
+    /// queue, prefill and cost.
+    fn candidate(
+        w: CandidateWork<'_>,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        (i, r): (usize, &ReplicaState),
+        kv_slot: Option<u8>,
+    ) -> Candidate {
+        let (uses_cache, cost) = (w.uses_cache, w.cost);
+        let tpb = view.tokens_per_block as u64;
+        let (mut hit_blocks, mut credited_blocks) = if uses_cache {
+            let mut h = view.hit_tiers_with(i, req.keys, now, w.scratch);
+            // A peer just routed this prefix here: computed on GPU by the time it counts.
+            if let Some(&(_, t)) = w.tip_hits.iter().find(|(r, _)| *r == i) {
+                let t = t as usize;
+                h.gpu = h.gpu.max(t);
+                h.cpu = h.cpu.max(t);
+                h.any = h.any.max(t);
+            }
+            (h.any as u32, cost.credited_blocks_on(&r.info, h))
+        } else {
+            (0, 0.0)
+        };
+        // A burst of one prompt: the whole prompt is being computed there right now (only
+        // where an overlay or a peer's tip could say so: most replicas are looked up no
+        // further).
+        let burst_wait_s = if uses_cache
+            && (hit_blocks as usize) < req.keys.len()
+            && (r.has_overlay() || !w.pending_tips.is_empty())
+        {
+            burst_wait_s(w.pending_tips, view, i, req.keys, now)
+        } else {
+            None
+        };
+        if burst_wait_s.is_some() {
+            hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+            credited_blocks = f64::from(hit_blocks);
+        }
+        if let Some(slot) = kv_slot {
+            let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
+            w.kv_shares.push(if new_blocks == 0 {
+                (-1.0, 0.0)
+            } else {
+                let added = (new_blocks as u64 * tpb) as f64 / r.info.capacity_tokens.max(1) as f64;
+                (r.kv_share(slot), added.min(1.0) as f32)
+            });
+        }
+        // `CostModel::queue_s`, with its prefill part kept for the candidate.
+        let outstanding = r.load.outstanding();
+        let prefill_queue_s = cost.prefill_queue_s(r);
+        let queue_s = prefill_queue_s + cost.w_load_s * outstanding as f64;
+        let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
+        let mut cost_s = queue_s + prefill_s;
+        if let Some(wait_s) = burst_wait_s {
+            // It starts once the prompt is computed, not behind the whole queued prefill
+            // (which counts that very computation from its start).
+            let ride_s = wait_s + cost.w_load_s * f64::from(outstanding) + prefill_s;
+            cost_s = cost_s.min(ride_s);
+        }
+        Candidate {
+            replica: i,
+            seed: r.seed,
+            hit_blocks,
+            credited_blocks,
+            outstanding,
+            in_flight: r.load.in_flight,
+            queue_s,
+            prefill_queue_s,
+            cost_s,
+            prefill_s,
+        }
+    }
+
+    /// The KV pull the chosen candidate makes, if any: the one priced into the decision, or
+    /// (reactive) one planned now from the longest holder.
+    fn fetch_for(&self, view: &View, req: &RouteRequest<'_>, chosen: usize) -> Option<KvFetchPlan> {
+        let cost = &self.cfg.cost;
+        match cost.fetch.mode {
+            FetchMode::Off => None,
+            _ if !self.policy.uses_cache() => None,
+            FetchMode::Priced => self.fetch_plans.get(chosen).copied().flatten(),
+            FetchMode::Reactive => fetch_plan::reactive(
+                &cost.fetch,
+                cost.w_load_s,
+                view,
+                &self.candidates,
+                chosen,
+                req.prompt_tokens,
+            ),
+        }
+    }
+
     /// Credits the session's (or, while caches do not tell the candidates apart, the affinity
     /// key's) rendezvous-preferred candidate with `affinity_credit_s`; returns its position.
     fn credit_affinity(&mut self, req: &RouteRequest<'_>) -> Option<usize> {
@@ -772,31 +806,6 @@ impl Router {
         let p = affinity::preferred(key.as_bytes(), self.candidates.iter().map(|c| c.seed))?;
         self.candidates[p].cost_s -= credit_s;
         Some(p)
-    }
-
-    /// Seconds until replica `i` holds the request's whole prompt, when a request routed there
-    /// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
-    /// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
-    /// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
-    /// ride on the first, which computes the prompt once, instead of each landing on an idle
-    /// replica that computes it again. Until the first's prefill ends neither the summary nor
-    /// the counting overlay holds the prompt, and the replica's queue counts that prefill in
-    /// full, so without this every follower looks dearer there than on an idle replica by the
-    /// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
-    /// computation under way would still compute its own part alongside it.
-    fn burst_wait_s(&self, view: &View, i: usize, keys: &[BlockKey], now: Duration) -> Option<f64> {
-        let last = *keys.last()?;
-        let own = view.pending_ready(i, last, now);
-        let peer = self
-            .pending_tips
-            .iter()
-            .find(|(r, _)| *r == i)
-            .map(|(_, ready)| *ready);
-        let ready = match (own, peer) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
-        Some(ready.saturating_sub(now).as_secs_f64())
     }
 
     /// Applies a KV quota of `quota` to the candidates (their shares in `kv_shares`): drops those
@@ -900,6 +909,47 @@ impl Router {
         };
         choose_region(view, &self.cfg.cost, &ask, now)
     }
+}
+
+/// What making one candidate reads and writes of the router, borrowed field by field so that
+/// the tenant's pools (borrowed from the router too) stay readable across the candidate loop.
+struct CandidateWork<'a> {
+    uses_cache: bool,
+    cost: &'a CostModel,
+    scratch: &'a mut HitScratch,
+    tip_hits: &'a [(usize, u32)],
+    pending_tips: &'a [(usize, Duration)],
+    kv_shares: &'a mut Vec<(f32, f32)>,
+}
+
+/// Seconds until replica `i` holds the request's whole prompt, when a request routed there
+/// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
+/// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
+/// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
+/// ride on the first, which computes the prompt once, instead of each landing on an idle
+/// replica that computes it again. Until the first's prefill ends neither the summary nor
+/// the counting overlay holds the prompt, and the replica's queue counts that prefill in
+/// full, so without this every follower looks dearer there than on an idle replica by the
+/// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
+/// computation under way would still compute its own part alongside it.
+fn burst_wait_s(
+    pending_tips: &[(usize, Duration)],
+    view: &View,
+    i: usize,
+    keys: &[BlockKey],
+    now: Duration,
+) -> Option<f64> {
+    let last = *keys.last()?;
+    let own = view.pending_ready(i, last, now);
+    let peer = pending_tips
+        .iter()
+        .find(|(r, _)| *r == i)
+        .map(|(_, ready)| *ready);
+    let ready = match (own, peer) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b)?,
+    };
+    Some(ready.saturating_sub(now).as_secs_f64())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 //! sharing, beside gossip, adds at most about twice `load_share_budget_kib_s` (sent, and as
 //! much received; `node/load_share.rs`). Nothing grows with the total node count N = P·R except
 //! through R. The live figures and the byte
-//! model (`bench/sim_bytes.rs`) are in docs/benchmarks.md.
+//! model (`bench/sim_bytes.rs`) are in docs/benchmarks-notebook.md.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -5,7 +5,7 @@
 //! scrape: health, the scraped load, the summary version and the KV-quota shares. chitchat sends a
 //! changed key's whole value, so a home that republished the full record on every change spent
 //! ~250 bytes a change per replica per peer, and at a thousand busy replicas per region that was
-//! most of the mesh's traffic (docs/benchmarks.md, "The mesh at scale"). The home now publishes
+//! most of the mesh's traffic (docs/benchmarks-notebook.md, "The mesh at scale"). The home now publishes
 //! the full record when a fact changes (or health, or the summary's epoch: news a peer must not
 //! wait for), and otherwise only this companion, with one-letter field names: at once when a
 //! scrape changed the load (once a scrape interval at most), else at most once per

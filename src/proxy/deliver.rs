@@ -249,7 +249,7 @@ async fn serve_pair(
         path: d.u.path,
         headers: &d.headers,
         body: map,
-        first_byte: first_byte_timeout(d.node, d.u.stream()),
+        first_byte: first_byte_timeout(d.node, d.u.stream(), 0.0),
         trace: d.trace,
     };
     // The legs take a copy of the keys into the answer.
@@ -262,13 +262,28 @@ async fn serve_pair(
         })
 }
 
-/// Streams send their headers before the prefill; a whole completion only when done.
-fn first_byte_timeout(node: &Node, stream: bool) -> Duration {
-    Duration::from_millis(if stream {
+/// How far past the replica's predicted time to first token it may answer before it counts
+/// as not answering.
+const FIRST_BYTE_OVER_PREDICTION: f64 = 2.0;
+
+/// The wait for an attempt's first byte. Streams send their headers before the prefill (some
+/// engines and proxies only at the first token); a whole completion only when done. A replica
+/// predicted to need longer than the configured wait (a 100k-token prompt behind a queue)
+/// gets [`FIRST_BYTE_OVER_PREDICTION`] × its prediction, up to `timeouts.first_byte_ms` (what a
+/// whole answer may take): a fixed timeout would blame it for the work it was sent to do, and
+/// the retry elsewhere recomputes the whole prompt (issue #38: agentic turns failed and were
+/// recomputed at 10 s). A wait past `retry.budget_ms` leaves no retry: the request stays where
+/// its prompt is being computed.
+fn first_byte_timeout(node: &Node, stream: bool, predicted_s: f64) -> Duration {
+    let configured = if stream {
         node.cfg.timeouts.stream_first_byte_ms
     } else {
         node.cfg.timeouts.first_byte_ms
-    })
+    };
+    let scaled = Duration::try_from_secs_f64(predicted_s * FIRST_BYTE_OVER_PREDICTION)
+        .unwrap_or_default()
+        .min(Duration::from_millis(node.cfg.timeouts.first_byte_ms));
+    Duration::from_millis(configured).max(scaled)
 }
 
 /// One attempt at a local replica.
@@ -355,7 +370,7 @@ impl Attempt<'_, '_> {
         tried: &mut Vec<usize>,
     ) -> Option<reqwest::Result<reqwest::Response>> {
         let (node, u) = (self.d.node, &self.d.u);
-        let first_byte = first_byte_timeout(node, u.stream());
+        let first_byte = first_byte_timeout(node, u.stream(), t.routed.predicted_s);
         let mut send = std::pin::pin!(send_to(
             node,
             &t.endpoint,
@@ -450,7 +465,7 @@ impl Attempt<'_, '_> {
     ) -> Option<Served> {
         let node = self.d.node;
         let i = t.routed.replica;
-        let first_byte = first_byte_timeout(node, self.d.u.stream());
+        let first_byte = first_byte_timeout(node, self.d.u.stream(), t.routed.predicted_s);
         let (failure, error) = match answer {
             Some(Ok(resp)) if !is_failure(resp.status()) => {
                 return Some(Served {

@@ -57,7 +57,7 @@ pub struct WorkloadArgs {
     /// burst: background_prefixes, prefix_tokens, burst_at_s, burst_s, burst_rate,
     /// burst_prefix_tokens, lead_rate, suffix_tokens, output_tokens; rollout: samples, spread_s,
     /// system_tokens, problem_tokens, output_tokens.
-    /// Defaults and meanings: docs/benchmarks.md and `src/bench/workload/`.
+    /// Defaults and meanings: docs/benchmarks-notebook.md and `src/bench/workload/`.
     #[arg(long = "family-param", value_name = "KEY=VALUE")]
     pub family_params: Vec<String>,
 }

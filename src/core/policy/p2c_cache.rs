@@ -19,7 +19,7 @@
 //! - with no hit anywhere, it is plain power-of-two-choices on cost.
 //!
 //! Both refinements were measured in `kvmesh sim` over the trace and six families, three seeds
-//! (docs/benchmarks.md, "The default policy"): the cheapest near-tie instead of a random one
+//! (docs/benchmarks-notebook.md, "The default policy"): the cheapest near-tie instead of a random one
 //! took chat from 0.078 to 0.071 s mean TTFT and rag from 1.81 to 1.62 s; the backlog charge
 //! took rag (overloaded) to 1.01 s with p99 5.4 → 1.7 s, system-prompt to chwbl's level.
 //!
@@ -31,7 +31,7 @@
 //! seeds chat's p99 was 0.243 s against cache-argmin's 0.194 (9 seeds of 10 behind); charged
 //! by the prefill backlog it is 0.198, and agent's 0.364 → 0.331 (cache-argmin 0.321; all before
 //! peer tips carried a ladder, with which chat reads 0.203 against 0.193 and agent 0.333
-//! against 0.318: docs/benchmarks.md, "Ten seeds").
+//! against 0.318: docs/benchmarks-notebook.md, "Ten seeds").
 
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -58,7 +58,7 @@ pub struct P2cCache {
     /// 0.05. The draw's weights are nearly flat when every cost carries the same large decode term
     /// (`w_load × outstanding`: ~1 s at 200 req/s on 8 replicas), so it finds the one replica that
     /// would answer at once little more than one time in N−1; this is what kept chat's p99 5.6 %
-    /// behind cache-argmin's over ten seeds (docs/benchmarks.md, "Round 10"). At 0.03 or 0.07 s the
+    /// behind cache-argmin's over ten seeds (docs/benchmarks-notebook.md, "Round 10"). At 0.03 or 0.07 s the
     /// ten-seed figures are within noise of 0.05's; at 0.1 s chat's p99 is behind again (+3.3 %).
     /// Infinite turns the escape off, as it is on a node that does not share load with its region's
     /// other nodes (`RouterConfig::shared_load`): with views a scrape old, six nodes all escaped to

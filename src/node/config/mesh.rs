@@ -55,7 +55,7 @@ pub struct MeshSection {
     /// Gossip round interval (ms); also how often the node refreshes its view from gossip.
     /// Default 200: half the messages (and idle bytes and CPU) of 100 ms, for no routing
     /// difference the simulator can see (load travels in load-sharing datagrams, not gossip;
-    /// docs/benchmarks.md, "The mesh at scale").
+    /// docs/benchmarks-notebook.md, "The mesh at scale").
     pub gossip_interval_ms: u64,
     /// Silence after which a node is declared dead (ms); must exceed the gossip interval.
     /// Default 2,000.

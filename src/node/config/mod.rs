@@ -241,7 +241,9 @@ pub struct TimeoutConfig {
     /// The same for a streamed request (`"stream": true`), whose headers engines send before the
     /// prefill: a replica that accepts and never answers holds it this long before it is retried
     /// elsewhere and counted against the replica. At most half of `retry.budget_ms`, so a
-    /// timed-out stream has budget left for another replica. Default 10,000.
+    /// timed-out stream has budget left for another replica. A replica predicted to need
+    /// longer waits twice its predicted time to first token instead, up to `first_byte_ms`.
+    /// Default 10,000.
     pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,

@@ -205,7 +205,11 @@ fn the_picker_overlay_config_follows_its_pool() {
         .replace("${POD_NAME}", "kvmesh-0");
     let cfg = NodeConfig::from_toml(&text).unwrap_or_else(|e| panic!("picker node.toml: {e}"));
     let listen = cfg.picker.listen.map(|a| a.to_string());
-    assert_eq!(listen.as_deref(), Some("0.0.0.0:9002"), "the picker listens on 9002");
+    assert_eq!(
+        listen.as_deref(),
+        Some("0.0.0.0:9002"),
+        "the picker listens on 9002"
+    );
     assert!(text.contains("[picker]\nlisten = \"0.0.0.0:9002\""));
     let k = &cfg.kubernetes[0];
     assert_eq!(k.inference_pool.as_deref(), Some("kvmesh-pool"));

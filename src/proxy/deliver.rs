@@ -618,6 +618,26 @@ mod tests {
     use super::*;
     use crate::node::config::NodeConfig;
 
+    /// A stream waits the configured 10 s for a replica predicted quick, twice the prediction
+    /// for one predicted slow (a long prompt behind a queue), and never past what a whole
+    /// answer may take; a nonsense prediction changes nothing.
+    #[test]
+    fn a_first_byte_wait_follows_the_predicted_time_to_first_token() {
+        crate::proxy::install_crypto_provider();
+        let node = Node::new(NodeConfig::default()).unwrap();
+        let wait = |stream, predicted_s| first_byte_timeout(&node, stream, predicted_s);
+        assert_eq!(wait(true, 0.5), Duration::from_secs(10));
+        assert_eq!(wait(true, 20.0), Duration::from_secs(40));
+        assert_eq!(
+            wait(true, 1e9),
+            Duration::from_secs(300),
+            "capped at first_byte_ms"
+        );
+        assert_eq!(wait(true, f64::NAN), Duration::from_secs(10));
+        assert_eq!(wait(true, -5.0), Duration::from_secs(10));
+        assert_eq!(wait(false, 20.0), Duration::from_secs(300));
+    }
+
     /// Hedging cannot double an overloaded fleet's load: a fifth of the requests awaiting
     /// headers (at least 3) are hedged at once, and a slot comes back when its hedge ends.
     #[test]

@@ -8,6 +8,7 @@
 //! configured. Fallbacks are the next best decisions with the ones named excluded, made by the
 //! same router but not booked: only the endpoint that serves is accounted (`stream.rs`).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::core::router::{Decision, RouteRequest};
@@ -63,42 +64,68 @@ fn ports<'r>(
     (0..ranks).filter_map(move |r| rank_port(port, r, rank_ports))
 }
 
-/// A gateway's subset hint: the `ip:port` (or bare `ip`: any port) entries it allows.
-#[derive(Clone, Copy)]
-pub struct Subset<'a>(pub &'a [String]);
+/// A gateway's subset hint: the `ip:port` (or bare `ip`: any port) entries it allows, parsed
+/// once per request so that checking every replica's ports against it is a set lookup each
+/// (a hint may list thousands of entries). An entry with a port that is not a number allows
+/// nothing.
+pub struct Subset<'a> {
+    /// `host:port` entries, the host without IPv6 brackets.
+    exact: HashSet<(&'a str, u16)>,
+    /// Bare `host` entries, without brackets: any port.
+    any_port: HashSet<&'a str>,
+}
 
 /// `[v6]` and `v6` compare alike.
 fn bare(host: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
-impl Subset<'_> {
+impl<'a> Subset<'a> {
+    /// The entries of a hint (as `wire::subset_hint` reads them).
+    pub fn parse(entries: &'a [String]) -> Self {
+        let mut subset = Subset {
+            exact: HashSet::with_capacity(entries.len()),
+            any_port: HashSet::new(),
+        };
+        for e in entries {
+            match split_entry(e) {
+                (h, Some(Ok(port))) => {
+                    subset.exact.insert((bare(h), port));
+                }
+                (h, None) => {
+                    subset.any_port.insert(bare(h));
+                }
+                (_, Some(Err(_))) => {}
+            }
+        }
+        subset
+    }
+
     /// Whether `host:port` is allowed.
     pub fn allows(&self, host: &str, port: u16) -> bool {
-        self.0.iter().any(|e| {
-            let (h, p) = split_entry(e);
-            bare(h) == bare(host) && p.is_none_or(|p| p == port)
-        })
+        let host = bare(host);
+        self.any_port.contains(host) || self.exact.contains(&(host, port))
     }
 }
 
-/// An entry's host and port (`None`: any port).
-fn split_entry(e: &str) -> (&str, Option<u16>) {
+/// An entry's host and port (`None`: any port; `Some(Err)`: a port that is not a number).
+fn split_entry(e: &str) -> (&str, Option<Result<u16, std::num::ParseIntError>>) {
     if let Some(rest) = e.strip_prefix('[') {
         return match rest.split_once("]:") {
-            Some((h, p)) => (h, p.parse().ok()),
+            Some((h, p)) => (h, Some(p.parse())),
             None => (rest.trim_end_matches(']'), None),
         };
     }
     match e.split_once(':') {
         // One colon: host and port; more: a bare IPv6 address.
-        Some((h, p)) if !p.contains(':') => (h, p.parse().ok()),
+        Some((h, p)) if !p.contains(':') => (h, Some(p.parse())),
         _ => (e, None),
     }
 }
 
-/// Replicas the subset leaves out: those with no allowed `host:port` at any of their ranks.
-pub fn excluded_by(node: &Node, subset: Subset<'_>, rank_ports: &[u16]) -> Vec<usize> {
+/// Replicas the subset leaves out, in ascending order: those with no allowed `host:port` at
+/// any of their ranks.
+pub fn excluded_by(node: &Node, subset: &Subset<'_>, rank_ports: &[u16]) -> Vec<usize> {
     (0..node.replica_count())
         .filter(|&i| {
             let allowed = node.endpoint(i).is_some_and(|e| match authority(&e.base) {
@@ -119,7 +146,7 @@ fn place(
     i: usize,
     base: &str,
     rank: Option<u16>,
-    subset: Option<Subset<'_>>,
+    subset: Option<&Subset<'_>>,
     rank_ports: &[u16],
 ) -> Option<String> {
     let (host, port) = authority(base)?;
@@ -138,7 +165,7 @@ pub fn place_of(
     node: &Node,
     i: usize,
     rank: Option<u16>,
-    subset: Option<Subset<'_>>,
+    subset: Option<&Subset<'_>>,
     rank_ports: &[u16],
 ) -> Option<String> {
     let e = node.endpoint(i)?;
@@ -166,7 +193,7 @@ pub fn name(
     node: &Arc<Node>,
     ticket: &Ticket,
     req: &RouteRequest<'_>,
-    subset: Option<Subset<'_>>,
+    subset: Option<&Subset<'_>>,
     cfg: &PickerSection,
 ) -> Option<Named> {
     let i = ticket.replica();
@@ -216,7 +243,7 @@ pub fn name(
 /// The replica served at `endpoint` (`ip:port`, any of its ranks' ports).
 pub fn replica_at(node: &Node, endpoint: &str, rank_ports: &[u16]) -> Option<usize> {
     let (host, port) = split_entry(endpoint.trim());
-    let port = port?;
+    let port = port?.ok()?;
     (0..node.replica_count()).find(|&i| {
         node.endpoint(i).is_some_and(|e| match authority(&e.base) {
             Some((h, p)) => {
@@ -245,7 +272,7 @@ mod tests {
         let entries: Vec<String> = ["10.0.0.1:8000", "10.0.0.2", "[::1]:9000", "fd00::2"]
             .map(String::from)
             .to_vec();
-        let s = Subset(&entries);
+        let s = Subset::parse(&entries);
         assert!(s.allows("10.0.0.1", 8000));
         assert!(!s.allows("10.0.0.1", 8001));
         assert!(s.allows("10.0.0.2", 1234), "a bare ip allows every port");
@@ -253,8 +280,13 @@ mod tests {
         assert!(s.allows("[fd00::2]", 7));
         assert!(!s.allows("10.0.0.3", 8000));
         assert!(
-            !Subset(&[]).allows("10.0.0.1", 8000),
+            !Subset::parse(&[]).allows("10.0.0.1", 8000),
             "an empty hint allows nothing"
+        );
+        let odd = ["10.0.0.4:http".to_string()];
+        assert!(
+            !Subset::parse(&odd).allows("10.0.0.4", 80),
+            "a port that is not a number allows nothing (it allowed every port)"
         );
     }
 }

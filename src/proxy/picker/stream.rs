@@ -296,13 +296,15 @@ async fn decide_pick(
             .and_then(|p| header_str(r.headers, &p.header)),
     );
     let mut exclude = pinned.unwrap_or_default();
-    if let Some(s) = r.subset {
-        exclude.extend(pick::excluded_by(node, Subset(s), &ctx.cfg.rank_ports));
-        if s.is_empty() || (0..node.replica_count()).all(|i| exclude.contains(&i)) {
+    let subset = r.subset.map(Subset::parse);
+    if let Some(s) = &subset {
+        let outside = pick::excluded_by(node, s, &ctx.cfg.rank_ports);
+        if outside.len() == node.replica_count() {
             return Err(Some(ApiError::unavailable(
                 "no endpoint of the gateway's subset can serve the request",
             )));
         }
+        exclude.extend(outside);
     }
     let keys = std::mem::take(&mut u.keys);
     let route_req = RouteRequest {
@@ -331,8 +333,7 @@ async fn decide_pick(
             ))))
         }
     };
-    let subset = r.subset.map(Subset);
-    let Some(named) = pick::name(node, &ticket, &route_req, subset, &ctx.cfg) else {
+    let Some(named) = pick::name(node, &ticket, &route_req, subset.as_ref(), &ctx.cfg) else {
         return Err(Some(ApiError::unavailable(
             "the chosen replica's URL names no host and port",
         )));
@@ -354,8 +355,10 @@ async fn bodyless(
     subset: Option<&[String]>,
 ) -> Outcome {
     let node = &ctx.node;
+    let subset = subset.map(Subset::parse);
     let excluded = subset
-        .map(|s| pick::excluded_by(node, Subset(s), &ctx.cfg.rank_ports))
+        .as_ref()
+        .map(|s| pick::excluded_by(node, s, &ctx.cfg.rank_ports))
         .unwrap_or_default();
     let best = {
         let core = node.lock();
@@ -363,12 +366,12 @@ async fn bodyless(
             .replicas()
             .iter()
             .enumerate()
-            .filter(|(i, r)| r.health == Health::Healthy && !excluded.contains(i))
+            .filter(|(i, r)| r.health == Health::Healthy && excluded.binary_search(i).is_err())
             .min_by_key(|(_, r)| r.load.outstanding())
             .map(|(i, _)| i)
     };
     let Some(endpoint) =
-        best.and_then(|i| pick::place_of(node, i, None, subset.map(Subset), &ctx.cfg.rank_ports))
+        best.and_then(|i| pick::place_of(node, i, None, subset.as_ref(), &ctx.cfg.rank_ports))
     else {
         let e =
             ApiError::unavailable("no healthy replica the gateway allows can serve the request");

@@ -728,6 +728,20 @@ mod tests {
     use crate::core::view::testing::info;
     use crate::core::view::ReplicaInfo;
 
+    /// `h.plan` by the one node of its region, owning every prefix, at default costs and
+    /// tenants (what most cases here need).
+    fn plan_at(h: &mut HotPrefixes, v: &View, now: Duration, out: &mut Vec<Action>) {
+        h.plan(
+            v,
+            &CostModel::default(),
+            &Tenants::default(),
+            now,
+            1,
+            |_| true,
+            out,
+        );
+    }
+
     const BB: usize = 16;
 
     fn ms(n: u64) -> Duration {
@@ -911,15 +925,7 @@ mod tests {
         let mut v = view(&keys[..8], 10_000);
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1000), &mut out);
         let w = warm_ups(&out);
         assert_eq!(w.len(), 1, "{out:?}");
         assert_eq!(w[0].replica, 1);
@@ -928,27 +934,11 @@ mod tests {
         assert_eq!(w[0].tokens, 8 * 4);
         // The next plan warms another replica, never the same pair twice while in flight.
         out.clear();
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1010),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1010), &mut out);
         assert_eq!(warm_ups(&out)[0].replica, 3);
         // max_warming (2) in flight: nothing more until one ends.
         out.clear();
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1020),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1020), &mut out);
         assert!(out.is_empty(), "{out:?}");
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
@@ -969,15 +959,7 @@ mod tests {
                 v.replica_mut(r).unwrap().load.queued_prefill_tokens = q;
             }
             let mut out = Vec::new();
-            h.plan(
-                &v,
-                &CostModel::default(),
-                &Tenants::default(),
-                ms(1000),
-                1,
-                |_| true,
-                &mut out,
-            );
+            plan_at(&mut h, &v, ms(1000), &mut out);
             warm_ups(&out).iter().map(|w| w.replica).collect::<Vec<_>>()
         };
         // Replica 1, computing it, is the idlest: it will share the load soon, so no warm-up
@@ -996,15 +978,7 @@ mod tests {
         // it at once, and a warm-up would only add prefill.
         let v = view_at(50_000.0, &keys[..8], 1_000_000);
         let mut out = Vec::new();
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1000), &mut out);
         assert!(out.is_empty(), "{out:?}");
         assert_eq!(h.stats().over_budget, 0, "not a budget refusal");
     }
@@ -1015,15 +989,7 @@ mod tests {
         let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
         let mut out = Vec::new();
         // The holder keeps up: no warm-up.
-        h.plan(
-            &view(&keys[..8], 10),
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &view(&keys[..8], 10), ms(1000), &mut out);
         assert!(out.is_empty(), "{out:?}");
         // Swamped, but another node owns the prefix: it warms, this one does not.
         h.plan(
@@ -1040,15 +1006,7 @@ mod tests {
         let mut v = View::new("eu", 4);
         v.upsert(info("r0", "eu"));
         v.upsert(info("r1", "eu"));
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1000), &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
 
@@ -1126,27 +1084,11 @@ mod tests {
         h.credit(10_000);
         let v = view(&keys[..8], 10_000);
         let mut out = Vec::new();
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(1000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(1000), &mut out);
         let key = warm_ups(&out)[0].key;
         out.clear();
         // 25 s (12 τ) without a request: the rate has decayed to nothing.
-        h.plan(
-            &v,
-            &CostModel::default(),
-            &Tenants::default(),
-            ms(26_000),
-            1,
-            |_| true,
-            &mut out,
-        );
+        plan_at(&mut h, &v, ms(26_000), &mut out);
         assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
         assert_eq!(h.hot_count(ms(26_000)), 0);
         assert!(h.candidates.is_empty());

@@ -14,57 +14,12 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvmesh::bench::decision_view;
 use kvmesh::core::hot_prefix::{HotPrefixConfig, HotPrefixes, Observed, WarmScope};
 use kvmesh::core::keys::{text_block_keys, BlockKey, Namespace};
 use kvmesh::core::policy::PolicyKind;
 use kvmesh::core::router::{RouteRequest, Router, RouterConfig};
-use kvmesh::core::summary::{ReplicaSummary, SummaryConfig};
 use kvmesh::core::tenants::Tenants;
-use kvmesh::core::view::{ReplicaInfo, View};
-
-fn prompt(tokens: usize) -> Vec<u8> {
-    // ~4 bytes per token; varied bytes so blocks differ.
-    (0..tokens * 4).map(|i| (i * 31 % 251) as u8).collect()
-}
-
-fn view(replicas: usize, keys: &[BlockKey]) -> View {
-    let cfg = SummaryConfig::for_cluster("bench");
-    let mut v = View::new("eu", 64);
-    for i in 0..replicas {
-        let idx = v.upsert(ReplicaInfo {
-            id: format!("replica-{i}"),
-            url: format!("http://10.0.0.{i}:8000"),
-            region: "eu".into(),
-            zone: String::new(),
-            pool: "shared".into(),
-            models: vec!["llama".into()],
-            capacity_tokens: 450_000,
-            prefill_tokens_per_s: 50_000.0,
-            max_in_flight: 256,
-            pd: Default::default(),
-            kv_load: None,
-        });
-        let mut s = ReplicaSummary::new(1, 7_000, &cfg).expect("summary");
-        s.insert(&keys[..2.min(keys.len())]);
-        if i == replicas / 2 {
-            s.insert(keys);
-        }
-        // Unrelated content, so filters are realistically full.
-        let other: Vec<BlockKey> = (0..5_000u64)
-            .map(|k| BlockKey(k ^ (i as u64) << 40))
-            .collect();
-        s.insert(&other);
-        v.set_summary(idx, s);
-        v.set_engine_load(
-            idx,
-            (i % 5) as u32,
-            (i % 7) as u32,
-            0.5,
-            (i % 5) as u64 * 2048,
-        );
-    }
-    v
-}
 
 fn decisions(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
@@ -73,11 +28,11 @@ fn decisions(c: &mut Criterion) {
             let mut keys = Vec::new();
             text_block_keys(
                 Namespace::new("llama", None, None, None),
-                &prompt(tokens),
+                &decision_view::prompt(tokens),
                 256,
                 &mut keys,
             );
-            let v = view(replicas, &keys);
+            let v = decision_view::view(replicas, &keys).expect("the bench view");
             for policy in [PolicyKind::P2cCache, PolicyKind::RoundRobin] {
                 let mut router = Router::new(
                     RouterConfig {
@@ -100,12 +55,12 @@ fn decisions(c: &mut Criterion) {
     let mut keys = Vec::new();
     text_block_keys(
         Namespace::new("llama", None, None, None),
-        &prompt(32_768),
+        &decision_view::prompt(32_768),
         256,
         &mut keys,
     );
     for replicas in [64usize, 512] {
-        let mut v = view(replicas, &keys);
+        let mut v = decision_view::view(replicas, &keys).expect("the bench view");
         let tip = |replica: usize, blocks: u32| kvmesh::core::peer_tips::Tip {
             replica,
             blocks,
@@ -133,7 +88,7 @@ fn decisions(c: &mut Criterion) {
 
 fn hashing(c: &mut Criterion) {
     let mut g = c.benchmark_group("keys");
-    let text = prompt(32_768);
+    let text = decision_view::prompt(32_768);
     g.throughput(Throughput::Bytes(text.len() as u64));
     let ns = Namespace::new("llama", None, None, None);
     let mut out = Vec::with_capacity(1024);

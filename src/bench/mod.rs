@@ -3,6 +3,7 @@
 //! and `kvmesh bench`, which replays them over HTTP against live endpoints and reports.
 
 pub mod bench_cli;
+pub mod decision_view;
 pub mod delay_line;
 pub mod demo;
 pub mod fleet;

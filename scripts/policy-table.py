@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""The policy table: every `kvmesh sim` workload family x every routing policy x ten seeds.
+
+Answers "is the default (`p2c-cache`) best, or tied, on every workload?" (issue 38) in one
+command, reproducibly: each (workload, seed) is one `kvmesh sim --workload W --seed S --policy
+P1,P2,... --central false` run (3 nodes x 8 replicas, the simulator's defaults), and the script
+prints one Markdown table per question:
+
+1. per workload and policy: mean TTFT, p99 TTFT and hit ratio, each the mean over the seeds;
+2. per workload: the default against LMetric seed by seed (wins / ties / losses on mean and on
+   p99 TTFT), and the default's rank among all policies;
+3. per workload: the best policy on mean and on p99 TTFT and the default's ratio to it.
+
+A tie is a difference within --tie (default 1 %) of the larger value. Every run's
+`sim-report.json` is kept under --out; `--reuse` reads back runs already there (a resumed table).
+
+    scripts/policy-table.py                 # the full table: release build, then ~45 min on 2 cores
+    scripts/policy-table.py --quick         # 3 seeds, 4 policies, the trace cut to 3,000 requests
+    scripts/policy-table.py --no-build --bin target/release/kvmesh --workloads chat,rag --seeds 5
+
+Standard library only (Python >= 3.8). Not part of `cargo test`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Every workload family `kvmesh sim --workload` has (see `kvmesh sim --help`), in table order.
+WORKLOADS = [
+    "trace",
+    "agentic",
+    "system-prompt",
+    "chat",
+    "rag",
+    "agent",
+    "zipf",
+    "tenants",
+    "burst",
+    "rollout",
+]
+# Every policy `--policy` takes (`PolicyKind::ALL`), the default first.
+POLICIES = [
+    "p2c-cache",
+    "lmetric",
+    "cache-argmin",
+    "sglang-threshold",
+    "chwbl",
+    "p2c",
+    "least-load",
+    "round-robin",
+    "random",
+]
+DEFAULT = "p2c-cache"
+RIVAL = "lmetric"
+# --quick: the default, its rival, the two baselines a reader asks about first.
+QUICK_POLICIES = ["p2c-cache", "lmetric", "sglang-threshold", "round-robin"]
+QUICK_SEEDS = 3
+# --quick replays only the start of the Mooncake trace (the whole trace is ~20 s a policy).
+QUICK_TRACE_REQUESTS = 3000
+
+
+def parse_args():
+    root = Path(__file__).resolve().parent.parent
+    p = argparse.ArgumentParser(
+        description="kvmesh sim: every workload x every policy x N seeds, as Markdown tables"
+    )
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_SEEDS} seeds, policies {','.join(QUICK_POLICIES)}, "
+                        f"the trace's first {QUICK_TRACE_REQUESTS} requests")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds 1..N (default 10; 3 with --quick)")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated (default all: {','.join(WORKLOADS)})")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated (default all; must include p2c-cache and lmetric "
+                        "for the head-to-head table)")
+    p.add_argument("--bin", type=Path, default=root / "target" / "release" / "kvmesh",
+                   help="the kvmesh binary (default target/release/kvmesh)")
+    p.add_argument("--no-build", action="store_true",
+                   help="skip `cargo build --release` (use --bin as it is)")
+    p.add_argument("--out", type=Path, default=root / "target" / "policy-table",
+                   help="directory for each run's report, results.json and table.md")
+    p.add_argument("--reuse", action="store_true",
+                   help="read back a (workload, seed) whose sim-report.json is already in --out")
+    p.add_argument("--tie", type=float, default=0.01,
+                   help="relative difference counted as a tie (default 0.01)")
+    p.add_argument("--sim-arg", action="append", default=[],
+                   help="one more argument for every `kvmesh sim` (repeatable), e.g. "
+                        "--sim-arg=--nodes=1")
+    a = p.parse_args()
+    a.seeds = a.seeds if a.seeds is not None else (QUICK_SEEDS if a.quick else 10)
+    if a.seeds < 1:
+        p.error("--seeds must be at least 1")
+    a.workloads = split_list(a.workloads) or WORKLOADS
+    a.policies = split_list(a.policies) or (QUICK_POLICIES if a.quick else POLICIES)
+    unknown = [x for x in a.policies if x not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown} (expected some of {POLICIES})")
+    return a, root
+
+
+def split_list(text):
+    return [x.strip() for x in text.split(",") if x.strip()] if text else []
+
+
+def sim_command(args, workload, seed, out):
+    cmd = [str(args.bin), "sim", "--workload", workload, "--seed", str(seed),
+           "--policy", ",".join(args.policies), "--central", "false", "--out", str(out)]
+    if args.quick and workload.split(":")[0] == "trace":
+        cmd += ["--requests", str(QUICK_TRACE_REQUESTS)]
+    return cmd + args.sim_arg
+
+
+def run_one(args, workload, seed):
+    """One `kvmesh sim` run (all policies, one seed); its reports by policy."""
+    out = args.out / "runs" / workload.replace(":", "_").replace("/", "_") / f"seed-{seed}"
+    report = out / "sim-report.json"
+    if not (args.reuse and report.exists()):
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = sim_command(args, workload, seed, out)
+        with open(out / "sim.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            sys.exit(f"policy-table: `{' '.join(cmd)}` failed ({rc}); see {out / 'sim.log'}")
+    runs = json.loads(report.read_text())
+    by_policy = {r["policy"]: r for r in runs}
+    missing = [p for p in args.policies if p not in by_policy]
+    if missing:
+        sys.exit(f"policy-table: {report} has no run of {missing} (stale? rerun without --reuse)")
+    return {
+        p: {
+            "mean": by_policy[p]["ttft"]["mean"],
+            "p99": by_policy[p]["ttft"]["p99"],
+            "hit": by_policy[p]["hit_token_ratio"],
+            "errors": by_policy[p]["errors"],
+            "requests": by_policy[p]["requests"],
+        }
+        for p in args.policies
+    }
+
+
+def compare(a, b, tie):
+    """-1 when a is lower (better) than b by more than `tie` of the larger, 1 when higher, else 0."""
+    if abs(a - b) <= tie * max(abs(a), abs(b)):
+        return 0
+    return -1 if a < b else 1
+
+
+def fmt_s(x):
+    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}"
+
+
+def mean_of(seeds, policy, key):
+    return statistics.fmean(s[policy][key] for s in seeds)
+
+
+def averages_table(args, results):
+    head = "| workload | " + " | ".join(
+        f"{p}{' (default)' if p == DEFAULT else ''}" for p in args.policies) + " |"
+    rule = "|---|" + "---|" * len(args.policies)
+    lines = [head, rule]
+    for w, seeds in results.items():
+        best_mean = min(mean_of(seeds, p, "mean") for p in args.policies)
+        cells = []
+        for p in args.policies:
+            m, p99, hit = (mean_of(seeds, p, k) for k in ("mean", "p99", "hit"))
+            mean_cell = f"**{fmt_s(m)}**" if m == best_mean else fmt_s(m)
+            cells.append(f"{mean_cell} / {fmt_s(p99)} / {hit:.3f}")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def head_to_head_table(args, results):
+    if DEFAULT not in args.policies or RIVAL not in args.policies:
+        return f"({DEFAULT} against {RIVAL}: both must be among --policies)"
+    lines = [
+        f"| workload | seeds | mean TTFT: {DEFAULT} wins / ties / losses against {RIVAL} "
+        f"| p99 TTFT: wins / ties / losses | hit ratio: higher / ties / lower "
+        f"| {DEFAULT}'s rank by mean (of {len(args.policies)}), per seed |",
+        "|---|---:|---|---|---|---|",
+    ]
+    for w, seeds in results.items():
+        cells = []
+        for key, sign in (("mean", 1), ("p99", 1), ("hit", -1)):
+            c = [sign * compare(s[DEFAULT][key], s[RIVAL][key], args.tie) for s in seeds]
+            cells.append(f"{c.count(-1)} / {c.count(0)} / {c.count(1)}")
+        ranks = []
+        for s in seeds:
+            mine = s[DEFAULT]["mean"]
+            ranks.append(1 + sum(compare(s[p]["mean"], mine, args.tie) < 0
+                                 for p in args.policies if p != DEFAULT))
+        lines.append(f"| {w} | {len(seeds)} | " + " | ".join(cells)
+                     + f" | {' '.join(map(str, ranks))} |")
+    return "\n".join(lines)
+
+
+def best_table(args, results):
+    lines = [
+        f"| workload | best by mean TTFT | {DEFAULT} ÷ best | best by p99 TTFT "
+        f"| {DEFAULT} ÷ best | best hit ratio | {DEFAULT}'s |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    for w, seeds in results.items():
+        cells = []
+        for key in ("mean", "p99"):
+            best = min(args.policies, key=lambda p: mean_of(seeds, p, key))
+            ratio = mean_of(seeds, DEFAULT, key) / max(mean_of(seeds, best, key), 1e-12)
+            cells.append(f"{best} {fmt_s(mean_of(seeds, best, key))} | {ratio:.2f}×")
+        best_hit = max(args.policies, key=lambda p: mean_of(seeds, p, "hit"))
+        cells.append(f"{best_hit} {mean_of(seeds, best_hit, 'hit'):.3f} "
+                     f"| {mean_of(seeds, DEFAULT, 'hit'):.3f}")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def errors_line(args, results):
+    bad = [f"{w} seed {i + 1} {p}: {s[p]['errors']} of {s[p]['requests']}"
+           for w, seeds in results.items() for i, s in enumerate(seeds)
+           for p in args.policies if s[p]["errors"]]
+    return "Errors: " + ("; ".join(bad) if bad else "none") + "."
+
+
+def build(root):
+    print("policy-table: cargo build --release", file=sys.stderr)
+    rc = subprocess.run(["cargo", "build", "--release"], cwd=root).returncode
+    if rc != 0:
+        sys.exit(f"policy-table: cargo build --release failed ({rc})")
+
+
+def main():
+    args, root = parse_args()
+    if not args.no_build:
+        build(root)
+    if not os.access(args.bin, os.X_OK):
+        sys.exit(f"policy-table: no kvmesh binary at {args.bin} (build it, or give --bin)")
+    started = time.monotonic()
+    results = {}
+    for w in args.workloads:
+        t = time.monotonic()
+        results[w] = [run_one(args, w, seed) for seed in range(1, args.seeds + 1)]
+        print(f"policy-table: {w}: {args.seeds} seeds x {len(args.policies)} policies in "
+              f"{time.monotonic() - t:.0f} s", file=sys.stderr)
+    elapsed = time.monotonic() - started
+    example = " ".join(sim_command(args, "W", "S", "DIR")[1:])
+    table = "\n\n".join([
+        f"`kvmesh {example}` for each workload W and seed S in 1..{args.seeds}"
+        + (f" (trace: its first {QUICK_TRACE_REQUESTS} requests)" if args.quick else "")
+        + f"; {len(args.workloads) * args.seeds} runs in {elapsed:.0f} s.",
+        "Mean TTFT (s) / p99 TTFT (s) / hit ratio, each the mean over the seeds; "
+        "the lowest mean TTFT in bold:",
+        averages_table(args, results),
+        f"Seed by seed, {DEFAULT} against {RIVAL} (a tie: within {args.tie:.0%}):",
+        head_to_head_table(args, results),
+        "Best policy per workload (means over the seeds):",
+        best_table(args, results),
+        errors_line(args, results),
+    ]) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table)
+    (args.out / "results.json").write_text(json.dumps(
+        {"seconds": elapsed, "policies": args.policies, "quick": args.quick,
+         "results": results}, indent=1))
+    print(table)
+    print(f"policy-table: {elapsed:.0f} s; written to {args.out}/table.md and results.json",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@
 //! as JSON and Markdown.
 
 use crate::core::region_choice::ForwardChoice;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -20,10 +20,11 @@ use super::sim_classes::{class_markdown, ClassStats};
 use super::sim_pd::{self, SimPd};
 use super::tenant_args::{split_markdown, TenantArgs};
 use super::tier_args::TierArgs;
-use super::workload::{self, WorkloadArgs, WorkloadKind};
+use super::workload::{self, WorkloadArgs, WorkloadKind, WorkloadRequest};
 use crate::core::cost::CostModel;
+use crate::core::kv_load::KvLoad;
 use crate::core::policy::PolicyKind;
-use crate::engine_sim::Preset;
+use crate::engine_sim::{EngineConfig, Preset};
 
 /// Arguments of `kvmesh sim`.
 #[derive(Debug, Args)]
@@ -160,7 +161,8 @@ pub struct SimArgs {
     pub out: PathBuf,
 }
 
-/// Runs `kvmesh sim`.
+/// Runs `kvmesh sim`: builds the runs the flags ask for, simulates each, prints the tables and
+/// writes the reports.
 pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if args.byte_table {
         println!("{}", byte_table(&GossipByteModel::calibrated()));
@@ -171,6 +173,58 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     }
     let loaded = args.workload.load()?;
     let workload = loaded.requests;
+    let (engine, kv_load, fetching) = engine_and_kv_load(&args)?;
+    let policies = if args.policy.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        args.policy.clone()
+    };
+    let base = base_config(&args, engine, kv_load)?;
+    let named = rank_routings(&args)?;
+    let runs = plan_runs(&args, &base, &policies, &named, fetching)?;
+    let ideal = workload::ideal_hit_ratio(&workload);
+    eprintln!(
+        "kvmesh sim: {} ({} requests) on {} nodes x {} replicas in {} region(s) ({}), gossip {} ms \
+         fan-out {}, speedup {}x, {} node failure(s)",
+        args.workload.workload,
+        workload.len(),
+        base.nodes,
+        base.replicas,
+        base.regions,
+        args.preset,
+        args.gossip_ms,
+        args.fanout,
+        args.speedup,
+        base.failures.len()
+    );
+    let (mut reports, names) = run_all(&workload, runs)?;
+    let mut table = markdown(&reports, ideal);
+    table.push('\n');
+    table.push_str(&layout_markdown(&reports));
+    table.push('\n');
+    table.push_str(&bytes_markdown(&args, &reports));
+    let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
+    table.push_str(&pd_markdown(&labelled));
+    table.push_str(&extras_markdown(&base, &reports, &names));
+    let n = base
+        .max_requests
+        .unwrap_or(workload.len())
+        .min(workload.len());
+    let floor = ttft_floor(&workload[..n], &base.engine);
+    table.push_str(&format!(
+        "TTFT floor no router can beat (each request alone on an idle replica holding every block \
+         an earlier request computed): mean {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}\n",
+        floor.mean, floor.p50, floor.p90, floor.p99
+    ));
+    println!("{table}");
+    write_reports(&args.out, &mut reports, &table, ideal)?;
+    eprintln!("reports written to {}", args.out.display());
+    Ok(())
+}
+
+/// The engine of every simulated replica (the preset, its KV capacity and CPU tier), what the
+/// replicas declare to the routers (`kv_load`), and whether any run pulls KV.
+fn engine_and_kv_load(args: &SimArgs) -> anyhow::Result<(EngineConfig, Option<KvLoad>, bool)> {
     let preset = parse_preset(&args.preset)?;
     let mut engine = preset.config();
     if let Some(tokens) = args.tenants.kv_capacity_tokens {
@@ -183,20 +237,24 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         .iter()
         .any(|m| *m != crate::core::kv_fetch::FetchMode::Off);
     if fetching {
-        kv_load = Some(crate::core::kv_load::KvLoad {
+        kv_load = Some(KvLoad {
             hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
-            ..kv_load.unwrap_or(crate::core::kv_load::KvLoad {
+            ..kv_load.unwrap_or(KvLoad {
                 bytes_per_token: engine.kv_bytes_per_token,
                 ..Default::default()
             })
         });
     }
-    let policies = if args.policy.is_empty() {
-        PolicyKind::ALL.to_vec()
-    } else {
-        args.policy.clone()
-    };
-    let base = SimConfig {
+    Ok((engine, kv_load, fetching))
+}
+
+/// The configuration every run shares (its policy, shape and modes are set per run).
+fn base_config(
+    args: &SimArgs,
+    engine: EngineConfig,
+    kv_load: Option<KvLoad>,
+) -> anyhow::Result<SimConfig> {
+    Ok(SimConfig {
         nodes: args.nodes,
         replicas: args.replicas,
         regions: args.regions,
@@ -237,7 +295,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         forward_by: args.forward_by,
         entry_weights: args.entry_weights.clone(),
         ..Default::default()
-    };
+    })
+}
+
+/// `--dp-rank-routing` as "the router names the rank" per run (`true` for `header`); one run
+/// when replicas have a single rank.
+fn rank_routings(args: &SimArgs) -> anyhow::Result<Vec<bool>> {
     let mut named = Vec::new();
     for how in &args.dp_rank_routing {
         match how.as_str() {
@@ -249,7 +312,20 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if args.dp_ranks <= 1 {
         named = vec![true];
     }
-    let shapes = pd_shapes(&args)?;
+    Ok(named)
+}
+
+/// Every run the flags ask for, each with the label appended to its policy's name: P/D shape ×
+/// policy × gossip layout × hot-prefix mode × KV fetch mode × rank routing, then the central
+/// reference.
+fn plan_runs(
+    args: &SimArgs,
+    base: &SimConfig,
+    policies: &[PolicyKind],
+    named: &[bool],
+    fetching: bool,
+) -> anyhow::Result<Vec<(SimConfig, String)>> {
+    let shapes = pd_shapes(args)?;
     let mut runs: Vec<(SimConfig, String)> = Vec::new();
     for (pd, shape) in &shapes {
         let replicas = pd.as_ref().map_or(base.replicas, |x| x.roles.len());
@@ -278,7 +354,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
                 .into_iter()
                 .flat_map(|m| args.kv_fetch.iter().map(move |f| (m.clone(), *f)))
             {
-                for n in &named {
+                for n in named {
                     let hot = if mode.is_some() { " +hot" } else { "" };
                     let rank = match (base.dp_ranks > 1, *n) {
                         (false, _) => "",
@@ -318,27 +394,20 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             String::new(),
         ));
     }
-    let ideal = workload::ideal_hit_ratio(&workload);
-    eprintln!(
-        "kvmesh sim: {} ({} requests) on {} nodes x {} replicas in {} region(s) ({}), gossip {} ms \
-         fan-out {}, speedup {}x, {} node failure(s)",
-        args.workload.workload,
-        workload.len(),
-        base.nodes,
-        base.replicas,
-        base.regions,
-        args.preset,
-        args.gossip_ms,
-        args.fanout,
-        args.speedup,
-        base.failures.len()
-    );
+    Ok(runs)
+}
+
+/// Simulates each run in turn (its time on stderr); the reports and their labelled names.
+fn run_all(
+    workload: &[WorkloadRequest],
+    runs: Vec<(SimConfig, String)>,
+) -> anyhow::Result<(Vec<SimReport>, Vec<String>)> {
     let mut reports = Vec::new();
     let mut names = Vec::new();
     for (cfg, label) in runs {
         let started = Instant::now();
         let mut report =
-            run(&workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
+            run(workload, &cfg).with_context(|| format!("simulating {}", cfg.policy))?;
         if cfg.dp_ranks > 1 {
             report.policy = format!("{} dp={}", report.policy, cfg.dp_ranks);
         }
@@ -351,30 +420,34 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         names.push(report.policy.clone());
         reports.push(report);
     }
-    let mut table = markdown(&reports, ideal);
-    table.push('\n');
-    table.push_str(&layout_markdown(&reports));
-    table.push('\n');
-    if let Some(r) = reports.iter().find(|r| r.policy != CENTRAL_GREEDY) {
-        let shape = MeshShape {
-            layout: r.gossip_layout.parse().unwrap_or_default(),
-            nodes: r.nodes,
-            regions: r.regions,
-            replicas: r.replicas,
-            request_rate: r.arrival_rate,
-            interval_s: Duration::from_millis(args.gossip_ms).as_secs_f64(),
-            fanout: args.fanout,
-        };
-        let this_run = (args.gossip_layout.len() <= 1).then_some(shape.layout);
-        table.push_str(&mesh_bytes_markdown(
-            &GossipByteModel::calibrated(),
-            &shape,
-            this_run,
-        ));
-        table.push('\n');
-    }
-    let labelled: Vec<(String, &SimReport)> = names.iter().cloned().zip(&reports).collect();
-    table.push_str(&pd_markdown(&labelled));
+    Ok((reports, names))
+}
+
+/// The gossip byte model's table for the first routed run's mesh shape (empty when only the
+/// central reference ran).
+fn bytes_markdown(args: &SimArgs, reports: &[SimReport]) -> String {
+    let Some(r) = reports.iter().find(|r| r.policy != CENTRAL_GREEDY) else {
+        return String::new();
+    };
+    let shape = MeshShape {
+        layout: r.gossip_layout.parse().unwrap_or_default(),
+        nodes: r.nodes,
+        regions: r.regions,
+        replicas: r.replicas,
+        request_rate: r.arrival_rate,
+        interval_s: Duration::from_millis(args.gossip_ms).as_secs_f64(),
+        fanout: args.fanout,
+    };
+    let this_run = (args.gossip_layout.len() <= 1).then_some(shape.layout);
+    let mut s = mesh_bytes_markdown(&GossipByteModel::calibrated(), &shape, this_run);
+    s.push('\n');
+    s
+}
+
+/// The tables and lines only some runs have: a tenant reported apart, the burst window and
+/// warm-ups, KV pulls, CPU-tier hits, priority classes.
+fn extras_markdown(base: &SimConfig, reports: &[SimReport], names: &[String]) -> String {
+    let mut table = String::new();
     let splits: Vec<_> = reports
         .iter()
         .filter_map(|r| Some((r.policy.as_str(), r.tenant_split.as_ref()?)))
@@ -396,26 +469,12 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             steered.join(", ")
         ));
     }
-    if let Some(hot) = hot_table(&reports, base.window) {
+    if let Some(hot) = hot_table(reports, base.window) {
         table.push('\n');
         table.push_str(&hot);
     }
     if reports.iter().any(|r| r.kv_fetch.planned > 0) {
-        let lines: Vec<String> = reports
-            .iter()
-            .zip(&names)
-            .map(|(r, name)| {
-                let f = r.kv_fetch;
-                format!(
-                    "{name}: {} planned, {} missed, {:.3} of prompt tokens moved, mean transfer {:.1} ms",
-                    f.planned,
-                    f.missed,
-                    f.tokens as f64 / r.prompt_tokens.max(1) as f64,
-                    1000.0 * f.seconds / (f.planned - f.missed).max(1) as f64
-                )
-            })
-            .collect();
-        table.push_str(&format!("\nKV pulls: {}\n", lines.join("; ")));
+        table.push_str(&pulls_line(reports, names));
     }
     if reports.iter().any(|r| r.cpu_hit_tokens > 0) {
         let cpu: Vec<String> = reports
@@ -443,27 +502,45 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
             .collect();
         table.push_str(&class_markdown(runs.iter().map(|(l, c)| (l.as_str(), *c))));
     }
-    let n = base
-        .max_requests
-        .unwrap_or(workload.len())
-        .min(workload.len());
-    let floor = ttft_floor(&workload[..n], &base.engine);
-    table.push_str(&format!(
-        "TTFT floor no router can beat (each request alone on an idle replica holding every block \
-         an earlier request computed): mean {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}\n",
-        floor.mean, floor.p50, floor.p90, floor.p99
-    ));
-    println!("{table}");
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    table
+}
+
+/// One line of every run's planned KV pulls, misses, tokens moved and mean transfer time.
+fn pulls_line(reports: &[SimReport], names: &[String]) -> String {
+    let lines: Vec<String> = reports
+        .iter()
+        .zip(names)
+        .map(|(r, name)| {
+            let f = r.kv_fetch;
+            format!(
+                "{name}: {} planned, {} missed, {:.3} of prompt tokens moved, mean transfer {:.1} ms",
+                f.planned,
+                f.missed,
+                f.tokens as f64 / r.prompt_tokens.max(1) as f64,
+                1000.0 * f.seconds / (f.planned - f.missed).max(1) as f64
+            )
+        })
+        .collect();
+    format!("\nKV pulls: {}\n", lines.join("; "))
+}
+
+/// Writes `sim-report.json`, `sim-report.md` and the two charts into `out` (the TTFT samples
+/// move out of the reports into the CDF).
+fn write_reports(
+    out: &Path,
+    reports: &mut [SimReport],
+    table: &str,
+    ideal: f64,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let json = serde_json::to_string_pretty(&reports)?;
-    std::fs::write(args.out.join("sim-report.json"), json).context("writing sim-report.json")?;
-    std::fs::write(args.out.join("sim-report.md"), &table).context("writing sim-report.md")?;
+    std::fs::write(out.join("sim-report.json"), json).context("writing sim-report.json")?;
+    std::fs::write(out.join("sim-report.md"), table).context("writing sim-report.md")?;
     let cdf: Vec<(String, Vec<f64>)> = reports
         .iter_mut()
         .map(|r| (r.policy.clone(), std::mem::take(&mut r.ttft_samples)))
         .collect();
-    report::cdf_chart(&args.out.join("sim-ttft-cdf.svg"), &cdf)?;
+    report::cdf_chart(&out.join("sim-ttft-cdf.svg"), &cdf)?;
     let bars: Vec<(String, f64)> = reports
         .iter()
         .map(|r| (r.policy.clone(), r.hit_token_ratio))
@@ -472,8 +549,7 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         label: "ideal (one infinite cache)".into(),
         ratio: ideal,
     };
-    report::ratio_bars_chart(&args.out.join("sim-hit-ratio.svg"), &bars, &[ideal])?;
-    eprintln!("reports written to {}", args.out.display());
+    report::ratio_bars_chart(&out.join("sim-hit-ratio.svg"), &bars, &[ideal])?;
     Ok(())
 }
 

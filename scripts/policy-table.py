@@ -24,6 +24,7 @@ Standard library only (Python >= 3.8). Not part of `cargo test`.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,9 @@ def parse_args():
     p.add_argument("--policies", default=None,
                    help="comma-separated (default all; must include p2c-cache and lmetric "
                         "for the head-to-head table)")
+    p.add_argument("--trace-policies", default=None,
+                   help="policies for the trace, the one workload that takes minutes a run "
+                        "(default: --policies)")
     p.add_argument("--bin", type=Path, default=root / "target" / "release" / "kvmesh",
                    help="the kvmesh binary (default target/release/kvmesh)")
     p.add_argument("--no-build", action="store_true",
@@ -98,7 +102,8 @@ def parse_args():
         p.error("--seeds must be at least 1")
     a.workloads = split_list(a.workloads) or WORKLOADS
     a.policies = split_list(a.policies) or (QUICK_POLICIES if a.quick else POLICIES)
-    unknown = [x for x in a.policies if x not in POLICIES]
+    a.trace_policies = split_list(a.trace_policies) or a.policies
+    unknown = [x for x in a.policies + a.trace_policies if x not in POLICIES]
     if unknown:
         p.error(f"unknown policies {unknown} (expected some of {POLICIES})")
     return a, root
@@ -108,31 +113,52 @@ def split_list(text):
     return [x.strip() for x in text.split(",") if x.strip()] if text else []
 
 
+def is_trace(workload):
+    return workload.split(":")[0] == "trace"
+
+
+def policies_of(args, workload):
+    return args.trace_policies if is_trace(workload) else args.policies
+
+
 def sim_command(args, workload, seed, out):
     cmd = [str(args.bin), "sim", "--workload", workload, "--seed", str(seed),
-           "--policy", ",".join(args.policies), "--central", "false", "--out", str(out)]
-    if args.quick and workload.split(":")[0] == "trace":
+           "--policy", ",".join(policies_of(args, workload)), "--central", "false",
+           "--out", str(out)]
+    if args.quick and is_trace(workload):
         cmd += ["--requests", str(QUICK_TRACE_REQUESTS)]
     return cmd + args.sim_arg
 
 
+def children_cpu_s():
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
 def run_one(args, workload, seed):
-    """One `kvmesh sim` run (all policies, one seed); its reports by policy."""
+    """One `kvmesh sim` run (all policies, one seed): its reports by policy, and its wall and
+    CPU seconds (kept beside the report, so a reused run still counts)."""
     out = args.out / "runs" / workload.replace(":", "_").replace("/", "_") / f"seed-{seed}"
     report = out / "sim-report.json"
+    timing = out / "time.json"
     if not (args.reuse and report.exists()):
         out.mkdir(parents=True, exist_ok=True)
         cmd = sim_command(args, workload, seed, out)
+        wall, cpu = time.monotonic(), children_cpu_s()
         with open(out / "sim.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             sys.exit(f"policy-table: `{' '.join(cmd)}` failed ({rc}); see {out / 'sim.log'}")
+        timing.write_text(json.dumps({"wall_s": time.monotonic() - wall,
+                                      "cpu_s": children_cpu_s() - cpu}))
     runs = json.loads(report.read_text())
     by_policy = {r["policy"]: r for r in runs}
-    missing = [p for p in args.policies if p not in by_policy]
+    policies = policies_of(args, workload)
+    missing = [p for p in policies if p not in by_policy]
     if missing:
         sys.exit(f"policy-table: {report} has no run of {missing} (stale? rerun without --reuse)")
-    return {
+    spent = json.loads(timing.read_text()) if timing.exists() else {"wall_s": 0, "cpu_s": 0}
+    return spent, {
         p: {
             "mean": by_policy[p]["ttft"]["mean"],
             "p99": by_policy[p]["ttft"]["p99"],
@@ -140,7 +166,7 @@ def run_one(args, workload, seed):
             "errors": by_policy[p]["errors"],
             "requests": by_policy[p]["requests"],
         }
-        for p in args.policies
+        for p in policies
     }
 
 
@@ -159,15 +185,25 @@ def mean_of(seeds, policy, key):
     return statistics.fmean(s[policy][key] for s in seeds)
 
 
+def columns(args):
+    """Every policy of any workload, in `POLICIES` order."""
+    wanted = set(args.policies) | set(args.trace_policies)
+    return [p for p in POLICIES if p in wanted]
+
+
 def averages_table(args, results):
+    cols = columns(args)
     head = "| workload | " + " | ".join(
-        f"{p}{' (default)' if p == DEFAULT else ''}" for p in args.policies) + " |"
-    rule = "|---|" + "---|" * len(args.policies)
-    lines = [head, rule]
+        f"{p}{' (default)' if p == DEFAULT else ''}" for p in cols) + " |"
+    lines = [head, "|---|" + "---|" * len(cols)]
     for w, seeds in results.items():
-        best_mean = min(mean_of(seeds, p, "mean") for p in args.policies)
+        present = policies_of(args, w)
+        best_mean = min(mean_of(seeds, p, "mean") for p in present)
         cells = []
-        for p in args.policies:
+        for p in cols:
+            if p not in present:
+                cells.append("—")
+                continue
             m, p99, hit = (mean_of(seeds, p, k) for k in ("mean", "p99", "hit"))
             mean_cell = f"**{fmt_s(m)}**" if m == best_mean else fmt_s(m)
             cells.append(f"{mean_cell} / {fmt_s(p99)} / {hit:.3f}")
@@ -176,15 +212,17 @@ def averages_table(args, results):
 
 
 def head_to_head_table(args, results):
-    if DEFAULT not in args.policies or RIVAL not in args.policies:
-        return f"({DEFAULT} against {RIVAL}: both must be among --policies)"
     lines = [
         f"| workload | seeds | mean TTFT: {DEFAULT} wins / ties / losses against {RIVAL} "
         f"| p99 TTFT: wins / ties / losses | hit ratio: higher / ties / lower "
-        f"| {DEFAULT}'s rank by mean (of {len(args.policies)}), per seed |",
+        f"| {DEFAULT}'s rank by mean TTFT, per seed (of the policies run) |",
         "|---|---:|---|---|---|---|",
     ]
     for w, seeds in results.items():
+        present = policies_of(args, w)
+        if DEFAULT not in present or RIVAL not in present:
+            lines.append(f"| {w} | {len(seeds)} | — | — | — | — |")
+            continue
         cells = []
         for key, sign in (("mean", 1), ("p99", 1), ("hit", -1)):
             c = [sign * compare(s[DEFAULT][key], s[RIVAL][key], args.tie) for s in seeds]
@@ -193,9 +231,9 @@ def head_to_head_table(args, results):
         for s in seeds:
             mine = s[DEFAULT]["mean"]
             ranks.append(1 + sum(compare(s[p]["mean"], mine, args.tie) < 0
-                                 for p in args.policies if p != DEFAULT))
+                                 for p in present if p != DEFAULT))
         lines.append(f"| {w} | {len(seeds)} | " + " | ".join(cells)
-                     + f" | {' '.join(map(str, ranks))} |")
+                     + f" | {' '.join(map(str, ranks))} (of {len(present)}) |")
     return "\n".join(lines)
 
 
@@ -206,12 +244,15 @@ def best_table(args, results):
         "|---|---|---:|---|---:|---|---:|",
     ]
     for w, seeds in results.items():
+        present = policies_of(args, w)
+        if DEFAULT not in present:
+            continue
         cells = []
         for key in ("mean", "p99"):
-            best = min(args.policies, key=lambda p: mean_of(seeds, p, key))
+            best = min(present, key=lambda p: mean_of(seeds, p, key))
             ratio = mean_of(seeds, DEFAULT, key) / max(mean_of(seeds, best, key), 1e-12)
             cells.append(f"{best} {fmt_s(mean_of(seeds, best, key))} | {ratio:.2f}×")
-        best_hit = max(args.policies, key=lambda p: mean_of(seeds, p, "hit"))
+        best_hit = max(present, key=lambda p: mean_of(seeds, p, "hit"))
         cells.append(f"{best_hit} {mean_of(seeds, best_hit, 'hit'):.3f} "
                      f"| {mean_of(seeds, DEFAULT, 'hit'):.3f}")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
@@ -221,7 +262,7 @@ def best_table(args, results):
 def errors_line(args, results):
     bad = [f"{w} seed {i + 1} {p}: {s[p]['errors']} of {s[p]['requests']}"
            for w, seeds in results.items() for i, s in enumerate(seeds)
-           for p in args.policies if s[p]["errors"]]
+           for p in policies_of(args, w) if s[p]["errors"]]
     return "Errors: " + ("; ".join(bad) if bad else "none") + "."
 
 
@@ -239,20 +280,28 @@ def main():
     if not os.access(args.bin, os.X_OK):
         sys.exit(f"policy-table: no kvmesh binary at {args.bin} (build it, or give --bin)")
     started = time.monotonic()
-    results = {}
+    results, wall_s, cpu_s = {}, 0.0, 0.0
     for w in args.workloads:
         t = time.monotonic()
-        results[w] = [run_one(args, w, seed) for seed in range(1, args.seeds + 1)]
-        print(f"policy-table: {w}: {args.seeds} seeds x {len(args.policies)} policies in "
-              f"{time.monotonic() - t:.0f} s", file=sys.stderr)
+        results[w] = []
+        for seed in range(1, args.seeds + 1):
+            spent, by_policy = run_one(args, w, seed)
+            results[w].append(by_policy)
+            wall_s += spent["wall_s"]
+            cpu_s += spent["cpu_s"]
+        print(f"policy-table: {w}: {args.seeds} seeds x {len(policies_of(args, w))} policies "
+              f"in {time.monotonic() - t:.0f} s", file=sys.stderr)
     elapsed = time.monotonic() - started
-    example = " ".join(sim_command(args, "W", "S", "DIR")[1:])
+    commands = [" ".join(sim_command(args, "W", "S", "DIR")[1:])]
+    if args.trace_policies != args.policies or args.quick:
+        commands.append(" ".join(sim_command(args, "trace", "S", "DIR")[1:]))
     table = "\n\n".join([
-        f"`kvmesh {example}` for each workload W and seed S in 1..{args.seeds}"
-        + (f" (trace: its first {QUICK_TRACE_REQUESTS} requests)" if args.quick else "")
-        + f"; {len(args.workloads) * args.seeds} runs in {elapsed:.0f} s.",
+        " and ".join(f"`kvmesh {c}`" for c in commands)
+        + f" for each workload W and seed S in 1..{args.seeds}; "
+        + f"{len(args.workloads) * args.seeds} runs: {wall_s:.0f} s of wall-clock time, "
+        + f"{cpu_s:.0f} CPU-seconds (this invocation: {elapsed:.0f} s).",
         "Mean TTFT (s) / p99 TTFT (s) / hit ratio, each the mean over the seeds; "
-        "the lowest mean TTFT in bold:",
+        "the lowest mean TTFT of a workload in bold; — not run:",
         averages_table(args, results),
         f"Seed by seed, {DEFAULT} against {RIVAL} (a tie: within {args.tie:.0%}):",
         head_to_head_table(args, results),
@@ -263,7 +312,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
     (args.out / "results.json").write_text(json.dumps(
-        {"seconds": elapsed, "policies": args.policies, "quick": args.quick,
+        {"wall_s": wall_s, "cpu_s": cpu_s, "policies": args.policies,
+         "trace_policies": args.trace_policies, "quick": args.quick, "seeds": args.seeds,
          "results": results}, indent=1))
     print(table)
     print(f"policy-table: {elapsed:.0f} s; written to {args.out}/table.md and results.json",

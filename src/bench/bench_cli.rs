@@ -17,7 +17,7 @@ use super::report;
 use super::sim_classes::{class_markdown, ClassStats};
 use super::tenant_args::{class_records, split_markdown, split_records, TenantArgs};
 use super::tier_args::TierArgs;
-use super::workload::WorkloadArgs;
+use super::workload::{WorkloadArgs, WorkloadRequest};
 use crate::core::policy::PolicyKind;
 use crate::node::config::PdProtocol;
 use crate::replicas::kv_events::RankRouting;
@@ -169,7 +169,8 @@ fn label_api(mut runs: Vec<RunResult>, api: Api) -> Vec<RunResult> {
     runs
 }
 
-/// Runs `kvmesh bench`.
+/// Runs `kvmesh bench`: checks the flags, replays the workload (against URLs, or one in-process
+/// fleet per policy), prints the tables and writes the reports.
 pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
     let workload = args.workload.load()?;
     anyhow::ensure!(!workload.requests.is_empty(), "the workload is empty");
@@ -196,6 +197,33 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         super::workload::ideal_hit_ratio(&workload.requests),
         args.api.path()
     );
+    check_modes(&args)?;
+    let runs: Vec<RunResult> = if !args.compare_policies.is_empty() {
+        fleet_runs(&args, &workload.requests, &base).await?
+    } else {
+        url_runs(&args, &workload.requests, &base).await?
+    };
+    let runs = label_api(runs, args.api);
+    print_tables(&args, &runs, &workload.requests)?;
+    let ideal = report::HitReference {
+        label: "ideal (one infinite cache)".into(),
+        ratio: crate::bench::workload::ideal_hit_ratio(&workload.requests),
+    };
+    let files = report::write_all(&args.out, &runs, &[ideal])?;
+    eprintln!(
+        "wrote {}",
+        files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+/// Exactly one of `--url`, `--compare` and `--compare-policies`; the fleet-only flags only with
+/// a fleet.
+fn check_modes(args: &BenchArgs) -> anyhow::Result<()> {
     let modes = [
         !args.url.is_empty(),
         !args.compare.is_empty(),
@@ -216,91 +244,111 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
          --max-in-flight configure an in-process fleet (--compare-policies); for --url targets \
          set them in the nodes' and replicas' configs"
     );
-    let runs: Vec<RunResult> = if !args.compare_policies.is_empty() {
-        let mut engine = super::sim_cli::parse_preset(&args.preset)?.config();
-        engine.time_scale = args.time_scale;
-        if let Some(tokens) = args.tenants.kv_capacity_tokens {
-            engine.kv_capacity_tokens = tokens;
+    Ok(())
+}
+
+/// `--compare-policies`: one in-process fleet per policy, for each P/D shape × rank routing ×
+/// hot-prefix mode.
+async fn fleet_runs(
+    args: &BenchArgs,
+    requests: &[WorkloadRequest],
+    base: &ReplayConfig,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut engine = super::sim_cli::parse_preset(&args.preset)?.config();
+    engine.time_scale = args.time_scale;
+    if let Some(tokens) = args.tenants.kv_capacity_tokens {
+        engine.kv_capacity_tokens = tokens;
+    }
+    args.tiers.apply_engine(&mut engine);
+    let kv_load = args.tiers.kv_load(&engine);
+    let mut tenants = args.tenants.tenant_configs()?;
+    if !args.tenants.priorities {
+        // Without `[priorities]` a node refuses tenants naming classes; the classes then
+        // only label the requests in the per-class table.
+        for t in tenants.values_mut() {
+            t.priority = None;
+            t.max_priority = None;
         }
-        args.tiers.apply_engine(&mut engine);
-        let kv_load = args.tiers.kv_load(&engine);
-        let mut tenants = args.tenants.tenant_configs()?;
-        if !args.tenants.priorities {
-            // Without `[priorities]` a node refuses tenants naming classes; the classes then
-            // only label the requests in the per-class table.
-            for t in tenants.values_mut() {
-                t.priority = None;
-                t.max_priority = None;
-            }
-        }
-        anyhow::ensure!(
-            (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
-            "--dp-ranks must be within 1..={}",
-            crate::replica::MAX_DP_RANKS
-        );
-        let routings = if args.dp_ranks > 1 {
-            args.dp_rank_routing
-                .iter()
-                .map(|s| parse_rank_routing(s))
-                .collect::<anyhow::Result<Vec<_>>>()?
-        } else {
-            vec![RankRouting::Off]
-        };
-        let pds = pd_fleets(&args)?;
-        let mut runs = Vec::new();
-        let hot_modes = args.hot.modes();
-        let hot_modes = &hot_modes;
-        for (pd, rank_routing, hot) in pds.iter().flat_map(|pd| {
-            routings
-                .iter()
-                .flat_map(move |r| hot_modes.iter().map(move |h| (pd.clone(), *r, h.clone())))
-        }) {
-            let fleet = FleetConfig {
-                pd,
-                hot_prefix: hot.unwrap_or_default(),
-                replicas: args.replicas,
-                nodes: args.nodes,
-                time_scale: args.time_scale,
-                engine: engine.clone(),
-                tenants: tenants.clone(),
-                priorities: args.tenants.priorities_config(),
-                max_in_flight: args.tenants.max_in_flight,
-                dp_ranks: args.dp_ranks,
-                rank_routing,
-                kv_events: engine.cpu_capacity_tokens > 0,
-                kv_load,
-                ..FleetConfig::default()
-            };
-            runs.extend(
-                run_fleet_comparison(&workload.requests, &args.compare_policies, &fleet, &base)
-                    .await?,
-            );
-        }
-        runs
+    }
+    anyhow::ensure!(
+        (1..=crate::replica::MAX_DP_RANKS).contains(&args.dp_ranks),
+        "--dp-ranks must be within 1..={}",
+        crate::replica::MAX_DP_RANKS
+    );
+    let routings = if args.dp_ranks > 1 {
+        args.dp_rank_routing
+            .iter()
+            .map(|s| parse_rank_routing(s))
+            .collect::<anyhow::Result<Vec<_>>>()?
     } else {
-        let sets: Vec<Vec<String>> = if args.url.is_empty() {
-            args.compare
-                .iter()
-                .map(|c| c.split('+').map(str::to_owned).collect())
-                .collect()
-        } else {
-            vec![args.url.clone()]
-        };
-        let mut runs = Vec::with_capacity(sets.len());
-        for targets in sets {
-            let cfg = ReplayConfig {
-                label: targets.join("+"),
-                targets,
-                ..base.clone()
-            };
-            let run = replay::replay(&workload.requests, &cfg)
-                .await
-                .with_context(|| format!("replaying against {}", cfg.label))?;
-            runs.push(run);
-        }
-        runs
+        vec![RankRouting::Off]
     };
-    let runs = label_api(runs, args.api);
+    let pds = pd_fleets(args)?;
+    let mut runs = Vec::new();
+    let hot_modes = args.hot.modes();
+    let hot_modes = &hot_modes;
+    for (pd, rank_routing, hot) in pds.iter().flat_map(|pd| {
+        routings
+            .iter()
+            .flat_map(move |r| hot_modes.iter().map(move |h| (pd.clone(), *r, h.clone())))
+    }) {
+        let fleet = FleetConfig {
+            pd,
+            hot_prefix: hot.unwrap_or_default(),
+            replicas: args.replicas,
+            nodes: args.nodes,
+            time_scale: args.time_scale,
+            engine: engine.clone(),
+            tenants: tenants.clone(),
+            priorities: args.tenants.priorities_config(),
+            max_in_flight: args.tenants.max_in_flight,
+            dp_ranks: args.dp_ranks,
+            rank_routing,
+            kv_events: engine.cpu_capacity_tokens > 0,
+            kv_load,
+            ..FleetConfig::default()
+        };
+        runs.extend(run_fleet_comparison(requests, &args.compare_policies, &fleet, base).await?);
+    }
+    Ok(runs)
+}
+
+/// `--url` (one run) or `--compare` (one run per URL set, `a+b` spreading one run over two).
+async fn url_runs(
+    args: &BenchArgs,
+    requests: &[WorkloadRequest],
+    base: &ReplayConfig,
+) -> anyhow::Result<Vec<RunResult>> {
+    let sets: Vec<Vec<String>> = if args.url.is_empty() {
+        args.compare
+            .iter()
+            .map(|c| c.split('+').map(str::to_owned).collect())
+            .collect()
+    } else {
+        vec![args.url.clone()]
+    };
+    let mut runs = Vec::with_capacity(sets.len());
+    for targets in sets {
+        let cfg = ReplayConfig {
+            label: targets.join("+"),
+            targets,
+            ..base.clone()
+        };
+        let run = replay::replay(requests, &cfg)
+            .await
+            .with_context(|| format!("replaying against {}", cfg.label))?;
+        runs.push(run);
+    }
+    Ok(runs)
+}
+
+/// Prints the runs' table, then the burst window / warm-up table, the split tenant's and the
+/// priority classes' where asked for.
+fn print_tables(
+    args: &BenchArgs,
+    runs: &[RunResult],
+    requests: &[WorkloadRequest],
+) -> anyhow::Result<()> {
     let reports: Vec<_> = runs.iter().map(report::summarize).collect();
     println!("{}", report::markdown(&reports));
     let window = args.hot.window_s;
@@ -308,7 +356,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         let rows: Vec<_> = runs
             .iter()
             .zip(&reports)
-            .map(|(run, rep)| bench_row(run, &workload.requests, window, rep.ttft.p99))
+            .map(|(run, rep)| bench_row(run, requests, window, rep.ttft.p99))
             .collect();
         println!("{}", hot_markdown(&rows, window));
     }
@@ -316,7 +364,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         let splits: Vec<_> = runs
             .iter()
             .map(|r| {
-                let split = split_records(&r.records, &workload.requests, tenant, r.time_scale);
+                let split = split_records(&r.records, requests, tenant, r.time_scale);
                 (r.label.clone(), split)
             })
             .collect();
@@ -338,7 +386,7 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
         let rows: Vec<(String, Vec<ClassStats>)> = runs
             .iter()
             .map(|r| {
-                let classes = class_records(&r.records, &workload.requests, &tenants, r.time_scale);
+                let classes = class_records(&r.records, requests, &tenants, r.time_scale);
                 (format!("{} ({label})", r.label), classes)
             })
             .collect();
@@ -347,18 +395,5 @@ pub async fn main(args: BenchArgs) -> anyhow::Result<()> {
             class_markdown(rows.iter().map(|(l, c)| (l.as_str(), c.as_slice())))
         );
     }
-    let ideal = report::HitReference {
-        label: "ideal (one infinite cache)".into(),
-        ratio: crate::bench::workload::ideal_hit_ratio(&workload.requests),
-    };
-    let files = report::write_all(&args.out, &runs, &[ideal])?;
-    eprintln!(
-        "wrote {}",
-        files
-            .iter()
-            .map(|f| f.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
     Ok(())
 }

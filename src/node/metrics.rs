@@ -196,179 +196,119 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new(
+        let reg = Registrar(&registry);
+        let metrics = Metrics {
+            requests: reg.counter_vec(
                 "kvmesh_requests_total",
                 "Requests by replica, policy and outcome",
-            ),
-            &["replica", "policy", "outcome"],
-        )?;
-        let hit_blocks = Histogram::with_opts(
-            HistogramOpts::new(
+                &["replica", "policy", "outcome"],
+            )?,
+            hit_blocks: reg.histogram(
                 "kvmesh_hit_blocks",
                 "Prefix blocks the chosen replica was believed to hold",
-            )
-            .buckets(vec![
-                0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0,
-            ]),
-        )?;
-        let decision_seconds = Histogram::with_opts(
-            HistogramOpts::new(
+                vec![
+                    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0,
+                ],
+            )?,
+            decision_seconds: reg.histogram(
                 "kvmesh_decision_seconds",
                 "Time to make one routing decision",
-            )
-            .buckets(prometheus::exponential_buckets(1e-6, 2.0, 16)?),
-        )?;
-        let first_byte_seconds = HistogramVec::new(
-            HistogramOpts::new(
+                prometheus::exponential_buckets(1e-6, 2.0, 16)?,
+            )?,
+            first_byte_seconds: reg.histogram_vec(
                 "kvmesh_upstream_first_byte_seconds",
                 "Request sent to a replica until its response headers",
-            )
-            .buckets(prometheus::exponential_buckets(0.001, 2.0, 18)?),
-            &["replica"],
-        )?;
-        let in_flight = IntGaugeVec::new(
-            Opts::new(
+                prometheus::exponential_buckets(0.001, 2.0, 18)?,
+                &["replica"],
+            )?,
+            in_flight: reg.gauge_vec(
                 "kvmesh_in_flight",
                 "Requests open at each replica through this node",
-            ),
-            &["replica"],
-        )?;
-        let in_flight_total = IntGauge::new(
-            "kvmesh_in_flight_total",
-            "Requests at this node waiting for response headers",
-        )?;
-        let replica_healthy = IntGaugeVec::new(
-            Opts::new("kvmesh_replica_healthy", "1 when the replica takes traffic"),
-            &["replica"],
-        )?;
-        let retries = IntCounter::new("kvmesh_retries_total", "Attempts after the first")?;
-        let ejections = IntCounterVec::new(
-            Opts::new("kvmesh_ejections_total", "Passive outlier ejections"),
-            &["replica"],
-        )?;
-        let hedges = IntCounterVec::new(
-            Opts::new(
+                &["replica"],
+            )?,
+            in_flight_total: reg.gauge(
+                "kvmesh_in_flight_total",
+                "Requests at this node waiting for response headers",
+            )?,
+            replica_healthy: reg.gauge_vec(
+                "kvmesh_replica_healthy",
+                "1 when the replica takes traffic",
+                &["replica"],
+            )?,
+            retries: reg.counter("kvmesh_retries_total", "Attempts after the first")?,
+            ejections: reg.counter_vec(
+                "kvmesh_ejections_total",
+                "Passive outlier ejections",
+                &["replica"],
+            )?,
+            hedges: reg.counter_vec(
                 "kvmesh_hedges_total",
                 "Requests hedged at a second replica after retry.hedge_after_ms / hedge_whole_after_ms, by outcome",
-            ),
-            &["outcome"],
-        )?;
-        let stream_resumes = IntCounterVec::new(
-            Opts::new(
+                &["outcome"],
+            )?,
+            stream_resumes: reg.counter_vec(
                 "kvmesh_stream_resumes_total",
                 "Streams whose replica failed mid-stream, by API and outcome",
-            ),
-            &["api", "outcome"],
-        )?;
-        let pd_decisions = IntCounterVec::new(
-            Opts::new(
+                &["api", "outcome"],
+            )?,
+            pd_decisions: reg.counter_vec(
                 "kvmesh_pd_decisions_total",
                 "Requests under [pd], by outcome: pair, or whole and why",
-            ),
-            &["outcome"],
-        )?;
-        let pd_legs_failed = IntCounterVec::new(
-            Opts::new(
+                &["outcome"],
+            )?,
+            pd_legs_failed: reg.counter_vec(
                 "kvmesh_pd_legs_failed_total",
                 "Failed legs of disaggregated requests, by leg (prefill, decode)",
-            ),
-            &["leg"],
-        )?;
-        let upstream_failures = IntCounterVec::new(
-            Opts::new(
+                &["leg"],
+            )?,
+            upstream_failures: reg.counter_vec(
                 "kvmesh_upstream_failures_total",
                 "Failed attempts at replicas, by blame: replica (counts towards ejection) or request",
-            ),
-            &["blame"],
-        )?;
-        let scrape_errors = IntCounterVec::new(
-            Opts::new(
+                &["blame"],
+            )?,
+            scrape_errors: reg.counter_vec(
                 "kvmesh_scrape_errors_total",
                 "Failed replica /metrics scrapes",
-            ),
-            &["replica"],
-        )?;
-        let scrape_skipped_lines = IntCounter::new(
-            "kvmesh_scrape_skipped_lines_total",
-            "Unparseable lines in replicas' /metrics",
-        )?;
-        let scrape_refused = IntCounterVec::new(
-            Opts::new(
+                &["replica"],
+            )?,
+            scrape_skipped_lines: reg.counter(
+                "kvmesh_scrape_skipped_lines_total",
+                "Unparseable lines in replicas' /metrics",
+            )?,
+            scrape_refused: reg.counter_vec(
                 "kvmesh_scrape_refused_values_total",
                 "Values in replicas' /metrics outside their bound, refused",
-            ),
-            &["replica"],
-        )?;
-        let cert_reloads = IntCounterVec::new(
-            Opts::new(
+                &["replica"],
+            )?,
+            cert_reloads: reg.counter_vec(
                 "kvmesh_cert_reloads_total",
                 "Certificate reloads, by result (error: refused, the certificates in use stayed)",
-            ),
-            &["result"],
-        )?;
-        registry.register(Box::new(cert_reloads.clone()))?;
-        registry.register(Box::new(scrape_refused.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(hit_blocks.clone()))?;
-        registry.register(Box::new(decision_seconds.clone()))?;
-        registry.register(Box::new(first_byte_seconds.clone()))?;
-        registry.register(Box::new(in_flight.clone()))?;
-        registry.register(Box::new(in_flight_total.clone()))?;
-        registry.register(Box::new(replica_healthy.clone()))?;
-        registry.register(Box::new(retries.clone()))?;
-        registry.register(Box::new(ejections.clone()))?;
-        registry.register(Box::new(upstream_failures.clone()))?;
-        registry.register(Box::new(hedges.clone()))?;
-        registry.register(Box::new(stream_resumes.clone()))?;
-        registry.register(Box::new(pd_decisions.clone()))?;
-        registry.register(Box::new(pd_legs_failed.clone()))?;
-        registry.register(Box::new(scrape_errors.clone()))?;
-        registry.register(Box::new(scrape_skipped_lines.clone()))?;
-        let decisions = DecisionMetrics::new(&registry)?;
-        let receipts = ReceiptMetrics::new(&registry)?;
-        let response_lookups = IntCounterVec::new(
-            Opts::new(
+                &["result"],
+            )?,
+            decisions: DecisionMetrics::new(&registry)?,
+            receipts: ReceiptMetrics::new(&registry)?,
+            response_lookups: reg.counter_vec(
                 "kvmesh_response_lookups_total",
                 "Stored responses looked for on the replicas, by outcome (found, missing)",
-            ),
-            &["outcome"],
-        )?;
-        registry.register(Box::new(response_lookups.clone()))?;
-        // Fixed label sets exist at 0 from the start (dashboards and alerts see them at once).
+                &["outcome"],
+            )?,
+            registry,
+        };
+        metrics.zero_fixed_labels();
+        Ok(metrics)
+    }
+
+    /// Fixed label sets exist at 0 from the start (dashboards and alerts see them at once).
+    fn zero_fixed_labels(&self) {
         for blame in ["replica", "request"] {
-            upstream_failures.with_label_values(&[blame]).reset();
+            self.upstream_failures.with_label_values(&[blame]).reset();
         }
         for outcome in ["sent", "first_won", "hedge_won"] {
-            hedges.with_label_values(&[outcome]).reset();
+            self.hedges.with_label_values(&[outcome]).reset();
         }
         for result in ["ok", "error"] {
-            cert_reloads.with_label_values(&[result]).reset();
+            self.cert_reloads.with_label_values(&[result]).reset();
         }
-        Ok(Metrics {
-            registry,
-            receipts,
-            response_lookups,
-            requests,
-            hit_blocks,
-            decision_seconds,
-            first_byte_seconds,
-            in_flight,
-            in_flight_total,
-            replica_healthy,
-            retries,
-            ejections,
-            upstream_failures,
-            hedges,
-            stream_resumes,
-            pd_decisions,
-            pd_legs_failed,
-            scrape_errors,
-            scrape_skipped_lines,
-            scrape_refused,
-            cert_reloads,
-            decisions,
-        })
     }
 
     /// The text exposition of every metric.
@@ -376,6 +316,71 @@ impl Metrics {
         let mut buf = Vec::with_capacity(8 * 1024);
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+/// Makes metrics and registers each in one registry as it is made, so no handle is left
+/// unregistered and no registration is written apart from its metric.
+struct Registrar<'a>(&'a Registry);
+
+impl Registrar<'_> {
+    /// Registers `metric`; the handle back.
+    fn add<M: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        metric: M,
+    ) -> Result<M, prometheus::Error> {
+        self.0.register(Box::new(metric.clone()))?;
+        Ok(metric)
+    }
+
+    fn counter(&self, name: &str, help: &str) -> Result<IntCounter, prometheus::Error> {
+        self.add(IntCounter::new(name, help)?)
+    }
+
+    fn counter_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<IntCounterVec, prometheus::Error> {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels)?)
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> Result<IntGauge, prometheus::Error> {
+        self.add(IntGauge::new(name, help)?)
+    }
+
+    fn gauge_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<IntGaugeVec, prometheus::Error> {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels)?)
+    }
+
+    fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: Vec<f64>,
+    ) -> Result<Histogram, prometheus::Error> {
+        self.add(Histogram::with_opts(
+            HistogramOpts::new(name, help).buckets(buckets),
+        )?)
+    }
+
+    fn histogram_vec(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: Vec<f64>,
+        labels: &[&str],
+    ) -> Result<HistogramVec, prometheus::Error> {
+        self.add(HistogramVec::new(
+            HistogramOpts::new(name, help).buckets(buckets),
+            labels,
+        )?)
     }
 }
 
@@ -454,141 +459,121 @@ pub struct MeshMetrics {
 }
 
 impl MeshMetrics {
+    /// Creates every mesh metric and registers it in the node's `registry`.
     pub(super) fn new(registry: &prometheus::Registry) -> Result<Self, prometheus::Error> {
-        let vec = |name: &str, help: &str, label: &str| {
-            IntCounterVec::new(Opts::new(name, help), &[label])
-        };
+        let reg = Registrar(registry);
         let m = MeshMetrics {
-            gossip_messages: vec(
+            gossip_messages: reg.counter_vec(
                 "kvmesh_mesh_gossip_messages_total",
                 "Gossip messages by direction",
-                "direction",
+                &["direction"],
             )?,
-            gossip_bytes: vec(
+            gossip_bytes: reg.counter_vec(
                 "kvmesh_mesh_gossip_bytes_total",
                 "Gossip bytes by direction",
-                "direction",
+                &["direction"],
             )?,
-            udp_bytes: vec(
+            udp_bytes: reg.counter_vec(
                 "kvmesh_mesh_udp_bytes_total",
                 "UDP bytes of the mesh endpoint by direction, packet overhead included",
-                "direction",
+                &["direction"],
             )?,
-            directory_served: IntCounter::new(
+            directory_served: reg.counter(
                 "kvmesh_mesh_directory_served_total",
                 "Directory requests answered (nodes joining their region through this one)",
             )?,
-            sync_served: IntCounter::new(
+            sync_served: reg.counter(
                 "kvmesh_mesh_sync_served_total",
                 "Summary requests answered",
             )?,
-            sync_bytes_sent: IntCounter::new(
+            sync_bytes_sent: reg.counter(
                 "kvmesh_mesh_sync_bytes_sent_total",
                 "Bytes of summary responses sent",
             )?,
-            sync_bytes_received: IntCounter::new(
+            sync_bytes_received: reg.counter(
                 "kvmesh_mesh_sync_bytes_received_total",
                 "Bytes of summaries pulled",
             )?,
-            reports: vec(
+            reports: reg.counter_vec(
                 "kvmesh_mesh_block_reports_total",
                 "Routed-block reports by direction",
-                "direction",
+                &["direction"],
             )?,
-            dropped: vec(
+            dropped: reg.counter_vec(
                 "kvmesh_mesh_dropped_total",
                 "Mesh input or output dropped, by reason",
-                "reason",
+                &["reason"],
             )?,
-            pulls: vec(
+            pulls: reg.counter_vec(
                 "kvmesh_mesh_summary_pulls_total",
                 "Summary pulls by kind",
-                "kind",
+                &["kind"],
             )?,
-            forwards: IntCounterVec::new(
-                Opts::new(
-                    "kvmesh_forwards_total",
-                    "Requests forwarded to another region",
-                ),
+            forwards: reg.counter_vec(
+                "kvmesh_forwards_total",
+                "Requests forwarded to another region",
                 &["region", "outcome"],
             )?,
-            forward_warmups: vec(
+            forward_warmups: reg.counter_vec(
                 "kvmesh_forward_warmups_total",
                 "Connections to forwarding targets kept open, by outcome",
-                "outcome",
+                &["outcome"],
             )?,
-            live_members: IntGauge::new("kvmesh_mesh_live_members", "Live mesh members")?,
-            load_updates: vec(
+            live_members: reg.gauge("kvmesh_mesh_live_members", "Live mesh members")?,
+            load_updates: reg.counter_vec(
                 "kvmesh_mesh_load_updates_total",
                 "Load-sharing datagrams by direction",
-                "direction",
+                &["direction"],
             )?,
-            load_bytes: vec(
+            load_bytes: reg.counter_vec(
                 "kvmesh_mesh_load_bytes_total",
                 "Bytes of load-sharing datagrams by direction",
-                "direction",
+                &["direction"],
             )?,
-            load_refused: vec(
+            load_refused: reg.counter_vec(
                 "kvmesh_mesh_load_claims_refused_total",
                 "Peers' load claims ignored or cut to their bounds, by reason",
-                "reason",
+                &["reason"],
             )?,
-            records_ignored: vec(
+            records_ignored: reg.counter_vec(
                 "kvmesh_mesh_records_ignored_total",
                 "Peers' replica records ignored, once per replica, publisher and reason",
-                "reason",
+                &["reason"],
             )?,
-            reports_refused: vec(
+            reports_refused: reg.counter_vec(
                 "kvmesh_mesh_block_reports_refused_total",
                 "Peers' block reports refused, by reason",
-                "reason",
+                &["reason"],
             )?,
-            learned_expired: IntCounter::new(
+            learned_expired: reg.counter(
                 "kvmesh_mesh_learned_expired_total",
                 "Learned replicas expired (withdrawn by their origin, or down with their origin gone), now draining",
             )?,
-            summaries_behind: IntGauge::new(
+            summaries_behind: reg.gauge(
                 "kvmesh_mesh_summaries_behind",
                 "Replicas whose home published a newer summary than this node holds",
             )?,
-            summary_age_max: prometheus::Gauge::new(
+            summary_age_max: reg.add(prometheus::Gauge::new(
                 "kvmesh_mesh_summary_age_max_seconds",
                 "Longest time since a followed replica's summary last changed",
-            )?,
-            sync_rounds: vec(
+            )?)?,
+            sync_rounds: reg.counter_vec(
                 "kvmesh_mesh_sync_rounds_total",
                 "Rounds of the mesh sync loop, by what woke it",
-                "cause",
+                &["cause"],
             )?,
         };
-        registry.register(Box::new(m.sync_rounds.clone()))?;
-        registry.register(Box::new(m.summaries_behind.clone()))?;
-        registry.register(Box::new(m.summary_age_max.clone()))?;
-        registry.register(Box::new(m.records_ignored.clone()))?;
-        registry.register(Box::new(m.reports_refused.clone()))?;
-        registry.register(Box::new(m.learned_expired.clone()))?;
-        registry.register(Box::new(m.gossip_messages.clone()))?;
-        registry.register(Box::new(m.gossip_bytes.clone()))?;
-        registry.register(Box::new(m.udp_bytes.clone()))?;
-        registry.register(Box::new(m.sync_served.clone()))?;
-        registry.register(Box::new(m.directory_served.clone()))?;
-        registry.register(Box::new(m.sync_bytes_sent.clone()))?;
-        registry.register(Box::new(m.sync_bytes_received.clone()))?;
-        registry.register(Box::new(m.reports.clone()))?;
-        registry.register(Box::new(m.dropped.clone()))?;
-        registry.register(Box::new(m.pulls.clone()))?;
-        registry.register(Box::new(m.forwards.clone()))?;
-        registry.register(Box::new(m.forward_warmups.clone()))?;
-        registry.register(Box::new(m.live_members.clone()))?;
-        registry.register(Box::new(m.load_updates.clone()))?;
-        registry.register(Box::new(m.load_bytes.clone()))?;
-        registry.register(Box::new(m.load_refused.clone()))?;
-        // Fixed label sets exist at 0 from the start.
+        m.zero_fixed_labels();
+        Ok(m)
+    }
+
+    /// Fixed label sets exist at 0 from the start.
+    fn zero_fixed_labels(&self) {
         for cause in ["tick", "gossip", "local"] {
-            m.sync_rounds.with_label_values(&[cause]).reset();
+            self.sync_rounds.with_label_values(&[cause]).reset();
         }
         for kind in ["delta", "snapshot", "ignored", "error"] {
-            m.pulls.with_label_values(&[kind]).reset();
+            self.pulls.with_label_values(&[kind]).reset();
         }
         for reason in [
             "not_home",
@@ -599,9 +584,8 @@ impl MeshMetrics {
             "total_cap",
             "registry",
         ] {
-            m.records_ignored.with_label_values(&[reason]).reset();
+            self.records_ignored.with_label_values(&[reason]).reset();
         }
-        Ok(m)
     }
 
     /// Adds what the transport counted since `prev`.

@@ -435,13 +435,61 @@ async fn run_mesh(
     args: &DemoArgs,
     certs: &MeshCerts,
 ) -> anyhow::Result<RunResult> {
-    let mut replicas: Vec<(&str, ReplicaHandle)> = Vec::new();
-    let mut nodes: Vec<RunningNode> = Vec::new();
-    // Each node's delay line (with the node's name), and the client weight of each node.
-    let mut lines: Vec<(String, DelayLine)> = Vec::new();
-    let mut weights: Vec<f64> = Vec::new();
-    let mut front: Option<Haproxy> = None;
+    let mut fleet = DemoFleet::default();
     let result = async {
+        fleet.start_replicas(args).await?;
+        fleet.start_nodes(policy, forward_by, args, certs).await?;
+        wait_ready(&fleet.nodes).await?;
+        wait_regions(&fleet.nodes, args.region_names().len()).await?;
+        let targets = fleet.targets(args, certs).await?;
+        let before: Vec<(u64, u64)> = fleet.nodes.iter().map(mesh_bytes).collect();
+        let started = Instant::now();
+        let cfg = ReplayConfig {
+            targets,
+            // Empty (every node alike) unless the clients sit near some regions.
+            target_weights: if args.entry_weights.is_empty() {
+                Vec::new()
+            } else {
+                std::mem::take(&mut fleet.weights)
+            },
+            seed: args.seed,
+            model: Some(MODEL.into()),
+            speedup: args.speedup() * args.time_scale,
+            time_scale: args.time_scale,
+            label: label.into(),
+            progress: true,
+            ..ReplayConfig::default()
+        };
+        let mut run = replay(workload, &cfg).await?;
+        let secs = started.elapsed().as_secs_f64().max(1e-3);
+        fleet.print_wire_use(&before, secs);
+        run.replicas = fleet.replicas.iter().map(|(_, h)| h.id.clone()).collect();
+        anyhow::Ok(run)
+    }
+    .await;
+    fleet.shutdown().await;
+    result
+}
+
+/// What one demo run started, kept apart from the run itself so that everything started is
+/// stopped even when a later step fails.
+#[derive(Default)]
+struct DemoFleet {
+    /// The simulated replicas, each with its region's name.
+    replicas: Vec<(&'static str, ReplicaHandle)>,
+    /// The kvmesh nodes, region by region.
+    nodes: Vec<RunningNode>,
+    /// Each node's delay line (with the node's name).
+    lines: Vec<(String, DelayLine)>,
+    /// The client weight of each node.
+    weights: Vec<f64>,
+    /// haproxy in front of the entry nodes, with `--haproxy`.
+    front: Option<Haproxy>,
+}
+
+impl DemoFleet {
+    /// Starts `replicas_per_region` simulated replicas in every region.
+    async fn start_replicas(&mut self, args: &DemoArgs) -> anyhow::Result<()> {
         let engine = EngineConfig::default();
         for &region in args.region_names() {
             for i in 0..usize::from(args.replicas_per_region) {
@@ -453,9 +501,21 @@ async fn run_mesh(
                     ..Default::default()
                 };
                 cfg.engine.time_scale = args.time_scale;
-                replicas.push((region, replica::spawn(cfg).await?));
+                self.replicas.push((region, replica::spawn(cfg).await?));
             }
         }
+        Ok(())
+    }
+
+    /// Starts `nodes_per_region` meshed nodes in every region, each over its region's replicas,
+    /// behind a delay line (the regions' distance) when the demo puts one on the wire.
+    async fn start_nodes(
+        &mut self,
+        policy: PolicyKind,
+        forward_by: ForwardChoice,
+        args: &DemoArgs,
+        certs: &MeshCerts,
+    ) -> anyhow::Result<()> {
         let mut seed_addr = None;
         for (g, &region) in args.region_names().iter().enumerate() {
             for n in 0..usize::from(args.nodes_per_region) {
@@ -469,34 +529,7 @@ async fn run_mesh(
                 } else {
                     None
                 };
-                let mut cfg = NodeConfig {
-                    listen: ([127, 0, 0, 1], 0).into(),
-                    debug_headers: true,
-                    region: region.into(),
-                    cluster_id: "kvmesh-demo".into(),
-                    policy: policy.as_str().into(),
-                    seed: nodes.len() as u64,
-                    drain_s: 5,
-                    forward_by,
-                    ..NodeConfig::default()
-                };
-                cfg.health.interval_ms = 200;
-                cfg.scrape.interval_ms = 100;
-                cfg.replicas = replicas
-                    .iter()
-                    .filter(|(r, _)| *r == region)
-                    .map(|(_, h)| NodeReplica {
-                        id: Some(h.id.clone()),
-                        models: vec![MODEL.into()],
-                        capacity_tokens: Some(engine.kv_capacity_tokens as u64),
-                        // Model-time rate, so the cost model works in model seconds.
-                        prefill_tokens_per_s: 1000.0 / engine.prefill_ms_per_token,
-                        max_in_flight: args
-                            .max_in_flight
-                            .unwrap_or(NodeReplica::from_url(h.base_url()).max_in_flight),
-                        ..NodeReplica::from_url(h.base_url())
-                    })
-                    .collect();
+                let mut cfg = self.node_config(region, policy, forward_by, args);
                 cfg.mesh = Some(MeshSection {
                     distance: args.distances(),
                     load_share_interval_ms: args.load_share_ms,
@@ -512,55 +545,88 @@ async fn run_mesh(
                         .peer_addr
                         .context("a meshed node has a listener for forwarded requests")?;
                     line.set_upstream(peer);
-                    lines.push((name, line));
+                    self.lines.push((name, line));
                 }
-                weights.push(match args.entry_weights.get(g) {
+                self.weights.push(match args.entry_weights.get(g) {
                     Some(w) => w / f64::from(args.nodes_per_region),
                     None => 1.0,
                 });
-                nodes.push(node);
+                self.nodes.push(node);
             }
         }
-        wait_ready(&nodes).await?;
-        wait_regions(&nodes, args.region_names().len()).await?;
-        let entry = match args.entry_nodes {
-            0 => nodes.len(),
-            n => n.min(nodes.len()),
+        Ok(())
+    }
+
+    /// The next node's configuration (but its mesh section): `region`'s replicas, fast health
+    /// checks and scrapes, debug headers.
+    fn node_config(
+        &self,
+        region: &str,
+        policy: PolicyKind,
+        forward_by: ForwardChoice,
+        args: &DemoArgs,
+    ) -> NodeConfig {
+        let engine = EngineConfig::default();
+        let mut cfg = NodeConfig {
+            listen: ([127, 0, 0, 1], 0).into(),
+            debug_headers: true,
+            region: region.into(),
+            cluster_id: "kvmesh-demo".into(),
+            policy: policy.as_str().into(),
+            seed: self.nodes.len() as u64,
+            drain_s: 5,
+            forward_by,
+            ..NodeConfig::default()
         };
-        let mut targets: Vec<String> = nodes[..entry]
+        cfg.health.interval_ms = 200;
+        cfg.scrape.interval_ms = 100;
+        cfg.replicas = self
+            .replicas
+            .iter()
+            .filter(|(r, _)| *r == region)
+            .map(|(_, h)| NodeReplica {
+                id: Some(h.id.clone()),
+                models: vec![MODEL.into()],
+                capacity_tokens: Some(engine.kv_capacity_tokens as u64),
+                // Model-time rate, so the cost model works in model seconds.
+                prefill_tokens_per_s: 1000.0 / engine.prefill_ms_per_token,
+                max_in_flight: args
+                    .max_in_flight
+                    .unwrap_or(NodeReplica::from_url(h.base_url()).max_in_flight),
+                ..NodeReplica::from_url(h.base_url())
+            })
+            .collect();
+        cfg
+    }
+
+    /// Where the clients send: the first `entry_nodes` nodes (0: all), or haproxy in front of
+    /// them with `--haproxy`.
+    async fn targets(&mut self, args: &DemoArgs, certs: &MeshCerts) -> anyhow::Result<Vec<String>> {
+        let entry = match args.entry_nodes {
+            0 => self.nodes.len(),
+            n => n.min(self.nodes.len()),
+        };
+        let mut targets: Vec<String> = self.nodes[..entry]
             .iter()
             .map(|n| format!("http://{}", n.addr))
             .collect();
         if args.haproxy {
-            let addrs: Vec<_> = nodes[..entry].iter().map(|n| n.addr).collect();
+            let addrs: Vec<_> = self.nodes[..entry].iter().map(|n| n.addr).collect();
             let proxy = Haproxy::start(&addrs, true, certs.dir()).await?;
             targets = vec![proxy.url.clone()];
-            front = Some(proxy);
+            self.front = Some(proxy);
         }
-        let before: Vec<(u64, u64)> = nodes.iter().map(mesh_bytes).collect();
-        let started = Instant::now();
-        let cfg = ReplayConfig {
-            targets,
-            // Empty (every node alike) unless the clients sit near some regions.
-            target_weights: if args.entry_weights.is_empty() {
-                Vec::new()
-            } else {
-                std::mem::take(&mut weights)
-            },
-            seed: args.seed,
-            model: Some(MODEL.into()),
-            speedup: args.speedup() * args.time_scale,
-            time_scale: args.time_scale,
-            label: label.into(),
-            progress: true,
-            ..ReplayConfig::default()
-        };
-        let mut run = replay(workload, &cfg).await?;
-        let secs = started.elapsed().as_secs_f64().max(1e-3);
-        if nodes.len() > 1 {
-            let per_node: Vec<String> = nodes
+        Ok(targets)
+    }
+
+    /// Prints each node's mesh traffic since `before` over `secs` of the run and the
+    /// connections peers opened to each node across the delay lines.
+    fn print_wire_use(&self, before: &[(u64, u64)], secs: f64) {
+        if self.nodes.len() > 1 {
+            let per_node: Vec<String> = self
+                .nodes
                 .iter()
-                .zip(&before)
+                .zip(before)
                 .map(|(n, b)| {
                     let a = mesh_bytes(n);
                     format!(
@@ -575,10 +641,11 @@ async fn run_mesh(
                 per_node.join("; ")
             );
         }
-        if !lines.is_empty() {
+        if !self.lines.is_empty() {
             // Peers' connections to each node (warm-ups and forwards; HTTP/2, so one per peer
             // unless one was lost): each new one paid its handshakes across the regions.
-            let opened: Vec<String> = lines
+            let opened: Vec<String> = self
+                .lines
                 .iter()
                 .map(|(name, line)| format!("{name} {}", line.connections()))
                 .collect();
@@ -587,19 +654,19 @@ async fn run_mesh(
                 opened.join(", ")
             );
         }
-        run.replicas = replicas.iter().map(|(_, h)| h.id.clone()).collect();
-        anyhow::Ok(run)
     }
-    .await;
-    drop(front);
-    for n in nodes {
-        n.shutdown().await;
+
+    /// Stops everything: haproxy, the nodes (each draining), the delay lines, the replicas.
+    async fn shutdown(self) {
+        drop(self.front);
+        for n in self.nodes {
+            n.shutdown().await;
+        }
+        drop(self.lines);
+        for (_, r) in self.replicas {
+            r.shutdown().await;
+        }
     }
-    drop(lines);
-    for (_, r) in replicas {
-        r.shutdown().await;
-    }
-    result
 }
 
 /// Waits until every node knows every other region's record and holds a connection to the

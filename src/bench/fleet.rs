@@ -23,6 +23,7 @@ use crate::engine_sim::EngineConfig;
 use crate::mesh::certs;
 use crate::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
 use crate::proxy::{self, RunningNode};
+use crate::replica::ReplicaHandle;
 use crate::replicas::kv_events::{KvEventsSource, RankRouting};
 use crate::tokenize::{TokenizerConfig, BUILTIN_SIM};
 
@@ -215,98 +216,11 @@ pub async fn run_fleet(
     let mut replicas = Vec::with_capacity(replica_count);
     let mut nodes: Vec<RunningNode> = Vec::with_capacity(fleet.nodes);
     let result = async {
-        for i in 0..replica_count {
-            let mut cfg = crate::replica::ReplicaConfig {
-                id: format!("replica-{i}"),
-                model: fleet.model.clone(),
-                engine: fleet.engine.clone(),
-                exit_on_crash: false,
-                dp_ranks: fleet.dp_ranks,
-                kv_events: (fleet.dp_ranks > 1 || fleet.kv_events)
-                    .then(crate::replica::KvEventsConfig::default),
-                ..Default::default()
-            };
-            cfg.engine.time_scale = fleet.time_scale;
-            if let Some(pd) = &fleet.pd {
-                pd.apply_replica(i, &mut cfg)?;
-            }
-            replicas.push(crate::replica::spawn(cfg).await?);
-        }
-        // A replica's rate is its ranks' together (each rank is one engine).
-        let ranks = f64::from(fleet.dp_ranks.max(1));
-        let prefill_rate = ranks * 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
-        let multi_rank = fleet.dp_ranks > 1;
+        start_replicas(fleet, replica_count, &mut replicas).await?;
         // Follow the replicas' KV events (exact models): always with ranks, or when asked.
-        let follow = multi_rank || fleet.kv_events;
+        let follow = fleet.dp_ranks > 1 || fleet.kv_events;
         for (n, name) in names.iter().enumerate() {
-            let mut cfg = NodeConfig {
-                listen: ([127, 0, 0, 1], 0).into(),
-                // The replay reads which replica served from `x-kvmesh-routed-to`.
-                debug_headers: true,
-                policy: policy.as_str().into(),
-                seed: replay_cfg.seed.wrapping_add(n as u64),
-                drain_s: 5,
-                tenants: fleet.tenants.clone(),
-                hot_prefix: fleet.hot_prefix.clone(),
-                // Deadlines are in wall-clock time: scaled, so they mean the same in model time.
-                priorities: fleet.priorities.clone().map(|mut p| {
-                    for c in &mut p.classes {
-                        c.max_wait_ms =
-                            ((c.max_wait_ms as f64 / fleet.time_scale.max(1.0)) as u64).max(1);
-                    }
-                    p
-                }),
-                ..NodeConfig::default()
-            };
-            cfg.health.interval_ms = 200;
-            cfg.scrape.interval_ms = 100;
-            if follow {
-                // Keys equal to the events' keys, so the per-rank models answer.
-                cfg.tokenizer = Some(TokenizerConfig {
-                    path: BUILTIN_SIM.into(),
-                    chat_template_config: None,
-                    block_size: u32::try_from(fleet.engine.block_tokens).ok(),
-                    models: vec![fleet.model.clone()],
-                });
-            }
-            if let Some(pd) = &fleet.pd {
-                pd.apply_node(&mut cfg);
-            }
-            cfg.replicas = replicas
-                .iter()
-                .map(|r| NodeReplica {
-                    id: Some(r.id.clone()),
-                    models: vec![fleet.model.clone()],
-                    // An exact model holds the CPU tier's blocks too: its summary is sized
-                    // for both.
-                    capacity_tokens: Some(
-                        (fleet.engine.kv_capacity_tokens + fleet.engine.cpu_capacity_tokens) as u64
-                            * u64::from(fleet.dp_ranks.max(1)),
-                    ),
-                    kv_load: fleet.kv_load,
-                    kv_events: r
-                        .kv_events_port
-                        .filter(|_| follow)
-                        .map(|port| KvEventsSource {
-                            replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
-                            dp_ranks: fleet.dp_ranks,
-                            rank_routing: Some(fleet.rank_routing),
-                            ..KvEventsSource::new(format!("tcp://127.0.0.1:{port}"))
-                        }),
-                    // Model-time rate: the node's cost model then works in model seconds, like
-                    // its w_load and spill thresholds.
-                    prefill_tokens_per_s: prefill_rate,
-                    max_in_flight: fleet
-                        .max_in_flight
-                        .unwrap_or(NodeReplica::from_url(r.base_url()).max_in_flight),
-                    ..NodeReplica::from_url(r.base_url())
-                })
-                .collect();
-            if let Some(pd) = &fleet.pd {
-                for (i, (entry, r)) in cfg.replicas.iter_mut().zip(&replicas).enumerate() {
-                    pd.apply_entry(i, r, entry);
-                }
-            }
+            let mut cfg = node_config(policy, fleet, replay_cfg, n, &replicas);
             if let Some(certs) = &certs {
                 let seed = nodes.first().and_then(|f| f.node.mesh()).map(|m| m.addr());
                 cfg.mesh = Some(mesh_section(name, certs, seed));
@@ -317,29 +231,12 @@ pub async fn run_fleet(
         if follow {
             wait_exact(&nodes, replica_count).await?;
         }
-        let label = if replay_cfg.label == ReplayConfig::default().label && multi_rank {
-            let how = match fleet.rank_routing {
-                RankRouting::Header => "header",
-                RankRouting::Body => "body",
-                RankRouting::Off => "off",
-            };
-            format!("{} dp={} rank={how}", policy.as_str(), fleet.dp_ranks)
-        } else if replay_cfg.label == ReplayConfig::default().label && fleet.hot_prefix.enabled {
-            format!("{} +hot", policy.as_str())
-        } else if replay_cfg.label == ReplayConfig::default().label && fleet.pd.is_some() {
-            let shape = fleet.pd.as_ref().map(FleetPd::label).unwrap_or_default();
-            format!("{} {shape}", policy.as_str())
-        } else if replay_cfg.label == ReplayConfig::default().label {
-            policy.as_str().to_owned()
-        } else {
-            replay_cfg.label.clone()
-        };
         let cfg = ReplayConfig {
             targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),
             model: Some(fleet.model.clone()),
             speedup: replay_cfg.speedup * fleet.time_scale,
             time_scale: fleet.time_scale,
-            label,
+            label: run_label(policy, fleet, replay_cfg),
             ..replay_cfg.clone()
         };
         let mut run = replay(workload, &cfg).await?;
@@ -359,6 +256,139 @@ pub async fn run_fleet(
         r.shutdown().await;
     }
     result
+}
+
+/// Starts the fleet's `count` simulated replicas into `replicas` (there, they are stopped even
+/// when a later one fails to start).
+async fn start_replicas(
+    fleet: &FleetConfig,
+    count: usize,
+    replicas: &mut Vec<ReplicaHandle>,
+) -> anyhow::Result<()> {
+    for i in 0..count {
+        let mut cfg = crate::replica::ReplicaConfig {
+            id: format!("replica-{i}"),
+            model: fleet.model.clone(),
+            engine: fleet.engine.clone(),
+            exit_on_crash: false,
+            dp_ranks: fleet.dp_ranks,
+            kv_events: (fleet.dp_ranks > 1 || fleet.kv_events)
+                .then(crate::replica::KvEventsConfig::default),
+            ..Default::default()
+        };
+        cfg.engine.time_scale = fleet.time_scale;
+        if let Some(pd) = &fleet.pd {
+            pd.apply_replica(i, &mut cfg)?;
+        }
+        replicas.push(crate::replica::spawn(cfg).await?);
+    }
+    Ok(())
+}
+
+/// Node `n`'s configuration (but its mesh section): every replica of the fleet, at model-time
+/// rates, following their KV events where the fleet asks for exact models.
+fn node_config(
+    policy: PolicyKind,
+    fleet: &FleetConfig,
+    replay_cfg: &ReplayConfig,
+    n: usize,
+    replicas: &[ReplicaHandle],
+) -> NodeConfig {
+    // A replica's rate is its ranks' together (each rank is one engine).
+    let ranks = f64::from(fleet.dp_ranks.max(1));
+    let prefill_rate = ranks * 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
+    // Follow the replicas' KV events (exact models): always with ranks, or when asked.
+    let follow = fleet.dp_ranks > 1 || fleet.kv_events;
+    let mut cfg = NodeConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        // The replay reads which replica served from `x-kvmesh-routed-to`.
+        debug_headers: true,
+        policy: policy.as_str().into(),
+        seed: replay_cfg.seed.wrapping_add(n as u64),
+        drain_s: 5,
+        tenants: fleet.tenants.clone(),
+        hot_prefix: fleet.hot_prefix.clone(),
+        // Deadlines are in wall-clock time: scaled, so they mean the same in model time.
+        priorities: fleet.priorities.clone().map(|mut p| {
+            for c in &mut p.classes {
+                c.max_wait_ms = ((c.max_wait_ms as f64 / fleet.time_scale.max(1.0)) as u64).max(1);
+            }
+            p
+        }),
+        ..NodeConfig::default()
+    };
+    cfg.health.interval_ms = 200;
+    cfg.scrape.interval_ms = 100;
+    if follow {
+        // Keys equal to the events' keys, so the per-rank models answer.
+        cfg.tokenizer = Some(TokenizerConfig {
+            path: BUILTIN_SIM.into(),
+            chat_template_config: None,
+            block_size: u32::try_from(fleet.engine.block_tokens).ok(),
+            models: vec![fleet.model.clone()],
+        });
+    }
+    if let Some(pd) = &fleet.pd {
+        pd.apply_node(&mut cfg);
+    }
+    cfg.replicas = replicas
+        .iter()
+        .map(|r| NodeReplica {
+            id: Some(r.id.clone()),
+            models: vec![fleet.model.clone()],
+            // An exact model holds the CPU tier's blocks too: its summary is sized for both.
+            capacity_tokens: Some(
+                (fleet.engine.kv_capacity_tokens + fleet.engine.cpu_capacity_tokens) as u64
+                    * u64::from(fleet.dp_ranks.max(1)),
+            ),
+            kv_load: fleet.kv_load,
+            kv_events: r
+                .kv_events_port
+                .filter(|_| follow)
+                .map(|port| KvEventsSource {
+                    replay: r.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+                    dp_ranks: fleet.dp_ranks,
+                    rank_routing: Some(fleet.rank_routing),
+                    ..KvEventsSource::new(format!("tcp://127.0.0.1:{port}"))
+                }),
+            // Model-time rate: the node's cost model then works in model seconds, like its
+            // w_load and spill thresholds.
+            prefill_tokens_per_s: prefill_rate,
+            max_in_flight: fleet
+                .max_in_flight
+                .unwrap_or(NodeReplica::from_url(r.base_url()).max_in_flight),
+            ..NodeReplica::from_url(r.base_url())
+        })
+        .collect();
+    if let Some(pd) = &fleet.pd {
+        for (i, (entry, r)) in cfg.replicas.iter_mut().zip(replicas).enumerate() {
+            pd.apply_entry(i, r, entry);
+        }
+    }
+    cfg
+}
+
+/// The run's label: the replay's own, or (left "run") the policy with what sets the fleet
+/// apart (ranks and their routing, warm-ups, a P/D shape).
+fn run_label(policy: PolicyKind, fleet: &FleetConfig, replay_cfg: &ReplayConfig) -> String {
+    let unlabelled = replay_cfg.label == ReplayConfig::default().label;
+    if unlabelled && fleet.dp_ranks > 1 {
+        let how = match fleet.rank_routing {
+            RankRouting::Header => "header",
+            RankRouting::Body => "body",
+            RankRouting::Off => "off",
+        };
+        format!("{} dp={} rank={how}", policy.as_str(), fleet.dp_ranks)
+    } else if unlabelled && fleet.hot_prefix.enabled {
+        format!("{} +hot", policy.as_str())
+    } else if unlabelled && fleet.pd.is_some() {
+        let shape = fleet.pd.as_ref().map(FleetPd::label).unwrap_or_default();
+        format!("{} {shape}", policy.as_str())
+    } else if unlabelled {
+        policy.as_str().to_owned()
+    } else {
+        replay_cfg.label.clone()
+    }
 }
 
 /// Runs [`run_fleet`] once per policy, each on a fresh fleet, in order. What `kvmesh bench

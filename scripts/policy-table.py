@@ -260,10 +260,21 @@ def best_table(args, results):
 
 
 def errors_line(args, results):
-    bad = [f"{w} seed {i + 1} {p}: {s[p]['errors']} of {s[p]['requests']}"
-           for w, seeds in results.items() for i, s in enumerate(seeds)
-           for p in policies_of(args, w) if s[p]["errors"]]
-    return "Errors: " + ("; ".join(bad) if bad else "none") + "."
+    """Requests that failed (e.g. a prompt longer than the engine's context), per workload: one
+    figure when every run of it had the same, else per policy the fewest and most."""
+    parts = []
+    for w, seeds in results.items():
+        counts = {(s[p]["errors"], s[p]["requests"]) for s in seeds for p in policies_of(args, w)}
+        if all(e == 0 for e, _ in counts):
+            continue
+        if len(counts) == 1:
+            (e, n), = counts
+            parts.append(f"{w}: {e} of {n} in every run")
+            continue
+        per = [f"{p} {min(s[p]['errors'] for s in seeds)}–{max(s[p]['errors'] for s in seeds)}"
+               for p in policies_of(args, w)]
+        parts.append(f"{w}: {', '.join(per)} of {seeds[0][policies_of(args, w)[0]]['requests']}")
+    return "Failed requests: " + ("; ".join(parts) if parts else "none") + "."
 
 
 def build(root):

@@ -152,7 +152,11 @@ def run_one(args, workload, seed):
         timing.write_text(json.dumps({"wall_s": time.monotonic() - wall,
                                       "cpu_s": children_cpu_s() - cpu}))
     runs = json.loads(report.read_text())
-    by_policy = {r["policy"]: r for r in runs}
+    # A run's name is its policy and what --sim-arg added ("p2c-cache +hot"): one run a policy.
+    by_policy = {r["policy"].split()[0]: r for r in runs}
+    if len(by_policy) != len(runs):
+        sys.exit(f"policy-table: {report} has several runs of one policy (a --sim-arg making "
+                 "variants, such as --hot-prefix both?)")
     policies = policies_of(args, workload)
     missing = [p for p in policies if p not in by_policy]
     if missing:

@@ -14,8 +14,10 @@ prints one Markdown table per question:
 A tie is a difference within --tie (default 1 %) of the larger value. Every run's
 `sim-report.json` is kept under --out; `--reuse` reads back runs already there (a resumed table).
 
-    scripts/policy-table.py                 # the full table: release build, then ~45 min on 2 cores
-    scripts/policy-table.py --quick         # 3 seeds, 4 policies, the trace cut to 3,000 requests
+    scripts/policy-table.py                 # everything: a release build, then the trace is most of it
+    scripts/policy-table.py --quick         # 3 seeds, 4 policies, 3,000 trace requests: ~75 CPU-s
+    # the figures in docs/benchmarks.md (920 CPU-seconds; the trace with five policies):
+    scripts/policy-table.py --trace-policies p2c-cache,lmetric,sglang-threshold,least-load,round-robin
     scripts/policy-table.py --no-build --bin target/release/kvmesh --workloads chat,rag --seeds 5
 
 Standard library only (Python >= 3.8). Not part of `cargo test`.

@@ -54,6 +54,8 @@ pub struct SummarySlices {
     groups: Vec<Group>,
     /// By replica index: the kind it is a member of and the filter its column holds.
     members: Vec<Option<Member>>,
+    /// Per slice and kind (`slice * MAX_GROUPS + kind`): its members in the slice, a bit each.
+    member_masks: Vec<u64>,
 }
 
 impl Default for SummarySlices {
@@ -63,6 +65,7 @@ impl Default for SummarySlices {
             version: 0,
             groups: Vec::new(),
             members: Vec::new(),
+            member_masks: Vec::new(),
         }
     }
 }
@@ -189,6 +192,39 @@ impl SummarySlices {
         (m.filter.is_of(summary) && self.groups.get(m.group)?.sliced()).then_some(m.group)
     }
 
+    /// Whether replica `i`'s column holds `summary`'s very filter.
+    #[inline]
+    pub fn holds(&self, i: usize, summary: &ReplicaSummary) -> bool {
+        self.members
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_some_and(|m| m.filter.is_of(summary))
+    }
+
+    /// The members of kind `g` in `slice`, a bit each (a member's column may hold a filter its
+    /// replica no longer has: check [`SummarySlices::holds`] before using its run).
+    #[inline]
+    pub fn members_in(&self, slice: usize, g: usize) -> u64 {
+        self.member_masks
+            .get(slice * MAX_GROUPS + g)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Marks replica `i` in or out of kind `g`'s member mask.
+    fn mark(&mut self, i: usize, g: usize, member: bool) {
+        let at = (i / SLICE_WIDTH) * MAX_GROUPS + g;
+        if self.member_masks.len() <= at {
+            self.member_masks.resize(at + 1, 0);
+        }
+        let bit = 1u64 << (i % SLICE_WIDTH);
+        if member {
+            self.member_masks[at] |= bit;
+        } else {
+            self.member_masks[at] &= !bit;
+        }
+    }
+
     /// Replica `i`'s summary is now `summary` (`None`: it has none). A call with the filter
     /// already held changes nothing.
     pub fn set(&mut self, i: usize, summary: Option<&ReplicaSummary>) {
@@ -269,6 +305,7 @@ impl SummarySlices {
 
     /// Takes replica `i` (member `m`) out of its kind.
     fn leave(&mut self, i: usize, m: Member) {
+        self.mark(i, m.group, false);
         if let Some(group) = self.groups.get_mut(m.group) {
             group.members = group.members.saturating_sub(1);
             if group.sliced() {
@@ -279,6 +316,7 @@ impl SummarySlices {
 
     /// Puts replica `i`, with `filter`, in kind `g`.
     fn join(&mut self, i: usize, g: usize, filter: FilterHandle) {
+        self.mark(i, g, true);
         let slices = self.slices();
         if let Some(group) = self.groups.get_mut(g) {
             group.members += 1;

@@ -541,6 +541,34 @@ impl View {
         if scratch.n != n || scratch.stamp == 0 {
             scratch.reset(n);
         }
+        // The common case, kept short: no overlay, and the run its slice's search found (one
+        // search per request for 64 replicas); no lower tiers to search past it.
+        if let Some(s) = r.summary.as_deref() {
+            if r.overlay.is_empty() && !s.has_lower_tiers() {
+                if let Some(gpu) = self.sliced_gpu_run(i, s, keys, scratch) {
+                    return TierHit {
+                        gpu,
+                        cpu: gpu,
+                        any: gpu,
+                    };
+                }
+            }
+        }
+        self.probed_hit_tiers(i, r, keys, now, scratch)
+    }
+
+    /// [`View::hit_tiers_with`] past the common case: an overlay, lower tiers, a filter kind not
+    /// sliced.
+    #[inline(never)]
+    fn probed_hit_tiers(
+        &self,
+        i: usize,
+        r: &ReplicaState,
+        keys: &[BlockKey],
+        now: Duration,
+        scratch: &mut HitScratch,
+    ) -> TierHit {
+        let n = keys.len();
         // Most replicas have no overlay: one test, and the lookup stays out of the hot loop.
         let overlay_empty = r.overlay.is_empty();
         let in_overlay = |j: usize| !overlay_empty && r.overlay_holds(keys[j], now);
@@ -599,12 +627,13 @@ impl View {
         keys: &[BlockKey],
         scratch: &mut HitScratch,
     ) -> Option<usize> {
-        let g = self.slices.member_of(i, s)?;
         let runs = &mut scratch.slice_runs;
         runs.begin(&self.slices, scratch.stamp, self.replicas.len());
         if let Some(run) = runs.run(i) {
-            return Some(run);
+            // Found for its column: good while the column holds this very summary.
+            return self.slices.holds(i, s).then_some(run);
         }
+        let g = self.slices.member_of(i, s)?;
         let slice = i / SLICE_WIDTH;
         if runs.check_searched(slice, g) {
             return None;
@@ -614,8 +643,8 @@ impl View {
     }
 
     /// Runs the lockstep search of `slice` for kind `g` (whose filters are `s`'s seed and
-    /// geometry) over its replicas with no overlay and their indexed summary, and records their
-    /// runs in the scratch.
+    /// geometry) over its members, and records their runs in the scratch (a member with an
+    /// overlay, or whose summary is no longer its column's, gets a run it does not use).
     #[inline(never)]
     fn search_slice(
         &self,
@@ -628,17 +657,7 @@ impl View {
         let Some(words) = self.slices.group(g).and_then(|group| group.slice(slice)) else {
             return;
         };
-        let start = slice * SLICE_WIDTH;
-        let mut mask = 0u64;
-        for (r, rep) in self.replicas.iter().enumerate().skip(start).take(SLICE_WIDTH) {
-            let indexed = rep
-                .summary
-                .as_deref()
-                .is_some_and(|rs| self.slices.member_of(r, rs) == Some(g));
-            if indexed && rep.overlay.is_empty() {
-                mask |= 1 << (r - start);
-            }
-        }
+        let mask = self.slices.members_in(slice, g);
         // The runs live in the scratch the prober borrows: out for the search, then back.
         let mut runs = std::mem::take(&mut scratch.slice_runs);
         let mut work = std::mem::take(&mut runs.work);

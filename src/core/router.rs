@@ -640,6 +640,7 @@ impl Router {
         let mut gathered = CandidateTotals::default();
         let mut quota_blocked = false;
         let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
+        let per_replica_cap = scope.per_replica_cap;
         for ((i, r), &local) in view.replicas().iter().enumerate().zip(&self.local) {
             if !local {
                 continue;
@@ -651,7 +652,7 @@ impl Router {
             if !in_pool {
                 continue;
             }
-            if scope.per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
+            if per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
                 quota_blocked = true;
                 continue;
             }

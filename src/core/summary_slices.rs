@@ -520,6 +520,16 @@ impl SliceRuns {
         }
     }
 
+    /// Replica `i`'s run, if found for request `request` on this very state of `slices`
+    /// ([`SliceRuns::begin`] not needed).
+    #[inline(always)]
+    pub fn found(&self, i: usize, slices: &SummarySlices, request: u32) -> Option<usize> {
+        if self.key != (slices.id, slices.version, request) {
+            return None;
+        }
+        self.run(i)
+    }
+
     /// Replica `i`'s run, if found for the current stamp.
     #[inline]
     pub fn run(&self, i: usize) -> Option<usize> {

@@ -527,7 +527,46 @@ impl View {
     /// [`View::hit_tiers`] with the keys' filter hashes memoised in `scratch` across the
     /// replicas of one decision (call [`HitScratch::reset`] once per request). The router's hot
     /// path.
+    #[inline]
     pub fn hit_tiers_with(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        now: Duration,
+        scratch: &mut HitScratch,
+    ) -> TierHit {
+        // The common case, kept short (a few loads and compares): the run this request's search
+        // of the replica's slice already found.
+        match self.found_gpu_run(i, keys.len(), scratch) {
+            Some(gpu) => TierHit {
+                gpu,
+                cpu: gpu,
+                any: gpu,
+            },
+            None => self.searched_hit_tiers(i, keys, now, scratch),
+        }
+    }
+
+    /// Replica `i`'s GPU run as this request's search of its slice found it, when that is its
+    /// whole hit and still good: no overlay, no lower tiers, its summary the one searched, the
+    /// scratch on this request (`n` keys) and this very state of the view.
+    #[inline(always)]
+    fn found_gpu_run(&self, i: usize, n: usize, scratch: &HitScratch) -> Option<usize> {
+        let r = self.replicas.get(i)?;
+        let s = r.summary.as_deref()?;
+        if !r.overlay.is_empty() || s.has_lower_tiers() || scratch.n != n {
+            return None;
+        }
+        let run = scratch
+            .slice_runs
+            .found(i, &self.slices, scratch.stamp)?;
+        self.slices.holds(i, s).then_some(run)
+    }
+
+    /// [`View::hit_tiers_with`] past the common case: the first replica of its slice asked for
+    /// this request (which searches the slice), an overlay, lower tiers, a filter kind not sliced.
+    #[inline(never)]
+    fn searched_hit_tiers(
         &self,
         i: usize,
         keys: &[BlockKey],
@@ -541,34 +580,6 @@ impl View {
         if scratch.n != n || scratch.stamp == 0 {
             scratch.reset(n);
         }
-        // The common case, kept short: no overlay, and the run its slice's search found (one
-        // search per request for 64 replicas); no lower tiers to search past it.
-        if let Some(s) = r.summary.as_deref() {
-            if r.overlay.is_empty() && !s.has_lower_tiers() {
-                if let Some(gpu) = self.sliced_gpu_run(i, s, keys, scratch) {
-                    return TierHit {
-                        gpu,
-                        cpu: gpu,
-                        any: gpu,
-                    };
-                }
-            }
-        }
-        self.probed_hit_tiers(i, r, keys, now, scratch)
-    }
-
-    /// [`View::hit_tiers_with`] past the common case: an overlay, lower tiers, a filter kind not
-    /// sliced.
-    #[inline(never)]
-    fn probed_hit_tiers(
-        &self,
-        i: usize,
-        r: &ReplicaState,
-        keys: &[BlockKey],
-        now: Duration,
-        scratch: &mut HitScratch,
-    ) -> TierHit {
-        let n = keys.len();
         // Most replicas have no overlay: one test, and the lookup stays out of the hot loop.
         let overlay_empty = r.overlay.is_empty();
         let in_overlay = |j: usize| !overlay_empty && r.overlay_holds(keys[j], now);

@@ -605,8 +605,7 @@ impl Router {
         Ok(Scope {
             tier_pool,
             // Without a per-replica cap every replica allows the tenant: no lookup per replica.
-            per_replica_cap: req.tenant.is_some()
-                && tenant_cfg.max_in_flight_per_replica.is_some(),
+            per_replica_cap: req.tenant.is_some() && tenant_cfg.max_in_flight_per_replica.is_some(),
             kv_quota: self.tenants.kv_quota(req.tenant),
         })
     }
@@ -705,7 +704,11 @@ impl Router {
         if req.forwarded || !(least_queue_s > self.cfg.spill_after_s || all_full) {
             return None;
         }
-        let bar = if all_full { f64::INFINITY } else { least_queue_s };
+        let bar = if all_full {
+            f64::INFINITY
+        } else {
+            least_queue_s
+        };
         let region =
             self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg, now)?;
         Some(Decision::Forward {

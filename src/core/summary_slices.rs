@@ -602,9 +602,8 @@ mod tests {
     #[test]
     fn columns_follow_summaries_as_they_change_and_leave() {
         let mut x = SummarySlices::default();
-        let mut view: Vec<Option<ReplicaSummary>> = (0..70)
-            .map(|i| Some(summary(&[i, i + 1000, 7])))
-            .collect();
+        let mut view: Vec<Option<ReplicaSummary>> =
+            (0..70).map(|i| Some(summary(&[i, i + 1000, 7]))).collect();
         for (i, s) in view.iter().enumerate() {
             x.set(i, s.as_ref());
         }
@@ -623,7 +622,10 @@ mod tests {
         let g = x.member_of(0, view[0].as_ref().unwrap()).unwrap();
         let h = gone.filter_handle();
         let bits = gone.geometry().bit_len() as usize;
-        assert!((0..bits).all(|p| !has(&x, g, 65, p)), "a left column is empty");
+        assert!(
+            (0..bits).all(|p| !has(&x, g, 65, p)),
+            "a left column is empty"
+        );
         assert!(bits > 0 && (0..bits).any(|p| bit(h.bitmap(), p)));
         // A summary replaced without `set`: not searched from the slices.
         let other = summary(&[1, 2, 3]);
@@ -658,7 +660,13 @@ mod tests {
             n,
             !0,
             &mut work,
-            |j| Some((0..64).filter(|&r| held_by(r, j)).fold(0u64, |m, r| m | 1 << r)),
+            |j| {
+                Some(
+                    (0..64)
+                        .filter(|&r| held_by(r, j))
+                        .fold(0u64, |m, r| m | 1 << r),
+                )
+            },
             |mask, run| {
                 for (r, out) in runs.iter_mut().enumerate() {
                     if mask >> r & 1 == 1 {

@@ -557,9 +557,7 @@ impl View {
         if !r.overlay.is_empty() || s.has_lower_tiers() || scratch.n != n {
             return None;
         }
-        let run = scratch
-            .slice_runs
-            .found(i, &self.slices, scratch.stamp)?;
+        let run = scratch.slice_runs.found(i, &self.slices, scratch.stamp)?;
         self.slices.holds(i, s).then_some(run)
     }
 
@@ -677,7 +675,11 @@ impl View {
             keys.len(),
             mask,
             &mut work,
-            |j| probe.positions(j).map(|p| summary_slices::held_in(words, p)),
+            |j| {
+                probe
+                    .positions(j)
+                    .map(|p| summary_slices::held_in(words, p))
+            },
             |m, run| runs.record(slice, m, run),
         );
         runs.work = work;
@@ -1604,8 +1606,16 @@ mod tests {
         for i in 0..100 {
             let s = v.replicas[i].summary.as_deref().unwrap();
             assert!(v.slices.member_of(i, s).is_some(), "replica {i} sliced");
-            assert_eq!(v.hit_tiers_with(i, &chain, Duration::ZERO, &mut scratch).gpu, i % 50);
-            assert_eq!(scratch.slice_runs.run(i), Some(i % 50), "found by its slice");
+            assert_eq!(
+                v.hit_tiers_with(i, &chain, Duration::ZERO, &mut scratch)
+                    .gpu,
+                i % 50
+            );
+            assert_eq!(
+                scratch.slice_runs.run(i),
+                Some(i % 50),
+                "found by its slice"
+            );
         }
     }
 

@@ -1566,7 +1566,10 @@ mod tests {
                 check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
             }
             let cfg = SummaryConfig { fp_rate: 0.05, ..SummaryConfig::for_cluster("c") };
+            // The scratch on the first request again (a scratch serves one request between
+            // resets: its memos are for that request's keys).
             let keys = &requests[0];
+            check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
             for (i, what, len) in changes {
                 let i = i % v.replicas().len();
                 let mut s = ReplicaSummary::new(2, 1_000, &cfg).unwrap();

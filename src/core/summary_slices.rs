@@ -15,9 +15,11 @@
 //! Exact: a replica's answers are its own filter's bits, and the lockstep search takes each
 //! replica through the probes the per-replica search makes, so its run is the same
 //! (property-tested in `view.rs`). Each member holds the filter its column was built from
-//! ([`FilterHandle`]; filters are copy-on-write, so held bits never change), and a replica is
-//! searched here only while its summary's filter is that very one: a summary replaced behind
-//! [`SummarySlices::set`]'s back is searched the per-replica way, never read stale.
+//! ([`FilterHandle`]; filters are copy-on-write, so held bits never change), and a replica's run
+//! from its slice is used only while its summary's filter is that very one: a summary replaced
+//! behind [`SummarySlices::set`]'s back is searched the per-replica way, never read stale. (The
+//! hold means that a follower applying a delta to a summary the view indexes copies its filter
+//! once, where it would otherwise have changed it in place.)
 //!
 //! Bounds: at most [`MAX_GROUPS`] filter kinds (seed, geometry) are sliced; a kind is sliced only
 //! while its replicas fill its slices at least a quarter (so the slices take at most four times

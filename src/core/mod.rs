@@ -56,6 +56,7 @@ pub mod role;
 pub mod router;
 pub mod stream_resume;
 pub mod summary;
+pub mod summary_slices;
 pub mod tenant_salt;
 pub mod tenants;
 pub mod view;

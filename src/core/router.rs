@@ -421,6 +421,18 @@ impl CandidateTotals {
     }
 }
 
+/// Which replicas one decision considers, beyond the per-replica facts in `Router::local`.
+#[derive(Clone, Copy, Debug)]
+struct Scope {
+    /// The tenant's first pool (its index in the tenant's `pools`, in tier order) that has a
+    /// usable local replica; `None`: any pool the tenant allows.
+    tier_pool: Option<usize>,
+    /// The tenant has a per-replica in-flight cap (else every replica allows it: no lookup).
+    per_replica_cap: bool,
+    /// The tenant's KV quota: its slot and share (`tenants.rs`).
+    kv_quota: Option<(u8, f64)>,
+}
+
 /// Routes requests; owns the policy, the RNG, tenant state and reusable buffers.
 pub struct Router {
     cfg: RouterConfig,
@@ -500,101 +512,11 @@ impl Router {
         now: Duration,
         leg: Leg,
     ) -> Decision {
-        let tenant_cfg = self.tenants.config(req.tenant);
-        let pools = &tenant_cfg.pools;
-        let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
-
-        let mut quota_blocked = false;
-        let (mut model_known, cluster_slots, local_usable) =
-            self.facts
-                .mark_local(&mut self.local, view, req, leg, allowed_pool);
-        // Regional gossip: another region's replicas are known only by its offer.
-        model_known = model_known
-            || view
-                .remote_regions
-                .values()
-                .any(|o| o.models.iter().any(|m| m.model == req.model));
-        if !model_known {
-            return Decision::Reject(RejectReason::UnknownModel);
-        }
-        if !self.tenants.cluster_allows(req.tenant, cluster_slots) {
-            return Decision::Reject(RejectReason::OverQuota);
-        }
-        if !local_usable {
-            return self.forward_or_reject(
-                view,
-                req,
-                ForwardReason::NoLocalReplica,
-                f64::INFINITY,
-                leg,
-                now,
-            );
-        }
-
-        // The tenant's first pool (in tier order) that has a usable local replica.
-        let local = &self.local;
-        let tier_pool: Option<&str> = pools
-            .iter()
-            .find(|p| {
-                view.replicas().iter().enumerate().any(|(i, r)| {
-                    local.get(i) == Some(&true)
-                        && r.info.pool == **p
-                        && self.tenants.replica_allows(req.tenant, i)
-                })
-            })
-            .map(String::as_str);
-        // Without a per-replica cap every replica allows the tenant: no lookup per replica.
-        let per_replica_cap =
-            req.tenant.is_some() && tenant_cfg.max_in_flight_per_replica.is_some();
-        let kv_quota = self.tenants.kv_quota(req.tenant);
-        self.kv_shares.clear();
-
-        let uses_cache = self.policy.uses_cache();
-        let cost = self.cfg.cost;
-        self.candidates.clear();
-        // What the spill check and the answer need of the candidates, gathered as they are
-        // made (one pass instead of three; gathered again if a KV quota drops some).
-        let mut gathered = CandidateTotals::default();
-        self.scratch.reset(req.keys.len());
-        if uses_cache {
-            view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
-            view.peer_tips
-                .pending_whole(req.keys, now, &mut self.pending_tips);
-        } else {
-            self.tip_hits.clear();
-            self.pending_tips.clear();
-        }
-        for ((i, r), &local) in view.replicas().iter().enumerate().zip(&self.local) {
-            if !local {
-                continue;
-            }
-            if let Some(p) = tier_pool {
-                if r.info.pool != p {
-                    continue;
-                }
-            } else if !allowed_pool(r) {
-                continue;
-            }
-            if per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
-                quota_blocked = true;
-                continue;
-            }
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                kv_shares: &mut self.kv_shares,
-            };
-            let c = Self::candidate(work, view, req, now, (i, r), kv_quota.map(|(slot, _)| slot));
-            self.candidates.push(c);
-            gathered.add(
-                c.queue_s,
-                c.outstanding >= r.info.max_in_flight,
-                c.hit_blocks,
-            );
-        }
+        let scope = match self.scope(view, req, leg, now) {
+            Ok(scope) => scope,
+            Err(decided) => return decided,
+        };
+        let (mut gathered, quota_blocked) = self.gather(view, req, now, &scope);
         if self.candidates.is_empty() {
             return if quota_blocked {
                 Decision::Reject(RejectReason::OverQuota)
@@ -609,12 +531,12 @@ impl Router {
                 )
             };
         }
-
-        let kv_steer = match kv_quota {
+        let kv_steer = match scope.kv_quota {
             Some((_, quota)) => self.steer_kv(quota as f32),
             None => KvSteer::Unsteered,
         };
-        if uses_cache && cost.fetch.mode == FetchMode::Priced {
+        let cost = self.cfg.cost;
+        if self.policy.uses_cache() && cost.fetch.mode == FetchMode::Priced {
             fetch_plan::price(
                 &cost.fetch,
                 cost.w_load_s,
@@ -624,34 +546,188 @@ impl Router {
                 req.prompt_tokens,
             );
         }
-
         if kv_steer == KvSteer::Steered {
-            gathered = CandidateTotals::default();
-            for c in &self.candidates {
-                let full = view
-                    .replica(c.replica)
-                    .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight);
-                gathered.add(c.queue_s, full, c.hit_blocks);
-            }
+            gathered = self.regather(view);
         }
-        // Spill: every local candidate is full or queues too long, and some region is better off.
-        let CandidateTotals {
-            least_queue_s: least_queue,
-            all_full,
-            best_hit_blocks,
-        } = gathered;
-        if !req.forwarded && (least_queue > self.cfg.spill_after_s || all_full) {
-            let bar = if all_full { f64::INFINITY } else { least_queue };
-            if let Some(region) =
-                self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg, now)
-            {
-                return Decision::Forward {
-                    region,
-                    reason: ForwardReason::Spill,
-                };
-            }
+        if let Some(spilled) = self.spill(view, req, leg, now, gathered) {
+            return spilled;
         }
+        self.choose(view, req, now, gathered, kv_steer)
+    }
 
+    /// The decision's scope: which replicas may take `req` at all (`self.local`), and of those
+    /// which pool is tried, under which caps; or the decision itself when the model is unknown,
+    /// the tenant is over its cluster share, or no local replica can take it.
+    fn scope(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        leg: Leg,
+        now: Duration,
+    ) -> Result<Scope, Decision> {
+        let tenant_cfg = self.tenants.config(req.tenant);
+        let pools = &tenant_cfg.pools;
+        let allowed_pool = |r: &ReplicaState| pools.is_empty() || pools.contains(&r.info.pool);
+        let (mut model_known, cluster_slots, local_usable) =
+            self.facts
+                .mark_local(&mut self.local, view, req, leg, allowed_pool);
+        // Regional gossip: another region's replicas are known only by its offer.
+        model_known = model_known
+            || view
+                .remote_regions
+                .values()
+                .any(|o| o.models.iter().any(|m| m.model == req.model));
+        if !model_known {
+            return Err(Decision::Reject(RejectReason::UnknownModel));
+        }
+        if !self.tenants.cluster_allows(req.tenant, cluster_slots) {
+            return Err(Decision::Reject(RejectReason::OverQuota));
+        }
+        if !local_usable {
+            return Err(self.forward_or_reject(
+                view,
+                req,
+                ForwardReason::NoLocalReplica,
+                f64::INFINITY,
+                leg,
+                now,
+            ));
+        }
+        // The tenant's first pool (in tier order) that has a usable local replica.
+        let local = &self.local;
+        let tier_pool = pools.iter().position(|p| {
+            view.replicas().iter().enumerate().any(|(i, r)| {
+                local.get(i) == Some(&true)
+                    && r.info.pool == *p
+                    && self.tenants.replica_allows(req.tenant, i)
+            })
+        });
+        Ok(Scope {
+            tier_pool,
+            // Without a per-replica cap every replica allows the tenant: no lookup per replica.
+            per_replica_cap: req.tenant.is_some() && tenant_cfg.max_in_flight_per_replica.is_some(),
+            kv_quota: self.tenants.kv_quota(req.tenant),
+        })
+    }
+
+    /// Makes the candidates: every replica in `scope` the tenant's caps allow, with its hit and
+    /// cost. Returns what the spill check and the answer need of them, and whether a cap left
+    /// some replica out.
+    fn gather(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        scope: &Scope,
+    ) -> (CandidateTotals, bool) {
+        let pools = &self.tenants.config(req.tenant).pools;
+        let tier_pool = scope.tier_pool.and_then(|p| pools.get(p));
+        let uses_cache = self.policy.uses_cache();
+        self.candidates.clear();
+        self.kv_shares.clear();
+        self.scratch.reset(req.keys.len());
+        if uses_cache {
+            view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
+            view.peer_tips
+                .pending_whole(req.keys, now, &mut self.pending_tips);
+        } else {
+            self.tip_hits.clear();
+            self.pending_tips.clear();
+        }
+        // Gathered as the candidates are made (one pass instead of three; again if a KV quota
+        // drops some).
+        let mut gathered = CandidateTotals::default();
+        let mut quota_blocked = false;
+        let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
+        let per_replica_cap = scope.per_replica_cap;
+        for ((i, r), &local) in view.replicas().iter().enumerate().zip(&self.local) {
+            if !local {
+                continue;
+            }
+            let in_pool = match tier_pool {
+                Some(p) => r.info.pool == *p,
+                None => pools.is_empty() || pools.contains(&r.info.pool),
+            };
+            if !in_pool {
+                continue;
+            }
+            if per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
+                quota_blocked = true;
+                continue;
+            }
+            let work = CandidateWork {
+                uses_cache,
+                cost: &self.cfg.cost,
+                scratch: &mut self.scratch,
+                tip_hits: &self.tip_hits,
+                pending_tips: &self.pending_tips,
+                kv_shares: &mut self.kv_shares,
+            };
+            let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
+            self.candidates.push(c);
+            gathered.add(
+                c.queue_s,
+                c.outstanding >= r.info.max_in_flight,
+                c.hit_blocks,
+            );
+        }
+        (gathered, quota_blocked)
+    }
+
+    /// The totals of the candidates left after a KV quota dropped some.
+    fn regather(&self, view: &View) -> CandidateTotals {
+        let mut gathered = CandidateTotals::default();
+        for c in &self.candidates {
+            let full = view
+                .replica(c.replica)
+                .is_some_and(|r| r.load.outstanding() >= r.info.max_in_flight);
+            gathered.add(c.queue_s, full, c.hit_blocks);
+        }
+        gathered
+    }
+
+    /// Spill: every local candidate is full or queues past `spill_after_s`, and some region is
+    /// better off (a request already forwarded stays).
+    fn spill(
+        &self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        leg: Leg,
+        now: Duration,
+        gathered: CandidateTotals,
+    ) -> Option<Decision> {
+        let CandidateTotals {
+            least_queue_s,
+            all_full,
+            ..
+        } = gathered;
+        if req.forwarded || !(least_queue_s > self.cfg.spill_after_s || all_full) {
+            return None;
+        }
+        let bar = if all_full {
+            f64::INFINITY
+        } else {
+            least_queue_s
+        };
+        let region =
+            self.nearest_region_under(view, req, bar.min(self.cfg.spill_after_s), leg, now)?;
+        Some(Decision::Forward {
+            region,
+            reason: ForwardReason::Spill,
+        })
+    }
+
+    /// The policy's pick among the candidates (after the affinity credit), as the decision.
+    fn choose(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        gathered: CandidateTotals,
+        kv_steer: KvSteer,
+    ) -> Decision {
+        let uses_cache = self.policy.uses_cache();
+        let cost = self.cfg.cost;
         let preferred = self.credit_affinity(req);
         let pick = self.policy.pick(
             &PolicyInput {
@@ -667,14 +743,14 @@ impl Router {
         } else {
             view.hit_with(chosen.replica, req.keys, now, &mut self.scratch) as u32
         };
-        let best_hit_blocks = uses_cache.then_some(best_hit_blocks);
+        let affinity = preferred == Some(pick.chosen);
         Decision::Route(Routed {
             replica: chosen.replica,
             runner_up: pick.runner_up.map(|p| self.candidates[p].replica),
             hit_blocks,
-            best_hit_blocks,
-            affinity: preferred == Some(pick.chosen),
-            predicted_s: if preferred == Some(pick.chosen) {
+            best_hit_blocks: uses_cache.then_some(gathered.best_hit_blocks),
+            affinity,
+            predicted_s: if affinity {
                 chosen.cost_s + cost.affinity_credit_s
             } else {
                 chosen.cost_s
@@ -682,7 +758,7 @@ impl Router {
             cost_s: chosen.cost_s,
             reason: pick.reason,
             kv_steer,
-            saturated: all_full,
+            saturated: gathered.all_full,
             dp_rank: None,
             fetch,
         })

@@ -283,6 +283,12 @@ impl FilterGeometry {
         self.hashes
     }
 
+    /// Bits of the bitmap: every probe position is below it.
+    #[inline]
+    pub fn bit_len(self) -> u64 {
+        self.bits
+    }
+
     /// Writes the bit positions `h` probes in filters of this geometry into `out`, one per hash
     /// function, in the filter's own probe order. Returns false, writing nothing useful, when
     /// `out` is not exactly [`FilterGeometry::hashes`] long or a position does not fit in a
@@ -377,6 +383,31 @@ impl FilterBits<'_> {
         self.0
             .get((p >> 3) as usize)
             .is_some_and(|b| (b >> (p & 7)) & 1 != 0)
+    }
+}
+
+/// A hold on one summary's filter, for an index built from its bits (`summary_slices.rs`).
+/// The filter is shared copy-on-write, so while a handle is held those bits never change: a
+/// summary whose filter is [`FilterHandle::is_of`] the handle's has exactly the bits it had
+/// when the handle was taken.
+#[derive(Clone, Debug)]
+pub struct FilterHandle(Arc<Bloom<u64>>);
+
+impl FilterHandle {
+    /// Whether `summary`'s filter is this very one (same bits, same seed and geometry).
+    #[inline]
+    pub fn is_of(&self, summary: &ReplicaSummary) -> bool {
+        Arc::ptr_eq(&self.0, &summary.filter)
+    }
+
+    /// Whether two handles hold the very same filter.
+    pub fn same(&self, other: &FilterHandle) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The filter's bitmap (`bloomfilter` 3's bit order: bit `p` is bit `p % 8` of byte `p / 8`).
+    pub fn bitmap(&self) -> &[u8] {
+        self.0.as_slice().get(BLOOM_HEADER_BYTES..).unwrap_or(&[])
     }
 }
 
@@ -580,6 +611,11 @@ impl ReplicaSummary {
     #[inline]
     pub fn bits(&self) -> FilterBits<'_> {
         FilterBits(self.bitmap())
+    }
+
+    /// A hold on this summary's filter (see [`FilterHandle`]).
+    pub fn filter_handle(&self) -> FilterHandle {
+        FilterHandle(Arc::clone(&self.filter))
     }
 
     /// The filter's bitmap: its serialized form past the header.

@@ -26,6 +26,10 @@
 //! `cpu` (then CPU-salted keys), `any` (then CPU- or disk-salted keys). The tier searches run only
 //! when the summary has lower-tier keys and the GPU run stopped early. Replica indexes are stable
 //! for the view's life, so a decision's index stays valid while the request runs.
+//!
+//! The GPU runs of replicas without an overlay come from the view's bit-sliced summaries
+//! (`summary_slices.rs`), searched once per request for 64 replicas at a time; the others (an
+//! overlay, a filter kind not sliced) probe their own filter, with the same probes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -38,6 +42,7 @@ use super::region_offer::RegionOffer;
 use super::regions::RegionMap;
 use super::role::PdFacts;
 use super::summary::{FilterBits, FilterGeometry, KeyHasher, KeyHashes, ReplicaSummary, Tier};
+use super::summary_slices::{self, SliceRuns, SummarySlices, SLICE_WIDTH};
 
 /// Static facts about a replica.
 #[derive(Clone, Debug, PartialEq)]
@@ -190,6 +195,9 @@ pub struct View {
     pub unreachable_regions: BTreeMap<String, Duration>,
     replicas: Vec<ReplicaState>,
     index: HashMap<String, usize>,
+    /// The replicas' summaries, bit-sliced for the hit search; kept in step by
+    /// [`View::set_summary`] (a summary changed another way is searched the per-replica way).
+    slices: SummarySlices,
 }
 
 impl View {
@@ -205,6 +213,7 @@ impl View {
             unreachable_regions: BTreeMap::new(),
             replicas: Vec::new(),
             index: HashMap::new(),
+            slices: SummarySlices::default(),
         }
     }
 
@@ -273,6 +282,7 @@ impl View {
             self.index.remove(old);
         }
         self.index.insert(info.id.clone(), i);
+        self.slices.set(i, None);
         self.replicas[i] = ReplicaState {
             seed: super::affinity::replica_seed(&info.id),
             info,
@@ -346,6 +356,7 @@ impl View {
             r.overlay = Default::default();
             r.load = ReplicaLoad::default();
             r.kv_shares = Vec::new();
+            self.slices.set(i, None);
         }
     }
 
@@ -365,6 +376,7 @@ impl View {
             if let Some(s) = &r.summary {
                 r.overlay.retain(|k, _| !s.contains(BlockKey(*k)));
             }
+            self.slices.set(i, r.summary.as_deref());
         }
     }
 
@@ -515,7 +527,44 @@ impl View {
     /// [`View::hit_tiers`] with the keys' filter hashes memoised in `scratch` across the
     /// replicas of one decision (call [`HitScratch::reset`] once per request). The router's hot
     /// path.
+    #[inline]
     pub fn hit_tiers_with(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        now: Duration,
+        scratch: &mut HitScratch,
+    ) -> TierHit {
+        // The common case, kept short (a few loads and compares): the run this request's search
+        // of the replica's slice already found.
+        match self.found_gpu_run(i, keys.len(), scratch) {
+            Some(gpu) => TierHit {
+                gpu,
+                cpu: gpu,
+                any: gpu,
+            },
+            None => self.searched_hit_tiers(i, keys, now, scratch),
+        }
+    }
+
+    /// Replica `i`'s GPU run as this request's search of its slice found it, when that is its
+    /// whole hit and still good: no overlay, no lower tiers, its summary the one searched, the
+    /// scratch on this request (`n` keys) and this very state of the view.
+    #[inline(always)]
+    fn found_gpu_run(&self, i: usize, n: usize, scratch: &HitScratch) -> Option<usize> {
+        let r = self.replicas.get(i)?;
+        let s = r.summary.as_deref()?;
+        if !r.overlay.is_empty() || s.has_lower_tiers() || scratch.n != n {
+            return None;
+        }
+        let run = scratch.slice_runs.found(i, &self.slices, scratch.stamp)?;
+        self.slices.holds(i, s).then_some(run)
+    }
+
+    /// [`View::hit_tiers_with`] past the common case: the first replica of its slice asked for
+    /// this request (which searches the slice), an overlay, lower tiers, a filter kind not sliced.
+    #[inline(never)]
+    fn searched_hit_tiers(
         &self,
         i: usize,
         keys: &[BlockKey],
@@ -540,14 +589,24 @@ impl View {
                 any: gpu,
             };
         };
-        // Every replica after the first of its geometry finds the slots its search probes
-        // memoised; the general path below memoises the others (and repeats the same probes).
-        let gpu = match scratch.memoised_gpu_run(s, n, in_overlay) {
+        // Without an overlay, the run its slice's search found (one search per request for
+        // 64 replicas). Else every replica after the first of its geometry finds the slots its
+        // search probes memoised; the general path below memoises the others (and repeats the
+        // same probes).
+        let sliced = if overlay_empty {
+            self.sliced_gpu_run(i, s, keys, scratch)
+        } else {
+            None
+        };
+        let gpu = match sliced {
             Some(gpu) => gpu,
-            None => {
-                let mut probe = scratch.prober(s, keys);
-                leading_run(n, 0, |j| probe.holds(Tier::Gpu, j) || in_overlay(j))
-            }
+            None => match scratch.memoised_gpu_run(s, n, in_overlay) {
+                Some(gpu) => gpu,
+                None => {
+                    let mut probe = scratch.prober(s, keys);
+                    leading_run(n, 0, |j| probe.holds(Tier::Gpu, j) || in_overlay(j))
+                }
+            },
         };
         if !s.has_lower_tiers() || gpu >= n {
             return TierHit {
@@ -564,6 +623,67 @@ impl View {
             probe.holds(Tier::Disk, j) || probe.holds(Tier::Cpu, j)
         });
         TierHit { gpu, cpu, any }
+    }
+
+    /// Replica `i`'s GPU run (its summary `s`, no overlay) from its slice's lockstep search,
+    /// made on the first of the slice's replicas asked for this request: `None` when its filter
+    /// kind is not sliced, its column is not of this very summary, or the search gave up.
+    #[inline]
+    fn sliced_gpu_run(
+        &self,
+        i: usize,
+        s: &ReplicaSummary,
+        keys: &[BlockKey],
+        scratch: &mut HitScratch,
+    ) -> Option<usize> {
+        let runs = &mut scratch.slice_runs;
+        runs.begin(&self.slices, scratch.stamp, self.replicas.len());
+        if let Some(run) = runs.run(i) {
+            // Found for its column: good while the column holds this very summary.
+            return self.slices.holds(i, s).then_some(run);
+        }
+        let g = self.slices.member_of(i, s)?;
+        let slice = i / SLICE_WIDTH;
+        if runs.check_searched(slice, g) {
+            return None;
+        }
+        self.search_slice(slice, g, s, keys, scratch);
+        scratch.slice_runs.run(i)
+    }
+
+    /// Runs the lockstep search of `slice` for kind `g` (whose filters are `s`'s seed and
+    /// geometry) over its members, and records their runs in the scratch (a member with an
+    /// overlay, or whose summary is no longer its column's, gets a run it does not use).
+    #[inline(never)]
+    fn search_slice(
+        &self,
+        slice: usize,
+        g: usize,
+        s: &ReplicaSummary,
+        keys: &[BlockKey],
+        scratch: &mut HitScratch,
+    ) {
+        let Some(words) = self.slices.group(g).and_then(|group| group.slice(slice)) else {
+            return;
+        };
+        let mask = self.slices.members_in(slice, g);
+        // The runs live in the scratch the prober borrows: out for the search, then back.
+        let mut runs = std::mem::take(&mut scratch.slice_runs);
+        let mut work = std::mem::take(&mut runs.work);
+        let mut probe = scratch.prober(s, keys);
+        summary_slices::lockstep_runs(
+            keys.len(),
+            mask,
+            &mut work,
+            |j| {
+                probe
+                    .positions(j)
+                    .map(|p| summary_slices::held_in(words, p))
+            },
+            |m, run| runs.record(slice, m, run),
+        );
+        runs.work = work;
+        scratch.slice_runs = runs;
     }
 }
 
@@ -655,6 +775,8 @@ pub struct HitScratch {
     /// Whether a tier-salted key was hashed for the current request (requests that never meet
     /// a replica with lower tiers should not).
     tier_hashed: bool,
+    /// GPU runs found by slice searches (`summary_slices.rs`) for the current request.
+    slice_runs: SliceRuns,
 }
 
 /// Probe positions of one request's keys in filters of one geometry.
@@ -860,6 +982,44 @@ impl Prober<'_> {
             }
         }
         self.holds_first(tier, j, slot)
+    }
+
+    /// Key `j`'s (GPU) probe positions in this geometry, memoised; `None` when the geometry has
+    /// no memo or a position does not fit.
+    #[inline]
+    fn positions(&mut self, j: usize) -> Option<&[u32]> {
+        let at = j * self.stride;
+        let memoised = matches!(self.memo.get(at), Some(&stamp) if stamp == self.stamp);
+        if !memoised {
+            self.memoise(j)?;
+        }
+        self.memo.get(at + 1..at + self.stride)
+    }
+
+    /// Hashes key `j` (unless already hashed for this request) and memoises its GPU positions.
+    #[cold]
+    fn memoise(&mut self, j: usize) -> Option<()> {
+        let key = *self.keys.get(j)?;
+        let h = match self.hashes.get(j) {
+            Some(&(s, h)) if s == self.stamp => h,
+            _ => {
+                let h = match self.hasher {
+                    Some(hasher) => hasher.hash(key),
+                    None => self.summary.key_hasher().hash(key),
+                };
+                *self.hashes.get_mut(j)? = (self.stamp, h);
+                h
+            }
+        };
+        let at = j * self.stride;
+        let [stamp, positions @ ..] = self.memo.get_mut(at..at + self.stride)? else {
+            return None;
+        };
+        if !self.summary.geometry().probe_positions(h, positions) {
+            return None;
+        }
+        *stamp = self.stamp;
+        Some(())
     }
 
     /// [`Prober::holds`] for a slot whose positions are not memoised yet: hashes the key
@@ -1344,6 +1504,121 @@ mod tests {
                     prop_assert_eq!(v.hit_tiers_with(i, &keys, now, &mut scratch), want, "replica {} again", i);
                 }
             }
+        }
+    }
+
+    /// Mostly one filter kind (so the view slices it), some of other kinds.
+    fn sliced_spec() -> impl Strategy<Value = ReplicaSpec> {
+        (replica_spec(), prop::bool::weighted(0.85)).prop_map(|(spec, common)| {
+            if common {
+                ReplicaSpec {
+                    capacity: 1_000,
+                    fp_rate: 0.05,
+                    other_seed: false,
+                    no_summary: false,
+                    ..spec
+                }
+            } else {
+                spec
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The sliced search (64 replicas at a time, `summary_slices.rs`) gives exactly the
+        /// hits of the per-replica search, false positives included, and keeps doing so as
+        /// summaries change through `set_summary`, are cleared, or are replaced behind the
+        /// view's back, and as overlays appear, with or without a new request in between.
+        #[test]
+        fn sliced_hits_equal_the_full_search(
+            chain_seed in any::<u64>(),
+            specs in proptest::collection::vec(sliced_spec(), 16..140),
+            requests in proptest::collection::vec((0usize..90, 0usize..90, any::<u64>()), 1..4),
+            changes in proptest::collection::vec((0usize..140, 0u8..4, 0usize..90), 1..12),
+        ) {
+            let chain: Vec<BlockKey> = (0..90).map(|j| chain_key(chain_seed, j)).collect();
+            let now = Duration::from_secs(100);
+            let mut v = random_view(&chain, &specs, now);
+            let mut scratch = HitScratch::default();
+            let requests: Vec<Vec<BlockKey>> = requests
+                .into_iter()
+                .map(|(len, diverge_at, tail_seed)| {
+                    (0..len)
+                        .map(|j| if j < diverge_at { chain[j] } else { chain_key(tail_seed, j as u64) })
+                        .collect()
+                })
+                .collect();
+            let check = |v: &View, scratch: &mut HitScratch, keys: &[BlockKey], reset: bool| {
+                if reset {
+                    scratch.reset(keys.len());
+                }
+                for i in 0..v.replicas().len() {
+                    let want = reference_hit_tiers(v, i, keys, now);
+                    let got = v.hit_tiers_with(i, keys, now, scratch);
+                    if got != want {
+                        return Err(format!("replica {i}: {got:?} != {want:?}"));
+                    }
+                }
+                Ok(())
+            };
+            for keys in &requests {
+                check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
+            }
+            let cfg = SummaryConfig { fp_rate: 0.05, ..SummaryConfig::for_cluster("c") };
+            // The scratch on the first request again (a scratch serves one request between
+            // resets: its memos are for that request's keys).
+            let keys = &requests[0];
+            check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
+            for (i, what, len) in changes {
+                let i = i % v.replicas().len();
+                let mut s = ReplicaSummary::new(2, 1_000, &cfg).unwrap();
+                s.insert(&chain[..len]);
+                match what {
+                    0 => v.set_summary(i, s),
+                    1 => v.clear_summary(i),
+                    2 => v.replica_mut(i).unwrap().summary = Some(Arc::new(s)),
+                    _ => v.record_routed(i, &chain[..len], now),
+                }
+                // The same request again, the view changed under it; then a new request.
+                check(&v, &mut scratch, keys, false).map_err(TestCaseError::fail)?;
+                check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+
+    #[test]
+    fn a_large_fleet_of_one_filter_kind_is_searched_by_slices() {
+        let chain: Vec<BlockKey> = (0..50).map(|j| chain_key(7, j)).collect();
+        let specs: Vec<ReplicaSpec> = (0..100)
+            .map(|i| ReplicaSpec {
+                capacity: 1_000,
+                fp_rate: 0.01,
+                other_seed: false,
+                no_summary: false,
+                gpu: i % 50,
+                cpu: 0,
+                disk: 0,
+                noise: 0,
+                overlay: None,
+            })
+            .collect();
+        let v = random_view(&chain, &specs, Duration::ZERO);
+        let mut scratch = HitScratch::default();
+        scratch.reset(chain.len());
+        for i in 0..100 {
+            let s = v.replicas[i].summary.as_deref().unwrap();
+            assert!(v.slices.member_of(i, s).is_some(), "replica {i} sliced");
+            assert_eq!(
+                v.hit_tiers_with(i, &chain, Duration::ZERO, &mut scratch)
+                    .gpu,
+                i % 50
+            );
+            assert_eq!(
+                scratch.slice_runs.run(i),
+                Some(i % 50),
+                "found by its slice"
+            );
         }
     }
 

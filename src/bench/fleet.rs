@@ -67,6 +67,10 @@ pub struct FleetConfig {
     /// Prefill/decode disaggregation: the replicas' roles (their count overrides `replicas`)
     /// and the protocol. Default none (every replica serves requests whole).
     pub pd: Option<FleetPd>,
+    /// Every node's `[kv_fetch]`; with a mode other than off every replica takes
+    /// `vllm-envelope` hints (`kv_load.hints`) and the run is labelled `fetch=<mode>`.
+    /// Default off.
+    pub kv_fetch: crate::core::kv_fetch::KvFetchConfig,
 }
 
 impl Default for FleetConfig {
@@ -86,6 +90,7 @@ impl Default for FleetConfig {
             priorities: None,
             max_in_flight: None,
             pd: None,
+            kv_fetch: Default::default(),
         }
     }
 }
@@ -238,6 +243,7 @@ pub async fn run_fleet(
         let multi_rank = fleet.dp_ranks > 1;
         // Follow the replicas' KV events (exact models): always with ranks, or when asked.
         let follow = multi_rank || fleet.kv_events;
+        let fetching = fleet.kv_fetch.mode != crate::core::kv_fetch::FetchMode::Off;
         for (n, name) in names.iter().enumerate() {
             let mut cfg = NodeConfig {
                 listen: ([127, 0, 0, 1], 0).into(),
@@ -248,6 +254,7 @@ pub async fn run_fleet(
                 drain_s: 5,
                 tenants: fleet.tenants.clone(),
                 hot_prefix: fleet.hot_prefix.clone(),
+                kv_fetch: fleet.kv_fetch,
                 // Deadlines are in wall-clock time: scaled, so they mean the same in model time.
                 priorities: fleet.priorities.clone().map(|mut p| {
                     for c in &mut p.classes {
@@ -283,7 +290,12 @@ pub async fn run_fleet(
                         (fleet.engine.kv_capacity_tokens + fleet.engine.cpu_capacity_tokens) as u64
                             * u64::from(fleet.dp_ranks.max(1)),
                     ),
-                    kv_load: fleet.kv_load,
+                    kv_load: fetching
+                        .then(|| crate::core::kv_load::KvLoad {
+                            hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
+                            ..fleet.kv_load.unwrap_or_default()
+                        })
+                        .or(fleet.kv_load),
                     kv_events: r
                         .kv_events_port
                         .filter(|_| follow)
@@ -333,6 +345,11 @@ pub async fn run_fleet(
             policy.as_str().to_owned()
         } else {
             replay_cfg.label.clone()
+        };
+        let label = if fetching {
+            format!("{label} fetch={}", fleet.kv_fetch.mode.as_str())
+        } else {
+            label
         };
         let cfg = ReplayConfig {
             targets: nodes.iter().map(|n| format!("http://{}", n.addr)).collect(),

@@ -92,10 +92,11 @@ fn decisions(c: &mut Criterion) {
         let mut v = decision_view::view(replicas, &keys).expect("the bench view");
         for i in 0..replicas {
             if let Some(r) = v.replica_mut(i) {
-                r.info.kv_load = Some(kvmesh::core::kv_load::KvLoad {
-                    hints: kvmesh::core::kv_load::KvHintFormat::VllmEnvelope,
-                    ..Default::default()
-                });
+                std::sync::Arc::make_mut(&mut r.info).kv_load =
+                    Some(kvmesh::core::kv_load::KvLoad {
+                        hints: kvmesh::core::kv_load::KvHintFormat::VllmEnvelope,
+                        ..Default::default()
+                    });
             }
         }
         for mode in [FetchMode::Off, FetchMode::Priced] {

@@ -13,27 +13,32 @@
 use std::time::Duration;
 
 use super::keys::BlockKey;
-use super::kv_fetch::{longest_holder, KvFetchConfig, KvFetchPlan};
+use super::kv_fetch::{longest_holder, KvFetchConfig, KvFetchPlan, PullSource};
 use super::policy::Candidate;
 use super::view::View;
 
-/// The candidate holding the longest run of `keys` *now* ([`View::hit_settled`]), ties to the
-/// least queued: `(candidate index, settled blocks)`. A candidate's believed hit bounds its
-/// settled one, so only candidates that could beat the best so far are searched (usually one).
+/// The candidate holding the longest run of `keys` *now* ([`View::hit_settled`]), at least
+/// `min_blocks`, ties to the least queued: `(candidate index, settled blocks)`. A candidate's
+/// believed hit bounds its settled one, so only candidates that could be a source and beat the
+/// best so far are searched (usually one: a shared system prompt shorter than `min_blocks`
+/// makes no replica a source).
 pub fn settled_holder(
     view: &View,
     candidates: &[Candidate],
-    keys: &[BlockKey],
-    now: Duration,
+    (keys, now): (&[BlockKey], Duration),
+    min_blocks: u32,
 ) -> Option<(usize, u32)> {
+    let min_blocks = min_blocks.max(1);
     let mut best: Option<(usize, u32, f64)> = None;
     for (j, c) in candidates.iter().enumerate() {
         let bound = c.hit_blocks;
-        if bound == 0 || best.is_some_and(|(_, b, q)| bound < b || (bound == b && c.queue_s >= q)) {
+        if bound < min_blocks
+            || best.is_some_and(|(_, b, q)| bound < b || (bound == b && c.queue_s >= q))
+        {
             continue;
         }
         let held = u32::try_from(view.hit_settled(c.replica, keys, now)).unwrap_or(u32::MAX);
-        if held == 0 {
+        if held < min_blocks {
             continue;
         }
         match best {
@@ -59,7 +64,8 @@ pub fn price(
     plans.clear();
     plans.resize(candidates.len(), None);
     let tpb = u64::from(view.tokens_per_block);
-    let Some((h, held)) = settled_holder(view, candidates, keys, now) else {
+    let min_blocks = u32::try_from(cfg.min_tokens.div_ceil(tpb.max(1))).unwrap_or(u32::MAX);
+    let Some((h, held)) = settled_holder(view, candidates, (keys, now), min_blocks) else {
         return;
     };
     let source_index = candidates[h].replica;
@@ -69,6 +75,7 @@ pub fn price(
     // Never more than the prompt: its last block may be partial, and an engine always
     // recomputes at least the last token.
     let source_tokens = (u64::from(held) * tpb).min(prompt_tokens.saturating_sub(1));
+    let from = PullSource::of(source);
     for (c, plan) in candidates.iter_mut().zip(plans.iter_mut()) {
         let own_tokens = u64::from(c.hit_blocks) * tpb;
         if c.replica == source_index || source_tokens < own_tokens + cfg.min_tokens {
@@ -78,7 +85,7 @@ pub fn price(
             continue;
         };
         let moved = source_tokens - own_tokens;
-        let Some(transfer_s) = cfg.transfer_s(&target.info, source, moved) else {
+        let Some(transfer_s) = cfg.transfer_from(&target.info, &from, moved) else {
             continue;
         };
         let rate = target.info.prefill_tokens_per_s.max(1.0);
@@ -202,7 +209,7 @@ mod tests {
         let mut plans = Vec::new();
         price(&cfg, &v, &mut c, &mut plans, (&keys, 8192, NOW));
         assert_eq!(plans, vec![None, None]);
-        assert_eq!(settled_holder(&v, &c, &keys, NOW), None);
+        assert_eq!(settled_holder(&v, &c, (&keys, NOW), 1), None);
         v.prefill_done(0, &keys, NOW - Duration::from_millis(500));
         let (_, _, mut c) = fleet();
         price(&cfg, &v, &mut c, &mut plans, (&keys, 8192, NOW));

@@ -141,9 +141,14 @@ pub enum Link {
 impl Link {
     /// The link between replicas `a` and `b`.
     pub fn between(a: &ReplicaInfo, b: &ReplicaInfo) -> Link {
+        Link::between_host(a, b, host_of(&b.url))
+    }
+
+    /// [`Link::between`] with `b`'s URL host already parsed (one source, many targets).
+    pub fn between_host(a: &ReplicaInfo, b: &ReplicaInfo, b_host: &str) -> Link {
         if a.region != b.region {
             Link::CrossRegion
-        } else if host_of(&a.url) == host_of(&b.url) {
+        } else if host_of(&a.url) == b_host {
             Link::SameHost
         } else if !a.zone.is_empty() && a.zone == b.zone {
             Link::SameZone
@@ -240,15 +245,50 @@ impl KvFetchConfig {
         source: &ReplicaState,
         tokens: u64,
     ) -> Option<f64> {
+        let from = PullSource::of(source);
+        self.transfer_from(target, &from, tokens)
+    }
+
+    /// [`KvFetchConfig::transfer_s`] from a source read once per decision.
+    pub fn transfer_from(
+        &self,
+        target: &ReplicaInfo,
+        from: &PullSource<'_>,
+        tokens: u64,
+    ) -> Option<f64> {
         let load = target.kv_load.as_ref().filter(|l| !l.hints.is_none())?;
-        let spec = self.links.spec(Link::between(target, &source.info));
+        let spec = self
+            .links
+            .spec(Link::between_host(target, from.info, from.host));
         let bytes = tokens as f64 * f64::from(load.bytes_per_token);
-        let step_s = source_step_s(
-            u64::from(source.load.outstanding()),
-            source.load.queued_prefill_tokens,
-            source.info.prefill_tokens_per_s,
-        );
-        Some(spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9))
+        Some(spec.setup_ms / 1000.0 + from.step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9))
+    }
+}
+
+/// What pricing pulls from one source needs of it, read once per decision rather than once per
+/// candidate: its info, its URL's host and its step ([`source_step_s`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PullSource<'a> {
+    /// The source's static description.
+    pub info: &'a ReplicaInfo,
+    /// Its URL's host ([`host_of`]).
+    pub host: &'a str,
+    /// Seconds a pull waits for its current step.
+    pub step_s: f64,
+}
+
+impl<'a> PullSource<'a> {
+    /// The source `source` as it is now.
+    pub fn of(source: &'a ReplicaState) -> PullSource<'a> {
+        PullSource {
+            info: &source.info,
+            host: host_of(&source.info.url),
+            step_s: source_step_s(
+                u64::from(source.load.outstanding()),
+                source.load.queued_prefill_tokens,
+                source.info.prefill_tokens_per_s,
+            ),
+        }
     }
 }
 

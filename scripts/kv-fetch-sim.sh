@@ -42,6 +42,6 @@ for s in $SEEDS; do
   f="$OUT/hot-$s-$GB.txt"
   "$B" sim --workload burst --rate 20 --requests 6000 --seed "$s" --family-param lead_rate=1 \
     "${common[@]}" --kv-fetch off,priced --hot-prefix on --window-s 20:10 --out "$OUT/hot-$s" >"$f" 2>/dev/null
-  a=$(win "$f" 'p2c-cache +hot'); b=$(win "$f" 'p2c-cache +hot fetch=priced')
+  a=$(win "$f" 'p2c-cache +hot fetch=off'); b=$(win "$f" 'p2c-cache +hot fetch=priced')
   echo "| $s | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f×", a / b}') |"
 done

@@ -15,8 +15,10 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvmesh::bench::decision_view;
+use kvmesh::core::cost::CostModel;
 use kvmesh::core::hot_prefix::{HotPrefixConfig, HotPrefixes, Observed, WarmScope};
 use kvmesh::core::keys::{text_block_keys, BlockKey, Namespace};
+use kvmesh::core::kv_fetch::{FetchMode, KvFetchConfig};
 use kvmesh::core::policy::PolicyKind;
 use kvmesh::core::router::{RouteRequest, Router, RouterConfig};
 use kvmesh::core::tenants::Tenants;
@@ -82,6 +84,44 @@ fn decisions(c: &mut Criterion) {
         g.bench_function(id, |b| {
             b.iter(|| black_box(router.route(&v, black_box(&req), Duration::from_secs(1))))
         });
+    }
+    // `[kv_fetch] mode = "priced"` with every replica taking hints: each decision also finds the
+    // longest settled holder and prices a pull for every candidate holding less
+    // (`core/fetch_plan.rs`); against the same decision with fetching off.
+    for replicas in [64usize, 512] {
+        let mut v = decision_view::view(replicas, &keys).expect("the bench view");
+        for i in 0..replicas {
+            if let Some(r) = v.replica_mut(i) {
+                std::sync::Arc::make_mut(&mut r.info).kv_load =
+                    Some(kvmesh::core::kv_load::KvLoad {
+                        hints: kvmesh::core::kv_load::KvHintFormat::VllmEnvelope,
+                        ..Default::default()
+                    });
+            }
+        }
+        for mode in [FetchMode::Off, FetchMode::Priced] {
+            let mut router = Router::new(
+                RouterConfig {
+                    cost: CostModel {
+                        fetch: KvFetchConfig {
+                            mode,
+                            ..Default::default()
+                        },
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                Tenants::default(),
+            );
+            let req = RouteRequest::plain("llama", &keys, 32_768);
+            let id = BenchmarkId::new(
+                format!("p2c-cache-kv-fetch-{}", mode.as_str()),
+                format!("{replicas}r-32k"),
+            );
+            g.bench_function(id, |b| {
+                b.iter(|| black_box(router.route(&v, black_box(&req), Duration::from_secs(1))))
+            });
+        }
     }
     g.finish();
 }

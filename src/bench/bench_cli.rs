@@ -116,6 +116,11 @@ pub struct BenchArgs {
     /// any run: `--window-s` reports the TTFT of a window of workload time apart.
     #[command(flatten)]
     pub hot: HotArgs,
+    /// Fleet runs: KV fetch modes to compare, one fleet each (the nodes' `[kv_fetch] mode`):
+    /// `off`, `priced`, `reactive`. Any mode but `off` makes every replica take
+    /// `vllm-envelope` hints (the simulated replicas pull from each other over HTTP).
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub kv_fetch: Vec<crate::core::kv_fetch::FetchMode>,
     /// Directory for bench-report.json, bench-report.md and the SVG charts.
     #[arg(long, default_value = "kvmesh-out")]
     pub out: PathBuf,
@@ -287,12 +292,21 @@ async fn fleet_runs(
     let mut runs = Vec::new();
     let hot_modes = args.hot.modes();
     let hot_modes = &hot_modes;
-    for (pd, rank_routing, hot) in pds.iter().flat_map(|pd| {
-        routings
-            .iter()
-            .flat_map(move |r| hot_modes.iter().map(move |h| (pd.clone(), *r, h.clone())))
-    }) {
+    let fetch_modes = &args.kv_fetch;
+    for ((pd, rank_routing, hot), fetch) in pds
+        .iter()
+        .flat_map(|pd| {
+            routings
+                .iter()
+                .flat_map(move |r| hot_modes.iter().map(move |h| (pd.clone(), *r, h.clone())))
+        })
+        .flat_map(|run| fetch_modes.iter().map(move |f| (run.clone(), *f)))
+    {
         let fleet = FleetConfig {
+            kv_fetch: crate::core::kv_fetch::KvFetchConfig {
+                mode: fetch,
+                ..Default::default()
+            },
             pd,
             hot_prefix: hot.unwrap_or_default(),
             replicas: args.replicas,

@@ -68,6 +68,10 @@ pub struct FleetConfig {
     /// Prefill/decode disaggregation: the replicas' roles (their count overrides `replicas`)
     /// and the protocol. Default none (every replica serves requests whole).
     pub pd: Option<FleetPd>,
+    /// Every node's `[kv_fetch]`; with a mode other than off every replica takes
+    /// `vllm-envelope` hints (`kv_load.hints`) and the run is labelled `fetch=<mode>`.
+    /// Default off.
+    pub kv_fetch: crate::core::kv_fetch::KvFetchConfig,
 }
 
 impl Default for FleetConfig {
@@ -87,6 +91,7 @@ impl Default for FleetConfig {
             priorities: None,
             max_in_flight: None,
             pd: None,
+            kv_fetch: Default::default(),
         }
     }
 }
@@ -299,6 +304,7 @@ fn node_config(
     let prefill_rate = ranks * 1000.0 / fleet.engine.prefill_ms_per_token.max(1e-9);
     // Follow the replicas' KV events (exact models): always with ranks, or when asked.
     let follow = fleet.dp_ranks > 1 || fleet.kv_events;
+    let fetching = fleet.kv_fetch.mode != crate::core::kv_fetch::FetchMode::Off;
     let mut cfg = NodeConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         // The replay reads which replica served from `x-kvmesh-routed-to`.
@@ -308,6 +314,7 @@ fn node_config(
         drain_s: 5,
         tenants: fleet.tenants.clone(),
         hot_prefix: fleet.hot_prefix.clone(),
+        kv_fetch: fleet.kv_fetch,
         // Deadlines are in wall-clock time: scaled, so they mean the same in model time.
         priorities: fleet.priorities.clone().map(|mut p| {
             for c in &mut p.classes {
@@ -341,7 +348,12 @@ fn node_config(
                 (fleet.engine.kv_capacity_tokens + fleet.engine.cpu_capacity_tokens) as u64
                     * u64::from(fleet.dp_ranks.max(1)),
             ),
-            kv_load: fleet.kv_load,
+            kv_load: fetching
+                .then(|| crate::core::kv_load::KvLoad {
+                    hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
+                    ..fleet.kv_load.unwrap_or_default()
+                })
+                .or(fleet.kv_load),
             kv_events: r
                 .kv_events_port
                 .filter(|_| follow)
@@ -371,6 +383,17 @@ fn node_config(
 /// The run's label: the replay's own, or (left "run") the policy with what sets the fleet
 /// apart (ranks and their routing, warm-ups, a P/D shape).
 fn run_label(policy: PolicyKind, fleet: &FleetConfig, replay_cfg: &ReplayConfig) -> String {
+    let label = base_label(policy, fleet, replay_cfg);
+    if fleet.kv_fetch.mode == crate::core::kv_fetch::FetchMode::Off {
+        label
+    } else {
+        format!("{label} fetch={}", fleet.kv_fetch.mode.as_str())
+    }
+}
+
+/// The label before the fetch mode: the replay's own, or the policy with ranks, warm-ups or
+/// a P/D shape.
+fn base_label(policy: PolicyKind, fleet: &FleetConfig, replay_cfg: &ReplayConfig) -> String {
     let unlabelled = replay_cfg.label == ReplayConfig::default().label;
     if unlabelled && fleet.dp_ranks > 1 {
         let how = match fleet.rank_routing {

@@ -21,6 +21,7 @@ pub mod sim_classes;
 pub mod sim_cli;
 pub mod sim_config;
 mod sim_exact;
+pub mod sim_fetch_table;
 pub mod sim_gossip;
 pub mod sim_pd;
 pub mod stats;

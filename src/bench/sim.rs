@@ -754,14 +754,18 @@ impl<'a> Sim<'a> {
         let pulled = self
             .last_fetch
             .take()
-            .and_then(|f| self.pulled(r, f, &prompt));
-        let (uncached, transfer) = match &pulled {
+            .and_then(|f| self.pulled(i, r, f, &prompt, now));
+        // The overlay's prediction counts the pulled tokens as recomputed, as the live node's
+        // does (`node::routing`: it books the chosen replica's own hit); the first token
+        // confirms the blocks sooner. Crediting the pull's shorter predicted time made requests
+        // follow blocks still in transfer and recompute them (burst window p99 ×2).
+        let booked_uncached = uncached;
+        let uncached = match &pulled {
             Some(f) => {
                 let arrived = (f.to_block * self.cfg.engine.block_tokens) as u64;
-                let rest = (prompt.len() as u64).saturating_sub(arrived);
-                (uncached.min(rest), f.transfer)
+                uncached.min((prompt.len() as u64).saturating_sub(arrived))
             }
-            None => (uncached, Duration::ZERO),
+            None => uncached,
         };
         let replica_region = self.replica_region[r];
         extra += self.cfg.rtt(self.nodes[node].region, replica_region);
@@ -771,11 +775,10 @@ impl<'a> Sim<'a> {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-                nr.router.config().cost.prefill_done_s(rep, uncached)
+                nr.router.config().cost.prefill_done_s(rep, booked_uncached)
             });
-            let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0))
-                .unwrap_or_default()
-                + transfer;
+            let ready_in =
+                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
@@ -865,15 +868,18 @@ impl<'a> Sim<'a> {
         self.schedule(r);
     }
 
-    /// What a pull of `plan` for replica `r` gets: the leading run of the planned blocks its
-    /// source's engine holds now, arriving after the modelled transfer — the link between the
-    /// two (`[kv_fetch] links`), the source's step (`kv_fetch::source_step_s` of its requests)
-    /// and the bytes, as the core prices it (`core::kv_fetch`). `None` (counted) when it holds none.
+    /// What a pull of `plan` (request or warm-up `id`) for replica `r` gets at `now`: the leading
+    /// run of the planned blocks its source's engine holds now, arriving after the modelled
+    /// transfer — the link between the two (`[kv_fetch] links`), the rest of the source's
+    /// current step and the bytes, as the core prices it (`core::kv_fetch`). `None` (counted)
+    /// when it holds none.
     fn pulled(
         &mut self,
+        id: usize,
         r: usize,
         plan: crate::core::kv_fetch::KvFetchPlan,
         prompt: &[u32],
+        now: Duration,
     ) -> Option<crate::engine_sim::Fetched> {
         use crate::core::kv_fetch::Link;
         self.kv_fetch.planned += 1;
@@ -887,11 +893,24 @@ impl<'a> Sim<'a> {
         } else {
             0
         };
+        let st = source.stats();
+        // Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug` (why a pull paid or not).
+        tracing::debug!(
+            target: "kvmesh::bench::sim",
+            id,
+            replica = r,
+            source = plan.source,
+            planned_blocks = to.saturating_sub(from),
+            held_blocks = held,
+            source_running = st.running,
+            source_waiting = st.waiting,
+            predicted_s = plan.predicted_s,
+            "kv pull"
+        );
         if held == 0 {
             self.kv_fetch.missed += 1;
             return None;
         }
-        let st = source.stats();
         let cost = &self.cfg.cost;
         let spec = cost
             .fetch
@@ -899,9 +918,12 @@ impl<'a> Sim<'a> {
             .spec(Link::between(&self.infos[r], &self.infos[plan.source]));
         let tokens = held * bs;
         let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
-        let secs = spec.setup_ms / 1000.0
-            + crate::core::kv_fetch::source_step_s(cost.w_load_s, (st.running + st.waiting) as u64)
-            + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
+        // The source hands the blocks out when its current step ends (the core predicts a whole
+        // step, `kv_fetch::source_step_s`; here the engine's own step end is known).
+        let step_s = source
+            .next_event_time()
+            .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
+        let secs = spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
         self.kv_fetch.tokens += tokens as u64;
         self.kv_fetch.seconds += secs;
         Some(crate::engine_sim::Fetched {
@@ -1183,6 +1205,16 @@ impl<'a> Sim<'a> {
                         }
                     }
                     let ttft = (now - f.arrival + f.extra).as_secs_f64();
+                    tracing::debug!(
+                        target: "kvmesh::bench::sim",
+                        id,
+                        replica = r,
+                        at = f.arrival.as_secs_f64(),
+                        ttft,
+                        prompt = p,
+                        cached = c,
+                        "first token"
+                    );
                     if let Leg::Decode { .. } = f.leg {
                         // The handed-over blocks are not hits; the client's first token is this.
                         if let Some(nr) = self.nodes[f.node].routing.as_mut() {
@@ -1644,7 +1676,15 @@ impl<'a> Sim<'a> {
         let prompt = tokenize(&w.prompt);
         let id = self.reqs.len() + self.warms.len();
         // Replication by transfer: the prefix pulled from a holder, not recomputed.
-        let pulled = w.fetch.and_then(|f| self.pulled(r, f, &prompt));
+        tracing::debug!(
+            target: "kvmesh::bench::sim",
+            id,
+            replica = r,
+            at = now.as_secs_f64(),
+            source = w.fetch.map(|f| f.source),
+            "warm-up"
+        );
+        let pulled = w.fetch.and_then(|f| self.pulled(id, r, f, &prompt, now));
         let uncached = match &pulled {
             Some(f) => (prompt.len() as u64)
                 .saturating_sub((f.to_block * self.cfg.engine.block_tokens) as u64),
@@ -1670,12 +1710,12 @@ impl<'a> Sim<'a> {
             }
             return;
         }
+        // Booked as the live node books a warm-up (`node::hot_prefix`, `route_to` with the whole
+        // prefix): a pulled one counts from its recompute time, or sooner, from its first token.
         let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-            nr.router.config().cost.prefill_done_s(rep, uncached)
+            nr.router.config().cost.prefill_done_s(rep, w.tokens)
         });
-        // A pulled warm-up's prefix is there once the transfer is through, too.
-        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default()
-            + pulled.map_or(Duration::ZERO, |f| f.transfer);
+        let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
         if let Some(rep) = nr.view.replica_mut(r) {
             rep.load.queued_prefill_tokens += uncached;

@@ -95,6 +95,10 @@ pub struct SimArgs {
     /// 10,000 nodes) and exit.
     #[arg(long)]
     pub byte_table: bool,
+    /// Print where pulling a prefix's KV from another region pays against recomputing it and
+    /// forwarding the request (prompt length × link × load, the core's weighing) and exit.
+    #[arg(long)]
+    pub kv_fetch_region_table: bool,
     /// A node failure, NODE@SECONDS from the first arrival (repeatable), e.g. `--fail 0@30`.
     #[arg(long = "fail")]
     pub failures: Vec<NodeFailure>,
@@ -166,6 +170,10 @@ pub struct SimArgs {
 pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
     if args.byte_table {
         println!("{}", byte_table(&GossipByteModel::calibrated()));
+        return Ok(());
+    }
+    if args.kv_fetch_region_table {
+        println!("{}", super::sim_fetch_table::region_fetch_table());
         return Ok(());
     }
     if let Some(path) = args.trace.take() {

@@ -1,30 +1,71 @@
 //! Planning pulls for one decision's candidates: `kv_fetch.mode = "priced"` prices a pull from
-//! the longest holder for every candidate, `"reactive"` attaches one to the chosen replica after
-//! the decision. The cost of a pull and the link table are `kv_fetch.rs`; the router calls these
-//! between the candidates' costs and the policy.
+//! the longest *settled* holder for every candidate, `"reactive"` attaches one to the chosen
+//! replica after the decision. The cost of a pull and the link table are `kv_fetch.rs`; the
+//! router calls these between the candidates' costs and the policy.
+//!
+//! A priced pull's source must hold the blocks now, not by prediction
+//! ([`View::hit_settled`]: its summary, or overlay blocks a first byte confirmed). The simulator
+//! showed why (issue #37): on a burst of a new 8,192-token prefix, 4 of 6 planned pulls named
+//! a replica whose routed request was still computing the prefix (its overlay predicted the
+//! blocks ready, its engine had none), so the target recomputed the whole prompt after being
+//! chosen for a cheap pull, and the requests routed behind it queued.
 
-use super::kv_fetch::{longest_holder, KvFetchConfig, KvFetchPlan};
+use std::time::Duration;
+
+use super::keys::BlockKey;
+use super::kv_fetch::{longest_holder, KvFetchConfig, KvFetchPlan, PullSource};
 use super::policy::Candidate;
 use super::view::View;
 
-/// Prices a fetch for every candidate (`mode = "priced"`): where pulling the longest holder's
-/// run is predicted cheaper than recomputing it, the candidate's recompute shrinks
+/// The candidate holding the longest run of `keys` *now* ([`View::hit_settled`]), at least
+/// `min_blocks`, ties to the least queued: `(candidate index, settled blocks)`. A candidate's
+/// believed hit bounds its settled one, so only candidates that could be a source and beat the
+/// best so far are searched (usually one: a shared system prompt shorter than `min_blocks`
+/// makes no replica a source).
+pub fn settled_holder(
+    view: &View,
+    candidates: &[Candidate],
+    (keys, now): (&[BlockKey], Duration),
+    min_blocks: u32,
+) -> Option<(usize, u32)> {
+    let min_blocks = min_blocks.max(1);
+    let mut best: Option<(usize, u32, f64)> = None;
+    for (j, c) in candidates.iter().enumerate() {
+        let bound = c.hit_blocks;
+        if bound < min_blocks
+            || best.is_some_and(|(_, b, q)| bound < b || (bound == b && c.queue_s >= q))
+        {
+            continue;
+        }
+        let held = u32::try_from(view.hit_settled(c.replica, keys, now)).unwrap_or(u32::MAX);
+        if held < min_blocks {
+            continue;
+        }
+        match best {
+            Some((_, b, q)) if held < b || (held == b && c.queue_s >= q) => {}
+            _ => best = Some((j, held, c.queue_s)),
+        }
+    }
+    best.map(|(j, b, _)| (j, b))
+}
+
+/// Prices a fetch for every candidate (`mode = "priced"`): where pulling the longest settled
+/// holder's run ([`settled_holder`]) is predicted cheaper than recomputing it, the candidate's recompute shrinks
 /// (`prefill_s`) and its cost takes the transfer instead;
 /// `plans[j]` names the pull for candidate `j`. `plans` is cleared and refilled, aligned with
 /// `candidates`.
 pub fn price(
     cfg: &KvFetchConfig,
-    w_load_s: f64,
     view: &View,
     candidates: &mut [Candidate],
     plans: &mut Vec<Option<KvFetchPlan>>,
-    prompt_tokens: u64,
+    (keys, prompt_tokens, now): (&[BlockKey], u64, Duration),
 ) {
     plans.clear();
     plans.resize(candidates.len(), None);
     let tpb = u64::from(view.tokens_per_block);
-    let Some((h, held)) = longest_holder(candidates.iter().map(|c| (c.hit_blocks, c.queue_s)))
-    else {
+    let min_blocks = u32::try_from(cfg.min_tokens.div_ceil(tpb.max(1))).unwrap_or(u32::MAX);
+    let Some((h, held)) = settled_holder(view, candidates, (keys, now), min_blocks) else {
         return;
     };
     let source_index = candidates[h].replica;
@@ -34,6 +75,7 @@ pub fn price(
     // Never more than the prompt: its last block may be partial, and an engine always
     // recomputes at least the last token.
     let source_tokens = (u64::from(held) * tpb).min(prompt_tokens.saturating_sub(1));
+    let from = PullSource::of(source);
     for (c, plan) in candidates.iter_mut().zip(plans.iter_mut()) {
         let own_tokens = u64::from(c.hit_blocks) * tpb;
         if c.replica == source_index || source_tokens < own_tokens + cfg.min_tokens {
@@ -43,7 +85,7 @@ pub fn price(
             continue;
         };
         let moved = source_tokens - own_tokens;
-        let Some(transfer_s) = cfg.transfer_s(&target.info, source, moved, w_load_s) else {
+        let Some(transfer_s) = cfg.transfer_from(&target.info, &from, moved) else {
             continue;
         };
         let rate = target.info.prefill_tokens_per_s.max(1.0);
@@ -74,7 +116,6 @@ pub fn price(
 /// replica takes hints, whatever it costs.
 pub fn reactive(
     cfg: &KvFetchConfig,
-    w_load_s: f64,
     view: &View,
     candidates: &[Candidate],
     chosen: usize,
@@ -90,7 +131,7 @@ pub fn reactive(
     }
     let source = view.replica(candidates[h].replica)?;
     let target = view.replica(c.replica)?;
-    let transfer_s = cfg.transfer_s(&target.info, source, source_tokens - own_tokens, w_load_s)?;
+    let transfer_s = cfg.transfer_s(&target.info, source, source_tokens - own_tokens)?;
     Some(KvFetchPlan {
         source: candidates[h].replica,
         from_tokens: own_tokens,
@@ -98,4 +139,82 @@ pub fn reactive(
         predicted_s: transfer_s,
         format: target.info.kv_load.map(|l| l.hints).unwrap_or_default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::kv_fetch::FetchMode;
+    use crate::core::kv_load::{KvHintFormat, KvLoad};
+    use crate::core::view::testing::info;
+    use crate::core::view::ReplicaInfo;
+
+    const NOW: Duration = Duration::from_secs(100);
+
+    /// An 8,192-token prompt; replica `h` was routed it (its overlay predicts the blocks ready
+    /// a second ago) and queues 10 s (decoding: its steps are short); `n` is idle, in the same
+    /// zone, taking hints.
+    fn fleet() -> (View, Vec<BlockKey>, Vec<Candidate>) {
+        let keys: Vec<BlockKey> = (1..=512).map(BlockKey).collect();
+        let mut v = View::new("eu", 16);
+        let h = v.upsert(ReplicaInfo {
+            zone: "z1".into(),
+            ..info("holder", "eu")
+        });
+        let n = v.upsert(ReplicaInfo {
+            zone: "z1".into(),
+            kv_load: Some(KvLoad {
+                hints: KvHintFormat::VllmEnvelope,
+                ..KvLoad::default()
+            }),
+            ..info("neighbour", "eu")
+        });
+        v.record_routed_ready(
+            h,
+            &keys,
+            NOW - Duration::from_secs(2),
+            Duration::from_secs(1),
+        );
+        let rate = 50_000.0;
+        let candidate = |replica, hit_blocks: u32, queue_s: f64| {
+            let prefill_s = (8192.0 - f64::from(hit_blocks) * 16.0) / rate;
+            Candidate {
+                replica,
+                seed: replica as u64,
+                hit_blocks,
+                credited_blocks: f64::from(hit_blocks),
+                outstanding: 1,
+                in_flight: 1,
+                queue_s,
+                prefill_queue_s: queue_s,
+                cost_s: queue_s + prefill_s,
+                prefill_s,
+            }
+        };
+        let c = vec![candidate(h, 512, 10.0), candidate(n, 0, 0.0)];
+        (v, keys, c)
+    }
+
+    /// A holder only predicted to hold the prefix (its routed request may still be computing
+    /// it) is no source: the neighbour would pull nothing and recompute the whole prompt after
+    /// being chosen for a cheap pull (issue #37's burst: 4 of 6 pulls). Once its first byte
+    /// confirms the blocks, it is.
+    #[test]
+    fn a_holder_still_computing_the_prefix_is_no_source() {
+        let cfg = KvFetchConfig {
+            mode: FetchMode::Priced,
+            ..KvFetchConfig::default()
+        };
+        let (mut v, keys, mut c) = fleet();
+        let mut plans = Vec::new();
+        price(&cfg, &v, &mut c, &mut plans, (&keys, 8192, NOW));
+        assert_eq!(plans, vec![None, None]);
+        assert_eq!(settled_holder(&v, &c, (&keys, NOW), 1), None);
+        v.prefill_done(0, &keys, NOW - Duration::from_millis(500));
+        let (_, _, mut c) = fleet();
+        price(&cfg, &v, &mut c, &mut plans, (&keys, 8192, NOW));
+        let plan = plans[1].expect("the neighbour pulls from the confirmed holder");
+        assert_eq!((plan.source, plan.from_tokens, plan.tokens), (0, 0, 8191));
+        assert!(c[1].cost_s < 0.1, "{}", c[1].cost_s);
+    }
 }

@@ -576,7 +576,8 @@ impl HotPrefixes {
         };
         let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
         let mut target: Option<(usize, f64)> = None;
-        // The least busy replica holding it now: a pull's source.
+        // The least busy replica known to hold it now (not one still computing it, nor one a
+        // peer's tip only predicts: a pull from either finds no blocks): a pull's source.
         let mut source: Option<(usize, f64)> = None;
         for (r, rep) in view.replicas().iter().enumerate() {
             if rep.health != Health::Healthy
@@ -592,7 +593,10 @@ impl HotPrefixes {
             let holds_now = holds(now, &self.tips);
             // A replica whose routed requests are computing the prefix right now holds it
             // soon: warming it too would queue a second copy behind the first.
-            if holds_now && source.is_none_or(|(_, q)| queue < q) {
+            if holds_now
+                && source.is_none_or(|(_, q)| queue < q)
+                && view.hit_settled(r, keys, now) + 1 >= c.lcp
+            {
                 source = Some((r, queue));
             }
             if holds_now || holds(soon, &self.tips_soon) {
@@ -686,7 +690,12 @@ fn warm_by_pull(
     let s = view.replica(source)?;
     // An engine recomputes at least the last token.
     let tokens = tokens.saturating_sub(1);
-    let predicted_s = cost.fetch.transfer_s(&t.info, s, tokens, cost.w_load_s)?;
+    let predicted_s = cost.fetch.transfer_s(&t.info, s, tokens)?;
+    // Only where the pull makes the second holder ready sooner than recomputing would (a busy
+    // source's step, a slow link): otherwise the recomputed warm-up wins the race.
+    if predicted_s >= tokens as f64 / t.info.prefill_tokens_per_s.max(1.0) {
+        return None;
+    }
     Some(super::kv_fetch::KvFetchPlan {
         source,
         from_tokens: 0,
@@ -872,6 +881,77 @@ mod tests {
                 tenant: own("acme"),
             }
         );
+    }
+
+    /// Replication by transfer: a warm-up pulls the prefix only from a holder known to hold it
+    /// now (a first byte confirmed it, or its summary has it), never from one a routed request
+    /// may still be computing it on (issue #37: such pulls found no blocks and recomputed), and
+    /// only where the pull beats recomputing it at the target.
+    #[test]
+    fn a_warm_up_pulls_only_from_a_settled_holder_and_only_when_faster() {
+        use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
+        use crate::core::kv_load::{KvHintFormat, KvLoad};
+        // 8 blocks of 2,048 tokens (16,384: 0.33 s to recompute at 50,000 tokens/s); four
+        // replicas in one zone taking hints; r0 holds the prefix, 4 s of prefill queued.
+        let fleet = |confirmed: bool| {
+            let mut h = HotPrefixes::new(on());
+            let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+            h.credit(1_000_000);
+            let mut v = View::new("eu", 2048);
+            for i in 0..4 {
+                v.upsert(ReplicaInfo {
+                    zone: "z1".into(),
+                    kv_load: Some(KvLoad {
+                        hints: KvHintFormat::VllmEnvelope,
+                        ..KvLoad::default()
+                    }),
+                    ..info(&format!("r{i}"), "eu")
+                });
+            }
+            v.record_routed_ready(0, &keys[..8], ms(0), ms(100));
+            if confirmed {
+                v.prefill_done(0, &keys[..8], ms(100));
+            }
+            v.replica_mut(0).unwrap().load.queued_prefill_tokens = 200_000;
+            (h, v)
+        };
+        let warm = |h: &mut HotPrefixes, v: &View, fetch: KvFetchConfig| {
+            let cost = CostModel {
+                fetch,
+                ..CostModel::default()
+            };
+            let mut out = Vec::new();
+            h.plan(
+                v,
+                &cost,
+                &Tenants::default(),
+                ms(1000),
+                1,
+                |_| true,
+                &mut out,
+            );
+            let w = warm_ups(&out);
+            assert_eq!(w.len(), 1, "{out:?}");
+            w[0].fetch
+        };
+        let priced = KvFetchConfig {
+            mode: FetchMode::Priced,
+            ..KvFetchConfig::default()
+        };
+        // Predicted ready, never confirmed: recomputed.
+        let (mut h, v) = fleet(false);
+        assert_eq!(warm(&mut h, &v, priced), None);
+        // Confirmed by its first byte: pulled from r0 (1 ms + 2.1 GB at 50 GB/s + one step of
+        // r0's ≈ 0.22 s, against 0.33 s of recompute).
+        let (mut h, v) = fleet(true);
+        let plan = warm(&mut h, &v, priced).expect("a pull from the settled holder");
+        assert_eq!(plan.source, 0);
+        assert!(plan.predicted_s < 0.3, "{}", plan.predicted_s);
+        // Over a 1 GB/s link the pull (2 s) loses to recomputing: recomputed.
+        let mut slow = priced;
+        slow.links.same_zone.gb_per_s = 1.0;
+        let (mut h, v) = fleet(true);
+        assert_eq!(warm(&mut h, &v, slow), None);
     }
 
     fn warm_ups(out: &[Action]) -> Vec<WarmUp> {

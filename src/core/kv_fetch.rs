@@ -141,9 +141,14 @@ pub enum Link {
 impl Link {
     /// The link between replicas `a` and `b`.
     pub fn between(a: &ReplicaInfo, b: &ReplicaInfo) -> Link {
+        Link::between_host(a, b, host_of(&b.url))
+    }
+
+    /// [`Link::between`] with `b`'s URL host already parsed (one source, many targets).
+    pub fn between_host(a: &ReplicaInfo, b: &ReplicaInfo, b_host: &str) -> Link {
         if a.region != b.region {
             Link::CrossRegion
-        } else if host_of(&a.url) == host_of(&b.url) {
+        } else if host_of(&a.url) == b_host {
             Link::SameHost
         } else if !a.zone.is_empty() && a.zone == b.zone {
             Link::SameZone
@@ -232,21 +237,58 @@ impl KvFetchConfig {
         Ok(())
     }
 
-    /// Predicted seconds to move `tokens` tokens of KV from `source` to `target` (module doc),
-    /// `w_load_s` being the cost model's per-request step share. `None` when `target` takes no
-    /// hint.
+    /// Predicted seconds to move `tokens` tokens of KV from `source` to `target` (module doc).
+    /// `None` when `target` takes no hint.
     pub fn transfer_s(
         &self,
         target: &ReplicaInfo,
         source: &ReplicaState,
         tokens: u64,
-        w_load_s: f64,
+    ) -> Option<f64> {
+        let from = PullSource::of(source);
+        self.transfer_from(target, &from, tokens)
+    }
+
+    /// [`KvFetchConfig::transfer_s`] from a source read once per decision.
+    pub fn transfer_from(
+        &self,
+        target: &ReplicaInfo,
+        from: &PullSource<'_>,
+        tokens: u64,
     ) -> Option<f64> {
         let load = target.kv_load.as_ref().filter(|l| !l.hints.is_none())?;
-        let spec = self.links.spec(Link::between(target, &source.info));
+        let spec = self
+            .links
+            .spec(Link::between_host(target, from.info, from.host));
         let bytes = tokens as f64 * f64::from(load.bytes_per_token);
-        let step_s = source_step_s(w_load_s, u64::from(source.load.outstanding()));
-        Some(spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9))
+        Some(spec.setup_ms / 1000.0 + from.step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9))
+    }
+}
+
+/// What pricing pulls from one source needs of it, read once per decision rather than once per
+/// candidate: its info, its URL's host and its step ([`source_step_s`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PullSource<'a> {
+    /// The source's static description.
+    pub info: &'a ReplicaInfo,
+    /// Its URL's host ([`host_of`]).
+    pub host: &'a str,
+    /// Seconds a pull waits for its current step.
+    pub step_s: f64,
+}
+
+impl<'a> PullSource<'a> {
+    /// The source `source` as it is now.
+    pub fn of(source: &'a ReplicaState) -> PullSource<'a> {
+        PullSource {
+            info: &source.info,
+            host: host_of(&source.info.url),
+            step_s: source_step_s(
+                u64::from(source.load.outstanding()),
+                source.load.queued_prefill_tokens,
+                source.info.prefill_tokens_per_s,
+            ),
+        }
     }
 }
 
@@ -254,11 +296,30 @@ impl KvFetchConfig {
 /// prefill chunk (8,192 tokens ≈ 0.19 s for an 8B model on an H100, engine-timing reference).
 pub const MAX_SOURCE_STEP_S: f64 = 0.2;
 
-/// Seconds a pull waits for a source with `outstanding` requests: its engine serves the pull
-/// between steps, and a step of its batch lasts about `w_load_s × outstanding` (the cost
-/// model's decode share), at most [`MAX_SOURCE_STEP_S`].
-pub fn source_step_s(w_load_s: f64, outstanding: u64) -> f64 {
-    (w_load_s * outstanding as f64).clamp(0.0, MAX_SOURCE_STEP_S)
+/// The fixed part of one engine step: a decode-only step of a busy 8B engine on an H100 lasts
+/// about this (vLLM step overhead 7.5 ms plus its batch's decode; engine-timing reference, the
+/// simulator's `8b-h100` preset).
+pub const STEP_BASE_S: f64 = 0.0075;
+
+/// Prompt tokens one step prefills at most (vLLM's `max_num_batched_tokens` on an H100).
+pub const STEP_CHUNK_TOKENS: u64 = 8192;
+
+/// Seconds a pull waits for its source's engine: the engine hands blocks out between steps, so
+/// an idle source (`outstanding` 0) serves at once and a busy one after its current step — a
+/// decode step ([`STEP_BASE_S`]) plus the prefill chunk its queued prompt tokens put in it (up
+/// to [`STEP_CHUNK_TOKENS`] at `prefill_tokens_per_s`), at most [`MAX_SOURCE_STEP_S`]. A step
+/// lasts this whatever the batch size: the count of requests (what the cost model's `w_load`
+/// weighs) made a 16-request source look 80 ms away, and priced pulls out where they paid.
+pub fn source_step_s(
+    outstanding: u64,
+    queued_prefill_tokens: u64,
+    prefill_tokens_per_s: f64,
+) -> f64 {
+    if outstanding == 0 {
+        return 0.0;
+    }
+    let chunk = queued_prefill_tokens.min(STEP_CHUNK_TOKENS) as f64;
+    (STEP_BASE_S + chunk / prefill_tokens_per_s.max(1.0)).min(MAX_SOURCE_STEP_S)
 }
 
 /// A pull the decision asks of the chosen replica: blocks `from_tokens..tokens` of the prompt
@@ -341,21 +402,40 @@ mod tests {
         let mut v = crate::core::view::View::new("eu", 16);
         let s = v.upsert(info("s", "eu"));
         let source = v.replica(s).unwrap();
-        assert_eq!(cfg.transfer_s(&target, source, 1000, 0.005), None);
+        assert_eq!(cfg.transfer_s(&target, source, 1000), None);
         target.kv_load = Some(KvLoad {
             hints: KvHintFormat::VllmEnvelope,
             ..KvLoad::default()
         });
-        let near = cfg.transfer_s(&target, source, 8192, 0.005).unwrap();
+        let near = cfg.transfer_s(&target, source, 8192).unwrap();
         // 8192 tokens × 128 KiB over 12.5 GB/s + 2 ms.
         let expect = 0.002 + 8192.0 * 131_072.0 / 12.5e9;
         assert!((near - expect).abs() < 1e-9, "{near} vs {expect}");
         let far = {
             let mut t = target.clone();
             t.region = "us".into();
-            cfg.transfer_s(&t, source, 8192, 0.005).unwrap()
+            cfg.transfer_s(&t, source, 8192).unwrap()
         };
         assert!(far > 10.0 * near);
+    }
+
+    /// A pull waits for the source's current step: none when it is idle, a decode step when it
+    /// only decodes, plus the chunk its queued prefill puts in the step — whatever its number of
+    /// requests (16 decoding requests used to price 80 ms).
+    #[test]
+    fn a_source_step_follows_its_queued_prefill_not_its_request_count() {
+        assert_eq!(source_step_s(0, 1_000_000, 50_000.0), 0.0);
+        assert_eq!(source_step_s(16, 0, 50_000.0), STEP_BASE_S);
+        assert_eq!(
+            source_step_s(1, 0, 50_000.0),
+            source_step_s(64, 0, 50_000.0)
+        );
+        let chunk = source_step_s(16, 4096, 50_000.0);
+        assert!(
+            (chunk - (STEP_BASE_S + 4096.0 / 50_000.0)).abs() < 1e-12,
+            "{chunk}"
+        );
+        assert_eq!(source_step_s(16, 1 << 30, 1.0), MAX_SOURCE_STEP_S);
     }
 
     #[test]

@@ -217,6 +217,131 @@ pub fn build_offer(
     offer
 }
 
+/// Where a prompt whose prefix a replica of another region holds is best served (issue #37,
+/// the seed's "copy the KV, or recompute, or go where it is?").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixRoute {
+    /// Recompute the prefix on the local replica.
+    Recompute,
+    /// Pull the held run from the other region's replica, then compute the rest locally.
+    Fetch,
+    /// Send the request to the other region's replica.
+    Forward,
+}
+
+/// The figures one weighing needs: a local target and another region's holder (all seconds,
+/// tokens, tokens/s). [`RemotePrefix::between`] reads them from a view.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RemotePrefix {
+    /// Prompt length.
+    pub prompt_tokens: u64,
+    /// Leading prompt tokens the local target holds.
+    pub local_held: u64,
+    /// The local target's predicted queue.
+    pub local_queue_s: f64,
+    /// The local target's prefill rate.
+    pub local_rate: f64,
+    /// Leading prompt tokens the remote holder holds now (settled: a pull of predicted blocks
+    /// finds nothing).
+    pub remote_held: u64,
+    /// The remote holder's predicted queue (a forwarded request waits in it).
+    pub remote_queue_s: f64,
+    /// The remote holder's prefill rate.
+    pub remote_rate: f64,
+    /// The wait for the holder's current step before it hands blocks out
+    /// (`kv_fetch::source_step_s`).
+    pub source_step_s: f64,
+    /// Round trip between the regions (a forward pays it once).
+    pub rtt_s: f64,
+    /// KV bytes per token of the model.
+    pub bytes_per_token: u32,
+    /// The link between them (`[kv_fetch.links] cross_region` by default).
+    pub link: super::kv_fetch::LinkSpec,
+}
+
+impl RemotePrefix {
+    /// Local target `target` and another region's `holder` for `keys`, as this view sees them
+    /// at `now`: hits (the holder's settled), queues, rates, the round trip and the link of
+    /// `cost.fetch.links`. `None` when either index is out of the view.
+    pub fn between(
+        view: &View,
+        cost: &CostModel,
+        (target, holder): (usize, usize),
+        keys: &[BlockKey],
+        prompt_tokens: u64,
+        now: Duration,
+    ) -> Option<RemotePrefix> {
+        let (t, h) = (view.replica(target)?, view.replica(holder)?);
+        let tpb = u64::from(view.tokens_per_block);
+        let bytes_per_token = t
+            .info
+            .kv_load
+            .map_or(super::kv_load::KvLoad::default().bytes_per_token, |l| {
+                l.bytes_per_token
+            });
+        Some(RemotePrefix {
+            prompt_tokens,
+            local_held: view.hit(target, keys, now) as u64 * tpb,
+            local_queue_s: cost.queue_s(t),
+            local_rate: t.info.prefill_tokens_per_s,
+            remote_held: view.hit_settled(holder, keys, now) as u64 * tpb,
+            remote_queue_s: cost.queue_s(h),
+            remote_rate: h.info.prefill_tokens_per_s,
+            source_step_s: super::kv_fetch::source_step_s(
+                u64::from(h.load.outstanding()),
+                h.load.queued_prefill_tokens,
+                h.info.prefill_tokens_per_s,
+            ),
+            rtt_s: view.regions.distance(&t.info.region, &h.info.region) / 1000.0,
+            bytes_per_token,
+            link: cost
+                .fetch
+                .links
+                .spec(super::kv_fetch::Link::between(&t.info, &h.info)),
+        })
+    }
+
+    /// Predicted seconds to first token of each way, `[recompute, fetch, forward]`: recompute =
+    /// local queue + local prefill of what it lacks; fetch = local queue + setup + the holder's
+    /// step + the bytes it lacks over the link + local prefill of the rest (the engine loads
+    /// the pull once it schedules the request); forward = round trip + the holder's queue +
+    /// its prefill of the rest. A fetch needs the holder to hold more than the target.
+    pub fn costs_s(&self) -> [f64; 3] {
+        let tokens = self.prompt_tokens as f64;
+        let local_rate = self.local_rate.max(1.0);
+        let remote_held = self.remote_held.min(self.prompt_tokens.saturating_sub(1)) as f64;
+        let local_held = (self.local_held as f64).min(tokens);
+        let recompute = self.local_queue_s + (tokens - local_held) / local_rate;
+        let fetch = if remote_held > local_held {
+            let bytes = (remote_held - local_held) * f64::from(self.bytes_per_token);
+            self.local_queue_s
+                + self.link.setup_ms / 1000.0
+                + self.source_step_s
+                + bytes / (self.link.gb_per_s.max(1e-6) * 1e9)
+                + (tokens - remote_held) / local_rate
+        } else {
+            f64::INFINITY
+        };
+        let forward =
+            self.rtt_s + self.remote_queue_s + (tokens - remote_held) / self.remote_rate.max(1.0);
+        [recompute, fetch, forward]
+    }
+
+    /// The cheapest way and its predicted seconds; ties go to recomputing, then fetching
+    /// (moving nothing beats moving blocks, which beats moving the request).
+    pub fn choose(&self) -> (PrefixRoute, f64) {
+        let [recompute, fetch, forward] = self.costs_s();
+        let mut best = (PrefixRoute::Recompute, recompute);
+        if fetch < best.1 {
+            best = (PrefixRoute::Fetch, fetch);
+        }
+        if forward < best.1 {
+            best = (PrefixRoute::Forward, forward);
+        }
+        best
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,5 +535,53 @@ mod tests {
             (ap_offer.models[0].healthy, ap_offer.models[0].open),
             (1, 0)
         );
+    }
+
+    /// An 8B prompt of 32,768 tokens; the local target `eu` is idle and holds nothing; a
+    /// replica in `us` (90 ms away) holds the whole prefix (its summary) and queues
+    /// `us_queued` prefill tokens; the cross-region link is `link`.
+    fn remote(us_queued: u64, link: crate::core::kv_fetch::LinkSpec) -> (PrefixRoute, f64) {
+        let keys: Vec<BlockKey> = (1..=512).map(BlockKey).collect();
+        let mut v = View::new("eu", 64);
+        v.regions.measured("eu", "us", 90.0);
+        let t = v.upsert(info("local", "eu"));
+        let h = v.upsert(info("holder", "us"));
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys);
+        v.set_summary(h, s);
+        v.replica_mut(h).unwrap().load = ReplicaLoad {
+            queued_prefill_tokens: us_queued,
+            in_flight: u32::from(us_queued > 0),
+            ..ReplicaLoad::default()
+        };
+        let mut cost = CostModel::default();
+        cost.fetch.links.cross_region = link;
+        let w = RemotePrefix::between(&v, &cost, (t, h), &keys, 32_768, T).unwrap();
+        w.choose()
+    }
+
+    #[test]
+    fn a_busy_holder_across_a_fast_link_is_fetched_from_across_a_slow_one_recomputed() {
+        use crate::core::kv_fetch::LinkSpec;
+        // The holder queues 5 s: forwarding waits behind it.
+        let busy = 250_000;
+        // A 400 Gb/s interconnect: 4.3 GB in 86 ms + 60 ms + one step, against 0.66 s.
+        let fast = LinkSpec {
+            gb_per_s: 50.0,
+            setup_ms: 60.0,
+        };
+        let (way, s) = remote(busy, fast);
+        assert_eq!(way, PrefixRoute::Fetch, "{s}");
+        assert!(s < 0.5, "{s}");
+        // One 5 Gb/s flow over the WAN (the default): 6.9 s of transfer, recompute instead.
+        let (way, _) = remote(
+            busy,
+            crate::core::kv_fetch::LinkTable::default().cross_region,
+        );
+        assert_eq!(way, PrefixRoute::Recompute);
+        // An idle holder: go where it is (90 ms + one block's prefill).
+        let (way, s) = remote(0, crate::core::kv_fetch::LinkTable::default().cross_region);
+        assert_eq!(way, PrefixRoute::Forward, "{s}");
+        assert!(s < 0.1, "{s}");
     }
 }

@@ -539,11 +539,10 @@ impl Router {
         if self.policy.uses_cache() && cost.fetch.mode == FetchMode::Priced {
             fetch_plan::price(
                 &cost.fetch,
-                cost.w_load_s,
                 view,
                 &mut self.candidates,
                 &mut self.fetch_plans,
-                req.prompt_tokens,
+                (req.keys, req.prompt_tokens, now),
             );
         }
         if kv_steer == KvSteer::Steered {
@@ -850,7 +849,6 @@ impl Router {
             FetchMode::Priced => self.fetch_plans.get(chosen).copied().flatten(),
             FetchMode::Reactive => fetch_plan::reactive(
                 &cost.fetch,
-                cost.w_load_s,
                 view,
                 &self.candidates,
                 chosen,

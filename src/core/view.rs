@@ -164,6 +164,10 @@ struct OverlayEntry {
     ready: Duration,
     /// When it stops counting: `overlay_ttl` after `ready`, by then the summary should have it.
     until: Duration,
+    /// A routed request's first byte showed the block computed ([`View::prefill_done`]), so
+    /// the engine holds it now, not only by prediction: a KV pull may name it as a source
+    /// (`fetch_plan.rs`), where a predicted block it does not hold yet would be a failed pull.
+    confirmed: bool,
 }
 
 /// Overlay entries kept per replica at most; beyond that the oldest are not tracked (the summary
@@ -410,13 +414,21 @@ impl View {
                     .and_modify(|e| {
                         if e.until <= now {
                             // Expired but not yet swept: a fresh entry.
-                            *e = OverlayEntry { ready, until };
+                            *e = OverlayEntry {
+                                ready,
+                                until,
+                                confirmed: false,
+                            };
                         } else {
                             e.ready = e.ready.min(ready);
                             e.until = e.until.max(until);
                         }
                     })
-                    .or_insert(OverlayEntry { ready, until });
+                    .or_insert(OverlayEntry {
+                        ready,
+                        until,
+                        confirmed: false,
+                    });
             }
         }
     }
@@ -433,6 +445,7 @@ impl View {
                     if e.ready > now && e.until > now {
                         e.ready = now;
                     }
+                    e.confirmed |= e.until > now;
                 }
             }
         }
@@ -476,6 +489,26 @@ impl View {
             .get(&key.0)
             .filter(|e| e.ready > now && now < e.until)
             .map(|e| e.ready)
+    }
+
+    /// Leading `keys` replica `i` holds on GPU *now* as far as this node knows for certain: in
+    /// its summary (the home's cache model) or in overlay entries a first byte confirmed
+    /// ([`View::prefill_done`]). Predicted blocks — a routed request still computing them, a
+    /// peer's tip — do not count: this is what a KV pull may take from `i` (`fetch_plan.rs`),
+    /// and a pull of blocks not yet computed fails and leaves the whole prompt to recompute.
+    /// Searched as [`View::hit_tiers`] searches (the held set is prefix-closed); called for one
+    /// replica per decision, and only with `[kv_fetch]` on.
+    pub fn hit_settled(&self, i: usize, keys: &[BlockKey], now: Duration) -> usize {
+        let Some(r) = self.replicas.get(i) else {
+            return 0;
+        };
+        let summary = r.summary.as_deref();
+        leading_run(keys.len(), 0, |j| {
+            summary.is_some_and(|s| s.contains(keys[j]))
+                || r.overlay
+                    .get(&keys[j].0)
+                    .is_some_and(|e| e.confirmed && e.ready <= now && now < e.until)
+        })
     }
 
     /// Overlay size of a replica (for metrics and tests).
@@ -1135,6 +1168,26 @@ mod tests {
         v.finished(i);
         v.finished(i);
         assert_eq!(v.replica(i).unwrap().load.in_flight, 0);
+    }
+
+    /// What a pull may take: the summary's blocks and the overlay's blocks a first byte
+    /// confirmed, not blocks only predicted ready (a request may still be computing them).
+    #[test]
+    fn settled_blocks_are_the_summarys_and_the_confirmed_overlays() {
+        let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
+        let mut v = View::new("eu", 16);
+        let i = v.upsert(info("r", "eu"));
+        let t0 = Duration::from_secs(10);
+        v.record_routed_ready(i, &keys, t0, Duration::from_secs(1));
+        let later = t0 + Duration::from_secs(2);
+        assert_eq!(v.hit(i, &keys, later), 8, "predicted ready");
+        assert_eq!(v.hit_settled(i, &keys, later), 0, "but not confirmed");
+        v.prefill_done(i, &keys[..5], t0 + Duration::from_millis(500));
+        assert_eq!(v.hit_settled(i, &keys, later), 5);
+        let mut s = ReplicaSummary::new(1, 100, &SummaryConfig::for_cluster("c")).unwrap();
+        s.insert(&keys[..6]);
+        v.set_summary(i, s);
+        assert_eq!(v.hit_settled(i, &keys, later), 6);
     }
 
     #[test]

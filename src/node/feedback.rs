@@ -48,6 +48,15 @@ fn refresh_panic(core: &mut super::state::Core) {
 }
 
 impl Node {
+    /// Replica `i`'s progress count (`ReplicaRuntime::progress`), while it takes requests
+    /// (healthy, not removed or drained): a waiting stream compares two readings to tell a
+    /// replica working through a queue from a stuck one. `None`: not taking requests.
+    pub fn replica_progress(&self, i: usize) -> Option<u64> {
+        let core = self.lock();
+        let rt = core.replicas.get(i)?;
+        (rt.effective_health() == Health::Healthy && !rt.dropped).then_some(rt.progress)
+    }
+
     /// A request to replica `i` succeeded (got a non-5xx answer).
     pub fn request_succeeded(&self, i: usize) {
         if let Some(rt) = self.lock().replicas.get_mut(i) {

@@ -40,6 +40,9 @@ pub struct Metrics {
     pub replica_healthy: IntGaugeVec,
     /// `kvmesh_retries_total`: attempts after the first.
     pub retries: IntCounter,
+    /// `kvmesh_first_byte_waits_extended_total`: first-byte waits that ran out at a replica
+    /// which made progress meanwhile, and were extended instead of retried elsewhere.
+    pub first_byte_waits_extended: IntCounter,
     /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
     pub ejections: IntCounterVec,
     /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
@@ -243,6 +246,10 @@ impl Metrics {
             &["replica"],
         )?;
         let retries = IntCounter::new("kvmesh_retries_total", "Attempts after the first")?;
+        let first_byte_waits_extended = IntCounter::new(
+            "kvmesh_first_byte_waits_extended_total",
+            "First-byte waits extended because the replica made progress meanwhile",
+        )?;
         let ejections = IntCounterVec::new(
             Opts::new("kvmesh_ejections_total", "Passive outlier ejections"),
             &["replica"],
@@ -320,6 +327,7 @@ impl Metrics {
         registry.register(Box::new(ejections.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(hedges.clone()))?;
+        registry.register(Box::new(first_byte_waits_extended.clone()))?;
         registry.register(Box::new(stream_resumes.clone()))?;
         registry.register(Box::new(pd_decisions.clone()))?;
         registry.register(Box::new(pd_legs_failed.clone()))?;
@@ -360,6 +368,7 @@ impl Metrics {
             ejections,
             upstream_failures,
             hedges,
+            first_byte_waits_extended,
             stream_resumes,
             pd_decisions,
             pd_legs_failed,

@@ -57,6 +57,12 @@ pub struct ReplicaRuntime {
     pub peer_in_flight: u32,
     /// The region's other nodes' pending prompt tokens there (bounded likewise).
     pub peer_pending_tokens: u64,
+    /// Signs that the engine is working through its queue: bumped when a request of this node
+    /// there gets its first byte or ends after one, and when the region's other nodes' pending
+    /// prefill there falls (their first bytes). A stream still waiting for its first byte stays
+    /// at a replica whose count moved during its wait (`Node::replica_progress`,
+    /// `proxy/deliver.rs`): slow behind a queue is not stuck.
+    pub progress: u64,
     /// Models came from the config (never replaced by discovery).
     pub models_configured: bool,
     /// Capacity came from the config (never replaced by a scrape).

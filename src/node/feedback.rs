@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::state::Node;
+use super::state::{Node, MAX_FIRST_BYTE_LAG};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
@@ -13,6 +13,13 @@ use crate::core::view::Health;
 use crate::replicas::kv_events::KvEventSink;
 use crate::replicas::kv_index::Op;
 use crate::replicas::prom::EngineLoad;
+
+/// Shortest predicted time to first token whose observation teaches a replica's first-byte lag.
+pub const MIN_PREDICTION_S: f64 = 0.1;
+
+/// Weight of the newest observation in a replica's first-byte lag (an exponential average over
+/// the last ~10 long requests: it follows a change of workload within a minute of agentic turns).
+const FIRST_BYTE_LAG_WEIGHT: f64 = 0.1;
 
 /// Envoy's panic threshold (`replicas/health.rs`): in each pool where most replicas are
 /// ejected, ejections stop taking replicas out of routing; recomputed when one starts or ends.
@@ -48,13 +55,34 @@ fn refresh_panic(core: &mut super::state::Core) {
 }
 
 impl Node {
-    /// Replica `i`'s progress count (`ReplicaRuntime::progress`), while it takes requests
-    /// (healthy, not removed or drained): a waiting stream compares two readings to tell a
-    /// replica working through a queue from a stuck one. `None`: not taking requests.
-    pub fn replica_progress(&self, i: usize) -> Option<u64> {
+    /// Replica `i`'s progress count (`ReplicaRuntime::progress`) and first-byte lag
+    /// (`ReplicaRuntime::first_byte_lag`), while it takes requests (healthy, not removed or
+    /// drained): a waiting stream scales its wait by the lag and compares two progress readings
+    /// to tell a replica working through a queue from a stuck one. `None`: not taking requests.
+    pub fn replica_progress(&self, i: usize) -> Option<(u64, f64)> {
         let core = self.lock();
         let rt = core.replicas.get(i)?;
-        (rt.effective_health() == Health::Healthy && !rt.dropped).then_some(rt.progress)
+        (rt.effective_health() == Health::Healthy && !rt.dropped)
+            .then(|| (rt.progress, rt.first_byte_lag()))
+    }
+
+    /// A stream at replica `i` answered (a non-5xx status) `observed_s` after it was sent,
+    /// predicted at `predicted_s`: a success for its health, and an observation of how late the
+    /// replica runs against the node's predictions (`ReplicaRuntime::first_byte_log_lag`).
+    /// Predictions under [`MIN_PREDICTION_S`] are not observed: a few ms of overhead would
+    /// read as a large lag.
+    pub fn stream_answered(&self, i: usize, predicted_s: f64, observed_s: f64) {
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return;
+        };
+        rt.health.request_succeeded();
+        if predicted_s >= MIN_PREDICTION_S && observed_s.is_finite() && observed_s > 0.0 {
+            let lag = (observed_s / predicted_s)
+                .ln()
+                .clamp(-MAX_FIRST_BYTE_LAG.ln(), MAX_FIRST_BYTE_LAG.ln());
+            rt.first_byte_log_lag += FIRST_BYTE_LAG_WEIGHT * (lag - rt.first_byte_log_lag);
+        }
     }
 
     /// A request to replica `i` succeeded (got a non-5xx answer).

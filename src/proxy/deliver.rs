@@ -729,6 +729,40 @@ mod tests {
         assert_eq!(wait(false, 20.0), Duration::from_secs(300));
     }
 
+    /// Issue #38: a replica whose first bytes came 3× later than predicted gets 3× the
+    /// prediction-scaled wait (a lone 120k-token prefill is no longer retried at 10 s); one
+    /// never observed, or not taking requests, the plain one.
+    #[test]
+    fn a_first_byte_wait_scales_with_the_replicas_observed_lag() {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![crate::replicas::entry::ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                ..crate::replicas::entry::ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let first = |predicted_s| FirstByteWait::start(&node, 0, true, predicted_s).first;
+        assert_eq!(first(8.0), Duration::from_secs(16));
+        for _ in 0..100 {
+            node.stream_answered(0, 2.0, 6.0);
+        }
+        let scaled = first(8.0).as_secs_f64();
+        assert!((scaled - 48.0).abs() < 1.0, "{scaled}");
+        assert_eq!(
+            first(1.0),
+            Duration::from_secs(10),
+            "still at least the configured wait"
+        );
+        assert_eq!(
+            FirstByteWait::start(&node, 7, true, 8.0).first,
+            Duration::from_secs(16),
+            "no such replica: the prediction alone"
+        );
+    }
+
     /// Hedging cannot double an overloaded fleet's load: a fifth of the requests awaiting
     /// headers (at least 3) are hedged at once, and a slot comes back when its hedge ends.
     #[test]

@@ -166,3 +166,41 @@ async fn six_long_requests_eject_nobody() {
     })
     .await;
 }
+
+/// Issue #38: a stream queued behind long prefills at a working replica was retried elsewhere
+/// at its first-byte wait, and recomputed its whole prompt there (three nodes on the agentic
+/// sessions: 23–83 such retries a run). Six long prompts at once on one replica whose prefill
+/// takes ~0.8 s each (timeouts ÷ 5: a 2 s stream wait): the later ones get their first bytes
+/// past 2 s, but each wait saw the replica answer the requests before it, so each is extended,
+/// not failed: all six are served, nothing is retried. (A replica that answers nothing is
+/// still left after one wait: `tests/node.rs`, `timeouts_retry_before_the_first_byte_and_never_after`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_queued_at_a_working_replica_waits_there_instead_of_retrying() {
+    bounded(60, async {
+        // 8,192-token prompts (4 bytes a token) in one prefill step each, ~0.8 s apiece.
+        let r0 = sim_replica("r0", |c| c.engine.time_scale = 0.24).await;
+        let cfg = node_config(&[&r0], 5);
+        let wait_s = cfg.timeouts.stream_first_byte_ms as f64 / 1000.0;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let c = client();
+        let prompts: Vec<String> = (0..6)
+            .map(|i| format!("{i} {}", "lorem ipsum dolor sit amet ".repeat(1213)))
+            .collect();
+        let outcomes =
+            futures::future::join_all(prompts.iter().map(|p| complete(&c, &node, p, true))).await;
+        println!("queued streams (status, replica, seconds): {outcomes:?}");
+        assert!(
+            outcomes.iter().any(|(_, _, took)| *took > wait_s),
+            "no stream outlived the first wait: the test shows nothing ({outcomes:?})"
+        );
+        assert!(
+            outcomes.iter().all(|(status, _, _)| *status == 200),
+            "{outcomes:?}"
+        );
+        assert_eq!(metric_sum(&c, &node, "kvmesh_retries_total").await, 0.0);
+        assert!(metric_sum(&c, &node, "kvmesh_first_byte_waits_extended_total").await >= 1.0);
+        node.shutdown().await;
+        r0.shutdown().await;
+    })
+    .await;
+}

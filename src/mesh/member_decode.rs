@@ -27,6 +27,22 @@ use super::signed::payload;
 use super::transport::QuicTransport;
 use crate::core::region_offer::MAX_REMOTE_REGIONS;
 
+/// The first `cap` live values of `entries` (key, signed value), as (key, payload). A withdrawn
+/// key reads as absent (see `signed`) and does not count against the cap: a member keeps a
+/// withdrawn `rload:` for every replica it stopped being home of (at start, each node is
+/// briefly home of all), and counting those cut off live companions past the cap (its number
+/// of live records). A follower then never read the home's load of the replicas whose ids
+/// sort after the withdrawn ones, and weighed every peer's claim there down to that frozen
+/// zero (issue #38: three nodes piled long prompts onto one such replica).
+fn live_values<'a>(
+    entries: impl Iterator<Item = (&'a str, &'a str)>,
+    cap: usize,
+) -> impl Iterator<Item = (&'a str, &'a str)> {
+    entries
+        .filter_map(|(key, value)| Some((key, payload(value)?)))
+        .take(cap)
+}
+
 /// What a decoded member was decoded from: its state's max version, last GC version and
 /// number of keys (a GC drops keys without a new version).
 type Stamp = (u64, u64, usize);
@@ -116,7 +132,10 @@ fn decode(
         bad: impl Fn(&str, &SchemaError),
     ) -> BTreeMap<String, T> {
         let mut out = BTreeMap::new();
-        for (key, v) in state.iter_prefix(prefix).take(cap) {
+        let entries = state
+            .iter_prefix(prefix)
+            .map(|(k, v)| (k, v.value.as_str()));
+        for (key, v) in live_values(entries, cap) {
             let Some(rid) = key.strip_prefix(prefix) else {
                 continue;
             };
@@ -127,10 +146,6 @@ fn decode(
                 );
                 continue;
             }
-            // A withdrawn key (see `signed`) reads as absent.
-            let Some(v) = payload(&v.value) else {
-                continue;
-            };
             match decode(v) {
                 Ok(r) => {
                     out.insert(rid.to_owned(), r);
@@ -197,5 +212,30 @@ fn decode(
             RegionRecord::decode,
             bad,
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A home of two replicas, holding withdrawn companions for six it handed over: both live
+    /// companions are read (before, the cap of two met a withdrawn one first).
+    #[test]
+    fn withdrawn_keys_do_not_count_against_the_cap() {
+        let live = |p: &str| format!("x.s{p}");
+        let gone = "x.w".to_owned();
+        let entries: Vec<(String, String)> = vec![
+            ("rload:a".into(), live("1")),
+            ("rload:b".into(), gone.clone()),
+            ("rload:c".into(), gone.clone()),
+            ("rload:d".into(), gone),
+            ("rload:e".into(), live("2")),
+            ("rload:f".into(), live("3")),
+        ];
+        let iter = || entries.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let read: Vec<_> = live_values(iter(), 2).collect();
+        assert_eq!(read, [("rload:a", "1"), ("rload:e", "2")]);
+        assert_eq!(live_values(iter(), usize::MAX).count(), 3);
     }
 }

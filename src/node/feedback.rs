@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::state::Node;
+use super::state::{Node, MAX_FIRST_BYTE_LAG};
 use crate::core::cache_model::CacheSource;
 use crate::core::keys::BlockKey;
 use crate::core::summary::Tier;
@@ -13,6 +13,13 @@ use crate::core::view::Health;
 use crate::replicas::kv_events::KvEventSink;
 use crate::replicas::kv_index::Op;
 use crate::replicas::prom::EngineLoad;
+
+/// Shortest predicted time to first token whose observation teaches a replica's first-byte lag.
+pub const MIN_PREDICTION_S: f64 = 0.1;
+
+/// Weight of the newest observation in a replica's first-byte lag (an exponential average over
+/// the last ~10 long requests: it follows a change of workload within a minute of agentic turns).
+const FIRST_BYTE_LAG_WEIGHT: f64 = 0.1;
 
 /// Envoy's panic threshold (`replicas/health.rs`): in each pool where most replicas are
 /// ejected, ejections stop taking replicas out of routing; recomputed when one starts or ends.
@@ -48,6 +55,36 @@ fn refresh_panic(core: &mut super::state::Core) {
 }
 
 impl Node {
+    /// Replica `i`'s progress count (`ReplicaRuntime::progress`) and first-byte lag
+    /// (`ReplicaRuntime::first_byte_lag`), while it takes requests (healthy, not removed or
+    /// drained): a waiting stream scales its wait by the lag and compares two progress readings
+    /// to tell a replica working through a queue from a stuck one. `None`: not taking requests.
+    pub fn replica_progress(&self, i: usize) -> Option<(u64, f64)> {
+        let core = self.lock();
+        let rt = core.replicas.get(i)?;
+        (rt.effective_health() == Health::Healthy && !rt.dropped)
+            .then(|| (rt.progress, rt.first_byte_lag()))
+    }
+
+    /// A stream at replica `i` answered (a non-5xx status) `observed_s` after it was sent,
+    /// predicted at `predicted_s`: a success for its health, and an observation of how late the
+    /// replica runs against the node's predictions (`ReplicaRuntime::first_byte_log_lag`).
+    /// Predictions under [`MIN_PREDICTION_S`] are not observed: a few ms of overhead would
+    /// read as a large lag.
+    pub fn stream_answered(&self, i: usize, predicted_s: f64, observed_s: f64) {
+        let mut core = self.lock();
+        let Some(rt) = core.replicas.get_mut(i) else {
+            return;
+        };
+        rt.health.request_succeeded();
+        if predicted_s >= MIN_PREDICTION_S && observed_s.is_finite() && observed_s > 0.0 {
+            let lag = (observed_s / predicted_s)
+                .ln()
+                .clamp(-MAX_FIRST_BYTE_LAG.ln(), MAX_FIRST_BYTE_LAG.ln());
+            rt.first_byte_log_lag += FIRST_BYTE_LAG_WEIGHT * (lag - rt.first_byte_log_lag);
+        }
+    }
+
     /// A request to replica `i` succeeded (got a non-5xx answer).
     pub fn request_succeeded(&self, i: usize) {
         if let Some(rt) = self.lock().replicas.get_mut(i) {
@@ -458,5 +495,102 @@ mod tests {
         assert_eq!((load.waiting, load.running), (1, 3));
         assert_eq!(load.queued_prefill_tokens, 5_100, "the peer's 5,000 stay");
         assert_eq!(load.peer_in_flight, 2);
+    }
+
+    fn one_replica() -> std::sync::Arc<Node> {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        Node::new(cfg).unwrap()
+    }
+
+    /// Issue #38: the node predicts prefill as linear in uncached tokens; the engine's long
+    /// prompts come ~3× later. Streams answered 3× later than predicted teach the replica a lag
+    /// near 3; predictions too short to read are skipped; a replica faster than predicted
+    /// still counts 1; nonsense is ignored.
+    #[test]
+    fn a_replicas_first_byte_lag_follows_observed_over_predicted() {
+        let node = one_replica();
+        let lag = || node.replica_progress(0).unwrap().1;
+        assert_eq!(lag(), 1.0, "no observation yet");
+        node.stream_answered(0, 0.01, 1.0);
+        node.stream_answered(0, 2.0, f64::NAN);
+        assert_eq!(lag(), 1.0, "a 10 ms prediction and a NaN teach nothing");
+        for _ in 0..60 {
+            node.stream_answered(0, 2.0, 6.0);
+        }
+        assert!((lag() - 3.0).abs() < 0.05, "{}", lag());
+        for _ in 0..60 {
+            node.stream_answered(0, 2.0, 0.5);
+        }
+        assert_eq!(lag(), 1.0, "faster than predicted: the prediction stands");
+        for _ in 0..200 {
+            node.stream_answered(0, 0.2, 1e6);
+        }
+        assert!(
+            (lag() - super::MAX_FIRST_BYTE_LAG).abs() < 1e-6,
+            "bounded: {}",
+            lag()
+        );
+    }
+
+    /// A replica's progress count moves with this node's first bytes there and with the
+    /// region's other nodes' pending prefill there falling; not with a peer's new request, and
+    /// not while nothing happens.
+    #[test]
+    fn progress_counts_first_bytes_here_and_at_peers() {
+        let node = one_replica();
+        let progress = || node.replica_progress(0).unwrap().0;
+        let peer = "127.0.0.2:7000".parse().unwrap();
+        let claim = |seq: u64, pending: u64| {
+            let mut guard = node.lock();
+            let core = &mut *guard;
+            let update = LoadUpdate {
+                origin: 1,
+                seq,
+                entries: vec![LoadEntry {
+                    replica: "r0".into(),
+                    in_flight: 1,
+                    pending_tokens: pending,
+                }],
+                tips: Vec::new(),
+            };
+            core.peer_loads
+                .apply(peer, update, Duration::ZERO, |_| Some(256))
+                .unwrap();
+            crate::node::load_share::refresh_shared_load(core, 0, 1 << 21, Duration::ZERO);
+        };
+        let start = progress();
+        claim(1, 50_000);
+        assert_eq!(progress(), start, "a peer's new request is not progress");
+        claim(2, 50_000);
+        assert_eq!(progress(), start, "nothing moved");
+        claim(3, 0);
+        assert_eq!(
+            progress(),
+            start + 1,
+            "the peer's prompt got its first byte"
+        );
+        let req = crate::core::router::RouteRequest::plain("m", &[], 16);
+        let (_, ticket) = node.route(&req);
+        let mut ticket = ticket.unwrap();
+        assert_eq!(progress(), start + 1, "routing is not progress");
+        ticket.first_byte(&[]);
+        assert_eq!(progress(), start + 2, "a first byte here");
+        drop(ticket);
+        assert_eq!(progress(), start + 3, "an answered request ended");
+        let (_, unanswered) = node.route(&req);
+        drop(unanswered);
+        assert_eq!(
+            progress(),
+            start + 3,
+            "a request ending unanswered is not progress"
+        );
     }
 }

@@ -91,6 +91,10 @@ pub(super) fn refresh_shared_load(
         return;
     }
     let rt = &mut core.replicas[i];
+    if p < rt.peer_pending_tokens {
+        // The other nodes' prompts there are getting their first bytes.
+        rt.progress = rt.progress.wrapping_add(1);
+    }
     rt.peer_in_flight = n;
     rt.peer_pending_tokens = p;
     let queued = rt.queued_estimate();

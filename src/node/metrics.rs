@@ -40,6 +40,9 @@ pub struct Metrics {
     pub replica_healthy: IntGaugeVec,
     /// `kvmesh_retries_total`: attempts after the first.
     pub retries: IntCounter,
+    /// `kvmesh_first_byte_waits_extended_total`: first-byte waits that ran out at a replica
+    /// which made progress meanwhile, and were extended instead of retried elsewhere.
+    pub first_byte_waits_extended: IntCounter,
     /// `kvmesh_ejections_total{replica}`: passive outlier ejections.
     pub ejections: IntCounterVec,
     /// `kvmesh_hedges_total{outcome}`: hedged requests (`sent`), and which answer came first
@@ -236,6 +239,10 @@ impl Metrics {
                 &["replica"],
             )?,
             retries: reg.counter("kvmesh_retries_total", "Attempts after the first")?,
+            first_byte_waits_extended: reg.counter(
+                "kvmesh_first_byte_waits_extended_total",
+                "First-byte waits extended because the replica made progress meanwhile",
+            )?,
             ejections: reg.counter_vec(
                 "kvmesh_ejections_total",
                 "Passive outlier ejections",

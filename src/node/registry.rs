@@ -135,6 +135,8 @@ impl Node {
             pending_prefill_tokens: 0,
             peer_in_flight: 0,
             peer_pending_tokens: 0,
+            progress: 0,
+            first_byte_log_lag: 0.0,
             models_configured: !r.models.is_empty(),
             capacity_configured: r.capacity_tokens.is_some(),
             engine: None,

@@ -250,6 +250,16 @@ impl Node {
             }
             Booking::Decode { ready_in } => ready_in,
         };
+        if let (Some(r), Some(rt)) = (core.view.replica(i), core.replicas.get(i)) {
+            tracing::debug!(
+                target: "kvmesh::load_view",
+                replica = %r.info.id, uncached, predicted_ms = (d.predicted_s * 1000.0) as u64,
+                queued = r.load.queued_prefill_tokens, own = rt.pending_prefill_tokens,
+                peers = rt.peer_pending_tokens, home = rt.mesh.remote_queued,
+                in_flight = r.load.in_flight, peer_in_flight = r.load.peer_in_flight,
+                waiting = r.load.waiting, running = r.load.running, "booked"
+            );
+        }
         // The tenant's request counts once, on the leg that prefills.
         let leg = Leg {
             uncached,
@@ -469,6 +479,9 @@ impl Ticket {
         let mut guard = self.node.lock();
         let core = &mut *guard;
         release_pending(core, self.replica, tokens, self.rank, false);
+        if let Some(rt) = core.replicas.get_mut(self.replica) {
+            rt.progress = rt.progress.wrapping_add(1);
+        }
         self.node.mesh.load_changed.notify_one();
         if keys.is_empty() {
             return;
@@ -536,6 +549,10 @@ impl Drop for Ticket {
         let mut guard = self.node.lock();
         let core = &mut *guard;
         release_pending(core, self.replica, self.pending_tokens, self.rank, true);
+        if let (true, Some(rt)) = (self.started, core.replicas.get_mut(self.replica)) {
+            // It answered and ended: the engine is stepping.
+            rt.progress = rt.progress.wrapping_add(1);
+        }
         core.view.finished(self.replica);
         if let Some(t) = &self.tenant {
             core.router.tenants.finished(t, self.replica);

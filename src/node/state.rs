@@ -39,6 +39,10 @@ pub const RESPONSE_HOMES: std::num::NonZeroUsize = match std::num::NonZeroUsize:
     Some(n) => n,
     None => unreachable!(),
 };
+/// Most a replica's observed first-byte lag scales a prediction (`ReplicaRuntime::first_byte_lag`):
+/// past it the engine is more likely stuck than slow.
+pub const MAX_FIRST_BYTE_LAG: f64 = 16.0;
+
 /// Driver-side state of one replica, indexed like the view.
 #[derive(Debug)]
 pub struct ReplicaRuntime {
@@ -57,6 +61,19 @@ pub struct ReplicaRuntime {
     pub peer_in_flight: u32,
     /// The region's other nodes' pending prompt tokens there (bounded likewise).
     pub peer_pending_tokens: u64,
+    /// Signs that the engine is working through its queue: bumped when a request of this node
+    /// there gets its first byte or ends after one, and when the region's other nodes' pending
+    /// prefill there falls (their first bytes). A stream still waiting for its first byte stays
+    /// at a replica whose count moved during its wait (`Node::replica_progress`,
+    /// `proxy/deliver.rs`): slow behind a queue is not stuck.
+    pub progress: u64,
+    /// How much later than predicted this node's streams there got their first bytes: an
+    /// average of `ln(observed ÷ predicted)` (`Node::stream_answered`), 0 until one is seen.
+    /// The node's prediction is linear in uncached tokens; an engine's prefill is not (attention
+    /// grows with the context; decodes share its steps), so long agentic prompts came 2.8×
+    /// (median) to 7× (p90) later than predicted. A first-byte wait is scaled by it
+    /// (`proxy/deliver.rs`), routing is not.
+    pub first_byte_log_lag: f64,
     /// Models came from the config (never replaced by discovery).
     pub models_configured: bool,
     /// Capacity came from the config (never replaced by a scrape).
@@ -126,6 +143,13 @@ impl ReplicaRuntime {
         self.cache.record_routed_by(keys, tenant, now);
         self.summary_dirty = true;
         true
+    }
+
+    /// How many times its predicted time the replica takes to a first byte, as observed
+    /// (`first_byte_log_lag`): at least 1 (a replica faster than predicted still gets the
+    /// prediction), at most [`MAX_FIRST_BYTE_LAG`].
+    pub fn first_byte_lag(&self) -> f64 {
+        self.first_byte_log_lag.exp().clamp(1.0, MAX_FIRST_BYTE_LAG)
     }
 
     /// Prompt tokens believed queued for prefill there: this node's own, plus the other

@@ -286,6 +286,84 @@ fn first_byte_timeout(node: &Node, stream: bool, predicted_s: f64) -> Duration {
     Duration::from_millis(configured).max(scaled)
 }
 
+/// How long an attempt waits for its first byte: a first wait, then more while the replica
+/// shows it is working through its queue.
+#[derive(Clone, Copy, Debug)]
+struct FirstByteWait {
+    /// The first wait ([`first_byte_timeout`]).
+    first: Duration,
+    /// Each further wait, granted when the replica made progress during the last one: the
+    /// configured wait (`timeouts.stream_first_byte_ms` for a stream).
+    further: Duration,
+    /// When the attempt was sent; no wait runs past `timeouts.first_byte_ms` from then.
+    since: Instant,
+    /// Most time from `since` to the first byte (`timeouts.first_byte_ms`).
+    cap: Duration,
+    /// The replica's progress count when the attempt was sent (`Node::replica_progress`).
+    mark: Option<u64>,
+}
+
+impl FirstByteWait {
+    /// The wait of an attempt sent now to replica `replica`, predicted to answer in
+    /// `predicted_s`.
+    /// The prediction is scaled by how late the replica's first bytes have come against
+    /// predictions (`Node::replica_progress`): a 120k-token prefill the node predicts at 2.4 s
+    /// takes the engine ~8 s alone, and no other request there gets a first byte meanwhile.
+    fn start(node: &Node, replica: usize, stream: bool, predicted_s: f64) -> Self {
+        let t = &node.cfg.timeouts;
+        let facts = node.replica_progress(replica);
+        let lag = facts.map_or(1.0, |(_, lag)| lag);
+        FirstByteWait {
+            first: first_byte_timeout(node, stream, predicted_s * lag),
+            further: Duration::from_millis(if stream {
+                t.stream_first_byte_ms
+            } else {
+                t.first_byte_ms
+            }),
+            since: Instant::now(),
+            cap: Duration::from_millis(t.first_byte_ms),
+            mark: facts.map(|(progress, _)| progress),
+        }
+    }
+
+    /// The same wait with `spent` of its first wait gone (the part before a hedge).
+    fn after(mut self, spent: Duration) -> Self {
+        self.first = self.first.saturating_sub(spent);
+        self
+    }
+}
+
+/// `send`'s answer from replica `replica`, or `None` when the wait runs out. A replica that
+/// sent nothing within the wait keeps the request for another wait as long as its progress
+/// count moved during the last one (requests before this one there got their first bytes, at
+/// this node or at the region's others): a stream queued behind long prefills at a working
+/// replica is not retried elsewhere, where it would recompute its whole prompt (issue #38: at
+/// three nodes, each node's prediction misses the queue the others make, and 10 s waits retried
+/// 23–83 agentic turns). A stuck replica moves nothing and loses the request after one wait.
+async fn await_first_byte<T>(
+    node: &Node,
+    replica: usize,
+    wait: FirstByteWait,
+    mut send: impl std::future::Future<Output = T> + Unpin,
+) -> Option<T> {
+    let mut window = wait.first;
+    let mut mark = wait.mark;
+    loop {
+        if let Ok(answer) = tokio::time::timeout(window, &mut send).await {
+            return Some(answer);
+        }
+        let left = wait.cap.saturating_sub(wait.since.elapsed());
+        let now = node.replica_progress(replica).map(|(progress, _)| progress);
+        let moved = matches!((mark, now), (Some(a), Some(b)) if a != b);
+        if !moved || left.is_zero() {
+            return None;
+        }
+        node.metrics.first_byte_waits_extended.inc();
+        mark = now;
+        window = wait.further.min(left);
+    }
+}
+
 /// One attempt at a local replica.
 struct Attempt<'a, 'd> {
     d: &'a Delivery<'d>,
@@ -370,7 +448,8 @@ impl Attempt<'_, '_> {
         tried: &mut Vec<usize>,
     ) -> Option<reqwest::Result<reqwest::Response>> {
         let (node, u) = (self.d.node, &self.d.u);
-        let first_byte = first_byte_timeout(node, u.stream(), t.routed.predicted_s);
+        let wait = FirstByteWait::start(node, t.routed.replica, u.stream(), t.routed.predicted_s);
+        let first_byte = wait.first;
         let mut send = std::pin::pin!(send_to(
             node,
             &t.endpoint,
@@ -386,8 +465,9 @@ impl Attempt<'_, '_> {
             retry.hedge_whole_after_ms
         });
         let hedged = self.number == 0 && !self.pinned;
+        let replica = t.routed.replica;
         if !hedged || hedge_after.is_zero() || hedge_after >= first_byte {
-            return tokio::time::timeout(first_byte, send).await.ok();
+            return await_first_byte(node, replica, wait, send).await;
         }
         if let Ok(r) = tokio::time::timeout(hedge_after, &mut send).await {
             return Some(r);
@@ -398,14 +478,14 @@ impl Attempt<'_, '_> {
                 .hedges
                 .with_label_values(&["over_budget"])
                 .inc();
-            return tokio::time::timeout(left, send).await.ok();
+            return await_first_byte(node, replica, wait.after(hedge_after), send).await;
         };
-        let exclude = [t.routed.replica];
+        let exclude = [replica];
         let (Decision::Route(r2), Some(t2)) = node.route(&RouteRequest {
             exclude: &exclude,
             ..*self.route_req
         }) else {
-            return tokio::time::timeout(left, send).await.ok();
+            return await_first_byte(node, replica, wait.after(hedge_after), send).await;
         };
         let e2 = t2.endpoint().clone();
         // The hedge is an attempt of its own, with its own span.
@@ -465,7 +545,6 @@ impl Attempt<'_, '_> {
     ) -> Option<Served> {
         let node = self.d.node;
         let i = t.routed.replica;
-        let first_byte = first_byte_timeout(node, self.d.u.stream(), t.routed.predicted_s);
         let (failure, error) = match answer {
             Some(Ok(resp)) if !is_failure(resp.status()) => {
                 return Some(Served {
@@ -496,7 +575,9 @@ impl Attempt<'_, '_> {
             }
             None => {
                 t.ticket.failed(keys);
-                let msg = format!("the replica sent nothing within {first_byte:?}");
+                // The wait may have grown while the replica made progress: say what it was.
+                let waited = Duration::from_millis(sent_at.elapsed().as_millis() as u64);
+                let msg = format!("the replica sent nothing within {waited:?}");
                 (Failure::Timeout, msg)
             }
         };
@@ -526,12 +607,22 @@ fn relay(
         .with_label_values(&[replica_id])
         .observe(first_byte_s);
     // Streamed responses start at the first token; others only when complete.
-    if d.u.stream() && resp.status().is_success() {
+    let stream_ok = d.u.stream() && resp.status().is_success();
+    if stream_ok {
+        tracing::debug!(
+            target: "kvmesh::load_view", replica = %replica_id,
+            predicted_ms = (t.routed.predicted_s * 1000.0) as u64,
+            first_byte_ms = (first_byte_s * 1000.0) as u64, "first byte"
+        );
         node.metrics
             .decisions
             .prediction(t.routed.predicted_s, first_byte_s);
     }
-    node.request_succeeded(t.routed.replica);
+    if stream_ok {
+        node.stream_answered(t.routed.replica, t.routed.predicted_s, first_byte_s);
+    } else {
+        node.request_succeeded(t.routed.replica);
+    }
     let outcome = if resp.status().is_success() {
         "ok"
     } else {
@@ -636,6 +727,40 @@ mod tests {
         assert_eq!(wait(true, f64::NAN), Duration::from_secs(10));
         assert_eq!(wait(true, -5.0), Duration::from_secs(10));
         assert_eq!(wait(false, 20.0), Duration::from_secs(300));
+    }
+
+    /// Issue #38: a replica whose first bytes came 3× later than predicted gets 3× the
+    /// prediction-scaled wait (a lone 120k-token prefill is no longer retried at 10 s); one
+    /// never observed, or not taking requests, the plain one.
+    #[test]
+    fn a_first_byte_wait_scales_with_the_replicas_observed_lag() {
+        crate::proxy::install_crypto_provider();
+        let cfg = NodeConfig {
+            replicas: vec![crate::replicas::entry::ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                ..crate::replicas::entry::ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Node::new(cfg).unwrap();
+        let first = |predicted_s| FirstByteWait::start(&node, 0, true, predicted_s).first;
+        assert_eq!(first(8.0), Duration::from_secs(16));
+        for _ in 0..100 {
+            node.stream_answered(0, 2.0, 6.0);
+        }
+        let scaled = first(8.0).as_secs_f64();
+        assert!((scaled - 48.0).abs() < 1.0, "{scaled}");
+        assert_eq!(
+            first(1.0),
+            Duration::from_secs(10),
+            "still at least the configured wait"
+        );
+        assert_eq!(
+            FirstByteWait::start(&node, 7, true, 8.0).first,
+            Duration::from_secs(16),
+            "no such replica: the prediction alone"
+        );
     }
 
     /// Hedging cannot double an overloaded fleet's load: a fifth of the requests awaiting

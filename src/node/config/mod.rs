@@ -243,7 +243,9 @@ pub struct TimeoutConfig {
     /// elsewhere and counted against the replica. At most half of `retry.budget_ms`, so a
     /// timed-out stream has budget left for another replica. A replica predicted to need
     /// longer waits twice its predicted time to first token instead, up to `first_byte_ms`.
-    /// Default 10,000.
+    /// A replica that made progress during the wait (first bytes of requests before this one,
+    /// at this node or its region peers) keeps the request for another wait of this length,
+    /// up to `first_byte_ms`: queued behind other prompts is not stuck. Default 10,000.
     pub stream_first_byte_ms: u64,
     /// Longest silence inside a response body before the stream is cut. Default 60,000.
     pub idle_ms: u64,

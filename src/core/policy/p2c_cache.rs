@@ -89,11 +89,13 @@ pub struct P2cCache {
     /// most escapes. Measured (issue #38) in `kvmesh sim` on the Mooncake window (1,200 requests
     /// at 4×, 1 node, 8 replicas, seeds 2–5): without it the fleet's hit ratio was 0.132 (12 % of
     /// the hit tokens on offer given up to load), mean / p99 TTFT 1.32 / 8.92 s; at 8 it is
-    /// 0.142, 1.30 / 8.32 s, at 12 0.140, 1.29 / 8.37 s. Live through `scripts/peer-bench`, a
-    /// fixed 7× charge (as 12 on that fleet's backlog) took the hit ratio from 0.136 to 0.151
-    /// (sglang-router: 0.150–0.157) at the same TTFT. A fixed charge instead (3: B must save 4×
-    /// its recomputation on any fleet) cost the lightly loaded `agent` family 28 % mean TTFT;
-    /// this one leaves the synthetic families within noise (seeds 1–3). Never leaving a holder
+    /// 0.142, 1.30 / 8.32 s, at 12 0.140, 1.29 / 8.37 s. Live through `scripts/peer-bench`
+    /// (docs/peer-bench.md) the hit ratio went from 0.136 to 0.144–0.148 (sglang-router's
+    /// 0.152–0.153 in the same command), mean and p99 TTFT still 0.24–0.70× sglang-router's;
+    /// that fleet's backlog is shallower, so 12 acts there as a fixed charge of 4–5 would (a
+    /// fixed 7 reached 0.151 in one run). A fixed charge (3: B must save 4× its recomputation
+    /// on any fleet) cost the lightly loaded `agent` family 28 % mean TTFT in the sim; this one
+    /// leaves the synthetic families within noise (seeds 1–3). Never leaving a holder
     /// for load (an infinite charge) cost 1.3× p99 TTFT on the trace. A backlog floor (an idle B
     /// paid ~2.6× its recomputation) did not move the live hit ratio (0.138 against 0.135).
     pub recompute_charge_per_s: f64,

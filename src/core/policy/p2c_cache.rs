@@ -11,11 +11,11 @@
 //!   and later requests spread between the two (near-ties go to the less loaded);
 //! - when B is busy too, recomputing the prefix there spends prefill the fleet is short of, so
 //!   the holder keeps the request unless its own queue outweighs that (see the field);
-//! - likewise, when the fleet as a whole has prefill queued, B pays again for its recomputation
-//!   in proportion (`recompute_charge_per_s`): a follow-up leaves its holder only when that
-//!   holder is far deeper in queue than the rest, as sglang-router's imbalance threshold does,
-//!   and on an idle fleet the rule is as before (issue #38: this kept the Mooncake window's
-//!   hit ratio level with sglang-router's);
+//! - optionally (`recompute_charge_per_s`, off by default), when the fleet as a whole has
+//!   prefill queued, B pays again for its recomputation in proportion: a follow-up leaves its
+//!   holder only when that holder is far deeper in queue than the rest, as sglang-router's
+//!   imbalance threshold does (issue #38: more hits on the Mooncake window, but the agentic
+//!   sessions regressed);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
 //!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it
@@ -79,9 +79,11 @@ pub struct P2cCache {
     pub escape_max_queue_s: f64,
     /// Seconds charged to B per second of prefill it adds over A, per second of prefill queued
     /// on the average candidate (the fleet's backlog), on top of B's own predicted cost, which
-    /// counts that prefill once, as this request's wait. Default 12: on a fleet with half a
-    /// second of prefill queued per replica, B must answer sooner by seven times the prefill it
-    /// would recompute; on an idle fleet the charge is nothing. Why charge it again: leaving the
+    /// counts that prefill once, as this request's wait. Default 0 (off): at 12 the Mooncake
+    /// window's hit ratio rose, but the agentic sessions regressed (below), so it stays off until
+    /// that is understood. At 12, on a fleet with half a second of prefill queued per replica, B
+    /// must answer sooner by seven times the prefill it would recompute; on an idle fleet the
+    /// charge is nothing. Why charge it again: leaving the
     /// holder spends capacity the TTFT comparison does not see — when every replica has prefill
     /// queued, some request waits for each second of it, and the copy of the prefix evicts other
     /// conversations' blocks from B's cache, whose follow-ups then recompute too. The backlog
@@ -95,7 +97,11 @@ pub struct P2cCache {
     /// that fleet's backlog is shallower, so 12 acts there as a fixed charge of 4–5 would (a
     /// fixed 7 reached 0.151 in one run). A fixed charge (3: B must save 4× its recomputation
     /// on any fleet) cost the lightly loaded `agent` family 28 % mean TTFT in the sim; this one
-    /// leaves the synthetic families within noise (seeds 1–3). Never leaving a holder
+    /// leaves the synthetic families within noise (seeds 1–3). But on the agentic sessions
+    /// (`scripts/peer-bench --trace agentic --conversations 16 --speedup 8`, one run) kvmesh at 12
+    /// read 8153 / 6187 / 27931 ms, hit 0.665, 45 failed (first-byte waits on holders kept deep in
+    /// 100k-token prefills), against 2605 / 330 / 14878 ms, 0.723 before (sglang-router: 4308 /
+    /// 495 / 20973, 0.752, unchanged). Never leaving a holder
     /// for load (an infinite charge) cost 1.3× p99 TTFT on the trace. A backlog floor (an idle B
     /// paid ~2.6× its recomputation) did not move the live hit ratio (0.138 against 0.135).
     pub recompute_charge_per_s: f64,
@@ -108,7 +114,7 @@ impl Default for P2cCache {
             backlog_weight_per_s: 32.0,
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
-            recompute_charge_per_s: 12.0,
+            recompute_charge_per_s: 0.0,
         }
     }
 }
@@ -165,8 +171,11 @@ impl P2cCache {
         if extra_prefill_s == 0.0 {
             return c[b].cost_s;
         }
-        let per_s = self.backlog_weight_per_s * c[b].prefill_queue_s.max(0.0)
-            + self.recompute_charge_per_s * fleet_backlog_s(c);
+        let mut per_s = self.backlog_weight_per_s * c[b].prefill_queue_s.max(0.0);
+        if self.recompute_charge_per_s > 0.0 {
+            // A pass over the candidates: only when the charge is on.
+            per_s += self.recompute_charge_per_s * fleet_backlog_s(c);
+        }
         c[b].cost_s + per_s * extra_prefill_s
     }
 }
@@ -317,7 +326,7 @@ mod tests {
             ..cand(1, 0, 200)
         };
         // B is cheaper, even charged for its recomputation on a fleet with 0.4 s of prefill
-        // queued per replica (1.93 s), and delays no one's prefill: the request goes there.
+        // queued per replica (1.93 s at 12), and delays no one's prefill: the request goes there.
         let c = [holder, decoding];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 100);
         assert_eq!(h, vec![0, 100]);
@@ -381,13 +390,17 @@ mod tests {
         // Every replica but one has a second of prefill queued: by plain costs the idle one
         // answers 0.85 s sooner, but it recomputes 0.15 s of prompt the holder has cached,
         // charged 12 × 0.875 s (the fleet's mean backlog) per second: 1.78 s. The holder keeps it.
+        let mut charged = P2cCache {
+            recompute_charge_per_s: 12.0,
+            ..P2cCache::default()
+        };
         let busy = fleet_with_one_idle(1.0);
-        let h = histogram(&mut P2cCache::default(), &busy, &keys(128), 100);
+        let h = histogram(&mut charged, &busy, &keys(128), 100);
         assert_eq!(h[0], 100, "{h:?}");
         // On a nearly idle fleet the same recomputation costs hardly anyone: the idle replica
         // answers.
         let idle = fleet_with_one_idle(0.05);
-        let h = histogram(&mut P2cCache::default(), &idle, &keys(128), 100);
+        let h = histogram(&mut charged, &idle, &keys(128), 100);
         assert_eq!(h[7], 100, "{h:?}");
         // Without the charge, plain costs send it to the idle replica on the busy fleet too.
         let mut uncharged = P2cCache {
@@ -400,8 +413,8 @@ mod tests {
 
     #[test]
     fn a_clearly_dearer_holder_gives_way_to_the_nearly_idle_replica() {
-        // The idle replica answers in 1.16 s against the holder's 1.75 s (1.63 s charged for its
-        // recomputation). A draw weighted by `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s:
+        // The idle replica answers in 1.16 s against the holder's 1.75 s (1.63 s when charged
+        // 12 s/s for its recomputation). A draw weighted by `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s:
         // it finds it about one time in five.
         let c = busy_fleet(0.0);
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);

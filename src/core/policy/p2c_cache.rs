@@ -11,6 +11,11 @@
 //!   and later requests spread between the two (near-ties go to the less loaded);
 //! - when B is busy too, recomputing the prefix there spends prefill the fleet is short of, so
 //!   the holder keeps the request unless its own queue outweighs that (see the field);
+//! - optionally (`recompute_charge_per_s`, off by default), when the fleet as a whole has
+//!   prefill queued, B pays again for its recomputation in proportion: a follow-up leaves its
+//!   holder only when that holder is far deeper in queue than the rest, as sglang-router's
+//!   imbalance threshold does (issue #38: more hits on the Mooncake window, but the agentic
+//!   sessions regressed);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
 //!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it
@@ -72,13 +77,34 @@ pub struct P2cCache {
     /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
     /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
     pub escape_max_queue_s: f64,
-    /// B's prefill backlog as charged is at least this many seconds, so that even an idle B
-    /// pays for the prefill it would recompute over A. Default 0 (off). Tried at 0.05 s (an idle
-    /// B must then save ~2.6× the prefill it recomputes) against sglang-router through
-    /// `scripts/peer-bench` (Mooncake window, 8 replicas, two runs): the follow-ups sent off their
-    /// holder stayed at 136–139 of 1,200 and the hit ratio at 0.138 (0.135 without), so the
-    /// default stays off: those follow-ups leave holders queued seconds deep (issue #38).
-    pub recompute_floor_s: f64,
+    /// Seconds charged to B per second of prefill it adds over A, per second of prefill queued
+    /// on the average candidate (the fleet's backlog), on top of B's own predicted cost, which
+    /// counts that prefill once, as this request's wait. Default 0 (off): at 12 the Mooncake
+    /// window's hit ratio rose, but the agentic sessions regressed (below), so it stays off until
+    /// that is understood. At 12, on a fleet with half a second of prefill queued per replica, B
+    /// must answer sooner by seven times the prefill it would recompute; on an idle fleet the
+    /// charge is nothing. Why charge it again: leaving the
+    /// holder spends capacity the TTFT comparison does not see — when every replica has prefill
+    /// queued, some request waits for each second of it, and the copy of the prefix evicts other
+    /// conversations' blocks from B's cache, whose follow-ups then recompute too. The backlog
+    /// charge above counts only those waiting at B now, and nothing when B is idle, as it is in
+    /// most escapes. Measured (issue #38) in `kvmesh sim` on the Mooncake window (1,200 requests
+    /// at 4×, 1 node, 8 replicas, seeds 2–5): without it the fleet's hit ratio was 0.132 (12 % of
+    /// the hit tokens on offer given up to load), mean / p99 TTFT 1.32 / 8.92 s; at 8 it is
+    /// 0.142, 1.30 / 8.32 s, at 12 0.140, 1.29 / 8.37 s. Live through `scripts/peer-bench`
+    /// (docs/peer-bench.md) the hit ratio went from 0.136 to 0.144–0.148 (sglang-router's
+    /// 0.152–0.153 in the same command), mean and p99 TTFT still 0.24–0.70× sglang-router's;
+    /// that fleet's backlog is shallower, so 12 acts there as a fixed charge of 4–5 would (a
+    /// fixed 7 reached 0.151 in one run). A fixed charge (3: B must save 4× its recomputation
+    /// on any fleet) cost the lightly loaded `agent` family 28 % mean TTFT in the sim; this one
+    /// leaves the synthetic families within noise (seeds 1–3). But on the agentic sessions
+    /// (`scripts/peer-bench --trace agentic --conversations 16 --speedup 8`, one run) kvmesh at 12
+    /// read 8153 / 6187 / 27931 ms, hit 0.665, 45 failed (first-byte waits on holders kept deep in
+    /// 100k-token prefills), against 2605 / 330 / 14878 ms, 0.723 before (sglang-router: 4308 /
+    /// 495 / 20973, 0.752, unchanged). Never leaving a holder
+    /// for load (an infinite charge) cost 1.3× p99 TTFT on the trace. A backlog floor (an idle B
+    /// paid ~2.6× its recomputation) did not move the live hit ratio (0.138 against 0.135).
+    pub recompute_charge_per_s: f64,
 }
 
 impl Default for P2cCache {
@@ -88,7 +114,7 @@ impl Default for P2cCache {
             backlog_weight_per_s: 32.0,
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
-            recompute_floor_s: 0.0,
+            recompute_charge_per_s: 0.0,
         }
     }
 }
@@ -137,13 +163,30 @@ impl P2cCache {
             .then_some(b)
     }
 
-    /// B's cost as weighed against A's: its predicted cost plus the charge for the prefill it
-    /// would spend beyond A's, scaled by B's own prefill backlog (at least `recompute_floor_s`).
-    fn charged_cost(&self, a: &Candidate, b: &Candidate) -> f64 {
-        let extra_prefill_s = (b.prefill_s - a.prefill_s).max(0.0);
-        let backlog_s = b.prefill_queue_s.max(self.recompute_floor_s).max(0.0);
-        b.cost_s + self.backlog_weight_per_s * backlog_s * extra_prefill_s
+    /// B's cost as weighed against A's (`c[b]`, `c[a]`): its predicted cost plus the charge for
+    /// the prefill it would spend beyond A's, scaled by B's own prefill backlog and by the
+    /// fleet's (the candidates' mean queued prefill, worked out only when there is a charge).
+    fn charged_cost(&self, c: &[Candidate], a: usize, b: usize) -> f64 {
+        let extra_prefill_s = (c[b].prefill_s - c[a].prefill_s).max(0.0);
+        if extra_prefill_s == 0.0 {
+            return c[b].cost_s;
+        }
+        let mut per_s = self.backlog_weight_per_s * c[b].prefill_queue_s.max(0.0);
+        if self.recompute_charge_per_s > 0.0 {
+            // A pass over the candidates: only when the charge is on.
+            per_s += self.recompute_charge_per_s * fleet_backlog_s(c);
+        }
+        c[b].cost_s + per_s * extra_prefill_s
     }
+}
+
+/// The candidates' mean queued prefill, seconds (0 for none): how short of prefill capacity
+/// the fleet is, as [`P2cCache::recompute_charge_per_s`] charges it.
+fn fleet_backlog_s(c: &[Candidate]) -> f64 {
+    if c.is_empty() {
+        return 0.0;
+    }
+    c.iter().map(|x| x.prefill_queue_s.max(0.0)).sum::<f64>() / c.len() as f64
 }
 
 impl Policy for P2cCache {
@@ -182,7 +225,7 @@ impl Policy for P2cCache {
                 reason: Reason::OnlyCandidate,
             };
         };
-        let (chosen, other, reason) = if self.charged_cost(&c[a], &c[b]) < c[a].cost_s {
+        let (chosen, other, reason) = if self.charged_cost(c, a, b) < c[a].cost_s {
             (
                 b,
                 a,
@@ -241,16 +284,17 @@ mod tests {
         assert_eq!(h[0], 300, "{h:?}");
         // ... and spills, spread rather than herded, once its queue outweighs that.
         let c = [
-            cand(0, 120, 12),
+            cand(0, 120, 24),
             cand(1, 0, 1),
             cand(2, 0, 1),
             cand(3, 0, 1),
         ];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert!(h[0] < 150 && h[1..].iter().all(|n| *n > 20), "{h:?}");
-        // Without the charge, the first case spills as plain costs say.
+        // Without the charges, the second case spills as plain costs say.
         let mut plain = P2cCache {
             backlog_weight_per_s: 0.0,
+            recompute_charge_per_s: 0.0,
             ..P2cCache::default()
         };
         let c = [cand(0, 120, 6), cand(1, 0, 1), cand(2, 0, 2), cand(3, 0, 2)];
@@ -265,12 +309,12 @@ mod tests {
 
     #[test]
     fn only_queued_prefill_makes_recomputing_on_b_dear() {
-        // A holds the prompt (8k tokens) behind a passing prefill queue; B holds nothing and is
+        // A holds the prompt (8k tokens) behind a prefill queue; B holds nothing and is
         // decoding a large batch, which slows its steps but queues no prefill.
         let holder = Candidate {
-            queue_s: 1.3,
-            prefill_queue_s: 0.3,
-            cost_s: 1.3,
+            queue_s: 2.2,
+            prefill_queue_s: 0.8,
+            cost_s: 2.2,
             prefill_s: 0.0,
             ..cand(0, 128, 100)
         };
@@ -281,7 +325,8 @@ mod tests {
             prefill_s: 0.16,
             ..cand(1, 0, 200)
         };
-        // B is cheaper and delays no one's prefill: the request goes there.
+        // B is cheaper, even charged for its recomputation on a fleet with 0.4 s of prefill
+        // queued per replica (1.93 s at 12), and delays no one's prefill: the request goes there.
         let c = [holder, decoding];
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 100);
         assert_eq!(h, vec![0, 100]);
@@ -299,7 +344,7 @@ mod tests {
     }
 
     /// Eight replicas each decoding a large batch (the same ~1 s decode term in every cost); the
-    /// holder has a quarter second of prefill queued, six others a fifth, one none.
+    /// holder has three quarters of a second of prefill queued, six others a fifth, one none.
     fn busy_fleet(idle_queue_s: f64) -> Vec<Candidate> {
         let decoding = |replica, hit, prefill_queue_s: f64| {
             let prefill_s = if hit > 0 { 0.0 } else { 0.16 };
@@ -312,57 +357,65 @@ mod tests {
                 ..cand(replica, hit, 150)
             }
         };
-        let mut c = vec![decoding(0, 128, 0.25)];
+        let mut c = vec![decoding(0, 128, 0.75)];
         c.extend((1..7).map(|i| decoding(i, 0, 0.2)));
         c.push(decoding(7, 0, idle_queue_s));
         c
     }
 
-    #[test]
-    fn a_recompute_floor_makes_an_idle_b_save_more_than_the_prefill_it_recomputes() {
-        // A holds the prompt behind 0.3 s of queue; an idle B would recompute 0.15 s of it and
-        // answer 0.15 s sooner: by plain costs it goes to B.
-        let holder = Candidate {
-            queue_s: 0.3,
-            prefill_queue_s: 0.3,
-            prefill_s: 0.05,
-            cost_s: 0.35,
-            ..cand(0, 128, 6)
-        };
-        let idle = Candidate {
-            queue_s: 0.0,
-            prefill_queue_s: 0.0,
+    /// The holder (a second of queue, 0.05 s of prefill left), six replicas holding nothing with
+    /// `others_queue_s` of prefill queued each, and one idle replica (0.2 s of prefill).
+    fn fleet_with_one_idle(others_queue_s: f64) -> Vec<Candidate> {
+        let stranger = |replica, queue_s: f64| Candidate {
+            queue_s,
+            prefill_queue_s: queue_s,
             prefill_s: 0.2,
-            cost_s: 0.2,
-            ..cand(1, 0, 0)
+            cost_s: queue_s + 0.2,
+            ..cand(replica, 0, 0)
         };
-        let c = [holder, idle];
-        assert_eq!(
-            histogram(&mut P2cCache::default(), &c, &keys(128), 100),
-            vec![0, 100]
-        );
-        // With a 0.05 s floor (weight 32) B costs 0.44 s: the holder keeps its prefix...
-        let mut floored = P2cCache {
-            recompute_floor_s: 0.05,
+        let mut c = vec![Candidate {
+            queue_s: 1.0,
+            prefill_queue_s: 1.0,
+            prefill_s: 0.05,
+            cost_s: 1.05,
+            ..cand(0, 128, 20)
+        }];
+        c.extend((1..7).map(|i| stranger(i, others_queue_s)));
+        c.push(stranger(7, 0.0));
+        c
+    }
+
+    #[test]
+    fn on_a_busy_fleet_an_idle_b_must_save_more_than_the_prefill_it_recomputes() {
+        // Every replica but one has a second of prefill queued: by plain costs the idle one
+        // answers 0.85 s sooner, but it recomputes 0.15 s of prompt the holder has cached,
+        // charged 12 × 0.875 s (the fleet's mean backlog) per second: 1.78 s. The holder keeps it.
+        let mut charged = P2cCache {
+            recompute_charge_per_s: 12.0,
             ..P2cCache::default()
         };
-        assert_eq!(histogram(&mut floored, &c, &keys(128), 100), vec![100, 0]);
-        // ... until its queue passes ~2.6× the recomputation.
-        let swamped = Candidate {
-            queue_s: 0.6,
-            cost_s: 0.65,
-            ..holder
+        let busy = fleet_with_one_idle(1.0);
+        let h = histogram(&mut charged, &busy, &keys(128), 100);
+        assert_eq!(h[0], 100, "{h:?}");
+        // On a nearly idle fleet the same recomputation costs hardly anyone: the idle replica
+        // answers.
+        let idle = fleet_with_one_idle(0.05);
+        let h = histogram(&mut charged, &idle, &keys(128), 100);
+        assert_eq!(h[7], 100, "{h:?}");
+        // Without the charge, plain costs send it to the idle replica on the busy fleet too.
+        let mut uncharged = P2cCache {
+            recompute_charge_per_s: 0.0,
+            ..P2cCache::default()
         };
-        assert_eq!(
-            histogram(&mut floored, &[swamped, idle], &keys(128), 100),
-            vec![0, 100]
-        );
+        let h = histogram(&mut uncharged, &busy, &keys(128), 100);
+        assert_eq!(h[7], 100, "{h:?}");
     }
 
     #[test]
     fn a_clearly_dearer_holder_gives_way_to_the_nearly_idle_replica() {
-        // The idle replica answers in 1.16 s against the holder's 1.25 s. A draw weighted by
-        // `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s: it finds it about one time in five.
+        // The idle replica answers in 1.16 s against the holder's 1.75 s (1.63 s when charged
+        // 12 s/s for its recomputation). A draw weighted by `1/(0.01 + cost)²` barely tells 1.16 from 1.36 s:
+        // it finds it about one time in five.
         let c = busy_fleet(0.0);
         let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
         assert_eq!(h[7], 300, "{h:?}");

@@ -450,16 +450,7 @@ mod tests {
 
     #[test]
     fn a_scrape_keeps_the_prefill_the_regions_other_nodes_queued() {
-        crate::proxy::install_crypto_provider();
-        let cfg = NodeConfig {
-            replicas: vec![ReplicaConfig {
-                id: Some("r0".into()),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
-            }],
-            ..NodeConfig::default()
-        };
-        let node = Node::new(cfg).unwrap();
+        let node = one_replica();
         {
             let mut guard = node.lock();
             let core = &mut *guard;

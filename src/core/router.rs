@@ -84,6 +84,8 @@ pub struct RouterConfig {
     /// escapes to the cheapest replica ([`crate::core::policy::P2cCache::escape_margin_s`]):
     /// every node holding the same stale view would escape to the same one.
     pub shared_load: bool,
+    /// `p2c-cache`'s [`crate::core::policy::P2cCache::recompute_charge_per_s`]. Default 0.
+    pub recompute_charge_per_s: f64,
 }
 
 impl Default for RouterConfig {
@@ -95,6 +97,7 @@ impl Default for RouterConfig {
             cost: CostModel::default(),
             forward_by: ForwardChoice::Cost,
             shared_load: true,
+            recompute_charge_per_s: 0.0,
         }
     }
 }
@@ -464,7 +467,9 @@ impl Router {
     /// A router with `cfg` and `tenants`.
     pub fn new(cfg: RouterConfig, tenants: Tenants) -> Self {
         Router {
-            policy: cfg.policy.build_for(cfg.shared_load),
+            policy: cfg
+                .policy
+                .build_for(cfg.shared_load, cfg.recompute_charge_per_s),
             rng: SmallRng::seed_from_u64(cfg.seed),
             tenants,
             candidates: Vec::new(),
@@ -493,7 +498,7 @@ impl Router {
     /// Switches to policy `kind` (a configuration reload), with fresh policy state (a rotation
     /// counter, a hash ring): the next decision is the new policy's first.
     pub fn set_policy(&mut self, kind: PolicyKind) {
-        self.policy = kind.build_for(self.cfg.shared_load);
+        self.policy = kind.build_for(self.cfg.shared_load, self.cfg.recompute_charge_per_s);
         self.cfg.policy = kind;
     }
 

@@ -379,6 +379,7 @@ impl Node {
                 seed: cfg.seed,
                 spill_after_s: cfg.spill_after_s,
                 forward_by: cfg.forward_by,
+                recompute_charge_per_s: cfg.recompute_charge_per_s,
                 shared_load: cfg
                     .mesh
                     .as_ref()

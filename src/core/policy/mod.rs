@@ -35,12 +35,13 @@ impl PolicyKind {
     /// A fresh policy of this kind with default parameters, for a node that sees its region's
     /// routing at once (see [`Self::build_for`]).
     pub fn build(self) -> Box<dyn Policy> {
-        self.build_for(true)
+        self.build_for(true, 0.0)
     }
 
     /// A fresh policy of this kind with default parameters; `shared_load` says whether the node
-    /// sees its region peers' routing within a load-sharing interval (`RouterConfig::shared_load`).
-    pub fn build_for(self, shared_load: bool) -> Box<dyn Policy> {
+    /// sees its region peers' routing within a load-sharing interval (`RouterConfig::shared_load`)
+    /// and, for `p2c-cache`, its recompute charge (`RouterConfig::recompute_charge_per_s`).
+    pub fn build_for(self, shared_load: bool, recompute_charge_per_s: f64) -> Box<dyn Policy> {
         match self {
             PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
             PolicyKind::Random => Box::new(RandomPolicy),
@@ -52,9 +53,13 @@ impl PolicyKind {
             PolicyKind::SglangThreshold => Box::new(SglangThreshold::default()),
             PolicyKind::P2cCache if !shared_load => Box::new(P2cCache {
                 escape_margin_s: f64::INFINITY,
+                recompute_charge_per_s,
                 ..P2cCache::default()
             }),
-            PolicyKind::P2cCache => Box::new(P2cCache::default()),
+            PolicyKind::P2cCache => Box::new(P2cCache {
+                recompute_charge_per_s,
+                ..P2cCache::default()
+            }),
         }
     }
 }

@@ -77,33 +77,33 @@ pub struct P2cCache {
     /// escape. Without the bound, rag (overloaded: ~1 s queues everywhere) herded onto the
     /// cheapest replica: mean TTFT +3.2 %, p99 +11.5 % over ten seeds.
     pub escape_max_queue_s: f64,
-    /// Seconds charged to B per second of prefill it adds over A, per second of prefill queued
-    /// on the average candidate (the fleet's backlog), on top of B's own predicted cost, which
-    /// counts that prefill once, as this request's wait. Default 0 (off): at 12 the Mooncake
-    /// window's hit ratio rose, but the agentic sessions regressed (below), so it stays off until
-    /// that is understood. At 12, on a fleet with half a second of prefill queued per replica, B
-    /// must answer sooner by seven times the prefill it would recompute; on an idle fleet the
-    /// charge is nothing. Why charge it again: leaving the
+    /// Seconds charged to B per second of prefill it adds over A, per second of prefill queued on
+    /// the average candidate (the fleet's backlog), on top of B's own predicted cost, which counts
+    /// that prefill once, as this request's wait. The node's `recompute_charge_per_s` key sets it.
+    /// Default 0 (off): at 12 the Mooncake window's hit ratio rose, but the agentic sessions
+    /// regressed (below), so it stays off until that is understood. At 12, on a fleet with half a
+    /// second of prefill queued per replica, B must answer sooner by seven times the prefill it
+    /// would recompute; on an idle fleet the charge is nothing. Why charge it again: leaving the
     /// holder spends capacity the TTFT comparison does not see — when every replica has prefill
     /// queued, some request waits for each second of it, and the copy of the prefix evicts other
     /// conversations' blocks from B's cache, whose follow-ups then recompute too. The backlog
     /// charge above counts only those waiting at B now, and nothing when B is idle, as it is in
-    /// most escapes. Measured (issue #38) in `kvmesh sim` on the Mooncake window (1,200 requests
-    /// at 4×, 1 node, 8 replicas, seeds 2–5): without it the fleet's hit ratio was 0.132 (12 % of
-    /// the hit tokens on offer given up to load), mean / p99 TTFT 1.32 / 8.92 s; at 8 it is
-    /// 0.142, 1.30 / 8.32 s, at 12 0.140, 1.29 / 8.37 s. Live through `scripts/peer-bench`
-    /// (docs/peer-bench.md) the hit ratio went from 0.136 to 0.144–0.148 (sglang-router's
-    /// 0.152–0.153 in the same command), mean and p99 TTFT still 0.24–0.70× sglang-router's;
-    /// that fleet's backlog is shallower, so 12 acts there as a fixed charge of 4–5 would (a
-    /// fixed 7 reached 0.151 in one run). A fixed charge (3: B must save 4× its recomputation
-    /// on any fleet) cost the lightly loaded `agent` family 28 % mean TTFT in the sim; this one
-    /// leaves the synthetic families within noise (seeds 1–3). But on the agentic sessions
-    /// (`scripts/peer-bench --trace agentic --conversations 16 --speedup 8`, one run) kvmesh at 12
-    /// read 8153 / 6187 / 27931 ms, hit 0.665, 45 failed (first-byte waits on holders kept deep in
-    /// 100k-token prefills), against 2605 / 330 / 14878 ms, 0.723 before (sglang-router: 4308 /
-    /// 495 / 20973, 0.752, unchanged). Never leaving a holder
-    /// for load (an infinite charge) cost 1.3× p99 TTFT on the trace. A backlog floor (an idle B
-    /// paid ~2.6× its recomputation) did not move the live hit ratio (0.138 against 0.135).
+    /// most escapes. Measured (issue #38) in `kvmesh sim` on the Mooncake window (1,200 requests at
+    /// 4×, 1 node, 8 replicas, seeds 2–5): without it the fleet's hit ratio was 0.132 (12 % of the
+    /// hit tokens on offer given up to load), mean / p99 TTFT 1.32 / 8.92 s; at 8 it is 0.142, 1.30
+    /// / 8.32 s, at 12 0.140, 1.29 / 8.37 s. Live through `scripts/peer-bench` (docs/peer-bench.md)
+    /// the hit ratio went from 0.136 to 0.144–0.148 (sglang-router's 0.152–0.153 in the same
+    /// command), mean and p99 TTFT still 0.24–0.70× sglang-router's; that fleet's backlog is
+    /// shallower, so 12 acts there as a fixed charge of 4–5 would (a fixed 7 reached 0.151 in one
+    /// run). A fixed charge (3: B must save 4× its recomputation on any fleet) cost the lightly
+    /// loaded `agent` family 28 % mean TTFT in the sim; this one leaves the synthetic families
+    /// within noise (seeds 1–3). But on the agentic sessions (`scripts/peer-bench --trace agentic
+    /// --conversations 16 --speedup 8`, one run) kvmesh at 12 read 8153 / 6187 / 27931 ms, hit
+    /// 0.665, 45 failed (first-byte waits on holders kept deep in 100k-token prefills), against
+    /// 2605 / 330 / 14878 ms, 0.723 before (sglang-router: 4308 / 495 / 20973, 0.752, unchanged).
+    /// Never leaving a holder for load (an infinite charge) cost 1.3× p99 TTFT on the trace. A
+    /// backlog floor (an idle B paid ~2.6× its recomputation) did not move the live hit ratio
+    /// (0.138 against 0.135).
     pub recompute_charge_per_s: f64,
 }
 

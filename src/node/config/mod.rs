@@ -52,6 +52,9 @@ pub const DEFAULT_DROP_DEPARTED_AFTER_S: u64 = 30;
 /// Longest duration any setting may name: 7 days.
 pub const MAX_DURATION_MS: u64 = 7 * 86_400_000;
 
+/// Largest `recompute_charge_per_s` (beyond it the replica holding a prefix is never left).
+pub const MAX_RECOMPUTE_CHARGE_PER_S: f64 = 1000.0;
+
 /// Everything a node needs. Every field has a default, so an empty file plus `--replica` flags is
 /// a working configuration.
 #[derive(Clone, Debug, Deserialize)]
@@ -107,6 +110,10 @@ pub struct NodeConfig {
     pub w_load_s: f64,
     /// Seconds credited to a session's preferred replica. Default 0.2 (see `CostModel`).
     pub affinity_credit_s: f64,
+    /// `p2c-cache`: seconds charged to a replica that would recompute a prefix another holds,
+    /// per second of extra prefill, per second of prefill queued on the average replica
+    /// ([`crate::core::policy::P2cCache::recompute_charge_per_s`]). 0..=1000; default 0 (off).
+    pub recompute_charge_per_s: f64,
     /// Share of a cached block's prefill the cost model credits by the tier the replica holds it
     /// in (known from KV events' `medium`), each 0..=1. Default
     /// `{ gpu = 1.0, cpu = 0.75, disk = 0.25 }`; keys left out keep their default.
@@ -201,6 +208,7 @@ impl Default for NodeConfig {
             forward_by: ForwardChoice::Cost,
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
+            recompute_charge_per_s: 0.0,
             tier_weights: TierWeights::default(),
             kv_fetch: crate::core::kv_fetch::KvFetchConfig::default(),
             overlay_ttl_s: 10,
@@ -464,6 +472,7 @@ impl NodeConfig {
             ("spill_after_s", self.spill_after_s),
             ("w_load_s", self.w_load_s),
             ("affinity_credit_s", self.affinity_credit_s),
+            ("recompute_charge_per_s", self.recompute_charge_per_s),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(invalid(
@@ -558,6 +567,12 @@ impl NodeConfig {
             if v > MAX_DURATION_MS as f64 / 1000.0 {
                 return Err(invalid(key, "at most 7 days"));
             }
+        }
+        if self.recompute_charge_per_s > MAX_RECOMPUTE_CHARGE_PER_S {
+            return Err(invalid(
+                "recompute_charge_per_s",
+                format!("at most {MAX_RECOMPUTE_CHARGE_PER_S}"),
+            ));
         }
         for (key, v) in [
             ("summary_interval_ms", self.summary_interval_ms),
@@ -943,6 +958,8 @@ mod tests {
             ("overlay_ttl_s = 18446744073709551615", "overlay_ttl_s"),
             ("[health]\neject_backoff_ms = 18446744073709551615\nmax_eject_backoff_ms = 18446744073709551615", "health.eject_backoff_ms"),
             ("spill_after_s = 1e300", "spill_after_s"),
+            ("recompute_charge_per_s = 1e6", "recompute_charge_per_s"),
+            ("recompute_charge_per_s = -1.0", "recompute_charge_per_s"),
             ("[timeouts]\nidle_ms = 18446744073709551615", "timeouts.idle_ms"),
         ] {
             let e = NodeConfig::from_toml(text).unwrap_err().to_string();

@@ -772,41 +772,7 @@ impl<'a> Sim<'a> {
         if replica_region != client_region {
             self.cross_region += 1;
         }
-        if let Some(nr) = self.nodes[node].routing.as_mut() {
-            // Its blocks count in this node's overlay once its prefill is predicted done.
-            let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-                nr.router.config().cost.prefill_done_s(rep, booked_uncached)
-            });
-            let ready_in =
-                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
-            nr.view.record_routed_ready(r, &self.keys, now, ready_in);
-            if let Some(rep) = nr.view.replica_mut(r) {
-                rep.load.queued_prefill_tokens += uncached;
-            }
-            if let Some(h) = nr.hot.as_mut() {
-                let req = Observed {
-                    model: MODEL,
-                    keys: &self.keys,
-                    text: Some(&self.text),
-                    block_bytes: self.cfg.block_bytes,
-                    scope: WarmScope::default(),
-                };
-                h.observe(req, now);
-                h.credit(uncached);
-            }
-            self.share(now, node, r, 1, uncached as i64);
-            if let Some(s) = self.shares.back_mut() {
-                s.set_tip(&self.keys, now + ready_in);
-            }
-            if let Some(d) = decode {
-                // The decode leg, as the live node books it: in flight, its blocks arriving with
-                // the hand-over (from the prefill's predicted end).
-                if let Some(nr) = self.nodes[node].routing.as_mut() {
-                    nr.view.record_routed_ready(d, &self.keys, now, ready_in);
-                }
-                self.share(now, node, d, 1, 0);
-            }
-        }
+        self.book_at_node(node, r, decode, booked_uncached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -844,20 +810,7 @@ impl<'a> Sim<'a> {
             None => self.engines[r].submit(request, now),
         };
         if submitted.is_err() {
-            self.pd_prompts.remove(&i);
-            if let Some(d) = decode {
-                self.decode_gone(node, d, now);
-            }
-            self.fail_early();
-            if let Some(nr) = self.nodes[node].routing.as_mut() {
-                nr.view.finished(r);
-                if let Some(rep) = nr.view.replica_mut(r) {
-                    rep.load.queued_prefill_tokens =
-                        rep.load.queued_prefill_tokens.saturating_sub(uncached);
-                }
-                self.share(now, node, r, -1, -(uncached as i64));
-            }
-            self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
+            self.dispatch_failed(i, node, r, decode, uncached, now);
             return;
         }
         self.flights[i].active = true;
@@ -866,6 +819,83 @@ impl<'a> Sim<'a> {
         }
         self.per_replica[r] += 1;
         self.schedule(r);
+    }
+
+    /// Books the `uncached` tokens just sent to replica `r` in the routing node's view as the live node
+    /// does (`node::routing`): the overlay from the prefill's predicted end (`booked_uncached`, as
+    /// the router predicted it), the queued prefill, hot-prefix counts, the load shared with the
+    /// region's peers, and a P/D pair's decode leg.
+    fn book_at_node(
+        &mut self,
+        node: usize,
+        r: usize,
+        decode: Option<usize>,
+        booked_uncached: u64,
+        uncached: u64,
+        now: Duration,
+    ) {
+        if let Some(nr) = self.nodes[node].routing.as_mut() {
+            // Its blocks count in this node's overlay once its prefill is predicted done.
+            let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
+                nr.router.config().cost.prefill_done_s(rep, booked_uncached)
+            });
+            let ready_in =
+                Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
+            nr.view.record_routed_ready(r, &self.keys, now, ready_in);
+            if let Some(rep) = nr.view.replica_mut(r) {
+                rep.load.queued_prefill_tokens += uncached;
+            }
+            if let Some(h) = nr.hot.as_mut() {
+                let req = Observed {
+                    model: MODEL,
+                    keys: &self.keys,
+                    text: Some(&self.text),
+                    block_bytes: self.cfg.block_bytes,
+                    scope: WarmScope::default(),
+                };
+                h.observe(req, now);
+                h.credit(uncached);
+            }
+            self.share(now, node, r, 1, uncached as i64);
+            if let Some(s) = self.shares.back_mut() {
+                s.set_tip(&self.keys, now + ready_in);
+            }
+            if let Some(d) = decode {
+                // The decode leg, as the live node books it: in flight, its blocks arriving with
+                // the hand-over (from the prefill's predicted end).
+                if let Some(nr) = self.nodes[node].routing.as_mut() {
+                    nr.view.record_routed_ready(d, &self.keys, now, ready_in);
+                }
+                self.share(now, node, d, 1, 0);
+            }
+        }
+    }
+
+    /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
+    /// view and shared load, the pending prefill, a P/D pair's decode leg) and count it failed.
+    fn dispatch_failed(
+        &mut self,
+        i: usize,
+        node: usize,
+        r: usize,
+        decode: Option<usize>,
+        uncached: u64,
+        now: Duration,
+    ) {
+        self.pd_prompts.remove(&i);
+        if let Some(d) = decode {
+            self.decode_gone(node, d, now);
+        }
+        self.fail_early();
+        if let Some(nr) = self.nodes[node].routing.as_mut() {
+            nr.view.finished(r);
+            if let Some(rep) = nr.view.replica_mut(r) {
+                rep.load.queued_prefill_tokens =
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+            }
+            self.share(now, node, r, -1, -(uncached as i64));
+        }
+        self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
     }
 
     /// What a pull of `plan` (request or warm-up `id`) for replica `r` gets at `now`: the leading
@@ -1184,101 +1214,8 @@ impl<'a> Sim<'a> {
                     cached_tokens: c,
                     prompt_tokens: p,
                     ..
-                } => {
-                    let f = self.flights[id as usize];
-                    // A pair's keys serve twice: the prefill's cache, then the decode's.
-                    let keys = if matches!(f.leg, Leg::Prefill { .. }) {
-                        self.routed_keys[id as usize].clone()
-                    } else {
-                        std::mem::take(&mut self.routed_keys[id as usize])
-                    };
-                    // A report to a dead home is lost.
-                    if !self.orphaned[r] {
-                        let slot = self
-                            .tenants
-                            .kv_slot(self.reqs[id as usize].tenant.as_deref());
-                        if self.exact.is_empty() {
-                            self.models[r].record_routed_by(&keys, slot, now);
-                        } else {
-                            // An exact model takes no guesses; it learns the tenant only.
-                            self.models[r].attribute(&keys, slot);
-                        }
-                    }
-                    let ttft = (now - f.arrival + f.extra).as_secs_f64();
-                    tracing::debug!(
-                        target: "kvmesh::bench::sim",
-                        id,
-                        replica = r,
-                        at = f.arrival.as_secs_f64(),
-                        ttft,
-                        prompt = p,
-                        cached = c,
-                        "first token"
-                    );
-                    if let Leg::Decode { .. } = f.leg {
-                        // The handed-over blocks are not hits; the client's first token is this.
-                        if let Some(nr) = self.nodes[f.node].routing.as_mut() {
-                            nr.view.prefill_done(r, &keys, now);
-                        }
-                        if !f.lost {
-                            self.ttft.push(ttft);
-                            self.per_request[id as usize].0 = ttft;
-                        }
-                        self.flights[id as usize].ttft_s = ttft;
-                        continue;
-                    }
-                    self.prompt_tokens += p as u64;
-                    self.cached_tokens += c as u64;
-                    let whole = f.leg == Leg::Whole;
-                    if !f.lost && whole {
-                        self.ttft.push(ttft);
-                        self.flights[id as usize].ttft_s = ttft;
-                    }
-                    self.per_request[id as usize] = (
-                        if f.lost || !whole { f64::NAN } else { ttft },
-                        p as u64,
-                        c as u64,
-                    );
-                    self.pending_prefill[r] =
-                        self.pending_prefill[r].saturating_sub(f.uncached_tokens);
-                    if let Some(nr) = self.nodes[f.node].routing.as_mut() {
-                        // As the live node does at the first byte: the overlay counts the blocks
-                        // from now if it predicted later.
-                        nr.view.prefill_done(r, &keys, now);
-                        if let Some(rep) = nr.view.replica_mut(r) {
-                            rep.load.queued_prefill_tokens = rep
-                                .load
-                                .queued_prefill_tokens
-                                .saturating_sub(f.uncached_tokens);
-                        }
-                        self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
-                    }
-                }
-                Output::Finished { id } => {
-                    let f = self.flights[id as usize];
-                    if let Leg::Prefill { decode } = f.leg {
-                        self.prefill_leg_done(id as usize, r, decode, now);
-                        continue;
-                    }
-                    self.flights[id as usize].active = false;
-                    if !f.lost {
-                        let latency = (now - f.arrival + f.extra).as_secs_f64();
-                        self.latency.push(latency);
-                        let out = self.reqs[id as usize].output_tokens.max(1);
-                        if let Some(x) = itl(latency, f.ttft_s, out).filter(|x| x.is_finite()) {
-                            self.itl.push(x);
-                        }
-                    }
-                    if let Some(nr) = self.nodes[f.node].routing.as_mut() {
-                        nr.view.finished(f.replica);
-                        if let Some(q) = nr.admission.as_mut() {
-                            q.released(now);
-                            freed.push(f.node);
-                        }
-                        self.share(now, f.node, f.replica, -1, 0);
-                    }
-                    self.done += 1;
-                }
+                } => self.first_token(r, id, p, c, now),
+                Output::Finished { id } => self.request_finished(r, id, now, &mut freed),
                 Output::Token { .. } => {}
             }
         }
@@ -1295,6 +1232,107 @@ impl<'a> Sim<'a> {
             }
         }
         self.schedule(r);
+    }
+
+    /// Request `id`'s first token on replica `r` (`p` prompt tokens, `c` of them cached): its
+    /// TTFT, the cache model's record of its blocks and the node's overlay and load, as the live
+    /// node updates them at the first byte.
+    fn first_token(&mut self, r: usize, id: u64, p: usize, c: usize, now: Duration) {
+        let f = self.flights[id as usize];
+        // A pair's keys serve twice: the prefill's cache, then the decode's.
+        let keys = if matches!(f.leg, Leg::Prefill { .. }) {
+            self.routed_keys[id as usize].clone()
+        } else {
+            std::mem::take(&mut self.routed_keys[id as usize])
+        };
+        // A report to a dead home is lost.
+        if !self.orphaned[r] {
+            let slot = self
+                .tenants
+                .kv_slot(self.reqs[id as usize].tenant.as_deref());
+            if self.exact.is_empty() {
+                self.models[r].record_routed_by(&keys, slot, now);
+            } else {
+                // An exact model takes no guesses; it learns the tenant only.
+                self.models[r].attribute(&keys, slot);
+            }
+        }
+        let ttft = (now - f.arrival + f.extra).as_secs_f64();
+        tracing::debug!(
+            target: "kvmesh::bench::sim",
+            id,
+            replica = r,
+            at = f.arrival.as_secs_f64(),
+            ttft,
+            prompt = p,
+            cached = c,
+            "first token"
+        );
+        if let Leg::Decode { .. } = f.leg {
+            // The handed-over blocks are not hits; the client's first token is this.
+            if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+                nr.view.prefill_done(r, &keys, now);
+            }
+            if !f.lost {
+                self.ttft.push(ttft);
+                self.per_request[id as usize].0 = ttft;
+            }
+            self.flights[id as usize].ttft_s = ttft;
+            return;
+        }
+        self.prompt_tokens += p as u64;
+        self.cached_tokens += c as u64;
+        let whole = f.leg == Leg::Whole;
+        if !f.lost && whole {
+            self.ttft.push(ttft);
+            self.flights[id as usize].ttft_s = ttft;
+        }
+        self.per_request[id as usize] = (
+            if f.lost || !whole { f64::NAN } else { ttft },
+            p as u64,
+            c as u64,
+        );
+        self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(f.uncached_tokens);
+        if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+            // As the live node does at the first byte: the overlay counts the blocks
+            // from now if it predicted later.
+            nr.view.prefill_done(r, &keys, now);
+            if let Some(rep) = nr.view.replica_mut(r) {
+                rep.load.queued_prefill_tokens = rep
+                    .load
+                    .queued_prefill_tokens
+                    .saturating_sub(f.uncached_tokens);
+            }
+            self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
+        }
+    }
+
+    /// Request `id` finished on replica `r`: its latency and ITL, and the node's view and
+    /// admission queue (`freed` collects nodes with a slot back).
+    fn request_finished(&mut self, r: usize, id: u64, now: Duration, freed: &mut Vec<usize>) {
+        let f = self.flights[id as usize];
+        if let Leg::Prefill { decode } = f.leg {
+            self.prefill_leg_done(id as usize, r, decode, now);
+            return;
+        }
+        self.flights[id as usize].active = false;
+        if !f.lost {
+            let latency = (now - f.arrival + f.extra).as_secs_f64();
+            self.latency.push(latency);
+            let out = self.reqs[id as usize].output_tokens.max(1);
+            if let Some(x) = itl(latency, f.ttft_s, out).filter(|x| x.is_finite()) {
+                self.itl.push(x);
+            }
+        }
+        if let Some(nr) = self.nodes[f.node].routing.as_mut() {
+            nr.view.finished(f.replica);
+            if let Some(q) = nr.admission.as_mut() {
+                q.released(now);
+                freed.push(f.node);
+            }
+            self.share(now, f.node, f.replica, -1, 0);
+        }
+        self.done += 1;
     }
 
     /// Request `i`'s prefill leg ended on replica `r`: its KV crosses the link to `decode`.

@@ -174,9 +174,10 @@ async fn absurd_load_claims_do_not_steer_traffic_away() {
         );
         assert!(faded.is_some(), "the rogue's claim still counts");
         // The claim would steer traffic away from r0 (on the old code: 0.00 of it). Under it r0
-        // keeps its honest share, less 0.10 at most; more is no attack but run-to-run noise
-        // (two replicas, sequential requests: shares of 0.40–0.58 were seen in both phases).
-        assert!(d >= h - 0.10, "honest {h:.2}, under claims {d:.2}");
+        // keeps at least half its honest share; less than that would be the attack working,
+        // anything above is run-to-run noise (two replicas, sequential requests: honest shares
+        // of 0.40–0.60 and drops of up to 0.16 between phases were seen with no claim counting).
+        assert!(d >= h / 2.0, "honest {h:.2}, under claims {d:.2}");
         lies.abort();
         n1.shutdown().await;
         r0.shutdown().await;

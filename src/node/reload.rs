@@ -44,8 +44,31 @@ impl Node {
             restart_needed: restart_needed(&self.cfg, new),
             ..ReloadReport::default()
         };
+        self.reload_replicas(new, &mut report)?;
+        report.tenants = self.reload_tenants(new);
+        self.reload_priorities(new, &mut report);
+        self.reload_routing(new, &mut report)?;
+        tracing::info!(
+            added = report.added.len(),
+            updated = report.updated.len(),
+            removed = report.removed.len(),
+            tenants = report.tenants,
+            routing = report.routing,
+            "configuration reloaded"
+        );
+        if !report.restart_needed.is_empty() {
+            tracing::warn!(settings = ?report.restart_needed, "changed settings that apply only at restart were left as they are");
+        }
+        Ok(report)
+    }
 
-        // Replicas: diff the configured list by id.
+    /// Diffs the configured replicas by id: new ones register and start their watchers,
+    /// changed ones update, missing ones drain.
+    fn reload_replicas(
+        self: &Arc<Self>,
+        new: &NodeConfig,
+        report: &mut ReloadReport,
+    ) -> anyhow::Result<()> {
         let mut configured = self.configured.lock().unwrap_or_else(|p| p.into_inner());
         let old: HashMap<String, &ReplicaConfig> =
             configured.iter().map(|r| (r.effective_id(), r)).collect();
@@ -86,9 +109,13 @@ impl Node {
                 super::watchers::spawn_replica_watchers(self, stop, i);
             }
         }
+        Ok(())
+    }
 
-        // Tenants.
-        // (One lock at a time: the request path reads these apart from the core lock.)
+    /// Swaps in the new tenants and default tenant; whether either changed. Requests already
+    /// routed keep what they hold.
+    fn reload_tenants(&self, new: &NodeConfig) -> bool {
+        // One lock at a time: the request path reads these apart from the core lock.
         let tenants_changed = {
             let mut cfgs = self.tenant_cfgs.write().unwrap_or_else(|p| p.into_inner());
             let changed = *cfgs != new.tenants;
@@ -108,68 +135,61 @@ impl Node {
                 .router
                 .tenants
                 .reconfigure(new.tenants.clone(), new.default_tenant.clone());
-            report.tenants = true;
         }
+        tenants_changed
+    }
 
-        // Priority classes: weights and bounds apply at once; new names need a restart.
-        if let (Some(old), Some(new_p)) = (&self.cfg.priorities, &new.priorities) {
-            if old != new_p {
-                let mut core = self.lock();
-                if let Some(q) = core.admission.as_mut() {
-                    if old.header == new_p.header
-                        && old.default_class == new_p.default_class
-                        && q.set_classes(new_p.classes.clone())
-                    {
-                        report.routing = true;
-                    } else {
-                        report.restart_needed.push("priorities");
-                    }
-                }
-            }
+    /// Priority classes: weights and bounds apply at once; new names, header or default class
+    /// need a restart.
+    fn reload_priorities(&self, new: &NodeConfig, report: &mut ReloadReport) {
+        let (Some(old), Some(new_p)) = (&self.cfg.priorities, &new.priorities) else {
+            return;
+        };
+        if old == new_p {
+            return;
         }
-
-        // Routing parameters.
-        {
-            let mut core = self.lock();
-            let cost = CostModel {
-                w_load_s: new.w_load_s,
-                affinity_credit_s: new.affinity_credit_s,
-                tier_weights: new.tier_weights,
-                fetch: new.kv_fetch,
-            };
-            let rc = core.router.config();
-            let ttl = Duration::from_secs(new.overlay_ttl_s);
-            let policy = new.policy_kind()?;
-            if rc.spill_after_s != new.spill_after_s
-                || rc.cost != cost
-                || core.view.overlay_ttl != ttl
+        let mut core = self.lock();
+        if let Some(q) = core.admission.as_mut() {
+            if old.header == new_p.header
+                && old.default_class == new_p.default_class
+                && q.set_classes(new_p.classes.clone())
             {
-                core.router.set_params(new.spill_after_s, cost);
-                core.view.overlay_ttl = ttl;
                 report.routing = true;
-            }
-            if core.router.config().policy != policy {
-                core.router.set_policy(policy);
-                self.policy.store(
-                    super::state::policy_index(policy),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                tracing::info!(policy = policy.as_str(), "routing policy switched");
-                report.routing = true;
+            } else {
+                report.restart_needed.push("priorities");
             }
         }
-        tracing::info!(
-            added = report.added.len(),
-            updated = report.updated.len(),
-            removed = report.removed.len(),
-            tenants = report.tenants,
-            routing = report.routing,
-            "configuration reloaded"
-        );
-        if !report.restart_needed.is_empty() {
-            tracing::warn!(settings = ?report.restart_needed, "changed settings that apply only at restart were left as they are");
+    }
+
+    /// Routing parameters: the cost model's weights, `spill_after_s`, the overlay TTL and the
+    /// policy (fresh policy state when it changes).
+    fn reload_routing(&self, new: &NodeConfig, report: &mut ReloadReport) -> anyhow::Result<()> {
+        let mut core = self.lock();
+        let cost = CostModel {
+            w_load_s: new.w_load_s,
+            affinity_credit_s: new.affinity_credit_s,
+            tier_weights: new.tier_weights,
+            fetch: new.kv_fetch,
+        };
+        let rc = core.router.config();
+        let ttl = Duration::from_secs(new.overlay_ttl_s);
+        let policy = new.policy_kind()?;
+        if rc.spill_after_s != new.spill_after_s || rc.cost != cost || core.view.overlay_ttl != ttl
+        {
+            core.router.set_params(new.spill_after_s, cost);
+            core.view.overlay_ttl = ttl;
+            report.routing = true;
         }
-        Ok(report)
+        if core.router.config().policy != policy {
+            core.router.set_policy(policy);
+            self.policy.store(
+                super::state::policy_index(policy),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            tracing::info!(policy = policy.as_str(), "routing policy switched");
+            report.routing = true;
+        }
+        Ok(())
     }
 }
 

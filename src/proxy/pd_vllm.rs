@@ -32,8 +32,9 @@ use super::pd_leg::{
 };
 use crate::core::keys::BlockKey;
 use crate::core::pd::PdPair;
+use crate::core::role::PdFacts;
 use crate::node::config::PdProtocol;
-use crate::node::Ticket;
+use crate::node::{Endpoint, Ticket};
 
 /// The request id header both legs carry.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -167,30 +168,7 @@ pub(super) async fn serve(
         .and_then(Value::as_u64);
     drop(prefill);
     let returned = answer.get("kv_transfer_params").filter(|v| v.is_object());
-    let decode_params = match protocol {
-        PdProtocol::VllmMooncake => {
-            let host = host_of(&p_end.base).unwrap_or_default();
-            let port = facts.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
-            let engine = returned
-                .and_then(|r| r.get("remote_engine_id"))
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-                .or_else(|| (!facts.engine_id.is_empty()).then(|| facts.engine_id.clone()))
-                .unwrap_or_else(|| p_end.id.to_string());
-            let host = if host.contains(':') {
-                format!("[{host}]")
-            } else {
-                host
-            };
-            Some(mooncake_decode_params(
-                &transfer_id,
-                &format!("http://{host}:{port}"),
-                &engine,
-            ))
-        }
-        // As vLLM's proxy: what the prefill returned, verbatim; none, and the decode computes.
-        _ => returned.cloned(),
-    };
+    let decode_params = decode_kv_params(protocol, &transfer_id, &p_end, &facts, returned);
     let body = match decode_params {
         Some(v) => edited(ctx.body, &[("kv_transfer_params", Some(v))]),
         None => edited(ctx.body, &[]),
@@ -214,6 +192,39 @@ pub(super) async fn serve(
         decode: d_end.id.to_string(),
         prefill_cached,
     })
+}
+
+/// The decode leg's `kv_transfer_params`: for Mooncake, where to pull the prefill's KV from
+/// (its host and bootstrap port, the engine id it returned or advertised); otherwise, as vLLM's
+/// proxy does, what the prefill returned, verbatim (none, and the decode computes).
+fn decode_kv_params(
+    protocol: PdProtocol,
+    transfer_id: &str,
+    prefill: &Endpoint,
+    facts: &PdFacts,
+    returned: Option<&Value>,
+) -> Option<Value> {
+    if protocol != PdProtocol::VllmMooncake {
+        return returned.cloned();
+    }
+    let host = host_of(&prefill.base).unwrap_or_default();
+    let port = facts.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+    let engine = returned
+        .and_then(|r| r.get("remote_engine_id"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .or_else(|| (!facts.engine_id.is_empty()).then(|| facts.engine_id.clone()))
+        .unwrap_or_else(|| prefill.id.to_string());
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    Some(mooncake_decode_params(
+        transfer_id,
+        &format!("http://{host}:{port}"),
+        &engine,
+    ))
 }
 
 #[cfg(test)]

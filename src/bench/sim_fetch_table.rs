@@ -1,12 +1,12 @@
 //! `kvmesh sim --kv-fetch-region-table`: where pulling a prefix's KV from another region pays,
 //! against recomputing it locally and forwarding the request there, by prompt length, link and
-//! load — each cell the core's own weighing (`core::region_choice::RemotePrefix`), the rule the
+//! load — each cell the core's own weighing (`core::remote_prefix::RemotePrefix`), the rule the
 //! router applies, over the simulator's engine presets.
 
 use std::fmt::Write as _;
 
 use crate::core::kv_fetch::{source_step_s, LinkSpec, LinkTable};
-use crate::core::region_choice::{PrefixRoute, RemotePrefix};
+use crate::core::remote_prefix::{PrefixRoute, RemotePrefix};
 use crate::engine_sim::Preset;
 
 /// Round trip between the two regions, seconds (eu-west to us-east, about 90 ms).

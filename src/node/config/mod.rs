@@ -1261,6 +1261,18 @@ mod tests {
     }
 
     #[test]
+    fn remote_prefix_parses_and_a_bad_value_names_the_key() {
+        use crate::core::remote_prefix::RemotePrefixMode;
+        assert_eq!(NodeConfig::default().remote_prefix, RemotePrefixMode::Local);
+        let c = NodeConfig::from_toml("remote_prefix = \"weigh\"\n").unwrap();
+        assert_eq!(c.remote_prefix, RemotePrefixMode::Weigh);
+        let e = NodeConfig::from_toml("remote_prefix = \"pull\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("remote_prefix"), "{e}");
+    }
+
+    #[test]
     fn a_replica_kv_load_parses_with_defaults_and_is_checked_in_every_template() {
         use crate::core::kv_load::KvLoad;
         let c = NodeConfig::from_toml(

@@ -281,6 +281,12 @@ impl MeshSection {
                 "must not exceed mesh.max_learned_replicas",
             ));
         }
+        self.validate_distances()?;
+        Ok(())
+    }
+
+    /// Checks `[[mesh.distance]]`: region names, the distance, a pinned KV link's bounds.
+    fn validate_distances(&self) -> Result<(), ConfigError> {
         for (n, d) in self.distance.iter().enumerate() {
             if d.a.is_empty() || d.b.is_empty() {
                 return Err(invalid(

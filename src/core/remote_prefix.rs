@@ -254,6 +254,18 @@ pub fn remote_holder(
         if r.health != Health::Healthy || !eligible(i, r) {
             continue;
         }
+        // A cache is prefix-closed: a run of `need` blocks holds block `need − 1`. One filter
+        // probe rules out most replicas (those without an overlay, where settled blocks could
+        // also be) before the search.
+        let need = best.map_or(min_blocks, |(_, b, _)| b.max(min_blocks));
+        if !r.has_overlay()
+            && !r
+                .summary
+                .as_deref()
+                .is_some_and(|s| s.contains(keys[need - 1]))
+        {
+            continue;
+        }
         let held = view.hit_settled(i, keys, now);
         if held < min_blocks || best.is_some_and(|(_, b, _)| held < b) {
             continue;
@@ -357,23 +369,26 @@ fn price_pulls(
     let tpb = u64::from(view.tokens_per_block);
     // Never more than the prompt less its last token (an engine recomputes that one).
     let source_tokens = (u64::from(holder.blocks) * tpb).min(prompt_tokens.saturating_sub(1));
-    let from = PullSource::of(h);
-    let mut fetch = cost.fetch;
-    fetch.links.cross_region = cross_link(view, cost, &view.local_region, &h.info.region);
+    // The candidates are this region's and the holder another's: the link is the regions'
+    // (what `KvFetchConfig::transfer_from` would find, without parsing each candidate's URL).
+    let step_s = PullSource::of(h).step_s;
+    let link = cross_link(view, cost, &view.local_region, &h.info.region);
+    let min_tokens = cost.fetch.min_tokens;
     let mut any = false;
     for (c, plan) in candidates.iter_mut().zip(plans.iter_mut()) {
         let own_tokens = u64::from(c.hit_blocks) * tpb;
-        if source_tokens < own_tokens.saturating_add(fetch.min_tokens) {
+        if source_tokens < own_tokens.saturating_add(min_tokens) {
             continue;
         }
         let Some(target) = view.replica(c.replica) else {
             continue;
         };
-        // `None` for a replica that takes no hint: it never gets one.
-        let Some(transfer_s) = fetch.transfer_from(&target.info, &from, source_tokens - own_tokens)
-        else {
+        // A replica that takes no hint never gets one.
+        let Some(load) = target.info.kv_load.filter(|l| !l.hints.is_none()) else {
             continue;
         };
+        let moved = (source_tokens - own_tokens) as f64;
+        let transfer_s = pull_s(link, step_s, moved, load.bytes_per_token);
         let rate = target.info.prefill_tokens_per_s.max(1.0);
         let prefill_s = prompt_tokens.saturating_sub(source_tokens) as f64 / rate;
         let pulled_s = c.queue_s + transfer_s + prefill_s;
@@ -387,7 +402,7 @@ fn price_pulls(
             from_tokens: own_tokens,
             tokens: source_tokens,
             predicted_s: transfer_s,
-            format: target.info.kv_load.map(|l| l.hints).unwrap_or_default(),
+            format: load.hints,
         });
         any = true;
     }

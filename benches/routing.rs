@@ -123,7 +123,51 @@ fn decisions(c: &mut Criterion) {
             });
         }
     }
+    remote_prefix_decisions(&mut g, &keys);
     g.finish();
+}
+
+/// A prefix only the other region holds (`core/remote_prefix.rs`): the bench view with its
+/// second half (the warm replica among them) in region `us`, every replica taking hints;
+/// `remote_prefix = "weigh"` (a pull priced into each local candidate, a forward weighed)
+/// against `"local"` (the decision as before).
+fn remote_prefix_decisions(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    keys: &[BlockKey],
+) {
+    use kvmesh::core::remote_prefix::RemotePrefixMode;
+    for replicas in [64usize, 512] {
+        let mut v = decision_view::view(replicas, keys).expect("the bench view");
+        for i in 0..replicas {
+            if let Some(r) = v.replica_mut(i) {
+                let info = std::sync::Arc::make_mut(&mut r.info);
+                info.kv_load = Some(kvmesh::core::kv_load::KvLoad {
+                    hints: kvmesh::core::kv_load::KvHintFormat::VllmEnvelope,
+                    ..Default::default()
+                });
+                if i >= replicas / 2 {
+                    info.region = "us".into();
+                }
+            }
+        }
+        for mode in [RemotePrefixMode::Local, RemotePrefixMode::Weigh] {
+            let mut router = Router::new(
+                RouterConfig {
+                    remote_prefix: mode,
+                    ..Default::default()
+                },
+                Tenants::default(),
+            );
+            let req = RouteRequest::plain("llama", keys, 32_768);
+            let id = BenchmarkId::new(
+                format!("p2c-cache-remote-prefix-{}", mode.as_str()),
+                format!("{replicas}r-32k"),
+            );
+            g.bench_function(id, |b| {
+                b.iter(|| black_box(router.route(&v, black_box(&req), Duration::from_secs(1))))
+            });
+        }
+    }
 }
 
 fn hashing(c: &mut Criterion) {

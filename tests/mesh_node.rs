@@ -932,6 +932,8 @@ async fn a_region_whose_nodes_all_fail_gives_way_to_the_next_region() {
                     a: "a".into(),
                     b: other.into(),
                     ms,
+                    kv_gb_per_s: None,
+                    kv_setup_ms: None,
                 });
             }
         }

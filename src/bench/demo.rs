@@ -140,6 +140,8 @@ impl DemoArgs {
                     a: (*a).into(),
                     b: (*b).into(),
                     ms: self.region_rtt_ms * (j - i) as f64,
+                    kv_gb_per_s: None,
+                    kv_setup_ms: None,
                 });
             }
         }

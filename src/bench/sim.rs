@@ -519,6 +519,7 @@ impl<'a> Sim<'a> {
                         seed: cfg.seed.wrapping_add(n as u64),
                         cost: cfg.cost,
                         forward_by: cfg.forward_by,
+                        remote_prefix: cfg.remote_prefix,
                         shared_load: cfg.load_share_delay.is_some() || cfg.nodes <= 1,
                         ..Default::default()
                     };
@@ -1176,7 +1177,15 @@ impl<'a> Sim<'a> {
                 set_scraped_load(&mut nr.view, r, l);
             }
         }
-        for &r in &self.region_replicas[node.region] {
+        // A flat node weighing other regions' prefixes pulls their summaries too (as live).
+        let every_region = !self.region_layer
+            && self.cfg.remote_prefix != crate::core::remote_prefix::RemotePrefixMode::Local;
+        let (own, all) = if every_region {
+            (&[][..], 0..self.summaries.len())
+        } else {
+            (&self.region_replicas[node.region][..], 0..0)
+        };
+        for r in own.iter().copied().chain(all) {
             let Some(fresh) = self.summaries[r].as_of(source) else {
                 continue;
             };

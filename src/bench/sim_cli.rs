@@ -96,7 +96,8 @@ pub struct SimArgs {
     #[arg(long)]
     pub byte_table: bool,
     /// Print where pulling a prefix's KV from another region pays against recomputing it and
-    /// forwarding the request (prompt length × link × load, the core's weighing) and exit.
+    /// forwarding the request (prompt length × link × load on either side, regions
+    /// `--region-rtt-ms` apart; the router's weighing, `core::remote_prefix`) and exit.
     #[arg(long)]
     pub kv_fetch_region_table: bool,
     /// A node failure, NODE@SECONDS from the first arrival (repeatable), e.g. `--fail 0@30`.
@@ -129,6 +130,15 @@ pub struct SimArgs {
     /// replicas share a region but no zone or host). Default: the node's, 12.5 (100 Gb/s).
     #[arg(long)]
     pub kv_fetch_gb_s: Option<f64>,
+    /// The rate of the link between regions, GB/s (`[kv_fetch] links.cross_region`). Default:
+    /// the node's, 0.625 (one 5 Gb/s flow).
+    #[arg(long)]
+    pub kv_fetch_region_gb_s: Option<f64>,
+    /// What a node does with a prompt whose longest prefix another region holds, one run each
+    /// (the node's `remote_prefix`): `local` (recompute), `forward` (or go there), `weigh` (or
+    /// pull it too; replicas then take `vllm-envelope` hints).
+    #[arg(long, value_delimiter = ',', default_value = "local")]
+    pub remote_prefix: Vec<crate::core::remote_prefix::RemotePrefixMode>,
     /// Routing-text block size in bytes (the node's `block_bytes`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(16..=65536))]
     pub block_bytes: u64,
@@ -173,7 +183,8 @@ pub fn main(mut args: SimArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     if args.kv_fetch_region_table {
-        println!("{}", super::sim_fetch_table::region_fetch_table());
+        let rtt_s = args.region_rtt_ms as f64 / 1000.0;
+        println!("{}", super::sim_fetch_table::region_fetch_table(rtt_s));
         return Ok(());
     }
     if let Some(path) = args.trace.take() {
@@ -243,7 +254,10 @@ fn engine_and_kv_load(args: &SimArgs) -> anyhow::Result<(EngineConfig, Option<Kv
     let fetching = args
         .kv_fetch
         .iter()
-        .any(|m| *m != crate::core::kv_fetch::FetchMode::Off);
+        .any(|m| *m != crate::core::kv_fetch::FetchMode::Off)
+        || args
+            .remote_prefix
+            .contains(&crate::core::remote_prefix::RemotePrefixMode::Weigh);
     if fetching {
         kv_load = Some(KvLoad {
             hints: crate::core::kv_load::KvHintFormat::VllmEnvelope,
@@ -295,6 +309,9 @@ fn base_config(
             }
             if let Some(gb) = args.kv_fetch_gb_s {
                 cost.fetch.links.same_region.gb_per_s = gb;
+            }
+            if let Some(gb) = args.kv_fetch_region_gb_s {
+                cost.fetch.links.cross_region.gb_per_s = gb;
             }
             cost.fetch.validate()?;
             cost
@@ -362,7 +379,10 @@ fn plan_runs(
                 .into_iter()
                 .flat_map(|m| args.kv_fetch.iter().map(move |f| (m.clone(), *f)))
             {
-                for n in named {
+                for (n, remote) in named
+                    .iter()
+                    .flat_map(|n| args.remote_prefix.iter().map(move |r| (n, *r)))
+                {
                     let hot = if mode.is_some() { " +hot" } else { "" };
                     let rank = match (base.dp_ranks > 1, *n) {
                         (false, _) => "",
@@ -371,6 +391,13 @@ fn plan_runs(
                     };
                     let fetch_label = if fetching {
                         format!(" fetch={}", fetch.as_str())
+                    } else {
+                        String::new()
+                    };
+                    let remote_label = if args.remote_prefix.len() > 1
+                        || remote != crate::core::remote_prefix::RemotePrefixMode::Local
+                    {
+                        format!(" remote={}", remote.as_str())
                     } else {
                         String::new()
                     };
@@ -385,9 +412,10 @@ fn plan_runs(
                             dp_rank_named: *n,
                             gossip_layout: layout,
                             cost,
+                            remote_prefix: remote,
                             ..base.clone()
                         },
-                        format!("{layout_label}{shape}{hot}{rank}{fetch_label}"),
+                        format!("{layout_label}{shape}{hot}{rank}{fetch_label}{remote_label}"),
                     ));
                 }
             }

@@ -72,6 +72,10 @@ pub struct SimConfig {
     pub cost: CostModel,
     /// How a forwarded request's region is chosen (the nodes' `forward_by`). Default by cost.
     pub forward_by: ForwardChoice,
+    /// A prompt whose longest prefix another region holds (the nodes' `remote_prefix`):
+    /// recompute here (default), or weigh forwarding, or pulling too. In the flat layout a node
+    /// then also holds other regions' replicas' summaries, as a live node does.
+    pub remote_prefix: crate::core::remote_prefix::RemotePrefixMode,
     /// Seed of every random choice. Default 1.
     pub seed: u64,
     /// Gossip round length. Default 100 ms.
@@ -166,6 +170,7 @@ impl Default for SimConfig {
             policy: PolicyKind::P2cCache,
             cost: CostModel::default(),
             forward_by: ForwardChoice::Cost,
+            remote_prefix: crate::core::remote_prefix::RemotePrefixMode::Local,
             entry_weights: Vec::new(),
             seed: 1,
             gossip_interval: Duration::from_millis(100),

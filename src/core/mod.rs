@@ -19,7 +19,8 @@
 //! - [`rank_hints`]: the ranks recently routed prefixes went to, for nodes without KV events.
 //! - [`policy`]: the policies behind one trait.
 //! - [`region_offer`], [`region_choice`]: other regions in aggregate, and which one a
-//!   forwarded request goes to.
+//!   forwarded request goes to; [`remote_prefix`]: a prefix held in another region —
+//!   recompute, pull or forward.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers;
 //!   [`tenant_salt`]: the engine's `cache_salt` of an authenticated tenant.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
@@ -52,6 +53,7 @@ pub mod rank_hints;
 pub mod region_choice;
 pub mod region_offer;
 pub mod regions;
+pub mod remote_prefix;
 pub mod role;
 pub mod router;
 pub mod stream_resume;

@@ -38,6 +38,7 @@ use super::keys::BlockKey;
 use super::kv_fetch::{FetchMode, KvFetchPlan};
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
 use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
+use super::remote_prefix::{self, RemoteAsk, RemotePrefixMode, RemoteWay};
 use super::role::Leg;
 use super::tenants::Tenants;
 use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, View};
@@ -86,6 +87,9 @@ pub struct RouterConfig {
     pub shared_load: bool,
     /// `p2c-cache`'s [`crate::core::policy::P2cCache::recompute_charge_per_s`]. Default 0.
     pub recompute_charge_per_s: f64,
+    /// A prompt whose longest cached prefix is in another region: recompute here (default),
+    /// or also weigh forwarding there, or pulling its KV too (`remote_prefix.rs`).
+    pub remote_prefix: RemotePrefixMode,
 }
 
 impl Default for RouterConfig {
@@ -98,6 +102,7 @@ impl Default for RouterConfig {
             forward_by: ForwardChoice::Cost,
             shared_load: true,
             recompute_charge_per_s: 0.0,
+            remote_prefix: RemotePrefixMode::Local,
         }
     }
 }
@@ -255,6 +260,9 @@ pub enum ForwardReason {
     NoLocalReplica,
     /// Every local candidate is busier than `spill_after_s`.
     Spill,
+    /// The prompt's longest prefix is held there, and going there is sooner than recomputing
+    /// or pulling it here (`remote_prefix.rs`).
+    Prefix,
 }
 
 /// Why a request cannot be served.
@@ -458,9 +466,11 @@ pub struct Router {
     /// local region, not excluded (pools and quotas are checked apart).
     local: Vec<bool>,
     facts: StaticFacts,
-    /// Each candidate's planned pull under `kv_fetch.mode = "priced"`, aligned with
-    /// `candidates` (reused buffer).
+    /// Each candidate's planned pull under `kv_fetch.mode = "priced"` or from another region
+    /// (`remote_prefix = "weigh"`), aligned with `candidates` (reused buffer).
     fetch_plans: Vec<Option<KvFetchPlan>>,
+    /// `fetch_plans` were filled for this decision's candidates.
+    plans_live: bool,
 }
 
 impl Router {
@@ -480,6 +490,7 @@ impl Router {
             local: Vec::new(),
             facts: StaticFacts::default(),
             fetch_plans: Vec::new(),
+            plans_live: false,
             cfg,
         }
     }
@@ -517,6 +528,7 @@ impl Router {
         now: Duration,
         leg: Leg,
     ) -> Decision {
+        self.plans_live = false;
         let scope = match self.scope(view, req, leg, now) {
             Ok(scope) => scope,
             Err(decided) => return decided,
@@ -549,9 +561,13 @@ impl Router {
                 &mut self.fetch_plans,
                 (req.keys, req.prompt_tokens, now),
             );
+            self.plans_live = true;
         }
         if kv_steer == KvSteer::Steered {
             gathered = self.regather(view);
+        }
+        if let Some(forward) = self.weigh_remote_prefix(view, req, leg, now, gathered) {
+            return forward;
         }
         if let Some(spilled) = self.spill(view, req, leg, now, gathered) {
             return spilled;
@@ -848,17 +864,78 @@ impl Router {
     /// (reactive) one planned now from the longest holder.
     fn fetch_for(&self, view: &View, req: &RouteRequest<'_>, chosen: usize) -> Option<KvFetchPlan> {
         let cost = &self.cfg.cost;
+        if !self.policy.uses_cache() {
+            return None;
+        }
+        let planned = self
+            .plans_live
+            .then(|| self.fetch_plans.get(chosen).copied().flatten())
+            .flatten();
         match cost.fetch.mode {
-            FetchMode::Off => None,
-            _ if !self.policy.uses_cache() => None,
-            FetchMode::Priced => self.fetch_plans.get(chosen).copied().flatten(),
-            FetchMode::Reactive => fetch_plan::reactive(
-                &cost.fetch,
-                view,
-                &self.candidates,
-                chosen,
-                req.prompt_tokens,
-            ),
+            FetchMode::Off | FetchMode::Priced => planned,
+            FetchMode::Reactive => planned.or_else(|| {
+                fetch_plan::reactive(
+                    &cost.fetch,
+                    view,
+                    &self.candidates,
+                    chosen,
+                    req.prompt_tokens,
+                )
+            }),
+        }
+    }
+
+    /// A prompt whose longest cached prefix is in another region (`remote_prefix`): prices a
+    /// pull from that region's holder into the candidates, and forwards the request there when
+    /// that is sooner than any local way (`remote_prefix.rs`). Whole requests only; a request
+    /// that already hopped may still pull.
+    fn weigh_remote_prefix(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        leg: Leg,
+        now: Duration,
+        gathered: CandidateTotals,
+    ) -> Option<Decision> {
+        let mode = self.cfg.remote_prefix;
+        if mode == RemotePrefixMode::Local || leg != Leg::Whole || !self.policy.uses_cache() {
+            return None;
+        }
+        if !self.plans_live {
+            self.fetch_plans.clear();
+            self.fetch_plans.resize(self.candidates.len(), None);
+        }
+        let ask = RemoteAsk {
+            mode,
+            model: req.model,
+            pools: &self.tenants.config(req.tenant).pools,
+            keys: req.keys,
+            prompt_tokens: req.prompt_tokens,
+            local_best_blocks: gathered.best_hit_blocks,
+            may_forward: !req.forwarded,
+        };
+        let facts = &mut self.facts;
+        let eligible = |i: usize, r: &ReplicaState| {
+            let (serves, in_region) = facts.get(i, &r.info);
+            serves && !in_region && !req.exclude.contains(&i)
+        };
+        let way = remote_prefix::weigh(
+            view,
+            &self.cfg.cost,
+            &ask,
+            (&mut self.candidates, &mut self.fetch_plans),
+            now,
+            eligible,
+        );
+        match way {
+            RemoteWay::Stay { pulls } => {
+                self.plans_live |= pulls;
+                None
+            }
+            RemoteWay::Forward(region) => Some(Decision::Forward {
+                region: region.to_owned(),
+                reason: ForwardReason::Prefix,
+            }),
         }
     }
 

@@ -263,8 +263,12 @@ async fn sync_once(
     sync_admin(node, mesh, &live, st).await;
 
     let mut map = region_map_of(&live);
+    let setup_ms = node.cfg.kv_fetch.links.cross_region.setup_ms;
     for d in &section.distance {
         map.configure(&d.a, &d.b, d.ms);
+        if let Some(link) = d.kv_link(setup_ms) {
+            map.configure_link(&d.a, &d.b, link);
+        }
     }
     node.set_regions(map);
 

@@ -289,6 +289,8 @@ impl Node {
             wall: now_ms(),
             load_interval,
             local: core.view.local_region.clone(),
+            pull_remote: self.cfg.remote_prefix
+                != crate::core::remote_prefix::RemotePrefixMode::Local,
         };
         let homes = LiveHomes::new(live);
         for i in 0..core.replicas.len() {
@@ -591,6 +593,9 @@ struct Round<'a> {
     load_interval: Duration,
     /// This node's region.
     local: String,
+    /// Also pull other regions' replicas' summaries (in the flat layout, where their records
+    /// reach this node): `remote_prefix` weighs prefixes they hold (`core::remote_prefix`).
+    pull_remote: bool,
 }
 
 /// What becomes of replica `i` if it is learned (known only from a peer's record).
@@ -795,8 +800,10 @@ fn follow_home(
             super::kv_shares::set_remote_kv_shares(rt, rec, &core.router.tenants);
             let queued = rt.queued_estimate();
             let learned = rt.mesh.learned;
-            if info.region == local && needs_pull(rt.mesh.pulled, &rec.summary) {
-                plan.behind += 1;
+            let in_region = info.region == local;
+            if (in_region || round.pull_remote) && needs_pull(rt.mesh.pulled, &rec.summary) {
+                // Warm-up waits for its own region's summaries only.
+                plan.behind += usize::from(in_region);
                 if !rt.mesh.pulling {
                     rt.mesh.pulling = true;
                     let (epoch, seq) = rt.mesh.pulled.unwrap_or((0, 0));

@@ -245,6 +245,7 @@ fn restart_needed(old: &NodeConfig, new: &NodeConfig) -> Vec<&'static str> {
         ("tracing", old.tracing != new.tracing),
         ("pd", old.pd != new.pd),
         ("hot_prefix", old.hot_prefix != new.hot_prefix),
+        ("remote_prefix", old.remote_prefix != new.remote_prefix),
         (
             "priorities",
             old.priorities.is_some() != new.priorities.is_some(),

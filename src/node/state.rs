@@ -379,6 +379,7 @@ impl Node {
                 seed: cfg.seed,
                 spill_after_s: cfg.spill_after_s,
                 forward_by: cfg.forward_by,
+                remote_prefix: cfg.remote_prefix,
                 recompute_charge_per_s: cfg.recompute_charge_per_s,
                 shared_load: cfg
                     .mesh

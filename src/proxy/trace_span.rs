@@ -112,7 +112,7 @@ impl RequestTrace {
             "kvmesh.branch",
             match reason {
                 ForwardReason::Spill => "spill",
-                ForwardReason::NoLocalReplica => "forward",
+                ForwardReason::NoLocalReplica | ForwardReason::Prefix => "forward",
             },
         );
         s.record("kvmesh.forwarded_region", region);
@@ -121,6 +121,7 @@ impl RequestTrace {
             match reason {
                 ForwardReason::Spill => "spill",
                 ForwardReason::NoLocalReplica => "no_local_replica",
+                ForwardReason::Prefix => "prefix",
             },
         );
     }

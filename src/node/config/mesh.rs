@@ -172,6 +172,24 @@ pub struct DistanceConfig {
     pub b: String,
     /// Distance in ms (required, finite, ≥ 0).
     pub ms: f64,
+    /// The rate of a dedicated KV link between the two regions, GB/s (0.01..=10000): a prefix
+    /// pulled across (`remote_prefix = "weigh"`) is priced over it. Default none:
+    /// `[kv_fetch.links] cross_region`.
+    #[serde(default)]
+    pub kv_gb_per_s: Option<f64>,
+    /// That link's setup, ms (0..=10000). Default: `cross_region`'s (60).
+    #[serde(default)]
+    pub kv_setup_ms: Option<f64>,
+}
+
+impl DistanceConfig {
+    /// The pinned KV link, when `kv_gb_per_s` is set (setup from `default_setup_ms` otherwise).
+    pub fn kv_link(&self, default_setup_ms: f64) -> Option<crate::core::regions::RegionLink> {
+        Some(crate::core::regions::RegionLink {
+            gb_per_s: self.kv_gb_per_s?,
+            setup_ms: self.kv_setup_ms.unwrap_or(default_setup_ms),
+        })
+    }
 }
 
 impl MeshSection {
@@ -263,6 +281,12 @@ impl MeshSection {
                 "must not exceed mesh.max_learned_replicas",
             ));
         }
+        self.validate_distances()?;
+        Ok(())
+    }
+
+    /// Checks `[[mesh.distance]]`: region names, the distance, a pinned KV link's bounds.
+    fn validate_distances(&self) -> Result<(), ConfigError> {
         for (n, d) in self.distance.iter().enumerate() {
             if d.a.is_empty() || d.b.is_empty() {
                 return Err(invalid(
@@ -274,6 +298,28 @@ impl MeshSection {
                 return Err(invalid(
                     format!("mesh.distance[{n}].ms"),
                     "must be a finite number ≥ 0",
+                ));
+            }
+            if d.kv_gb_per_s
+                .is_some_and(|g| !(0.01..=10_000.0).contains(&g))
+            {
+                return Err(invalid(
+                    format!("mesh.distance[{n}].kv_gb_per_s"),
+                    "must be 0.01 to 10000",
+                ));
+            }
+            if d.kv_setup_ms
+                .is_some_and(|m| !(0.0..=10_000.0).contains(&m))
+            {
+                return Err(invalid(
+                    format!("mesh.distance[{n}].kv_setup_ms"),
+                    "must be 0 to 10000",
+                ));
+            }
+            if d.kv_setup_ms.is_some() && d.kv_gb_per_s.is_none() {
+                return Err(invalid(
+                    format!("mesh.distance[{n}].kv_setup_ms"),
+                    "needs kv_gb_per_s",
                 ));
             }
         }
@@ -389,7 +435,20 @@ mod tests {
         assert_eq!(m.gossip_interval_ms, 200);
         assert_eq!(m.warm_forward_interval_ms, 20_000);
         assert_eq!(m.distance[0].ms, 80.0);
+        assert_eq!(m.distance[0].kv_link(60.0), None);
+        let linked = format!("{ok}kv_gb_per_s = 50.0\n");
+        let m = NodeConfig::from_toml(&linked).unwrap().mesh.unwrap();
+        let link = m.distance[0].kv_link(60.0).unwrap();
+        assert_eq!((link.gb_per_s, link.setup_ms), (50.0, 60.0));
         for (toml, key) in [
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\n[[mesh.distance]]\na = \"x\"\nb = \"y\"\nms = 1.0\nkv_gb_per_s = 0.0",
+                "mesh.distance[0].kv_gb_per_s",
+            ),
+            (
+                "[mesh]\nnode_id = \"n\"\ncerts_dir = \"/x\"\n[[mesh.distance]]\na = \"x\"\nb = \"y\"\nms = 1.0\nkv_setup_ms = 5.0",
+                "mesh.distance[0].kv_setup_ms",
+            ),
             ("[mesh]\ncerts_dir = \"/x\"", "mesh.node_id"),
             ("[mesh]\nnode_id = \"n\"", "mesh.certs_dir"),
             (

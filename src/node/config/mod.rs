@@ -106,6 +106,11 @@ pub struct NodeConfig {
     /// Which region a forwarded request goes to: `"cost"` (default: the least RTT + queue +
     /// prefill of what the region does not hold) or `"nearest"` (the nearest with room).
     pub forward_by: ForwardChoice,
+    /// A prompt whose longest cached prefix is held only in another region: `"local"`
+    /// (default: recompute it here), `"forward"` (or forward the request there when that is
+    /// sooner) or `"weigh"` (or pull its KV to a local replica that takes hints, over the pair's
+    /// link: `[[mesh.distance]]`'s `kv_gb_per_s`, else `[kv_fetch.links] cross_region`).
+    pub remote_prefix: crate::core::remote_prefix::RemotePrefixMode,
     /// Seconds one outstanding request adds to a replica's predicted wait. Default 0.005.
     pub w_load_s: f64,
     /// Seconds credited to a session's preferred replica. Default 0.2 (see `CostModel`).
@@ -206,6 +211,7 @@ impl Default for NodeConfig {
             tenant_header: "x-tenant-id".into(),
             spill_after_s: 10.0,
             forward_by: ForwardChoice::Cost,
+            remote_prefix: crate::core::remote_prefix::RemotePrefixMode::Local,
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             recompute_charge_per_s: 0.0,
@@ -1252,6 +1258,18 @@ mod tests {
         .to_string();
         assert!(e.contains("kv_fetch.links.cross_region"), "{e}");
         assert!(NodeConfig::from_toml("[kv_fetch]\nmode = \"sometimes\"\n").is_err());
+    }
+
+    #[test]
+    fn remote_prefix_parses_and_a_bad_value_names_the_key() {
+        use crate::core::remote_prefix::RemotePrefixMode;
+        assert_eq!(NodeConfig::default().remote_prefix, RemotePrefixMode::Local);
+        let c = NodeConfig::from_toml("remote_prefix = \"weigh\"\n").unwrap();
+        assert_eq!(c.remote_prefix, RemotePrefixMode::Weigh);
+        let e = NodeConfig::from_toml("remote_prefix = \"pull\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("remote_prefix"), "{e}");
     }
 
     #[test]

@@ -50,10 +50,11 @@ pub fn settled_holder(
 }
 
 /// Prices a fetch for every candidate (`mode = "priced"`): where pulling the longest settled
-/// holder's run ([`settled_holder`]) is predicted cheaper than recomputing it, the candidate's recompute shrinks
-/// (`prefill_s`) and its cost takes the transfer instead;
-/// `plans[j]` names the pull for candidate `j`. `plans` is cleared and refilled, aligned with
-/// `candidates`.
+/// holder's run ([`settled_holder`]) is predicted cheaper than recomputing it, `plans[j]` names
+/// the pull for candidate `j`; where it is also sooner than the holder serving the request
+/// itself ([`source_serves_s`]), the candidate's recompute shrinks (`prefill_s`) and its cost
+/// takes the transfer instead, so the decision weighs it. `plans` is cleared and refilled,
+/// aligned with `candidates`.
 pub fn price(
     cfg: &KvFetchConfig,
     view: &View,
@@ -97,20 +98,22 @@ pub fn price(
             continue;
         }
         // A pull waits for the source's step; so would the request at the source itself, behind
-        // only its queued prefill. Where that is as soon, the pull cannot pay: the cost model's
-        // decode share (`w_load × outstanding`) makes a merely decoding holder look tens of ms
-        // away, and pulling from it lost (issue #37, burst seed 2: a 2,048-token pull from a
-        // holder with 7 decoding requests, 0.082 s to first token where the holder took 0.011).
+        // only its queued prefill. Where that is as soon, the pull must not draw the request
+        // off its holder: the cost model's decode share (`w_load × outstanding`) makes a merely
+        // decoding holder look tens of ms away, and a pull priced against that lost (issue
+        // #37, burst seed 2: a 2,048-token pull from a holder with 7 decoding requests, 0.082 s
+        // to first token where the holder took 0.011). The decision is then made as without
+        // pulls; should the policy still pick this candidate (for load), it pulls rather than
+        // recomputes.
         let pulled_s = c.queue_s + prefill_s + transfer_s;
-        if pulled_s >= by_source_s {
-            continue;
+        if pulled_s < by_source_s {
+            // Its hit stays its own: the policy's longest-hit choice (A) is still the holder,
+            // and a pull only makes this candidate cheaper as the second choice. Counting the
+            // pulled run as held made every hint taker tie for the longest hit, so A became the
+            // cheapest replica on every node at once (the herd p2c-cache's draw exists to avoid).
+            c.cost_s = pulled_s;
+            c.prefill_s = prefill_s;
         }
-        // Its hit stays its own: the policy's longest-hit choice (A) is still the holder, and a
-        // pull only makes this candidate cheaper as the second choice. Counting the pulled run
-        // as held made every hint taker tie for the longest hit, so A became the cheapest
-        // replica on every node at once (the herd p2c-cache's draw exists to avoid).
-        c.cost_s = pulled_s;
-        c.prefill_s = prefill_s;
         *plan = Some(KvFetchPlan {
             source: source_index,
             from_tokens: own_tokens,
@@ -240,9 +243,10 @@ mod tests {
     /// A holder that is only decoding (7 requests, no queued prefill) serves the request in one
     /// step; the cost model's decode share prices it 35 ms away, and a pull to an idle
     /// neighbour looked 4 ms cheaper than that and lost 70 ms (issue #37, burst seed 2). Such a
-    /// pull cannot pay and is not planned; once the holder has prefill queued, it is.
+    /// pull does not lower the neighbour's cost (the decision is made as without pulls); once
+    /// the holder has prefill queued, it does.
     #[test]
-    fn no_pull_from_a_holder_that_would_serve_the_request_in_its_next_step() {
+    fn a_pull_is_no_cheaper_than_a_holder_that_would_serve_the_request_in_its_next_step() {
         let cfg = KvFetchConfig {
             mode: FetchMode::Priced,
             ..KvFetchConfig::default()
@@ -283,13 +287,19 @@ mod tests {
         let mut plans = Vec::new();
         let mut c = vec![decoding(0.0), idle];
         price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
-        assert_eq!(plans, vec![None, None], "the holder serves it in its next step");
-        assert_eq!(c[1].cost_s, prompt as f64 / rate, "the neighbour recomputes");
+        assert_eq!(
+            c[1].cost_s,
+            prompt as f64 / rate,
+            "the holder serves it in its next step: the neighbour is priced as recomputing"
+        );
+        // Should the policy pick the neighbour anyway (for load), it pulls.
+        assert_eq!(plans[0], None);
+        assert_eq!(plans[1].map(|p| p.source), Some(0));
         // With 2,000 tokens (40 ms) of prefill queued at the holder, the pull pays.
         v.replica_mut(0).unwrap().load.queued_prefill_tokens = 2_000;
         let mut c = vec![decoding(0.04), idle];
         price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
         assert_eq!(plans[1].map(|p| p.source), Some(0));
-        assert!(c[1].cost_s < 0.08, "{}", c[1].cost_s);
+        assert!(c[1].cost_s < 0.08, "priced with the pull: {}", c[1].cost_s);
     }
 }

@@ -230,6 +230,23 @@ type Queue = BinaryHeap<Reverse<(Duration, u64, Event)>>;
 /// configuration error, not an overflow.
 const MAX_VIRTUAL_TIME: Duration = Duration::from_secs(1_000_000_000);
 
+/// Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug`: what the decision for request
+/// `id` predicted, to hold against its `first token` line (and its `kv pull` line, if any).
+fn log_routed(id: usize, d: &crate::core::router::Routed) {
+    tracing::debug!(
+        target: "kvmesh::bench::sim",
+        id,
+        replica = d.replica,
+        runner_up = d.runner_up,
+        hit_blocks = d.hit_blocks,
+        best_hit_blocks = d.best_hit_blocks,
+        predicted_s = d.predicted_s,
+        reason = ?d.reason,
+        fetch_source = d.fetch.map(|f| f.source),
+        "routed"
+    );
+}
+
 /// When request `r` arrives, its workload time divided by `speedup`.
 fn arrival_time(r: &WorkloadRequest, speedup: f64) -> Result<Duration, SimError> {
     Duration::try_from_secs_f64(r.at_s.max(0.0) / speedup)
@@ -924,7 +941,11 @@ impl<'a> Sim<'a> {
         let step_s = source
             .next_event_time()
             .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
-        let target_step_s = self.engines.get(r).and_then(|e| e.next_event_time()).map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
+        let target_step_s = self
+            .engines
+            .get(r)
+            .and_then(|e| e.next_event_time())
+            .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
         // Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug` (why a pull paid or not).
         tracing::debug!(
             target: "kvmesh::bench::sim",
@@ -1044,20 +1065,7 @@ impl<'a> Sim<'a> {
                         KvSteer::Overflowed => self.kv_overflowed += 1,
                         KvSteer::Unsteered => {}
                     }
-                    // Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug`: what the
-                    // decision predicted, against the request's `first token` line.
-                    tracing::debug!(
-                        target: "kvmesh::bench::sim",
-                        id = i,
-                        replica = d.replica,
-                        runner_up = d.runner_up,
-                        hit_blocks = d.hit_blocks,
-                        best_hit_blocks = d.best_hit_blocks,
-                        predicted_s = d.predicted_s,
-                        reason = ?d.reason,
-                        fetch_source = d.fetch.map(|f| f.source),
-                        "routed"
-                    );
+                    log_routed(i, &d);
                     self.last_fetch = d.fetch;
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }

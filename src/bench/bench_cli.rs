@@ -77,7 +77,8 @@ pub struct BenchArgs {
     /// Fleet with --pd: KV bytes per prompt token moved from prefill to decode.
     #[arg(long, default_value_t = 131_072)]
     pub kv_bytes_per_token: u64,
-    /// Fleet with --pd: the prefill-to-decode link in Gb/s.
+    /// Fleet with --pd: the prefill-to-decode link in Gb/s; with --kv-fetch, the link KV pulls
+    /// between replicas cross (the replicas spend it, the nodes price it).
     #[arg(long, default_value_t = 100.0)]
     pub link_gbps: f64,
     /// Fleet: engine preset, `8b-h100` or `70b-tp4`.
@@ -320,6 +321,7 @@ async fn fleet_runs(
             rank_routing,
             kv_events: engine.cpu_capacity_tokens > 0,
             kv_load,
+            fetch_link_gbps: args.link_gbps,
             ..FleetConfig::default()
         };
         runs.extend(run_fleet_comparison(requests, &args.compare_policies, &fleet, base).await?);

@@ -72,6 +72,11 @@ pub struct FleetConfig {
     /// `vllm-envelope` hints (`kv_load.hints`) and the run is labelled `fetch=<mode>`.
     /// Default off.
     pub kv_fetch: crate::core::kv_fetch::KvFetchConfig,
+    /// The link KV pulls between the fleet's replicas cross, Gb/s: the replicas spend their
+    /// transfers at it (`[pd] link_gbps`), and the nodes price pulls at it (every replica is on
+    /// 127.0.0.1, so it is their `same_host` link; the default table would say NVLink).
+    /// Default 100 (12.5 GB/s, the node's `same_region` link).
+    pub fetch_link_gbps: f64,
 }
 
 impl Default for FleetConfig {
@@ -92,6 +97,7 @@ impl Default for FleetConfig {
             max_in_flight: None,
             pd: None,
             kv_fetch: Default::default(),
+            fetch_link_gbps: 100.0,
         }
     }
 }
@@ -282,6 +288,7 @@ async fn start_replicas(
             ..Default::default()
         };
         cfg.engine.time_scale = fleet.time_scale;
+        cfg.pd.link_gbps = fleet.fetch_link_gbps;
         if let Some(pd) = &fleet.pd {
             pd.apply_replica(i, &mut cfg)?;
         }
@@ -323,6 +330,12 @@ fn node_config(
             p
         }),
         ..NodeConfig::default()
+    };
+    // The replicas pull from each other at `fetch_link_gbps`; price pulls at the same link.
+    let same_region = cfg.kv_fetch.links.same_region;
+    cfg.kv_fetch.links.same_host = crate::core::kv_fetch::LinkSpec {
+        gb_per_s: fleet.fetch_link_gbps / 8.0,
+        setup_ms: same_region.setup_ms,
     };
     cfg.health.interval_ms = 200;
     cfg.scrape.interval_ms = 100;

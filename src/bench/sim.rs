@@ -230,6 +230,23 @@ type Queue = BinaryHeap<Reverse<(Duration, u64, Event)>>;
 /// configuration error, not an overflow.
 const MAX_VIRTUAL_TIME: Duration = Duration::from_secs(1_000_000_000);
 
+/// Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug`: what the decision for request
+/// `id` predicted, to hold against its `first token` line (and its `kv pull` line, if any).
+fn log_routed(id: usize, d: &crate::core::router::Routed) {
+    tracing::debug!(
+        target: "kvmesh::bench::sim",
+        id,
+        replica = d.replica,
+        runner_up = d.runner_up,
+        hit_blocks = d.hit_blocks,
+        best_hit_blocks = d.best_hit_blocks,
+        predicted_s = d.predicted_s,
+        reason = ?d.reason,
+        fetch_source = d.fetch.map(|f| f.source),
+        "routed"
+    );
+}
+
 /// When request `r` arrives, its workload time divided by `speedup`.
 fn arrival_time(r: &WorkloadRequest, speedup: f64) -> Result<Duration, SimError> {
     Duration::try_from_secs_f64(r.at_s.max(0.0) / speedup)
@@ -756,24 +773,20 @@ impl<'a> Sim<'a> {
             .last_fetch
             .take()
             .and_then(|f| self.pulled(i, r, f, &prompt, now));
-        // The overlay's prediction counts the pulled tokens as recomputed, as the live node's
-        // does (`node::routing`: it books the chosen replica's own hit); the first token
-        // confirms the blocks sooner. Crediting the pull's shorter predicted time made requests
-        // follow blocks still in transfer and recompute them (burst window p99 ×2).
-        let booked_uncached = uncached;
-        let uncached = match &pulled {
-            Some(f) => {
-                let arrived = (f.to_block * self.cfg.engine.block_tokens) as u64;
-                uncached.min((prompt.len() as u64).saturating_sub(arrived))
-            }
-            None => uncached,
-        };
+        // The pulled tokens are booked as recomputed, as the live node books them
+        // (`node::routing` books the chosen replica's own hit): in the overlay's prediction
+        // (the first token confirms the blocks sooner) and as queued prefill until the first
+        // token. Crediting the pull's shorter time made requests follow blocks still in
+        // transfer and recompute them (burst window p99 ×2); booking only the tokens left after
+        // the pull made the target look idle while it waited for the transfer, so the next
+        // request's prefill went there first and delayed the pull's (burst seed 2: a pull
+        // predicted 0.033 s took 0.082 s behind a 2,263-token prefill routed 20 ms later).
         let replica_region = self.replica_region[r];
         extra += self.cfg.rtt(self.nodes[node].region, replica_region);
         if replica_region != client_region {
             self.cross_region += 1;
         }
-        self.book_at_node(node, r, decode, booked_uncached, uncached, now);
+        self.book_at_node(node, r, decode, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -822,23 +835,22 @@ impl<'a> Sim<'a> {
         self.schedule(r);
     }
 
-    /// Books the `uncached` tokens just sent to replica `r` in the routing node's view as the live node
-    /// does (`node::routing`): the overlay from the prefill's predicted end (`booked_uncached`, as
-    /// the router predicted it), the queued prefill, hot-prefix counts, the load shared with the
+    /// Books the `uncached` tokens just sent to replica `r` (a pull's counted as recomputed) in
+    /// the routing node's view as the live node does (`node::routing`): the overlay from the
+    /// prefill's predicted end, the queued prefill, hot-prefix counts, the load shared with the
     /// region's peers, and a P/D pair's decode leg.
     fn book_at_node(
         &mut self,
         node: usize,
         r: usize,
         decode: Option<usize>,
-        booked_uncached: u64,
         uncached: u64,
         now: Duration,
     ) {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-                nr.router.config().cost.prefill_done_s(rep, booked_uncached)
+                nr.router.config().cost.prefill_done_s(rep, uncached)
             });
             let ready_in =
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
@@ -925,6 +937,16 @@ impl<'a> Sim<'a> {
             0
         };
         let st = source.stats();
+        // The source hands the blocks out when its current step ends (the core predicts a whole
+        // step, `kv_fetch::source_step_s`; here the engine's own step end is known).
+        let step_s = source
+            .next_event_time()
+            .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
+        let target_step_s = self
+            .engines
+            .get(r)
+            .and_then(|e| e.next_event_time())
+            .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
         // Per-request evidence for `RUST_LOG=kvmesh::bench::sim=debug` (why a pull paid or not).
         tracing::debug!(
             target: "kvmesh::bench::sim",
@@ -935,6 +957,8 @@ impl<'a> Sim<'a> {
             held_blocks = held,
             source_running = st.running,
             source_waiting = st.waiting,
+            source_step_s = step_s,
+            target_step_s,
             predicted_s = plan.predicted_s,
             "kv pull"
         );
@@ -949,11 +973,6 @@ impl<'a> Sim<'a> {
             .spec(Link::between(&self.infos[r], &self.infos[plan.source]));
         let tokens = held * bs;
         let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
-        // The source hands the blocks out when its current step ends (the core predicts a whole
-        // step, `kv_fetch::source_step_s`; here the engine's own step end is known).
-        let step_s = source
-            .next_event_time()
-            .map_or(0.0, |end| end.saturating_sub(now).as_secs_f64());
         let secs = spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
         self.kv_fetch.tokens += tokens as u64;
         self.kv_fetch.seconds += secs;
@@ -1047,6 +1066,7 @@ impl<'a> Sim<'a> {
                         KvSteer::Overflowed => self.kv_overflowed += 1,
                         KvSteer::Unsteered => {}
                     }
+                    log_routed(i, &d);
                     self.last_fetch = d.fetch;
                     return Routing::Sent(node, d.replica, d.hit_blocks, extra);
                 }
@@ -1732,11 +1752,9 @@ impl<'a> Sim<'a> {
             "warm-up"
         );
         let pulled = w.fetch.and_then(|f| self.pulled(id, r, f, &prompt, now));
-        let uncached = match &pulled {
-            Some(f) => (prompt.len() as u64)
-                .saturating_sub((f.to_block * self.cfg.engine.block_tokens) as u64),
-            None => prompt.len() as u64,
-        };
+        // Booked as the live node books a warm-up (`Node::route_to` with the whole prefix as
+        // prefill), pulled or not.
+        let uncached = w.tokens;
         let request = Request {
             id: id as u64,
             prompt,

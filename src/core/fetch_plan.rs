@@ -50,10 +50,11 @@ pub fn settled_holder(
 }
 
 /// Prices a fetch for every candidate (`mode = "priced"`): where pulling the longest settled
-/// holder's run ([`settled_holder`]) is predicted cheaper than recomputing it, the candidate's recompute shrinks
-/// (`prefill_s`) and its cost takes the transfer instead;
-/// `plans[j]` names the pull for candidate `j`. `plans` is cleared and refilled, aligned with
-/// `candidates`.
+/// holder's run ([`settled_holder`]) is predicted cheaper than recomputing it, `plans[j]` names
+/// the pull for candidate `j`; where it is also sooner than the holder serving the request
+/// itself ([`source_serves_s`]), the candidate's recompute shrinks (`prefill_s`) and its cost
+/// takes the transfer instead, so the decision weighs it. `plans` is cleared and refilled,
+/// aligned with `candidates`.
 pub fn price(
     cfg: &KvFetchConfig,
     view: &View,
@@ -76,6 +77,7 @@ pub fn price(
     // recomputes at least the last token.
     let source_tokens = (u64::from(held) * tpb).min(prompt_tokens.saturating_sub(1));
     let from = PullSource::of(source);
+    let by_source_s = source_serves_s(&candidates[h], from.step_s);
     for (c, plan) in candidates.iter_mut().zip(plans.iter_mut()) {
         let own_tokens = u64::from(c.hit_blocks) * tpb;
         if c.replica == source_index || source_tokens < own_tokens + cfg.min_tokens {
@@ -95,12 +97,23 @@ pub fn price(
         if prefill_s + transfer_s >= c.prefill_s {
             continue;
         }
-        // Its hit stays its own: the policy's longest-hit choice (A) is still the holder, and a
-        // pull only makes this candidate cheaper as the second choice. Counting the pulled run
-        // as held made every hint taker tie for the longest hit, so A became the cheapest
-        // replica on every node at once (the herd p2c-cache's draw exists to avoid).
-        c.cost_s = c.queue_s + prefill_s + transfer_s;
-        c.prefill_s = prefill_s;
+        // A pull waits for the source's step; so would the request at the source itself, behind
+        // only its queued prefill. Where that is as soon, the pull must not draw the request
+        // off its holder: the cost model's decode share (`w_load × outstanding`) makes a merely
+        // decoding holder look tens of ms away, and a pull priced against that lost (issue
+        // #37, burst seed 2: a 2,048-token pull from a holder with 7 decoding requests, 0.082 s
+        // to first token where the holder took 0.011). The decision is then made as without
+        // pulls; should the policy still pick this candidate (for load), it pulls rather than
+        // recomputes.
+        let pulled_s = c.queue_s + prefill_s + transfer_s;
+        if pulled_s < by_source_s {
+            // Its hit stays its own: the policy's longest-hit choice (A) is still the holder,
+            // and a pull only makes this candidate cheaper as the second choice. Counting the
+            // pulled run as held made every hint taker tie for the longest hit, so A became the
+            // cheapest replica on every node at once (the herd p2c-cache's draw exists to avoid).
+            c.cost_s = pulled_s;
+            c.prefill_s = prefill_s;
+        }
         *plan = Some(KvFetchPlan {
             source: source_index,
             from_tokens: own_tokens,
@@ -109,6 +122,15 @@ pub fn price(
             format: target.info.kv_load.map(|l| l.hints).unwrap_or_default(),
         });
     }
+}
+
+/// Seconds to first token were the request served by the source itself, priced as a pull from
+/// it is: behind its queued prefill (`prefill_queue_s`) and its current step (`step_s`,
+/// [`super::kv_fetch::source_step_s`]), then its own prefill of the rest. Not its cost: that
+/// adds the cost model's decode share, which a pull's wait for one step does not pay either, so
+/// comparing a pull against it would favour pulls from holders that are only decoding.
+fn source_serves_s(source: &Candidate, step_s: f64) -> f64 {
+    source.prefill_queue_s.max(0.0) + step_s + source.prefill_s.max(0.0)
 }
 
 /// The pull `mode = "reactive"` attaches after the decision: from the longest holder to the
@@ -216,5 +238,68 @@ mod tests {
         let plan = plans[1].expect("the neighbour pulls from the confirmed holder");
         assert_eq!((plan.source, plan.from_tokens, plan.tokens), (0, 0, 8191));
         assert!(c[1].cost_s < 0.1, "{}", c[1].cost_s);
+    }
+
+    /// A holder that is only decoding (7 requests, no queued prefill) serves the request in one
+    /// step; the cost model's decode share prices it 35 ms away, and a pull to an idle
+    /// neighbour looked 4 ms cheaper than that and lost 70 ms (issue #37, burst seed 2). Such a
+    /// pull does not lower the neighbour's cost (the decision is made as without pulls); once
+    /// the holder has prefill queued, it does.
+    #[test]
+    fn a_pull_is_no_cheaper_than_a_holder_that_would_serve_the_request_in_its_next_step() {
+        let cfg = KvFetchConfig {
+            mode: FetchMode::Priced,
+            ..KvFetchConfig::default()
+        };
+        let (mut v, keys, _) = fleet();
+        v.prefill_done(0, &keys, NOW - Duration::from_millis(500));
+        v.replica_mut(0).unwrap().load.running = 7;
+        let prompt = 8192 + 94;
+        let rate = 50_000.0;
+        let decoding = |queued_s: f64| {
+            let prefill_s = (prompt - 8191) as f64 / rate;
+            let queue_s = queued_s + 0.005 * 7.0;
+            Candidate {
+                replica: 0,
+                seed: 0,
+                hit_blocks: 512,
+                credited_blocks: 512.0,
+                outstanding: 7,
+                in_flight: 7,
+                queue_s,
+                prefill_queue_s: queued_s,
+                cost_s: queue_s + prefill_s,
+                prefill_s,
+            }
+        };
+        let idle = Candidate {
+            replica: 1,
+            seed: 1,
+            hit_blocks: 0,
+            credited_blocks: 0.0,
+            outstanding: 0,
+            in_flight: 0,
+            queue_s: 0.0,
+            prefill_queue_s: 0.0,
+            cost_s: prompt as f64 / rate,
+            prefill_s: prompt as f64 / rate,
+        };
+        let mut plans = Vec::new();
+        let mut c = vec![decoding(0.0), idle];
+        price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
+        assert_eq!(
+            c[1].cost_s,
+            prompt as f64 / rate,
+            "the holder serves it in its next step: the neighbour is priced as recomputing"
+        );
+        // Should the policy pick the neighbour anyway (for load), it pulls.
+        assert_eq!(plans[0], None);
+        assert_eq!(plans[1].map(|p| p.source), Some(0));
+        // With 2,000 tokens (40 ms) of prefill queued at the holder, the pull pays.
+        v.replica_mut(0).unwrap().load.queued_prefill_tokens = 2_000;
+        let mut c = vec![decoding(0.04), idle];
+        price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
+        assert_eq!(plans[1].map(|p| p.source), Some(0));
+        assert!(c[1].cost_s < 0.08, "priced with the pull: {}", c[1].cost_s);
     }
 }

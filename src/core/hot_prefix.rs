@@ -248,7 +248,8 @@ pub struct WarmUp {
     pub prompt: String,
     /// Its block keys: record them as a routed request's once the warm-up's prefill is done.
     pub keys: Vec<BlockKey>,
-    /// Its tokens (the prefill the budget was charged).
+    /// Its tokens (the prefill the budget was charged, unless it is pulled: then only the
+    /// last token is).
     pub tokens: u64,
     /// The LoRA adapter, salt and tenant of the request that made it hot.
     pub scope: OwnedScope,
@@ -630,6 +631,12 @@ impl HotPrefixes {
         if tokens as f64 / rate <= self.cfg.min_queue_s {
             return None;
         }
+        let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
+        // The budget is prefill: a warm-up by pull is charged only what it recomputes (the
+        // last token), so replication by transfer is not held to the pace of recomputed
+        // warm-ups. Charged the whole prefix, the first `max_warming` pulls used the credit
+        // up and a hot burst got its fourth holder 12 s later (issue #37, hot burst seed 3).
+        let charged = tokens - fetch.map_or(0, |f| f.fetched_tokens()).min(tokens);
         // A node may owe up to `max_warming` warm-ups: a prefix that turns hot gets its first
         // warm-ups at once, and later ones wait until routed prefill has paid them back.
         let may_owe = f64::from(self.cfg.max_warming.saturating_sub(1)) * tokens as f64;
@@ -637,10 +644,9 @@ impl HotPrefixes {
             self.stats.over_budget += 1;
             return None;
         }
-        let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
-        self.budget -= tokens as f64;
+        self.budget -= charged as f64;
         self.stats.sent += 1;
-        self.stats.tokens += tokens;
+        self.stats.tokens += charged;
         let c = &mut self.candidates[i];
         c.warming.push((replica, now));
         let end = floor_char_boundary(&c.text, c.lcp * c.block_bytes);
@@ -886,7 +892,8 @@ mod tests {
     /// Replication by transfer: a warm-up pulls the prefix only from a holder known to hold it
     /// now (a first byte confirmed it, or its summary has it), never from one a routed request
     /// may still be computing it on (issue #37: such pulls found no blocks and recomputed), and
-    /// only where the pull beats recomputing it at the target.
+    /// only where the pull beats recomputing it at the target; it is charged the prefill it
+    /// does (one token), not the prefix.
     #[test]
     fn a_warm_up_pulls_only_from_a_settled_holder_and_only_when_faster() {
         use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
@@ -944,9 +951,16 @@ mod tests {
         // Confirmed by its first byte: pulled from r0 (1 ms + 2.1 GB at 50 GB/s + one step of
         // r0's ≈ 0.22 s, against 0.33 s of recompute).
         let (mut h, v) = fleet(true);
+        let credit = h.credit_tokens();
         let plan = warm(&mut h, &v, priced).expect("a pull from the settled holder");
         assert_eq!(plan.source, 0);
         assert!(plan.predicted_s < 0.3, "{}", plan.predicted_s);
+        // The budget is prefill: the pull is charged only the token it recomputes, a
+        // recomputed warm-up the whole prefix.
+        assert_eq!(credit - h.credit_tokens(), 1.0);
+        let (mut h, v) = fleet(true);
+        assert_eq!(warm(&mut h, &v, KvFetchConfig::default()), None);
+        assert_eq!(credit - h.credit_tokens(), 16_384.0);
         // Over a 1 GB/s link the pull (2 s) loses to recomputing: recomputed.
         let mut slow = priced;
         slow.links.same_zone.gb_per_s = 1.0;

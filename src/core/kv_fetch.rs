@@ -15,10 +15,12 @@
 //! where `link` is what joins the two replicas — same host (NVLink), same zone or rack (RDMA),
 //! same region (datacenter TCP), another region (WAN) — read from their URLs' hosts, zones and
 //! regions; `step_s(source)` the source's load: a pull is served between the source engine's
-//! steps, and a step of its current batch lasts about `w_load × outstanding` (the cost model's
-//! decode share), at most one full prefill chunk's ([`source_step_s`]). With `mode = "priced"` the router takes the fetch for a candidate only where
-//! it is predicted cheaper than recomputing those tokens there: the candidate's predicted cost
-//! and prefill shrink, and the policy weighs it as usual. The longest holder is found once
+//! steps, so it waits out the current one — a decode step plus the prefill chunk its queue puts
+//! in it, at most one full chunk's ([`source_step_s`]). With `mode = "priced"` the router plans
+//! the fetch for a candidate only where it is predicted cheaper than recomputing those tokens
+//! there, and lowers the candidate's predicted cost and prefill by it only where it is also
+//! sooner than the holder serving the request itself (`fetch_plan.rs`); the policy weighs it as
+//! usual. The longest holder is found once
 //! per decision, not per pair: the per-candidate work is a few flops and a link lookup, and
 //! only for candidates that take hints and hold less than the holder.
 //!

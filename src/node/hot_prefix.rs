@@ -46,7 +46,8 @@ struct HotMetrics {
     hot: IntGauge,
     /// `kvmesh_hot_warmups_total{result}`: `sent`, `failed`, `cancelled`, `over_budget`.
     warmups: IntCounterVec,
-    /// `kvmesh_hot_warmup_tokens_total`: prefill tokens of the warm-ups sent.
+    /// `kvmesh_hot_warmup_tokens_total`: prefill tokens of the warm-ups sent (a warm-up by
+    /// pull counts only the token it computes).
     tokens: IntCounter,
     /// `kvmesh_hot_warmup_credit_tokens`: what warm-ups may still spend (negative: owed).
     credit: IntGauge,
@@ -67,7 +68,7 @@ impl HotMetrics {
         )?;
         let tokens = IntCounter::new(
             "kvmesh_hot_warmup_tokens_total",
-            "Prefill tokens of the hot-prefix warm-ups sent",
+            "Prefill tokens of the hot-prefix warm-ups sent (a pulled one counts only its last token)",
         )?;
         let credit = IntGauge::new(
             "kvmesh_hot_warmup_credit_tokens",

@@ -532,6 +532,11 @@ impl SliceRuns {
         self.run(i)
     }
 
+    /// Whether the current stamp stands for this very state of `slices`.
+    pub fn is_on(&self, slices: &SummarySlices) -> bool {
+        (self.key.0, self.key.1) == (slices.id, slices.version)
+    }
+
     /// Replica `i`'s run, if found for the current stamp.
     #[inline]
     pub fn run(&self, i: usize) -> Option<usize> {

@@ -580,6 +580,74 @@ impl View {
         }
     }
 
+    /// Searches every slice of the bit-sliced summaries for the request's `keys` at once (each
+    /// (slice, filter kind) once per request, as the first replica asked would), so that a pass
+    /// over every replica can read their runs with [`View::sliced_hit`], without the checks
+    /// that hold for the whole request. Call after [`HitScratch::reset`] for `keys`; the answer
+    /// holds until the scratch is reset again or the view changes.
+    pub fn search_slices(&self, keys: &[BlockKey], scratch: &mut HitScratch) -> SlicesSearched {
+        let n = keys.len();
+        if scratch.n != n || scratch.stamp == 0 {
+            scratch.reset(n);
+        }
+        scratch
+            .slice_runs
+            .begin(&self.slices, scratch.stamp, self.replicas.len());
+        let slices = self.replicas.len().div_ceil(SLICE_WIDTH);
+        for slice in 0..slices {
+            for g in 0..summary_slices::MAX_GROUPS {
+                if self.slices.group(g).is_none() {
+                    continue;
+                }
+                let mask = self.slices.members_in(slice, g);
+                // A member whose summary is its column's: its filter gives the search its seed
+                // and geometry (a slice whose members all changed behind the view's back is
+                // left to the per-replica search).
+                let Some(s) = slice_members(mask).find_map(|m| {
+                    let s = self
+                        .replicas
+                        .get(slice * SLICE_WIDTH + m)?
+                        .summary
+                        .as_deref()?;
+                    (self.slices.member_of(slice * SLICE_WIDTH + m, s) == Some(g)).then_some(s)
+                }) else {
+                    continue;
+                };
+                if !scratch.slice_runs.check_searched(slice, g) {
+                    self.search_slice(slice, g, s, keys, scratch);
+                }
+            }
+        }
+        SlicesSearched { n }
+    }
+
+    /// Replica `i`'s (state `r`) hit as [`View::search_slices`] found it, when that is its whole
+    /// hit: no overlay, no lower tiers, its summary the very filter its column was searched
+    /// with. `None`: ask [`View::hit_tiers_with`]. A few loads and compares: the checks that
+    /// hold for the whole request were made once, by `search_slices` (`searched` is its
+    /// answer, for the same scratch and view).
+    #[inline(always)]
+    pub fn sliced_hit(
+        &self,
+        i: usize,
+        r: &ReplicaState,
+        scratch: &HitScratch,
+        searched: SlicesSearched,
+    ) -> Option<usize> {
+        // (A run read for another request or view would be wrong, and is not checked for
+        // here, per replica: the caller holds the view and the request across its pass.)
+        debug_assert!(
+            scratch.n == searched.n && scratch.slice_runs.is_on(&self.slices),
+            "sliced_hit needs this request's search_slices on this view"
+        );
+        let run = scratch.slice_runs.run(i)?;
+        let s = r.summary.as_deref()?;
+        if !r.overlay.is_empty() || s.has_lower_tiers() {
+            return None;
+        }
+        self.slices.holds(i, s).then_some(run)
+    }
+
     /// Replica `i`'s GPU run as this request's search of its slice found it, when that is its
     /// whole hit and still good: no overlay, no lower tiers, its summary the one searched, the
     /// scratch on this request (`n` keys) and this very state of the view.
@@ -718,6 +786,25 @@ impl View {
         runs.work = work;
         scratch.slice_runs = runs;
     }
+}
+
+/// Proof that [`View::search_slices`] ran for a request: what [`View::sliced_hit`] reads by.
+#[derive(Clone, Copy, Debug)]
+pub struct SlicesSearched {
+    /// The request's keys.
+    n: usize,
+}
+
+/// The members of a slice's `mask`, by position in the slice.
+fn slice_members(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        if mask == 0 {
+            return None;
+        }
+        let m = mask.trailing_zeros() as usize;
+        mask &= mask - 1;
+        Some(m)
+    })
 }
 
 /// Leading blocks a replica holds, as cumulative run lengths by tier: `gpu ≤ cpu ≤ any`.

@@ -126,22 +126,41 @@ pub(crate) fn draw_toward_low_cost(
     exclude: Option<usize>,
     rng: &mut SmallRng,
 ) -> Option<usize> {
-    let weight = |i: usize, x: &Candidate| {
-        if Some(i) == exclude {
-            0.0
-        } else {
-            let c = 0.01 + x.cost_s.max(0.0);
-            1.0 / (c * c)
-        }
-    };
-    let total: f64 = c.iter().enumerate().map(|(i, x)| weight(i, x)).sum();
+    let total: f64 = c
+        .iter()
+        .enumerate()
+        .map(|(i, x)| draw_weight(i, x, exclude))
+        .sum();
+    draw_from_total(c, exclude, total, rng)
+}
+
+/// Candidate `x`'s (at position `i`) weight in [`draw_toward_low_cost`]: 0 at `exclude`.
+#[inline]
+pub(crate) fn draw_weight(i: usize, x: &Candidate, exclude: Option<usize>) -> f64 {
+    if Some(i) == exclude {
+        0.0
+    } else {
+        let c = 0.01 + x.cost_s.max(0.0);
+        1.0 / (c * c)
+    }
+}
+
+/// [`draw_toward_low_cost`]'s draw, given the sum of the weights (in position order, as
+/// `Iterator::sum` adds them), which a caller passing over the candidates anyway may have
+/// worked out on the way: the same draw, from the same random number.
+pub(crate) fn draw_from_total(
+    c: &[Candidate],
+    exclude: Option<usize>,
+    total: f64,
+    rng: &mut SmallRng,
+) -> Option<usize> {
     if total <= 0.0 {
         return None;
     }
     let mut target = rng.random::<f64>() * total;
     let mut last = None;
     for (i, x) in c.iter().enumerate() {
-        let w = weight(i, x);
+        let w = draw_weight(i, x, exclude);
         if w <= 0.0 {
             continue;
         }

@@ -437,6 +437,8 @@ impl<'a> Sim<'a> {
                     models: vec![MODEL.into()],
                     capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
+                    // One rank's attention: a prompt is prefilled on one rank.
+                    prefill_attention_ms_per_pair: cfg.engine.prefill_attention_ms_per_pair,
                     max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
                     pd: crate::core::role::PdFacts {
                         role: cfg
@@ -772,7 +774,11 @@ impl<'a> Sim<'a> {
         if replica_region != client_region {
             self.cross_region += 1;
         }
-        self.book_at_node(node, r, decode, booked_uncached, uncached, now);
+        let booked = (
+            (prompt.len() as u64).saturating_sub(booked_uncached),
+            booked_uncached,
+        );
+        self.book_at_node(node, r, decode, booked, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -822,22 +828,26 @@ impl<'a> Sim<'a> {
     }
 
     /// Books the `uncached` tokens just sent to replica `r` in the routing node's view as the live node
-    /// does (`node::routing`): the overlay from the prefill's predicted end (`booked_uncached`, as
-    /// the router predicted it), the queued prefill, hot-prefix counts, the load shared with the
+    /// does (`node::routing`): the overlay from the prefill's predicted end (`booked`: cached and
+    /// uncached tokens, as the router predicted them), the queued prefill, hot-prefix counts, the load shared with the
     /// region's peers, and a P/D pair's decode leg.
     fn book_at_node(
         &mut self,
         node: usize,
         r: usize,
         decode: Option<usize>,
-        booked_uncached: u64,
+        booked: (u64, u64),
         uncached: u64,
         now: Duration,
     ) {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-                nr.router.config().cost.prefill_done_s(rep, booked_uncached)
+                let (cached, uncached) = booked;
+                nr.router
+                    .config()
+                    .cost
+                    .prefill_done_after_s(rep, cached, uncached)
             });
             let ready_in =
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();

@@ -980,8 +980,14 @@ mod tests {
     #[test]
     fn out_of_bounds_numbers_are_refused() {
         type Edit = fn(&mut ReplicaRecord);
-        let cases: [(&str, Edit); 9] = [
+        let cases: [(&str, Edit); 11] = [
             ("capacity_tokens", |r| r.capacity_tokens = u64::MAX),
+            ("prefill_attention_ms_per_pair", |r| {
+                r.prefill_attention_ms_per_pair = Some(f64::NAN)
+            }),
+            ("prefill_attention_ms_per_pair", |r| {
+                r.prefill_attention_ms_per_pair = Some(1.0)
+            }),
             ("prefill_tokens_per_s", |r| {
                 r.prefill_tokens_per_s = f64::NAN
             }),
@@ -1013,6 +1019,21 @@ mod tests {
         r.capacity_tokens = bounds::MAX_CAPACITY_TOKENS;
         r.max_in_flight = bounds::MAX_REQUESTS;
         assert!(ReplicaRecord::decode(&r.encode().unwrap()).is_ok());
+        // A replica's prefill attention travels in its record; absent reads as the default.
+        let info = |e| ReplicaInfo {
+            prefill_attention_ms_per_pair: e,
+            ..crate::core::view::testing::info("r", "eu")
+        };
+        for e in [0.0, 9.5e-7, DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR] {
+            let sent = ReplicaRecord::new(
+                &info(e),
+                Health::Healthy,
+                &ReplicaLoad::default(),
+                r.summary,
+            );
+            let got = ReplicaRecord::decode(&sent.encode().unwrap()).unwrap();
+            assert_eq!(got.info("r").prefill_attention_ms_per_pair, e);
+        }
         let bad_inflight = InflightRecord {
             counts: BTreeMap::from([("r".to_owned(), u32::MAX)]),
             ..Default::default()

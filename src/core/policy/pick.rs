@@ -27,12 +27,14 @@ pub struct Candidate {
     pub in_flight: u32,
     /// Predicted seconds before this request's prefill could start (queued work).
     pub queue_s: f64,
-    /// The prefill part of `queue_s`: seconds of uncached prompt work already queued there.
+    /// The prefill part of `queue_s`: seconds of prompt work already queued there (booked as
+    /// work, attention included: `CostModel::queued_work_tokens`).
     pub prefill_queue_s: f64,
     /// Predicted seconds to first token: queue plus uncached prefill, minus any affinity credit.
     pub cost_s: f64,
     /// Predicted seconds of prefill this request would add there (its uncached tokens at the
-    /// replica's prefill rate), without queue or credit: the fleet capacity it spends.
+    /// replica's prefill rate, plus their attention over the context: `CostModel::prefill_s`),
+    /// without queue or credit: the fleet capacity it spends.
     pub prefill_s: f64,
 }
 

@@ -778,14 +778,6 @@ impl<'a> Sim<'a> {
             (prompt.len() as u64).saturating_sub(booked_uncached),
             booked_uncached,
         );
-        // The prefill it queues, booked as work in tokens at the replica's rate, as the live
-        // node books it (`node::routing`, `CostModel::queued_work_tokens`).
-        let uncached = self.queued_work(
-            node,
-            r,
-            (prompt.len() as u64).saturating_sub(uncached),
-            uncached,
-        );
         self.book_at_node(node, r, decode, booked, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
@@ -887,19 +879,6 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
-    }
-
-    /// The prefill work `uncached` tokens after `cached` queue at replica `r`, as node `node`
-    /// books it (`CostModel::queued_work_tokens`); the tokens themselves without a router.
-    fn queued_work(&self, node: usize, r: usize, cached: u64, uncached: u64) -> u64 {
-        self.nodes[node].routing.as_ref().map_or(uncached, |nr| {
-            nr.view.replica(r).map_or(uncached, |rep| {
-                nr.router
-                    .config()
-                    .cost
-                    .queued_work_tokens(rep, cached, uncached)
-            })
-        })
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
@@ -1759,13 +1738,6 @@ impl<'a> Sim<'a> {
                 .saturating_sub((f.to_block * self.cfg.engine.block_tokens) as u64),
             None => prompt.len() as u64,
         };
-        // Booked as work (`CostModel::queued_work_tokens`), as the live node's `route_to`.
-        let uncached = self.queued_work(
-            n,
-            r,
-            (prompt.len() as u64).saturating_sub(uncached),
-            uncached,
-        );
         let request = Request {
             id: id as u64,
             prompt,

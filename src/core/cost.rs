@@ -148,24 +148,6 @@ impl CostModel {
             + prefill_work_s(&r.info, cached_tokens as f64, uncached_tokens as f64)
     }
 
-    /// The prefill a request of `uncached_tokens` after `cached_tokens` adds to `r`'s queue, in
-    /// tokens at the replica's per-token rate ([`prefill_work_s`] × `prefill_tokens_per_s`): what
-    /// a node books as its queued prefill (`queued_prefill_tokens`), so that
-    /// [`Self::prefill_queue_s`] reads the attention of what is queued too. A 100,000-token
-    /// recompute books 287,500 (5.75 s), not 100,000 (2 s). At most 2^40 (the mesh's bound).
-    pub fn queued_work_tokens(
-        &self,
-        r: &ReplicaState,
-        cached_tokens: u64,
-        uncached_tokens: u64,
-    ) -> u64 {
-        let s = prefill_work_s(&r.info, cached_tokens as f64, uncached_tokens as f64);
-        let tokens = (s * r.info.prefill_tokens_per_s.max(1.0)).round();
-        // At least the tokens themselves (rounding), at most the mesh's bound on queued tokens.
-        (tokens.min(MAX_QUEUED_WORK_TOKENS as f64) as u64)
-            .max(uncached_tokens.min(MAX_QUEUED_WORK_TOKENS))
-    }
-
     /// [`Self::prefill_done_after_s`] for a prompt with nothing cached (a warm-up, a whole
     /// prefix).
     pub fn prefill_done_s(&self, r: &ReplicaState, uncached_tokens: u64) -> f64 {
@@ -180,9 +162,6 @@ impl CostModel {
         prefill_work_s(&r.info, cached, prompt_tokens as f64 - cached)
     }
 }
-
-/// Most prefill work one request books, in tokens (the mesh's bound on queued tokens, 2^40).
-pub const MAX_QUEUED_WORK_TOKENS: u64 = 1 << 40;
 
 /// Seconds replica `info` spends prefilling `uncached` new tokens after `cached` ones already in
 /// its KV: `C / prefill_rate + e·C·(p + C/2)` (the module doc). 0 for no new tokens; negative or
@@ -251,34 +230,6 @@ mod tests {
         assert_eq!(
             prefill_work_s(&r, f64::INFINITY, 10.0),
             10.0 / 50_000.0 + 7.5e-10 * 50.0
-        );
-    }
-
-    #[test]
-    fn queued_prefill_is_booked_as_work_so_a_queue_reads_its_attention() {
-        let mut view = super::super::view::View::new("eu", 64);
-        let i = view.upsert(info("r", "eu"));
-        let c = CostModel::default();
-        let r = view.replica(i).expect("added");
-        // A 100,000-token recompute queues 5.75 s of work: 287,500 tokens at 50,000/s.
-        let booked = c.queued_work_tokens(r, 0, 100_000);
-        assert_eq!(booked, 287_500);
-        // Queued, it reads as that many seconds to the next request.
-        view.replica_mut(i)
-            .expect("added")
-            .load
-            .queued_prefill_tokens = booked;
-        let r = view.replica(i).expect("added");
-        assert!((c.prefill_queue_s(r) - 5.75).abs() < 1e-9);
-        // And the request's own prefill ends after it: the overlay's ready time.
-        assert!((c.prefill_done_after_s(r, 99_000, 1_000) - (5.75 + 0.02 + 0.074625)).abs() < 1e-9);
-        // Short prompts book about their tokens; nothing books nothing.
-        assert_eq!(c.queued_work_tokens(r, 0, 100), 100);
-        assert_eq!(c.queued_work_tokens(r, 5_000, 0), 0);
-        // Absurd sizes stay within the bound.
-        assert_eq!(
-            c.queued_work_tokens(r, u64::MAX, u64::MAX),
-            MAX_QUEUED_WORK_TOKENS
         );
     }
 

@@ -138,9 +138,8 @@ pub enum Booking {
 
 /// What [`Node::book`] decided for one leg, for [`Node::record_leg`] to record.
 struct Leg<'a> {
-    /// Prefill work it queues at the replica, in tokens at the replica's per-token rate
-    /// (`CostModel::queued_work_tokens`; 0 for a decode leg).
-    queued: u64,
+    /// Prefill tokens it queues at the replica (0 for a decode leg).
+    uncached: u64,
     /// Prompt tokens it finds cached there (0 for a decode leg).
     cached: u64,
     /// Blocks it brings to the replica's cache (counted against the tenant's KV share).
@@ -237,14 +236,6 @@ impl Node {
         } else {
             0
         };
-        // The prefill it queues there, booked as work (its attention over the cached context
-        // included), so the next decisions read the queue in the engine's seconds.
-        let queued = core.view.replica(i).map_or(uncached, |r| {
-            core.router
-                .config()
-                .cost
-                .queued_work_tokens(r, cached, uncached)
-        });
         // Routed prefill earns hot-prefix warm-ups their credit (a warm-up is booked elsewhere).
         core.hot.credit(uncached);
         // Its blocks count in the overlay once its prefill is predicted done: the prefill
@@ -274,7 +265,7 @@ impl Node {
         }
         // The tenant's request counts once, on the leg that prefills.
         let leg = Leg {
-            queued,
+            uncached,
             cached: if prefills { cached } else { 0 },
             new_blocks: if prefills {
                 req.keys.len().saturating_sub(d.hit_blocks as usize)
@@ -300,7 +291,7 @@ impl Node {
         now: Duration,
     ) -> Ticket {
         let Leg {
-            queued,
+            uncached,
             cached,
             new_blocks,
             tenant,
@@ -324,9 +315,9 @@ impl Node {
             }
         }
         if let Some(rt) = core.replicas.get_mut(i) {
-            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(queued);
+            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
             if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
-                l.pending_tokens = l.pending_tokens.saturating_add(queued);
+                l.pending_tokens = l.pending_tokens.saturating_add(uncached);
                 l.in_flight = l.in_flight.saturating_add(1);
             }
             let pending = rt.queued_estimate();
@@ -354,7 +345,7 @@ impl Node {
             endpoint,
             tenant: tenant.map(str::to_owned),
             kv_slot,
-            pending_tokens: queued,
+            pending_tokens: uncached,
             hit_tokens: cached,
             started: false,
             rank: target,
@@ -380,15 +371,12 @@ impl Node {
             if i >= core.replicas.len() {
                 return None;
             }
-            let cost = &core.router.config().cost;
-            let (ready_in, queued) = core.view.replica(i).map_or((0.0, tokens), |r| {
-                (
-                    cost.prefill_done_s(r, tokens),
-                    cost.queued_work_tokens(r, 0, tokens),
-                )
-            });
+            let ready_in = core
+                .view
+                .replica(i)
+                .map_or(0.0, |r| core.router.config().cost.prefill_done_s(r, tokens));
             let leg = Leg {
-                queued,
+                uncached: tokens,
                 cached: 0,
                 new_blocks: keys.len(),
                 tenant,
@@ -447,7 +435,6 @@ pub struct Ticket {
     tenant: Option<String>,
     /// The KV slot its blocks are attributed to (`core::tenants`), fixed at routing.
     kv_slot: u8,
-    /// The prefill work it booked there (`Leg::queued`), released at its first byte.
     pending_tokens: u64,
     /// Prompt tokens the decision believed cached there (its hit blocks in tokens).
     hit_tokens: u64,

@@ -54,9 +54,7 @@ pub struct ReplicaRuntime {
     pub summary_dirty: bool,
     /// Active-check and outlier-ejection state.
     pub health: HealthTracker,
-    /// Prefill work of this node's requests there that have no first byte yet, in tokens at
-    /// the replica's per-token rate (`CostModel::queued_work_tokens`: uncached tokens plus their
-    /// attention over the context, so a long prompt weighs what the engine spends on it).
+    /// Uncached prompt tokens of this node's requests there that have no first byte yet.
     pub pending_prefill_tokens: u64,
     /// The region's other nodes' in-flight requests there, from their load updates (bounded,
     /// see `load_share.rs`).
@@ -71,10 +69,11 @@ pub struct ReplicaRuntime {
     pub progress: u64,
     /// How much later than predicted this node's streams there got their first bytes: an
     /// average of `ln(observed ÷ predicted)` (`Node::stream_answered`), 0 until one is seen.
-    /// Predictions priced prefill by tokens alone until attention was priced too (`core::cost`):
-    /// long agentic prompts then came 2.8× (median) to 7× (p90) later than predicted (decodes
-    /// sharing the engine's steps still slow it). A first-byte wait is scaled by it
-    /// (`proxy/deliver.rs`), routing is not.
+    /// While predictions priced prefill by tokens alone, long agentic prompts came 2.8× (median)
+    /// to 7× (p90) later than predicted; the request's own prefill is now priced with its
+    /// attention (`core::cost`), but the queue ahead of it is still counted in tokens and decodes
+    /// share the engine's steps. A first-byte wait is scaled by it (`proxy/deliver.rs`), routing
+    /// is not.
     pub first_byte_log_lag: f64,
     /// Models came from the config (never replaced by discovery).
     pub models_configured: bool,

@@ -27,8 +27,7 @@ pub struct Candidate {
     pub in_flight: u32,
     /// Predicted seconds before this request's prefill could start (queued work).
     pub queue_s: f64,
-    /// The prefill part of `queue_s`: seconds of prompt work already queued there (booked as
-    /// work, attention included: `CostModel::queued_work_tokens`).
+    /// The prefill part of `queue_s`: seconds of uncached prompt work already queued there.
     pub prefill_queue_s: f64,
     /// Predicted seconds to first token: queue plus uncached prefill, minus any affinity credit.
     pub cost_s: f64,

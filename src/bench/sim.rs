@@ -437,7 +437,6 @@ impl<'a> Sim<'a> {
                     models: vec![MODEL.into()],
                     capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
-                    // One rank's attention: a prompt is prefilled on one rank.
                     prefill_attention_ms_per_pair: cfg.engine.prefill_attention_ms_per_pair,
                     max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
                     pd: crate::core::role::PdFacts {
@@ -774,11 +773,8 @@ impl<'a> Sim<'a> {
         if replica_region != client_region {
             self.cross_region += 1;
         }
-        let booked = (
-            (prompt.len() as u64).saturating_sub(booked_uncached),
-            booked_uncached,
-        );
-        self.book_at_node(node, r, decode, booked, uncached, now);
+        let cached = (prompt.len() as u64).saturating_sub(booked_uncached);
+        self.book_at_node(node, r, decode, (cached, booked_uncached), uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }

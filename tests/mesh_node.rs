@@ -1183,6 +1183,7 @@ fn rogue_record(url: String) -> kvmesh::mesh::schema::ReplicaRecord {
         models: vec![MODEL.into()],
         capacity_tokens: 100_000,
         prefill_tokens_per_s: 10_000.0,
+        prefill_attention_ms_per_pair: None,
         max_in_flight: 64,
         health: WireHealth::Healthy,
         load: WireLoad::default(),

@@ -73,6 +73,7 @@ fn replica(url: &str) -> ReplicaRecord {
         models: vec!["m".into()],
         capacity_tokens: 100_000,
         prefill_tokens_per_s: 10_000.0,
+        prefill_attention_ms_per_pair: None,
         max_in_flight: 64,
         health: WireHealth::Healthy,
         load: WireLoad::default(),

@@ -94,8 +94,9 @@ def start_replicas(procs, kvmesh, n, time_scale, kv_events):
     return out
 
 
-def node_config(path, listen, replicas, kv_events, extra="", tokenizer=False):
-    """A node's TOML: its listen address, the fleet, optional KV events, `extra` lines.
+def node_config(path, listen, replicas, kv_events, extra="", tokenizer=False, rep_extra=""):
+    """A node's TOML: its listen address, the fleet, optional KV events, `extra` lines (and
+    `rep_extra` lines in each `[[replicas]]` table).
 
     With KV events (or `tokenizer`) the node keys requests by the replica's own token ids
     (`[tokenizer] path = "builtin:kvmesh-sim"`): only then do its keys equal those the events
@@ -108,18 +109,22 @@ def node_config(path, listen, replicas, kv_events, extra="", tokenizer=False):
         lines.append(f'url = "{r["url"]}"')
         if kv_events:
             lines.append(f'kv_events = {{ endpoint = "{r["kv"]}", replay = "{r["replay"]}" }}')
+        if rep_extra:
+            lines.append(rep_extra)
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
 
-def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra, tokenizer=False):
+def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra, tokenizer=False,
+                 rep_extra=""):
     """`nodes` kvmesh nodes over the same fleet (meshed when more than one; then haproxy in
     front, round-robin, `option http-no-delay`). Returns the URL clients use and the nodes'."""
     if nodes == 1:
         port = free_port()
         cfg = os.path.join(work, "node-0.toml")
-        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer)
+        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer,
+                    rep_extra)
         procs.start("kvmesh-0", [kvmesh, "serve", "-c", cfg])
         wait_http(f"http://127.0.0.1:{port}/ready")
         return f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port}"]
@@ -132,7 +137,8 @@ def start_kvmesh(procs, kvmesh, work, replicas, nodes, kv_events, extra, tokeniz
                        check=True, stdout=subprocess.DEVNULL)
         port, mesh = free_port(), free_port()
         cfg = os.path.join(work, f"node-{i}.toml")
-        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer)
+        node_config(cfg, f"127.0.0.1:{port}", replicas, kv_events, extra, tokenizer,
+                    rep_extra)
         argv = [kvmesh, "serve", "-c", cfg, "--node-id", f"n{i}", "--mesh-listen",
                 f"127.0.0.1:{mesh}", "--certs-dir", certs]
         if seed:

@@ -458,6 +458,7 @@ fn replica_record() -> ReplicaRecord {
         models: vec!["llama".into(), "lora-a".into()],
         capacity_tokens: 450_000,
         prefill_tokens_per_s: 50_000.0,
+        prefill_attention_ms_per_pair: Some(9.5e-7),
         max_in_flight: 256,
         health: WireHealth::Healthy,
         load: WireLoad {

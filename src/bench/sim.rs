@@ -454,6 +454,7 @@ impl<'a> Sim<'a> {
                     models: vec![MODEL.into()],
                     capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
                     prefill_tokens_per_s: prefill_rate * ranks as f64,
+                    prefill_attention_ms_per_pair: cfg.engine.prefill_attention_ms_per_pair,
                     max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
                     pd: crate::core::role::PdFacts {
                         role: cfg
@@ -786,7 +787,8 @@ impl<'a> Sim<'a> {
         if replica_region != client_region {
             self.cross_region += 1;
         }
-        self.book_at_node(node, r, decode, uncached, now);
+        let cached = (prompt.len() as u64).saturating_sub(uncached);
+        self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -837,20 +839,25 @@ impl<'a> Sim<'a> {
 
     /// Books the `uncached` tokens just sent to replica `r` (a pull's counted as recomputed) in
     /// the routing node's view as the live node does (`node::routing`): the overlay from the
-    /// prefill's predicted end, the queued prefill, hot-prefix counts, the load shared with the
+    /// prefill's predicted end (after the `cached` tokens it reuses), the queued prefill,
+    /// hot-prefix counts, the load shared with the
     /// region's peers, and a P/D pair's decode leg.
     fn book_at_node(
         &mut self,
         node: usize,
         r: usize,
         decode: Option<usize>,
+        cached: u64,
         uncached: u64,
         now: Duration,
     ) {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
-                nr.router.config().cost.prefill_done_s(rep, uncached)
+                nr.router
+                    .config()
+                    .cost
+                    .prefill_done_after_s(rep, cached, uncached)
             });
             let ready_in =
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();

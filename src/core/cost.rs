@@ -3,8 +3,22 @@
 //! ```text
 //! queue_s       = queued_prefill_tokens / prefill_rate  +  w_load × outstanding
 //! cached_tokens = (gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk) × tokens_per_block
-//! cost_s        = queue_s  +  max(0, prompt_tokens − cached_tokens) / prefill_rate  −  affinity_credit
+//! C             = max(0, prompt_tokens − cached_tokens)            (the uncached tokens)
+//! prefill_s     = C / prefill_rate  +  e · C · (cached_tokens + C/2)
+//! cost_s        = queue_s  +  prefill_s  −  affinity_credit
 //! ```
+//!
+//! `prefill_s` is what the engine spends (`engine_sim/config.rs`: a step costs `a + b·P + e·Σ
+//! C·(p + C/2) + …`): per new token, plus attention of each new token over every token before it,
+//! cached or not. Summed over the chunks of one prompt the attention is `e·C·(p + C/2)` whatever
+//! the chunking, so the price needs neither the chunk size nor the step count (the per-step
+//! overhead, ~1 µs a token at 8,192-token chunks, is inside `prefill_rate`). Priced by tokens
+//! alone, a prefill was predicted 2.6–3× (median; p90 7–13×) shorter than the live replicas took
+//! on the agentic sessions (issue #38): a 100,000-token recompute costs ~5.7 s, not 2 s, while
+//! extending that cached prefix by 1,000 tokens costs ~0.1 s. Linear, the router undervalued a
+//! long cached prefix and left its holder for a replica that then recomputed it. `e` is the
+//! replica's `prefill_attention_ms_per_pair` (default 7.5e-7: the 8B preset; 0 prices by tokens
+//! alone, as before).
 //!
 //! `queued_prefill_tokens` is the uncached prompt work already waiting at the replica, as best
 //! known; `outstanding` the requests there (engine figure or this node's own, the larger);
@@ -116,23 +130,60 @@ impl CostModel {
         }
     }
 
-    /// Predicted seconds until a request just sent to `r` with `uncached_tokens` of prefill has
-    /// finished it: the prefill already queued there, then its own. This is when its blocks are
-    /// in the engine's prefix cache and a follow-up can reuse them (the view's overlay counts
-    /// them from then on, see [`super::view::View::record_routed_ready`]). The `w_load` term is
-    /// left out: it stands for decode steps sharing the engine, which slow a prefill but do not
-    /// hold it back the way queued prefill does, and counting it would withhold credit from
-    /// follow-ups that, on a lightly loaded replica, do find the blocks.
+    /// Predicted seconds until a request just sent to `r` with `uncached_tokens` of prefill after
+    /// `cached_tokens` already in its KV has finished it: the prefill already queued there, then
+    /// its own ([`prefill_work_s`]). This is when its blocks are in the engine's prefix cache and
+    /// a follow-up can reuse them (the view's overlay counts them from then on, see
+    /// [`super::view::View::record_routed_ready`]). The `w_load` term is left out: it stands for
+    /// decode steps sharing the engine, which slow a prefill but do not hold it back the way
+    /// queued prefill does, and counting it would withhold credit from follow-ups that, on a
+    /// lightly loaded replica, do find the blocks.
+    pub fn prefill_done_after_s(
+        &self,
+        r: &ReplicaState,
+        cached_tokens: u64,
+        uncached_tokens: u64,
+    ) -> f64 {
+        self.prefill_queue_s(r)
+            + prefill_work_s(&r.info, cached_tokens as f64, uncached_tokens as f64)
+    }
+
+    /// [`Self::prefill_done_after_s`] for a prompt with nothing cached (a warm-up, a whole
+    /// prefix).
     pub fn prefill_done_s(&self, r: &ReplicaState, uncached_tokens: u64) -> f64 {
-        let rate = r.info.prefill_tokens_per_s.max(1.0);
-        r.load.queued_prefill_tokens.saturating_add(uncached_tokens) as f64 / rate
+        self.prefill_done_after_s(r, 0, uncached_tokens)
     }
 
     /// Seconds of prefill for the uncached part of the prompt on `r`, given the (weighted)
-    /// cached tokens.
+    /// cached tokens ([`prefill_work_s`]).
+    #[inline]
     pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: f64) -> f64 {
-        (prompt_tokens as f64 - cached_tokens).max(0.0) / r.info.prefill_tokens_per_s.max(1.0)
+        let cached = cached_tokens.max(0.0);
+        prefill_work_s(&r.info, cached, prompt_tokens as f64 - cached)
     }
+}
+
+/// Seconds replica `info` spends prefilling `uncached` new tokens after `cached` ones already in
+/// its KV: `C / prefill_rate + e·C·(p + C/2)` (the module doc). 0 for no new tokens; negative or
+/// non-finite inputs count as 0.
+#[inline]
+pub fn prefill_work_s(info: &ReplicaInfo, cached: f64, uncached: f64) -> f64 {
+    let c = if uncached.is_finite() {
+        uncached.max(0.0)
+    } else {
+        0.0
+    };
+    if c == 0.0 {
+        return 0.0;
+    }
+    let p = if cached.is_finite() {
+        cached.max(0.0)
+    } else {
+        0.0
+    };
+    let per_token_s = c / info.prefill_tokens_per_s.max(1.0);
+    let e_s = info.prefill_attention_ms_per_pair.max(0.0) * 1e-3;
+    per_token_s + e_s * c * (p + c / 2.0)
 }
 
 /// `gpu·w.gpu + (cpu − gpu)·w.cpu + (any − cpu)·w.disk`.
@@ -148,7 +199,39 @@ fn credit(h: TierHit, w: &TierWeights) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::view::testing::info;
     use super::*;
+
+    #[test]
+    fn a_prefill_pays_attention_over_its_whole_context() {
+        // The 8B preset: 50,000 tokens/s and 7.5e-7 ms per pair.
+        let r = info("r", "eu");
+        // A 100,000-token recompute: 2 s per token, 3.75 s of attention.
+        assert!((prefill_work_s(&r, 0.0, 100_000.0) - 5.75).abs() < 1e-9);
+        // The same prompt with 99,000 tokens cached: 20 ms per token, 74.6 ms of attention.
+        let extend = prefill_work_s(&r, 99_000.0, 1_000.0);
+        assert!((extend - (0.02 + 7.5e-10 * 1_000.0 * 99_500.0)).abs() < 1e-12);
+        // What the engine model charges for that chunk (`engine_sim`'s 8B preset: 0.019 ms a
+        // token, 7.5e-7 ms a pair): equal within its per-step overhead.
+        let engine_ms = 0.019 * 1_000.0 + 7.5e-7 * 1_000.0 * (99_000.0 + 500.0);
+        assert!(
+            (extend * 1e3 - engine_ms).abs() / engine_ms < 0.05,
+            "{extend} vs {engine_ms}"
+        );
+        // Without attention it is tokens over the rate, as before.
+        let linear = ReplicaInfo {
+            prefill_attention_ms_per_pair: 0.0,
+            ..info("r", "eu")
+        };
+        assert_eq!(prefill_work_s(&linear, 99_000.0, 1_000.0), 0.02);
+        // Nothing new, or nonsense: nothing.
+        assert_eq!(prefill_work_s(&r, 5_000.0, 0.0), 0.0);
+        assert_eq!(prefill_work_s(&r, f64::NAN, -3.0), 0.0);
+        assert_eq!(
+            prefill_work_s(&r, f64::INFINITY, 10.0),
+            10.0 / 50_000.0 + 7.5e-10 * 50.0
+        );
+    }
 
     #[test]
     fn hits_are_credited_by_tier_weight() {

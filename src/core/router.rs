@@ -1547,7 +1547,15 @@ mod tests {
         let d = routed(router(PolicyKind::CacheArgmin).route(&v, &request, NOW));
         assert_eq!(d.hit_blocks as usize, n, "hit_blocks counts every tier");
         let credited = half as f64 + (n - half) as f64 * 0.75;
-        let want = (prompt_tokens as f64 - credited * 64.0) / 50_000.0;
+        // The prefill price (`cost.rs`): per token plus attention over the credited context.
+        let price = |cached: f64| {
+            crate::core::cost::prefill_work_s(
+                &info("r0", "eu"),
+                cached,
+                prompt_tokens as f64 - cached,
+            )
+        };
+        let want = price(credited * 64.0);
         assert!((d.cost_s - want).abs() < 1e-12, "{} vs {want}", d.cost_s);
         // Configured weights apply.
         let mut r = Router::new(
@@ -1566,7 +1574,7 @@ mod tests {
             Tenants::default(),
         );
         let d = routed(r.route(&v, &request, NOW));
-        let want = (prompt_tokens as f64 - half as f64 * 64.0) / 50_000.0;
+        let want = price(half as f64 * 64.0);
         assert!((d.cost_s - want).abs() < 1e-12, "{} vs {want}", d.cost_s);
     }
 

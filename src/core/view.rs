@@ -44,6 +44,15 @@ use super::role::PdFacts;
 use super::summary::{FilterBits, FilterGeometry, KeyHasher, KeyHashes, ReplicaSummary, Tier};
 use super::summary_slices::{self, SliceRuns, SummarySlices, SLICE_WIDTH};
 
+/// Prefill attention of an 8B model on one H100, ms per query·key pair: the simulated engine's
+/// `8b-h100` preset (`engine_sim::config`, calibrated in engine-timing.md §2). At 50,000 tokens/s
+/// a new token's attention costs as much as its per-token part once ~27,000 tokens precede it.
+pub const DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR: f64 = 7.5e-7;
+
+/// Most a replica's prefill attention may be configured or published, ms per pair (100× the 70B
+/// preset's): a bound on an outside number.
+pub const MAX_PREFILL_ATTENTION_MS_PER_PAIR: f64 = 1e-4;
+
 /// Static facts about a replica.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ReplicaInfo {
@@ -61,8 +70,14 @@ pub struct ReplicaInfo {
     pub models: Vec<String>,
     /// KV cache capacity in tokens.
     pub capacity_tokens: u64,
-    /// Predicted prefill speed in tokens per second (config or measurement).
+    /// Predicted prefill speed in tokens per second (config or measurement): the per-token part
+    /// of a prefill's price (`cost.rs`).
     pub prefill_tokens_per_s: f64,
+    /// Prefill attention, ms per query·key pair: a prefill of C new tokens after p cached ones
+    /// also pays `e·C·(p + C/2)` (`cost.rs`). Default
+    /// [`DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR`] (the simulated engine's 8B preset);
+    /// 0 prices prefill by tokens alone.
+    pub prefill_attention_ms_per_pair: f64,
     /// In-flight requests above which the replica counts as full. Default 256.
     pub max_in_flight: u32,
     /// Its part in prefill/decode disaggregation (`role.rs`). Default `both`, no bootstrap.
@@ -1193,6 +1208,7 @@ pub(crate) mod testing {
             models: vec!["m".into()],
             capacity_tokens: 450_000,
             prefill_tokens_per_s: 50_000.0,
+            prefill_attention_ms_per_pair: super::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
             max_in_flight: 256,
             pd: super::PdFacts::default(),
             kv_load: None,

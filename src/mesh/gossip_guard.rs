@@ -721,6 +721,7 @@ mod tests {
             models: vec!["meta-llama/Llama-3.1-8B-Instruct".into()],
             capacity_tokens: 1_000_000,
             prefill_tokens_per_s: 10_000.0,
+            prefill_attention_ms_per_pair: None,
             max_in_flight: 64,
             health: WireHealth::Healthy,
             load: WireLoad::default(),

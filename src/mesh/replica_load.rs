@@ -190,6 +190,7 @@ mod tests {
             models: vec!["llama-3.1-8b".into()],
             capacity_tokens: 450_000,
             prefill_tokens_per_s: 50_000.0,
+            prefill_attention_ms_per_pair: crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
             max_in_flight: 256,
             pd: Default::default(),
             kv_load: None,

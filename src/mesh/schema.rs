@@ -32,7 +32,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::core::role::{PdFacts, Role, MAX_ENGINE_ID_BYTES};
-use crate::core::view::{Health, ReplicaInfo, ReplicaLoad};
+use crate::core::view::{
+    Health, ReplicaInfo, ReplicaLoad, DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
+    MAX_PREFILL_ATTENTION_MS_PER_PAIR,
+};
 
 /// Version of this schema, carried in [`NodeRecord::schema`].
 pub const SCHEMA_VERSION: u32 = 1;
@@ -302,6 +305,10 @@ pub struct ReplicaRecord {
     pub capacity_tokens: u64,
     /// Predicted prefill tokens per second.
     pub prefill_tokens_per_s: f64,
+    /// Prefill attention, ms per query·key pair (`ReplicaInfo::prefill_attention_ms_per_pair`).
+    /// Added after version 1: absent reads as the default (the 8B preset's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_attention_ms_per_pair: Option<f64>,
     /// In-flight requests above which it counts as full.
     pub max_in_flight: u32,
     /// Health as the home node sees it.
@@ -455,6 +462,9 @@ impl ReplicaRecord {
             models: info.models.clone(),
             capacity_tokens: info.capacity_tokens,
             prefill_tokens_per_s: info.prefill_tokens_per_s,
+            prefill_attention_ms_per_pair: (info.prefill_attention_ms_per_pair
+                != DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR)
+                .then_some(info.prefill_attention_ms_per_pair),
             max_in_flight: info.max_in_flight,
             health: health.into(),
             load: load.into(),
@@ -511,6 +521,9 @@ impl ReplicaRecord {
             models: self.models.clone(),
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
+            prefill_attention_ms_per_pair: self
+                .prefill_attention_ms_per_pair
+                .unwrap_or(DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR),
             max_in_flight: self.max_in_flight,
             pd: self.pd.as_ref().map(WirePd::facts).unwrap_or_default(),
             kv_load: self.kv_load.filter(|l| l.validate().is_ok()),
@@ -556,6 +569,14 @@ impl ReplicaRecord {
             p.is_finite() && (0.0..=MAX_PREFILL_TOKENS_PER_S).contains(&p),
             p,
         )?;
+        if let Some(e) = self.prefill_attention_ms_per_pair {
+            bound(
+                w,
+                "prefill_attention_ms_per_pair",
+                e.is_finite() && (0.0..=MAX_PREFILL_ATTENTION_MS_PER_PAIR).contains(&e),
+                e,
+            )?;
+        }
         bound(
             w,
             "max_in_flight",
@@ -755,6 +776,7 @@ mod tests {
             models: vec!["llama-3-8b".into()],
             capacity_tokens: 500_000,
             prefill_tokens_per_s: 12_000.0,
+            prefill_attention_ms_per_pair: None,
             max_in_flight: 256,
             health: WireHealth::Healthy,
             load: WireLoad {
@@ -958,8 +980,14 @@ mod tests {
     #[test]
     fn out_of_bounds_numbers_are_refused() {
         type Edit = fn(&mut ReplicaRecord);
-        let cases: [(&str, Edit); 9] = [
+        let cases: [(&str, Edit); 11] = [
             ("capacity_tokens", |r| r.capacity_tokens = u64::MAX),
+            ("prefill_attention_ms_per_pair", |r| {
+                r.prefill_attention_ms_per_pair = Some(f64::NAN)
+            }),
+            ("prefill_attention_ms_per_pair", |r| {
+                r.prefill_attention_ms_per_pair = Some(1.0)
+            }),
             ("prefill_tokens_per_s", |r| {
                 r.prefill_tokens_per_s = f64::NAN
             }),
@@ -991,6 +1019,21 @@ mod tests {
         r.capacity_tokens = bounds::MAX_CAPACITY_TOKENS;
         r.max_in_flight = bounds::MAX_REQUESTS;
         assert!(ReplicaRecord::decode(&r.encode().unwrap()).is_ok());
+        // A replica's prefill attention travels in its record; absent reads as the default.
+        let info = |e| ReplicaInfo {
+            prefill_attention_ms_per_pair: e,
+            ..crate::core::view::testing::info("r", "eu")
+        };
+        for e in [0.0, 9.5e-7, DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR] {
+            let sent = ReplicaRecord::new(
+                &info(e),
+                Health::Healthy,
+                &ReplicaLoad::default(),
+                r.summary,
+            );
+            let got = ReplicaRecord::decode(&sent.encode().unwrap()).unwrap();
+            assert_eq!(got.info("r").prefill_attention_ms_per_pair, e);
+        }
         let bad_inflight = InflightRecord {
             counts: BTreeMap::from([("r".to_owned(), u32::MAX)]),
             ..Default::default()

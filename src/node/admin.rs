@@ -469,6 +469,7 @@ fn from_spec(id: &str, region: &str, s: &AdminSpec) -> ReplicaConfig {
         models: s.models.clone(),
         capacity_tokens: s.capacity_tokens,
         prefill_tokens_per_s: s.prefill_tokens_per_s,
+        prefill_attention_ms_per_pair: crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
         max_in_flight: s.max_in_flight,
         role: s.pd.as_ref().map(|p| p.role).unwrap_or_default(),
         bootstrap_port: s.pd.as_ref().and_then(|p| p.bootstrap_port),

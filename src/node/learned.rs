@@ -271,6 +271,10 @@ impl Node {
             } else {
                 50_000.0
             },
+            // Bounded by the record's decoding (`schema.rs`).
+            prefill_attention_ms_per_pair: r
+                .prefill_attention_ms_per_pair
+                .unwrap_or(crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR),
             max_in_flight: r.max_in_flight.max(1),
             role: r.pd.as_ref().map(|p| p.role).unwrap_or_default(),
             bootstrap_port: r.pd.as_ref().and_then(|p| p.bootstrap_port),
@@ -466,6 +470,7 @@ mod tests {
                 models: vec!["m".into()],
                 capacity_tokens: 1000,
                 prefill_tokens_per_s: 1000.0,
+                prefill_attention_ms_per_pair: None,
                 max_in_flight: 8,
                 health: WireHealth::Healthy,
                 load: WireLoad::default(),

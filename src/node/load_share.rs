@@ -451,6 +451,7 @@ mod tests {
             models: vec!["m".into()],
             capacity_tokens: 1 << 20,
             prefill_tokens_per_s: 50_000.0,
+            prefill_attention_ms_per_pair: crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
             max_in_flight,
             pd: Default::default(),
             kv_load: None,

@@ -64,6 +64,7 @@ impl Node {
             models: r.models.clone(),
             capacity_tokens: capacity,
             prefill_tokens_per_s: r.prefill_tokens_per_s,
+            prefill_attention_ms_per_pair: r.prefill_attention_ms_per_pair,
             max_in_flight: r.max_in_flight,
             pd: r.pd(),
             kv_load: r.kv_load,

@@ -244,7 +244,10 @@ impl Node {
         let ready_in = match how {
             Booking::Whole => {
                 let s = core.view.replica(i).map_or(0.0, |r| {
-                    core.router.config().cost.prefill_done_s(r, uncached)
+                    core.router
+                        .config()
+                        .cost
+                        .prefill_done_after_s(r, cached, uncached)
                 });
                 Duration::try_from_secs_f64(s.clamp(0.0, MAX_READY_IN_S)).unwrap_or_default()
             }

@@ -69,10 +69,11 @@ pub struct ReplicaRuntime {
     pub progress: u64,
     /// How much later than predicted this node's streams there got their first bytes: an
     /// average of `ln(observed ÷ predicted)` (`Node::stream_answered`), 0 until one is seen.
-    /// The node's prediction is linear in uncached tokens; an engine's prefill is not (attention
-    /// grows with the context; decodes share its steps), so long agentic prompts came 2.8×
-    /// (median) to 7× (p90) later than predicted. A first-byte wait is scaled by it
-    /// (`proxy/deliver.rs`), routing is not.
+    /// While predictions priced prefill by tokens alone, long agentic prompts came 2.8× (median)
+    /// to 7× (p90) later than predicted; the request's own prefill is now priced with its
+    /// attention (`core::cost`), but the queue ahead of it is still counted in tokens and decodes
+    /// share the engine's steps. A first-byte wait is scaled by it (`proxy/deliver.rs`), routing
+    /// is not.
     pub first_byte_log_lag: f64,
     /// Models came from the config (never replaced by discovery).
     pub models_configured: bool,

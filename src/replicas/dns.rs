@@ -166,6 +166,7 @@ impl DnsConfig {
             models: self.models.clone(),
             capacity_tokens: self.capacity_tokens,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
+            prefill_attention_ms_per_pair: crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR,
             max_in_flight: self.max_in_flight,
             role: self.role,
             bootstrap_port: self.bootstrap_port,

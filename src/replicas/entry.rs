@@ -34,6 +34,11 @@ pub struct ReplicaConfig {
     /// Prefill speed in tokens/s for the cost model. Default 50,000 (8B model on one H100).
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_s: f64,
+    /// Prefill attention in ms per query·key pair for the cost model: a prefill of C new tokens
+    /// after p cached ones also pays `e·C·(p + C/2)` ms (0..=1e-4). Default 7.5e-7 (8B on one
+    /// H100, `kvmesh replica --preset 8b-h100`; 70B on four: 9.5e-7); 0 prices by tokens alone.
+    #[serde(default = "default_prefill_attention")]
+    pub prefill_attention_ms_per_pair: f64,
     /// In-flight requests above which it counts as full. Default 256.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
@@ -65,6 +70,9 @@ pub(super) fn default_pool() -> String {
 pub(super) fn default_prefill_rate() -> f64 {
     50_000.0
 }
+pub(super) fn default_prefill_attention() -> f64 {
+    crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR
+}
 pub(super) fn default_max_in_flight() -> u32 {
     256
 }
@@ -84,6 +92,7 @@ impl ReplicaConfig {
             models: Vec::new(),
             capacity_tokens: None,
             prefill_tokens_per_s: default_prefill_rate(),
+            prefill_attention_ms_per_pair: default_prefill_attention(),
             max_in_flight: default_max_in_flight(),
             role: Role::Both,
             bootstrap_port: None,

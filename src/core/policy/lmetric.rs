@@ -10,9 +10,11 @@
 //! there), the second how loaded it is. A weighted sum of the two needs a weight tuned per
 //! workload; in a product the scale of each factor cancels when two scores are compared, so
 //! there is no knob. Here:
-//! - *uncached prefill* is [`Candidate::prefill_s`]: the request's uncached tokens (hits credited
-//!   by tier) divided by the replica's prefill rate. On a fleet of equal replicas that orders
-//!   exactly as the paper's token count; on a mixed one it is the prefill time each would spend.
+//! - *uncached prefill* is [`Candidate::prefill_s`]: the prefill time the request's uncached
+//!   tokens (hits credited by tier) would take there, attention over the cached context included
+//!   (`core::cost`). Among replicas holding no part of the prompt, on a fleet of equal replicas,
+//!   that orders exactly as the paper's token count; between a holder and a stranger it also
+//!   weighs the holder's cached context (extending a long prefix pays attention over it).
 //! - *batch size* is [`Candidate::outstanding`]: the replica's running plus queued requests as
 //!   the engine last reported them (`num_requests_running + num_requests_waiting`), or this
 //!   node's and its region peers' requests in flight there when that count is larger (it is

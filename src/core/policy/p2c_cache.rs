@@ -461,6 +461,58 @@ mod tests {
         assert!(h[7] < 100, "{h:?}");
     }
 
+    /// A candidate priced by the default cost model as the router prices one (`router.rs`): a
+    /// 100,000-token prompt of which `cached` tokens are held, behind `queued` prefill tokens, on
+    /// an 8B replica whose prefill attention is `attention_ms_per_pair`.
+    fn priced(replica: usize, cached: u64, queued: u64, attention_ms_per_pair: f64) -> Candidate {
+        use crate::core::cost::CostModel;
+        use crate::core::view::{testing::info, ReplicaInfo, View};
+        let mut view = View::new("eu", 64);
+        let i = view.upsert(ReplicaInfo {
+            prefill_attention_ms_per_pair: attention_ms_per_pair,
+            ..info(&format!("r{replica}"), "eu")
+        });
+        let r = view.replica_mut(i).expect("just added");
+        r.load.queued_prefill_tokens = queued;
+        let r = view.replica(i).expect("just added");
+        let cost = CostModel::default();
+        let hit_blocks = (cached / 64) as u32;
+        let (queue_s, prefill_s) = (cost.queue_s(r), cost.prefill_s(r, 100_000, cached as f64));
+        Candidate {
+            queue_s,
+            prefill_queue_s: cost.prefill_queue_s(r),
+            prefill_s,
+            cost_s: queue_s + prefill_s,
+            ..cand(replica, hit_blocks, 0)
+        }
+    }
+
+    #[test]
+    fn a_long_cached_prefix_stays_with_its_busy_holder_when_recomputing_it_costs_more() {
+        // An agentic turn: 96,000 of its 100,000 tokens are held by a replica with 125,000
+        // prefill tokens queued (2.5 s at 50,000 tokens/s); three others are idle and hold none.
+        let fleet = |attention| {
+            let mut c = vec![priced(0, 96_000, 125_000, attention)];
+            c.extend((1..4).map(|i| priced(i, 0, 0, attention)));
+            c
+        };
+        // Priced as the engine runs it, the holder answers in 2.5 + 0.08 s per token + 0.29 s of
+        // attention over the cached context = 2.87 s; an idle replica recomputes the prompt in
+        // 2 s + 3.75 s of attention = 5.75 s. The holder keeps it.
+        let engine = fleet(crate::core::view::DEFAULT_PREFILL_ATTENTION_MS_PER_PAIR);
+        assert!(
+            engine[0].cost_s < 2.9 && engine[1].cost_s > 5.7,
+            "{engine:?}"
+        );
+        let h = histogram(&mut P2cCache::default(), &engine, &keys(1563), 300);
+        assert_eq!(h[0], 300, "{h:?}");
+        // Priced by tokens alone (the old model), the recompute looked like 2 s against the
+        // holder's 2.58: every request left the holder and recomputed the prefix elsewhere.
+        let linear = fleet(0.0);
+        let h = histogram(&mut P2cCache::default(), &linear, &keys(1563), 300);
+        assert_eq!(h[0], 0, "{h:?}");
+    }
+
     #[test]
     fn after_a_spill_two_holders_share_the_prefix() {
         // Both hold the prefix now: equal ties, so traffic splits between them.

@@ -32,7 +32,8 @@ pub struct Candidate {
     /// Predicted seconds to first token: queue plus uncached prefill, minus any affinity credit.
     pub cost_s: f64,
     /// Predicted seconds of prefill this request would add there (its uncached tokens at the
-    /// replica's prefill rate), without queue or credit: the fleet capacity it spends.
+    /// replica's prefill rate, plus their attention over the context: `CostModel::prefill_s`),
+    /// without queue or credit: the fleet capacity it spends.
     pub prefill_s: f64,
 }
 

@@ -887,6 +887,14 @@ pub fn validate_replica(prefix: &str, r: &ReplicaConfig) -> Result<(), ConfigErr
     if !r.prefill_tokens_per_s.is_finite() || r.prefill_tokens_per_s <= 0.0 {
         return Err(invalid(key("prefill_tokens_per_s"), "must be > 0"));
     }
+    let e = r.prefill_attention_ms_per_pair;
+    if !e.is_finite() || !(0.0..=crate::core::view::MAX_PREFILL_ATTENTION_MS_PER_PAIR).contains(&e)
+    {
+        return Err(invalid(
+            key("prefill_attention_ms_per_pair"),
+            "must be between 0 and 1e-4 (ms per query-key pair; 8B on one H100: 7.5e-7)",
+        ));
+    }
     if r.max_in_flight == 0 {
         return Err(invalid(key("max_in_flight"), "must be at least 1"));
     }
@@ -1014,6 +1022,14 @@ mod tests {
             ),
 
             ("[[replicas]]\nurl = \"not a url\"", "replicas[0].url"),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nprefill_attention_ms_per_pair = -1e-7",
+                "replicas[0].prefill_attention_ms_per_pair",
+            ),
+            (
+                "[[replicas]]\nurl = \"http://a:1\"\nprefill_attention_ms_per_pair = 0.5",
+                "replicas[0].prefill_attention_ms_per_pair",
+            ),
             (
                 "[[replicas]]\nurl = \"http://a:1\"\n[[replicas]]\nurl = \"http://a:1\"",
                 "replicas[1].id",

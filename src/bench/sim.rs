@@ -428,6 +428,94 @@ struct Sim<'a> {
     hot_max: usize,
 }
 
+/// The name of simulated region `g`.
+fn region_name(g: usize) -> String {
+    format!("region-{g}")
+}
+
+/// The simulated fleet's replica records, as a node would learn them: `replica-{i}` in region
+/// `i % regions`, the engine preset's rates (`prefill_rate`: one rank's tokens per second) times
+/// its `ranks` data-parallel ranks.
+fn replica_infos(cfg: &SimConfig, ranks: usize, prefill_rate: f64) -> Vec<Arc<ReplicaInfo>> {
+    (0..cfg.replicas)
+        .map(|i| {
+            Arc::new(ReplicaInfo {
+                id: format!("replica-{i}"),
+                url: format!("sim://replica-{i}"),
+                region: region_name(i % cfg.regions),
+                zone: String::new(),
+                pool: "shared".into(),
+                models: vec![MODEL.into()],
+                capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
+                prefill_tokens_per_s: prefill_rate * ranks as f64,
+                prefill_attention_ms_per_pair: cfg.engine.prefill_attention_ms_per_pair,
+                max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
+                pd: crate::core::role::PdFacts {
+                    role: cfg
+                        .pd
+                        .as_ref()
+                        .and_then(|p| p.roles.get(i).copied())
+                        .unwrap_or_default(),
+                    ..Default::default()
+                },
+                kv_load: cfg.kv_load,
+            })
+        })
+        .collect()
+}
+
+/// Node `n`'s routing state (`scope` = its index, its region, whether gossip is regional): a view
+/// of the fleet (other regions' replicas hidden behind their offers when regional), its router,
+/// hot-prefix tracker and admission queue.
+fn node_routing(
+    cfg: &SimConfig,
+    policy: PolicyKind,
+    (n, region, region_layer): (usize, usize, bool),
+    infos: &[Arc<ReplicaInfo>],
+    tokens_per_block: u32,
+) -> NodeRouting {
+    let mut view = View::new(region_name(region), tokens_per_block);
+    for a in 0..cfg.regions {
+        for b in a + 1..cfg.regions {
+            let ms = cfg.rtt(a, b).as_secs_f64() * 1000.0;
+            view.regions.configure(&region_name(a), &region_name(b), ms);
+        }
+    }
+    for (r, info) in infos.iter().enumerate() {
+        view.upsert(Arc::clone(info));
+        // A regional node has no record of other regions' replicas, only their
+        // regions' offers: the view keeps their slots (indexes are the fleet's)
+        // but neither the router nor `choose_region` may see them.
+        if region_layer && r % cfg.regions != region {
+            view.set_health(r, Health::Unhealthy);
+        }
+    }
+    let rc = RouterConfig {
+        policy,
+        seed: cfg.seed.wrapping_add(n as u64),
+        cost: cfg.cost,
+        forward_by: cfg.forward_by,
+        remote_prefix: cfg.remote_prefix,
+        shared_load: cfg.load_share_delay.is_some() || cfg.nodes <= 1,
+        ..Default::default()
+    };
+    NodeRouting {
+        view,
+        router: Router::new(rc, tenants(cfg)),
+        synced: None,
+        offers_synced: None,
+        hot: cfg
+            .hot_prefix
+            .enabled
+            .then(|| HotPrefixes::new(cfg.hot_prefix.clone())),
+        hot_synced: None,
+        admission: cfg
+            .priorities
+            .as_ref()
+            .map(|p| AdmissionQueue::new(p.classes.clone())),
+    }
+}
+
 impl<'a> Sim<'a> {
     fn new(reqs: &'a [WorkloadRequest], cfg: &'a SimConfig) -> Result<Self, SimError> {
         let policy = if cfg.oracle {
@@ -441,33 +529,8 @@ impl<'a> Sim<'a> {
         // One rank's; a replica of several prefills on all of them at once.
         let prefill_rate = 1000.0 / cfg.engine.prefill_ms_per_token.max(1e-9);
         let mut rng = SmallRng::seed_from_u64(cfg.seed);
-        let region_name = |g: usize| format!("region-{g}");
 
-        let infos: Vec<Arc<ReplicaInfo>> = (0..cfg.replicas)
-            .map(|i| {
-                Arc::new(ReplicaInfo {
-                    id: format!("replica-{i}"),
-                    url: format!("sim://replica-{i}"),
-                    region: region_name(i % cfg.regions),
-                    zone: String::new(),
-                    pool: "shared".into(),
-                    models: vec![MODEL.into()],
-                    capacity_tokens: (cfg.engine.kv_capacity_tokens * ranks) as u64,
-                    prefill_tokens_per_s: prefill_rate * ranks as f64,
-                    prefill_attention_ms_per_pair: cfg.engine.prefill_attention_ms_per_pair,
-                    max_in_flight: cfg.max_in_flight.unwrap_or(cfg.engine.max_num_seqs as u32),
-                    pd: crate::core::role::PdFacts {
-                        role: cfg
-                            .pd
-                            .as_ref()
-                            .and_then(|p| p.roles.get(i).copied())
-                            .unwrap_or_default(),
-                        ..Default::default()
-                    },
-                    kv_load: cfg.kv_load,
-                })
-            })
-            .collect();
+        let infos = replica_infos(cfg, ranks, prefill_rate);
         let replica_region: Vec<usize> = (0..cfg.replicas).map(|r| r % cfg.regions).collect();
         let mut region_replicas = vec![Vec::new(); cfg.regions];
         for (r, g) in replica_region.iter().enumerate() {
@@ -516,46 +579,8 @@ impl<'a> Sim<'a> {
                     hops: layer_hops[rng.random_range(0..layer_hops.len())],
                 });
                 let routing = (!cfg.oracle).then(|| {
-                    let mut view = View::new(region_name(region), tokens_per_block);
-                    for a in 0..cfg.regions {
-                        for b in a + 1..cfg.regions {
-                            let ms = cfg.rtt(a, b).as_secs_f64() * 1000.0;
-                            view.regions.configure(&region_name(a), &region_name(b), ms);
-                        }
-                    }
-                    for (r, info) in infos.iter().enumerate() {
-                        view.upsert(Arc::clone(info));
-                        // A regional node has no record of other regions' replicas, only their
-                        // regions' offers: the view keeps their slots (indexes are the fleet's)
-                        // but neither the router nor `choose_region` may see them.
-                        if region_layer && r % cfg.regions != region {
-                            view.set_health(r, Health::Unhealthy);
-                        }
-                    }
-                    let rc = RouterConfig {
-                        policy,
-                        seed: cfg.seed.wrapping_add(n as u64),
-                        cost: cfg.cost,
-                        forward_by: cfg.forward_by,
-                        remote_prefix: cfg.remote_prefix,
-                        shared_load: cfg.load_share_delay.is_some() || cfg.nodes <= 1,
-                        ..Default::default()
-                    };
-                    NodeRouting {
-                        view,
-                        router: Router::new(rc, tenants(cfg)),
-                        synced: None,
-                        offers_synced: None,
-                        hot: cfg
-                            .hot_prefix
-                            .enabled
-                            .then(|| HotPrefixes::new(cfg.hot_prefix.clone())),
-                        hot_synced: None,
-                        admission: cfg
-                            .priorities
-                            .as_ref()
-                            .map(|p| AdmissionQueue::new(p.classes.clone())),
-                    }
+                    let scope = (n, region, region_layer);
+                    node_routing(cfg, policy, scope, &infos, tokens_per_block)
                 });
                 SimNode {
                     region,

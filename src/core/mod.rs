@@ -47,6 +47,7 @@ pub mod pd;
 pub mod peer_tips;
 pub mod policy;
 pub mod priority;
+pub mod quick_price;
 pub mod prompt;
 pub mod prompt_de;
 pub mod rank_hints;

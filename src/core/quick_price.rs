@@ -12,15 +12,16 @@
 //! Why it exists: at 512 replicas the candidate loop was two thirds of a decision's instructions
 //! (`scripts/decision-instructions.sh`), and most of a replica's share was re-deriving what is the
 //! same for the whole decision (tier weights, the request's tokens, which checks apply) or for the
-//! replica across decisions (its prefill price, kept with the router's remembered static facts),
-//! and pricing the same hit on the same price again: replicas of one kind mostly hold the same
-//! prefix (none, or a shared system prompt), so the last price is remembered and reused.
+//! replica across decisions (its prefill price, kept with the router's remembered static facts).
+//! Remembering the last prefill priced (replicas of one kind mostly hold the same prefix) was
+//! tried and cost more than it saved: the comparison and the memo's stores outweighed the few
+//! arithmetic operations of the price.
 
 use super::cost::{CostModel, PrefillPrice};
 use super::policy::Candidate;
 use super::view::ReplicaState;
 
-/// One decision's constants of the quick candidate, and its last prefill priced.
+/// One decision's constants of the quick candidate.
 #[derive(Clone, Copy, Debug)]
 pub struct QuickPrice {
     /// Credit per GPU block (the node's GPU tier weight).
@@ -29,10 +30,8 @@ pub struct QuickPrice {
     w_load_s: f64,
     /// Tokens per block, as a float (the view's).
     tokens_per_block: f64,
-    /// The request's prompt tokens.
-    prompt_tokens: u64,
-    /// The last prefill priced: the hit run, the replica's price, and the seconds.
-    last: Option<(usize, PrefillPrice, f64)>,
+    /// The request's prompt tokens, as a float.
+    prompt_tokens: f64,
 }
 
 impl QuickPrice {
@@ -43,8 +42,7 @@ impl QuickPrice {
             w_gpu: cost.tier_weights.gpu,
             w_load_s: cost.w_load_s,
             tokens_per_block: u64::from(tokens_per_block) as f64,
-            prompt_tokens,
-            last: None,
+            prompt_tokens: prompt_tokens as f64,
         }
     }
 
@@ -52,7 +50,7 @@ impl QuickPrice {
     /// leading blocks on GPU: `Router::candidate`'s answer for it in the common case.
     #[inline(always)]
     pub fn candidate(
-        &mut self,
+        &self,
         i: usize,
         r: &ReplicaState,
         run: usize,
@@ -64,7 +62,9 @@ impl QuickPrice {
         // `CostModel::prefill_queue_s` and `queue_s`.
         let prefill_queue_s = r.load.queued_prefill_tokens as f64 / price.tokens_per_s;
         let queue_s = prefill_queue_s + self.w_load_s * outstanding as f64;
-        let prefill_s = self.prefill_s(run, credited_blocks, price);
+        // `CostModel::prefill_s`.
+        let cached = (credited_blocks * self.tokens_per_block).max(0.0);
+        let prefill_s = price.work_s(cached, self.prompt_tokens - cached);
         Candidate {
             replica: i,
             seed: r.seed,
@@ -78,27 +78,4 @@ impl QuickPrice {
             prefill_s,
         }
     }
-
-    /// `CostModel::prefill_s` of the prompt with `credited_blocks` (for a `run`) cached at
-    /// `price`: remembered for the last (run, price) asked, worked out otherwise.
-    #[inline(always)]
-    fn prefill_s(&mut self, run: usize, credited_blocks: f64, price: PrefillPrice) -> f64 {
-        match self.last {
-            Some((last_run, last_price, s)) if last_run == run && same(last_price, price) => s,
-            _ => {
-                let cached = (credited_blocks * self.tokens_per_block).max(0.0);
-                let s = price.work_s(cached, self.prompt_tokens as f64 - cached);
-                self.last = Some((run, price, s));
-                s
-            }
-        }
-    }
-}
-
-/// Whether two prices are the very same numbers (bit for bit: a NaN or a signed zero never
-/// passes for another price).
-#[inline(always)]
-fn same(a: PrefillPrice, b: PrefillPrice) -> bool {
-    a.tokens_per_s.to_bits() == b.tokens_per_s.to_bits()
-        && a.attention_s_per_pair.to_bits() == b.attention_s_per_pair.to_bits()
 }

@@ -845,7 +845,7 @@ impl Router {
         let quick_search = searched.filter(|_| {
             kv_slot.is_none() && self.tip_hits.is_empty() && self.pending_tips.is_empty()
         });
-        let mut quick = QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens);
+        let quick = QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens);
         self.facts
             .begin(req.model, &view.local_region, view.replicas().len());
         self.candidates.reserve(view.replicas().len());

@@ -168,22 +168,49 @@ impl CostModel {
 /// non-finite inputs count as 0.
 #[inline]
 pub fn prefill_work_s(info: &ReplicaInfo, cached: f64, uncached: f64) -> f64 {
-    let c = if uncached.is_finite() {
-        uncached.max(0.0)
-    } else {
-        0.0
-    };
-    if c == 0.0 {
-        return 0.0;
+    PrefillPrice::of(info).work_s(cached, uncached)
+}
+
+/// A replica's prefill price constants, as [`prefill_work_s`] derives them from its facts: worked
+/// out once per replica and kept by the router (`router.rs`'s remembered facts), so the
+/// per-decision price is the same operations on the same numbers, without re-deriving them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillPrice {
+    /// Prefill tokens per second, at least 1.
+    pub tokens_per_s: f64,
+    /// Attention, seconds per query·key pair, at least 0.
+    pub attention_s_per_pair: f64,
+}
+
+impl PrefillPrice {
+    /// The price constants of replica `info`.
+    #[inline]
+    pub fn of(info: &ReplicaInfo) -> Self {
+        PrefillPrice {
+            tokens_per_s: info.prefill_tokens_per_s.max(1.0),
+            attention_s_per_pair: info.prefill_attention_ms_per_pair.max(0.0) * 1e-3,
+        }
     }
-    let p = if cached.is_finite() {
-        cached.max(0.0)
-    } else {
-        0.0
-    };
-    let per_token_s = c / info.prefill_tokens_per_s.max(1.0);
-    let e_s = info.prefill_attention_ms_per_pair.max(0.0) * 1e-3;
-    per_token_s + e_s * c * (p + c / 2.0)
+
+    /// [`prefill_work_s`] at this price: `uncached` new tokens after `cached` ones.
+    #[inline]
+    pub fn work_s(&self, cached: f64, uncached: f64) -> f64 {
+        let c = if uncached.is_finite() {
+            uncached.max(0.0)
+        } else {
+            0.0
+        };
+        if c == 0.0 {
+            return 0.0;
+        }
+        let p = if cached.is_finite() {
+            cached.max(0.0)
+        } else {
+            0.0
+        };
+        let per_token_s = c / self.tokens_per_s;
+        per_token_s + self.attention_s_per_pair * c * (p + c / 2.0)
+    }
 }
 
 /// `gpu·w.gpu + (cpu − gpu)·w.cpu + (any − cpu)·w.disk`.

@@ -49,6 +49,7 @@ pub mod policy;
 pub mod priority;
 pub mod prompt;
 pub mod prompt_de;
+pub mod quick_price;
 pub mod rank_hints;
 pub mod region_choice;
 pub mod region_offer;

@@ -32,11 +32,12 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 use super::affinity;
-use super::cost::CostModel;
+use super::cost::{CostModel, PrefillPrice};
 use super::fetch_plan;
 use super::keys::BlockKey;
 use super::kv_fetch::{FetchMode, KvFetchPlan};
 use super::policy::{Candidate, Policy, PolicyInput, PolicyKind, Reason};
+use super::quick_price::QuickPrice;
 use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
 use super::remote_prefix::{self, RemoteAsk, RemotePrefixMode, RemoteWay};
 use super::role::Leg;
@@ -315,8 +316,20 @@ struct StaticFacts {
 struct StaticEntry {
     info: Arc<ReplicaInfo>,
     generation: u64,
+    /// What the decision reads of these facts.
+    known: Known,
+}
+
+/// What a decision reads of a replica's static facts, remembered with them ([`StaticFacts`]):
+/// its [`facts`] bits and the numbers its candidate is priced by, worked out once per facts.
+#[derive(Clone, Copy, Debug)]
+struct Known {
     /// [`facts`] bits.
     flags: u8,
+    /// `ReplicaInfo::max_in_flight`.
+    max_in_flight: u32,
+    /// Its prefill price (`PrefillPrice::of` its facts).
+    price: PrefillPrice,
 }
 
 /// The bits of a replica's remembered static facts ([`StaticFacts::get`]).
@@ -373,9 +386,16 @@ impl StaticFacts {
     /// pointer and a generation compared), else [`StaticFacts::remember`].
     #[inline(always)]
     fn get(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> u8 {
+        self.known(i, info).flags
+    }
+
+    /// All that is remembered of replica `i` with facts `info` ([`StaticFacts::get`]'s bits
+    /// among it).
+    #[inline(always)]
+    fn known(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> Known {
         match self.entries.get(i) {
             Some(Some(e)) if Arc::ptr_eq(&e.info, info) && e.generation == self.generation => {
-                e.flags
+                e.known
             }
             _ => self.remember(i, info),
         }
@@ -385,25 +405,28 @@ impl StaticFacts {
     /// remembers the answer.
     #[cold]
     #[inline(never)]
-    fn remember(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> u8 {
+    fn remember(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> Known {
         let generation = self.generation;
+        let known = Known {
+            flags: Self::answer(info, &self.model, &self.region),
+            max_in_flight: info.max_in_flight,
+            price: PrefillPrice::of(info),
+        };
         match self.entries.get_mut(i) {
             Some(Some(e)) if Arc::ptr_eq(&e.info, info) => {
-                e.flags = Self::answer(info, &self.model, &self.region);
+                e.known = known;
                 e.generation = generation;
-                e.flags
             }
             Some(slot) => {
-                let flags = Self::answer(info, &self.model, &self.region);
                 *slot = Some(StaticEntry {
                     info: Arc::clone(info),
                     generation,
-                    flags,
+                    known,
                 });
-                flags
             }
-            None => Self::answer(info, &self.model, &self.region),
+            None => {}
         }
+        known
     }
 
     /// Marks in `local` the replicas that serve the model, take `leg`, are healthy, in the local
@@ -817,16 +840,23 @@ impl Router {
         let mut gathered = CandidateTotals::default();
         let mut quota_blocked = false;
         let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
+        // The quick candidate's search, where this decision has its common case (no peer tip
+        // on the prompt, no KV quota: `quick_price.rs`); each replica still qualifies apart.
+        let quick_search = searched.filter(|_| {
+            kv_slot.is_none() && self.tip_hits.is_empty() && self.pending_tips.is_empty()
+        });
+        let quick = QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens);
         self.facts
             .begin(req.model, &view.local_region, view.replicas().len());
+        self.candidates.reserve(view.replicas().len());
         for (i, r) in view.replicas().iter().enumerate() {
-            let flags = self.facts.get(i, &r.info);
-            if flags & facts::SERVES == 0 {
+            let known = self.facts.known(i, &r.info);
+            if known.flags & facts::SERVES == 0 {
                 continue;
             }
             reach.model_known = true;
-            reach.cluster_slots += u64::from(r.info.max_in_flight);
-            if !is_local(flags, leg, r, req, i) {
+            reach.cluster_slots += u64::from(known.max_in_flight);
+            if !is_local(known.flags, leg, r, req, i) {
                 continue;
             }
             reach.local_usable = true;
@@ -834,20 +864,27 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                searched,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                kv_shares: &mut self.kv_shares,
+            let quick_run =
+                quick_search.and_then(|searched| view.sliced_hit(i, r, &self.scratch, searched));
+            let c = match quick_run {
+                Some(run) => quick.candidate(i, r, run, known.price),
+                None => {
+                    let work = CandidateWork {
+                        uses_cache,
+                        cost: &self.cfg.cost,
+                        scratch: &mut self.scratch,
+                        searched,
+                        tip_hits: &self.tip_hits,
+                        pending_tips: &self.pending_tips,
+                        kv_shares: &mut self.kv_shares,
+                    };
+                    Self::candidate(work, view, req, now, (i, r), kv_slot)
+                }
             };
-            let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
             self.candidates.push(c);
             gathered.add(
                 c.queue_s,
-                c.outstanding >= r.info.max_in_flight,
+                c.outstanding >= known.max_in_flight,
                 c.hit_blocks,
             );
         }
@@ -2261,10 +2298,18 @@ mod tests {
     }
 
     /// A random replica for [`the_one_pass_survey_equals_scope_then_gather`]: static-fact
-    /// bits (model, region, role, health), blocks held on GPU and then on CPU, its load, and
-    /// blocks in this node's overlay.
-    fn survey_spec() -> impl Strategy<Value = (u8, usize, usize, u32, usize)> {
-        (any::<u8>(), 0usize..12, 0usize..3, 0u32..4, 0usize..3)
+    /// bits (model, region, role, health), blocks held on GPU and then on CPU, its load, blocks
+    /// in this node's overlay (none at 0: the quick candidate's case, `quick_price.rs`), and
+    /// which of three prefill prices it has.
+    fn survey_spec() -> impl Strategy<Value = (u8, usize, usize, u32, usize, usize)> {
+        (
+            any::<u8>(),
+            0usize..12,
+            prop_oneof![Just(0usize), 0usize..3],
+            0u32..4,
+            prop_oneof![Just(0usize), 0usize..3],
+            0usize..3,
+        )
     }
 
     proptest! {
@@ -2272,13 +2317,16 @@ mod tests {
         /// a tenant with pools takes (`scope`, then `gather`) are its oracle: the same early
         /// decisions, candidates (in order, every field), totals and cap verdict, for every
         /// leg, exclusions and a per-replica cap. And each candidate's hit, read from the
-        /// up-front slice search (`View::search_slices`), is the per-replica search's.
+        /// up-front slice search (`View::search_slices`), is the per-replica search's. Replicas
+        /// of the quick candidate's case (`quick_price.rs`: no overlay, no lower tier, no peer
+        /// tip) on several prices, interleaved, test its remembered price against the general one.
         #[test]
         fn the_one_pass_survey_equals_scope_then_gather(
             specs in proptest::collection::vec(survey_spec(), 1..140),
             excluded in proptest::collection::vec(0usize..140, 0..3),
             leg in prop_oneof![Just(Leg::Whole), Just(Leg::WholeOnBoth), Just(Leg::Prefill)],
             capped in any::<bool>(),
+            tip in any::<bool>(),
         ) {
             let keys = prompt_keys("survey ");
             let cfg = SummaryConfig::for_cluster("c");
@@ -2287,11 +2335,13 @@ mod tests {
                 max_in_flight_per_replica: capped.then_some(1),
                 ..Default::default()
             });
-            for (i, &(bits, gpu, cpu, load, overlay)) in specs.iter().enumerate() {
+            for (i, &(bits, gpu, cpu, load, overlay, price)) in specs.iter().enumerate() {
                 let mut inf = info(&format!("r{i}"), if bits & 1 == 0 { "eu" } else { "us" });
                 if bits & 2 != 0 {
                     inf.models = vec!["other".into()];
                 }
+                inf.prefill_tokens_per_s = [50_000.0, 20_000.0, 50_000.0][price];
+                inf.prefill_attention_ms_per_pair = [7.5e-7, 7.5e-7, 0.0][price];
                 inf.pd.role = [Role::Both, Role::Prefill, Role::Decode][usize::from(bits >> 2 & 3) % 3];
                 let idx = v.upsert(inf);
                 if bits & 16 != 0 {
@@ -2305,7 +2355,20 @@ mod tests {
                 s.insert_tier(&keys[gpu.min(keys.len())..(gpu + cpu).min(keys.len())], Tier::Cpu);
                 v.set_summary(idx, s);
                 v.set_engine_load(idx, load, load + 1, 0.5, u64::from(load) * 3_000);
-                v.record_routed(idx, &keys[..(gpu + overlay).min(keys.len())], NOW);
+                if overlay > 0 {
+                    v.record_routed(idx, &keys[..(gpu + overlay).min(keys.len())], NOW);
+                }
+            }
+            if tip {
+                // A peer's routing of this very prompt, still computing: every replica takes
+                // the general path.
+                let tip = crate::core::peer_tips::Tip {
+                    replica: 0,
+                    blocks: keys.len() as u32,
+                    ready: NOW + Duration::from_secs(1),
+                    until: NOW + Duration::from_secs(10),
+                };
+                v.peer_tips.insert(*keys.last().unwrap(), tip);
             }
             let rq = RouteRequest { tenant: Some("t"), exclude: &excluded, ..req(&keys) };
             let mut one = Router::new(RouterConfig::default(), tenants.clone());

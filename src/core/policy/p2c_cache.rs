@@ -154,13 +154,12 @@ impl P2cCache {
         // `argmin_random_tie` with A out of the running (candidates' replicas are distinct,
         // so A is its position), and the draw's sum as `Iterator::sum` makes it.
         let key = |i: usize, x: &Candidate| if i == a { f64::INFINITY } else { x.cost_s };
-        let mut total = -0.0;
+        // The first candidate starts the argmin (peeled off the loop: one test less per
+        // candidate).
+        let mut total = -0.0 + draw_weight(0, &c[0], Some(a));
         let (mut b, mut best_key, mut ties) = (0, key(0, &c[0]), 1u32);
-        for (i, x) in c.iter().enumerate() {
+        for (i, x) in c.iter().enumerate().skip(1) {
             total += draw_weight(i, x, Some(a));
-            if i == 0 {
-                continue;
-            }
             let k = key(i, x);
             if k < best_key {
                 (b, best_key, ties) = (i, k, 1);
@@ -231,7 +230,14 @@ impl Policy for P2cCache {
                 reason: Reason::OnlyCandidate,
             };
         }
-        let max_hit = c.iter().map(|x| x.credited_blocks).fold(0.0, f64::max);
+        // `fold(0.0, f64::max)` as a compare: the same maximum (a NaN never is one), without the
+        // NaN-aware min/max sequence per candidate.
+        let mut max_hit = 0.0;
+        for x in c {
+            if x.credited_blocks > max_hit {
+                max_hit = x.credited_blocks;
+            }
+        }
         let (a, no_hit) = if max_hit <= 0.0 {
             // No cache anywhere: both choices are load-weighted draws.
             (draw_toward_low_cost(c, None, rng).unwrap_or(0), true)

@@ -13,7 +13,8 @@
 # seed under three timings (as given; gossip 101 ms instead of 100; scrape 1,001 ms instead of
 # 1,000), and priced is compared with off and with reactive by paired differences (same seed,
 # same timing): the mean difference over the 15 pairs and twice its standard error. Tied: the
-# mean difference is within ±2 SE; better/worse: outside it.
+# mean difference is within ±2 SE; better/worse: outside it. NOISE_WORKLOADS picks workloads
+# (default "agentic trace burst"); NOISE_RESUME=1 keeps the runs already in $OUT (same binary!).
 set -euo pipefail
 B=${1:-target/release/kvmesh}
 GB=${2:-12.5}
@@ -30,13 +31,13 @@ win() { awk -F'|' -v l=" $2 " '$2==l && /%/ {gsub(/ /,"",$4); print $4; exit}' "
 if [ "${4:-}" = noise ]; then
   raw="$OUT/noise-$GB.tsv"
   : >"$raw"
-  for w in agentic trace burst; do
+  for w in ${NOISE_WORKLOADS:-agentic trace burst}; do
     for s in $SEEDS; do
       for t in base gossip-ms=101 scrape-ms=1001; do
         extra=()
         [ "$t" != base ] && extra=(--"${t%%=*}" "${t#*=}")
         f="$OUT/noise-$w-$s-$t-$GB.txt"
-        "$B" sim --workload "$w" --seed "$s" "${common[@]}" "${extra[@]}" \
+        [ "${NOISE_RESUME:-0}" = 1 ] && [ -s "$f" ] || "$B" sim --workload "$w" --seed "$s" "${common[@]}" "${extra[@]}" \
           --kv-fetch off,priced,reactive --out "$OUT/noise-$w-$s" >"$f" 2>/dev/null
         for a in off priced reactive; do
           echo "$w $s $t $a $(row "$f" "p2c-cache fetch=$a" | tr -d '/')" >>"$raw"

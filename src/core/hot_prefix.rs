@@ -9,8 +9,10 @@
 //! Routing then sees several holders and p2c-cache's longest-hit ties spread the prefix.
 //!
 //! - Detection: every routed request's first-`prefix_blocks` key goes into a decayed
-//!   space-saving sketch ([`HotSketch`]); a node's heaviest keys reach the region's other nodes
-//!   (gossip, [`HotPrefixes::gossip_top`]) and are added to its own rates
+//!   space-saving sketch ([`HotSketch`]), and into an onset sketch decaying 8× faster (a
+//!   burst's start is seen ~0.2 s sooner; a node's own rate is the higher of the two); a node's
+//!   heaviest keys reach the region's other nodes (gossip, [`HotPrefixes::gossip_top`]) and are
+//!   added to its own rates
 //!   ([`HotPrefixes::apply_peer`]: at most [`MAX_GOSSIP_ENTRIES`] per peer, rates clamped to
 //!   [`MAX_PEER_RATE`], [`MAX_PEERS`] peers). A key whose mesh-wide rate passes `min_rate` is a
 //!   *candidate* (at most [`MAX_CANDIDATES`]): it keeps one sample prompt, and the longest
@@ -19,8 +21,9 @@
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
 //!   `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
-//!   spread by routing at little cost), one more replica gets a warm-up: the idlest that neither
-//!   holds the prefix nor is computing it for a routed request (predicted to hold it within
+//!   spread by routing at little cost), more replicas get a warm-up — as many as the holders'
+//!   load calls for (`ready × min_queue ÷ min_queue_s` holders in all), each the idlest that
+//!   neither holds the prefix nor is computing it for a routed request (predicted to hold it within
 //!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned

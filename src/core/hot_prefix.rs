@@ -9,8 +9,10 @@
 //! Routing then sees several holders and p2c-cache's longest-hit ties spread the prefix.
 //!
 //! - Detection: every routed request's first-`prefix_blocks` key goes into a decayed
-//!   space-saving sketch ([`HotSketch`]); a node's heaviest keys reach the region's other nodes
-//!   (gossip, [`HotPrefixes::gossip_top`]) and are added to its own rates
+//!   space-saving sketch ([`HotSketch`]), and into an onset sketch decaying 8× faster (a
+//!   burst's start is seen ~0.2 s sooner; a node's own rate is the higher of the two); a node's
+//!   heaviest keys reach the region's other nodes (gossip, [`HotPrefixes::gossip_top`]) and are
+//!   added to its own rates
 //!   ([`HotPrefixes::apply_peer`]: at most [`MAX_GOSSIP_ENTRIES`] per peer, rates clamped to
 //!   [`MAX_PEER_RATE`], [`MAX_PEERS`] peers). A key whose mesh-wide rate passes `min_rate` is a
 //!   *candidate* (at most [`MAX_CANDIDATES`]): it keeps one sample prompt, and the longest
@@ -19,8 +21,9 @@
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
 //!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
 //!   `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
-//!   spread by routing at little cost), one more replica gets a warm-up: the idlest that neither
-//!   holds the prefix nor is computing it for a routed request (predicted to hold it within
+//!   spread by routing at little cost), more replicas get a warm-up — as many as the holders'
+//!   load calls for (`ready × min_queue ÷ min_queue_s` holders in all), each the idlest that
+//!   neither holds the prefix nor is computing it for a routed request (predicted to hold it within
 //!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
 //!   replica), at most `max_warming` per prefix, paid from a token credit. The credit is earned
@@ -75,6 +78,14 @@ const BUDGET_WINDOW_S: f64 = 10.0;
 const PENDING_HORIZON: Duration = Duration::from_secs(1);
 /// Longest prefix a warm-up may carry, in blocks (a block report's cap).
 pub const MAX_WARM_BLOCKS: u32 = 8192;
+/// The onset sketch decays this many times faster than `tau_ms` (and no faster than
+/// [`ONSET_MIN_TAU`]): a rate decayed over τ reaches `min_rate` only about
+/// `τ · min_rate ÷ rate` after a step, 0.2 s into a 100 requests/s burst at τ = 2 s, and the
+/// burst's first 0.2 s set its p99 (issue #37).
+const ONSET_TAU_DIVISOR: u32 = 8;
+/// Shortest time constant of the onset sketch: shorter, two requests close together would read
+/// as a hot prefix.
+const ONSET_MIN_TAU: Duration = Duration::from_millis(100);
 
 /// Hot-prefix replication settings (`[hot_prefix]` in the node config, `--hot-prefix` in the
 /// simulator).
@@ -320,6 +331,9 @@ struct PeerTop {
 pub struct HotPrefixes {
     cfg: HotPrefixConfig,
     sketch: HotSketch,
+    /// The same counts decayed [`ONSET_TAU_DIVISOR`] times faster: a prefix turning hot is
+    /// seen by the higher of the two own rates, a hot one kept and gossiped by the slow one.
+    onset: HotSketch,
     peers: Vec<PeerTop>,
     candidates: Vec<Candidate>,
     /// Tokens warm-ups may still spend: earned by routed prefill, negative after an overdraft.
@@ -336,6 +350,10 @@ impl HotPrefixes {
     pub fn new(cfg: HotPrefixConfig) -> Self {
         HotPrefixes {
             sketch: HotSketch::new(cfg.counters, Duration::from_millis(cfg.tau_ms)),
+            onset: HotSketch::new(
+                cfg.counters,
+                (Duration::from_millis(cfg.tau_ms) / ONSET_TAU_DIVISOR).max(ONSET_MIN_TAU),
+            ),
             cfg,
             peers: Vec::new(),
             candidates: Vec::new(),
@@ -362,9 +380,14 @@ impl HotPrefixes {
         keys.get(self.cfg.prefix_blocks as usize - 1).map(|k| k.0)
     }
 
-    /// `key`'s mesh-wide rate at `now`: this node's guaranteed rate plus its peers' claims.
+    /// `key`'s mesh-wide rate at `now`: this node's guaranteed rate (the higher of the slow
+    /// and the onset estimate) plus its peers' claims.
     pub fn rate(&self, key: u64, now: Duration) -> f64 {
-        let own = self.sketch.rate(key, now).0;
+        let own = self
+            .sketch
+            .rate(key, now)
+            .0
+            .max(self.onset.rate(key, now).0);
         own + self
             .peers
             .iter()
@@ -393,6 +416,7 @@ impl HotPrefixes {
             return;
         };
         self.sketch.add(key, now);
+        self.onset.add(key, now);
         if let Some(c) = self.candidates.iter_mut().find(|c| c.key == key) {
             c.seen = c.seen.saturating_add(1);
             c.lcp = common_blocks(&c.chain[..c.lcp], req.keys);
@@ -530,7 +554,9 @@ impl HotPrefixes {
                     continue;
                 }
             } else if owns(c.key) {
-                if let Some(w) = self.next_warm_up(i, view, cost, tenants, now) {
+                // As many at once as the holders' load asks for (`next_warm_up` says when
+                // enough are on their way), at most `max_warming` in flight.
+                while let Some(w) = self.next_warm_up(i, view, cost, tenants, now) {
                     out.push(Action::WarmUp(w));
                 }
             }
@@ -613,6 +639,15 @@ impl HotPrefixes {
             return None;
         }
         if min_queue <= self.cfg.min_queue_s {
+            return None;
+        }
+        // Holders wanted: the holders' load spread until the least busy one's queue is back at
+        // `min_queue_s` (queue time grows with load: `ready × min_queue ÷ min_queue_s`). At a
+        // burst's onset one holder is far past it, and the holders it needs are warmed at once
+        // rather than one per plan (a hot burst's first 0.2 s set its p99, issue #37); the
+        // replicas already warming count as holders.
+        let wanted = (f64::from(ready) * min_queue / self.cfg.min_queue_s).ceil();
+        if f64::from(holders.max(ready + c.warming.len() as u32)) >= wanted {
             return None;
         }
         // A target no less busy than the holders would not help.
@@ -901,7 +936,11 @@ mod tests {
         // 8 blocks of 2,048 tokens (16,384: 0.33 s to recompute at 50,000 tokens/s); four
         // replicas in one zone taking hints; r0 holds the prefix, 4 s of prefill queued.
         let fleet = |confirmed: bool| {
-            let mut h = HotPrefixes::new(on());
+            // One warm-up at a time: the charge below is one warm-up's.
+            let mut h = HotPrefixes::new(HotPrefixConfig {
+                max_warming: 1,
+                ..on()
+            });
             let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
             h.credit(1_000_000);
             let mut v = View::new("eu", 2048);
@@ -1020,16 +1059,17 @@ mod tests {
         v.replica_mut(2).unwrap().load.queued_prefill_tokens = 100;
         let mut out = Vec::new();
         plan_at(&mut h, &v, ms(1000), &mut out);
+        // Far past `min_queue_s`: both warm-ups `max_warming` allows at once, idlest first,
+        // never the same pair twice.
         let w = warm_ups(&out);
-        assert_eq!(w.len(), 1, "{out:?}");
-        assert_eq!(w[0].replica, 1);
+        assert_eq!(
+            w.iter().map(|w| w.replica).collect::<Vec<_>>(),
+            [1, 3],
+            "{out:?}"
+        );
         assert_eq!(w[0].keys, keys[..8]);
         assert_eq!(w[0].prompt, "0123456789abcdef".repeat(8));
         assert_eq!(w[0].tokens, 8 * 4);
-        // The next plan warms another replica, never the same pair twice while in flight.
-        out.clear();
-        plan_at(&mut h, &v, ms(1010), &mut out);
-        assert_eq!(warm_ups(&out)[0].replica, 3);
         // max_warming (2) in flight: nothing more until one ends.
         out.clear();
         plan_at(&mut h, &v, ms(1020), &mut out);
@@ -1037,6 +1077,56 @@ mod tests {
         assert!(h.warm_done(w[0].key, 1, true));
         assert!(!h.warm_done(w[0].key, 1, true), "reported once");
         assert_eq!(h.stats().sent, 2);
+    }
+
+    /// A burst's onset (issue #37): the holders a swamped holder needs are warmed in one plan
+    /// (`ready × queue ÷ min_queue_s` in all), not one per plan; a holder just past
+    /// `min_queue_s` gets one.
+    #[test]
+    fn a_burst_onset_warms_the_holders_the_load_needs_at_once() {
+        let warmed = |queued: u64| {
+            let mut h = HotPrefixes::new(on());
+            let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+            h.credit(10_000);
+            let mut out = Vec::new();
+            plan_at(&mut h, &view(&keys[..8], queued), ms(1000), &mut out);
+            warm_ups(&out).len()
+        };
+        // 0.2 s queued (4 × min_queue_s): three more holders, all three replicas at once.
+        assert_eq!(warmed(100), 3);
+        // 0.07 s queued: one more holder is enough.
+        assert_eq!(warmed(35), 1);
+    }
+
+    /// A prefix that steps from 1 to 100 requests/s is hot within 50 ms: the slow rate
+    /// (τ = 2 s) reads 4 requests/s then, the onset rate (τ ÷ 8) over 15 (issue #37: the slow
+    /// one alone took 0.2 s, and the burst's first 0.2 s set its p99).
+    #[test]
+    fn a_step_in_rate_is_hot_before_the_slow_rate_catches_up() {
+        let mut h = HotPrefixes::new(on());
+        let mut observe = |i: u64, at: Duration| {
+            let (text, k) = prompt("0123456789abcdef", i);
+            let req = Observed {
+                model: "m",
+                keys: &k,
+                text: Some(&text),
+                block_bytes: BB,
+                scope: WarmScope::default(),
+            };
+            h.observe(req, at);
+        };
+        for i in 0..10 {
+            observe(i, ms(i * 1000));
+        }
+        for i in 0..5 {
+            observe(10 + i, ms(10_000 + i * 10));
+        }
+        let key = h.key_of(&prompt("0123456789abcdef", 0).1).unwrap();
+        assert!(
+            h.sketch.rate(key, ms(10_050)).0 < 5.0,
+            "the slow rate alone is not hot"
+        );
+        assert_eq!(h.hot_count(ms(10_050)), 1);
     }
 
     #[test]
@@ -1144,7 +1234,7 @@ mod tests {
     fn warm_ups_are_paid_by_the_prefill_the_node_routes() {
         let (mut h, v) = hot_and_swamped(2, 0.01);
         // Nothing routed yet: a prefix that turns hot may still borrow `max_warming` (2)
-        // warm-ups of 32 tokens, one at a time here...
+        // warm-ups of 32 tokens; with nothing earned, the first leaves room for no second...
         assert_eq!(plan_and_finish(&mut h, &v, 1000), 1);
         // ... but owing 32 it starts no second before it has earned a token.
         assert_eq!(plan_and_finish(&mut h, &v, 1001), 0);
@@ -1155,7 +1245,8 @@ mod tests {
         // 5,000 more earn 50: owing 4, one more.
         h.credit(5000);
         assert_eq!(plan_and_finish(&mut h, &v, 1004), 1);
-        assert_eq!(h.stats().over_budget, 2);
+        // Every plan that wanted another warm-up than the credit allowed counts a refusal.
+        assert_eq!(h.stats().over_budget, 5);
         // Over the run: warm-ups ≤ share × routed prefill + `max_warming` warm-ups.
         assert!(h.stats().tokens as f64 <= 0.01 * 6000.0 + 2.0 * 32.0);
     }
@@ -1183,7 +1274,8 @@ mod tests {
         out.clear();
         // 25 s (12 τ) without a request: the rate has decayed to nothing.
         plan_at(&mut h, &v, ms(26_000), &mut out);
-        assert_eq!(out, vec![Action::Cancel { key, replica: 1 }]);
+        let cancel = |replica| Action::Cancel { key, replica };
+        assert_eq!(out, vec![cancel(1), cancel(2), cancel(3)]);
         assert_eq!(h.hot_count(ms(26_000)), 0);
         assert!(h.candidates.is_empty());
         assert!(
@@ -1197,8 +1289,9 @@ mod tests {
         let mut h = HotPrefixes::new(on());
         let (text, k) = prompt("0123456789abcdef", 1);
         let key = h.key_of(&k).unwrap();
-        // Alone, 2 requests are not hot; with two peers at 3/s each, the region is at > 5/s.
-        for t in [0, 10] {
+        // Alone, 2 requests 1 s apart are not hot; with two peers at 3/s each, the region is
+        // at > 5/s. (2 requests 10 ms apart are: the onset rate reads 8/s.)
+        for t in [0, 1000] {
             h.observe(
                 Observed {
                     model: "m",
@@ -1210,10 +1303,10 @@ mod tests {
                 ms(t),
             );
         }
-        assert_eq!(h.hot_count(ms(10)), 0);
-        assert_eq!(h.apply_peer("b", &[(key, 3.0)], ms(10)), 1);
-        assert_eq!(h.apply_peer("c", &[(key, 3.0)], ms(10)), 1);
-        assert!(h.rate(key, ms(10)) > 6.0);
+        assert_eq!(h.hot_count(ms(1000)), 0);
+        assert_eq!(h.apply_peer("b", &[(key, 3.0)], ms(1000)), 1);
+        assert_eq!(h.apply_peer("c", &[(key, 3.0)], ms(1000)), 1);
+        assert!(h.rate(key, ms(1000)) > 6.0);
         // A peer repeating itself replaces its claim; garbage is dropped, huge rates clamped.
         let junk = [
             (key, f32::INFINITY),
@@ -1222,18 +1315,18 @@ mod tests {
             (3, 1e30),
             (3, 5.0),
         ];
-        assert_eq!(h.apply_peer("c", &junk, ms(20)), 1);
-        assert_eq!(h.rate(3, ms(20)), MAX_PEER_RATE);
+        assert_eq!(h.apply_peer("c", &junk, ms(1020)), 1);
+        assert_eq!(h.rate(3, ms(1020)), MAX_PEER_RATE);
         let many: Vec<(u64, f32)> = (0..100).map(|k| (k, 1.0)).collect();
-        assert_eq!(h.apply_peer("d", &many, ms(20)), MAX_GOSSIP_ENTRIES);
+        assert_eq!(h.apply_peer("d", &many, ms(1020)), MAX_GOSSIP_ENTRIES);
         // The peer table is capped, and stale peers are forgotten.
         for p in 0..MAX_PEERS + 10 {
-            h.apply_peer(&format!("p{p}"), &[(9, 1.0)], ms(30));
+            h.apply_peer(&format!("p{p}"), &[(9, 1.0)], ms(1030));
         }
         assert!(h.peers.len() <= MAX_PEERS);
         assert_eq!(
-            h.rate(key, ms(30) + PEER_TTL),
-            h.sketch.rate(key, ms(30) + PEER_TTL).0
+            h.rate(key, ms(1030) + PEER_TTL),
+            h.sketch.rate(key, ms(1030) + PEER_TTL).0
         );
     }
 

@@ -16,6 +16,9 @@
 //!   holder only when that holder is far deeper in queue than the rest, as sglang-router's
 //!   imbalance threshold does (issue #38: more hits on the Mooncake window, but the agentic
 //!   sessions regressed);
+//! - a holder of the *whole* prompt (an RL rollout's siblings, a resent prompt) keeps it unless
+//!   B is sooner on the prefill side too: the siblings' own decodes do not split the group
+//!   ([`P2cCache`]'s `b_answers_sooner`);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
 //!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it

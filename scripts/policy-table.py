@@ -16,8 +16,10 @@ A tie is a difference within --tie (default 1 %) of the larger value. Every run'
 
     scripts/policy-table.py                 # everything: a release build, then the trace is most of it
     scripts/policy-table.py --quick         # 3 seeds, 4 policies, 3,000 trace requests: ~75 CPU-s
-    # the figures in docs/benchmarks.md (920 CPU-seconds; the trace with five policies):
-    scripts/policy-table.py --trace-policies p2c-cache,lmetric,sglang-threshold,least-load,round-robin
+    # the figures in docs/benchmarks.md (every family but the trace: ~340 CPU-seconds; the trace
+    # with the default and LMetric: ~260 CPU-seconds):
+    scripts/policy-table.py --workloads agentic,system-prompt,chat,rag,agent,zipf,tenants,burst,rollout
+    scripts/policy-table.py --workloads trace --policies p2c-cache,lmetric
     scripts/policy-table.py --no-build --bin target/release/kvmesh --workloads chat,rag --seeds 5
 
 Standard library only (Python >= 3.8). Not part of `cargo test`.

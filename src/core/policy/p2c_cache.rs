@@ -16,6 +16,9 @@
 //!   holder only when that holder is far deeper in queue than the rest, as sglang-router's
 //!   imbalance threshold does (issue #38: more hits on the Mooncake window, but the agentic
 //!   sessions regressed);
+//! - a holder of the *whole* prompt (an RL rollout's siblings, a resent prompt) keeps it unless
+//!   B is sooner on the prefill side too: the siblings' own decodes do not split the group
+//!   ([`P2cCache`]'s `b_answers_sooner`);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
 //!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it
@@ -203,6 +206,30 @@ impl P2cCache {
         }
         c[b].cost_s + per_s * extra_prefill_s
     }
+
+    /// Whether B (`c[b]`, charged for its recomputation) answers sooner than A. When A holds the
+    /// whole prompt (in its cache, or computing it for a request just sent: an RL `n`-sample
+    /// rollout's siblings, a resent prompt) and B would recompute part of it, B must be sooner
+    /// on the prefill side alone as well, without either's decode term (`queue_s −
+    /// prefill_queue_s`, the `w_load × outstanding` share): a sibling at A needs one step, which
+    /// A's decoding batch lengthens by a fraction of a millisecond a sequence, not by `w_load`.
+    /// Without this the siblings' own decodes pushed the later ones of a group off their holder
+    /// to recompute the prompt elsewhere: on the rollout family (8 identical prompts within
+    /// 100 ms; `kvmesh sim --workload rollout --nodes 1 --seed 1`) 122 of 250 groups were split,
+    /// mean TTFT 0.044 s against sglang-threshold's 0.038 s, which kept every group on one
+    /// replica (docs/benchmarks.md, "Policies, LMetric among them").
+    fn b_answers_sooner(&self, c: &[Candidate], a: usize, b: usize, prompt_blocks: usize) -> bool {
+        let charged = self.charged_cost(c, a, b);
+        if charged >= c[a].cost_s {
+            return false;
+        }
+        let whole_at_a = prompt_blocks > 0 && c[a].hit_blocks as usize >= prompt_blocks;
+        if !whole_at_a || c[b].prefill_s <= c[a].prefill_s {
+            return true;
+        }
+        let decode_s = |x: &Candidate| (x.queue_s - x.prefill_queue_s).max(0.0);
+        charged - decode_s(&c[b]) < c[a].cost_s - decode_s(&c[a])
+    }
 }
 
 /// The candidates' mean queued prefill, seconds (0 for none): how short of prefill capacity
@@ -251,7 +278,7 @@ impl Policy for P2cCache {
                 reason: Reason::OnlyCandidate,
             };
         };
-        let (chosen, other, reason) = if self.charged_cost(c, a, b) < c[a].cost_s {
+        let (chosen, other, reason) = if self.b_answers_sooner(c, a, b, input.keys.len()) {
             (
                 b,
                 a,
@@ -516,6 +543,45 @@ mod tests {
         // holder's 2.58: every request left the holder and recomputed the prefix elsewhere.
         let linear = fleet(0.0);
         let h = histogram(&mut P2cCache::default(), &linear, &keys(1563), 300);
+        assert_eq!(h[0], 0, "{h:?}");
+    }
+
+    #[test]
+    fn a_holder_of_the_whole_prompt_keeps_its_siblings_despite_their_decodes() {
+        // An RL rollout's siblings: A holds the whole 8k-token prompt (the first sibling computed
+        // it) and decodes the group's other requests, 12 in all (a 60 ms decode term), with no
+        // prefill queued; B is idle but would recompute the prompt (0.16 s).
+        let holder = Candidate {
+            queue_s: 0.06,
+            prefill_queue_s: 0.0,
+            cost_s: 0.06,
+            prefill_s: 0.0,
+            ..cand(0, 128, 12)
+        };
+        let stranger = |replica| Candidate {
+            queue_s: 0.0,
+            prefill_queue_s: 0.0,
+            cost_s: 0.04,
+            prefill_s: 0.04,
+            ..cand(replica, 0, 0)
+        };
+        let c = [holder, stranger(1), stranger(2), stranger(3)];
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        assert_eq!(h[0], 300, "{h:?}");
+        // With a prefill queue longer than the recomputation, the sibling does leave.
+        let queued = Candidate {
+            queue_s: 0.16,
+            prefill_queue_s: 0.1,
+            cost_s: 0.16,
+            ..holder
+        };
+        let c = [queued, stranger(1), stranger(2), stranger(3)];
+        let h = histogram(&mut P2cCache::default(), &c, &keys(128), 300);
+        assert_eq!(h[0], 0, "{h:?}");
+        // A prompt A holds only in part (a shared prefix, a new user turn) is weighed as before:
+        // the decode term counts, and the idle replica takes it.
+        let c = [holder, stranger(1), stranger(2), stranger(3)];
+        let h = histogram(&mut P2cCache::default(), &c, &keys(129), 300);
         assert_eq!(h[0], 0, "{h:?}");
     }
 

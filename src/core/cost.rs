@@ -157,7 +157,7 @@ impl CostModel {
     /// How full `r`'s prefix cache is believed to be, 0..=1: the distinct keys its summary took
     /// this epoch over the blocks the replica holds (0 without a summary). At 1 a prefix
     /// recomputed there evicts as many blocks as it writes, and some other conversation's
-    /// follow-up recomputes them ([`crate::core::policy::P2cCache::evict_charge`]). The count
+    /// follow-up recomputes them (p2c-cache's `evict_charge`). The count
     /// includes keys the replica has since evicted (until the summary's next epoch, which starts
     /// by a quarter stale): it reads a full cache as full, and a draining one as fuller than it is.
     #[inline]

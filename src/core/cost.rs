@@ -154,12 +154,35 @@ impl CostModel {
         self.prefill_done_after_s(r, 0, uncached_tokens)
     }
 
+    /// How full `r`'s prefix cache is believed to be, 0..=1: the distinct keys its summary took
+    /// this epoch over the blocks the replica holds (0 without a summary). At 1 a prefix
+    /// recomputed there evicts as many blocks as it writes, and some other conversation's
+    /// follow-up recomputes them (p2c-cache's `evict_charge`). The count
+    /// includes keys the replica has since evicted (until the summary's next epoch, which starts
+    /// by a quarter stale): it reads a full cache as full, and a draining one as fuller than it is.
+    #[inline]
+    pub fn cache_fill(&self, r: &ReplicaState) -> f64 {
+        cache_fill(r)
+    }
+
     /// Seconds of prefill for the uncached part of the prompt on `r`, given the (weighted)
     /// cached tokens ([`prefill_work_s`]).
     #[inline]
     pub fn prefill_s(&self, r: &ReplicaState, prompt_tokens: u64, cached_tokens: f64) -> f64 {
         let cached = cached_tokens.max(0.0);
         prefill_work_s(&r.info, cached, prompt_tokens as f64 - cached)
+    }
+}
+
+/// How full `r`'s prefix cache is believed to be, 0..=1 ([`CostModel::cache_fill`]); a free
+/// function so the router's quick candidate (`quick_price.rs`) reads it without the model.
+#[inline]
+pub fn cache_fill(r: &ReplicaState) -> f64 {
+    match &r.summary {
+        Some(s) if s.capacity_items() > 0 => {
+            (s.inserted() as f64 / s.capacity_items() as f64).clamp(0.0, 1.0)
+        }
+        _ => 0.0,
     }
 }
 
@@ -278,5 +301,29 @@ mod tests {
             ..c
         };
         assert_eq!(flat.credited_blocks(h(2, 5, 9)), 9.0);
+    }
+
+    #[test]
+    fn a_cache_is_as_full_as_the_keys_its_summary_took() {
+        use super::super::keys::BlockKey;
+        use super::super::summary::{ReplicaSummary, SummaryConfig};
+        use super::super::view::View;
+        let mut view = View::new("eu", 8);
+        let i = view.upsert(info("r", "eu"));
+        let cost = CostModel::default();
+        // No summary: nothing known, nothing charged.
+        let r = view.replica(i).expect("just added");
+        assert_eq!(cost.cache_fill(r), 0.0);
+        let keys: Vec<BlockKey> = (0..1_500).map(BlockKey).collect();
+        let cfg = SummaryConfig::for_cluster("c");
+        for (taken, fill) in [(250, 0.25), (1_000, 1.0), (1_500, 1.0)] {
+            let mut s = ReplicaSummary::new(1, 1_000, &cfg).expect("a summary");
+            s.insert(&keys[..taken]);
+            view.replica_mut(i).expect("just added").summary = Some(s.into());
+            let r = view.replica(i).expect("just added");
+            // `inserted` skips the filter's false positives (1 %).
+            let got = cost.cache_fill(r);
+            assert!(got <= fill && got > fill - 0.02, "{taken} keys: {got}");
+        }
     }
 }

@@ -211,6 +211,7 @@ mod tests {
                 prefill_queue_s: queue_s,
                 cost_s: queue_s + prefill_s,
                 prefill_s,
+                cache_fill: 0.0,
             }
         };
         let c = vec![candidate(h, 512, 10.0), candidate(n, 0, 0.0)];
@@ -270,6 +271,7 @@ mod tests {
                 prefill_queue_s: queued_s,
                 cost_s: queue_s + prefill_s,
                 prefill_s,
+                cache_fill: 0.0,
             }
         };
         let idle = Candidate {
@@ -283,6 +285,7 @@ mod tests {
             prefill_queue_s: 0.0,
             cost_s: prompt as f64 / rate,
             prefill_s: prompt as f64 / rate,
+            cache_fill: 0.0,
         };
         let mut plans = Vec::new();
         let mut c = vec![decoding(0.0), idle];

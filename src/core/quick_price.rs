@@ -17,7 +17,7 @@
 //! tried and cost more than it saved: the comparison and the memo's stores outweighed the few
 //! arithmetic operations of the price.
 
-use super::cost::{CostModel, PrefillPrice};
+use super::cost::{cache_fill, CostModel, PrefillPrice};
 use super::policy::Candidate;
 use super::view::ReplicaState;
 
@@ -76,6 +76,7 @@ impl QuickPrice {
             prefill_queue_s,
             cost_s: queue_s + prefill_s,
             prefill_s,
+            cache_fill: cache_fill(r),
         }
     }
 }

@@ -88,6 +88,8 @@ pub struct RouterConfig {
     pub shared_load: bool,
     /// `p2c-cache`'s [`crate::core::policy::P2cCache::recompute_charge_per_s`]. Default 0.
     pub recompute_charge_per_s: f64,
+    /// `p2c-cache`'s [`crate::core::policy::P2cCache::evict_charge`]. Default 8.
+    pub evict_charge: f64,
     /// A prompt whose longest cached prefix is in another region: recompute here (default),
     /// or also weigh forwarding there, or pulling its KV too (`remote_prefix.rs`).
     pub remote_prefix: RemotePrefixMode,
@@ -103,6 +105,7 @@ impl Default for RouterConfig {
             forward_by: ForwardChoice::Cost,
             shared_load: true,
             recompute_charge_per_s: 0.0,
+            evict_charge: super::policy::DEFAULT_EVICT_CHARGE,
             remote_prefix: RemotePrefixMode::Local,
         }
     }
@@ -571,9 +574,11 @@ impl Router {
     /// A router with `cfg` and `tenants`.
     pub fn new(cfg: RouterConfig, tenants: Tenants) -> Self {
         Router {
-            policy: cfg
-                .policy
-                .build_for(cfg.shared_load, cfg.recompute_charge_per_s),
+            policy: cfg.policy.build_for(
+                cfg.shared_load,
+                cfg.recompute_charge_per_s,
+                cfg.evict_charge,
+            ),
             rng: SmallRng::seed_from_u64(cfg.seed),
             tenants,
             candidates: Vec::new(),
@@ -603,7 +608,11 @@ impl Router {
     /// Switches to policy `kind` (a configuration reload), with fresh policy state (a rotation
     /// counter, a hash ring): the next decision is the new policy's first.
     pub fn set_policy(&mut self, kind: PolicyKind) {
-        self.policy = kind.build_for(self.cfg.shared_load, self.cfg.recompute_charge_per_s);
+        self.policy = kind.build_for(
+            self.cfg.shared_load,
+            self.cfg.recompute_charge_per_s,
+            self.cfg.evict_charge,
+        );
         self.cfg.policy = kind;
     }
 
@@ -1096,6 +1105,7 @@ impl Router {
             prefill_queue_s,
             cost_s,
             prefill_s,
+            cache_fill: cost.cache_fill(r),
         }
     }
 

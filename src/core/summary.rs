@@ -436,7 +436,8 @@ pub struct ReplicaSummary {
     log: VecDeque<(u64, u64)>,
     /// Deltas can be served to peers whose seq is at least this.
     log_floor: u64,
-    /// Distinct keys inserted this epoch (drives the rebuild decision).
+    /// Distinct keys inserted this epoch (drives the home's rebuild decision); on a peer's copy,
+    /// estimated from the snapshot's set bits plus the deltas' new keys.
     inserted: usize,
     max_log_keys: usize,
     /// Fingerprint of the filter's seed (see [`KeyHasher::seed_id`]).
@@ -506,6 +507,12 @@ impl ReplicaSummary {
             )));
         }
         let geometry = FilterGeometry::of(&filter);
+        // How full the replica's cache is, for a peer's copy too (`CostModel::cache_fill`).
+        let inserted = estimated_keys(
+            filter.as_slice().get(BLOOM_HEADER_BYTES..).unwrap_or(&[]),
+            bits,
+            k,
+        );
         Ok(ReplicaSummary {
             epoch: s.epoch,
             seq: s.seq,
@@ -513,7 +520,7 @@ impl ReplicaSummary {
             filter: Arc::new(filter),
             log: VecDeque::new(),
             log_floor: s.seq,
-            inserted: 0,
+            inserted,
             max_log_keys: cfg.max_log_keys,
             seed_id: seed_id(&cfg.seed),
             lower_tiers: s.lower_tiers,
@@ -536,7 +543,8 @@ impl ReplicaSummary {
         self.capacity_items
     }
 
-    /// Distinct keys inserted this epoch (on the home node).
+    /// Distinct keys inserted this epoch: counted on the home node, estimated on a peer's copy
+    /// (from the snapshot's set bits, then counted through deltas).
     pub fn inserted(&self) -> usize {
         self.inserted
     }
@@ -740,6 +748,9 @@ impl ReplicaSummary {
         }
         let filter = Arc::make_mut(&mut self.filter);
         for k in &d.keys {
+            if !filter.check(k) {
+                self.inserted += 1;
+            }
             filter.set(k);
         }
         // Sticky within an epoch, like the bits: an overlapping older delta cannot unset it.
@@ -765,10 +776,51 @@ impl ReplicaSummary {
     }
 }
 
+/// Distinct keys a Bloom filter of `bits` bits probed `hashes` times per key holds, estimated
+/// from the share of its bits set (Swamidass and Baldi: `n = −(m/k)·ln(1 − X/m)`). One pass over
+/// the bitmap, once per snapshot.
+fn estimated_keys(bitmap: &[u8], bits: u64, hashes: u32) -> usize {
+    if bits == 0 || hashes == 0 {
+        return 0;
+    }
+    let set: u64 = bitmap.iter().map(|b| u64::from(b.count_ones())).sum();
+    let m = bits as f64;
+    let empty = (1.0 - set as f64 / m).max(1.0 / m);
+    let n = -(m / f64::from(hashes)) * empty.ln();
+    // A float past usize saturates (`as`), NaN reads 0.
+    n.round() as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_peers_copy_knows_about_how_many_keys_the_home_holds() {
+        let cfg = SummaryConfig::for_cluster("c");
+        let mut home = ReplicaSummary::new(1, 1_000, &cfg).expect("a summary");
+        let keys: Vec<BlockKey> = (0..1_000).map(BlockKey).collect();
+        home.insert(&keys[..600]);
+        let mut copy = ReplicaSummary::from_snapshot(&home.snapshot(), &cfg).expect("decodes");
+        let n = copy.inserted() as f64;
+        assert!(
+            (n - home.inserted() as f64).abs() < 30.0,
+            "{n} vs {}",
+            home.inserted()
+        );
+        // Deltas count their new keys.
+        let seq = home.seq();
+        home.insert(&keys[600..900]);
+        let d = home.delta_since(seq).expect("a delta");
+        copy.apply_delta(&d).expect("applies");
+        let n = copy.inserted() as f64;
+        assert!(
+            (n - home.inserted() as f64).abs() < 40.0,
+            "{n} vs {}",
+            home.inserted()
+        );
+    }
 
     fn cfg() -> SummaryConfig {
         SummaryConfig::for_cluster("test")

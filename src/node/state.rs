@@ -382,6 +382,7 @@ impl Node {
                 forward_by: cfg.forward_by,
                 remote_prefix: cfg.remote_prefix,
                 recompute_charge_per_s: cfg.recompute_charge_per_s,
+                evict_charge: cfg.evict_charge,
                 shared_load: cfg
                     .mesh
                     .as_ref()

@@ -23,7 +23,7 @@ pub use kind::{PolicyKind, UnknownPolicy};
 pub use least_load::LeastLoad;
 pub use lmetric::LMetric;
 pub use p2c::PowerOfTwo;
-pub use p2c_cache::P2cCache;
+pub use p2c_cache::{P2cCache, DEFAULT_EVICT_CHARGE};
 pub use pick::{Candidate, Pick, Policy, PolicyInput, Reason};
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
@@ -35,13 +35,19 @@ impl PolicyKind {
     /// A fresh policy of this kind with default parameters, for a node that sees its region's
     /// routing at once (see [`Self::build_for`]).
     pub fn build(self) -> Box<dyn Policy> {
-        self.build_for(true, 0.0)
+        self.build_for(true, 0.0, DEFAULT_EVICT_CHARGE)
     }
 
     /// A fresh policy of this kind with default parameters; `shared_load` says whether the node
     /// sees its region peers' routing within a load-sharing interval (`RouterConfig::shared_load`)
-    /// and, for `p2c-cache`, its recompute charge (`RouterConfig::recompute_charge_per_s`).
-    pub fn build_for(self, shared_load: bool, recompute_charge_per_s: f64) -> Box<dyn Policy> {
+    /// and, for `p2c-cache`, its recompute and eviction charges (`RouterConfig::recompute_charge_per_s`,
+    /// `RouterConfig::evict_charge`).
+    pub fn build_for(
+        self,
+        shared_load: bool,
+        recompute_charge_per_s: f64,
+        evict_charge: f64,
+    ) -> Box<dyn Policy> {
         match self {
             PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
             PolicyKind::Random => Box::new(RandomPolicy),
@@ -54,10 +60,12 @@ impl PolicyKind {
             PolicyKind::P2cCache if !shared_load => Box::new(P2cCache {
                 escape_margin_s: f64::INFINITY,
                 recompute_charge_per_s,
+                evict_charge,
                 ..P2cCache::default()
             }),
             PolicyKind::P2cCache => Box::new(P2cCache {
                 recompute_charge_per_s,
+                evict_charge,
                 ..P2cCache::default()
             }),
         }
@@ -85,6 +93,7 @@ pub(crate) mod testing {
             in_flight: outstanding,
             queue_s,
             prefill_queue_s: outstanding as f64 * (2048.0 / 50_000.0),
+            cache_fill: 0.0,
             cost_s: queue_s + uncached / 50_000.0,
             prefill_s: uncached / 50_000.0,
         }

@@ -19,6 +19,10 @@
 //! - a holder of the *whole* prompt (an RL rollout's siblings, a resent prompt) keeps it unless
 //!   B is sooner on the prefill side too: the siblings' own decodes do not split the group
 //!   ([`P2cCache`]'s `b_answers_sooner`);
+//! - when B's cache is full, its copy of the prefix evicts other conversations' blocks, so B
+//!   pays for its recomputation again in proportion (`evict_charge`): on a fleet whose working set
+//!   overflows its KV, follow-ups stay with their holders unless those are far deeper in queue;
+//!   where the caches have room, spilling stays as cheap as before (issue #38);
 //! - many routers with the same stale view do not all pick the same B, so they do not herd;
 //! - except that when A is clearly dearer (`escape_margin_s`) than a nearly idle replica
 //!   (`escape_max_queue_s`), B is that replica rather than a draw: the draw would find it
@@ -109,7 +113,23 @@ pub struct P2cCache {
     /// backlog floor (an idle B paid ~2.6× its recomputation) did not move the live hit ratio
     /// (0.138 against 0.135).
     pub recompute_charge_per_s: f64,
+    /// Seconds charged to B per second of prefill it adds over A, times the share of B's cache
+    /// that is full ([`Candidate::cache_fill`], 0..=1): B pays again for the blocks its copy of
+    /// the prefix would evict, which other conversations' follow-ups then recompute. Default
+    /// [`DEFAULT_EVICT_CHARGE`]; the node's `evict_charge` key sets it. Why (issue #38): the
+    /// Mooncake window's prompts hold 13.2 M distinct tokens against the eight replicas' 3.6 M
+    /// of KV, so every replica evicts from the first quarter of the window on, and each
+    /// follow-up sent off its holder for load both loses its own hit and overwrites another
+    /// conversation's; sglang-router leaves a holder only past an imbalance of 64 requests. On
+    /// the agentic sessions, whose working set fits, a B with room evicts nothing and pays
+    /// nothing, so spilling a 100k-token turn off a swamped holder stays cheap — the difference
+    /// the fleet-backlog charge (`recompute_charge_per_s`) could not see. At 0 it is off.
+    pub evict_charge: f64,
 }
+
+/// [`P2cCache::evict_charge`]'s default: B must answer sooner by 8 times the prefill it would
+/// recompute over the holder when its cache is full.
+pub const DEFAULT_EVICT_CHARGE: f64 = 8.0;
 
 impl Default for P2cCache {
     fn default() -> Self {
@@ -119,6 +139,7 @@ impl Default for P2cCache {
             escape_margin_s: 0.05,
             escape_max_queue_s: 0.1,
             recompute_charge_per_s: 0.0,
+            evict_charge: DEFAULT_EVICT_CHARGE,
         }
     }
 }
@@ -192,14 +213,16 @@ impl P2cCache {
     }
 
     /// B's cost as weighed against A's (`c[b]`, `c[a]`): its predicted cost plus the charge for
-    /// the prefill it would spend beyond A's, scaled by B's own prefill backlog and by the
-    /// fleet's (the candidates' mean queued prefill, worked out only when there is a charge).
+    /// the prefill it would spend beyond A's, scaled by B's own prefill backlog, by how full
+    /// B's cache is (what the copy evicts) and by the fleet's backlog (the candidates' mean
+    /// queued prefill, worked out only when there is a charge).
     fn charged_cost(&self, c: &[Candidate], a: usize, b: usize) -> f64 {
         let extra_prefill_s = (c[b].prefill_s - c[a].prefill_s).max(0.0);
         if extra_prefill_s == 0.0 {
             return c[b].cost_s;
         }
-        let mut per_s = self.backlog_weight_per_s * c[b].prefill_queue_s.max(0.0);
+        let mut per_s = self.backlog_weight_per_s * c[b].prefill_queue_s.max(0.0)
+            + self.evict_charge * c[b].cache_fill.clamp(0.0, 1.0);
         if self.recompute_charge_per_s > 0.0 {
             // A pass over the candidates: only when the charge is on.
             per_s += self.recompute_charge_per_s * fleet_backlog_s(c);
@@ -461,6 +484,37 @@ mod tests {
             ..P2cCache::default()
         };
         let h = histogram(&mut uncharged, &busy, &keys(128), 100);
+        assert_eq!(h[7], 100, "{h:?}");
+    }
+
+    #[test]
+    fn a_full_cache_must_save_more_than_the_blocks_its_copy_evicts() {
+        // The holder is a second deep; the idle replica answers 0.85 s sooner but would recompute
+        // 0.15 s of prompt the holder has cached. With room in its cache (an agentic fleet whose
+        // working set fits) that costs nobody else: it goes there.
+        let mut with_room = fleet_with_one_idle(0.05);
+        with_room[7].cache_fill = 0.0;
+        let h = histogram(&mut P2cCache::default(), &with_room, &keys(128), 100);
+        assert_eq!(h[7], 100, "{h:?}");
+        // Its cache full (a Mooncake fleet, 3.7× over its KV), the copy evicts another
+        // conversation's blocks: charged 8 × 0.15 s, the holder keeps its follow-up...
+        let mut full = with_room.clone();
+        full.iter_mut().for_each(|x| x.cache_fill = 1.0);
+        let h = histogram(&mut P2cCache::default(), &full, &keys(128), 100);
+        assert_eq!(h[0], 100, "{h:?}");
+        // ... as it did not before the charge ...
+        let mut uncharged = P2cCache {
+            evict_charge: 0.0,
+            ..P2cCache::default()
+        };
+        let h = histogram(&mut uncharged, &full, &keys(128), 100);
+        assert_eq!(h[7], 100, "{h:?}");
+        // ... until the holder is deeper in queue than the charge: two seconds, and it spills.
+        // (Its queue is prefill: a whole-prompt holder's decodes alone would not count.)
+        full[0].queue_s = 2.0;
+        full[0].prefill_queue_s = 2.0;
+        full[0].cost_s = 2.05;
+        let h = histogram(&mut P2cCache::default(), &full, &keys(128), 100);
         assert_eq!(h[7], 100, "{h:?}");
     }
 

@@ -35,6 +35,9 @@ pub struct Candidate {
     /// replica's prefill rate, plus their attention over the context: `CostModel::prefill_s`),
     /// without queue or credit: the fleet capacity it spends.
     pub prefill_s: f64,
+    /// How full its prefix cache is believed to be, 0..=1 (`CostModel::cache_fill`): the share
+    /// of what a prefill writes there that evicts other blocks.
+    pub cache_fill: f64,
 }
 
 /// What a policy decides on.

@@ -52,7 +52,8 @@ pub const DEFAULT_DROP_DEPARTED_AFTER_S: u64 = 30;
 /// Longest duration any setting may name: 7 days.
 pub const MAX_DURATION_MS: u64 = 7 * 86_400_000;
 
-/// Largest `recompute_charge_per_s` (beyond it the replica holding a prefix is never left).
+/// Largest `recompute_charge_per_s` and `evict_charge` (beyond it the replica holding a prefix
+/// is never left).
 pub const MAX_RECOMPUTE_CHARGE_PER_S: f64 = 1000.0;
 
 /// Everything a node needs. Every field has a default, so an empty file plus `--replica` flags is
@@ -119,6 +120,10 @@ pub struct NodeConfig {
     /// per second of extra prefill, per second of prefill queued on the average replica
     /// ([`crate::core::policy::P2cCache::recompute_charge_per_s`]). 0..=1000; default 0 (off).
     pub recompute_charge_per_s: f64,
+    /// `p2c-cache`: seconds charged to a replica that would recompute a prefix another holds,
+    /// per second of extra prefill, times how full its cache is
+    /// ([`crate::core::policy::P2cCache::evict_charge`]). 0..=1000; default 8; 0 turns it off.
+    pub evict_charge: f64,
     /// Share of a cached block's prefill the cost model credits by the tier the replica holds it
     /// in (known from KV events' `medium`), each 0..=1. Default
     /// `{ gpu = 1.0, cpu = 0.75, disk = 0.25 }`; keys left out keep their default.
@@ -215,6 +220,7 @@ impl Default for NodeConfig {
             w_load_s: 0.005,
             affinity_credit_s: 0.2,
             recompute_charge_per_s: 0.0,
+            evict_charge: crate::core::policy::DEFAULT_EVICT_CHARGE,
             tier_weights: TierWeights::default(),
             kv_fetch: crate::core::kv_fetch::KvFetchConfig::default(),
             overlay_ttl_s: 10,
@@ -479,6 +485,7 @@ impl NodeConfig {
             ("w_load_s", self.w_load_s),
             ("affinity_credit_s", self.affinity_credit_s),
             ("recompute_charge_per_s", self.recompute_charge_per_s),
+            ("evict_charge", self.evict_charge),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(invalid(
@@ -574,11 +581,16 @@ impl NodeConfig {
                 return Err(invalid(key, "at most 7 days"));
             }
         }
-        if self.recompute_charge_per_s > MAX_RECOMPUTE_CHARGE_PER_S {
-            return Err(invalid(
-                "recompute_charge_per_s",
-                format!("at most {MAX_RECOMPUTE_CHARGE_PER_S}"),
-            ));
+        for (key, v) in [
+            ("recompute_charge_per_s", self.recompute_charge_per_s),
+            ("evict_charge", self.evict_charge),
+        ] {
+            if v > MAX_RECOMPUTE_CHARGE_PER_S {
+                return Err(invalid(
+                    key,
+                    format!("at most {MAX_RECOMPUTE_CHARGE_PER_S}"),
+                ));
+            }
         }
         for (key, v) in [
             ("summary_interval_ms", self.summary_interval_ms),
@@ -974,6 +986,8 @@ mod tests {
             ("spill_after_s = 1e300", "spill_after_s"),
             ("recompute_charge_per_s = 1e6", "recompute_charge_per_s"),
             ("recompute_charge_per_s = -1.0", "recompute_charge_per_s"),
+            ("evict_charge = 1e6", "evict_charge"),
+            ("evict_charge = -1.0", "evict_charge"),
             ("[timeouts]\nidle_ms = 18446744073709551615", "timeouts.idle_ms"),
         ] {
             let e = NodeConfig::from_toml(text).unwrap_err().to_string();

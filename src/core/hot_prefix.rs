@@ -739,6 +739,7 @@ fn warm_by_pull(
     }
     Some(super::kv_fetch::KvFetchPlan {
         source,
+        offer_key: None,
         from_tokens: 0,
         tokens,
         predicted_s,

@@ -1776,7 +1776,7 @@ impl<'a> Sim<'a> {
             self.hot_max = self.hot_max.max(h.hot_count(now));
             for a in actions.drain(..) {
                 match a {
-                    Action::WarmUp(w) => self.start_warm(n, w, now),
+                    Action::WarmUp(w) => self.start_warm(n, *w, now),
                     Action::Cancel { key, replica } => self.cancel_warm(n, key, replica, now),
                 }
             }

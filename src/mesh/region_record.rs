@@ -277,7 +277,8 @@ mod tests {
         assert_eq!(offer.holders[0].id, "us-replica-0");
         assert_eq!(offer.holders[0].head.key, u64::MAX);
         assert_eq!(RegionRecord::new(&offer, 1, vec![]).holders, r.holders);
-        let bad_cases: [(&str, fn(&mut RegionRecord)); 6] = [
+        type Spoil = fn(&mut RegionRecord);
+        let bad_cases: [(&str, Spoil); 6] = [
             ("for no head", |r| r.holders[0].0 = 5),
             ("empty id", |r| r.holders[0].2.clear()),
             ("not http", |r| r.holders[0].3 = "file:///etc/passwd".into()),

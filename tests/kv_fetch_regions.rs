@@ -1,9 +1,11 @@
 //! A prefix held in another region, live (issue #37, "across regions"): two mesh nodes on
-//! loopback, one per region (the flat layout, so each sees the other's replicas and summaries),
-//! each in front of a simulated replica. With `remote_prefix = "weigh"` and a fast link pinned
-//! between the regions, a request at region `eu` whose prompt only `us`'s replica holds goes to
-//! `eu`'s replica with a pull hint naming `us`'s, and the pull really happens; when that source
-//! is dead the request still succeeds, recomputed.
+//! loopback, one per region, each in front of a simulated replica. With `remote_prefix =
+//! "weigh"` and a fast link pinned between the regions, a request at region `eu` whose prompt
+//! only `us`'s replica holds goes to `eu`'s replica with a pull hint naming `us`'s, and the pull
+//! really happens — in the flat layout (each node sees the other's replicas and summaries; when
+//! that source is dead the request still succeeds, recomputed) and in the regional one (`eu`
+//! sees `us` only through its region offer, which names the holder). An offer naming a replica
+//! of another region than its own is refused.
 
 mod common;
 
@@ -12,8 +14,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{bounded, client, cluster_ca, mesh_addr, sim_replica, wait_for};
+use kvmesh::core::keys::BlockKey;
 use kvmesh::core::kv_load::{KvHintFormat, KvLoad};
+use kvmesh::core::region_choice::foreign_holder;
+use kvmesh::core::region_offer::{OfferedHolder, RegionHead, RegionOffer};
 use kvmesh::core::remote_prefix::RemotePrefixMode;
+use kvmesh::core::role::PdFacts;
+use kvmesh::core::view::{ReplicaInfo, View};
+use kvmesh::mesh::region_record::RegionRecord;
 use kvmesh::node::config::mesh::LayoutConfig;
 use kvmesh::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig};
 use kvmesh::proxy::{self, RunningNode};
@@ -21,13 +29,25 @@ use serde_json::json;
 
 const MODEL: &str = "sim-llama-8b";
 
-/// A node of `region` in front of `replica` (id, url, takes vLLM hints), seeded by `seeds`:
-/// the regions 5 s apart (a forward never pays) with a 50 GB/s KV link pinned between them.
+/// A node of `region` in front of `replica` (id, url, takes vLLM hints), seeded by `seeds`,
+/// in the flat layout: the regions 5 s apart (a forward never pays) with a 50 GB/s KV link
+/// pinned between them.
 fn node_config(
     certs: &Path,
     (name, region): (&str, &str),
     seeds: &[SocketAddr],
+    replica: (&str, String, bool),
+) -> NodeConfig {
+    layout_config(certs, (name, region), seeds, replica, LayoutConfig::Flat)
+}
+
+/// [`node_config`] in `layout`.
+fn layout_config(
+    certs: &Path,
+    (name, region): (&str, &str),
+    seeds: &[SocketAddr],
     (id, url, hints): (&str, String, bool),
+    layout: LayoutConfig,
 ) -> NodeConfig {
     kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
     let mut cfg = NodeConfig {
@@ -64,7 +84,8 @@ fn node_config(
         gossip_interval_ms: 100,
         failure_detection_ms: 2_000,
         warmup_timeout_ms: 5_000,
-        layout: LayoutConfig::Flat,
+        layout,
+        region_interval_ms: 200,
         distance: vec![DistanceConfig {
             a: "eu".into(),
             b: "us".into(),
@@ -222,4 +243,133 @@ async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead
         ra.shutdown().await;
     })
     .await;
+}
+
+/// Regional gossip: `eu` never sees `us`'s replica, only `us`'s region offer. A prompt `us`
+/// computed (twice, so its representative offers the prefix) is served at `eu` by `eu`'s
+/// replica pulling the prefix from the holder the offer names. Before offers carried holders
+/// only a forward was weighed here, and `eu` recomputed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names() {
+    bounded(90, async {
+        let c = client();
+        let certs = cluster_ca();
+        let ra = sim_replica("ra", |_| {}).await;
+        let rb = sim_replica("rb", |_| {}).await;
+        let regional = LayoutConfig::Regional;
+        let eu = proxy::spawn(layout_config(
+            certs.path(),
+            ("eu1", "eu"),
+            &[],
+            ("ra", ra.base_url(), true),
+            regional,
+        ))
+        .await
+        .unwrap();
+        let us = proxy::spawn(layout_config(
+            certs.path(),
+            ("us1", "us"),
+            &[mesh_addr(&eu)],
+            ("rb", rb.base_url(), false),
+            regional,
+        ))
+        .await
+        .unwrap();
+        wait_for(Duration::from_secs(20), || {
+            eu.node.lock().view.remote_regions.contains_key("us")
+        })
+        .await
+        .expect("eu hears us's region offer");
+
+        let prompt = text("doc-one", 4 * 8192);
+        for _ in 0..2 {
+            assert_eq!(complete(&c, us.addr, &prompt).await, (200, "rb".into()));
+        }
+        let holder_depth = || {
+            let core = eu.node.lock();
+            let offer = core.view.remote_regions.get("us")?;
+            offer
+                .holders
+                .iter()
+                .find(|h| h.id == "rb")
+                .map(|h| h.head.depth)
+        };
+        wait_for(Duration::from_secs(30), || holder_depth().is_some())
+            .await
+            .expect("us's offer names rb as the prefix's holder");
+        let depth = holder_depth().unwrap_or_default();
+        assert!(
+            eu.node.lock().view.index_of("rb").is_none(),
+            "regional gossip: eu does not see rb itself"
+        );
+
+        // At `eu`: the local replica, pulling from the named holder (recomputing looks like
+        // 4 s, going there 5 s, the pull ~30 ms).
+        assert_eq!(complete(&c, eu.addr, &prompt).await, (200, "ra".into()));
+        let fetched = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await;
+        let offered_tokens = f64::from(depth) * 64.0;
+        assert!(
+            fetched >= offered_tokens.min(8_000.0) && fetched >= 4_000.0,
+            "ra pulled the offered prefix ({depth} blocks) from rb: {fetched}"
+        );
+        assert!(
+            metric(&c, &rb.base_url(), "kvmesh_replica_kv_served_tokens_total").await >= 4_000.0
+        );
+        eu.shutdown().await;
+        us.shutdown().await;
+        ra.shutdown().await;
+        rb.shutdown().await;
+    })
+    .await;
+}
+
+/// The offer's wire form carries the holder; a reader refuses an offer that names a replica
+/// it knows in another region (here its own), and keeps one naming a replica it does not know.
+#[test]
+fn an_offer_naming_another_regions_replica_is_refused() {
+    let keys: Vec<BlockKey> = (1..=64).map(BlockKey).collect();
+    let head = RegionHead::of(&keys).unwrap();
+    let offer = |id: &str, url: &str| RegionOffer {
+        region: "us".into(),
+        heads: vec![head],
+        holders: vec![OfferedHolder {
+            head,
+            id: id.into(),
+            url: url.into(),
+            step_ms: 0,
+        }],
+        ..RegionOffer::default()
+    };
+    let mut eu = View::new("eu", 64);
+    eu.upsert(ReplicaInfo {
+        id: "ra".into(),
+        url: "http://127.0.0.1:9101".into(),
+        region: "eu".into(),
+        zone: String::new(),
+        pool: String::new(),
+        models: vec![MODEL.into()],
+        capacity_tokens: 450_000,
+        prefill_tokens_per_s: 50_000.0,
+        prefill_attention_ms_per_pair: 0.0,
+        max_in_flight: 256,
+        pd: PdFacts::default(),
+        kv_load: None,
+    });
+    let read = |o: &RegionOffer| {
+        let wire = RegionRecord::new(o, 1, vec![]).encode_fit().unwrap();
+        RegionRecord::decode(&wire).unwrap().offer()
+    };
+    let own = read(&offer("rb", "http://127.0.0.1:9102"));
+    assert_eq!(
+        own.pull_source(&keys).map(|(h, _)| h.id.as_str()),
+        Some("rb")
+    );
+    assert!(foreign_holder(&eu, &own).is_none());
+    for (id, url) in [
+        ("ra", "http://127.0.0.1:9102"),
+        ("rb", "http://127.0.0.1:9101/"),
+    ] {
+        let foreign = read(&offer(id, url));
+        assert!(foreign_holder(&eu, &foreign).is_some(), "{id} at {url}");
+    }
 }

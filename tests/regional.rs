@@ -45,6 +45,7 @@ fn offer_with_head(region: &str, head: u64) -> RegionOffer {
             key: head,
             depth: 16,
         }],
+        holders: vec![],
     }
 }
 

@@ -943,6 +943,16 @@ impl<'a> Sim<'a> {
         self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
     }
 
+    /// The fleet index of the replica the newest region offers name as holding head `key`.
+    fn offered_source(&self, key: u64) -> Option<usize> {
+        let offers = self.offers.latest()?;
+        let h = offers
+            .iter()
+            .flat_map(|o| &o.holders)
+            .find(|h| h.head.key == key)?;
+        self.infos.iter().position(|i| i.id == h.id)
+    }
+
     /// What a pull of `plan` (request or warm-up `id`) for replica `r` gets at `now`: the leading
     /// run of the planned blocks its source's engine holds now, arriving after the modelled
     /// transfer — the link between the two (`[kv_fetch] links`), the rest of the source's
@@ -962,7 +972,12 @@ impl<'a> Sim<'a> {
         let hashes = block_hashes(prompt, bs);
         let from = usize::try_from(plan.from_tokens).ok()? / bs;
         let to = (usize::try_from(plan.tokens).ok()? / bs).min(hashes.len());
-        let source = self.engines.get(plan.source)?;
+        // Regional gossip: the holder a region offer names, found by its id in the fleet.
+        let source_ix = match plan.offer_key {
+            Some(key) => self.offered_source(key)?,
+            None => plan.source,
+        };
+        let source = self.engines.get(source_ix)?;
         let held = if to > from {
             source.cached_prefix_tokens(&hashes[from..to]) / bs
         } else {
@@ -984,7 +999,7 @@ impl<'a> Sim<'a> {
             target: "kvmesh::bench::sim",
             id,
             replica = r,
-            source = plan.source,
+            source = source_ix,
             planned_blocks = to.saturating_sub(from),
             held_blocks = held,
             source_running = st.running,
@@ -1002,7 +1017,7 @@ impl<'a> Sim<'a> {
         let spec = cost
             .fetch
             .links
-            .spec(Link::between(&self.infos[r], &self.infos[plan.source]));
+            .spec(Link::between(&self.infos[r], &self.infos[source_ix]));
         let tokens = held * bs;
         let bytes = tokens as f64 * self.cfg.engine.kv_bytes_per_token as f64;
         let secs = spec.setup_ms / 1000.0 + step_s + bytes / (spec.gb_per_s.max(1e-6) * 1e9);
@@ -1761,7 +1776,7 @@ impl<'a> Sim<'a> {
             self.hot_max = self.hot_max.max(h.hot_count(now));
             for a in actions.drain(..) {
                 match a {
-                    Action::WarmUp(w) => self.start_warm(n, w, now),
+                    Action::WarmUp(w) => self.start_warm(n, *w, now),
                     Action::Cancel { key, replica } => self.cancel_warm(n, key, replica, now),
                 }
             }

@@ -116,6 +116,7 @@ pub fn price(
         }
         *plan = Some(KvFetchPlan {
             source: source_index,
+            offer_key: None,
             from_tokens: own_tokens,
             tokens: source_tokens,
             predicted_s: transfer_s,
@@ -156,6 +157,7 @@ pub fn reactive(
     let transfer_s = cfg.transfer_s(&target.info, source, source_tokens - own_tokens)?;
     Some(KvFetchPlan {
         source: candidates[h].replica,
+        offer_key: None,
         from_tokens: own_tokens,
         tokens: source_tokens,
         predicted_s: transfer_s,

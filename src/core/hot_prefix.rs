@@ -272,8 +272,8 @@ pub struct WarmUp {
 /// What [`HotPrefixes::plan`] asks the caller to do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
-    /// Send a warm-up.
-    WarmUp(WarmUp),
+    /// Send a warm-up (boxed: it carries a pull plan, and a `Cancel` is small).
+    WarmUp(Box<WarmUp>),
     /// The heat passed: stop the warm-up of `key` on `replica` if it is still running.
     Cancel {
         /// The prefix.
@@ -557,7 +557,7 @@ impl HotPrefixes {
                 // As many at once as the holders' load asks for (`next_warm_up` says when
                 // enough are on their way), at most `max_warming` in flight.
                 while let Some(w) = self.next_warm_up(i, view, cost, tenants, now) {
-                    out.push(Action::WarmUp(w));
+                    out.push(Action::WarmUp(Box::new(w)));
                 }
             }
             i += 1;
@@ -739,6 +739,7 @@ fn warm_by_pull(
     }
     Some(super::kv_fetch::KvFetchPlan {
         source,
+        offer_key: None,
         from_tokens: 0,
         tokens,
         predicted_s,
@@ -1010,7 +1011,7 @@ mod tests {
     fn warm_ups(out: &[Action]) -> Vec<WarmUp> {
         out.iter()
             .filter_map(|a| match a {
-                Action::WarmUp(w) => Some(w.clone()),
+                Action::WarmUp(w) => Some(w.as_ref().clone()),
                 Action::Cancel { .. } => None,
             })
             .collect()

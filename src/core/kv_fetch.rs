@@ -328,8 +328,11 @@ pub fn source_step_s(
 /// (in tokens, whole blocks), from replica `source`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvFetchPlan {
-    /// The source replica's index in the view.
+    /// The source replica's index in the view ([`OFFERED_SOURCE`] when `offer_key` names it).
     pub source: usize,
+    /// `Some(head key)`: the source is not in the view but the holder another region's offer
+    /// names for that head (regional gossip; `core::region_offer::OfferedHolder`).
+    pub offer_key: Option<u64>,
     /// Prompt tokens the target is believed to hold already (the pull starts there).
     pub from_tokens: u64,
     /// Prompt tokens the source is believed to hold (the pull ends there).
@@ -339,6 +342,10 @@ pub struct KvFetchPlan {
     /// The wire form the target takes.
     pub format: KvHintFormat,
 }
+
+/// The `source` of a plan whose source is an offered holder: no view index (a lookup by it finds
+/// nothing, so code that knows only view sources skips the pull rather than misnaming one).
+pub const OFFERED_SOURCE: usize = usize::MAX;
 
 impl KvFetchPlan {
     /// Tokens the pull moves.

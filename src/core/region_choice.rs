@@ -17,7 +17,10 @@ use std::time::Duration;
 
 use super::cost::CostModel;
 use super::keys::BlockKey;
-use super::region_offer::{OfferedModel, RegionHead, RegionOffer};
+use super::kv_fetch::PullSource;
+use super::region_offer::{
+    OfferedHolder, OfferedModel, RegionHead, RegionOffer, MAX_HOLDER_STEP_MS, MAX_OFFER_HOLDERS,
+};
 use super::role::Leg;
 use super::view::{Health, ReplicaState, View};
 
@@ -144,8 +147,9 @@ fn usable_remote(r: &ReplicaState, local: &str, ask: &RegionAsk<'_>, leg: Leg) -
 }
 
 /// What `region` offers others, from this view's replicas of it: per (model, pool, whole) the
-/// healthy and open counts and the least queue, and those of `heads` some healthy replica of the
-/// region still holds by its summary. Trimmed to the offer's caps.
+/// healthy and open counts and the least queue, those of `heads` some healthy replica of the
+/// region still holds by its summary, and for the deepest of them who holds it (for pulls).
+/// Trimmed to the offer's caps.
 pub fn build_offer(
     view: &View,
     cost: &CostModel,
@@ -156,6 +160,7 @@ pub fn build_offer(
         region: region.to_owned(),
         models: Vec::new(),
         heads: Vec::new(),
+        holders: Vec::new(),
     };
     let mine = || {
         view.replicas()
@@ -214,7 +219,61 @@ pub fn build_offer(
         }
     }
     offer.trim();
+    offer.holders = holders(view, cost, region, &offer.heads);
     offer
+}
+
+/// For the deepest of `heads` (already trimmed, deepest first), the healthy replica of `region`
+/// holding it settled (its summary has the head's key): the least queued, then the lowest
+/// index. At most [`MAX_OFFER_HOLDERS`].
+fn holders(
+    view: &View,
+    cost: &CostModel,
+    region: &str,
+    heads: &[RegionHead],
+) -> Vec<OfferedHolder> {
+    let mut out = Vec::new();
+    for head in heads {
+        if out.len() == MAX_OFFER_HOLDERS {
+            break;
+        }
+        let best = view
+            .replicas()
+            .iter()
+            .filter(|r| r.info.region == region && r.health == Health::Healthy)
+            .filter(|r| {
+                r.summary
+                    .as_ref()
+                    .is_some_and(|s| s.contains(BlockKey(head.key)))
+            })
+            .min_by(|a, b| cost.queue_s(a).total_cmp(&cost.queue_s(b)));
+        if let Some(r) = best {
+            let step_ms = (PullSource::of(r).step_s * 1000.0).round();
+            out.push(OfferedHolder {
+                head: *head,
+                id: r.info.id.clone(),
+                url: r.info.url.trim_end_matches('/').to_owned(),
+                step_ms: step_ms.clamp(0.0, f64::from(MAX_HOLDER_STEP_MS)) as u16,
+            });
+        }
+    }
+    out
+}
+
+/// A holder `offer` names that this view knows as a replica of another region than the offer's
+/// (by id or URL): a region speaks only for its own replicas, so such an offer is refused whole.
+pub fn foreign_holder<'o>(view: &View, offer: &'o RegionOffer) -> Option<&'o OfferedHolder> {
+    offer.holders.iter().find(|h| {
+        let by_id = view
+            .index_of(&h.id)
+            .and_then(|i| view.replica(i))
+            .is_some_and(|r| r.info.region != offer.region);
+        by_id
+            || view.replicas().iter().any(|r| {
+                r.info.region != offer.region
+                    && r.info.url.trim_end_matches('/') == h.url.trim_end_matches('/')
+            })
+    })
 }
 
 #[cfg(test)]
@@ -251,6 +310,7 @@ mod tests {
                 prefill_tokens_per_s: 10_000,
             }],
             heads,
+            holders: vec![],
         }
     }
 
@@ -410,5 +470,72 @@ mod tests {
             (ap_offer.models[0].healthy, ap_offer.models[0].open),
             (1, 0)
         );
+    }
+
+    /// `us` has two replicas holding the document (the second less queued) and one that does
+    /// not: the offer names the less queued holder for the head, with its address.
+    #[test]
+    fn an_offer_names_the_least_queued_settled_holder_of_a_head() {
+        let keys = doc_keys();
+        let mut v = View::new("us", 64);
+        let mut s = ReplicaSummary::new(1, 10_000, &SummaryConfig::for_cluster("t")).unwrap();
+        s.insert(&keys);
+        for (id, queued, holds) in [
+            ("us-0", 50_000, true),
+            ("us-1", 0, true),
+            ("us-2", 0, false),
+        ] {
+            let mut r = info(id, "us");
+            r.models = vec!["m".into()];
+            let i = v.upsert(r);
+            v.replica_mut(i).unwrap().load = ReplicaLoad {
+                queued_prefill_tokens: queued,
+                in_flight: u32::from(queued > 0),
+                ..Default::default()
+            };
+            if holds {
+                v.set_summary(i, s.clone());
+            }
+        }
+        let c = CostModel::default();
+        let offer = build_offer(&v, &c, "us", RegionHead::of(&keys));
+        assert_eq!(offer.holders.len(), 1, "{:?}", offer.holders);
+        let h = &offer.holders[0];
+        assert_eq!(h.head, RegionHead::of(&keys).unwrap());
+        assert_eq!(h.id, "us-1");
+        let us1 = v.replica(v.index_of("us-1").unwrap()).unwrap();
+        assert_eq!(h.url, us1.info.url.trim_end_matches('/'));
+        let (_, blocks) = offer.pull_source(&keys).unwrap();
+        assert_eq!(blocks, u32::from(h.head.depth));
+        assert!(foreign_holder(&v, &offer).is_none(), "its own replica");
+    }
+
+    /// A reader knows `eu-0` as its own region's replica: `us`'s offer naming it (by id, or by
+    /// URL under another id) is refused; naming a replica the reader does not know is not.
+    #[test]
+    fn an_offer_naming_another_regions_replica_is_refused() {
+        let keys = doc_keys();
+        let head = RegionHead::of(&keys).unwrap();
+        let mut v = View::new("eu", 64);
+        let eu0 = info("eu-0", "eu");
+        let eu0_url = eu0.url.clone();
+        v.upsert(eu0);
+        let mut us = offer("us", 0, vec![head]);
+        us.holders = vec![OfferedHolder {
+            head,
+            id: "us-7".into(),
+            url: "http://10.9.9.9:8000".into(),
+            step_ms: 0,
+        }];
+        assert!(foreign_holder(&v, &us).is_none());
+        let mut by_id = us.clone();
+        by_id.holders[0].id = "eu-0".into();
+        assert_eq!(
+            foreign_holder(&v, &by_id).map(|h| h.id.as_str()),
+            Some("eu-0")
+        );
+        let mut by_url = us;
+        by_url.holders[0].url = format!("{}/", eu0_url.trim_end_matches('/'));
+        assert!(foreign_holder(&v, &by_url).is_some());
     }
 }

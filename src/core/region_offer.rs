@@ -15,6 +15,13 @@
 //! prefix, and how much of it" exactly up to the depth rounding (a head never claims more than the
 //! region held when it was published).
 //!
+//! A pull needs more than a forward: who to pull from. So an offer also names, for up to
+//! [`MAX_OFFER_HOLDERS`] of its deepest heads, the replica of the region holding that prefix
+//! settled (its id and URL, the KV hint's source fields): with `remote_prefix = "weigh"` a node
+//! of another region prices pulling that run into its own replica (`remote_prefix.rs`). An offer
+//! names only its own region's replicas (`region_choice::foreign_holder` refuses one naming a
+//! replica the reader knows in another region).
+//!
 //! The decision itself is in `router.rs`: among the regions with room, the least
 //! `RTT + queue + prefill of what the region does not hold` — the region holding the prefix when
 //! its extra round trip costs less than the prefill it saves, else the nearest.
@@ -36,6 +43,13 @@ pub const MAX_RECENT_HEADS: usize = 512;
 pub const MAX_REMOTE_REGIONS: usize = 64;
 /// The deepest head depth, in blocks (a prompt of 2^15 blocks of 16 tokens is 512k tokens).
 pub const MAX_HEAD_DEPTH: u16 = 1 << 15;
+/// Holders a region offer names at most (the deepest heads'): each costs ~80 bytes of a record
+/// that must fit a 1 KiB gossip value.
+pub const MAX_OFFER_HOLDERS: usize = 4;
+/// Longest replica id or URL an offered holder may carry.
+pub const MAX_HOLDER_STR_BYTES: usize = 256;
+/// The longest step an offered holder may claim, in ms (`kv_fetch::MAX_SOURCE_STEP_S`).
+pub const MAX_HOLDER_STEP_MS: u16 = 200;
 
 /// One model (and pool) a region serves, in aggregate.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,6 +101,22 @@ impl RegionHead {
     }
 }
 
+/// The replica of the offering region that holds one of its heads settled (its summary has the
+/// head's key): what a node of another region needs to pull that prefix's KV from it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferedHolder {
+    /// The head it holds: its run is the prompt's first `head.depth` blocks.
+    pub head: RegionHead,
+    /// Replica id (the hint's `source_id`).
+    pub id: String,
+    /// Replica base URL (the hint's `source_url`).
+    pub url: String,
+    /// Its current engine step in ms, what a pull waits for before blocks flow
+    /// (`kv_fetch::source_step_s`), at most [`MAX_HOLDER_STEP_MS`].
+    #[serde(default)]
+    pub step_ms: u16,
+}
+
 /// What another region offers forwarded requests.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RegionOffer {
@@ -98,6 +128,10 @@ pub struct RegionOffer {
     /// Prefixes it holds (at most [`MAX_REGION_HEADS`]).
     #[serde(default)]
     pub heads: Vec<RegionHead>,
+    /// Who holds some of those heads settled, for pulls (at most [`MAX_OFFER_HOLDERS`], each
+    /// for one of `heads`).
+    #[serde(default)]
+    pub holders: Vec<OfferedHolder>,
 }
 
 impl RegionOffer {
@@ -113,6 +147,19 @@ impl RegionOffer {
             .map(|h| h.depth as usize)
             .max()
             .unwrap_or(0)
+    }
+
+    /// The holder to pull `keys`' longest offered prefix from: the deepest head with a holder
+    /// that is a prefix of `keys`, with its run in blocks. O(holders).
+    pub fn pull_source(&self, keys: &[BlockKey]) -> Option<(&OfferedHolder, u32)> {
+        self.holders
+            .iter()
+            .filter(|h| {
+                let d = h.head.depth as usize;
+                d >= 1 && d <= keys.len() && keys[d - 1].0 == h.head.key
+            })
+            .max_by_key(|h| h.head.depth)
+            .map(|h| (h, u32::from(h.head.depth)))
     }
 
     /// The open entry for `model` that takes whole requests in one of `pools` (any pool when
@@ -153,6 +200,16 @@ impl RegionOffer {
             .sort_by(|a, b| b.depth.cmp(&a.depth).then(a.key.cmp(&b.key)));
         self.heads.dedup();
         self.heads.truncate(MAX_REGION_HEADS);
+        let heads = &self.heads;
+        self.holders.retain(|h| heads.contains(&h.head));
+        self.holders.sort_by(|a, b| {
+            b.head
+                .depth
+                .cmp(&a.head.depth)
+                .then(a.head.key.cmp(&b.head.key))
+        });
+        self.holders.dedup_by(|a, b| a.head == b.head);
+        self.holders.truncate(MAX_OFFER_HOLDERS);
     }
 }
 
@@ -241,6 +298,42 @@ mod tests {
         }
     }
 
+    fn holder(head: RegionHead) -> OfferedHolder {
+        OfferedHolder {
+            head,
+            id: format!("r{}", head.key),
+            url: format!("http://10.0.0.{}:8000", head.key % 250),
+            step_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_pull_source_is_the_holder_of_the_deepest_offered_head_the_prompt_starts_with() {
+        let k = keys(100);
+        let (h8, h32) = (
+            RegionHead::of(&k[..10]).unwrap(),
+            RegionHead::of(&k[..40]).unwrap(),
+        );
+        let other = RegionHead { key: 7, depth: 64 };
+        let offer = RegionOffer {
+            region: "us".into(),
+            models: vec![],
+            heads: vec![other, h32, h8],
+            holders: vec![holder(h8), holder(h32), holder(other)],
+        };
+        let (h, blocks) = offer.pull_source(&k).unwrap();
+        assert_eq!((h.head, blocks), (h32, 32));
+        let (h, blocks) = offer.pull_source(&k[..20]).unwrap();
+        assert_eq!((h.head, blocks), (h8, 8));
+        assert!(offer.pull_source(&k[..5]).is_none());
+        // A head without a holder is for forwards only.
+        let forward_only = RegionOffer {
+            holders: vec![],
+            ..offer
+        };
+        assert!(forward_only.pull_source(&k).is_none());
+    }
+
     #[test]
     fn a_head_is_the_key_at_the_deepest_power_of_two_depth() {
         assert_eq!(RegionHead::of(&[]), None);
@@ -286,6 +379,7 @@ mod tests {
                 RegionHead::of(&k[..40]).unwrap(), // depth 32
                 RegionHead { key: 7, depth: 64 },  // another prompt
             ],
+            holders: vec![],
         };
         assert_eq!(offer.held_blocks(&k), 32);
         assert_eq!(offer.held_blocks(&k[..20]), 8);
@@ -306,6 +400,7 @@ mod tests {
             region: "us".into(),
             models: vec![model("m", 1, 300), busy, prefill_only, model("m", 0, 0)],
             heads: vec![],
+            holders: vec![],
         };
         assert_eq!(offer.open_for("m", &[], 10.0), Some((0.3, 10_000.0)));
         assert_eq!(
@@ -327,8 +422,23 @@ mod tests {
                     depth: (i % 7) as u16,
                 })
                 .collect(),
+            holders: (0..40)
+                .map(|i| {
+                    holder(RegionHead {
+                        key: i,
+                        depth: (i % 7) as u16,
+                    })
+                })
+                .collect(),
         };
         offer.trim();
+        assert_eq!(offer.holders.len(), MAX_OFFER_HOLDERS);
+        assert!(
+            offer.holders.iter().all(|h| offer.heads.contains(&h.head)),
+            "a holder is for a kept head: {:?}",
+            offer.holders
+        );
+        assert_eq!(offer.holders[0].head.depth, 6, "the deepest first");
         assert_eq!(offer.models.len(), MAX_OFFERED_MODELS);
         assert_eq!(offer.models[0].open, 19);
         assert_eq!(offer.heads.len(), MAX_REGION_HEADS);

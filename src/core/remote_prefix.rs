@@ -26,7 +26,9 @@
 //! forward; `"local"` (the default) neither. Ties stay local: moving nothing beats moving blocks,
 //! which beats moving the request. With the regional gossip layout the node sees no other
 //! region's replicas, only its offer (`region_offer.rs`): the forward is priced from the
-//! offer's heads, and there is no holder address to pull from.
+//! offer's heads, and the pull from the holder the offer names for its deepest head the prompt
+//! starts with (its run, its step; the plan carries the head's key, `KvFetchPlan::offer_key`,
+//! and the proxy reads the holder's address from the offer).
 //!
 //! Sans-IO and allocation-free: one pass over the view's replicas (their static facts cached by
 //! the router), a settled-hit search for those of other regions serving the model, a few flops
@@ -36,7 +38,7 @@ use std::time::Duration;
 
 use super::cost::CostModel;
 use super::keys::BlockKey;
-use super::kv_fetch::{KvFetchPlan, LinkSpec, PullSource};
+use super::kv_fetch::{KvFetchPlan, LinkSpec, PullSource, OFFERED_SOURCE};
 use super::policy::Candidate;
 use super::role::Leg;
 use super::view::{Health, ReplicaState, View};
@@ -333,11 +335,13 @@ pub fn weigh<'v>(
     let min_more = u32::try_from(cost.fetch.min_tokens.div_ceil(tpb).max(1)).unwrap_or(u32::MAX);
     let min_blocks = ask.local_best_blocks.saturating_add(min_more);
     let holder = remote_holder(view, cost, (ask.keys, now), min_blocks, eligible);
-    let pulls = match holder {
-        Some(h) if ask.mode == RemotePrefixMode::Weigh => {
-            price_pulls(view, cost, h, (candidates, plans), ask.prompt_tokens)
-        }
-        _ => false,
+    let pulls = ask.mode == RemotePrefixMode::Weigh && {
+        // Flat gossip: the holder in the view; regional: the one an offer names.
+        let from = match holder {
+            Some(h) => PullFrom::replica(view, h),
+            None => PullFrom::offered(view, ask, min_blocks, now),
+        };
+        from.is_some_and(|f| price_pulls(view, cost, f, (candidates, plans), ask.prompt_tokens))
     };
     let local_s = candidates
         .iter()
@@ -353,26 +357,88 @@ pub fn weigh<'v>(
     RemoteWay::Stay { pulls }
 }
 
-/// Prices a pull of `holder`'s run into every candidate that takes hints and holds at least
+/// The source of a pull across regions, as pricing needs it.
+#[derive(Clone, Copy, Debug)]
+struct PullFrom<'v> {
+    /// Its view index, or [`OFFERED_SOURCE`] for a holder an offer names.
+    replica: usize,
+    /// The offered head's key when an offer names it.
+    offer_key: Option<u64>,
+    /// Leading blocks of the prompt it holds settled.
+    blocks: u32,
+    /// Seconds a pull waits for its current step.
+    step_s: f64,
+    /// Its region.
+    region: &'v str,
+}
+
+impl<'v> PullFrom<'v> {
+    /// The view's `holder` (flat gossip).
+    fn replica(view: &'v View, holder: RemoteHolder) -> Option<Self> {
+        let r = view.replica(holder.replica)?;
+        Some(PullFrom {
+            replica: holder.replica,
+            offer_key: None,
+            blocks: holder.blocks,
+            step_s: PullSource::of(r).step_s,
+            region: &r.info.region,
+        })
+    }
+
+    /// The holder another region's offer names for the deepest prefix of the prompt, at least
+    /// `min_blocks` long (regional gossip): of the answering regions serving the model, the
+    /// longest run, then the shortest step, then the first region by name.
+    fn offered(
+        view: &'v View,
+        ask: &RemoteAsk<'_>,
+        min_blocks: u32,
+        now: Duration,
+    ) -> Option<Self> {
+        let mut best: Option<PullFrom<'v>> = None;
+        for (region, offer) in &view.remote_regions {
+            if *region == view.local_region
+                || offer.holders.is_empty()
+                || view.is_unreachable(region, now)
+                || !offer.models.iter().any(|m| m.model == ask.model)
+            {
+                continue;
+            }
+            let Some((h, blocks)) = offer.pull_source(ask.keys) else {
+                continue;
+            };
+            let step_s = f64::from(h.step_ms) / 1000.0;
+            let better = best.is_none_or(|b| (blocks, -step_s) > (b.blocks, -b.step_s));
+            if blocks >= min_blocks && better {
+                best = Some(PullFrom {
+                    replica: OFFERED_SOURCE,
+                    offer_key: Some(h.head.key),
+                    blocks,
+                    step_s,
+                    region,
+                });
+            }
+        }
+        best
+    }
+}
+
+/// Prices a pull of `from`'s run into every candidate that takes hints and holds at least
 /// `kv_fetch.min_tokens` less; takes it where it beats the candidate's cost. Says whether any
 /// candidate took one.
 fn price_pulls(
     view: &View,
     cost: &CostModel,
-    holder: RemoteHolder,
+    from: PullFrom<'_>,
     (candidates, plans): (&mut [Candidate], &mut [Option<KvFetchPlan>]),
     prompt_tokens: u64,
 ) -> bool {
-    let Some(h) = view.replica(holder.replica) else {
-        return false;
-    };
     let tpb = u64::from(view.tokens_per_block);
     // Never more than the prompt less its last token (an engine recomputes that one).
-    let source_tokens = (u64::from(holder.blocks) * tpb).min(prompt_tokens.saturating_sub(1));
+    let source_tokens = (u64::from(from.blocks) * tpb).min(prompt_tokens.saturating_sub(1));
     // The candidates are this region's and the holder another's: the link is the regions'
     // (what `KvFetchConfig::transfer_from` would find, without parsing each candidate's URL).
-    let step_s = PullSource::of(h).step_s;
-    let link = cross_link(view, cost, &view.local_region, &h.info.region);
+    let step_s = from.step_s;
+    let link = cross_link(view, cost, &view.local_region, from.region);
     let min_tokens = cost.fetch.min_tokens;
     let mut any = false;
     for (c, plan) in candidates.iter_mut().zip(plans.iter_mut()) {
@@ -398,7 +464,8 @@ fn price_pulls(
         c.cost_s = pulled_s;
         c.prefill_s = prefill_s;
         *plan = Some(KvFetchPlan {
-            source: holder.replica,
+            source: from.replica,
+            offer_key: from.offer_key,
             from_tokens: own_tokens,
             tokens: source_tokens,
             predicted_s: transfer_s,
@@ -521,6 +588,7 @@ mod tests {
     }
 
     use crate::core::kv_load::{KvHintFormat, KvLoad};
+    use crate::core::region_offer::{OfferedHolder, OfferedModel, RegionHead, RegionOffer};
     use crate::core::router::{Decision, ForwardReason, RouteRequest, Router, RouterConfig};
     use crate::core::tenants::Tenants;
     use crate::core::view::ReplicaInfo;
@@ -719,6 +787,7 @@ mod tests {
                 prefill_tokens_per_s: 50_000,
             }],
             heads: vec![],
+            holders: vec![],
         };
         v.remote_regions.insert("us".into(), offer.clone());
         assert!(matches!(
@@ -734,6 +803,65 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Regional gossip: `eu` sees no replica of `us`, only its offer, whose region 5 s deep
+    /// holds the prompt and names `far` as the head's holder. Over a fast link the idle `near`
+    /// pulls from the named holder (the plan carries the head's key, no view index); an offer
+    /// without a holder, a replica without hints or `forward` mode pull nothing.
+    #[test]
+    fn under_regional_gossip_the_router_pulls_from_the_holder_an_offer_names() {
+        let (mut v, keys) = two_regions(true, 0, 0);
+        v.set_health(1, Health::Unhealthy); // out of sight, as with regional gossip
+        let head = RegionHead::of(&keys).unwrap();
+        let mut offer = RegionOffer {
+            region: "us".into(),
+            models: vec![OfferedModel {
+                model: "m".into(),
+                pool: String::new(),
+                whole: true,
+                healthy: 1,
+                open: 1,
+                least_queue_ms: 5_000,
+                prefill_tokens_per_s: 50_000,
+            }],
+            heads: vec![head],
+            holders: vec![],
+        };
+        v.remote_regions.insert("us".into(), offer.clone());
+        let Decision::Route(r) = route(&v, &keys, RemotePrefixMode::Weigh, FAST) else {
+            panic!("served here")
+        };
+        assert_eq!(r.fetch, None, "no holder named: nothing to pull from");
+        offer.holders = vec![OfferedHolder {
+            head,
+            id: "far".into(),
+            url: "http://10.2.0.1:8000".into(),
+            step_ms: 8,
+        }];
+        v.remote_regions.insert("us".into(), offer);
+        let Decision::Route(r) = route(&v, &keys, RemotePrefixMode::Weigh, FAST) else {
+            panic!("served here")
+        };
+        let plan = r.fetch.expect("a pull from the offered holder");
+        assert_eq!(r.replica, 0);
+        assert_eq!(
+            (plan.source, plan.offer_key),
+            (OFFERED_SOURCE, Some(head.key))
+        );
+        assert_eq!((plan.from_tokens, plan.tokens), (0, 32_767));
+        assert!(r.predicted_s < 0.4, "{}", r.predicted_s);
+        let Decision::Route(r) = route(&v, &keys, RemotePrefixMode::Forward, FAST) else {
+            panic!("served here")
+        };
+        assert_eq!(r.fetch, None, "forward mode weighs no pull");
+        let (mut plain, _) = two_regions(false, 0, 0);
+        plain.set_health(1, Health::Unhealthy);
+        plain.remote_regions = v.remote_regions.clone();
+        let Decision::Route(r) = route(&plain, &keys, RemotePrefixMode::Weigh, FAST) else {
+            panic!("served here")
+        };
+        assert_eq!(r.fetch, None, "a replica without hints gets none");
     }
 
     #[test]

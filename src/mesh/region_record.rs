@@ -5,7 +5,8 @@
 //! region copy it into their own regional cluster under `region:R` ([`REGION_PREFIX`]), so every
 //! node learns every region from one small value each, refreshed at most every
 //! `region_interval`. It carries what forwarding needs: the core's `RegionOffer` (models, room,
-//! least queue, held prefix heads) and a few nodes to forward to.
+//! least queue, held prefix heads, who holds the deepest of them for pulls) and a few nodes to
+//! forward to.
 //!
 //! Trust: in the region layer a `region` record counts only for the region its publisher's own
 //! `node` record names (a node speaks for its region, not for others); a `region:R` copy counts
@@ -17,7 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use super::schema::{bound, bounds, decode, encode, wall_ms, SchemaError};
 use crate::core::region_offer::{
-    OfferedModel, RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_OFFERED_MODELS, MAX_REGION_HEADS,
+    OfferedHolder, OfferedModel, RegionHead, RegionOffer, MAX_HEAD_DEPTH, MAX_HOLDER_STEP_MS,
+    MAX_HOLDER_STR_BYTES, MAX_OFFERED_MODELS, MAX_OFFER_HOLDERS, MAX_REGION_HEADS,
 };
 
 /// Key of a representative's own region record in the region layer.
@@ -61,6 +63,10 @@ pub struct RegionRecord {
     /// Nodes to forward to, the publishing representative first.
     #[serde(default)]
     pub targets: Vec<RegionTarget>,
+    /// Holders of some heads as (key, depth, replica id, replica URL, step ms): positional, each
+    /// for one of `heads`, the region's own replicas only (the offer's `holders`).
+    #[serde(default)]
+    pub holders: Vec<(u64, u16, String, String, u16)>,
 }
 
 impl RegionRecord {
@@ -73,6 +79,19 @@ impl RegionRecord {
             models: offer.models.clone(),
             heads: offer.heads.iter().map(|h| (h.key, h.depth)).collect(),
             targets,
+            holders: offer
+                .holders
+                .iter()
+                .map(|h| {
+                    (
+                        h.head.key,
+                        h.head.depth,
+                        h.id.clone(),
+                        h.url.clone(),
+                        h.step_ms,
+                    )
+                })
+                .collect(),
         }
     }
 
@@ -86,18 +105,38 @@ impl RegionRecord {
                 .iter()
                 .map(|&(key, depth)| RegionHead { key, depth })
                 .collect(),
+            holders: self
+                .holders
+                .iter()
+                .map(|(key, depth, id, url, step_ms)| OfferedHolder {
+                    head: RegionHead {
+                        key: *key,
+                        depth: *depth,
+                    },
+                    id: id.clone(),
+                    url: url.clone(),
+                    step_ms: *step_ms,
+                })
+                .collect(),
         }
     }
 
-    /// Encodes for gossip, dropping the shallowest heads, then targets beyond the first, then
-    /// the least open models until it fits the value limit.
+    /// Encodes for gossip, dropping holders beyond the first, then the shallowest heads (and a
+    /// holder of one), then targets beyond the first, then the least open models until it fits
+    /// the value limit.
     pub fn encode_fit(&self) -> Result<String, SchemaError> {
         let mut r = self.clone();
         r.targets.truncate(MAX_REGION_TARGETS);
+        r.holders.truncate(MAX_OFFER_HOLDERS);
         loop {
             match encode("region", &r) {
+                Err(SchemaError::TooLarge { .. }) if r.holders.len() > 1 => {
+                    r.holders.pop();
+                }
                 Err(SchemaError::TooLarge { .. }) if !r.heads.is_empty() => {
-                    r.heads.pop();
+                    if let Some((key, depth)) = r.heads.pop() {
+                        r.holders.retain(|h| (h.0, h.1) != (key, depth));
+                    }
                 }
                 Err(SchemaError::TooLarge { .. }) if r.targets.len() > 1 => {
                     r.targets.pop();
@@ -152,8 +191,38 @@ impl RegionRecord {
                 t.node_id.len() <= MAX_TARGET_STR_BYTES && t.http_url.len() <= MAX_TARGET_STR_BYTES;
             bound(w, "target", ok, &t.node_id)?;
         }
+        check_holders(&r)?;
         Ok(r)
     }
+}
+
+/// A record's holders: at most [`MAX_OFFER_HOLDERS`], each for one of its heads, with a
+/// non-empty bounded id, an `http(s)://` URL of bounded length and a step of at most
+/// [`MAX_HOLDER_STEP_MS`]. (Whether the replica is the region's own is for the reader's view:
+/// `core::region_choice::foreign_holder`.)
+fn check_holders(r: &RegionRecord) -> Result<(), SchemaError> {
+    let w = "region";
+    let n = r.holders.len();
+    bound(w, "holders", n <= MAX_OFFER_HOLDERS, n)?;
+    for (key, depth, id, url, step_ms) in &r.holders {
+        bound(w, "holders.head", r.heads.contains(&(*key, *depth)), key)?;
+        let id_ok = !id.is_empty() && id.len() <= MAX_HOLDER_STR_BYTES;
+        bound(w, "holders.id", id_ok, id.len())?;
+        let scheme = url.starts_with("http://") || url.starts_with("https://");
+        bound(
+            w,
+            "holders.url",
+            scheme && url.len() <= MAX_HOLDER_STR_BYTES,
+            url.len(),
+        )?;
+        bound(
+            w,
+            "holders.step_ms",
+            *step_ms <= MAX_HOLDER_STEP_MS,
+            step_ms,
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -186,6 +255,56 @@ mod tests {
                 .map(|k| (u64::MAX - k, 1 << 10))
                 .collect(),
             targets: (0..3).map(target).collect(),
+            holders: (0..MAX_OFFER_HOLDERS as u64)
+                .map(|k| {
+                    let url = format!("http://10.1.0.{k}:8000");
+                    (u64::MAX - k, 1 << 10, format!("us-replica-{k}"), url, 12)
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn holders_round_trip_and_absurd_ones_are_refused() {
+        let enc = |r: &RegionRecord| encode("region", r).unwrap();
+        let mut r = full();
+        r.heads.truncate(4);
+        r.targets.truncate(1);
+        r.holders.truncate(2);
+        let back = RegionRecord::decode(&enc(&r)).unwrap();
+        assert_eq!(back.holders, r.holders);
+        let offer = back.offer();
+        assert_eq!(offer.holders[0].id, "us-replica-0");
+        assert_eq!(offer.holders[0].head.key, u64::MAX);
+        assert_eq!(RegionRecord::new(&offer, 1, vec![]).holders, r.holders);
+        type Spoil = fn(&mut RegionRecord);
+        let bad_cases: [(&str, Spoil); 6] = [
+            ("for no head", |r| r.holders[0].0 = 5),
+            ("empty id", |r| r.holders[0].2.clear()),
+            ("not http", |r| r.holders[0].3 = "file:///etc/passwd".into()),
+            ("long url", |r| {
+                r.holders[0].3 = format!("http://{}", "a".repeat(300))
+            }),
+            ("step over 200 ms", |r| r.holders[0].4 = 60_000),
+            ("too many", |r| {
+                let h = r.holders[0].clone();
+                r.holders = vec![h; MAX_OFFER_HOLDERS + 1];
+            }),
+        ];
+        for (why, spoil) in bad_cases {
+            let mut bad = r.clone();
+            spoil(&mut bad);
+            assert!(RegionRecord::decode(&enc(&bad)).is_err(), "{why}");
+        }
+    }
+
+    #[test]
+    fn a_full_record_keeps_a_holder_and_its_head_when_it_must_drop_some() {
+        let s = full().encode_fit().unwrap();
+        let back = RegionRecord::decode(&s).unwrap();
+        assert!(!back.holders.is_empty(), "a holder kept");
+        for h in &back.holders {
+            assert!(back.heads.contains(&(h.0, h.1)), "its head kept: {h:?}");
         }
     }
 

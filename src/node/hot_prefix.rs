@@ -220,7 +220,7 @@ pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
                 match a {
                     Action::WarmUp(w) => {
                         let pair = (w.key, w.replica);
-                        let task = tokio::spawn(warm_up(Arc::clone(&node), w));
+                        let task = tokio::spawn(warm_up(Arc::clone(&node), *w));
                         running.insert(pair, task.abort_handle());
                     }
                     Action::Cancel { key, replica } => {

@@ -201,6 +201,22 @@ async fn sync_loop(
     }
 }
 
+/// Counts the region offers refused this round for naming another region's replica
+/// (`records_ignored{reason="foreign_holder"}`); warns at most once per `WARN_EVERY`.
+fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, regions: &[String]) {
+    if regions.is_empty() {
+        return;
+    }
+    metrics
+        .records_ignored
+        .with_label_values(&["foreign_holder"])
+        .inc_by(regions.len() as u64);
+    if st.ignore_warn.elapsed() >= WARN_EVERY {
+        st.ignore_warn = Instant::now();
+        tracing::warn!(?regions, "region offer names a replica of another region: refused (more within {WARN_EVERY:?} are only counted)");
+    }
+}
+
 /// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
 /// per `WARN_EVERY`.
 fn note_ignored(st: &mut LoopState, metrics: &MeshMetrics, publisher: &str, err: &LearnError) {
@@ -274,7 +290,8 @@ async fn sync_once(
 
     // Regional gossip: other regions as one record each (their replicas are not members here).
     let regional = mesh.sync_regions(&live, || node.region_offer()).await;
-    node.set_remote_regions(&regional.records, regional.representative);
+    let refused = node.set_remote_regions(&regional.records, regional.representative);
+    note_refused_offers(st, metrics, &refused);
     let regions_known = regional.records.len();
 
     node.set_peer_tenant_usage(&live);

@@ -442,7 +442,8 @@ pub struct MeshMetrics {
     /// not applied, once per (replica, publisher, reason): `not_home` (the publisher is not
     /// the replica's rendezvous home), `bad_url`, `not_allowed` (host outside
     /// `mesh.learn_replicas_from` and this node's own replica hosts), `same_url` (another
-    /// replica has its URL), `peer_cap`, `total_cap`, `registry`.
+    /// replica has its URL), `peer_cap`, `total_cap`, `registry`; `foreign_holder` (per round:
+    /// another region's offer named a replica this node knows in a third region or its own).
     pub records_ignored: IntCounterVec,
     /// `kvmesh_mesh_block_reports_refused_total{reason}`: `not_a_region_member`,
     /// `unknown_replica`, `not_home` (this node is not the replica's home).
@@ -590,6 +591,7 @@ impl MeshMetrics {
             "peer_cap",
             "total_cap",
             "registry",
+            "foreign_holder",
         ] {
             self.records_ignored.with_label_values(&[reason]).reset();
         }

@@ -9,9 +9,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use super::mesh_state::Peer;
-use super::state::Node;
-use crate::core::region_choice::build_offer;
+use super::state::{Endpoint, Node};
+use crate::core::region_choice::{build_offer, foreign_holder};
 use crate::core::region_offer::{
     RecentHeads, RegionOffer, MAX_RECENT_HEADS, MAX_REGION_HEADS, MAX_REMOTE_REGIONS,
 };
@@ -53,13 +55,32 @@ impl Node {
         build_offer(&core.view, &core.router.config().cost, &region, heads)
     }
 
+    /// The replica another region's offer names as holding the head `key` (a pull's source
+    /// under regional gossip, `KvFetchPlan::offer_key`); `None` when no offer names it now.
+    pub fn offered_endpoint(&self, key: u64) -> Option<Endpoint> {
+        let core = self.lock();
+        let h = core
+            .view
+            .remote_regions
+            .values()
+            .flat_map(|o| &o.holders)
+            .find(|h| h.head.key == key)?;
+        Some(Endpoint {
+            id: Arc::from(h.id.as_str()),
+            base: Arc::from(h.url.trim_end_matches('/')),
+        })
+    }
+
     /// Folds other regions' newest records into the view (at most `MAX_REMOTE_REGIONS`) and
-    /// the forwarding targets; `representative` is shown in `/admin/state`.
+    /// the forwarding targets; `representative` is shown in `/admin/state`. Returns the regions
+    /// whose offer was refused: it named a holder this node knows in another region (a region
+    /// speaks only for its own replicas).
     pub(super) fn set_remote_regions(
         &self,
         records: &BTreeMap<String, RegionRecord>,
         representative: bool,
-    ) {
+    ) -> Vec<String> {
+        let mut refused = Vec::new();
         let targets: Vec<Peer> = records
             .values()
             .take(MAX_REMOTE_REGIONS)
@@ -80,16 +101,22 @@ impl Node {
                 core.heads = representative.then(|| RecentHeads::new(MAX_RECENT_HEADS));
             }
             let local = core.view.local_region.clone();
-            let offers = &mut core.view.remote_regions;
-            offers.clear();
+            core.view.remote_regions.clear();
             for (name, r) in records.iter().take(MAX_REMOTE_REGIONS) {
-                if *name != local {
-                    offers.insert(name.clone(), r.offer());
+                if *name == local {
+                    continue;
                 }
+                let offer = r.offer();
+                if foreign_holder(&core.view, &offer).is_some() {
+                    refused.push(name.clone());
+                    continue;
+                }
+                core.view.remote_regions.insert(name.clone(), offer);
             }
         }
         let mut st = self.status();
         st.region_targets = targets;
         st.representative = representative;
+        refused
     }
 }

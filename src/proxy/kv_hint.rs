@@ -20,10 +20,14 @@ use crate::node::Node;
 static NEXT_HINT: AtomicU64 = AtomicU64::new(0);
 
 /// `body` with `plan`'s hint, or `None` when there is nothing to write (no plan, its source
-/// gone from the node, or a body that is no JSON object).
+/// gone from the node — or from the other region's offer that named it —, or a body that is no
+/// JSON object).
 pub(crate) fn hinted_body(node: &Node, plan: Option<&KvFetchPlan>, body: &Bytes) -> Option<Bytes> {
     let plan = plan?;
-    let source = node.endpoint(plan.source)?;
+    let source = match plan.offer_key {
+        Some(key) => node.offered_endpoint(key)?,
+        None => node.endpoint(plan.source)?,
+    };
     let hint = FetchHint {
         source_url: source.base.to_string(),
         source_id: Some(source.id.to_string()),

@@ -178,12 +178,7 @@ impl CostModel {
 /// function so the router's quick candidate (`quick_price.rs`) reads it without the model.
 #[inline]
 pub fn cache_fill(r: &ReplicaState) -> f64 {
-    match &r.summary {
-        Some(s) if s.capacity_items() > 0 => {
-            (s.inserted() as f64 / s.capacity_items() as f64).clamp(0.0, 1.0)
-        }
-        _ => 0.0,
-    }
+    r.cache_fill()
 }
 
 /// Seconds replica `info` spends prefilling `uncached` new tokens after `cached` ones already in
@@ -319,7 +314,7 @@ mod tests {
         for (taken, fill) in [(250, 0.25), (1_000, 1.0), (1_500, 1.0)] {
             let mut s = ReplicaSummary::new(1, 1_000, &cfg).expect("a summary");
             s.insert(&keys[..taken]);
-            view.replica_mut(i).expect("just added").summary = Some(s.into());
+            view.set_summary(i, s);
             let r = view.replica(i).expect("just added");
             // `inserted` skips the filter's false positives (1 %).
             let got = cost.cache_fill(r);

@@ -549,6 +549,18 @@ impl ReplicaSummary {
         self.inserted
     }
 
+    /// How full the replica's cache is believed to be, 0..=1: the distinct keys taken this
+    /// epoch over the blocks the replica holds (0 for no capacity). At 1 a prefix recomputed
+    /// there evicts as many blocks as it writes. The count includes keys the replica has since
+    /// evicted (until the next epoch, which starts a quarter stale): it reads a full cache as
+    /// full, and a draining one as fuller than it is.
+    pub fn fill(&self) -> f64 {
+        if self.capacity_items == 0 {
+            return 0.0;
+        }
+        (self.inserted as f64 / self.capacity_items as f64).clamp(0.0, 1.0)
+    }
+
     /// Whether the filter holds tier-salted keys (blocks held only in CPU or disk).
     #[inline]
     pub fn has_lower_tiers(&self) -> bool {

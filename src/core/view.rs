@@ -141,6 +141,10 @@ pub struct ReplicaState {
     pub summary: Option<Arc<ReplicaSummary>>,
     /// Rendezvous seed of its id (affinity, hash rings); computed once.
     pub seed: u64,
+    /// How full its prefix cache is believed to be, 0..=1 ([`ReplicaSummary::fill`] of
+    /// `summary`), kept by [`View::set_summary`] so the router reads one number per candidate
+    /// rather than the summary behind its pointer (p2c-cache's `evict_charge`).
+    cache_fill: f64,
     /// Keys just routed here by this node: when they start and stop counting.
     overlay: HashMap<u64, OverlayEntry>,
     /// Estimated share (0..=1) of its KV cache held by each KV slot (`tenants.rs`), from the
@@ -155,6 +159,13 @@ impl ReplicaState {
     #[inline]
     pub fn has_overlay(&self) -> bool {
         !self.overlay.is_empty()
+    }
+
+    /// How full its prefix cache is believed to be, 0..=1 (0 without a summary): the fill of
+    /// the summary last set through [`View::set_summary`].
+    #[inline]
+    pub fn cache_fill(&self) -> f64 {
+        self.cache_fill
     }
 
     /// Whether a ready, unexpired overlay entry holds `key` at `now`.
@@ -280,6 +291,7 @@ impl View {
             load: ReplicaLoad::default(),
             summary: None,
             seed,
+            cache_fill: 0.0,
             overlay: HashMap::new(),
             kv_shares: Vec::new(),
         });
@@ -308,6 +320,7 @@ impl View {
             health: Health::Healthy,
             load: ReplicaLoad::default(),
             summary: None,
+            cache_fill: 0.0,
             overlay: HashMap::new(),
             kv_shares: Vec::new(),
         };
@@ -372,6 +385,7 @@ impl View {
     pub fn clear_summary(&mut self, i: usize) {
         if let Some(r) = self.replicas.get_mut(i) {
             r.summary = None;
+            r.cache_fill = 0.0;
             r.overlay = Default::default();
             r.load = ReplicaLoad::default();
             r.kv_shares = Vec::new();
@@ -394,6 +408,7 @@ impl View {
             // Overlay keys the summary now covers are redundant.
             if let Some(s) = &r.summary {
                 r.overlay.retain(|k, _| !s.contains(BlockKey(*k)));
+                r.cache_fill = s.fill();
             }
             self.slices.set(i, r.summary.as_deref());
         }

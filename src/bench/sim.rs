@@ -61,7 +61,8 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::sim_bytes::{GossipByteModel, GossipLayout, MeshShape, REPRESENTATIVES};
+use super::sim_bytes::{GossipByteModel, GossipLayout, MeshShape, NodeBytes, REPRESENTATIVES};
+use super::sim_classes::ClassStats;
 pub use super::sim_classes::{class_label, class_stats};
 pub use super::sim_config::{GroupStats, NodeFailure, SimConfig, SimError, SimReport, TenantSplit};
 use super::sim_exact::ExactFeed;
@@ -537,60 +538,8 @@ impl<'a> Sim<'a> {
             region_replicas[*g].push(r);
         }
 
-        // Regional: news of a node's own region spreads over the region's nodes only (the
-        // largest region's count); flat, over every node. With one region they are the same.
-        // (The central reference reads the engines, not views: no layer to model.)
-        let region_layer =
-            cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1 && !cfg.oracle;
-        let members = if cfg.gossip_layout == GossipLayout::Regional {
-            cfg.nodes.div_ceil(cfg.regions)
-        } else {
-            cfg.nodes
-        };
-        let hops = epidemic_hops(members, cfg.gossip_fanout, EPIDEMIC_TRIALS, &mut rng);
-        let reps = REPRESENTATIVES.min(members).max(1);
-        let layer_hops = if region_layer {
-            epidemic_hops(
-                reps * cfg.regions,
-                cfg.gossip_fanout,
-                EPIDEMIC_TRIALS,
-                &mut rng,
-            )
-        } else {
-            vec![1]
-        };
-        let interval = cfg.gossip_interval;
-        let rep_lag = interval / 2 + interval * hops[hops.len() / 2].saturating_sub(1);
-        let mut max_lag = interval * (hops.last().copied().unwrap_or(1) + 1);
-        if region_layer {
-            max_lag +=
-                rep_lag + cfg.region_interval * (layer_hops.last().copied().unwrap_or(1) + 1);
-        }
-        let nodes: Vec<SimNode> = (0..cfg.nodes)
-            .map(|n| {
-                let region = n % cfg.regions;
-                let lag = NodeLag {
-                    phase: cfg.gossip_interval.mul_f64(rng.random::<f64>()),
-                    hops: hops[rng.random_range(0..hops.len())],
-                };
-                // Drawn after the node's own lag, so flat runs draw as they always did.
-                let layer = region_layer.then(|| NodeLag {
-                    phase: cfg.region_interval.mul_f64(rng.random::<f64>()),
-                    hops: layer_hops[rng.random_range(0..layer_hops.len())],
-                });
-                let routing = (!cfg.oracle).then(|| {
-                    let scope = (n, region, region_layer);
-                    node_routing(cfg, policy, scope, &infos, tokens_per_block)
-                });
-                SimNode {
-                    region,
-                    lag,
-                    layer,
-                    live: true,
-                    routing,
-                }
-            })
-            .collect();
+        let lags = gossip_lags(cfg, &mut rng);
+        let nodes = sim_nodes(cfg, policy, &lags, &infos, tokens_per_block, &mut rng);
 
         let capacity_blocks = model_capacity(cfg) * ranks / tokens_per_block as usize;
         let models = (0..cfg.replicas)
@@ -614,13 +563,13 @@ impl<'a> Sim<'a> {
             queue: BinaryHeap::new(),
             order: 0,
             rng,
-            hops,
-            region_layer,
-            rep_lag,
-            max_lag,
+            hops: lags.hops,
+            region_layer: lags.region_layer,
+            rep_lag: lags.rep_lag,
+            max_lag: lags.max_lag,
             offers: Published::default(),
             offered: None,
-            head_counts: (0..if region_layer { cfg.regions } else { 0 })
+            head_counts: (0..if lags.region_layer { cfg.regions } else { 0 })
                 .map(|_| RecentHeads::new(MAX_RECENT_HEADS))
                 .collect(),
             live: (0..cfg.nodes).collect(),
@@ -1958,11 +1907,8 @@ impl<'a> Sim<'a> {
         })
     }
 
-    fn report(mut self, virtual_time: Duration) -> SimReport {
-        let tenant_split = self.tenant_split();
-        let window_ttft = self.window_ttft();
-        let request_prefill = self.prompt_tokens.saturating_sub(self.cached_tokens);
-        let all_prefill = request_prefill + self.warmup_tokens;
+    /// Per priority class: requests, TTFT and refusals, in the configured classes' order.
+    fn class_report(&self) -> Vec<ClassStats> {
         let default_class = self
             .cfg
             .priorities
@@ -1977,24 +1923,33 @@ impl<'a> Sim<'a> {
             .into_iter()
             .map(|c| c.name)
             .collect();
-        let classes = class_stats(
+        class_stats(
             &order,
             self.reqs.iter().enumerate().map(|(i, req)| {
                 let label = class_label(&self.tenants, req.tenant.as_deref(), default_class);
                 let ttft = self.per_request[i].0;
                 (label, ttft, self.refused[i].is_some())
             }),
-        );
-        // Over the arrivals' span (not the run's, which ends with the last decode).
+        )
+    }
+
+    /// Requests per second over the arrivals' span (not the run's, which ends with the last
+    /// decode).
+    fn arrival_rate(&self) -> f64 {
         let span = match (self.reqs.first(), self.reqs.last()) {
             (Some(a), Some(b)) => (b.at_s - a.at_s) / self.cfg.arrival_speedup,
             _ => 0.0,
         };
-        let arrival_rate = if span > 0.0 {
+        if span > 0.0 {
             (self.reqs.len() - 1) as f64 / span
         } else {
             0.0
-        };
+        }
+    }
+
+    /// The mesh's modelled costs: the median extra lag of another region's news, and the gossip
+    /// bytes per node idle and at `arrival_rate`.
+    fn mesh_estimates(&self, arrival_rate: f64) -> (f64, NodeBytes, NodeBytes) {
         let model = GossipByteModel::calibrated();
         let shape = MeshShape {
             layout: self.cfg.gossip_layout,
@@ -2017,18 +1972,31 @@ impl<'a> Sim<'a> {
             })
             .collect();
         remote_lags.sort_by(f64::total_cmp);
+        let remote_extra_lag_s = remote_lags
+            .get(remote_lags.len() / 2)
+            .copied()
+            .unwrap_or(0.0);
+        let idle = model.per_node(&MeshShape {
+            request_rate: 0.0,
+            ..shape
+        });
+        (remote_extra_lag_s, idle, model.per_node(&shape))
+    }
+
+    fn report(mut self, virtual_time: Duration) -> SimReport {
+        let tenant_split = self.tenant_split();
+        let window_ttft = self.window_ttft();
+        let request_prefill = self.prompt_tokens.saturating_sub(self.cached_tokens);
+        let all_prefill = request_prefill + self.warmup_tokens;
+        let classes = self.class_report();
+        let arrival_rate = self.arrival_rate();
+        let (remote_extra_lag_s, mesh_bytes_idle, mesh_bytes) = self.mesh_estimates(arrival_rate);
         SimReport {
             gossip_layout: self.cfg.gossip_layout.as_str().into(),
             arrival_rate,
-            remote_extra_lag_s: remote_lags
-                .get(remote_lags.len() / 2)
-                .copied()
-                .unwrap_or(0.0),
-            mesh_bytes_idle: model.per_node(&MeshShape {
-                request_rate: 0.0,
-                ..shape
-            }),
-            mesh_bytes: model.per_node(&shape),
+            remote_extra_lag_s,
+            mesh_bytes_idle,
+            mesh_bytes,
             window_ttft,
             warmups: self.warms.len() as u64,
             warmups_cancelled: self.warmups_cancelled,
@@ -2081,6 +2049,93 @@ impl<'a> Sim<'a> {
             requests_per_replica: self.per_replica,
             virtual_seconds: virtual_time.as_secs_f64(),
         }
+    }
+}
+
+/// The run's router nodes: each one's region, gossip lag (drawn from `rng` in node order:
+/// its own layer's, then the representatives' layer's) and routing state.
+fn sim_nodes(
+    cfg: &SimConfig,
+    policy: PolicyKind,
+    lags: &GossipLags,
+    infos: &[Arc<ReplicaInfo>],
+    tokens_per_block: u32,
+    rng: &mut SmallRng,
+) -> Vec<SimNode> {
+    (0..cfg.nodes)
+        .map(|n| {
+            let region = n % cfg.regions;
+            let lag = NodeLag {
+                phase: cfg.gossip_interval.mul_f64(rng.random::<f64>()),
+                hops: lags.hops[rng.random_range(0..lags.hops.len())],
+            };
+            // Drawn after the node's own lag, so flat runs draw as they always did.
+            let layer = lags.region_layer.then(|| NodeLag {
+                phase: cfg.region_interval.mul_f64(rng.random::<f64>()),
+                hops: lags.layer_hops[rng.random_range(0..lags.layer_hops.len())],
+            });
+            let routing = (!cfg.oracle).then(|| {
+                let scope = (n, region, lags.region_layer);
+                node_routing(cfg, policy, scope, infos, tokens_per_block)
+            });
+            SimNode {
+                region,
+                lag,
+                layer,
+                live: true,
+                routing,
+            }
+        })
+        .collect()
+}
+
+/// How far news spreads in a run: the epidemic hop counts of a node's region (and of the
+/// representatives' layer between regions, under regional gossip), drawn from the run's RNG in
+/// this order, and the lags they make.
+struct GossipLags {
+    /// Regional gossip with more than one region: a second layer carries other regions' news.
+    region_layer: bool,
+    /// Hop counts of the node's own layer, sorted (one per trial).
+    hops: Vec<u32>,
+    /// Hop counts of the representatives' layer (`[1]` without one).
+    layer_hops: Vec<u32>,
+    /// A representative's median lag behind its region's news.
+    rep_lag: Duration,
+    /// The longest a piece of news takes to reach every node.
+    max_lag: Duration,
+}
+
+/// The run's gossip lags ([`GossipLags`]), drawing from `rng`.
+fn gossip_lags(cfg: &SimConfig, rng: &mut SmallRng) -> GossipLags {
+    // Regional: news of a node's own region spreads over the region's nodes only (the
+    // largest region's count); flat, over every node. With one region they are the same.
+    // (The central reference reads the engines, not views: no layer to model.)
+    let region_layer =
+        cfg.gossip_layout == GossipLayout::Regional && cfg.regions > 1 && !cfg.oracle;
+    let members = if cfg.gossip_layout == GossipLayout::Regional {
+        cfg.nodes.div_ceil(cfg.regions)
+    } else {
+        cfg.nodes
+    };
+    let hops = epidemic_hops(members, cfg.gossip_fanout, EPIDEMIC_TRIALS, rng);
+    let reps = REPRESENTATIVES.min(members).max(1);
+    let layer_hops = if region_layer {
+        epidemic_hops(reps * cfg.regions, cfg.gossip_fanout, EPIDEMIC_TRIALS, rng)
+    } else {
+        vec![1]
+    };
+    let interval = cfg.gossip_interval;
+    let rep_lag = interval / 2 + interval * hops[hops.len() / 2].saturating_sub(1);
+    let mut max_lag = interval * (hops.last().copied().unwrap_or(1) + 1);
+    if region_layer {
+        max_lag += rep_lag + cfg.region_interval * (layer_hops.last().copied().unwrap_or(1) + 1);
+    }
+    GossipLags {
+        region_layer,
+        hops,
+        layer_hops,
+        rep_lag,
+        max_lag,
     }
 }
 

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Where a router's prefix hits went, request by request (issue #38).
+
+    python3 scripts/peer_bench/hit_gap.py OUT/mooncake kvmesh-run1 sglang-run1
+
+reads OUT/mooncake/trace.jsonl and each run's requests.jsonl (`scripts/peer-bench
+--per-request`) and prints, per router:
+- the fleet's hit ratio by class: *new* requests (sharing at most the first block, the system
+  prompt, with any earlier one) and *follow-ups* (sharing more), with what each could have hit
+  (the longest prefix shared with an earlier request: one infinite cache);
+- the follow-ups' lost tokens split into (b) sent off every replica that served a request with
+  that prefix ("holder"), and (a) sent to a holder that no longer had it (evicted), with the
+  tokens written to that replica in between (the eviction pressure), by what wrote them: new
+  conversations, follow-ups on their holder, follow-ups moved off theirs;
+- and, for two or more routers, the follow-ups compared row by row.
+
+The holder is judged by where this router sent the earlier requests, so each router is held to
+its own placements. Pure Python, no dependencies.
+"""
+
+import json
+import os
+import sys
+
+BLOCK = 512  # tokens per Mooncake hash id
+
+
+def load_trace(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def load_requests(path):
+    out = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            row = r.get("row")
+            if row is None:
+                # Older files: the number in aiperf's conversation id is the row.
+                digits = (r.get("conversation") or "").rsplit("_", 1)[-1]
+                row = int(digits) if digits.isdigit() else None
+            if row is not None:
+                out[int(row)] = r
+    return out
+
+
+def shared_prefixes(trace):
+    """For each row: (blocks shared with the earlier row sharing most, those earlier rows)."""
+    # Trie over hash-id chains: node -> rows that passed through it.
+    seen = {}  # tuple prefix -> list of rows (only the chains' keys, as prefix hashes)
+    out = []
+    for i, r in enumerate(trace):
+        ids = r["hash_ids"]
+        best, rows = 0, []
+        key = ()
+        for d, h in enumerate(ids):
+            key = key + (h,)
+            if key in seen:
+                best, rows = d + 1, seen[key]
+            else:
+                break
+        out.append((best, list(rows)))
+        key = ()
+        for h in ids:
+            key = key + (h,)
+            seen.setdefault(key, []).append(i)
+    return out
+
+
+def analyse(trace, shared, reqs):
+    """Per-row classification for one router's run."""
+    rows = []
+    written = {}  # replica -> list of (row index, new tokens written, class)
+    for i, t in enumerate(trace):
+        r = reqs.get(i)
+        blocks, earlier = shared[i]
+        rec = {"row": i, "blocks": blocks}
+        if r is None or r.get("error") or r.get("cached") is None or not r.get("prompt"):
+            rec["missing"] = True
+            rows.append(rec)
+            continue
+        # The replicas count tokens themselves (aiperf's text is not 512 tokens an id to
+        # them): what could hit is the shared share of the prompt, in their tokens.
+        prompt = r["prompt"]
+        could = int(prompt * min(blocks * BLOCK / t["input_length"], 1.0))
+        rec.update(could=could, prompt=prompt)
+        holders = {reqs[j]["replica"] for j in earlier if j in reqs and reqs[j].get("replica")}
+        rec.update(replica=r["replica"], cached=r["cached"], holders=holders,
+                   last_holder_row=max(earlier) if earlier else None)
+        if blocks <= 1:
+            cls = "new"
+        elif r["replica"] in holders:
+            cls = "on_holder"
+        else:
+            cls = "off_holder"
+        rec["cls"] = cls
+        written.setdefault(r["replica"], []).append((i, max(prompt - r["cached"], 0), cls))
+        rows.append(rec)
+    return rows, written
+
+
+def pressure(rec, written):
+    """Tokens written to the follow-up's replica between its predecessor there and itself."""
+    start = max((j for j in shared_rows(rec) if j is not None), default=None)
+    out = {"new": 0, "on_holder": 0, "off_holder": 0}
+    if start is None:
+        return out
+    for j, n, cls in written.get(rec["replica"], []):
+        if start < j < rec["row"]:
+            out[cls] += n
+    return out
+
+
+def shared_rows(rec):
+    return [rec.get("last_holder_row")]
+
+
+def report(name, trace, rows, written):
+    ok = [r for r in rows if not r.get("missing")]
+    total_q = sum(r["prompt"] for r in ok)
+    hits = sum(r["cached"] for r in ok)
+    print(f"\n## {name}: {len(ok)} answered of {len(rows)}; hit ratio {hits / total_q:.4f}")
+    for cls in ("new", "on_holder", "off_holder"):
+        xs = [r for r in ok if r["cls"] == cls]
+        c = sum(r["cached"] for r in xs)
+        could = sum(r["could"] for r in xs)
+        print(f"- {cls:10s}: {len(xs):5d} requests, hit {c / total_q:.4f} of the fleet's queries, "
+              f"could {could / total_q:.4f} (lost {(could - c) / total_q:.4f})")
+    fu = [r for r in ok if r["cls"] != "new"]
+    ev = [r for r in fu if r["cls"] == "on_holder" and r["cached"] + BLOCK < r["could"]]
+    lost_ev = sum(r["could"] - r["cached"] for r in ev)
+    print(f"- (a) evicted at the holder: {len(ev)} follow-ups, lost {lost_ev / total_q:.4f}")
+    press = {"new": 0, "on_holder": 0, "off_holder": 0}
+    for r in ev:
+        for k, v in pressure(r, written).items():
+            press[k] += v
+    tot = sum(press.values()) or 1
+    print("  tokens written to those replicas in between, by what wrote them: " +
+          ", ".join(f"{k} {v / tot:.0%}" for k, v in press.items()))
+    off = [r for r in fu if r["cls"] == "off_holder"]
+    print(f"- (b) sent off the holder: {len(off)} follow-ups, lost "
+          f"{sum(r['could'] - r['cached'] for r in off) / total_q:.4f}")
+    per = {}
+    for rep, xs in written.items():
+        per[rep] = (len(xs), sum(n for _, n, _ in xs))
+    print("- per replica (requests, new tokens written): " +
+          ", ".join(f"{k} {v[0]}/{v[1] / 1e6:.2f}M" for k, v in sorted(per.items())))
+
+
+def compare(names, runs, trace):
+    """Follow-ups row by row: hits of each router, by which placed it on its holder."""
+    total_q = sum(r["prompt"] for r in runs[0] if not r.get("missing"))
+    base, other = runs[0], runs[1]
+    combos = {}
+    for a, b in zip(base, other):
+        if a.get("missing") or b.get("missing") or a["blocks"] <= 1:
+            continue
+        k = (a["cls"], b["cls"])
+        n, ha, hb = combos.get(k, (0, 0, 0))
+        combos[k] = (n + 1, ha + a["cached"], hb + b["cached"])
+    print(f"\n## follow-ups, {names[0]} against {names[1]} (hit as a share of all queries)")
+    print(f"| {names[0]} | {names[1]} | follow-ups | hit {names[0]} | hit {names[1]} |")
+    print("|---|---|---:|---:|---:|")
+    for k, (n, ha, hb) in sorted(combos.items()):
+        print(f"| {k[0]} | {k[1]} | {n} | {ha / total_q:.4f} | {hb / total_q:.4f} |")
+    ha = sum(a["cached"] for a in base if not a.get("missing") and a["blocks"] <= 1)
+    hb = sum(b["cached"] for b in other if not b.get("missing") and b["blocks"] <= 1)
+    print(f"| new | new | — | {ha / total_q:.4f} | {hb / total_q:.4f} |")
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    trace = load_trace(os.path.join(out, "trace.jsonl"))
+    shared = shared_prefixes(trace)
+    runs, names = [], sys.argv[2:]
+    for name in names:
+        reqs = load_requests(os.path.join(out, name, "requests.jsonl"))
+        rows, written = analyse(trace, shared, reqs)
+        report(name, trace, rows, written)
+        runs.append(rows)
+    if len(runs) >= 2:
+        compare(names, runs, trace)
+
+
+if __name__ == "__main__":
+    main()

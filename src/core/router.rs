@@ -88,7 +88,7 @@ pub struct RouterConfig {
     pub shared_load: bool,
     /// `p2c-cache`'s [`crate::core::policy::P2cCache::recompute_charge_per_s`]. Default 0.
     pub recompute_charge_per_s: f64,
-    /// `p2c-cache`'s [`crate::core::policy::P2cCache::evict_charge`]. Default 16.
+    /// `p2c-cache`'s [`crate::core::policy::P2cCache::evict_charge`]. Default 8.
     pub evict_charge: f64,
     /// A prompt whose longest cached prefix is in another region: recompute here (default),
     /// or also weigh forwarding there, or pulling its KV too (`remote_prefix.rs`).

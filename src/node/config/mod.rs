@@ -122,7 +122,7 @@ pub struct NodeConfig {
     pub recompute_charge_per_s: f64,
     /// `p2c-cache`: seconds charged to a replica that would recompute a prefix another holds,
     /// per second of extra prefill, times how full its cache is
-    /// ([`crate::core::policy::P2cCache::evict_charge`]). 0..=1000; default 16; 0 turns it off.
+    /// ([`crate::core::policy::P2cCache::evict_charge`]). 0..=1000; default 8; 0 turns it off.
     pub evict_charge: f64,
     /// Share of a cached block's prefill the cost model credits by the tier the replica holds it
     /// in (known from KV events' `medium`), each 0..=1. Default

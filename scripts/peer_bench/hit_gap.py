@@ -22,7 +22,9 @@ import json
 import os
 import sys
 
-BLOCK = 512  # tokens per Mooncake hash id
+#: Tokens per hash id, by trace (as `traces.BLOCK_TOKENS`); the trace is the OUT dir's name.
+BLOCK_TOKENS = {"mooncake": 512, "agentic": 64}
+BLOCK = 512
 
 
 def load_trace(path):
@@ -47,23 +49,23 @@ def load_requests(path):
 
 def shared_prefixes(trace):
     """For each row: (blocks shared with the earlier row sharing most, those earlier rows)."""
-    # Trie over hash-id chains: node -> rows that passed through it.
-    seen = {}  # tuple prefix -> list of rows (only the chains' keys, as prefix hashes)
+    # Each prefix as a chain of (parent key, id) pairs, so a key is built in constant time.
+    seen = {}  # prefix key -> rows whose prompt starts with that prefix
     out = []
     for i, r in enumerate(trace):
         ids = r["hash_ids"]
         best, rows = 0, []
-        key = ()
+        key = None
         for d, h in enumerate(ids):
-            key = key + (h,)
+            key = hash((key, h))
             if key in seen:
                 best, rows = d + 1, seen[key]
             else:
                 break
         out.append((best, list(rows)))
-        key = ()
+        key = None
         for h in ids:
-            key = key + (h,)
+            key = hash((key, h))
             seen.setdefault(key, []).append(i)
     return out
 
@@ -173,6 +175,8 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     out = sys.argv[1]
+    global BLOCK
+    BLOCK = BLOCK_TOKENS.get(os.path.basename(os.path.normpath(out)), 512)
     trace = load_trace(os.path.join(out, "trace.jsonl"))
     shared = shared_prefixes(trace)
     runs, names = [], sys.argv[2:]

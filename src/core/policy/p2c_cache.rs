@@ -290,7 +290,7 @@ impl P2cCache {
     /// per-request comparison charges in full to the one request that pays it, and which the
     /// prefix's next hundreds of requests pay back.
     fn b_copies_a_hot_prefix(&self, c: &[Candidate], a: usize, b: usize, charged: f64) -> bool {
-        if !(self.hot_copy_share < 1.0) {
+        if self.hot_copy_share.is_nan() || self.hot_copy_share >= 1.0 {
             return false;
         }
         let copy_s = (c[b].prefill_s - c[a].prefill_s).max(0.0);

@@ -14,6 +14,15 @@ prints one Markdown table per question:
 A tie is a difference within --tie (default 1 %) of the larger value. Every run's
 `sim-report.json` is kept under --out; `--reuse` reads back runs already there (a resumed table).
 
+`--noise` measures what "tied" means instead: every seed runs at three timings (as configured;
+gossip every 101 ms instead of 100; scrape every 1,001 ms instead of 1,000: perturbations that
+change no policy, only when things happen), and the default is compared with LMetric by paired
+differences, (default − LMetric) ÷ LMetric on the same seed and timing. Per workload and metric
+the table gives the mean difference over the seeds × timings and twice its standard error:
+tied when the mean is within ±2 SE, better or worse outside. A second table lists every single
+run the default loses by more than --tie, with that seed's difference at all three timings, so a
+loss can be read against its own seed's spread. Policies default to the two compared.
+
     scripts/policy-table.py                 # everything: a release build, then the trace is most of it
     scripts/policy-table.py --quick         # 3 seeds, 4 policies, 3,000 trace requests: ~75 CPU-s
     # the figures in docs/benchmarks.md (every family but the trace: ~340 CPU-seconds; the trace
@@ -21,6 +30,8 @@ A tie is a difference within --tie (default 1 %) of the larger value. Every run'
     scripts/policy-table.py --workloads agentic,system-prompt,chat,rag,agent,zipf,tenants,burst,rollout
     scripts/policy-table.py --workloads trace --policies p2c-cache,lmetric
     scripts/policy-table.py --no-build --bin target/release/kvmesh --workloads chat,rag --seeds 5
+    # the noise band on the families with losses (~3 CPU-minutes):
+    scripts/policy-table.py --noise --no-build --workloads tenants,agentic
 
 Standard library only (Python >= 3.8). Not part of `cargo test`.
 """
@@ -67,6 +78,14 @@ QUICK_POLICIES = ["p2c-cache", "lmetric", "sglang-threshold", "round-robin"]
 QUICK_SEEDS = 3
 # --quick replays only the start of the Mooncake trace (the whole trace is ~20 s a policy).
 QUICK_TRACE_REQUESTS = 3000
+# --noise: the timings every seed runs at, (name, extra `kvmesh sim` arguments). The first is the
+# table's own run; the others move one interval by 1 ms (the node's defaults: gossip 100 ms,
+# scrape 1,000 ms), which changes when summaries and loads arrive and nothing else.
+NOISE_TIMINGS = [
+    ("as-configured", []),
+    ("gossip-101", ["--gossip-ms", "101"]),
+    ("scrape-1001", ["--scrape-ms", "1001"]),
+]
 
 
 def parse_args():
@@ -97,6 +116,9 @@ def parse_args():
                    help="read back a (workload, seed) whose sim-report.json is already in --out")
     p.add_argument("--tie", type=float, default=0.01,
                    help="relative difference counted as a tie (default 0.01)")
+    p.add_argument("--noise", action="store_true",
+                   help="the noise band: each seed at 3 timings, the default against LMetric "
+                        "by paired differences (mean ± 2 SE); policies default to those two")
     p.add_argument("--sim-arg", action="append", default=[],
                    help="one more argument for every `kvmesh sim` (repeatable), e.g. "
                         "--sim-arg=--nodes=1")
@@ -105,11 +127,17 @@ def parse_args():
     if a.seeds < 1:
         p.error("--seeds must be at least 1")
     a.workloads = split_list(a.workloads) or WORKLOADS
-    a.policies = split_list(a.policies) or (QUICK_POLICIES if a.quick else POLICIES)
+    a.policies = split_list(a.policies) or (
+        [DEFAULT, RIVAL] if a.noise else QUICK_POLICIES if a.quick else POLICIES)
     a.trace_policies = split_list(a.trace_policies) or a.policies
     unknown = [x for x in a.policies + a.trace_policies if x not in POLICIES]
     if unknown:
         p.error(f"unknown policies {unknown} (expected some of {POLICIES})")
+    if a.noise and not all(x in ps for x in (DEFAULT, RIVAL)
+                           for ps in (a.policies, a.trace_policies)):
+        p.error(f"--noise compares {DEFAULT} with {RIVAL}: --policies must include both")
+    if a.noise and a.seeds < 2:
+        p.error("--noise needs at least 2 seeds (a standard error)")
     return a, root
 
 
@@ -125,13 +153,13 @@ def policies_of(args, workload):
     return args.trace_policies if is_trace(workload) else args.policies
 
 
-def sim_command(args, workload, seed, out):
+def sim_command(args, workload, seed, out, timing=()):
     cmd = [str(args.bin), "sim", "--workload", workload, "--seed", str(seed),
            "--policy", ",".join(policies_of(args, workload)), "--central", "false",
            "--out", str(out)]
     if args.quick and is_trace(workload):
         cmd += ["--requests", str(QUICK_TRACE_REQUESTS)]
-    return cmd + args.sim_arg
+    return cmd + list(timing) + args.sim_arg
 
 
 def children_cpu_s():
@@ -139,21 +167,24 @@ def children_cpu_s():
     return use.ru_utime + use.ru_stime
 
 
-def run_one(args, workload, seed):
-    """One `kvmesh sim` run (all policies, one seed): its reports by policy, and its wall and
-    CPU seconds (kept beside the report, so a reused run still counts)."""
+def run_one(args, workload, seed, timing=NOISE_TIMINGS[0]):
+    """One `kvmesh sim` run (all policies, one seed, one of `NOISE_TIMINGS`): its reports by
+    policy, and its wall and CPU seconds (kept beside the report, so a reused run still counts).
+    The configured timing's run is the plain table's, so the two modes share it under --reuse."""
     out = args.out / "runs" / workload.replace(":", "_").replace("/", "_") / f"seed-{seed}"
+    if timing != NOISE_TIMINGS[0]:
+        out = out / timing[0]
     report = out / "sim-report.json"
-    timing = out / "time.json"
+    spent_file = out / "time.json"
     if not (args.reuse and report.exists()):
         out.mkdir(parents=True, exist_ok=True)
-        cmd = sim_command(args, workload, seed, out)
+        cmd = sim_command(args, workload, seed, out, timing[1])
         wall, cpu = time.monotonic(), children_cpu_s()
         with open(out / "sim.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             sys.exit(f"policy-table: `{' '.join(cmd)}` failed ({rc}); see {out / 'sim.log'}")
-        timing.write_text(json.dumps({"wall_s": time.monotonic() - wall,
+        spent_file.write_text(json.dumps({"wall_s": time.monotonic() - wall,
                                       "cpu_s": children_cpu_s() - cpu}))
     runs = json.loads(report.read_text())
     # A run's name is its policy and what --sim-arg added ("p2c-cache +hot"): one run a policy.
@@ -165,7 +196,8 @@ def run_one(args, workload, seed):
     missing = [p for p in policies if p not in by_policy]
     if missing:
         sys.exit(f"policy-table: {report} has no run of {missing} (stale? rerun without --reuse)")
-    spent = json.loads(timing.read_text()) if timing.exists() else {"wall_s": 0, "cpu_s": 0}
+    spent = (json.loads(spent_file.read_text()) if spent_file.exists()
+             else {"wall_s": 0, "cpu_s": 0})
     return spent, {
         p: {
             "mean": by_policy[p]["ttft"]["mean"],
@@ -285,6 +317,104 @@ def errors_line(args, results):
     return "Failed requests: " + ("; ".join(parts) if parts else "none") + "."
 
 
+def paired(runs, key):
+    """(default − rival) ÷ rival of `key` for each run (seed × timing) of a workload."""
+    return [(r[DEFAULT][key] - r[RIVAL][key]) / max(abs(r[RIVAL][key]), 1e-12) for r in runs]
+
+
+def band(diffs):
+    """The mean of the paired differences, twice its standard error, and the verdict."""
+    mu = statistics.fmean(diffs)
+    two_se = 2 * statistics.stdev(diffs) / len(diffs) ** 0.5
+    verdict = "tied" if abs(mu) <= two_se else ("better" if mu < 0 else "worse")
+    return mu, two_se, verdict
+
+
+def noise_table(args, noise):
+    """Per workload and metric: the paired band. `noise[w][seed]` is that seed's runs, one per
+    timing, in `NOISE_TIMINGS` order. For hit ratio higher is better: its verdict is flipped."""
+    lines = [
+        f"| workload | metric | {DEFAULT} | {RIVAL} | ({DEFAULT} − {RIVAL}) ÷ {RIVAL}, "
+        "mean ± 2 SE | verdict | pairs |",
+        "|---|---|---:|---:|---|---|---:|",
+    ]
+    for w, by_seed in noise.items():
+        runs = [r for seed_runs in by_seed for r in seed_runs]
+        for key in ("mean", "p99", "hit"):
+            mu, two_se, verdict = band(paired(runs, key))
+            if key == "hit" and verdict != "tied":
+                verdict = "better" if verdict == "worse" else "worse"
+            avg = [statistics.fmean(r[p][key] for r in runs) for p in (DEFAULT, RIVAL)]
+            fmt = (lambda x: f"{x:.3f}") if key == "hit" else fmt_s
+            lines.append(f"| {w} | {key} | {fmt(avg[0])} | {fmt(avg[1])} | "
+                         f"{100 * mu:+.1f} % ± {100 * two_se:.1f} | {verdict} | {len(runs)} |")
+    return "\n".join(lines)
+
+
+def noise_losses_table(args, noise):
+    """Every seed on which the default loses on mean or p99 TTFT by more than --tie at some
+    timing: its difference at each timing, and whether the loss stands out of that seed's own
+    timing noise (its mean over the timings beyond ±2 SE of them: "outside") or not ("inside")."""
+    names = " · ".join(name for name, _ in NOISE_TIMINGS)
+    lines = [f"| workload | metric | seed | difference at {names} | seed's mean ± 2 SE "
+             "| the loss is |",
+             "|---|---|---:|---|---|---|"]
+    for w, by_seed in noise.items():
+        for key in ("mean", "p99"):
+            for seed, seed_runs in enumerate(by_seed, start=1):
+                if not any(compare(r[DEFAULT][key], r[RIVAL][key], args.tie) > 0
+                           for r in seed_runs):
+                    continue
+                diffs = paired(seed_runs, key)
+                mu, two_se, verdict = band(diffs)
+                where = "outside its timing noise" if verdict == "worse" else "inside"
+                spread = " · ".join(f"{100 * x:+.1f} %" for x in diffs)
+                lines.append(f"| {w} | {key} | {seed} | {spread} | "
+                             f"{100 * mu:+.1f} % ± {100 * two_se:.1f} | {where} |")
+    if len(lines) == 2:
+        lines.append("| — | — | — | no seed lost by more than the tie | — | — |")
+    return "\n".join(lines)
+
+
+def noise_main(args):
+    """`--noise`: every workload × seed × timing, then the band and the losses."""
+    started = time.monotonic()
+    noise, cpu_s = {}, 0.0
+    for w in args.workloads:
+        t = time.monotonic()
+        noise[w] = []
+        for seed in range(1, args.seeds + 1):
+            seed_runs = []
+            for timing in NOISE_TIMINGS:
+                spent, by_policy = run_one(args, w, seed, timing)
+                seed_runs.append(by_policy)
+                cpu_s += spent["cpu_s"]
+            noise[w].append(seed_runs)
+        print(f"policy-table: {w}: {args.seeds} seeds x {len(NOISE_TIMINGS)} timings "
+              f"in {time.monotonic() - t:.0f} s", file=sys.stderr)
+    timings = "; ".join(f"{name}: `{' '.join(extra) or '(none)'}`"
+                        for name, extra in NOISE_TIMINGS)
+    table = "\n\n".join([
+        f"Noise band: `kvmesh {' '.join(sim_command(args, 'W', 'S', 'DIR')[1:])} [TIMING]` for "
+        f"each workload W, seed S in 1..{args.seeds} and timing ({timings}); "
+        f"{len(args.workloads) * args.seeds * len(NOISE_TIMINGS)} runs, {cpu_s:.0f} CPU-seconds. "
+        f"Means over every run; the difference is paired (same seed, same timing); tied: "
+        f"within ±2 SE:",
+        noise_table(args, noise),
+        f"Seeds where {DEFAULT} loses by more than {args.tie:.0%} at some timing, with that "
+        "seed's difference at each timing:",
+        noise_losses_table(args, noise),
+    ]) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "noise.md").write_text(table)
+    (args.out / "noise.json").write_text(json.dumps(
+        {"cpu_s": cpu_s, "policies": args.policies, "seeds": args.seeds,
+         "timings": NOISE_TIMINGS, "results": noise}, indent=1))
+    print(table)
+    print(f"policy-table: {time.monotonic() - started:.0f} s; written to {args.out}/noise.md "
+          "and noise.json", file=sys.stderr)
+
+
 def build(root):
     print("policy-table: cargo build --release", file=sys.stderr)
     rc = subprocess.run(["cargo", "build", "--release"], cwd=root).returncode
@@ -298,6 +428,9 @@ def main():
         build(root)
     if not os.access(args.bin, os.X_OK):
         sys.exit(f"policy-table: no kvmesh binary at {args.bin} (build it, or give --bin)")
+    if args.noise:
+        noise_main(args)
+        return
     started = time.monotonic()
     results, wall_s, cpu_s = {}, 0.0, 0.0
     for w in args.workloads:

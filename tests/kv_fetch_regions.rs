@@ -4,8 +4,9 @@
 //! only `us`'s replica holds goes to `eu`'s replica with a pull hint naming `us`'s, and the pull
 //! really happens — in the flat layout (each node sees the other's replicas and summaries; when
 //! that source is dead the request still succeeds, recomputed) and in the regional one (`eu`
-//! sees `us` only through its region offer, which names the holder). An offer naming a replica
-//! of another region than its own is refused.
+//! sees `us` only through its region offer, which names the holder; a dead offered holder costs
+//! a recompute too). An offer naming a replica of another region than its own is refused, and an
+//! offered holder at a host outside `mesh.learn_replicas_from` is never sent to a replica.
 
 mod common;
 
@@ -17,7 +18,7 @@ use common::{bounded, client, cluster_ca, mesh_addr, sim_replica, wait_for};
 use kvmesh::core::keys::BlockKey;
 use kvmesh::core::kv_load::{KvHintFormat, KvLoad};
 use kvmesh::core::region_choice::foreign_holder;
-use kvmesh::core::region_offer::{OfferedHolder, RegionHead, RegionOffer};
+use kvmesh::core::region_offer::{OfferedHolder, OfferedModel, RegionHead, RegionOffer};
 use kvmesh::core::remote_prefix::RemotePrefixMode;
 use kvmesh::core::role::PdFacts;
 use kvmesh::core::view::{ReplicaInfo, View};
@@ -248,9 +249,12 @@ async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead
 /// Regional gossip: `eu` never sees `us`'s replica, only `us`'s region offer. A prompt `us`
 /// computed (twice, so its representative offers the prefix) is served at `eu` by `eu`'s
 /// replica pulling the prefix from the holder the offer names. Before offers carried holders
-/// only a forward was weighed here, and `eu` recomputed.
+/// only a forward was weighed here, and `eu` recomputed. Then the offered holder dies (its home
+/// does not notice, so the offer still names it): a second offered prompt still succeeds at
+/// `eu`, recomputed, and the failed pull is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names() {
+async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names_and_a_dead_one_costs_a_recompute(
+) {
     bounded(90, async {
         let c = client();
         let certs = cluster_ca();
@@ -282,22 +286,25 @@ async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_off
         .expect("eu hears us's region offer");
 
         let prompt = text("doc-one", 4 * 8192);
-        for _ in 0..2 {
-            assert_eq!(complete(&c, us.addr, &prompt).await, (200, "rb".into()));
+        let second = text("doc-two", 4 * 8192);
+        for p in [&prompt, &second, &prompt, &second] {
+            assert_eq!(complete(&c, us.addr, p).await, (200, "rb".into()));
         }
-        let holder_depth = || {
+        let holders = || {
             let core = eu.node.lock();
-            let offer = core.view.remote_regions.get("us")?;
-            offer
-                .holders
-                .iter()
-                .find(|h| h.id == "rb")
-                .map(|h| h.head.depth)
+            let offer = core.view.remote_regions.get("us");
+            offer.map_or_else(Vec::new, |o| {
+                o.holders
+                    .iter()
+                    .filter(|h| h.id == "rb")
+                    .map(|h| h.head)
+                    .collect::<Vec<_>>()
+            })
         };
-        wait_for(Duration::from_secs(30), || holder_depth().is_some())
+        wait_for(Duration::from_secs(30), || holders().len() >= 2)
             .await
-            .expect("us's offer names rb as the prefix's holder");
-        let depth = holder_depth().unwrap_or_default();
+            .expect("us's offer names rb as both prefixes' holder");
+        let depth = holders().iter().map(|h| h.depth).min().unwrap_or_default();
         assert!(
             eu.node.lock().view.index_of("rb").is_none(),
             "regional gossip: eu does not see rb itself"
@@ -315,8 +322,167 @@ async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_off
         assert!(
             metric(&c, &rb.base_url(), "kvmesh_replica_kv_served_tokens_total").await >= 4_000.0
         );
+
+        // The offered holder dies; its home does not notice in time (`unhealthy_after`), so the
+        // offer still names it and eu's hint does too. The pull fails, counted; the request is
+        // served by recomputing.
+        let rb_url = rb.base_url();
+        rb.shutdown().await;
+        assert!(
+            holders().len() >= 2,
+            "the offer still names the dead holder for the second prompt"
+        );
+        assert_eq!(complete(&c, eu.addr, &second).await, (200, "ra".into()));
+        assert_eq!(
+            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await,
+            1.0,
+            "the pull from the dead offered holder ({rb_url}) was tried and failed"
+        );
+        assert_eq!(
+            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,
+            fetched,
+            "nothing more arrived"
+        );
         eu.shutdown().await;
         us.shutdown().await;
+        ra.shutdown().await;
+    })
+    .await;
+}
+
+/// The trust gap under regional gossip: a certified member of region `us` publishes an offer
+/// naming holders for two prefixes, one at a replica's loopback URL (allowed: the mesh listens
+/// on loopback) and one at `0.0.0.0` (the same replica, reached by a host outside
+/// `mesh.learn_replicas_from`: what a forged record would use to point `eu`'s replicas at an
+/// arbitrary host). `eu` pulls the first and never sends the second's URL to its replica: the
+/// holder is dropped when the offer is folded in, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offered_holder_outside_the_allowed_hosts_is_never_sent_to_a_replica() {
+    bounded(90, async {
+        let c = client();
+        let certs = cluster_ca();
+        let ra = sim_replica("ra", |_| {}).await;
+        let rb = sim_replica("rb", |_| {}).await;
+        let eu_cfg = layout_config(
+            certs.path(),
+            ("eu1", "eu"),
+            &[],
+            ("ra", ra.base_url(), true),
+            LayoutConfig::Regional,
+        );
+        let block_bytes = eu_cfg.block_bytes;
+        let eu = proxy::spawn(eu_cfg).await.unwrap();
+        // rb computes both prompts (straight to the engine: no kvmesh node in us).
+        let prompts = [text("doc-one", 4 * 8192), text("doc-two", 4 * 8192)];
+        for p in &prompts {
+            let r = c
+                .post(format!("{}/v1/completions", rb.base_url()))
+                .json(&json!({"model": MODEL, "prompt": p, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200);
+        }
+        let head = |p: &str| {
+            let mut keys = Vec::new();
+            let ns = kvmesh::core::keys::Namespace::new(MODEL, None, None, None);
+            kvmesh::core::keys::text_block_keys(ns, p.as_bytes(), block_bytes, &mut keys);
+            RegionHead::of(&keys).unwrap()
+        };
+        let (allowed, forged) = (head(&prompts[0]), head(&prompts[1]));
+        let forged_url = format!("http://0.0.0.0:{}", rb.addr.port());
+        let offer = RegionOffer {
+            region: "us".into(),
+            models: vec![OfferedModel {
+                model: MODEL.into(),
+                pool: String::new(),
+                whole: true,
+                healthy: 1,
+                open: 1,
+                least_queue_ms: 0,
+                prefill_tokens_per_s: 2_000,
+            }],
+            heads: vec![allowed, forged],
+            holders: vec![
+                OfferedHolder {
+                    head: allowed,
+                    id: "rb".into(),
+                    url: rb.base_url(),
+                    step_ms: 0,
+                },
+                OfferedHolder {
+                    head: forged,
+                    id: "rb-forged".into(),
+                    url: forged_url.clone(),
+                    step_ms: 0,
+                },
+            ],
+        };
+        let rogue = common::rogue_member(
+            "kv-fetch-regions-test",
+            certs.path(),
+            "us-rogue",
+            "us",
+            mesh_addr(&eu),
+            2_000,
+            |m| {
+                m.region_interval = Duration::from_millis(200);
+                m.http_url = "https://us-rogue.example:8443".into();
+            },
+        )
+        .await;
+        let allowed_named = || {
+            eu.node
+                .lock()
+                .view
+                .remote_regions
+                .get("us")
+                .is_some_and(|o| o.holders.iter().any(|h| h.head == allowed))
+        };
+        let seen = common::wait_until(Duration::from_secs(30), async || {
+            let live: Vec<_> = rogue
+                .members()
+                .await
+                .into_iter()
+                .filter(|m| m.live)
+                .collect();
+            rogue.sync_regions(&live, || offer.clone()).await;
+            allowed_named()
+        })
+        .await;
+        assert!(seen.is_some(), "eu folds the rogue's offer in");
+        let holder_urls: Vec<String> = eu.node.lock().view.remote_regions["us"]
+            .holders
+            .iter()
+            .map(|h| h.url.clone())
+            .collect();
+        assert!(
+            !holder_urls.contains(&forged_url),
+            "the forged holder is dropped: {holder_urls:?}"
+        );
+        let untrusted = "kvmesh_mesh_records_ignored_total{reason=\"untrusted_holder\"}";
+        assert!(metric(&c, &format!("http://{}", eu.addr), untrusted).await >= 1.0);
+
+        // The allowed holder is pulled from (so the offer and its heads are right) ...
+        assert_eq!(complete(&c, eu.addr, &prompts[0]).await, (200, "ra".into()));
+        let fetched = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await;
+        assert!(
+            fetched >= 4_000.0,
+            "ra pulled from the allowed holder: {fetched}"
+        );
+        // ... the forged one never: no pull tried, nothing more arrived.
+        assert_eq!(complete(&c, eu.addr, &prompts[1]).await.0, 200);
+        assert_eq!(
+            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await,
+            0.0
+        );
+        assert_eq!(
+            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,
+            fetched,
+            "no pull from {forged_url}"
+        );
+        rogue.shutdown().await;
+        eu.shutdown().await;
         ra.shutdown().await;
         rb.shutdown().await;
     })

@@ -32,6 +32,7 @@ use super::config::MeshSection;
 use super::learned::{Ignored, LearnError, LearnPolicy};
 use super::mesh_state::{MeshPlan, Pull, PullKind};
 use super::metrics::MeshMetrics;
+use super::remote_regions::OfferFold;
 use super::state::Node;
 use crate::mesh::cert_resolver::ReloadableCert;
 use crate::mesh::cluster::{region_map_of, replicas_in_region_with, LiveHomes};
@@ -202,18 +203,24 @@ async fn sync_loop(
 }
 
 /// Counts the region offers refused this round for naming another region's replica
-/// (`records_ignored{reason="foreign_holder"}`); warns at most once per `WARN_EVERY`.
-fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, regions: &[String]) {
-    if regions.is_empty() {
+/// (`records_ignored{reason="foreign_holder"}`) and the offered holders dropped for a host no
+/// pull may go to (`reason="untrusted_holder"`); warns at most once per `WARN_EVERY`.
+fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, fold: &OfferFold) {
+    let regions = &fold.refused;
+    if regions.is_empty() && fold.untrusted_holders == 0 {
         return;
     }
     metrics
         .records_ignored
         .with_label_values(&["foreign_holder"])
         .inc_by(regions.len() as u64);
+    metrics
+        .records_ignored
+        .with_label_values(&["untrusted_holder"])
+        .inc_by(fold.untrusted_holders as u64);
     if st.ignore_warn.elapsed() >= WARN_EVERY {
         st.ignore_warn = Instant::now();
-        tracing::warn!(?regions, "region offer names a replica of another region: refused (more within {WARN_EVERY:?} are only counted)");
+        tracing::warn!(?regions, untrusted_holders = fold.untrusted_holders, "region offer names a replica of another region (refused) or a holder outside mesh.learn_replicas_from (dropped); more within {WARN_EVERY:?} are only counted");
     }
 }
 
@@ -290,8 +297,8 @@ async fn sync_once(
 
     // Regional gossip: other regions as one record each (their replicas are not members here).
     let regional = mesh.sync_regions(&live, || node.region_offer()).await;
-    let refused = node.set_remote_regions(&regional.records, regional.representative);
-    note_refused_offers(st, metrics, &refused);
+    let fold = node.set_remote_regions(&regional.records, regional.representative);
+    note_refused_offers(st, metrics, &fold);
     let regions_known = regional.records.len();
 
     node.set_peer_tenant_usage(&live);

@@ -443,7 +443,9 @@ pub struct MeshMetrics {
     /// the replica's rendezvous home), `bad_url`, `not_allowed` (host outside
     /// `mesh.learn_replicas_from` and this node's own replica hosts), `same_url` (another
     /// replica has its URL), `peer_cap`, `total_cap`, `registry`; `foreign_holder` (per round:
-    /// another region's offer named a replica this node knows in a third region or its own).
+    /// another region's offer named a replica this node knows in a third region or its own);
+    /// `untrusted_holder` (per round and holder: an offered holder's host is outside
+    /// `mesh.learn_replicas_from`, so no pull is sent there).
     pub records_ignored: IntCounterVec,
     /// `kvmesh_mesh_block_reports_refused_total{reason}`: `not_a_region_member`,
     /// `unknown_replica`, `not_home` (this node is not the replica's home).
@@ -592,6 +594,7 @@ impl MeshMetrics {
             "total_cap",
             "registry",
             "foreign_holder",
+            "untrusted_holder",
         ] {
             self.records_ignored.with_label_values(&[reason]).reset();
         }

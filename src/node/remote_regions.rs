@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
+use super::learned::LearnPolicy;
 use super::mesh_state::Peer;
 use super::state::{Endpoint, Node};
 use crate::core::region_choice::{build_offer, foreign_holder};
@@ -23,6 +24,16 @@ use crate::mesh::region_record::RegionRecord;
 /// layer takes to drop a dark region's record (4 s by default), short enough that a region
 /// that was only briefly unreachable is tried again soon.
 pub const REGION_UNREACHABLE_FOR: Duration = Duration::from_secs(5);
+
+/// What folding other regions' records left out ([`Node::set_remote_regions`]).
+#[derive(Debug, Default)]
+pub struct OfferFold {
+    /// Regions whose offer was refused whole: it named a replica this node knows in another
+    /// region.
+    pub refused: Vec<String>,
+    /// Holders dropped from kept offers: their URL's host is not one a pull may be sent to.
+    pub untrusted_holders: usize,
+}
 
 impl Node {
     /// Forwarding skips `region` for [`REGION_UNREACHABLE_FOR`]: every node its record named
@@ -72,15 +83,31 @@ impl Node {
     }
 
     /// Folds other regions' newest records into the view (at most `MAX_REMOTE_REGIONS`) and
-    /// the forwarding targets; `representative` is shown in `/admin/state`. Returns the regions
-    /// whose offer was refused: it named a holder this node knows in another region (a region
-    /// speaks only for its own replicas).
+    /// the forwarding targets; `representative` is shown in `/admin/state`. Says which offers
+    /// were refused whole (they named a holder this node knows in another region: a region
+    /// speaks only for its own replicas) and how many holders were dropped for living where this
+    /// node may not send a pull ([`Node::offered_holder_allowed`]).
     pub(super) fn set_remote_regions(
         &self,
         records: &BTreeMap<String, RegionRecord>,
         representative: bool,
-    ) -> Vec<String> {
-        let mut refused = Vec::new();
+    ) -> OfferFold {
+        let mut fold = OfferFold::default();
+        // Vetted before the lock: the host check reads this node's own replicas under it.
+        let policy = LearnPolicy::of(self);
+        let offers: Vec<(&String, RegionOffer)> = records
+            .iter()
+            .take(MAX_REMOTE_REGIONS)
+            .map(|(name, r)| {
+                let mut offer = r.offer();
+                let before = offer.holders.len();
+                offer
+                    .holders
+                    .retain(|h| self.offered_holder_allowed(&policy, &h.url));
+                fold.untrusted_holders += before - offer.holders.len();
+                (name, offer)
+            })
+            .collect();
         let targets: Vec<Peer> = records
             .values()
             .take(MAX_REMOTE_REGIONS)
@@ -102,13 +129,12 @@ impl Node {
             }
             let local = core.view.local_region.clone();
             core.view.remote_regions.clear();
-            for (name, r) in records.iter().take(MAX_REMOTE_REGIONS) {
+            for (name, offer) in offers {
                 if *name == local {
                     continue;
                 }
-                let offer = r.offer();
                 if foreign_holder(&core.view, &offer).is_some() {
-                    refused.push(name.clone());
+                    fold.refused.push(name.clone());
                     continue;
                 }
                 core.view.remote_regions.insert(name.clone(), offer);
@@ -117,6 +143,20 @@ impl Node {
         let mut st = self.status();
         st.region_targets = targets;
         st.representative = representative;
-        refused
+        fold
+    }
+
+    /// Whether a pull hint may name `url`, a holder another region's offer names: its host
+    /// must be one this node would learn a replica at from gossip (`mesh.learn_replicas_from`,
+    /// loopback on a loopback mesh, a host of its own replicas). Under regional gossip the
+    /// reader cannot check the URL against a replica record, and a local replica is told to
+    /// connect there: without this a certified member of any region could point this node's
+    /// replicas at any host (issue #37's trust gap).
+    pub(super) fn offered_holder_allowed(&self, policy: &LearnPolicy, url: &str) -> bool {
+        reqwest::Url::parse(url)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https"))
+            .and_then(|u| u.host_str().map(|h| self.host_allowed(policy, h)))
+            .unwrap_or(false)
     }
 }

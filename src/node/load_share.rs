@@ -545,6 +545,85 @@ mod tests {
         assert_eq!(route(&longer), Some(first));
     }
 
+    /// Issue #38 (three nodes behind a balancer): a peer's tip counted only from the routing
+    /// node's *predicted* prefill end, while that node's own overlay counts from the first byte.
+    /// A replica faster than predicted had the blocks long before the region's other nodes
+    /// believed it, and a first byte later than `overlay_ttl` past the prediction left them no
+    /// tip at all until the home's summary round. The first byte is news for the peers too.
+    #[test]
+    fn a_first_byte_tells_the_peers_the_prompt_is_cached_now() {
+        use crate::core::router::{Decision, RouteRequest};
+        use crate::core::view::Health;
+        use crate::node::config::{MeshSection, NodeConfig};
+        use crate::replicas::entry::ReplicaConfig;
+
+        crate::proxy::install_crypto_provider();
+        let replica = || ReplicaConfig {
+            id: Some("r0".into()),
+            models: vec!["m".into()],
+            // Predicted far slower than it runs: a 96-token prompt's prefill is predicted
+            // to take ~96 s.
+            prefill_tokens_per_s: 1.0,
+            ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+        };
+        let certs = tempfile::tempdir().unwrap();
+        crate::mesh::certs::init_dir(certs.path()).unwrap();
+        let cfg = |id: &str| NodeConfig {
+            replicas: vec![replica()],
+            mesh: Some(MeshSection {
+                node_id: id.into(),
+                certs_dir: Some(certs.path().to_owned()),
+                ..MeshSection::default()
+            }),
+            ..NodeConfig::default()
+        };
+        for id in ["a", "b"] {
+            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
+        }
+        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
+        for n in [&a, &b] {
+            n.lock().view.set_health(0, Health::Healthy);
+        }
+        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
+        let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        // A's next load update (a flush): B learns the prefix, ready at the predicted end.
+        let flush = |n: &Arc<Node>| {
+            let now = n.now();
+            let mut core = n.lock();
+            let core = &mut *core;
+            let tips = routed_tips(
+                &core.pending_tips,
+                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+                now,
+            );
+            core.pending_tips.clear();
+            tips
+        };
+        let learn = |tips: &[RoutedTip]| {
+            let now = b.now();
+            let mut core = b.lock();
+            let region = core.view.local_region.clone();
+            assert_eq!(learn_tips(&mut core, tips, &region, now), 0);
+            let mut hits = Vec::new();
+            core.view.peer_tips.hits(&keys, now, &mut hits);
+            hits
+        };
+        let routed = flush(&a);
+        assert!(routed.iter().any(|t| t.blocks == 6 && t.ready_ms > 10_000));
+        assert!(learn(&routed).is_empty(), "not before the predicted end");
+        // The replica answers at once: the prefix is in its cache now.
+        ticket.first_byte(&keys);
+        let answered = flush(&a);
+        assert!(
+            answered.iter().any(|t| t.blocks == 6 && t.ready_ms == 0),
+            "the first byte goes out as a tip ready now: {answered:?}"
+        );
+        assert_eq!(learn(&answered), vec![(0, 6)], "B counts it from now");
+    }
+
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a
     /// replica whose engine reports nothing counted as 67 M tokens (~22 min of queued prefill)
     /// for as long as the member repeated them. Now: a burst's worth, at most the replica's KV

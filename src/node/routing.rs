@@ -491,6 +491,16 @@ impl Ticket {
         }
         // Its prefill is done now, whatever was predicted: the overlay counts its keys from now.
         core.view.prefill_done(self.replica, keys, now);
+        // And the region's other nodes, whose tips of this prompt still count from the predicted
+        // end: a tip again, ready now, so they count it from now (an early first byte) and for
+        // `overlay_ttl` more (a late one, whose first tip may have run out before the home's
+        // summary has the blocks). Only this node's own request: a peer reports only its own.
+        if self.node.cfg.mesh.is_some() && core.pending_tips.len() < MAX_PENDING_TIPS {
+            let rank = self.rank.map(|t| t.rank);
+            if let Some(tip) = PendingTip::new(self.replica, keys, now, rank) {
+                core.pending_tips.push(tip);
+            }
+        }
         let Some(rt) = core.replicas.get_mut(self.replica) else {
             return;
         };

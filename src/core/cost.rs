@@ -226,17 +226,8 @@ impl PrefillPrice {
         } else {
             0.0
         };
-        self.work_of_new_s(p, c)
-    }
-
-    /// [`PrefillPrice::work_s`] past its guards: `uncached > 0` new tokens after `cached ≥ 0`
-    /// (±0 alike), both finite, as the router's quick candidate knows them to be once per
-    /// decision (`quick_price.rs`). The one formula both share, so they agree to the bit.
-    #[inline(always)]
-    pub fn work_of_new_s(&self, cached: f64, uncached: f64) -> f64 {
-        debug_assert!(cached.is_finite() && uncached.is_finite() && uncached > 0.0);
-        let per_token_s = uncached / self.tokens_per_s;
-        per_token_s + self.attention_s_per_pair * uncached * (cached + uncached / 2.0)
+        let per_token_s = c / self.tokens_per_s;
+        per_token_s + self.attention_s_per_pair * c * (p + c / 2.0)
     }
 }
 

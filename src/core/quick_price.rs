@@ -35,27 +35,15 @@ pub struct QuickPrice {
 }
 
 impl QuickPrice {
-    /// The quick candidate's constants for a request of `prompt_tokens` and `blocks` keys on a
-    /// view of `tokens_per_block`, priced by `cost`; `None` when a hit of up to `blocks` GPU
-    /// blocks could credit a non-finite number of tokens (a tier weight no node config passes:
-    /// every candidate then takes the general path). Checked once here, so that a candidate's
-    /// price needs none of [`PrefillPrice::work_s`]'s guards on its inputs: they always pass.
-    pub fn new(
-        cost: &CostModel,
-        tokens_per_block: u32,
-        prompt_tokens: u64,
-        blocks: usize,
-    ) -> Option<Self> {
-        let quick = QuickPrice {
+    /// The quick candidate's constants for a request of `prompt_tokens` on a view of
+    /// `tokens_per_block`, priced by `cost`.
+    pub fn new(cost: &CostModel, tokens_per_block: u32, prompt_tokens: u64) -> Self {
+        QuickPrice {
             w_gpu: cost.tier_weights.gpu,
             w_load_s: cost.w_load_s,
             tokens_per_block: u64::from(tokens_per_block) as f64,
             prompt_tokens: prompt_tokens as f64,
-        };
-        // The most a hit credits (`run ≤ blocks`, and a product of finite numbers grows with
-        // either factor), so every run's credited tokens are finite if this is.
-        let most = blocks as f64 * quick.w_gpu * quick.tokens_per_block;
-        most.is_finite().then_some(quick)
+        }
     }
 
     /// Replica `i` (state `r`, prefill price `price`) as a candidate whose whole hit is `run`
@@ -74,15 +62,9 @@ impl QuickPrice {
         // `CostModel::prefill_queue_s` and `queue_s`.
         let prefill_queue_s = r.load.queued_prefill_tokens as f64 / price.tokens_per_s;
         let queue_s = prefill_queue_s + self.w_load_s * outstanding as f64;
-        // `CostModel::prefill_s`: `PrefillPrice::work_s` less its guards, which pass here
-        // (`cached` is finite and at least ±0 by `QuickPrice::new`, so `uncached` is finite).
+        // `CostModel::prefill_s`.
         let cached = (credited_blocks * self.tokens_per_block).max(0.0);
-        let uncached = self.prompt_tokens - cached;
-        let prefill_s = if uncached > 0.0 {
-            price.work_of_new_s(cached, uncached)
-        } else {
-            0.0
-        };
+        let prefill_s = price.work_s(cached, self.prompt_tokens - cached);
         Candidate {
             replica: i,
             seed: r.seed,

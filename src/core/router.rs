@@ -835,7 +835,6 @@ impl Router {
     /// candidate. Returns what the pass found of the fleet (for [`Router::check_reach`]), the
     /// candidates' totals and whether a cap left some replica out. At 512 replicas this pass is
     /// most of a decision's instructions (`scripts/decision-instructions.sh`): keep it lean.
-    /// The common decision takes [`Router::gather_quick`]'s loop, any other the general one.
     fn gather_unpooled(
         &mut self,
         view: &View,
@@ -845,122 +844,20 @@ impl Router {
         scope: &Scope,
     ) -> (Reach, CandidateTotals, bool) {
         let searched = self.begin_gather(view, req, now);
-        let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
-        // The quick candidate's case for the whole decision (`quick_price.rs`): the slices were
-        // searched, no peer tip on the prompt, no KV quota, finite prices.
-        let quick = searched
-            .filter(|_| {
-                kv_slot.is_none() && self.tip_hits.is_empty() && self.pending_tips.is_empty()
-            })
-            .zip(QuickPrice::new(
-                &self.cfg.cost,
-                view.tokens_per_block,
-                req.prompt_tokens,
-                req.keys.len(),
-            ));
-        self.facts
-            .begin(req.model, &view.local_region, view.replicas().len());
-        self.candidates.reserve(view.replicas().len());
-        match quick {
-            // Nor a per-replica cap or an exclusion to check (a failover's retry has one).
-            Some((searched, quick)) if !scope.per_replica_cap && req.exclude.is_empty() => {
-                let (reach, gathered) = self.gather_quick(view, req, leg, now, searched, quick);
-                (reach, gathered, false)
-            }
-            _ => self.gather_general(view, req, leg, now, scope, searched, quick),
-        }
-    }
-
-    /// [`Router::gather_unpooled`]'s loop for the common decision: the quick candidate's case
-    /// holds for the whole request, and no cap or exclusion applies, so a replica's only tests
-    /// are its static facts, its health and whether its hit is its slice's run (then it is
-    /// priced by [`QuickPrice::candidate`], else by [`general_candidate`], out of
-    /// line). Every test that holds for the whole decision is made once, before the loop: at
-    /// 512 replicas the general loop's per-replica tests and the general candidate inlined in
-    /// it (its registers) were most of a decision's instructions. Exact: the candidates and
-    /// totals are the general loop's, in the same order (the survey's proptest checks it).
-    /// Out of line: inlined into `route_leg` it shared that function's registers, and spilled.
-    #[inline(never)]
-    fn gather_quick(
-        &mut self,
-        view: &View,
-        req: &RouteRequest<'_>,
-        leg: Leg,
-        now: Duration,
-        searched: SlicesSearched,
-        quick: QuickPrice,
-    ) -> (Reach, CandidateTotals) {
-        let mut reach = Reach::default();
-        let mut gathered = CandidateTotals::default();
-        let local = facts::local(leg);
         let uses_cache = self.policy.uses_cache();
-        // The router's fields borrowed apart, and the candidates out of it for the loop: its
-        // length then stays in a register and each candidate is written once, in place.
-        let mut candidates = std::mem::take(&mut self.candidates);
-        let Router {
-            facts,
-            cfg,
-            scratch,
-            tip_hits,
-            pending_tips,
-            kv_shares,
-            ..
-        } = self;
-        for (i, r) in view.replicas().iter().enumerate() {
-            let known = facts.known(i, &r.info);
-            if known.flags & facts::SERVES == 0 {
-                continue;
-            }
-            reach.model_known = true;
-            reach.cluster_slots += u64::from(known.max_in_flight);
-            if known.flags & local != local || r.health != Health::Healthy {
-                continue;
-            }
-            reach.local_usable = true;
-            let c = match view.sliced_hit(i, r, scratch, searched) {
-                Some(run) => quick.candidate(i, r, run, known.price),
-                None => {
-                    let work = CandidateWork {
-                        uses_cache,
-                        cost: &cfg.cost,
-                        scratch,
-                        searched: Some(searched),
-                        tip_hits,
-                        pending_tips,
-                        kv_shares,
-                    };
-                    general_candidate(work, view, req, now, (i, r), None)
-                }
-            };
-            candidates.push(c);
-            gathered.add(
-                c.queue_s,
-                c.outstanding >= known.max_in_flight,
-                c.hit_blocks,
-            );
-        }
-        self.candidates = candidates;
-        (reach, gathered)
-    }
-
-    /// [`Router::gather_unpooled`]'s loop for any decision: each replica is checked against
-    /// the tenant's per-replica cap and the request's exclusions, and priced quick where it
-    /// qualifies (`quick`: where the decision does) or else in full.
-    #[allow(clippy::too_many_arguments)]
-    fn gather_general(
-        &mut self,
-        view: &View,
-        req: &RouteRequest<'_>,
-        leg: Leg,
-        now: Duration,
-        scope: &Scope,
-        searched: Option<SlicesSearched>,
-        quick: Option<(SlicesSearched, QuickPrice)>,
-    ) -> (Reach, CandidateTotals, bool) {
         let mut reach = Reach::default();
         let mut gathered = CandidateTotals::default();
         let mut quota_blocked = false;
         let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
+        // The quick candidate's search, where this decision has its common case (no peer tip
+        // on the prompt, no KV quota: `quick_price.rs`); each replica still qualifies apart.
+        let quick_search = searched.filter(|_| {
+            kv_slot.is_none() && self.tip_hits.is_empty() && self.pending_tips.is_empty()
+        });
+        let quick = QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens);
+        self.facts
+            .begin(req.model, &view.local_region, view.replicas().len());
+        self.candidates.reserve(view.replicas().len());
         for (i, r) in view.replicas().iter().enumerate() {
             let known = self.facts.known(i, &r.info);
             if known.flags & facts::SERVES == 0 {
@@ -976,14 +873,13 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let quick_run = quick.and_then(|(searched, quick)| {
-                Some((view.sliced_hit(i, r, &self.scratch, searched)?, quick))
-            });
+            let quick_run =
+                quick_search.and_then(|searched| view.sliced_hit(i, r, &self.scratch, searched));
             let c = match quick_run {
-                Some((run, quick)) => quick.candidate(i, r, run, known.price),
+                Some(run) => quick.candidate(i, r, run, known.price),
                 None => {
                     let work = CandidateWork {
-                        uses_cache: self.policy.uses_cache(),
+                        uses_cache,
                         cost: &self.cfg.cost,
                         scratch: &mut self.scratch,
                         searched,
@@ -991,7 +887,7 @@ impl Router {
                         pending_tips: &self.pending_tips,
                         kv_shares: &mut self.kv_shares,
                     };
-                    general_candidate(work, view, req, now, (i, r), kv_slot)
+                    Self::candidate(work, view, req, now, (i, r), kv_slot)
                 }
             };
             self.candidates.push(c);
@@ -1434,21 +1330,6 @@ struct CandidateWork<'a> {
     tip_hits: &'a [(usize, u32)],
     pending_tips: &'a [(usize, Duration)],
     kv_shares: &'a mut Vec<(f32, f32)>,
-}
-
-/// [`Router::candidate`], out of line: the unpooled gathering loops call it for the few
-/// replicas past the quick candidate's case, and inlined it would crowd their registers for
-/// the many.
-#[inline(never)]
-fn general_candidate(
-    work: CandidateWork<'_>,
-    view: &View,
-    req: &RouteRequest<'_>,
-    now: Duration,
-    at: (usize, &ReplicaState),
-    kv_slot: Option<u8>,
-) -> Candidate {
-    Router::candidate(work, view, req, now, at, kv_slot)
 }
 
 /// Seconds until replica `i` holds the request's whole prompt, when a request routed there
@@ -2448,14 +2329,11 @@ mod tests {
         /// leg, exclusions and a per-replica cap. And each candidate's hit, read from the
         /// up-front slice search (`View::search_slices`), is the per-replica search's. Replicas
         /// of the quick candidate's case (`quick_price.rs`: no overlay, no lower tier, no peer
-        /// tip) on several prices, interleaved, test its remembered price against the general one;
-        /// without a cap, an exclusion or a tip the decision takes the quick loop
-        /// (`gather_quick`), else the general one (`gather_general`).
+        /// tip) on several prices, interleaved, test its remembered price against the general one.
         #[test]
         fn the_one_pass_survey_equals_scope_then_gather(
             specs in proptest::collection::vec(survey_spec(), 1..140),
-            // None half the time: with no cap and no tip, the quick loop's case (`gather_quick`).
-            excluded in prop_oneof![Just(Vec::new()), proptest::collection::vec(0usize..140, 0..3)],
+            excluded in proptest::collection::vec(0usize..140, 0..3),
             leg in prop_oneof![Just(Leg::Whole), Just(Leg::WholeOnBoth), Just(Leg::Prefill)],
             capped in any::<bool>(),
             tip in any::<bool>(),

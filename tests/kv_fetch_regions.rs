@@ -333,10 +333,14 @@ async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_off
             "the offer still names the dead holder for the second prompt"
         );
         assert_eq!(complete(&c, eu.addr, &second).await, (200, "ra".into()));
-        assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await,
-            1.0,
-            "the pull from the dead offered holder ({rb_url}) was tried and failed"
+        // Racy by a region interval (200 ms): when the home's next offer leaves the dead holder
+        // out before eu decides, eu recomputes without a hint and nothing is tried. Either way
+        // the request is answered by ra, and at most the one pull fails; when one was tried, a
+        // replica without its recompute fallback answers 503 above.
+        let failures = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await;
+        assert!(
+            failures <= 1.0,
+            "at most the pull from the dead offered holder ({rb_url}) failed: {failures}"
         );
         assert_eq!(
             metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,

@@ -769,13 +769,10 @@ mod tests {
         assert_eq!(r.fetch.map(|p| p.source), Some(1));
     }
 
-    /// With regional gossip the other region is an offer: a forward is priced from its heads.
-    #[test]
-    fn an_offer_holding_the_prefix_draws_a_forward_from_a_busy_region() {
-        use crate::core::region_offer::{OfferedModel, RegionHead, RegionOffer};
-        let (mut v, keys) = two_regions(true, 250_000, 0);
-        v.set_health(1, Health::Unhealthy);
-        let mut offer = RegionOffer {
+    /// Region `us`'s offer for model `m`: one healthy, open replica `least_queue_ms` deep,
+    /// prefilling 50k tokens/s, with `heads` and no holders.
+    fn us_offer(least_queue_ms: u32, heads: Vec<RegionHead>) -> RegionOffer {
+        RegionOffer {
             region: "us".into(),
             models: vec![OfferedModel {
                 model: "m".into(),
@@ -783,12 +780,20 @@ mod tests {
                 whole: true,
                 healthy: 1,
                 open: 1,
-                least_queue_ms: 0,
+                least_queue_ms,
                 prefill_tokens_per_s: 50_000,
             }],
-            heads: vec![],
+            heads,
             holders: vec![],
-        };
+        }
+    }
+
+    /// With regional gossip the other region is an offer: a forward is priced from its heads.
+    #[test]
+    fn an_offer_holding_the_prefix_draws_a_forward_from_a_busy_region() {
+        let (mut v, keys) = two_regions(true, 250_000, 0);
+        v.set_health(1, Health::Unhealthy);
+        let mut offer = us_offer(0, vec![]);
         v.remote_regions.insert("us".into(), offer.clone());
         assert!(matches!(
             route(&v, &keys, RemotePrefixMode::Forward, FAST),
@@ -814,20 +819,7 @@ mod tests {
         let (mut v, keys) = two_regions(true, 0, 0);
         v.set_health(1, Health::Unhealthy); // out of sight, as with regional gossip
         let head = RegionHead::of(&keys).unwrap();
-        let mut offer = RegionOffer {
-            region: "us".into(),
-            models: vec![OfferedModel {
-                model: "m".into(),
-                pool: String::new(),
-                whole: true,
-                healthy: 1,
-                open: 1,
-                least_queue_ms: 5_000,
-                prefill_tokens_per_s: 50_000,
-            }],
-            heads: vec![head],
-            holders: vec![],
-        };
+        let mut offer = us_offer(5_000, vec![head]);
         v.remote_regions.insert("us".into(), offer.clone());
         let Decision::Route(r) = route(&v, &keys, RemotePrefixMode::Weigh, FAST) else {
             panic!("served here")

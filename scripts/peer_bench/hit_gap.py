@@ -2,6 +2,7 @@
 """Where a router's prefix hits went, request by request (issue #38).
 
     python3 scripts/peer_bench/hit_gap.py OUT/mooncake kvmesh-run1 sglang-run1
+    python3 scripts/peer_bench/hit_gap.py why OUT/mooncake kvmesh-run1 sglang-run1
 
 reads OUT/mooncake/trace.jsonl and each run's requests.jsonl (`scripts/peer-bench
 --per-request`) and prints, per router:
@@ -14,12 +15,22 @@ reads OUT/mooncake/trace.jsonl and each run's requests.jsonl (`scripts/peer-benc
   conversations, follow-ups on their holder, follow-ups moved off theirs;
 - and, for two or more routers, the follow-ups compared row by row.
 
+`why` takes the follow-ups the first router sent off their holder while the second kept
+theirs, and for each says whether that holder still held the prefix (its LRU replayed from the
+run's own placements at the replicas' KV capacity) and what the node believed (its routing
+line: the hit it saw at the replica it chose, and the policy's reason), with the holder's and the
+chosen replica's requests in flight and uncached tokens still before their first byte. Run
+peer-bench with `RUST_LOG=info,kvmesh::proxy::deliver=debug` for the routing lines.
+
 The holder is judged by where this router sent the earlier requests, so each router is held to
 its own placements. Pure Python, no dependencies.
 """
 
+import datetime
+import glob
 import json
 import os
+import re
 import sys
 
 #: Tokens per hash id, by trace (as `traces.BLOCK_TOKENS`); the trace is the OUT dir's name.
@@ -171,7 +182,154 @@ def compare(names, runs, trace):
     print(f"| new | new | — | {ha / total_q:.4f} | {hb / total_q:.4f} |")
 
 
+#: The replicas' KV capacity in tokens (`kvmesh replica --preset 8b-h100`:
+#: `engine_sim::config`'s `kv_capacity_tokens`), for the holders' LRU replay in `why`.
+KV_TOKENS = 450_000
+
+
+def replica_lru(trace, reqs, row, holder):
+    """Whether `holder` still held row's shared prefix when row started: the holder's LRU of
+    trace blocks replayed from this run's placements (each request writes its hash ids at its
+    first byte, each id worth `prompt / len(hash_ids)` of the replica's tokens), capacity
+    `KV_TOKENS`. An estimate: the replica's pinned blocks and partial last block are not modelled."""
+    r = reqs[row]
+    t0 = r["start_ns"]
+    events = sorted((x["start_ns"] + x.get("ttft_ns", 0), j) for j, x in reqs.items()
+                    if x.get("replica") == holder and j != row and x.get("prompt"))
+    lru, used = {}, 0.0  # hash id chain key -> tokens (insertion order = recency)
+    for t, j in events:
+        if t >= t0:
+            break
+        ids = trace[j]["hash_ids"]
+        per = reqs[j]["prompt"] / max(len(ids), 1)
+        key = None
+        for h in ids:
+            key = hash((key, h))
+            if key in lru:
+                lru[key] = lru.pop(key)
+            else:
+                lru[key] = per
+                used += per
+        while used > KV_TOKENS and lru:
+            k = next(iter(lru))
+            used -= lru.pop(k)
+    ids, key, held = trace[row]["hash_ids"], None, 0
+    for h in ids:
+        key = hash((key, h))
+        if key not in lru:
+            break
+        held += 1
+    return held
+
+
+def routed_lines(work):
+    """The node's first-attempt routing lines (`RUST_LOG=...,kvmesh::proxy::deliver=debug`),
+    replica addresses mapped to the replicas' ids."""
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    ids = {}
+    for f in glob.glob(os.path.join(work, "replica-*.log")):
+        with open(f, errors="replace") as lines:
+            for line in lines:
+                m = re.search(r"replica=(\S+) addr=(\S+)", ansi.sub("", line))
+                if m:
+                    ids[m.group(2)] = m.group(1)
+    pat = re.compile(r"^(\S+) +DEBUG kvmesh::proxy::deliver: routed replica=(\S+) "
+                     r"hit_blocks=(\d+) reason=\"(\w+)\" attempt=0")
+    out = []
+    for f in sorted(glob.glob(os.path.join(work, "kvmesh-*.log"))):
+        with open(f, errors="replace") as lines:
+            for line in lines:
+                m = pat.match(ansi.sub("", line))
+                if m:
+                    t = datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
+                    out.append(dict(t_ns=int(t.timestamp() * 1e9), replica=ids.get(m.group(2)),
+                                    hit=int(m.group(3)), reason=m.group(4)))
+    return sorted(out, key=lambda x: x["t_ns"])
+
+
+def join_routed(reqs, lines):
+    """Each request's routing line: the first unused one at or after its start (50 ms slack)
+    that named the replica it was answered by."""
+    used = [False] * len(lines)
+    k0 = 0
+    for row in sorted(reqs, key=lambda i: reqs[i]["start_ns"]):
+        r = reqs[row]
+        while k0 < len(lines) and (used[k0] or lines[k0]["t_ns"] < r["start_ns"] - 50_000_000):
+            k0 += 1
+        for k in range(k0, min(k0 + 64, len(lines))):
+            if not used[k] and lines[k]["replica"] == r.get("replica"):
+                used[k] = True
+                r["routed"] = lines[k]
+                break
+
+
+def why(out, name, other):
+    """Follow-ups `name` sent off their holder while `other` kept theirs: was the holder
+    still holding the prefix (LRU replay), and what the node believed (its routing line)."""
+    global BLOCK
+    BLOCK = BLOCK_TOKENS.get(os.path.basename(os.path.normpath(out)), 512)
+    trace = load_trace(os.path.join(out, "trace.jsonl"))
+    shared = shared_prefixes(trace)
+    work = os.path.join(out, name)
+    reqs = load_requests(os.path.join(work, "requests.jsonl"))
+    with open(os.path.join(work, "profile_export.jsonl")) as f:
+        ttft = {}
+        for line in f:
+            x = json.loads(line)
+            v = (x["metrics"].get("time_to_first_token") or {}).get("value")
+            end = x["metadata"].get("request_end_ns")
+            ttft[x["metadata"]["session_num"]] = (v or 0.0, end)
+    for row, r in reqs.items():
+        ms, end = ttft.get(row, (0.0, None))
+        r["ttft_ns"] = int(ms * 1e6)
+        r["end_ns"] = end
+    join_routed(reqs, routed_lines(work))
+    rows, _ = analyse(trace, shared, reqs)
+    orows, _ = analyse(trace, shared, load_requests(os.path.join(out, other, "requests.jsonl")))
+    total_q = sum(x["prompt"] for x in rows if not x.get("missing"))
+    print(f"\n## {name}: follow-ups sent off their holder that {other} kept on its own")
+    print("| row | blocks shared | holder still held (LRU replay) | hit believed at chosen | "
+          "reason | holder's requests in flight / queued tokens without a first byte | "
+          "chosen's | cached | TTFT ms |")
+    print("|---|---:|---:|---:|---|---|---|---:|---:|")
+    agg = {}
+    for a, b in zip(rows, orows):
+        if a.get("missing") or b.get("missing") or a["cls"] != "off_holder" \
+                or b["cls"] != "on_holder":
+            continue
+        row = a["row"]
+        r = reqs[row]
+        holder = reqs[a["last_holder_row"]]["replica"] if a["last_holder_row"] in reqs else None
+        held = replica_lru(trace, reqs, row, holder) if holder else 0
+        t = r["start_ns"]
+
+        def load(rep):
+            live = [x for j, x in reqs.items() if j != row and x.get("replica") == rep
+                    and x["start_ns"] < t and (x.get("end_ns") or 0) > t]
+            queued = sum(x["prompt"] - x["cached"] for x in live
+                         if x["start_ns"] + x["ttft_ns"] > t)
+            return len(live), queued
+        hn, hq = load(holder)
+        cn, cq = load(r["replica"])
+        rt = r.get("routed", {})
+        still = held >= 2
+        key = (still, rt.get("reason", "?"))
+        n, lost = agg.get(key, (0, 0))
+        agg[key] = (n + 1, lost + max(a["could"] - a["cached"], 0))
+        print(f"| {row} | {a['blocks']} | {held} | {rt.get('hit', '?')} | {rt.get('reason', '?')}"
+              f" | {hn} / {hq} | {cn} / {cq} | {r['cached']} | {r['ttft_ns'] / 1e6:.0f} |")
+    print("\n| holder still held ≥ 2 blocks | reason | follow-ups | tokens lost (share of queries) |")
+    print("|---|---|---:|---:|")
+    for (still, reason), (n, lost) in sorted(agg.items()):
+        print(f"| {still} | {reason} | {n} | {lost / total_q:.4f} |")
+
+
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "why":
+        if len(sys.argv) != 5:
+            sys.exit(__doc__)
+        why(*sys.argv[2:5])
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     out = sys.argv[1]

@@ -1058,20 +1058,29 @@ impl Router {
         } else {
             (0, 0.0)
         };
-        // A burst of one prompt: the whole prompt is being computed there right now (only
-        // where an overlay or a peer's tip could say so: most replicas are looked up no
-        // further).
-        let burst_wait_s = if uses_cache
-            && (hit_blocks as usize) < req.keys.len()
-            && (r.has_overlay() || !w.pending_tips.is_empty())
-        {
-            burst_wait_s(w.pending_tips, view, i, req.keys, now)
+        // The whole prompt is being computed there by an earlier request (only where an
+        // overlay or a peer's tip could say so: most replicas are looked up no further).
+        let in_flight = if uses_cache && (r.has_overlay() || !w.pending_tips.is_empty()) {
+            whole_in_flight(w.pending_tips, view, r, i, req.keys, now)
         } else {
             None
         };
-        if burst_wait_s.is_some() {
-            hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
-            credited_blocks = f64::from(hit_blocks);
+        let mut burst_wait_s = None;
+        match in_flight {
+            Some(WholeInFlight::Ride(wait_s)) => {
+                hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+                credited_blocks = f64::from(hit_blocks);
+                burst_wait_s = Some(wait_s);
+            }
+            Some(WholeInFlight::Recompute) => {
+                // Only what the engine holds for certain: it would compute the rest again.
+                let settled = u32::try_from(view.hit_settled(i, req.keys, now)).unwrap_or(0);
+                if settled < hit_blocks {
+                    hit_blocks = settled;
+                    credited_blocks = credited_blocks.min(f64::from(settled));
+                }
+            }
+            None => {}
         }
         if let Some(slot) = kv_slot {
             let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
@@ -1332,25 +1341,48 @@ struct CandidateWork<'a> {
     kv_shares: &'a mut Vec<(f32, f32)>,
 }
 
-/// Seconds until replica `i` holds the request's whole prompt, when a request routed there
-/// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
-/// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
-/// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
-/// ride on the first, which computes the prompt once, instead of each landing on an idle
-/// replica that computes it again. Until the first's prefill ends neither the summary nor
-/// the counting overlay holds the prompt, and the replica's queue counts that prefill in
-/// full, so without this every follower looks dearer there than on an idle replica by the
-/// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
-/// computation under way would still compute its own part alongside it.
-fn burst_wait_s(
+/// Prefill tokens of one engine step: vLLM's default `max_num_batched_tokens` on an H100. An
+/// engine grants prefill chunks of at most this many tokens a step, and admits a new request
+/// (matching its prefix cache then) at the start of a step.
+const STEP_CHUNK_TOKENS: f64 = 8192.0;
+
+/// What an earlier request computing this very prompt at a replica means for this one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum WholeInFlight {
+    /// Its prefill is predicted to end within one step's chunk from now: an engine admits this
+    /// request after that step, with the whole prompt cached. It waits this many seconds.
+    Ride(f64),
+    /// Its prefill ends later, or ran past its predicted end with no first byte yet (the
+    /// prediction ran early: a long prefill beside a decoding batch): an engine admits this
+    /// request at once and matches its prefix cache then, before the prompt is in it, so it
+    /// would compute the prompt again. Only blocks held for certain count
+    /// ([`View::hit_settled`]).
+    Recompute,
+}
+
+/// Whether replica `i` (`r`) is computing the request's whole prompt at `now`, for an earlier
+/// request whose first byte has not come: this node's overlay holds its last key unconfirmed,
+/// or a peer's load-sharing tip names it, unconfirmed. Burst co-location: `n` identical prompts
+/// within a prefill (RL `n`-sample rollouts) ride on the first, which computes the prompt once,
+/// instead of each landing on an idle replica that computes it again. Until the first's prefill
+/// ends neither the summary nor the counting overlay holds the prompt, and the replica's queue
+/// counts that prefill in full, so without this every follower looks dearer there than on an
+/// idle replica by the prefill itself. A follower rides only when the prompt is predicted in
+/// the cache within a step ([`WholeInFlight`]); otherwise the predicted blocks do not count at
+/// all: a 120k-token turn sent to a holder whose identical predecessor's prediction had run out
+/// 1.1 s early found 0 of 1,729 blocks and queued behind that prefill (issue #38). Only the
+/// whole prompt: a request that shares just a prefix with a computation under way would still
+/// compute its own part alongside it.
+fn whole_in_flight(
     pending_tips: &[(usize, Duration)],
     view: &View,
+    r: &ReplicaState,
     i: usize,
     keys: &[BlockKey],
     now: Duration,
-) -> Option<f64> {
+) -> Option<WholeInFlight> {
     let last = *keys.last()?;
-    let own = view.pending_ready(i, last, now);
+    let own = view.unconfirmed_ready(i, last, now);
     let peer = pending_tips
         .iter()
         .find(|(r, _)| *r == i)
@@ -1359,7 +1391,12 @@ fn burst_wait_s(
         (Some(a), Some(b)) => a.min(b),
         (a, b) => a.or(b)?,
     };
-    Some(ready.saturating_sub(now).as_secs_f64())
+    let step_s = PrefillPrice::of(&r.info).work_s(0.0, STEP_CHUNK_TOKENS);
+    let wait_s = ready.checked_sub(now).map(|d| d.as_secs_f64());
+    Some(match wait_s {
+        Some(w) if w > 0.0 && w <= step_s => WholeInFlight::Ride(w),
+        _ => WholeInFlight::Recompute,
+    })
 }
 
 #[cfg(test)]
@@ -1443,6 +1480,7 @@ mod tests {
                 blocks: turn1.len() as u32,
                 ready: NOW - Duration::from_millis(10),
                 until: NOW + Duration::from_secs(10),
+                confirmed: false,
             },
         );
         // Turn 2 extends turn 1: this node has no summary or overlay for it, yet sees the hit.
@@ -1773,6 +1811,7 @@ mod tests {
                         blocks: keys.len() as u32,
                         ready: now + ready_in,
                         until: now + ready_in + Duration::from_secs(3),
+                        confirmed: false,
                     };
                     if let Some(last) = keys.last() {
                         v.peer_tips.insert(*last, tip);
@@ -2377,6 +2416,7 @@ mod tests {
                     blocks: keys.len() as u32,
                     ready: NOW + Duration::from_secs(1),
                     until: NOW + Duration::from_secs(10),
+                    confirmed: false,
                 };
                 v.peer_tips.insert(*keys.last().unwrap(), tip);
             }

@@ -508,16 +508,18 @@ impl View {
         }
     }
 
-    /// When replica `i`'s overlay says `key` will be held, if that is still ahead at `now`: a
-    /// request this node routed there is computing it.
-    pub fn pending_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
+    /// When replica `i`'s overlay predicted `key` held, if no first byte has confirmed it yet
+    /// ([`View::prefill_done`]) and it has not expired: a request this node routed there is
+    /// computing it, as far as this node knows, even when its predicted end is past (a
+    /// prediction that ran early: a long prefill beside a decoding batch).
+    pub fn unconfirmed_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
         let r = self.replicas.get(i)?;
         if r.overlay.is_empty() {
             return None;
         }
         r.overlay
             .get(&key.0)
-            .filter(|e| e.ready > now && now < e.until)
+            .filter(|e| !e.confirmed && now < e.until)
             .map(|e| e.ready)
     }
 

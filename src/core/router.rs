@@ -1823,6 +1823,73 @@ mod tests {
         out
     }
 
+    /// A long prompt's `blocks` keys, each distinct (chained like real keys).
+    fn long_prompt(blocks: usize) -> Vec<BlockKey> {
+        prompt_keys("a long agentic turn ")
+            .into_iter()
+            .cycle()
+            .enumerate()
+            .map(|(j, k)| BlockKey(k.0 ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .take(blocks)
+            .collect()
+    }
+
+    #[test]
+    fn a_prompt_still_computing_past_its_predicted_end_is_not_a_hit_until_its_first_byte() {
+        // Issue #38's agentic p99: a 110k-token turn routed to r2, predicted done a second ago
+        // but with no first byte yet (the prediction ran early). Its identical follower, sent
+        // there, would be admitted at once and compute the prompt again behind it.
+        let keys = long_prompt(1_729);
+        let tokens = keys.len() as u64 * 64;
+        let fleet = || {
+            let mut v = View::new("eu", 64);
+            for i in 0..4 {
+                v.upsert(info(&format!("r{i}"), "eu"));
+            }
+            // The predecessor's prefill still counts as queued at r2 (released at its first byte).
+            v.set_shared_load(2, 0, tokens);
+            v
+        };
+        let routed_at = NOW - Duration::from_secs(2);
+        // This node routed it.
+        let mut own = fleet();
+        own.record_routed_ready(2, &keys, routed_at, Duration::from_secs(1));
+        // Another node routed it and tipped this one off.
+        let mut peer = fleet();
+        let tip = crate::core::peer_tips::Tip {
+            replica: 2,
+            blocks: keys.len() as u32,
+            ready: routed_at + Duration::from_secs(1),
+            until: NOW + Duration::from_secs(10),
+            confirmed: false,
+        };
+        peer.peer_tips.insert(keys[keys.len() - 1], tip);
+        for (who, v) in [("own overlay", &mut own), ("peer tip", &mut peer)] {
+            let mut r = router(PolicyKind::P2cCache);
+            let d = routed(r.route(v, &req(&keys), NOW));
+            assert!(
+                d.replica != 2 && d.hit_blocks == 0,
+                "{who}: counted a prompt still computing as cached: {d:?}"
+            );
+            // Its first byte came: now the whole prompt is there.
+            if who == "own overlay" {
+                v.prefill_done(2, &keys, NOW);
+            } else {
+                v.peer_tips.insert(
+                    keys[keys.len() - 1],
+                    crate::core::peer_tips::Tip {
+                        ready: NOW,
+                        confirmed: true,
+                        ..tip
+                    },
+                );
+            }
+            v.set_shared_load(2, 0, 0);
+            let d = routed(r.route(v, &req(&keys), NOW));
+            assert_eq!((d.replica, d.hit_blocks as usize), (2, keys.len()), "{who}");
+        }
+    }
+
     #[test]
     fn a_burst_of_one_prompt_lands_on_one_replica() {
         // RL n-sample rollouts: 8 identical 4k-token prompts within 100 ms, on an idle fleet.

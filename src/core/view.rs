@@ -414,7 +414,7 @@ impl View {
         }
     }
 
-    /// Records a routing decision whose blocks count at once (see [`View::record_routed_ready`]).
+    /// Records a routing decision whose blocks count at once, held for certain (see [`View::record_routed_ready`]).
     pub fn record_routed(&mut self, i: usize, keys: &[BlockKey], now: Duration) {
         self.record_routed_ready(i, keys, now, Duration::ZERO);
     }
@@ -431,6 +431,8 @@ impl View {
         ready_in: Duration,
     ) {
         let ttl = self.overlay_ttl;
+        // Nothing predicted: the blocks are there now, as sure as a first byte would make them.
+        let confirmed = ready_in.is_zero();
         if let Some(r) = self.replicas.get_mut(i) {
             r.load.in_flight = r.load.in_flight.saturating_add(1);
             let ready = now + ready_in;
@@ -447,17 +449,18 @@ impl View {
                             *e = OverlayEntry {
                                 ready,
                                 until,
-                                confirmed: false,
+                                confirmed,
                             };
                         } else {
                             e.ready = e.ready.min(ready);
                             e.until = e.until.max(until);
+                            e.confirmed |= confirmed;
                         }
                     })
                     .or_insert(OverlayEntry {
                         ready,
                         until,
-                        confirmed: false,
+                        confirmed,
                     });
             }
         }

@@ -1061,7 +1061,7 @@ impl Router {
         // The whole prompt is being computed there by an earlier request (only where an
         // overlay or a peer's tip could say so: most replicas are looked up no further).
         let in_flight = if uses_cache && (r.has_overlay() || !w.pending_tips.is_empty()) {
-            whole_in_flight(w.pending_tips, view, r, i, req.keys, now)
+            whole_in_flight(w.pending_tips, view, r, i, req, now)
         } else {
             None
         };
@@ -1349,8 +1349,9 @@ const STEP_CHUNK_TOKENS: f64 = 8192.0;
 /// What an earlier request computing this very prompt at a replica means for this one.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum WholeInFlight {
-    /// Its prefill is predicted to end within one step's chunk from now: an engine admits this
-    /// request after that step, with the whole prompt cached. It waits this many seconds.
+    /// Its prefill is predicted to end within one step's chunk from now, or the prompt is one
+    /// step's chunk at most: an engine admits this request after that step, with the whole
+    /// prompt cached. It waits this many seconds.
     Ride(f64),
     /// Its prefill ends later, or ran past its predicted end with no first byte yet (the
     /// prediction ran early: a long prefill beside a decoding batch): an engine admits this
@@ -1367,9 +1368,9 @@ enum WholeInFlight {
 /// instead of each landing on an idle replica that computes it again. Until the first's prefill
 /// ends neither the summary nor the counting overlay holds the prompt, and the replica's queue
 /// counts that prefill in full, so without this every follower looks dearer there than on an
-/// idle replica by the prefill itself. A follower rides only when the prompt is predicted in
-/// the cache within a step ([`WholeInFlight`]); otherwise the predicted blocks do not count at
-/// all: a 120k-token turn sent to a holder whose identical predecessor's prediction had run out
+/// idle replica by the prefill itself. A follower of a prompt longer than a step rides only
+/// when it is predicted in the cache within a step ([`WholeInFlight`]); otherwise the predicted
+/// blocks do not count at all: a 120k-token turn sent to a holder whose identical predecessor's prediction had run out
 /// 1.1 s early found 0 of 1,729 blocks and queued behind that prefill (issue #38). Only the
 /// whole prompt: a request that shares just a prefix with a computation under way would still
 /// compute its own part alongside it.
@@ -1378,10 +1379,10 @@ fn whole_in_flight(
     view: &View,
     r: &ReplicaState,
     i: usize,
-    keys: &[BlockKey],
+    req: &RouteRequest<'_>,
     now: Duration,
 ) -> Option<WholeInFlight> {
-    let last = *keys.last()?;
+    let last = *req.keys.last()?;
     let own = view.unconfirmed_ready(i, last, now);
     let peer = pending_tips
         .iter()
@@ -1391,11 +1392,17 @@ fn whole_in_flight(
         (Some(a), Some(b)) => a.min(b),
         (a, b) => a.or(b)?,
     };
+    let wait_s = ready.checked_sub(now).map_or(0.0, |d| d.as_secs_f64());
+    // A prompt of one step is computed in the step it is granted: once it runs, a request
+    // arriving after it is admitted after that step, whatever the prediction said.
+    if req.prompt_tokens as f64 <= STEP_CHUNK_TOKENS {
+        return Some(WholeInFlight::Ride(wait_s));
+    }
     let step_s = PrefillPrice::of(&r.info).work_s(0.0, STEP_CHUNK_TOKENS);
-    let wait_s = ready.checked_sub(now).map(|d| d.as_secs_f64());
-    Some(match wait_s {
-        Some(w) if w > 0.0 && w <= step_s => WholeInFlight::Ride(w),
-        _ => WholeInFlight::Recompute,
+    Some(if wait_s > 0.0 && wait_s <= step_s {
+        WholeInFlight::Ride(wait_s)
+    } else {
+        WholeInFlight::Recompute
     })
 }
 
@@ -1888,6 +1895,14 @@ mod tests {
             let d = routed(r.route(v, &req(&keys), NOW));
             assert_eq!((d.replica, d.hit_blocks as usize), (2, keys.len()), "{who}");
         }
+        // A prompt of one engine step (4,096 tokens) past its predicted end is in its last
+        // step: an identical one sent there now is admitted after it and finds it cached.
+        let short = long_prompt(64);
+        let mut v = fleet();
+        v.set_shared_load(2, 0, 4_096);
+        v.record_routed_ready(2, &short, routed_at, Duration::from_secs(1));
+        let d = routed(router(PolicyKind::P2cCache).route(&v, &req(&short), NOW));
+        assert_eq!((d.replica, d.hit_blocks as usize), (2, short.len()));
     }
 
     #[test]

@@ -68,7 +68,6 @@ fn decisions(c: &mut Criterion) {
             blocks,
             ready: Duration::ZERO,
             until: Duration::from_secs(10),
-            confirmed: true,
         };
         for k in 0..10_000u64 {
             v.peer_tips.insert(

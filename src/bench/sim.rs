@@ -139,21 +139,16 @@ struct Share {
     replica: usize,
     in_flight: i32,
     pending_tokens: i64,
-    /// A routed prefix: its last block key, blocks, when its prefill is predicted done (or
-    /// was, at its first token: then confirmed), and the shorter prefixes it names (as the
-    /// live node's load update carries them).
+    /// A routed prefix: its last block key, blocks, when its prefill is predicted done, and
+    /// the shorter prefixes it names (as the live node's load update carries them).
     tip: Option<(BlockKey, u32, Duration, Ladder)>,
-    /// The tip is the request's first token, not a prediction.
-    confirmed: bool,
 }
 
 impl Share {
-    /// Names the prompt of `keys` as routed (ready at `ready`; `confirmed`: its first token
-    /// came).
-    fn set_tip(&mut self, keys: &[BlockKey], ready: Duration, confirmed: bool) {
+    /// Names the prompt of `keys` as routed (ready at `ready`).
+    fn set_tip(&mut self, keys: &[BlockKey], ready: Duration) {
         if let Some(last) = keys.last() {
             self.tip = Some((*last, keys.len() as u32, ready, Ladder::of(keys)));
-            self.confirmed = confirmed;
         }
     }
 }
@@ -857,7 +852,7 @@ impl<'a> Sim<'a> {
             }
             self.share(now, node, r, 1, uncached as i64);
             if let Some(s) = self.shares.back_mut() {
-                s.set_tip(&self.keys, now + ready_in, ready_in.is_zero());
+                s.set_tip(&self.keys, now + ready_in);
             }
             if let Some(d) = decode {
                 // The decode leg, as the live node books it: in flight, its blocks arriving with
@@ -1334,10 +1329,6 @@ impl<'a> Sim<'a> {
                     .saturating_sub(f.uncached_tokens);
             }
             self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
-            // As the live node does: the prompt again, ready now, to the region's other nodes.
-            if let Some(s) = self.shares.back_mut() {
-                s.set_tip(&keys, now, true);
-            }
         }
     }
 
@@ -1564,7 +1555,6 @@ impl<'a> Sim<'a> {
                 in_flight,
                 pending_tokens,
                 tip: None,
-                confirmed: false,
             });
         }
     }
@@ -1591,7 +1581,6 @@ impl<'a> Sim<'a> {
                             blocks,
                             ready: *ready,
                             until,
-                            confirmed: s.confirmed,
                         };
                         view.peer_tips.insert(key, tip);
                     }
@@ -1794,7 +1783,7 @@ impl<'a> Sim<'a> {
         }
         self.share(now, n, r, 1, uncached as i64);
         if let Some(s) = self.shares.back_mut() {
-            s.set_tip(&w.keys, now + ready_in, ready_in.is_zero());
+            s.set_tip(&w.keys, now + ready_in);
         }
         self.pending_prefill[r] += uncached;
         self.warms.push(WarmFlight {

@@ -38,10 +38,6 @@ pub struct Tip {
     pub ready: Duration,
     /// When they stop counting (by then the home's summary has them).
     pub until: Duration,
-    /// The routing node saw the request's first byte: the blocks are in the engine's cache, not
-    /// only predicted there. Until then a tip of a whole prompt is a computation under way
-    /// ([`PeerTips::pending_whole`]), however early its prediction ran out.
-    pub confirmed: bool,
 }
 
 /// Hashes a block key (already a uniform 64-bit hash) with one multiply, keyed by a seed.
@@ -208,7 +204,6 @@ impl PeerTips {
         {
             t.ready = t.ready.min(tip.ready);
             t.until = t.until.max(tip.until);
-            t.confirmed |= tip.confirmed;
             return true;
         }
         if self.len >= self.cap {
@@ -234,10 +229,9 @@ impl PeerTips {
     }
 
     /// Replicas a peer routed this very prompt to (a tip on its last key naming all its blocks)
-    /// whose prefill is still under way at `now` as far as anyone knows — no first byte
-    /// confirmed it, whether or not its predicted end has passed — with when it is predicted
-    /// done: appends `(replica, ready)` to `out` (cleared first). A burst of one prompt rides on
-    /// the first (`Router`'s burst co-location); a late one does not count it as cached.
+    /// whose prefill is still under way at `now`, with when it is predicted done: appends
+    /// `(replica, ready)` to `out` (cleared first). A burst of one prompt rides on the first
+    /// (`Router`'s burst co-location).
     pub fn pending_whole(
         &self,
         keys: &[BlockKey],
@@ -252,7 +246,7 @@ impl PeerTips {
             return;
         };
         for t in tips {
-            if t.blocks as usize == keys.len() && !t.confirmed && t.until > now {
+            if t.blocks as usize == keys.len() && t.ready > now && t.until > now {
                 match out.iter_mut().find(|(r, _)| *r == t.replica) {
                     Some(e) => e.1 = e.1.min(t.ready),
                     None => out.push((t.replica, t.ready)),
@@ -305,7 +299,6 @@ mod tests {
             blocks,
             ready: Duration::ZERO,
             until: Duration::from_secs(1),
-            confirmed: false,
         };
         assert!(t.insert(peer[39], tip(40)));
         let mut out = Vec::new();
@@ -339,7 +332,6 @@ mod tests {
             blocks,
             ready: S,
             until: 10 * S,
-            confirmed: false,
         }
     }
 

@@ -1058,29 +1058,20 @@ impl Router {
         } else {
             (0, 0.0)
         };
-        // The whole prompt is being computed there by an earlier request (only where an
-        // overlay or a peer's tip could say so: most replicas are looked up no further).
-        let in_flight = if uses_cache && (r.has_overlay() || !w.pending_tips.is_empty()) {
-            whole_in_flight(w.pending_tips, view, r, i, req, now)
+        // A burst of one prompt: the whole prompt is being computed there right now (only
+        // where an overlay or a peer's tip could say so: most replicas are looked up no
+        // further).
+        let burst_wait_s = if uses_cache
+            && (hit_blocks as usize) < req.keys.len()
+            && (r.has_overlay() || !w.pending_tips.is_empty())
+        {
+            burst_wait_s(w.pending_tips, view, i, req.keys, now)
         } else {
             None
         };
-        let mut burst_wait_s = None;
-        match in_flight {
-            Some(WholeInFlight::Ride(wait_s)) => {
-                hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
-                credited_blocks = f64::from(hit_blocks);
-                burst_wait_s = Some(wait_s);
-            }
-            Some(WholeInFlight::Recompute) => {
-                // Only what the engine holds for certain: it would compute the rest again.
-                let settled = u32::try_from(view.hit_settled(i, req.keys, now)).unwrap_or(0);
-                if settled < hit_blocks {
-                    hit_blocks = settled;
-                    credited_blocks = credited_blocks.min(f64::from(settled));
-                }
-            }
-            None => {}
+        if burst_wait_s.is_some() {
+            hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+            credited_blocks = f64::from(hit_blocks);
         }
         if let Some(slot) = kv_slot {
             let new_blocks = req.keys.len().saturating_sub(hit_blocks as usize);
@@ -1341,49 +1332,25 @@ struct CandidateWork<'a> {
     kv_shares: &'a mut Vec<(f32, f32)>,
 }
 
-/// Prefill tokens of one engine step: vLLM's default `max_num_batched_tokens` on an H100. An
-/// engine grants prefill chunks of at most this many tokens a step, and admits a new request
-/// (matching its prefix cache then) at the start of a step.
-const STEP_CHUNK_TOKENS: f64 = 8192.0;
-
-/// What an earlier request computing this very prompt at a replica means for this one.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum WholeInFlight {
-    /// Its prefill is predicted to end within one step's chunk from now, or the prompt is one
-    /// step's chunk at most: an engine admits this request after that step, with the whole
-    /// prompt cached. It waits this many seconds.
-    Ride(f64),
-    /// Its prefill ends later, or ran past its predicted end with no first byte yet (the
-    /// prediction ran early: a long prefill beside a decoding batch): an engine admits this
-    /// request at once and matches its prefix cache then, before the prompt is in it, so it
-    /// would compute the prompt again. Only blocks held for certain count
-    /// ([`View::hit_settled`]).
-    Recompute,
-}
-
-/// Whether replica `i` (`r`) is computing the request's whole prompt at `now`, for an earlier
-/// request whose first byte has not come: this node's overlay holds its last key unconfirmed,
-/// or a peer's load-sharing tip names it, unconfirmed. Burst co-location: `n` identical prompts
-/// within a prefill (RL `n`-sample rollouts) ride on the first, which computes the prompt once,
-/// instead of each landing on an idle replica that computes it again. Until the first's prefill
-/// ends neither the summary nor the counting overlay holds the prompt, and the replica's queue
-/// counts that prefill in full, so without this every follower looks dearer there than on an
-/// idle replica by the prefill itself. A follower of a prompt longer than a step rides only
-/// when it is predicted in the cache within a step ([`WholeInFlight`]); otherwise the predicted
-/// blocks do not count at all: a 120k-token turn sent to a holder whose identical predecessor's prediction had run out
-/// 1.1 s early found 0 of 1,729 blocks and queued behind that prefill (issue #38). Only the
-/// whole prompt: a request that shares just a prefix with a computation under way would still
-/// compute its own part alongside it.
-fn whole_in_flight(
+/// Seconds until replica `i` holds the request's whole prompt, when a request routed there
+/// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
+/// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
+/// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
+/// ride on the first, which computes the prompt once, instead of each landing on an idle
+/// replica that computes it again. Until the first's prefill ends neither the summary nor
+/// the counting overlay holds the prompt, and the replica's queue counts that prefill in
+/// full, so without this every follower looks dearer there than on an idle replica by the
+/// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
+/// computation under way would still compute its own part alongside it.
+fn burst_wait_s(
     pending_tips: &[(usize, Duration)],
     view: &View,
-    r: &ReplicaState,
     i: usize,
-    req: &RouteRequest<'_>,
+    keys: &[BlockKey],
     now: Duration,
-) -> Option<WholeInFlight> {
-    let last = *req.keys.last()?;
-    let own = view.unconfirmed_ready(i, last, now);
+) -> Option<f64> {
+    let last = *keys.last()?;
+    let own = view.pending_ready(i, last, now);
     let peer = pending_tips
         .iter()
         .find(|(r, _)| *r == i)
@@ -1392,18 +1359,7 @@ fn whole_in_flight(
         (Some(a), Some(b)) => a.min(b),
         (a, b) => a.or(b)?,
     };
-    let wait_s = ready.checked_sub(now).map_or(0.0, |d| d.as_secs_f64());
-    // A prompt of one step is computed in the step it is granted: once it runs, a request
-    // arriving after it is admitted after that step, whatever the prediction said.
-    if req.prompt_tokens as f64 <= STEP_CHUNK_TOKENS {
-        return Some(WholeInFlight::Ride(wait_s));
-    }
-    let step_s = PrefillPrice::of(&r.info).work_s(0.0, STEP_CHUNK_TOKENS);
-    Some(if wait_s > 0.0 && wait_s <= step_s {
-        WholeInFlight::Ride(wait_s)
-    } else {
-        WholeInFlight::Recompute
-    })
+    Some(ready.saturating_sub(now).as_secs_f64())
 }
 
 #[cfg(test)]
@@ -1487,7 +1443,6 @@ mod tests {
                 blocks: turn1.len() as u32,
                 ready: NOW - Duration::from_millis(10),
                 until: NOW + Duration::from_secs(10),
-                confirmed: false,
             },
         );
         // Turn 2 extends turn 1: this node has no summary or overlay for it, yet sees the hit.
@@ -1818,7 +1773,6 @@ mod tests {
                         blocks: keys.len() as u32,
                         ready: now + ready_in,
                         until: now + ready_in + Duration::from_secs(3),
-                        confirmed: false,
                     };
                     if let Some(last) = keys.last() {
                         v.peer_tips.insert(*last, tip);
@@ -1828,81 +1782,6 @@ mod tests {
             out.push(d.replica);
         }
         out
-    }
-
-    /// A long prompt's `blocks` keys, each distinct (chained like real keys).
-    fn long_prompt(blocks: usize) -> Vec<BlockKey> {
-        prompt_keys("a long agentic turn ")
-            .into_iter()
-            .cycle()
-            .enumerate()
-            .map(|(j, k)| BlockKey(k.0 ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-            .take(blocks)
-            .collect()
-    }
-
-    #[test]
-    fn a_prompt_still_computing_past_its_predicted_end_is_not_a_hit_until_its_first_byte() {
-        // Issue #38's agentic p99: a 110k-token turn routed to r2, predicted done a second ago
-        // but with no first byte yet (the prediction ran early). Its identical follower, sent
-        // there, would be admitted at once and compute the prompt again behind it.
-        let keys = long_prompt(1_729);
-        let tokens = keys.len() as u64 * 64;
-        let fleet = || {
-            let mut v = View::new("eu", 64);
-            for i in 0..4 {
-                v.upsert(info(&format!("r{i}"), "eu"));
-            }
-            // The predecessor's prefill still counts as queued at r2 (released at its first byte).
-            v.set_shared_load(2, 0, tokens);
-            v
-        };
-        let routed_at = NOW - Duration::from_secs(2);
-        // This node routed it.
-        let mut own = fleet();
-        own.record_routed_ready(2, &keys, routed_at, Duration::from_secs(1));
-        // Another node routed it and tipped this one off.
-        let mut peer = fleet();
-        let tip = crate::core::peer_tips::Tip {
-            replica: 2,
-            blocks: keys.len() as u32,
-            ready: routed_at + Duration::from_secs(1),
-            until: NOW + Duration::from_secs(10),
-            confirmed: false,
-        };
-        peer.peer_tips.insert(keys[keys.len() - 1], tip);
-        for (who, v) in [("own overlay", &mut own), ("peer tip", &mut peer)] {
-            let mut r = router(PolicyKind::P2cCache);
-            let d = routed(r.route(v, &req(&keys), NOW));
-            assert!(
-                d.replica != 2 && d.hit_blocks == 0,
-                "{who}: counted a prompt still computing as cached: {d:?}"
-            );
-            // Its first byte came: now the whole prompt is there.
-            if who == "own overlay" {
-                v.prefill_done(2, &keys, NOW);
-            } else {
-                v.peer_tips.insert(
-                    keys[keys.len() - 1],
-                    crate::core::peer_tips::Tip {
-                        ready: NOW,
-                        confirmed: true,
-                        ..tip
-                    },
-                );
-            }
-            v.set_shared_load(2, 0, 0);
-            let d = routed(r.route(v, &req(&keys), NOW));
-            assert_eq!((d.replica, d.hit_blocks as usize), (2, keys.len()), "{who}");
-        }
-        // A prompt of one engine step (4,096 tokens) past its predicted end is in its last
-        // step: an identical one sent there now is admitted after it and finds it cached.
-        let short = long_prompt(64);
-        let mut v = fleet();
-        v.set_shared_load(2, 0, 4_096);
-        v.record_routed_ready(2, &short, routed_at, Duration::from_secs(1));
-        let d = routed(router(PolicyKind::P2cCache).route(&v, &req(&short), NOW));
-        assert_eq!((d.replica, d.hit_blocks as usize), (2, short.len()));
     }
 
     #[test]
@@ -2498,7 +2377,6 @@ mod tests {
                     blocks: keys.len() as u32,
                     ready: NOW + Duration::from_secs(1),
                     until: NOW + Duration::from_secs(10),
-                    confirmed: false,
                 };
                 v.peer_tips.insert(*keys.last().unwrap(), tip);
             }

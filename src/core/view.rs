@@ -414,7 +414,7 @@ impl View {
         }
     }
 
-    /// Records a routing decision whose blocks count at once, held for certain (see [`View::record_routed_ready`]).
+    /// Records a routing decision whose blocks count at once (see [`View::record_routed_ready`]).
     pub fn record_routed(&mut self, i: usize, keys: &[BlockKey], now: Duration) {
         self.record_routed_ready(i, keys, now, Duration::ZERO);
     }
@@ -431,8 +431,6 @@ impl View {
         ready_in: Duration,
     ) {
         let ttl = self.overlay_ttl;
-        // Nothing predicted: the blocks are there now, as sure as a first byte would make them.
-        let confirmed = ready_in.is_zero();
         if let Some(r) = self.replicas.get_mut(i) {
             r.load.in_flight = r.load.in_flight.saturating_add(1);
             let ready = now + ready_in;
@@ -449,18 +447,17 @@ impl View {
                             *e = OverlayEntry {
                                 ready,
                                 until,
-                                confirmed,
+                                confirmed: false,
                             };
                         } else {
                             e.ready = e.ready.min(ready);
                             e.until = e.until.max(until);
-                            e.confirmed |= confirmed;
                         }
                     })
                     .or_insert(OverlayEntry {
                         ready,
                         until,
-                        confirmed,
+                        confirmed: false,
                     });
             }
         }
@@ -511,18 +508,16 @@ impl View {
         }
     }
 
-    /// When replica `i`'s overlay predicted `key` held, if no first byte has confirmed it yet
-    /// ([`View::prefill_done`]) and it has not expired: a request this node routed there is
-    /// computing it, as far as this node knows, even when its predicted end is past (a
-    /// prediction that ran early: a long prefill beside a decoding batch).
-    pub fn unconfirmed_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
+    /// When replica `i`'s overlay says `key` will be held, if that is still ahead at `now`: a
+    /// request this node routed there is computing it.
+    pub fn pending_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
         let r = self.replicas.get(i)?;
         if r.overlay.is_empty() {
             return None;
         }
         r.overlay
             .get(&key.0)
-            .filter(|e| !e.confirmed && now < e.until)
+            .filter(|e| e.ready > now && now < e.until)
             .map(|e| e.ready)
     }
 

@@ -148,9 +148,6 @@ fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) 
             blocks: t.blocks,
             ready,
             until: ready + view.overlay_ttl,
-            // Ready now: the peer saw the first byte (`Ticket::first_byte`), or the prompt
-            // was all cached there already. A later ready is only the peer's prediction.
-            confirmed: t.ready_ms == 0,
         };
         if !view.peer_tips.insert(BlockKey(t.key), tip) {
             dropped += 1;

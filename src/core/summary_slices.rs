@@ -561,6 +561,23 @@ impl SliceRuns {
     /// Records `run` for the replicas of `mask` in `slice`.
     pub fn record(&mut self, slice: usize, mut mask: u64, run: usize) {
         let run = u32::try_from(run).unwrap_or(u32::MAX);
+        let stamp = self.stamp;
+        // A whole slice's entries as one array, so a member's store needs no bounds check (a
+        // member's position is under `SLICE_WIDTH`): at 512 replicas a decision records 512
+        // runs. Only a fleet's last, partial slice takes the checked loop below.
+        let first = slice.saturating_mul(SLICE_WIDTH);
+        let whole = first
+            .checked_add(SLICE_WIDTH)
+            .and_then(|end| self.runs.get_mut(first..end))
+            .and_then(|entries| <&mut [(u32, u32); SLICE_WIDTH]>::try_from(entries).ok());
+        if let Some(entries) = whole {
+            while mask != 0 {
+                let r = mask.trailing_zeros() as usize;
+                mask &= mask - 1;
+                entries[r % SLICE_WIDTH] = (stamp, run);
+            }
+            return;
+        }
         while mask != 0 {
             let r = mask.trailing_zeros() as usize;
             mask &= mask - 1;
@@ -602,6 +619,29 @@ mod tests {
             let bits = s.geometry().bit_len() as usize;
             for p in 0..bits {
                 assert_eq!(has(x, g, i, p), bit(h.bitmap(), p), "replica {i} bit {p}");
+            }
+        }
+    }
+
+    /// Recording a run stores it at each member of the mask, for a whole slice (the array
+    /// path) and for a fleet's last, partial one (the checked path), and nowhere else.
+    #[test]
+    fn a_recorded_run_lands_at_each_member_and_nowhere_else() {
+        for replicas in [128usize, 100] {
+            let mut runs = SliceRuns {
+                stamp: 7,
+                runs: vec![(0, 0); replicas],
+                ..SliceRuns::default()
+            };
+            let mask = 1u64 | 1 << 5 | 1 << 35 | 1 << 63;
+            runs.record(1, mask, 9);
+            for (i, &e) in runs.runs.iter().enumerate() {
+                let member = i >= SLICE_WIDTH && mask & 1 << (i - SLICE_WIDTH) != 0;
+                assert_eq!(
+                    e,
+                    if member { (7, 9) } else { (0, 0) },
+                    "replica {i} of {replicas}"
+                );
             }
         }
     }

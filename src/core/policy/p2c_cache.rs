@@ -54,7 +54,7 @@ use rand::Rng;
 
 use super::kind::PolicyKind;
 use super::pick::{
-    draw_from_total, draw_toward_low_cost, draw_weight, Candidate, Pick, Policy, PolicyInput,
+    draw_from_total, draw_toward_low_cost, low_cost_weight, Candidate, Pick, Policy, PolicyInput,
     Reason,
 };
 
@@ -172,11 +172,19 @@ impl P2cCache {
     fn longest_hit(&self, c: &[Candidate], max_hit: f64, rng: &mut SmallRng) -> usize {
         // Whole blocks of margin, as when hits were integers.
         let floor = max_hit - (max_hit * self.tie_fraction).floor().min(max_hit);
+        // `credited <= 0 || credited < floor` as one compare: with a positive floor the first
+        // is implied by the second; otherwise the first alone decides, and for any number but
+        // NaN `credited <= 0` is `credited <` the least positive double (NaN passes both ways).
+        let bar = if floor > 0.0 {
+            floor
+        } else {
+            f64::from_bits(1)
+        };
         let mut chosen = 0;
         let mut best = f64::INFINITY;
         let mut seen = 0u32;
         for (i, x) in c.iter().enumerate() {
-            if x.credited_blocks <= 0.0 || x.credited_blocks < floor || x.cost_s > best {
+            if x.credited_blocks < bar || x.cost_s > best {
                 continue;
             }
             if x.cost_s < best {
@@ -197,29 +205,12 @@ impl P2cCache {
     /// ([`draw_toward_low_cost`]), summed on the same pass, for the draw when there is no escape
     /// (at 512 candidates a pass is about 8k instructions of a decision's ~100k).
     fn escape(&self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> (Option<usize>, f64) {
-        // `argmin_random_tie` with A out of the running (candidates' replicas are distinct,
-        // so A is its position), and the draw's sum as `Iterator::sum` makes it.
-        let key = |i: usize, x: &Candidate| if i == a { f64::INFINITY } else { x.cost_s };
-        // The first candidate starts the argmin (peeled off the loop: one test less per
-        // candidate).
-        let mut total = -0.0 + draw_weight(0, &c[0], Some(a));
-        let (mut b, mut best_key, mut ties) = (0, key(0, &c[0]), 1u32);
-        for (i, x) in c.iter().enumerate().skip(1) {
-            total += draw_weight(i, x, Some(a));
-            let k = key(i, x);
-            if k < best_key {
-                (b, best_key, ties) = (i, k, 1);
-            } else if k == best_key {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    b = i;
-                }
-            }
-        }
+        let scan = cheapest_but(c, a, rng);
+        let b = scan.b;
         let escaped = b != a
             && c[a].cost_s - c[b].cost_s > self.escape_margin_s
             && c[b].prefill_queue_s <= self.escape_max_queue_s;
-        (escaped.then_some(b), total)
+        (escaped.then_some(b), scan.total)
     }
 
     /// B, weighed against A (`c[a]`): the escape's, else a draw toward low cost without A;
@@ -309,6 +300,78 @@ impl P2cCache {
         }
         let mean = total as f64 / c.len() as f64;
         holders >= 2 && mean > 0.0 && f64::from(least_held) >= self.hot_load_ratio * mean
+    }
+}
+
+/// The cheapest candidate but A (`c[a]`), random among equal costs, and the sum of the draw's
+/// weights without A: [`P2cCache::escape`]'s one pass.
+fn cheapest_but(c: &[Candidate], a: usize, rng: &mut SmallRng) -> EscapeScan {
+    let n = c.len();
+    if n == 0 {
+        return EscapeScan {
+            b: 0,
+            best_key: f64::INFINITY,
+            ties: 0,
+            total: 0.0,
+        };
+    }
+    // `argmin_random_tie` with A out of the running (candidates' replicas are distinct,
+    // so A is its position: its key infinite, its weight 0), and the draw's sum as
+    // `Iterator::sum` makes it (from -0.0, in position order). A is visited in its place
+    // rather than tested for at every position: the runs before and after it are plain.
+    let weight0 = if a == 0 { 0.0 } else { low_cost_weight(&c[0]) };
+    let key0 = if a == 0 { f64::INFINITY } else { c[0].cost_s };
+    let mut scan = EscapeScan {
+        b: 0,
+        best_key: key0,
+        ties: 1,
+        total: -0.0 + weight0,
+    };
+    // The first candidate started the argmin; then up to A, A itself, and the rest.
+    let cut = a.clamp(1, n);
+    scan.run(&c[1..cut], 1, rng);
+    if (1..n).contains(&a) {
+        scan.visit(a, f64::INFINITY, 0.0, rng);
+    }
+    let rest = if a < n { (a + 1).max(1) } else { n };
+    scan.run(&c[rest..], rest, rng);
+    scan
+}
+
+/// [`P2cCache::escape`]'s pass: the argmin of the costs so far (random among ties, reservoir
+/// style) and the sum of the draw's weights so far.
+struct EscapeScan {
+    /// The position of the cheapest so far.
+    b: usize,
+    /// Its key (its cost; infinite for A).
+    best_key: f64,
+    /// How many so far share that key.
+    ties: u32,
+    /// The draw's weights so far, summed in position order.
+    total: f64,
+}
+
+impl EscapeScan {
+    /// Visits position `i` with key `key` and draw weight `weight`.
+    #[inline(always)]
+    fn visit(&mut self, i: usize, key: f64, weight: f64, rng: &mut SmallRng) {
+        self.total += weight;
+        if key < self.best_key {
+            (self.b, self.best_key, self.ties) = (i, key, 1);
+        } else if key == self.best_key {
+            self.ties += 1;
+            if rng.random_range(0..self.ties) == 0 {
+                self.b = i;
+            }
+        }
+    }
+
+    /// Visits `run`, the candidates from position `first` on, none of them A.
+    #[inline(always)]
+    fn run(&mut self, run: &[Candidate], first: usize, rng: &mut SmallRng) {
+        for (k, x) in run.iter().enumerate() {
+            self.visit(first + k, x.cost_s, low_cost_weight(x), rng);
+        }
     }
 }
 
@@ -794,7 +857,68 @@ mod tests {
             .or_else(|| draw_toward_low_cost(c, Some(a), rng))
     }
 
+    /// A as it was chosen before the two skip tests became one compare: the oracle of
+    /// [`P2cCache::longest_hit`].
+    fn longest_hit_two_tests(
+        p: &P2cCache,
+        c: &[Candidate],
+        max_hit: f64,
+        rng: &mut SmallRng,
+    ) -> usize {
+        let floor = max_hit - (max_hit * p.tie_fraction).floor().min(max_hit);
+        let (mut chosen, mut best, mut seen) = (0, f64::INFINITY, 0u32);
+        for (i, x) in c.iter().enumerate() {
+            if x.credited_blocks <= 0.0 || x.credited_blocks < floor || x.cost_s > best {
+                continue;
+            }
+            if x.cost_s < best {
+                best = x.cost_s;
+                seen = 0;
+            }
+            seen += 1;
+            if rng.random_range(0..seen) == 0 {
+                chosen = i;
+            }
+        }
+        chosen
+    }
+
     proptest::proptest! {
+        /// A, chosen with one compare per candidate against the bar, is the A of the two
+        /// tests, with the same random draws, for credits at, under and over the floor (zero,
+        /// negative, NaN among them) and tie margins from none to all.
+        #[test]
+        fn the_one_compare_longest_hit_is_the_two_test_one(
+            credits in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just(0.0), proptest::strategy::Just(-0.0),
+                proptest::strategy::Just(-1.0), proptest::strategy::Just(f64::NAN),
+                proptest::strategy::Just(15.0), proptest::strategy::Just(16.0),
+                proptest::strategy::Just(0.75), 0.0f64..20.0], 1..60),
+            outstanding in proptest::collection::vec(0u32..3, 60),
+            tie_fraction in proptest::prop_oneof![
+                proptest::strategy::Just(0.0), proptest::strategy::Just(1.0 / 16.0),
+                proptest::strategy::Just(1.0), proptest::strategy::Just(2.0),
+                proptest::strategy::Just(f64::NAN), -1.0f64..1.0],
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            use rand::{RngCore, SeedableRng};
+            let c: Vec<Candidate> = credits
+                .iter()
+                .zip(&outstanding)
+                .enumerate()
+                .map(|(i, (&credit, &out))| Candidate { credited_blocks: credit, ..cand(i, 0, out) })
+                .collect();
+            let max_hit = c.iter().map(|x| x.credited_blocks).fold(0.0, f64::max);
+            proptest::prop_assume!(max_hit > 0.0);
+            let p = P2cCache { tie_fraction, ..P2cCache::default() };
+            let (mut one, mut two) = (SmallRng::seed_from_u64(seed), SmallRng::seed_from_u64(seed));
+            proptest::prop_assert_eq!(
+                p.longest_hit(&c, max_hit, &mut one),
+                longest_hit_two_tests(&p, &c, max_hit, &mut two)
+            );
+            proptest::prop_assert_eq!(one.next_u64(), two.next_u64());
+        }
+
         /// The one-pass escape and draw choose the B the two passes chose, with the same
         /// random draws (the generator's next output agrees too): costs from a few loads and
         /// hits, so ties (each one a draw) are common.
@@ -818,6 +942,37 @@ mod tests {
                 p.second_choice(&c, a, &mut one),
                 two_pass_second_choice(&p, &c, a, &mut two)
             );
+            proptest::prop_assert_eq!(one.next_u64(), two.next_u64());
+        }
+
+        /// The escape's pass (A visited in its place, not tested for at each position) sums
+        /// the draw's weights to the bit as `Iterator::sum` over `draw_weight` does, and finds
+        /// the B `argmin_random_tie` finds, with the same random draws; A anywhere, past the
+        /// end too.
+        #[test]
+        fn the_escape_pass_sums_and_ties_as_the_plain_passes(
+            loads in proptest::collection::vec((0u32..3, 0u32..4), 1..80),
+            a in 0usize..90,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            use rand::{RngCore, SeedableRng};
+            let c: Vec<Candidate> = loads
+                .iter()
+                .enumerate()
+                .map(|(i, &(hit, out))| cand(i, hit * 40, out))
+                .collect();
+            let (mut one, mut two) = (SmallRng::seed_from_u64(seed), SmallRng::seed_from_u64(seed));
+            let scan = cheapest_but(&c, a, &mut one);
+            let b = super::super::pick::argmin_random_tie(&c, &mut two, |x| {
+                if x.replica == a { f64::INFINITY } else { x.cost_s }
+            });
+            let sum: f64 = c
+                .iter()
+                .enumerate()
+                .map(|(i, x)| super::super::pick::draw_weight(i, x, Some(a)))
+                .sum();
+            proptest::prop_assert_eq!(scan.total.to_bits(), sum.to_bits());
+            proptest::prop_assert_eq!(scan.b, b);
             proptest::prop_assert_eq!(one.next_u64(), two.next_u64());
         }
     }

@@ -859,6 +859,28 @@ mod tests {
         v
     }
 
+    /// Four replicas in one zone of `eu` taking vLLM hints, `tokens_per_block` tokens a block;
+    /// r0 holds `keys` from 100 ms, settled (its first byte confirmed it) when `settled`.
+    fn hint_fleet(tokens_per_block: u32, keys: &[BlockKey], settled: bool) -> View {
+        use crate::core::kv_load::{KvHintFormat, KvLoad};
+        let mut v = View::new("eu", tokens_per_block);
+        for i in 0..4 {
+            v.upsert(ReplicaInfo {
+                zone: "z1".into(),
+                kv_load: Some(KvLoad {
+                    hints: KvHintFormat::VllmEnvelope,
+                    ..KvLoad::default()
+                }),
+                ..info(&format!("r{i}"), "eu")
+            });
+        }
+        v.record_routed_ready(0, keys, ms(0), ms(100));
+        if settled {
+            v.prefill_done(0, keys, ms(100));
+        }
+        v
+    }
+
     fn observe_n(h: &mut HotPrefixes, prefix: &str, n: u64, every_ms: u64) -> Vec<BlockKey> {
         let mut keys = Vec::new();
         for i in 0..n {
@@ -952,7 +974,6 @@ mod tests {
     #[test]
     fn a_warm_up_pulls_only_from_a_settled_holder_and_only_when_faster() {
         use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
-        use crate::core::kv_load::{KvHintFormat, KvLoad};
         // 8 blocks of 2,048 tokens (16,384: 0.33 s to recompute at 50,000 tokens/s); four
         // replicas in one zone taking hints; r0 holds the prefix, 4 s of prefill queued.
         let fleet = |confirmed: bool| {
@@ -963,21 +984,7 @@ mod tests {
             });
             let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
             h.credit(1_000_000);
-            let mut v = View::new("eu", 2048);
-            for i in 0..4 {
-                v.upsert(ReplicaInfo {
-                    zone: "z1".into(),
-                    kv_load: Some(KvLoad {
-                        hints: KvHintFormat::VllmEnvelope,
-                        ..KvLoad::default()
-                    }),
-                    ..info(&format!("r{i}"), "eu")
-                });
-            }
-            v.record_routed_ready(0, &keys[..8], ms(0), ms(100));
-            if confirmed {
-                v.prefill_done(0, &keys[..8], ms(100));
-            }
+            let mut v = hint_fleet(2048, &keys[..8], confirmed);
             v.replica_mut(0).unwrap().load.queued_prefill_tokens = 200_000;
             (h, v)
         };
@@ -1034,26 +1041,13 @@ mod tests {
     #[test]
     fn a_warm_up_by_pull_starts_once_the_queue_passes_the_pull() {
         use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
-        use crate::core::kv_load::{KvHintFormat, KvLoad};
         let planned = |mode: FetchMode, running: u32| {
             let mut h = HotPrefixes::new(on());
             let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
             h.credit(1_000_000);
             // 8 blocks of 1,024 tokens: 0.16 s to recompute at 50,000 tokens/s, a 0.03 s pull
             // (1 ms + a 7.5 ms step + 1.07 GB at 50 GB/s) within one zone.
-            let mut v = View::new("eu", 1024);
-            for i in 0..4 {
-                v.upsert(ReplicaInfo {
-                    zone: "z1".into(),
-                    kv_load: Some(KvLoad {
-                        hints: KvHintFormat::VllmEnvelope,
-                        ..KvLoad::default()
-                    }),
-                    ..info(&format!("r{i}"), "eu")
-                });
-            }
-            v.record_routed_ready(0, &keys[..8], ms(0), ms(100));
-            v.prefill_done(0, &keys[..8], ms(100));
+            let mut v = hint_fleet(1024, &keys[..8], true);
             v.replica_mut(0).unwrap().load.running = running;
             let cost = CostModel {
                 fetch: KvFetchConfig {

@@ -289,7 +289,8 @@ async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead
 /// offering it and `eu`'s hint names it every time — a holder shut down instead was dropped
 /// from the next offer, 200 ms later, and the pull was tried in some runs only): a second
 /// offered prompt still succeeds at `eu`, recomputed, and exactly that one failed pull is
-/// counted. With the replica's recompute fallback removed the request is a 503.
+/// counted. With the replica's recompute fallback removed, ra answers 503 and the node's retry
+/// goes to rb: answered by rb, not ra.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names_and_a_source_dying_mid_transfer_costs_a_recompute(
 ) {

@@ -110,6 +110,8 @@ pub struct HotPrefixConfig {
     /// Mesh-wide requests/s over which a prefix is hot (> 0, ≤ 1,000,000). Default 5.
     pub min_rate: f64,
     /// Warm when every holder's predicted queue exceeds this many seconds (0..=60). Default 0.05.
+    /// A warm-up by pull is sent once the queue exceeds the pull's predicted time instead,
+    /// where that is shorter (never below a quarter of this): it costs the target no prefill.
     pub min_queue_s: f64,
     /// Share of the prefill this node routes that its warm-ups may spend (0..=1), and of the
     /// region's prefill capacity they may burst to. Default 0.05.

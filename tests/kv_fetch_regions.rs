@@ -4,8 +4,8 @@
 //! only `us`'s replica holds goes to `eu`'s replica with a pull hint naming `us`'s, and the pull
 //! really happens — in the flat layout (each node sees the other's replicas and summaries; when
 //! that source is dead the request still succeeds, recomputed) and in the regional one (`eu`
-//! sees `us` only through its region offer, which names the holder; a dead offered holder costs
-//! a recompute too). An offer naming a replica of another region than its own is refused, and an
+//! sees `us` only through its region offer, which names the holder; an offered holder dying
+//! mid-transfer costs a recompute too). An offer naming a replica of another region than its own is refused, and an
 //! offered holder at a host outside `mesh.learn_replicas_from` is never sent to a replica.
 
 mod common;
@@ -26,23 +26,18 @@ use kvmesh::mesh::region_record::RegionRecord;
 use kvmesh::node::config::mesh::LayoutConfig;
 use kvmesh::node::config::{DistanceConfig, MeshSection, NodeConfig, ReplicaConfig};
 use kvmesh::proxy::{self, RunningNode};
+use kvmesh::replica::ReplicaHandle;
 use serde_json::json;
 
 const MODEL: &str = "sim-llama-8b";
+/// A replica's tokens pulled on hints, served to pulls, and its failed pulls.
+const FETCHED: &str = "kvmesh_replica_kv_fetched_tokens_total";
+const SERVED: &str = "kvmesh_replica_kv_served_tokens_total";
+const FAILURES: &str = "kvmesh_replica_kv_fetch_failures_total";
 
 /// A node of `region` in front of `replica` (id, url, takes vLLM hints), seeded by `seeds`,
-/// in the flat layout: the regions 5 s apart (a forward never pays) with a 50 GB/s KV link
-/// pinned between them.
-fn node_config(
-    certs: &Path,
-    (name, region): (&str, &str),
-    seeds: &[SocketAddr],
-    replica: (&str, String, bool),
-) -> NodeConfig {
-    layout_config(certs, (name, region), seeds, replica, LayoutConfig::Flat)
-}
-
-/// [`node_config`] in `layout`.
+/// in `layout`: the regions 5 s apart (a forward never pays) with a 50 GB/s KV link pinned
+/// between them.
 fn layout_config(
     certs: &Path,
     (name, region): (&str, &str),
@@ -111,6 +106,15 @@ fn text(seed: &str, n: usize) -> String {
     s
 }
 
+/// `prompt`'s block keys, as the nodes here (default `block_bytes`) key it.
+fn keys_of(prompt: &str) -> Vec<BlockKey> {
+    let mut keys = Vec::new();
+    let ns = kvmesh::core::keys::Namespace::new(MODEL, None, None, None);
+    let block_bytes = NodeConfig::default().block_bytes;
+    kvmesh::core::keys::text_block_keys(ns, prompt.as_bytes(), block_bytes, &mut keys);
+    keys
+}
+
 /// `(status, replica routed to)` of one completion through `node`.
 async fn complete(c: &reqwest::Client, node: SocketAddr, prompt: &str) -> (u16, String) {
     let resp = c
@@ -164,30 +168,71 @@ fn home_version(n: &RunningNode, id: &str) -> Option<(u64, u64)> {
         .then(|| (rt.cache.summary().epoch(), rt.cache.summary().seq()))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead_source_costs_a_recompute(
-) {
-    bounded(90, async {
+/// Two regions on loopback in `layout`: `eu`'s node in front of `ra` (takes vLLM hints) and
+/// `us`'s in front of `rb` (takes none), `us` seeded by `eu`.
+struct TwoRegions {
+    c: reqwest::Client,
+    /// Holds the cluster CA's directory for the nodes' lifetime.
+    _certs: tempfile::TempDir,
+    eu: RunningNode,
+    us: RunningNode,
+    ra: ReplicaHandle,
+    rb: ReplicaHandle,
+}
+
+impl TwoRegions {
+    async fn start(layout: LayoutConfig) -> TwoRegions {
         let c = client();
         let certs = cluster_ca();
         let ra = sim_replica("ra", |_| {}).await;
         let rb = sim_replica("rb", |_| {}).await;
-        let eu = proxy::spawn(node_config(
+        let eu = proxy::spawn(layout_config(
             certs.path(),
             ("eu1", "eu"),
             &[],
             ("ra", ra.base_url(), true),
+            layout,
         ))
         .await
         .unwrap();
-        let us = proxy::spawn(node_config(
+        let us = proxy::spawn(layout_config(
             certs.path(),
             ("us1", "us"),
             &[mesh_addr(&eu)],
             ("rb", rb.base_url(), false),
+            layout,
         ))
         .await
         .unwrap();
+        TwoRegions {
+            c,
+            _certs: certs,
+            eu,
+            us,
+            ra,
+            rb,
+        }
+    }
+
+    /// Each of `prompts` completed at `us`, by `rb` (its only replica).
+    async fn compute_at_us(&self, prompts: &[&str]) {
+        for p in prompts {
+            assert_eq!(complete(&self.c, self.us.addr, p).await, (200, "rb".into()));
+        }
+    }
+
+    /// The sum of `ra`'s `name` samples.
+    async fn ra_metric(&self, name: &str) -> f64 {
+        metric(&self.c, &self.ra.base_url(), name).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead_source_costs_a_recompute(
+) {
+    bounded(90, async {
+        let f = TwoRegions::start(LayoutConfig::Flat).await;
+        let (c, eu, us) = (&f.c, &f.eu, &f.us);
         wait_for(Duration::from_secs(20), || {
             eu.node.lock().view.index_of("rb").is_some()
                 && us.node.lock().view.index_of("ra").is_some()
@@ -197,45 +242,44 @@ async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead
 
         // Two 8,192-token prompts computed in `us` (its only replica), seen settled from `eu`.
         let prompts = [text("doc-one", 4 * 8192), text("doc-two", 4 * 8192)];
-        for p in &prompts {
-            assert_eq!(complete(&c, us.addr, p).await, (200, "rb".into()));
-        }
+        f.compute_at_us(&[&prompts[0], &prompts[1]]).await;
         let settled = wait_for(Duration::from_secs(20), || {
-            let home = home_version(&us, "rb");
-            home.is_some_and(|(_, seq)| seq > 0) && view_version(&eu, "rb") >= home
+            let home = home_version(us, "rb");
+            home.is_some_and(|(_, seq)| seq > 0) && view_version(eu, "rb") >= home
         })
         .await;
         assert!(
             settled.is_some(),
             "eu's view catches up with rb's home: {:?} vs {:?}",
-            view_version(&eu, "rb"),
-            home_version(&us, "rb")
+            view_version(eu, "rb"),
+            home_version(us, "rb")
         );
 
         // At `eu`: the local replica, pulling from `us`'s (recomputing looks like 4 s, going
         // there 5 s, the pull ~30 ms).
-        assert_eq!(complete(&c, eu.addr, &prompts[0]).await, (200, "ra".into()));
-        let fetched = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await;
+        assert_eq!(complete(c, eu.addr, &prompts[0]).await, (200, "ra".into()));
+        let fetched = f.ra_metric(FETCHED).await;
         assert!(
             fetched >= 8_000.0,
             "ra pulled the prefix from rb: {fetched}"
         );
-        assert!(
-            metric(&c, &rb.base_url(), "kvmesh_replica_kv_served_tokens_total").await >= 8_000.0
-        );
+        assert!(metric(c, &f.rb.base_url(), SERVED).await >= 8_000.0);
 
         // The source dies (its home does not notice in time): the hint still names it, the
         // pull fails, and the request is served by recomputing.
+        let TwoRegions {
+            c, eu, us, ra, rb, ..
+        } = f;
         let rb_url = rb.base_url();
         rb.shutdown().await;
         assert_eq!(complete(&c, eu.addr, &prompts[1]).await, (200, "ra".into()));
         assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await,
+            metric(&c, &ra.base_url(), FAILURES).await,
             1.0,
             "the pull from the dead source ({rb_url}) was tried and failed"
         );
         assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,
+            metric(&c, &ra.base_url(), FETCHED).await,
             fetched,
             "nothing more arrived"
         );
@@ -249,36 +293,19 @@ async fn a_prefix_held_in_another_region_is_pulled_to_a_local_replica_and_a_dead
 /// Regional gossip: `eu` never sees `us`'s replica, only `us`'s region offer. A prompt `us`
 /// computed (twice, so its representative offers the prefix) is served at `eu` by `eu`'s
 /// replica pulling the prefix from the holder the offer names. Before offers carried holders
-/// only a forward was weighed here, and `eu` recomputed. Then the offered holder dies (its home
-/// does not notice, so the offer still names it): a second offered prompt still succeeds at
-/// `eu`, recomputed, and the failed pull is counted.
+/// only a forward was weighed here, and `eu` recomputed. Then the offered holder dies in every
+/// pull it serves (`cut_kv_pulls`: it answers completions and scrapes, so its home keeps
+/// offering it and `eu`'s hint names it every time — a holder shut down instead was dropped
+/// from the next offer, 200 ms later, and the pull was tried in some runs only): a second
+/// offered prompt still succeeds at `eu`, recomputed, and exactly that one failed pull is
+/// counted. With the replica's recompute fallback removed, ra answers 503 and the node's retry
+/// goes to rb: answered by rb, not ra.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names_and_a_dead_one_costs_a_recompute(
+async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_offer_names_and_a_source_dying_mid_transfer_costs_a_recompute(
 ) {
     bounded(90, async {
-        let c = client();
-        let certs = cluster_ca();
-        let ra = sim_replica("ra", |_| {}).await;
-        let rb = sim_replica("rb", |_| {}).await;
-        let regional = LayoutConfig::Regional;
-        let eu = proxy::spawn(layout_config(
-            certs.path(),
-            ("eu1", "eu"),
-            &[],
-            ("ra", ra.base_url(), true),
-            regional,
-        ))
-        .await
-        .unwrap();
-        let us = proxy::spawn(layout_config(
-            certs.path(),
-            ("us1", "us"),
-            &[mesh_addr(&eu)],
-            ("rb", rb.base_url(), false),
-            regional,
-        ))
-        .await
-        .unwrap();
+        let f = TwoRegions::start(LayoutConfig::Regional).await;
+        let (c, eu) = (&f.c, &f.eu);
         wait_for(Duration::from_secs(20), || {
             eu.node.lock().view.remote_regions.contains_key("us")
         })
@@ -287,24 +314,22 @@ async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_off
 
         let prompt = text("doc-one", 4 * 8192);
         let second = text("doc-two", 4 * 8192);
-        for p in [&prompt, &second, &prompt, &second] {
-            assert_eq!(complete(&c, us.addr, p).await, (200, "rb".into()));
-        }
-        let holders = || {
+        f.compute_at_us(&[&prompt, &second, &prompt, &second]).await;
+        // The depth (blocks) of `p`'s longest prefix eu's view of us's offer says rb holds.
+        let offered = |p: &str| {
             let core = eu.node.lock();
-            let offer = core.view.remote_regions.get("us");
-            offer.map_or_else(Vec::new, |o| {
-                o.holders
-                    .iter()
-                    .filter(|h| h.id == "rb")
-                    .map(|h| h.head)
-                    .collect::<Vec<_>>()
-            })
+            let offer = core.view.remote_regions.get("us")?;
+            let (holder, depth) = offer.pull_source(&keys_of(p))?;
+            (holder.id == "rb").then_some(depth)
         };
-        wait_for(Duration::from_secs(30), || holders().len() >= 2)
-            .await
-            .expect("us's offer names rb as both prefixes' holder");
-        let depth = holders().iter().map(|h| h.depth).min().unwrap_or_default();
+        // Each prompt's own head, not any two heads: the offer names heads at several depths,
+        // and the second prompt's may come a region interval after the first's.
+        wait_for(Duration::from_secs(30), || {
+            offered(&prompt).is_some() && offered(&second).is_some()
+        })
+        .await
+        .expect("us's offer names rb as both prefixes' holder");
+        let depth = offered(&prompt).unwrap_or_default();
         assert!(
             eu.node.lock().view.index_of("rb").is_none(),
             "regional gossip: eu does not see rb itself"
@@ -312,44 +337,42 @@ async fn under_regional_gossip_a_prefix_is_pulled_from_the_holder_the_region_off
 
         // At `eu`: the local replica, pulling from the named holder (recomputing looks like
         // 4 s, going there 5 s, the pull ~30 ms).
-        assert_eq!(complete(&c, eu.addr, &prompt).await, (200, "ra".into()));
-        let fetched = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await;
+        assert_eq!(complete(c, eu.addr, &prompt).await, (200, "ra".into()));
+        let fetched = f.ra_metric(FETCHED).await;
         let offered_tokens = f64::from(depth) * 64.0;
         assert!(
             fetched >= offered_tokens.min(8_000.0) && fetched >= 4_000.0,
             "ra pulled the offered prefix ({depth} blocks) from rb: {fetched}"
         );
-        assert!(
-            metric(&c, &rb.base_url(), "kvmesh_replica_kv_served_tokens_total").await >= 4_000.0
-        );
+        assert!(metric(c, &f.rb.base_url(), SERVED).await >= 4_000.0);
+        assert_eq!(f.ra_metric(FAILURES).await, 0.0);
 
-        // The offered holder dies; its home does not notice in time (`unhealthy_after`), so the
-        // offer still names it and eu's hint does too. The pull fails, counted; the request is
-        // served by recomputing.
-        let rb_url = rb.base_url();
-        rb.shutdown().await;
+        // The offered holder now dies mid-transfer in every pull; it stays healthy and
+        // offered, so eu's hint names it. The pull fails, counted; the request is served by
+        // recomputing.
+        let cut = c
+            .post(format!("{}/admin/faults", f.rb.base_url()))
+            .json(&json!({"cut_kv_pulls": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(cut.status().as_u16(), 200);
         assert!(
-            holders().len() >= 2,
-            "the offer still names the dead holder for the second prompt"
+            offered(&second).is_some(),
+            "the offer still names the failing holder for the second prompt"
         );
-        assert_eq!(complete(&c, eu.addr, &second).await, (200, "ra".into()));
-        // Racy by a region interval (200 ms): when the home's next offer leaves the dead holder
-        // out before eu decides, eu recomputes without a hint and nothing is tried. Either way
-        // the request is answered by ra, and at most the one pull fails; when one was tried, a
-        // replica without its recompute fallback answers 503 above.
-        let failures = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await;
-        assert!(
-            failures <= 1.0,
-            "at most the pull from the dead offered holder ({rb_url}) failed: {failures}"
-        );
+        assert_eq!(complete(c, eu.addr, &second).await, (200, "ra".into()));
         assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,
-            fetched,
-            "nothing more arrived"
+            f.ra_metric(FAILURES).await,
+            1.0,
+            "the pull from the offered holder dying mid-transfer was tried and failed"
         );
+        assert_eq!(f.ra_metric(FETCHED).await, fetched, "nothing more arrived");
+        let TwoRegions { eu, us, ra, rb, .. } = f;
         eu.shutdown().await;
         us.shutdown().await;
         ra.shutdown().await;
+        rb.shutdown().await;
     })
     .await;
 }
@@ -387,12 +410,8 @@ async fn an_offered_holder_outside_the_allowed_hosts_is_never_sent_to_a_replica(
                 .unwrap();
             assert_eq!(r.status().as_u16(), 200);
         }
-        let head = |p: &str| {
-            let mut keys = Vec::new();
-            let ns = kvmesh::core::keys::Namespace::new(MODEL, None, None, None);
-            kvmesh::core::keys::text_block_keys(ns, p.as_bytes(), block_bytes, &mut keys);
-            RegionHead::of(&keys).unwrap()
-        };
+        assert_eq!(block_bytes, NodeConfig::default().block_bytes);
+        let head = |p: &str| RegionHead::of(&keys_of(p)).unwrap();
         let (allowed, forged) = (head(&prompts[0]), head(&prompts[1]));
         let forged_url = format!("http://0.0.0.0:{}", rb.addr.port());
         let offer = RegionOffer {
@@ -469,19 +488,16 @@ async fn an_offered_holder_outside_the_allowed_hosts_is_never_sent_to_a_replica(
 
         // The allowed holder is pulled from (so the offer and its heads are right) ...
         assert_eq!(complete(&c, eu.addr, &prompts[0]).await, (200, "ra".into()));
-        let fetched = metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await;
+        let fetched = metric(&c, &ra.base_url(), FETCHED).await;
         assert!(
             fetched >= 4_000.0,
             "ra pulled from the allowed holder: {fetched}"
         );
         // ... the forged one never: no pull tried, nothing more arrived.
         assert_eq!(complete(&c, eu.addr, &prompts[1]).await.0, 200);
+        assert_eq!(metric(&c, &ra.base_url(), FAILURES).await, 0.0);
         assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetch_failures_total").await,
-            0.0
-        );
-        assert_eq!(
-            metric(&c, &ra.base_url(), "kvmesh_replica_kv_fetched_tokens_total").await,
+            metric(&c, &ra.base_url(), FETCHED).await,
             fetched,
             "no pull from {forged_url}"
         );

@@ -86,6 +86,10 @@ const ONSET_TAU_DIVISOR: u32 = 8;
 /// Shortest time constant of the onset sketch: shorter, two requests close together would read
 /// as a hot prefix.
 const ONSET_MIN_TAU: Duration = Duration::from_millis(100);
+/// A warm-up by pull is gated at its own predicted time, but never below this share of
+/// `min_queue_s`: over a very fast link (NVLink, ~3 ms) a lower gate would copy every hot
+/// prefix to `max_holders` replicas on a few requests of queue, filling KV with copies.
+const PULL_GATE_FLOOR: f64 = 0.25;
 
 /// Hot-prefix replication settings (`[hot_prefix]` in the node config, `--hot-prefix` in the
 /// simulator).
@@ -106,6 +110,8 @@ pub struct HotPrefixConfig {
     /// Mesh-wide requests/s over which a prefix is hot (> 0, ≤ 1,000,000). Default 5.
     pub min_rate: f64,
     /// Warm when every holder's predicted queue exceeds this many seconds (0..=60). Default 0.05.
+    /// A warm-up by pull is sent once the queue exceeds the pull's predicted time instead,
+    /// where that is shorter (never below a quarter of this): it costs the target no prefill.
     pub min_queue_s: f64,
     /// Share of the prefill this node routes that its warm-ups may spend (0..=1), and of the
     /// region's prefill capacity they may burst to. Default 0.05.
@@ -638,24 +644,26 @@ impl HotPrefixes {
         if ready == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
             return None;
         }
-        if min_queue <= self.cfg.min_queue_s {
+        let (replica, queue) = target?;
+        let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
+        let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
+        let gate = warm_gate_s(self.cfg.min_queue_s, fetch.as_ref());
+        if min_queue <= gate {
             return None;
         }
         // Holders wanted: the holders' load spread until the least busy one's queue is back at
-        // `min_queue_s` (queue time grows with load: `ready × min_queue ÷ min_queue_s`). At a
-        // burst's onset one holder is far past it, and the holders it needs are warmed at once
-        // rather than one per plan (a hot burst's first 0.2 s set its p99, issue #37); the
-        // replicas already warming count as holders.
-        let wanted = (f64::from(ready) * min_queue / self.cfg.min_queue_s).ceil();
+        // the gate (queue time grows with load: `ready × min_queue ÷ gate`). At a burst's onset
+        // one holder is far past it, and the holders it needs are warmed at once rather than
+        // one per plan (a hot burst's first 0.2 s set its p99, issue #37); the replicas
+        // already warming count as holders.
+        let wanted = (f64::from(ready) * min_queue / gate).ceil();
         if f64::from(holders.max(ready + c.warming.len() as u32)) >= wanted {
             return None;
         }
         // A target no less busy than the holders would not help.
-        let (replica, queue) = target?;
         if queue >= min_queue {
             return None;
         }
-        let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
         // A prefix the target recomputes within `min_queue_s` is spread by routing at little
         // cost: p2c-cache spills it once a holder's queue costs about one recomputation more
         // than another replica's. Warming it only adds prefill (system prompts of 2k tokens at
@@ -666,7 +674,6 @@ impl HotPrefixes {
         if tokens as f64 / rate <= self.cfg.min_queue_s {
             return None;
         }
-        let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
         // The budget is prefill: a warm-up by pull is charged only what it recomputes (the
         // last token), so replication by transfer is not held to the pace of recomputed
         // warm-ups. Charged the whole prefix, the first `max_warming` pulls used the credit
@@ -712,6 +719,20 @@ impl HotPrefixes {
         }
         true
     }
+}
+
+/// The holders' predicted queue (s) past which a prefix gets another holder: `min_queue_s`
+/// for a recomputed warm-up (it costs the target a prefill); for a warm-up by pull, which
+/// costs no prefill, the pull's own predicted time once that is shorter (no shorter than
+/// [`PULL_GATE_FLOOR`] of `min_queue_s`): a copy that lands before the holder's queue drains
+/// relieves it. At a burst's onset this starts the first pull one or two plans sooner, while
+/// the source is still lightly loaded (issue #37, hot burst seed 3: the single holder took
+/// eight requests at 0.047–0.059 s before the first copy, planned at 0.05 s of queue, landed).
+fn warm_gate_s(min_queue_s: f64, pull: Option<&super::kv_fetch::KvFetchPlan>) -> f64 {
+    pull.map_or(min_queue_s, |p| {
+        p.predicted_s
+            .clamp(min_queue_s * PULL_GATE_FLOOR, min_queue_s)
+    })
 }
 
 /// A warm-up of `tokens` on `target` as a pull from `source`, when `[kv_fetch]` is on and the
@@ -840,6 +861,28 @@ mod tests {
         v
     }
 
+    /// Four replicas in one zone of `eu` taking vLLM hints, `tokens_per_block` tokens a block;
+    /// r0 holds `keys` from 100 ms, settled (its first byte confirmed it) when `settled`.
+    fn hint_fleet(tokens_per_block: u32, keys: &[BlockKey], settled: bool) -> View {
+        use crate::core::kv_load::{KvHintFormat, KvLoad};
+        let mut v = View::new("eu", tokens_per_block);
+        for i in 0..4 {
+            v.upsert(ReplicaInfo {
+                zone: "z1".into(),
+                kv_load: Some(KvLoad {
+                    hints: KvHintFormat::VllmEnvelope,
+                    ..KvLoad::default()
+                }),
+                ..info(&format!("r{i}"), "eu")
+            });
+        }
+        v.record_routed_ready(0, keys, ms(0), ms(100));
+        if settled {
+            v.prefill_done(0, keys, ms(100));
+        }
+        v
+    }
+
     fn observe_n(h: &mut HotPrefixes, prefix: &str, n: u64, every_ms: u64) -> Vec<BlockKey> {
         let mut keys = Vec::new();
         for i in 0..n {
@@ -933,7 +976,6 @@ mod tests {
     #[test]
     fn a_warm_up_pulls_only_from_a_settled_holder_and_only_when_faster() {
         use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
-        use crate::core::kv_load::{KvHintFormat, KvLoad};
         // 8 blocks of 2,048 tokens (16,384: 0.33 s to recompute at 50,000 tokens/s); four
         // replicas in one zone taking hints; r0 holds the prefix, 4 s of prefill queued.
         let fleet = |confirmed: bool| {
@@ -944,21 +986,7 @@ mod tests {
             });
             let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
             h.credit(1_000_000);
-            let mut v = View::new("eu", 2048);
-            for i in 0..4 {
-                v.upsert(ReplicaInfo {
-                    zone: "z1".into(),
-                    kv_load: Some(KvLoad {
-                        hints: KvHintFormat::VllmEnvelope,
-                        ..KvLoad::default()
-                    }),
-                    ..info(&format!("r{i}"), "eu")
-                });
-            }
-            v.record_routed_ready(0, &keys[..8], ms(0), ms(100));
-            if confirmed {
-                v.prefill_done(0, &keys[..8], ms(100));
-            }
+            let mut v = hint_fleet(2048, &keys[..8], confirmed);
             v.replica_mut(0).unwrap().load.queued_prefill_tokens = 200_000;
             (h, v)
         };
@@ -1006,6 +1034,52 @@ mod tests {
         slow.links.same_zone.gb_per_s = 1.0;
         let (mut h, v) = fleet(true);
         assert_eq!(warm(&mut h, &v, slow), None);
+    }
+
+    /// A warm-up by pull is gated at its own predicted time, not at `min_queue_s`: a holder
+    /// with 0.04 s of queue (eight requests, nothing left to prefill) gets a copy by a 0.03 s
+    /// pull, where a recomputed warm-up waits for 0.05 s (issue #37, hot burst seed 3: the
+    /// single holder took eight onset requests at 0.047–0.059 s before the first copy landed).
+    #[test]
+    fn a_warm_up_by_pull_starts_once_the_queue_passes_the_pull() {
+        use crate::core::kv_fetch::{FetchMode, KvFetchConfig};
+        let planned = |mode: FetchMode, running: u32| {
+            let mut h = HotPrefixes::new(on());
+            let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+            h.credit(1_000_000);
+            // 8 blocks of 1,024 tokens: 0.16 s to recompute at 50,000 tokens/s, a 0.03 s pull
+            // (1 ms + a 7.5 ms step + 1.07 GB at 50 GB/s) within one zone.
+            let mut v = hint_fleet(1024, &keys[..8], true);
+            v.replica_mut(0).unwrap().load.running = running;
+            let cost = CostModel {
+                fetch: KvFetchConfig {
+                    mode,
+                    ..KvFetchConfig::default()
+                },
+                ..CostModel::default()
+            };
+            let mut out = Vec::new();
+            h.plan(
+                &v,
+                &cost,
+                &Tenants::default(),
+                ms(1000),
+                1,
+                |_| true,
+                &mut out,
+            );
+            warm_ups(&out)
+        };
+        // 8 running: 0.04 s of queue, past the pull's 0.03 s, short of `min_queue_s`.
+        let w = planned(FetchMode::Priced, 8);
+        assert_eq!(w.len(), 1, "{w:?}");
+        let pull = w[0].fetch.expect("a warm-up by pull");
+        assert!(pull.predicted_s < 0.04, "{}", pull.predicted_s);
+        // Recomputed warm-ups keep `min_queue_s`; and a queue under the pull's time gets none.
+        assert!(planned(FetchMode::Off, 8).is_empty());
+        assert!(planned(FetchMode::Priced, 5).is_empty());
+        // Past `min_queue_s` both warm.
+        assert_eq!(planned(FetchMode::Off, 12).len(), 1);
     }
 
     fn warm_ups(out: &[Action]) -> Vec<WarmUp> {

@@ -34,6 +34,11 @@ pub struct FaultConfig {
     /// Streamed answers send this many tokens' events, then the connection drops without the
     /// stream's end: an engine dying mid-stream. Read at every token. Default `None`.
     pub cut_stream_after: Option<u32>,
+    /// As a KV source (`POST /kvmesh/kv/fetch`, `kv_fetch.rs`), accept each pull, spend its
+    /// modelled transfer, then drop the connection before the answer's end: a source dying
+    /// mid-transfer, while completions, health checks and scrapes still succeed (so its home
+    /// keeps offering it as a holder). Default false.
+    pub cut_kv_pulls: bool,
 }
 
 /// A partial update for `POST /admin/faults`: absent fields stay as they are.
@@ -59,6 +64,8 @@ pub struct FaultPatch {
     /// See [`FaultConfig::cut_stream_after`]; `null` clears it.
     #[serde(default, with = "double_option")]
     pub cut_stream_after: Option<Option<u32>>,
+    /// See [`FaultConfig::cut_kv_pulls`].
+    pub cut_kv_pulls: Option<bool>,
 }
 
 mod double_option {
@@ -176,6 +183,9 @@ impl Faults {
         }
         if let Some(v) = patch.cut_stream_after {
             s.cfg.cut_stream_after = v;
+        }
+        if let Some(v) = patch.cut_kv_pulls {
+            s.cfg.cut_kv_pulls = v;
         }
         if let Some(v) = patch.seed {
             s.cfg.seed = v;

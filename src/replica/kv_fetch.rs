@@ -80,8 +80,26 @@ pub async fn serve(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     }
     let tokens = held * s.block_tokens;
     tokio::time::sleep(s.pd.transfer_time(tokens, s.time_scale)).await;
+    if s.faults.config().cut_kv_pulls {
+        return cut_mid_transfer();
+    }
     s.metrics.kv_served_tokens.inc_by(tokens as u64);
     Json(FetchAnswer { held_blocks: held }).into_response()
+}
+
+/// The `cut_kv_pulls` fault: a 200 whose body breaks off after its first bytes, so the
+/// connection drops mid-answer (the target reads an error, not a count).
+fn cut_mid_transfer() -> Response {
+    let parts: [Result<Bytes, std::io::Error>; 2] = [
+        Ok(Bytes::from_static(b"{\"held_blocks\":")),
+        Err(std::io::Error::other("the KV source died mid-transfer")),
+    ];
+    let mut resp = axum::body::Body::from_stream(futures::stream::iter(parts)).into_response();
+    resp.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 /// The fetch hint in a request body, if any; a malformed one is counted, logged and ignored

@@ -348,6 +348,75 @@ async fn slowloris_and_silent_connections_are_cut_at_the_header_timeout() {
     .await;
 }
 
+/// One HTTP/1.1 exchange on `sock`: writes `request`, reads the answer's head and its
+/// `content-length` bytes of body (an empty string if the node closed the connection first).
+async fn exchange(sock: &mut tokio::net::TcpStream, request: &[u8]) -> String {
+    let _ = sock.write_all(request).await;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if got.len() >= end + 4 + length {
+                return text;
+            }
+        }
+        match sock.read(&mut buf).await {
+            Ok(0) | Err(_) => return String::from_utf8_lossy(&got).to_string(),
+            Ok(k) => got.extend_from_slice(&buf[..k]),
+        }
+    }
+}
+
+/// A keep-alive connection idle for longer than the head deadline is still there for the
+/// next request: clients keep idle connections pooled for longer (aiohttp 15 s, aiperf 300 s),
+/// and a request written as the node closes one is lost (issue #38's agentic replay lost one
+/// of 219 when the idle limit was the head deadline, 10 s). A head begun on it and not
+/// finished is still cut at the deadline.
+#[tokio::test]
+async fn an_idle_keep_alive_connection_outlives_the_head_deadline_but_a_slow_head_does_not() {
+    bounded(async {
+        let urls = vec![format!("http://{}", fake_replica(Fake::Poison).await)];
+        let mut cfg = node_config(&urls);
+        quick_server(&mut cfg);
+        cfg.server.keep_alive_idle_ms = 60_000;
+        let node = proxy::spawn(cfg).await.unwrap();
+        let mut sock = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        let health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+        let first = exchange(&mut sock, health).await;
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        // Idle for three head deadlines (the time is what is tested here).
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let second = exchange(&mut sock, health).await;
+        assert!(
+            second.starts_with("HTTP/1.1 200"),
+            "the idle connection was closed: {second:?}"
+        );
+        let t0 = std::time::Instant::now();
+        sock.write_all(b"GET /health HTTP/1.1\r\nhost")
+            .await
+            .unwrap();
+        closed_within(&mut sock, Duration::from_secs(5))
+            .await
+            .expect("a head begun and not finished was never cut");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            t0.elapsed()
+        );
+        node.shutdown().await;
+    })
+    .await;
+}
+
 /// A client that sends its body slower than the body deadline gets a 408.
 #[tokio::test]
 async fn a_body_that_trickles_in_gets_408() {

@@ -5,10 +5,12 @@
 //! slow or idle clients could hold a node: slowloris kept connections forever and, past the
 //! open-files limit, `/health` went dark. Here:
 //!
-//! - **Time.** A request head must arrive within `header_read_timeout_ms`, which also bounds an
-//!   idle keep-alive wait (HTTP/1); an HTTP/2 connection with no open stream for as long is
-//!   closed (a peer's, on the mesh listener, after [`PEER_IDLE`]). Body reads have their own
-//!   limit (`forward.rs`).
+//! - **Time.** A request head must arrive within `header_read_timeout_ms` of its first byte
+//!   (a new connection's first request, of the connection's start): slowloris and silent
+//!   connections are cut. Between requests a connection may stay idle for
+//!   `keep_alive_idle_ms` (a peer's, on the mesh listener, [`PEER_IDLE`]), longer than clients
+//!   keep idle connections pooled: a request a client writes as the server closes its
+//!   connection is lost. Body reads have their own limit (`forward.rs`).
 //! - **Number.** At most `max_connections` (capped by the open-files limit less a reserve for
 //!   replicas, peers and files) are open. At the cap the least recently active connection is
 //!   told to close — gracefully: a request in flight on it finishes first — and the new one is
@@ -21,8 +23,10 @@
 //!   [`Listener::drained`] says when no request is left.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -31,6 +35,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tower::ServiceExt;
@@ -54,12 +59,13 @@ const FD_RESERVE: u64 = 512;
 /// How a listener treats its clients.
 #[derive(Clone)]
 pub struct ListenerConfig {
-    /// Whole request head (and idle keep-alive) deadline.
+    /// Whole request head deadline, from its first byte (or the connection's start).
     pub header_read_timeout: Duration,
-    /// An HTTP/2 connection with no open stream for this long is closed. The client listener
-    /// uses the head deadline; the peer listener [`PEER_IDLE`], longer than
-    /// `mesh.warm_forward_interval_ms` allows, so the connections peers keep open for their
-    /// forwards (`warm_peers.rs`) stay open between rounds.
+    /// A connection with no request in flight and none being sent for this long is closed
+    /// (not less than `header_read_timeout`). The client listener uses `keep_alive_idle_ms`;
+    /// the peer listener [`PEER_IDLE`], longer than `mesh.warm_forward_interval_ms` allows, so
+    /// the connections peers keep open for their forwards (`warm_peers.rs`) stay open between
+    /// rounds.
     pub idle_timeout: Duration,
     /// Open connections at most (soft cap: least recently active evicted).
     pub max_connections: usize,
@@ -87,6 +93,10 @@ struct Slot {
     active: AtomicUsize,
     /// Last request start, ms since the listener started.
     last_active_ms: AtomicU64,
+    /// When the request head being received began (its first byte, or the connection's
+    /// start), ms since the listener started plus one; 0 while none is (idle, or a request in
+    /// flight). [`HeadWatch`] sets it, [`ActiveGuard`] clears it.
+    head_since_ms: AtomicU64,
     /// Tells the connection to close gracefully.
     close: Notify,
 }
@@ -237,6 +247,8 @@ async fn accept_loop(
             id: table.next_id.fetch_add(1, Ordering::Relaxed),
             active: AtomicUsize::new(0),
             last_active_ms: AtomicU64::new(table.now_ms()),
+            // The first request's head is due from the connection's start.
+            head_since_ms: AtomicU64::new(table.now_ms() + 1),
             close: Notify::new(),
         });
         table.slots().push(Arc::clone(&slot));
@@ -284,11 +296,15 @@ async fn serve_connection(
     stop: watch::Receiver<bool>,
 ) {
     match tls {
-        None => run_http(TokioIo::new(tcp), app, &cfg, info, &table, &slot, stop).await,
+        None => {
+            let io = TokioIo::new(HeadWatch::new(tcp, &table, &slot));
+            run_http(io, app, &cfg, info, &table, &slot, stop).await
+        }
         Some(acceptor) => {
             match tokio::time::timeout(cfg.header_read_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => {
-                    run_http(TokioIo::new(stream), app, &cfg, info, &table, &slot, stop).await
+                    let io = TokioIo::new(HeadWatch::new(stream, &table, &slot));
+                    run_http(io, app, &cfg, info, &table, &slot, stop).await
                 }
                 Ok(Err(e)) => {
                     tracing::debug!(remote = %info.remote, error = %e, "TLS handshake failed")
@@ -315,7 +331,9 @@ async fn run_http<I>(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(cfg.header_read_timeout)
+        // hyper's head timer starts as soon as a connection is idle, so it bounds the idle
+        // wait too: set to the longer, and the head deadline is kept by the tick below.
+        .header_read_timeout(cfg.idle_timeout.max(cfg.header_read_timeout))
         .max_buf_size(256 * 1024);
     builder
         .http2()
@@ -353,7 +371,9 @@ async fn run_http<I>(
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     let idle_limit = cfg.idle_timeout.as_millis() as u64;
-    let mut tick = tokio::time::interval(cfg.idle_timeout / 2 + Duration::from_millis(1));
+    let head_limit = cfg.header_read_timeout.as_millis() as u64;
+    let period = cfg.idle_timeout.min(cfg.header_read_timeout) / 2;
+    let mut tick = tokio::time::interval(period + Duration::from_millis(1));
     let mut closing = false;
     loop {
         tokio::select! {
@@ -372,9 +392,20 @@ async fn run_http<I>(
                 conn.as_mut().graceful_shutdown();
             }
             _ = tick.tick(), if !closing => {
+                if slot.active.load(Ordering::Relaxed) != 0 {
+                    continue;
+                }
+                let now = table.now_ms();
+                let head_since = slot.head_since_ms.load(Ordering::Relaxed);
+                if head_since != 0 && (now + 1).saturating_sub(head_since) > head_limit {
+                    // A head begun and not finished in time (slowloris), or never begun on a
+                    // new connection: no request is in flight, so cut it.
+                    tracing::debug!(remote = %info.remote, "request head timed out");
+                    return;
+                }
                 // HTTP/2 has no head timeout between streams: an idle connection is closed here.
-                let idle_ms = table.now_ms().saturating_sub(slot.last_active_ms.load(Ordering::Relaxed));
-                if slot.active.load(Ordering::Relaxed) == 0 && idle_ms > idle_limit {
+                let idle_ms = now.saturating_sub(slot.last_active_ms.load(Ordering::Relaxed));
+                if idle_ms > idle_limit {
                     closing = true;
                     conn.as_mut().graceful_shutdown();
                 }
@@ -393,6 +424,7 @@ impl ActiveGuard {
     fn new(table: &Arc<Table>, slot: &Arc<Slot>) -> Self {
         slot.active.fetch_add(1, Ordering::AcqRel);
         slot.last_active_ms.store(table.now_ms(), Ordering::Relaxed);
+        slot.head_since_ms.store(0, Ordering::Relaxed);
         table.active.fetch_add(1, Ordering::AcqRel);
         ActiveGuard {
             table: Arc::clone(table),
@@ -407,9 +439,104 @@ impl Drop for ActiveGuard {
         self.slot
             .last_active_ms
             .store(self.table.now_ms(), Ordering::Relaxed);
+        // Bytes read while the request was in flight (its body) began no new head.
+        self.slot.head_since_ms.store(0, Ordering::Relaxed);
         if self.table.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.table.idle.notify_waiters();
         }
+    }
+}
+
+/// A client connection's byte stream, noting when an HTTP/1 request head begins: the first
+/// bytes read while no request is in flight start [`Slot::head_since_ms`]'s clock. HTTP/2
+/// (its preface, `PRI * HTTP/2.0`, in the clear or inside TLS) reads frames between requests
+/// (pings, window updates), so it is not watched: its idle connections close by
+/// `idle_timeout`, as before.
+struct HeadWatch<S> {
+    io: S,
+    table: Arc<Table>,
+    slot: Arc<Slot>,
+    /// The connection's first bytes, up to three, to tell HTTP/2's preface from a method.
+    start: [u8; 3],
+    /// How many of `start` are known.
+    started: usize,
+}
+
+impl<S> HeadWatch<S> {
+    fn new(io: S, table: &Arc<Table>, slot: &Arc<Slot>) -> Self {
+        HeadWatch {
+            io,
+            table: Arc::clone(table),
+            slot: Arc::clone(slot),
+            start: [0; 3],
+            started: 0,
+        }
+    }
+
+    /// Notes `read`, the bytes just read.
+    fn saw(&mut self, read: &[u8]) {
+        if self.started < self.start.len() {
+            let n = read.len().min(self.start.len() - self.started);
+            self.start[self.started..self.started + n].copy_from_slice(&read[..n]);
+            self.started += n;
+            if self.started == self.start.len() && self.start == *b"PRI" {
+                self.slot.head_since_ms.store(0, Ordering::Relaxed);
+            }
+        }
+        if self.started == self.start.len() && self.start == *b"PRI" {
+            return;
+        }
+        if self.slot.active.load(Ordering::Relaxed) == 0
+            && self.slot.head_since_ms.load(Ordering::Relaxed) == 0
+        {
+            let since = self.table.now_ms() + 1;
+            self.slot.head_since_ms.store(since, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for HeadWatch<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.saw(&buf.filled()[before..]);
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for HeadWatch<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 

@@ -261,7 +261,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
     };
     let listener_cfg = ListenerConfig {
         header_read_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
-        idle_timeout: Duration::from_millis(server_cfg.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(server_cfg.keep_alive_idle_ms),
         max_connections: server_cfg.max_connections,
         http2_max_streams: server_cfg.http2_max_streams,
         tls: client_tls,

@@ -460,6 +460,8 @@ struct HeadWatch<S> {
     start: [u8; 3],
     /// How many of `start` are known.
     started: usize,
+    /// The connection speaks HTTP/2 (`start` is `PRI`): not watched.
+    http2: bool,
 }
 
 impl<S> HeadWatch<S> {
@@ -470,6 +472,7 @@ impl<S> HeadWatch<S> {
             slot: Arc::clone(slot),
             start: [0; 3],
             started: 0,
+            http2: false,
         }
     }
 
@@ -479,11 +482,12 @@ impl<S> HeadWatch<S> {
             let n = read.len().min(self.start.len() - self.started);
             self.start[self.started..self.started + n].copy_from_slice(&read[..n]);
             self.started += n;
-            if self.started == self.start.len() && self.start == *b"PRI" {
+            self.http2 = self.start == *b"PRI";
+            if self.http2 {
                 self.slot.head_since_ms.store(0, Ordering::Relaxed);
             }
         }
-        if self.started == self.start.len() && self.start == *b"PRI" {
+        if self.http2 {
             return;
         }
         if self.slot.active.load(Ordering::Relaxed) == 0

@@ -183,9 +183,10 @@ pub(crate) fn draw_from_total(
     if let Some(i) = walk.through(before, 0) {
         return Some(i);
     }
+    // `after` starts at the excluded position (empty when nothing is excluded).
     match after.split_first() {
-        Some((_, rest)) if exclude.is_some() => walk.through(rest, cut + 1),
-        _ => None,
+        Some((_, rest)) => walk.through(rest, cut + 1),
+        None => None,
     }
     .or(walk.last)
 }

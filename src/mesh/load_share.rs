@@ -15,7 +15,8 @@
 //! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
 //!
 //! With the counts go the *tips* of the prompts routed since the last datagram ([`RoutedTip`]:
-//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named;
+//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named,
+//! whether it is the one sent again at the prompt's first byte;
 //! see `core/peer_tips.rs`, `core/rank_hints.rs`), so the other nodes also see where a prefix
 //! was just sent, not only that something was, and send its follow-ups to the same rank.
 //!

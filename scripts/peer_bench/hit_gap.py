@@ -388,6 +388,7 @@ def mesh(out, names):
         ok = [x for x in rows if not x.get("missing")]
         total_q = sum(x["prompt"] for x in ok)
         agg, believed, real = {}, 0, 0
+        waits, ttfts = [], []  # of the follow-ups routed before their parent's predicted end
         for a in ok:
             if a["blocks"] <= 1 or a["last_holder_row"] not in reqs:
                 continue
@@ -403,6 +404,9 @@ def mesh(out, names):
             else:
                 where = "off it, evicted"
             key = (phase(parent, t), node, where)
+            if key[0] == "before predicted end":
+                waits.append((parent["start_ns"] + parent["ttft_ns"] - r["start_ns"]) / 1e9)
+                ttfts.append(r["ttft_ns"] / 1e9)
             n, lost, hit = agg.get(key, (0, 0, 0))
             agg[key] = (n + 1, lost + max(a["could"] - a["cached"], 0), hit + a["cached"])
             if "hit" in rt:
@@ -416,6 +420,12 @@ def mesh(out, names):
                   f"{lost / total_q:.4f} |")
         print(f"- follow-ups' hit believed at the chosen replica {believed / total_q:.4f}, "
               f"cached {real / total_q:.4f}")
+        if waits:
+            sooner = sum(w < x for w, x in zip(waits, ttfts))
+            mid = len(waits) // 2
+            print(f"- routed before their parent's predicted end: {len(waits)}; the parent's "
+                  f"first byte came before their own in {sooner}; wait for it median "
+                  f"{sorted(waits)[mid]:.2f} s, their TTFT median {sorted(ttfts)[mid]:.2f} s")
 
 
 def main():

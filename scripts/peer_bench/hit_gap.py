@@ -3,6 +3,7 @@
 
     python3 scripts/peer_bench/hit_gap.py OUT/mooncake kvmesh-run1 sglang-run1
     python3 scripts/peer_bench/hit_gap.py why OUT/mooncake kvmesh-run1 sglang-run1
+    python3 scripts/peer_bench/hit_gap.py mesh OUT/agentic kvmesh3-run1 kvmesh-run1
 
 reads OUT/mooncake/trace.jsonl and each run's requests.jsonl (`scripts/peer-bench
 --per-request`) and prints, per router:
@@ -21,6 +22,13 @@ run's own placements at the replicas' KV capacity) and what the node believed (i
 line: the hit it saw at the replica it chose, and the policy's reason), with the holder's and the
 chosen replica's requests in flight and uncached tokens still before their first byte. Run
 peer-bench with `RUST_LOG=info,kvmesh::proxy::deliver=debug` for the routing lines.
+
+`mesh` takes one or more kvmesh runs and splits each one's follow-ups by what their parent (the
+latest earlier request sharing the most) was doing when they were routed (before the prefill end
+its node predicted, past it without a first byte, after its first byte), whether the node that
+routed the parent routed them too (three nodes: the routing lines' log file names the node), and
+where they went; it prints the hit and the lost tokens of each class. Run peer-bench with
+`RUST_LOG=info,kvmesh::proxy::deliver=debug,kvmesh::load_view=debug` (the predicted prefill).
 
 The holder is judged by where this router sent the earlier requests, so each router is held to
 its own placements. Pure Python, no dependencies.
@@ -235,15 +243,26 @@ def routed_lines(work):
                     ids[m.group(2)] = m.group(1)
     pat = re.compile(r"^(\S+) +DEBUG kvmesh::proxy::deliver: routed replica=(\S+) "
                      r"hit_blocks=(\d+) reason=\"(\w+)\" attempt=0")
+    # With `kvmesh::load_view=debug`, the booking line before it: the predicted prefill time.
+    booked = re.compile(r"kvmesh::load_view: booked replica=(\S+) uncached=(\d+) "
+                        r"predicted_ms=(\d+)")
     out = []
     for f in sorted(glob.glob(os.path.join(work, "kvmesh-*.log"))):
+        node = os.path.basename(f)[len("kvmesh-"):-len(".log")]
+        last = {}
         with open(f, errors="replace") as lines:
             for line in lines:
-                m = pat.match(ansi.sub("", line))
+                line = ansi.sub("", line)
+                b = booked.search(line)
+                if b:
+                    last[b.group(1)] = int(b.group(3))
+                    continue
+                m = pat.match(line)
                 if m:
                     t = datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
                     out.append(dict(t_ns=int(t.timestamp() * 1e9), replica=ids.get(m.group(2)),
-                                    hit=int(m.group(3)), reason=m.group(4)))
+                                    hit=int(m.group(3)), reason=m.group(4), node=node,
+                                    predicted_ms=last.pop(m.group(2), None)))
     return sorted(out, key=lambda x: x["t_ns"])
 
 
@@ -324,7 +343,95 @@ def why(out, name, other):
         print(f"| {still} | {reason} | {n} | {lost / total_q:.4f} |")
 
 
+def load_run(out, name):
+    """One run's requests with their TTFT, end and routing line joined in."""
+    work = os.path.join(out, name)
+    reqs = load_requests(os.path.join(work, "requests.jsonl"))
+    with open(os.path.join(work, "profile_export.jsonl")) as f:
+        ttft = {}
+        for line in f:
+            x = json.loads(line)
+            v = (x["metrics"].get("time_to_first_token") or {}).get("value")
+            end = x["metadata"].get("request_end_ns")
+            ttft[x["metadata"]["session_num"]] = (v or 0.0, end)
+    for row, r in reqs.items():
+        ms, end = ttft.get(row, (0.0, None))
+        r["ttft_ns"] = int(ms * 1e6)
+        r["end_ns"] = end
+    join_routed(reqs, routed_lines(work))
+    return reqs
+
+
+def phase(parent, t):
+    """Where the follow-up's parent stood when the follow-up was routed at `t`: before the
+    prefill end its node predicted (no node counts its blocks yet), past it but before its first
+    byte (counted, not yet cached), or after its first byte."""
+    rt = parent.get("routed") or {}
+    if rt.get("predicted_ms") is not None and t < rt["t_ns"] + rt["predicted_ms"] * 1_000_000:
+        return "before predicted end"
+    if t < parent["start_ns"] + parent["ttft_ns"]:
+        return "predicted end passed, no first byte"
+    return "after first byte"
+
+
+def mesh(out, names):
+    """Each run's follow-ups by what their parent (the latest earlier request sharing the most)
+    was doing when they were routed, whether the same node routed both, and where they went:
+    the lost tokens (could - cached) by cause, and what the deciding node believed."""
+    global BLOCK
+    BLOCK = BLOCK_TOKENS.get(os.path.basename(os.path.normpath(out)), 512)
+    trace = load_trace(os.path.join(out, "trace.jsonl"))
+    shared = shared_prefixes(trace)
+    for name in names:
+        reqs = load_run(out, name)
+        rows, _ = analyse(trace, shared, reqs)
+        ok = [x for x in rows if not x.get("missing")]
+        total_q = sum(x["prompt"] for x in ok)
+        agg, believed, real = {}, 0, 0
+        waits, ttfts = [], []  # of the follow-ups routed before their parent's predicted end
+        for a in ok:
+            if a["blocks"] <= 1 or a["last_holder_row"] not in reqs:
+                continue
+            r, parent = reqs[a["row"]], reqs[a["last_holder_row"]]
+            rt, prt = r.get("routed") or {}, parent.get("routed") or {}
+            t = rt.get("t_ns", r["start_ns"])
+            node = "same node" if rt.get("node") == prt.get("node") else "other node"
+            holder = parent.get("replica")
+            if r["replica"] == holder:
+                where = "on parent's replica"
+            elif replica_lru(trace, reqs, a["row"], holder) >= 2:
+                where = "off it, still held"
+            else:
+                where = "off it, evicted"
+            key = (phase(parent, t), node, where)
+            if key[0] == "before predicted end":
+                waits.append((parent["start_ns"] + parent["ttft_ns"] - r["start_ns"]) / 1e9)
+                ttfts.append(r["ttft_ns"] / 1e9)
+            n, lost, hit = agg.get(key, (0, 0, 0))
+            agg[key] = (n + 1, lost + max(a["could"] - a["cached"], 0), hit + a["cached"])
+            if "hit" in rt:
+                believed += rt["hit"] * BLOCK
+                real += a["cached"]
+        print(f"\n## {name}: follow-ups by their parent's state when routed (share of queries)")
+        print("| parent when routed | deciding node | went | follow-ups | hit | lost |")
+        print("|---|---|---|---:|---:|---:|")
+        for k, (n, lost, hit) in sorted(agg.items()):
+            print(f"| {k[0]} | {k[1]} | {k[2]} | {n} | {hit / total_q:.4f} | "
+                  f"{lost / total_q:.4f} |")
+        print(f"- follow-ups' hit believed at the chosen replica {believed / total_q:.4f}, "
+              f"cached {real / total_q:.4f}")
+        if waits:
+            sooner = sum(w < x for w, x in zip(waits, ttfts))
+            mid = len(waits) // 2
+            print(f"- routed before their parent's predicted end: {len(waits)}; the parent's "
+                  f"first byte came before their own in {sooner}; wait for it median "
+                  f"{sorted(waits)[mid]:.2f} s, their TTFT median {sorted(ttfts)[mid]:.2f} s")
+
+
 def main():
+    if len(sys.argv) >= 4 and sys.argv[1] == "mesh":
+        mesh(sys.argv[2], sys.argv[3:])
+        return
     if len(sys.argv) >= 2 and sys.argv[1] == "why":
         if len(sys.argv) != 5:
             sys.exit(__doc__)

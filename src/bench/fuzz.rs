@@ -659,6 +659,7 @@ fn seeds_load_update() -> Vec<Vec<u8>> {
             blocks: 12,
             ready_ms: 30,
             rank: Some(3),
+            first_byte: false,
         }],
     }
     .encode()

@@ -152,10 +152,19 @@ impl Default for Ladder {
     }
 }
 
+/// A tip as the store keeps it: whether a peer has said its prefill answered yet.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    tip: Tip,
+    /// A tip sent at the prefill's first byte ([`PeerTips::insert_first_byte`]) arrived: the
+    /// blocks are computed, not only predicted.
+    first_byte: bool,
+}
+
 /// Peer tips by tip key, bounded.
 #[derive(Debug)]
 pub struct PeerTips {
-    by_key: HashMap<u64, Vec<Tip>, SeededKeyHash>,
+    by_key: HashMap<u64, Vec<Held>, SeededKeyHash>,
     len: usize,
     cap: usize,
 }
@@ -194,16 +203,27 @@ impl PeerTips {
     /// Records that a peer routed `blocks` blocks ending in `key` to `tip.replica`. Returns false
     /// when the store is full (the tip is dropped: the summary round will carry it).
     pub fn insert(&mut self, key: BlockKey, tip: Tip) -> bool {
+        self.put(key, tip, false)
+    }
+
+    /// [`PeerTips::insert`] for a tip a peer sent at the prefill's first byte: the blocks are
+    /// computed now, and the prefill no longer counts as under way ([`PeerTips::in_prefill`]).
+    pub fn insert_first_byte(&mut self, key: BlockKey, tip: Tip) -> bool {
+        self.put(key, tip, true)
+    }
+
+    fn put(&mut self, key: BlockKey, tip: Tip, first_byte: bool) -> bool {
         if tip.blocks == 0 {
             return false;
         }
         let tips = self.by_key.entry(key.0).or_default();
-        if let Some(t) = tips
+        if let Some(h) = tips
             .iter_mut()
-            .find(|t| t.replica == tip.replica && t.blocks == tip.blocks)
+            .find(|h| h.tip.replica == tip.replica && h.tip.blocks == tip.blocks)
         {
-            t.ready = t.ready.min(tip.ready);
-            t.until = t.until.max(tip.until);
+            h.tip.ready = h.tip.ready.min(tip.ready);
+            h.tip.until = h.tip.until.max(tip.until);
+            h.first_byte |= first_byte;
             return true;
         }
         if self.len >= self.cap {
@@ -212,7 +232,7 @@ impl PeerTips {
             }
             return false;
         }
-        tips.push(tip);
+        tips.push(Held { tip, first_byte });
         self.len += 1;
         true
     }
@@ -221,7 +241,7 @@ impl PeerTips {
     pub fn expire(&mut self, now: Duration) {
         let mut len = 0;
         self.by_key.retain(|_, tips| {
-            tips.retain(|t| t.until > now);
+            tips.retain(|h| h.tip.until > now);
             len += tips.len();
             !tips.is_empty()
         });
@@ -245,7 +265,7 @@ impl PeerTips {
         let Some(tips) = self.by_key.get(&last.0) else {
             return;
         };
-        for t in tips {
+        for t in tips.iter().map(|h| &h.tip) {
             if t.blocks as usize == keys.len() && t.ready > now && t.until > now {
                 match out.iter_mut().find(|(r, _)| *r == t.replica) {
                     Some(e) => e.1 = e.1.min(t.ready),
@@ -266,7 +286,7 @@ impl PeerTips {
             let Some(tips) = self.by_key.get(&k.0) else {
                 continue;
             };
-            for t in tips {
+            for t in tips.iter().map(|h| &h.tip) {
                 if t.blocks as usize != j + 1 || t.ready > now || t.until <= now {
                     continue;
                 }
@@ -277,6 +297,57 @@ impl PeerTips {
             }
         }
     }
+
+    /// For the request's `keys`, the longest prefix per replica that a peer sent there and whose
+    /// prefill has not answered yet, as far as the peers' tips say: no first-byte tip has come
+    /// ([`PeerTips::insert_first_byte`]), whether or not its predicted end has passed (the cost
+    /// model prices a long prefill short). Appends [`PeerPrefill`]s to `out` (cleared first; one
+    /// per replica, the longest).
+    ///
+    /// What a request riding on another node's prefill waits for: an engine finds a prefix's
+    /// blocks only once they are computed, so a follow-up sent while its parent still prefills
+    /// there recomputes the parent in parallel (in the agentic replay, a fifth of the turns,
+    /// 0.13–0.15 of the queried tokens: docs/peer-bench.md). Behind a balancer the parent was
+    /// routed by another node two times in three, whose prefill this node knows only by its tip.
+    pub fn in_prefill(&self, keys: &[BlockKey], now: Duration, out: &mut Vec<PeerPrefill>) {
+        out.clear();
+        if self.is_empty() {
+            return;
+        }
+        for (j, k) in keys.iter().enumerate() {
+            let Some(tips) = self.by_key.get(&k.0) else {
+                continue;
+            };
+            for h in tips {
+                let t = &h.tip;
+                if h.first_byte || t.blocks as usize != j + 1 || t.until <= now {
+                    continue;
+                }
+                let p = PeerPrefill {
+                    replica: t.replica,
+                    blocks: t.blocks,
+                    ready: t.ready,
+                };
+                match out.iter_mut().find(|e| e.replica == t.replica) {
+                    Some(e) if e.blocks < p.blocks => *e = p,
+                    Some(_) => {}
+                    None => out.push(p),
+                }
+            }
+        }
+    }
+}
+
+/// A prefix a peer sent to a replica whose prefill has not answered yet
+/// ([`PeerTips::in_prefill`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerPrefill {
+    /// The replica's view index.
+    pub replica: usize,
+    /// Leading blocks of the request's prompt that prefill computes.
+    pub blocks: u32,
+    /// When the peer predicted it done (may have passed: predictions of long prefills run early).
+    pub ready: Duration,
 }
 
 #[cfg(test)]
@@ -352,6 +423,65 @@ mod tests {
         assert!(out.is_empty());
         // Another prompt never matches.
         t.hits(&keys(12, 2), 2 * S, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_peers_prefill_is_under_way_until_its_first_byte_tip_even_past_its_predicted_end() {
+        let mut t = PeerTips::default();
+        let parent = keys(8, 1);
+        // The parent's tip and a ladder rung, predicted done at S.
+        assert!(t.insert(parent[7], tip(3, 8)));
+        assert!(t.insert(parent[3], tip(3, 4)));
+        let next = keys(12, 1);
+        let mut out = Vec::new();
+        let under_way = vec![PeerPrefill {
+            replica: 3,
+            blocks: 8,
+            ready: S,
+        }];
+        t.in_prefill(&next, S / 2, &mut out);
+        assert_eq!(out, under_way);
+        // Past the predicted end with no first byte: still under way (and already a hit).
+        t.in_prefill(&next, 2 * S, &mut out);
+        assert_eq!(out, under_way);
+        // The first-byte tip of the whole prompt ends it; its ladder rung, still unconfirmed,
+        // names the shorter prefix until its own first-byte tip comes.
+        assert!(t.insert_first_byte(
+            parent[7],
+            Tip {
+                ready: 2 * S,
+                ..tip(3, 8)
+            }
+        ));
+        t.in_prefill(&next, 2 * S, &mut out);
+        assert_eq!(
+            out,
+            vec![PeerPrefill {
+                replica: 3,
+                blocks: 4,
+                ready: S
+            }]
+        );
+        assert!(t.insert_first_byte(
+            parent[3],
+            Tip {
+                ready: 2 * S,
+                ..tip(3, 4)
+            }
+        ));
+        t.in_prefill(&next, 2 * S, &mut out);
+        assert!(out.is_empty());
+        // A first byte does not make the hit count any sooner than its tip says.
+        let mut hits = Vec::new();
+        t.hits(&next, 2 * S, &mut hits);
+        assert_eq!(hits, vec![(3, 8)]);
+        // Another prompt never matches; an expired tip is not under way.
+        let mut t = PeerTips::default();
+        assert!(t.insert(parent[7], tip(3, 8)));
+        t.in_prefill(&keys(12, 2), S / 2, &mut out);
+        assert!(out.is_empty());
+        t.in_prefill(&next, 10 * S, &mut out);
         assert!(out.is_empty());
     }
 

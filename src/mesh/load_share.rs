@@ -15,7 +15,8 @@
 //! [`LoadShareConfig::stale_after`] is dropped, so a lost "back to zero" costs at most that.
 //!
 //! With the counts go the *tips* of the prompts routed since the last datagram ([`RoutedTip`]:
-//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named;
+//! replica, last block key, blocks, predicted ms to prefill end, the data-parallel rank named,
+//! whether it is the one sent again at the prompt's first byte;
 //! see `core/peer_tips.rs`, `core/rank_hints.rs`), so the other nodes also see where a prefix
 //! was just sent, not only that something was, and send its follow-ups to the same rank.
 //!
@@ -121,6 +122,11 @@ pub struct RoutedTip {
     /// after the first version (positional: always written, `nil` when none).
     #[serde(default)]
     pub rank: Option<u16>,
+    /// Sent at the prompt's first byte (`ready_ms` 0): its prefill has answered, so a request
+    /// riding on it need wait no longer (`core::peer_tips::PeerTips::in_prefill`). Added after
+    /// `rank` (positional; a sender without it reads as false).
+    #[serde(default)]
+    pub first_byte: bool,
 }
 
 /// One datagram: the sender's incarnation, a sequence number, changed entries and the prefixes
@@ -203,7 +209,7 @@ impl LoadUpdate {
         tips: Vec<RoutedTip>,
     ) -> Vec<Vec<u8>> {
         // An entry costs at most 1 (array) + 2 + id + 5 + 9 bytes, a tip 1 + 2 + id + 9 + 5 + 5
-        // + 3 (its rank);
+        // + 3 (its rank) + 1 (its first byte);
         // the envelope 1 + 9 + 9 + 3 + 3.
         const ENVELOPE: usize = 25;
         let mut out = Vec::new();
@@ -238,7 +244,7 @@ impl LoadUpdate {
             batch.entries.push(e);
         }
         for t in tips.into_iter().filter(|t| ok(&t.replica)) {
-            let cost = 25 + t.replica.len();
+            let cost = 26 + t.replica.len();
             if size + cost > MAX_LOAD_UPDATE_BYTES {
                 flush(&mut batch, &mut out);
                 size = ENVELOPE;
@@ -756,6 +762,45 @@ mod tests {
     }
 
     #[test]
+    fn a_tip_from_a_sender_without_the_first_byte_field_reads_as_not_answered() {
+        // The tip as written before `first_byte` (positional: five fields).
+        #[derive(Serialize)]
+        struct OldTip {
+            replica: String,
+            key: u64,
+            blocks: u32,
+            ready_ms: u32,
+            rank: Option<u16>,
+        }
+        #[derive(Serialize)]
+        struct OldUpdate {
+            origin: u64,
+            seq: u64,
+            entries: Vec<LoadEntry>,
+            tips: Vec<OldTip>,
+        }
+        let old = OldUpdate {
+            origin: 1,
+            seq: 1,
+            entries: Vec::new(),
+            tips: vec![OldTip {
+                replica: "r0".into(),
+                key: 7,
+                blocks: 12,
+                ready_ms: 30,
+                rank: None,
+            }],
+        };
+        let u = LoadUpdate::decode(&rmp_serde::to_vec(&old).unwrap()).unwrap();
+        assert!(!u.tips[0].first_byte);
+        assert_eq!((u.tips[0].key, u.tips[0].blocks), (7, 12));
+        let mut answered = u.clone();
+        answered.tips[0].first_byte = true;
+        let back = LoadUpdate::decode(&answered.encode().unwrap()).unwrap();
+        assert_eq!(back, answered);
+    }
+
+    #[test]
     fn large_updates_split_into_datagrams_with_increasing_seq() {
         let mut seq = 0;
         let entries: Vec<LoadEntry> = (0..500)
@@ -772,6 +817,7 @@ mod tests {
                 blocks: u32::MAX,
                 ready_ms: u32::MAX,
                 rank: Some(u16::MAX),
+                first_byte: true,
             })
             .collect();
         let out = LoadUpdate::split(1, &mut seq, entries, tips);

@@ -19,7 +19,7 @@
 //! engine last reported, for at most `unbacked_grace`, then none) of at most the replica's KV
 //! capacity in tokens.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -149,7 +149,12 @@ fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) 
             ready,
             until: ready + view.overlay_ttl,
         };
-        if !view.peer_tips.insert(BlockKey(t.key), tip) {
+        let held = if t.first_byte {
+            view.peer_tips.insert_first_byte(BlockKey(t.key), tip)
+        } else {
+            view.peer_tips.insert(BlockKey(t.key), tip)
+        };
+        if !held {
             dropped += 1;
         }
     }
@@ -165,26 +170,39 @@ const MAX_TIPS_PER_UPDATE: usize = 2 * MAX_PENDING_TIPS;
 /// The tips of `pending` as peers receive them: each prompt's own, then the shorter prefixes its
 /// ladder names (each a plain tip of its own length, so that nodes of every version read them),
 /// each (replica, key, blocks) once per update — a system prompt routed a hundred times between
-/// two updates is named once — and at most [`MAX_TIPS_PER_UPDATE`] in all.
+/// two updates is named once, as soon as any of them is ready, and as answered if any of them
+/// got its first byte (a prompt routed and answered between two updates is news of both) — and
+/// at most [`MAX_TIPS_PER_UPDATE`] in all.
 fn routed_tips<'a>(
     pending: &[PendingTip],
     id_of: impl Fn(usize) -> Option<&'a str>,
     now: Duration,
 ) -> Vec<RoutedTip> {
-    let mut named = HashSet::new();
-    let mut out = Vec::new();
+    let mut named: HashMap<(usize, BlockKey, u32), usize> = HashMap::new();
+    let mut out: Vec<RoutedTip> = Vec::new();
     let mut add = |t: &PendingTip, key: BlockKey, blocks: u32, rank: Option<u16>| {
         let Some(id) = id_of(t.replica) else {
             return;
         };
-        if out.len() < MAX_TIPS_PER_UPDATE && named.insert((t.replica, key, blocks)) {
-            let ready_ms = t.ready.saturating_sub(now).as_millis();
+        let ready_ms = t.ready.saturating_sub(now).as_millis();
+        let ready_ms = u32::try_from(ready_ms).unwrap_or(u32::MAX);
+        if let Some(tip) = named
+            .get(&(t.replica, key, blocks))
+            .and_then(|&i| out.get_mut(i))
+        {
+            tip.ready_ms = tip.ready_ms.min(ready_ms);
+            tip.first_byte |= t.first_byte;
+            return;
+        }
+        if out.len() < MAX_TIPS_PER_UPDATE {
+            named.insert((t.replica, key, blocks), out.len());
             out.push(RoutedTip {
                 replica: id.to_owned(),
                 key: key.0,
                 blocks,
-                ready_ms: u32::try_from(ready_ms).unwrap_or(u32::MAX),
+                ready_ms,
                 rank,
+                first_byte: t.first_byte,
             });
         }
     };
@@ -235,6 +253,9 @@ impl Node {
                     }
                 }
                 drop(guard);
+                if tips.iter().any(|t| t.first_byte) {
+                    self.mesh_slot().peer_answered.notify_waiters();
+                }
                 if let Some(m) = self.mesh_slot().metrics.get() {
                     for (reason, n) in [
                         ("unknown_replica", a.unknown),
@@ -250,6 +271,47 @@ impl Node {
             Err(LoadShareError::Stale { .. }) => refused("stale"),
             Err(LoadShareError::TooManyPeers) => refused("too_many_peers"),
             Err(LoadShareError::Malformed(_)) => refused("malformed"),
+        }
+    }
+
+    /// Waits until no prefill a peer sent to replica `i` of at least `blocks` leading blocks of
+    /// `keys` is under way as far as its tips say ([`PeerTips::in_prefill`]: its first-byte tip
+    /// came, or its tip expired), or until `deadline` (this node's clock, [`Node::now`]). True
+    /// when nothing names it under way any more, false at the deadline. For a request held to
+    /// ride on another node's prefill: this node sees its own prefills' first bytes first-hand,
+    /// a peer's only by its tip (docs/mesh.md). Woken by each update carrying a first-byte tip.
+    ///
+    /// [`PeerTips::in_prefill`]: crate::core::peer_tips::PeerTips::in_prefill
+    pub async fn wait_for_peer_prefill(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        blocks: u32,
+        deadline: Duration,
+    ) -> bool {
+        let mut under_way = Vec::new();
+        loop {
+            // Registered before the check, so an answer arriving between the two still wakes it.
+            let answered = self.mesh_slot().peer_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            let now = self.now();
+            self.lock()
+                .view
+                .peer_tips
+                .in_prefill(keys, now, &mut under_way);
+            if !under_way
+                .iter()
+                .any(|p| p.replica == i && p.blocks >= blocks)
+            {
+                return true;
+            }
+            let Some(left) = deadline.checked_sub(now).filter(|d| !d.is_zero()) else {
+                return false;
+            };
+            if tokio::time::timeout(left, answered).await.is_err() {
+                return false;
+            }
         }
     }
 
@@ -531,6 +593,7 @@ mod tests {
                 blocks,
                 ready_ms: 0,
                 rank: Some(rank),
+                first_byte: false,
             };
             let dropped = learn_tips(&mut core, &[tip(3, 4, 2), tip(77, 1, 9)], &region, now);
             assert_eq!(dropped, 0);
@@ -622,6 +685,196 @@ mod tests {
             "the first byte goes out as a tip ready now: {answered:?}"
         );
         assert_eq!(learn(&answered), vec![(0, 6)], "B counts it from now");
+    }
+
+    /// A follow-up routed at B while A's parent prompt still prefills at r0 can ride on it
+    /// only if B knows the prefill has not answered: B learns it from A's tip and keeps it under
+    /// way past its predicted end, until A's first-byte tip says it answered (also when A routed
+    /// and saw it answer between two updates: one tip, marked answered).
+    #[test]
+    fn a_peers_prefill_is_under_way_at_this_node_until_its_first_byte_tip() {
+        use crate::core::peer_tips::PeerPrefill;
+        use crate::core::router::{Decision, RouteRequest};
+        use crate::core::view::Health;
+        use crate::node::config::{MeshSection, NodeConfig};
+        use crate::replicas::entry::ReplicaConfig;
+
+        crate::proxy::install_crypto_provider();
+        let certs = tempfile::tempdir().unwrap();
+        crate::mesh::certs::init_dir(certs.path()).unwrap();
+        let cfg = |id: &str| NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            mesh: Some(MeshSection {
+                node_id: id.into(),
+                certs_dir: Some(certs.path().to_owned()),
+                ..MeshSection::default()
+            }),
+            ..NodeConfig::default()
+        };
+        for id in ["a", "b"] {
+            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
+        }
+        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
+        for n in [&a, &b] {
+            n.lock().view.set_health(0, Health::Healthy);
+        }
+        let flush = |n: &Arc<Node>| {
+            let now = n.now();
+            let mut core = n.lock();
+            let core = &mut *core;
+            let tips = routed_tips(
+                &core.pending_tips,
+                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+                now,
+            );
+            core.pending_tips.clear();
+            tips
+        };
+        // What B believes under way for a follow-up of `keys` after learning `tips`.
+        let learn = |tips: &[RoutedTip], follow_up: &[BlockKey]| {
+            let now = b.now();
+            let mut core = b.lock();
+            let region = core.view.local_region.clone();
+            assert_eq!(learn_tips(&mut core, tips, &region, now), 0);
+            let mut out = Vec::new();
+            core.view.peer_tips.in_prefill(follow_up, now, &mut out);
+            out.iter()
+                .map(|p: &PeerPrefill| (p.replica, p.blocks))
+                .collect::<Vec<_>>()
+        };
+        let parent: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let follow_up: Vec<BlockKey> = (0..9).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
+        let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        // A short prompt: predicted done within milliseconds, and not answered.
+        let routed = flush(&a);
+        assert!(routed.iter().all(|t| !t.first_byte));
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            learn(&routed, &follow_up),
+            vec![(0, 6)],
+            "under way past its end"
+        );
+        ticket.first_byte(&parent);
+        let answered = flush(&a);
+        assert!(answered.iter().all(|t| t.first_byte), "{answered:?}");
+        assert!(learn(&answered, &follow_up).is_empty(), "answered");
+
+        // Routed and answered between two updates: the update names it once, answered.
+        let other: Vec<BlockKey> = (100..110).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &other, 16 * other.len() as u64);
+        let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        ticket.first_byte(&other);
+        let both = flush(&a);
+        assert_eq!(
+            both.iter().filter(|t| t.blocks == 10).count(),
+            1,
+            "{both:?}"
+        );
+        assert!(
+            both.iter().all(|t| t.first_byte && t.ready_ms == 0),
+            "{both:?}"
+        );
+        assert!(learn(&both, &other).is_empty());
+    }
+
+    /// A request held at B to ride on A's prefill wakes when A's first-byte tip arrives in a
+    /// load update, not at its deadline; with no answer it gives up at the deadline.
+    #[tokio::test]
+    async fn a_wait_on_a_peers_prefill_ends_at_its_first_byte_update() {
+        use crate::core::router::{Decision, RouteRequest};
+        use crate::core::view::Health;
+        use crate::node::config::{MeshSection, NodeConfig};
+        use crate::node::mesh_state::Peer;
+        use crate::replicas::entry::ReplicaConfig;
+
+        crate::proxy::install_crypto_provider();
+        let certs = tempfile::tempdir().unwrap();
+        crate::mesh::certs::init_dir(certs.path()).unwrap();
+        let cfg = |id: &str| NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                // A 96-token prompt predicted to take ~96 s: a first byte is the only news.
+                prefill_tokens_per_s: 1.0,
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            mesh: Some(MeshSection {
+                node_id: id.into(),
+                certs_dir: Some(certs.path().to_owned()),
+                ..MeshSection::default()
+            }),
+            ..NodeConfig::default()
+        };
+        for id in ["a", "b"] {
+            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
+        }
+        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
+        for n in [&a, &b] {
+            n.lock().view.set_health(0, Health::Healthy);
+        }
+        let from: SocketAddr = "127.0.0.1:7001".parse().unwrap();
+        b.status().peers.push(Peer {
+            node_id: "a".into(),
+            region: b.cfg.region.clone(),
+            http_url: "http://127.0.0.1:7000".into(),
+            quic_addr: from,
+        });
+        let mut seq = 0;
+        let mut send = |n: &Arc<Node>| {
+            let now = n.now();
+            let mut core = n.lock();
+            let core = &mut *core;
+            let tips = routed_tips(
+                &core.pending_tips,
+                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+                now,
+            );
+            core.pending_tips.clear();
+            seq += 1;
+            LoadUpdate {
+                origin: 9,
+                seq,
+                entries: Vec::new(),
+                tips,
+            }
+        };
+        let parent: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let follow_up: Vec<BlockKey> = (0..9).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
+        let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        b.apply_load_update(from, send(&a));
+        // No answer: the wait gives up at its deadline.
+        let soon = b.now() + Duration::from_millis(50);
+        assert!(!b.wait_for_peer_prefill(0, &follow_up, 6, soon).await);
+        // The answer comes while B waits (deadline far off): B wakes at once.
+        let waiter = {
+            let b = b.clone();
+            let keys = follow_up.clone();
+            tokio::spawn(async move {
+                let deadline = b.now() + Duration::from_secs(60);
+                b.wait_for_peer_prefill(0, &keys, 6, deadline).await
+            })
+        };
+        // One thread (`tokio::test`): yielding runs the waiter until it parks on the wake-up.
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiter.is_finished(), "still under way");
+        ticket.first_byte(&parent);
+        b.apply_load_update(from, send(&a));
+        let woke = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+        assert!(matches!(woke, Ok(Ok(true))), "{woke:?}");
     }
 
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a

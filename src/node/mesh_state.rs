@@ -146,6 +146,9 @@ pub struct NodeMesh {
     pub changed: Notify,
     /// Woken when this node's in-flight load at a replica changed, for the load-sharing task.
     pub load_changed: Notify,
+    /// Woken (all waiters) when a peer's load update said a prefill it sent has answered (a
+    /// first-byte tip), for requests riding on it (`Node::wait_for_peer_prefill`).
+    pub peer_answered: Notify,
     /// Mesh metrics, once the mesh started.
     pub metrics: std::sync::OnceLock<MeshMetrics>,
 }

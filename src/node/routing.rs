@@ -494,10 +494,11 @@ impl Ticket {
         // And the region's other nodes, whose tips of this prompt still count from the predicted
         // end: a tip again, ready now, so they count it from now (an early first byte) and for
         // `overlay_ttl` more (a late one, whose first tip may have run out before the home's
-        // summary has the blocks). Only this node's own request: a peer reports only its own.
+        // summary has the blocks), marked as the first byte: a request riding on this prefill
+        // at a peer waits no longer. Only this node's own request: a peer reports only its own.
         if self.node.cfg.mesh.is_some() && core.pending_tips.len() < MAX_PENDING_TIPS {
             let rank = self.rank.map(|t| t.rank);
-            if let Some(tip) = PendingTip::new(self.replica, keys, now, rank) {
+            if let Some(tip) = PendingTip::at_first_byte(self.replica, keys, now, rank) {
                 core.pending_tips.push(tip);
             }
         }

@@ -222,6 +222,8 @@ pub struct PendingTip {
     pub rank: Option<u16>,
     /// The shorter prefixes it names.
     pub ladder: Ladder,
+    /// Sent at its first byte: its prefill has answered (`RoutedTip::first_byte`).
+    pub first_byte: bool,
 }
 
 impl PendingTip {
@@ -239,6 +241,20 @@ impl PendingTip {
             ready,
             rank,
             ladder: Ladder::of(keys),
+            first_byte: false,
+        })
+    }
+
+    /// The tip sent again at the prompt's first byte, ready `now`: its prefill has answered.
+    pub fn at_first_byte(
+        replica: usize,
+        keys: &[BlockKey],
+        now: Duration,
+        rank: Option<u16>,
+    ) -> Option<Self> {
+        PendingTip::new(replica, keys, now, rank).map(|t| PendingTip {
+            first_byte: true,
+            ..t
         })
     }
 }

@@ -113,6 +113,10 @@ pub struct RequestRecord {
     pub target: usize,
     /// When it was sent, seconds since the run started.
     pub sent_s: f64,
+    /// How much later than its schedule it was sent, wall seconds: the client's lag (a busy
+    /// machine sends late, and a late burst is a lighter one).
+    #[serde(default)]
+    pub lag_s: f64,
     /// HTTP status (0 when no response arrived).
     pub status: u16,
     /// Time to the first event carrying generated text.
@@ -343,8 +347,10 @@ pub async fn replay(
         let permit = Arc::clone(&slots).acquire_owned().await.ok();
         let shared = Arc::clone(&shared);
         let work = Arc::clone(&work);
+        let due_s = due.as_secs_f64();
         tasks.spawn(async move {
-            let rec = send(&shared, &work[i], i, target, start).await;
+            let mut rec = send(&shared, &work[i], i, target, start).await;
+            rec.lag_s = (rec.sent_s - due_s).max(0.0);
             drop(permit);
             shared.done.fetch_add(1, Ordering::Relaxed);
             if rec.error.is_some() {
@@ -382,12 +388,15 @@ pub async fn replay(
     };
     if cfg.progress {
         let failed = records.iter().filter(|r| r.error.is_some()).count();
+        let mut lags: Vec<f64> = records.iter().map(|r| r.lag_s).collect();
+        let lag = super::stats::Distribution::of(&mut lags);
         eprintln!(
-            "[{}] {} requests in {:.1} s, {} failed",
+            "[{}] {} requests in {:.1} s, {} failed, client lag p99 {:.1} ms",
             cfg.label,
             records.len(),
             wall_s,
-            failed
+            failed,
+            lag.p99 * 1000.0
         );
     }
     Ok(RunResult {

@@ -387,17 +387,7 @@ pub async fn replay(
         _ => None,
     };
     if cfg.progress {
-        let failed = records.iter().filter(|r| r.error.is_some()).count();
-        let mut lags: Vec<f64> = records.iter().map(|r| r.lag_s).collect();
-        let lag = super::stats::Distribution::of(&mut lags);
-        eprintln!(
-            "[{}] {} requests in {:.1} s, {} failed, client lag p99 {:.1} ms",
-            cfg.label,
-            records.len(),
-            wall_s,
-            failed,
-            lag.p99 * 1000.0
-        );
+        summary_line(&cfg.label, &records, wall_s);
     }
     Ok(RunResult {
         label: cfg.label.clone(),
@@ -412,6 +402,18 @@ pub async fn replay(
         warmups: 0,
         warmup_tokens: 0,
     })
+}
+
+/// The run's last progress line: requests, wall time, failures and the client's lag p99.
+fn summary_line(label: &str, records: &[RequestRecord], wall_s: f64) {
+    let failed = records.iter().filter(|r| r.error.is_some()).count();
+    let mut lags: Vec<f64> = records.iter().map(|r| r.lag_s).collect();
+    let lag = super::stats::Distribution::of(&mut lags);
+    eprintln!(
+        "[{label}] {} requests in {wall_s:.1} s, {failed} failed, client lag p99 {:.1} ms",
+        records.len(),
+        lag.p99 * 1000.0
+    );
 }
 
 struct Shared {

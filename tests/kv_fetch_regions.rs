@@ -6,7 +6,8 @@
 //! that source is dead the request still succeeds, recomputed) and in the regional one (`eu`
 //! sees `us` only through its region offer, which names the holder; an offered holder dying
 //! mid-transfer costs a recompute too). An offer naming a replica of another region than its own is refused, and an
-//! offered holder at a host outside `mesh.learn_replicas_from` is never sent to a replica.
+//! offered holder at a host outside `mesh.learn_replicas_from` is never sent to a replica, and
+//! one whose pulls keep coming back empty is left out.
 
 mod common;
 
@@ -501,6 +502,139 @@ async fn an_offered_holder_outside_the_allowed_hosts_is_never_sent_to_a_replica(
             fetched,
             "no pull from {forged_url}"
         );
+        rogue.shutdown().await;
+        eu.shutdown().await;
+        ra.shutdown().await;
+        rb.shutdown().await;
+    })
+    .await;
+}
+
+/// The trust gap an allowed host leaves: a certified member of region `us` offers a real
+/// replica at an allowed URL (`rb`) as the holder of four prefixes `rb` never computed. `eu`'s
+/// replica pulls from it, finds nothing and recomputes (the answer still 200). After three
+/// such empty pulls within a minute `eu` leaves the holder out (counted,
+/// `records_ignored{reason="empty_holder"}`): the fourth offered prompt gets no hint, so the
+/// failed pulls stay at three. Without the back-off the holder stays offered and the fourth
+/// prompt's pull fails too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offered_holder_whose_pulls_come_back_empty_is_left_out_after_three() {
+    bounded(120, async {
+        let c = client();
+        let certs = cluster_ca();
+        let ra = sim_replica("ra", |_| {}).await;
+        let rb = sim_replica("rb", |_| {}).await;
+        let eu = proxy::spawn(layout_config(
+            certs.path(),
+            ("eu1", "eu"),
+            &[],
+            ("ra", ra.base_url(), true),
+            LayoutConfig::Regional,
+        ))
+        .await
+        .unwrap();
+        let prompts: Vec<String> = (0..4)
+            .map(|i| text(&format!("doc-{i}"), 4 * 8192))
+            .collect();
+        let heads: Vec<RegionHead> = prompts
+            .iter()
+            .map(|p| RegionHead::of(&keys_of(p)).unwrap())
+            .collect();
+        let offer = RegionOffer {
+            region: "us".into(),
+            models: vec![OfferedModel {
+                model: MODEL.into(),
+                pool: String::new(),
+                whole: true,
+                healthy: 1,
+                open: 1,
+                least_queue_ms: 0,
+                prefill_tokens_per_s: 2_000,
+            }],
+            heads: heads.clone(),
+            holders: heads
+                .iter()
+                .map(|&head| OfferedHolder {
+                    head,
+                    id: "rb".into(),
+                    url: rb.base_url(),
+                    step_ms: 0,
+                })
+                .collect(),
+        };
+        let rogue = common::rogue_member(
+            "kv-fetch-regions-test",
+            certs.path(),
+            "us-rogue",
+            "us",
+            mesh_addr(&eu),
+            2_000,
+            |m| {
+                m.region_interval = Duration::from_millis(200);
+                m.http_url = "https://us-rogue.example:8443".into();
+            },
+        )
+        .await;
+        // The rogue's round: publish the offer again (a representative's record is refreshed
+        // each round, or it ages out).
+        let publish = || async {
+            let live: Vec<_> = rogue
+                .members()
+                .await
+                .into_iter()
+                .filter(|m| m.live)
+                .collect();
+            rogue.sync_regions(&live, || offer.clone()).await;
+        };
+        let offered_holders = || {
+            eu.node
+                .lock()
+                .view
+                .remote_regions
+                .get("us")
+                .map_or(0, |o| o.holders.len())
+        };
+        let seen = common::wait_until(Duration::from_secs(30), async || {
+            publish().await;
+            offered_holders() == 4
+        })
+        .await;
+        assert!(seen.is_some(), "eu folds the rogue's four holders in");
+
+        // Three offered prompts: each pulled from rb, which holds nothing; each recomputed.
+        for (i, p) in prompts[..3].iter().enumerate() {
+            publish().await;
+            assert_eq!(complete(&c, eu.addr, p).await, (200, "ra".into()));
+            assert_eq!(
+                metric(&c, &ra.base_url(), FAILURES).await,
+                (i + 1) as f64,
+                "pull {} from the empty holder was tried and failed",
+                i + 1
+            );
+        }
+        // The third empty pull leaves rb out, while the rogue keeps offering it.
+        let empty = "kvmesh_mesh_records_ignored_total{reason=\"empty_holder\"}";
+        let node_url = format!("http://{}", eu.addr);
+        let left_out = common::wait_until(Duration::from_secs(20), async || {
+            publish().await;
+            offered_holders() == 0 && metric(&c, &node_url, empty).await >= 1.0
+        })
+        .await;
+        assert!(
+            left_out.is_some(),
+            "rb is left out after three empty pulls: {} holders offered, {empty} = {}",
+            offered_holders(),
+            metric(&c, &node_url, empty).await
+        );
+        // The fourth offered prompt: no hint, no pull, served by recomputing.
+        publish().await;
+        assert_eq!(complete(&c, eu.addr, &prompts[3]).await, (200, "ra".into()));
+        assert_eq!(
+            metric(&c, &ra.base_url(), FAILURES).await,
+            3.0,
+            "no pull from the holder left out"
+        );
+        assert_eq!(metric(&c, &ra.base_url(), FETCHED).await, 0.0);
         rogue.shutdown().await;
         eu.shutdown().await;
         ra.shutdown().await;

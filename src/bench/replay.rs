@@ -113,6 +113,10 @@ pub struct RequestRecord {
     pub target: usize,
     /// When it was sent, seconds since the run started.
     pub sent_s: f64,
+    /// How much later than its schedule it was sent, wall seconds: the client's lag (a busy
+    /// machine sends late, and a late burst is a lighter one).
+    #[serde(default)]
+    pub lag_s: f64,
     /// HTTP status (0 when no response arrived).
     pub status: u16,
     /// Time to the first event carrying generated text.
@@ -343,8 +347,10 @@ pub async fn replay(
         let permit = Arc::clone(&slots).acquire_owned().await.ok();
         let shared = Arc::clone(&shared);
         let work = Arc::clone(&work);
+        let due_s = due.as_secs_f64();
         tasks.spawn(async move {
-            let rec = send(&shared, &work[i], i, target, start).await;
+            let mut rec = send(&shared, &work[i], i, target, start).await;
+            rec.lag_s = (rec.sent_s - due_s).max(0.0);
             drop(permit);
             shared.done.fetch_add(1, Ordering::Relaxed);
             if rec.error.is_some() {
@@ -381,14 +387,7 @@ pub async fn replay(
         _ => None,
     };
     if cfg.progress {
-        let failed = records.iter().filter(|r| r.error.is_some()).count();
-        eprintln!(
-            "[{}] {} requests in {:.1} s, {} failed",
-            cfg.label,
-            records.len(),
-            wall_s,
-            failed
-        );
+        summary_line(&cfg.label, &records, wall_s);
     }
     Ok(RunResult {
         label: cfg.label.clone(),
@@ -403,6 +402,18 @@ pub async fn replay(
         warmups: 0,
         warmup_tokens: 0,
     })
+}
+
+/// The run's last progress line: requests, wall time, failures and the client's lag p99.
+fn summary_line(label: &str, records: &[RequestRecord], wall_s: f64) {
+    let failed = records.iter().filter(|r| r.error.is_some()).count();
+    let mut lags: Vec<f64> = records.iter().map(|r| r.lag_s).collect();
+    let lag = super::stats::Distribution::of(&mut lags);
+    eprintln!(
+        "[{label}] {} requests in {wall_s:.1} s, {failed} failed, client lag p99 {:.1} ms",
+        records.len(),
+        lag.p99 * 1000.0
+    );
 }
 
 struct Shared {

@@ -20,7 +20,7 @@
 //! - [`policy`]: the policies behind one trait.
 //! - [`region_offer`], [`region_choice`]: other regions in aggregate, and which one a
 //!   forwarded request goes to; [`remote_prefix`]: a prefix held in another region —
-//!   recompute, pull or forward.
+//!   recompute, pull or forward; [`empty_holders`]: offered holders whose pulls come back empty.
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers;
 //!   [`tenant_salt`]: the engine's `cache_salt` of an authenticated tenant.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
@@ -36,6 +36,7 @@ pub mod cost;
 pub mod dialect;
 pub mod dialect_chat;
 pub mod dp_rank;
+pub mod empty_holders;
 pub mod fetch_plan;
 pub mod hot_prefix;
 pub mod hot_sketch;

@@ -204,8 +204,15 @@ async fn sync_loop(
 
 /// Counts the region offers refused this round for naming another region's replica
 /// (`records_ignored{reason="foreign_holder"}`) and the offered holders dropped for a host no
-/// pull may go to (`reason="untrusted_holder"`); warns at most once per `WARN_EVERY`.
+/// pull may go to (`reason="untrusted_holder"`); warns at most once per `WARN_EVERY`. Holders
+/// left out for empty pulls (`reason="empty_holder"`) are only counted: the bar warned once.
 fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, fold: &OfferFold) {
+    if fold.empty_holders > 0 {
+        metrics
+            .records_ignored
+            .with_label_values(&["empty_holder"])
+            .inc_by(fold.empty_holders as u64);
+    }
     let regions = &fold.refused;
     if regions.is_empty() && fold.untrusted_holders == 0 {
         return;

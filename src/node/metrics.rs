@@ -445,7 +445,8 @@ pub struct MeshMetrics {
     /// replica has its URL), `peer_cap`, `total_cap`, `registry`; `foreign_holder` (per round:
     /// another region's offer named a replica this node knows in a third region or its own);
     /// `untrusted_holder` (per round and holder: an offered holder's host is outside
-    /// `mesh.learn_replicas_from`, so no pull is sent there).
+    /// `mesh.learn_replicas_from`, so no pull is sent there); `empty_holder` (per round and
+    /// holder: an offered holder left out for 5 min after 3 empty pulls within 60 s).
     pub records_ignored: IntCounterVec,
     /// `kvmesh_mesh_block_reports_refused_total{reason}`: `not_a_region_member`,
     /// `unknown_replica`, `not_home` (this node is not the replica's home).
@@ -595,6 +596,7 @@ impl MeshMetrics {
             "registry",
             "foreign_holder",
             "untrusted_holder",
+            "empty_holder",
         ] {
             self.records_ignored.with_label_values(&[reason]).reset();
         }

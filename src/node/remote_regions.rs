@@ -14,6 +14,9 @@ use std::sync::Arc;
 use super::learned::LearnPolicy;
 use super::mesh_state::Peer;
 use super::state::{Endpoint, Node};
+use crate::core::empty_holders::{
+    EmptyHolders, Noted, BARRED_FOR, EMPTY_PULLS_TO_BAR, EMPTY_WINDOW,
+};
 use crate::core::region_choice::{build_offer, foreign_holder};
 use crate::core::region_offer::{
     RecentHeads, RegionOffer, MAX_RECENT_HEADS, MAX_REGION_HEADS, MAX_REMOTE_REGIONS,
@@ -33,6 +36,9 @@ pub struct OfferFold {
     pub refused: Vec<String>,
     /// Holders dropped from kept offers: their URL's host is not one a pull may be sent to.
     pub untrusted_holders: usize,
+    /// Holders dropped from kept offers: their pulls came back empty, and they are left out
+    /// for a while (`core::empty_holders`).
+    pub empty_holders: usize,
 }
 
 impl Node {
@@ -95,7 +101,7 @@ impl Node {
         let mut fold = OfferFold::default();
         // Vetted before the lock: the host check reads this node's own replicas under it.
         let policy = LearnPolicy::of(self);
-        let offers: Vec<(&String, RegionOffer)> = records
+        let mut offers: Vec<(&String, RegionOffer)> = records
             .iter()
             .take(MAX_REMOTE_REGIONS)
             .map(|(name, r)| {
@@ -128,6 +134,7 @@ impl Node {
                 core.heads = representative.then(|| RecentHeads::new(MAX_RECENT_HEADS));
             }
             let local = core.view.local_region.clone();
+            fold.empty_holders = drop_barred(&core.empty_holders, &mut offers, self.now());
             core.view.remote_regions.clear();
             for (name, offer) in offers {
                 if *name == local {
@@ -146,6 +153,31 @@ impl Node {
         fold
     }
 
+    /// A hinted request's answer says its pull from the offered holder at `url` came back
+    /// empty (`core::empty_holders::is_empty_pull`, judged by the receipt). The third within a
+    /// minute leaves the holder out of the offers for five minutes — from the view at once, so
+    /// no pull is priced from it, and from every fold until then (counted there,
+    /// `records_ignored{reason="empty_holder"}`) — warned once per bar.
+    pub fn note_empty_pull(&self, url: &str) {
+        let now = self.now();
+        let noted = {
+            let mut core = self.lock();
+            let noted = core.empty_holders.note_empty(url, now);
+            if matches!(noted, Noted::Barred(_)) {
+                let url = url.trim_end_matches('/');
+                for offer in core.view.remote_regions.values_mut() {
+                    offer.holders.retain(|h| h.url.trim_end_matches('/') != url);
+                }
+            }
+            noted
+        };
+        if let Noted::Barred(_) = noted {
+            tracing::warn!(holder = %url, pulls = EMPTY_PULLS_TO_BAR, within_s = EMPTY_WINDOW.as_secs(), for_s = BARRED_FOR.as_secs(), "an offered KV holder's pulls came back empty: left out of other regions' offers");
+        } else {
+            tracing::debug!(holder = %url, ?noted, "an offered KV holder's pull came back empty");
+        }
+    }
+
     /// Whether a pull hint may name `url`, a holder another region's offer names: its host
     /// must be one this node would learn a replica at from gossip (`mesh.learn_replicas_from`,
     /// loopback on a loopback mesh, a host of its own replicas). Under regional gossip the
@@ -159,4 +191,18 @@ impl Node {
             .and_then(|u| u.host_str().map(|h| self.host_allowed(policy, h)))
             .unwrap_or(false)
     }
+}
+
+/// Drops from `offers` the holders `bars` leaves out at `now`; how many.
+fn drop_barred(bars: &EmptyHolders, offers: &mut [(&String, RegionOffer)], now: Duration) -> usize {
+    if bars.is_empty() {
+        return 0;
+    }
+    let mut dropped = 0;
+    for (_, offer) in offers.iter_mut() {
+        let before = offer.holders.len();
+        offer.holders.retain(|h| !bars.is_barred(&h.url, now));
+        dropped += before - offer.holders.len();
+    }
+    dropped
 }

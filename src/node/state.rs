@@ -191,6 +191,9 @@ pub struct Core {
     /// representatives (`remote_regions.rs` sets and clears it each mesh round): the other
     /// nodes of a regional mesh, a flat mesh and a single node do no such work per request.
     pub heads: Option<crate::core::region_offer::RecentHeads>,
+    /// Other regions' offered holders whose pulls came back empty, and those left out for it
+    /// (`remote_regions.rs`; at most 256).
+    pub empty_holders: crate::core::empty_holders::EmptyHolders,
     /// Ids of operator-drained replicas whose dropped slot went to another replica
     /// (`registry.rs`): one of them back in the registry is still drained. At most
     /// [`MAX_RECLAIMED_DRAINS`], the least recently reclaimed forgotten first.
@@ -443,6 +446,7 @@ impl Node {
                 pending_tips: Vec::new(),
                 hot: HotPrefixes::new(cfg.hot_prefix.clone()),
                 heads: None,
+                empty_holders: crate::core::empty_holders::EmptyHolders::new(),
                 reclaimed_drains: lru::LruCache::new(MAX_RECLAIMED_DRAINS),
                 hot_owners: Vec::new(),
                 hot_self: String::new(),

@@ -642,6 +642,7 @@ fn relay(
     )
     .branch(t.routed.branch())
     .fetch(t.routed.fetch.map_or(0, |f| f.fetched_tokens()))
+    .offered(super::kv_hint::offered_pull(node, t.routed.fetch.as_ref()))
     .guard(guard);
     let mut out = respond(node, resp, t.ticket, keys, relay);
     if node.cfg.debug_headers {

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use super::receipts::OfferedPull;
 use crate::core::kv_fetch::KvFetchPlan;
 use crate::core::kv_hint::{self, FetchHint};
 use crate::node::Node;
@@ -41,6 +42,17 @@ pub(crate) fn hinted_body(node: &Node, plan: Option<&KvFetchPlan>, body: &Bytes)
     );
     let (field, value) = kv_hint::build(plan.format, &hint, &id)?;
     with_field(body, field, value)
+}
+
+/// The holder of `plan`'s pull when another region's offer named it (`None` for a source in
+/// the view, or no plan): its answer's receipt judges whether the pull came back empty.
+pub(crate) fn offered_pull(node: &Node, plan: Option<&KvFetchPlan>) -> Option<OfferedPull> {
+    let plan = plan?;
+    let source = node.offered_endpoint(plan.offer_key?)?;
+    Some(OfferedPull {
+        holder: source.base,
+        from_tokens: plan.from_tokens,
+    })
 }
 
 /// `body` (a JSON object) with top-level `field` set to `value` (see the module doc).

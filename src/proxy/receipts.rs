@@ -15,11 +15,16 @@
 //! A decision that told the replica to pull part of the prefix from another (a KV-fetch hint,
 //! `core::kv_fetch`) predicts those tokens cached too — engines report pulled tokens in
 //! `cached_tokens` — and counts them apart (`kvmesh_receipt_fetch_planned_tokens_total`), so
-//! precision shows whether pulls arrive.
+//! precision shows whether pulls arrive. A pull from a holder another region's offer named is
+//! also judged: one that brought less than half its plan tells the node, which leaves a holder
+//! whose pulls keep coming back empty out of the offers (`core::empty_holders`).
 
 use memchr::memmem;
 
+use std::sync::Arc;
+
 use crate::core::dialect::Api;
+use crate::core::empty_holders::is_empty_pull;
 use crate::core::router::Branch;
 use crate::node::Node;
 
@@ -117,7 +122,18 @@ pub(crate) struct Receipt {
     predicted: u64,
     /// Of `predicted`, the tokens a KV-fetch hint asked it to pull.
     fetch_planned: u64,
+    /// The pull's source when another region's offer named it, judged when the answer ends.
+    offered: Option<OfferedPull>,
     scan: UsageScan,
+}
+
+/// A pull from a holder another region's offer named (`KvFetchPlan::offer_key`).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct OfferedPull {
+    /// The holder's URL, as the hint named it.
+    pub holder: Arc<str>,
+    /// Prompt tokens the target was believed to hold (the pull starts there).
+    pub from_tokens: u64,
 }
 
 impl Receipt {
@@ -129,6 +145,7 @@ impl Receipt {
             branch,
             predicted,
             fetch_planned: 0,
+            offered: None,
             scan: UsageScan::default(),
         }
     }
@@ -139,6 +156,20 @@ impl Receipt {
         self.predicted += tokens;
         self.fetch_planned = tokens;
         self
+    }
+
+    /// The pull's source is a holder another region's offer named: judge the pull by the answer.
+    pub fn offered(mut self, pull: Option<OfferedPull>) -> Self {
+        self.offered = pull;
+        self
+    }
+
+    /// Whether the answer (its engine reporting `reported` cached) says the offered holder's
+    /// pull came back empty.
+    fn offered_pull_empty(&self, reported: u64) -> Option<&OfferedPull> {
+        self.offered
+            .as_ref()
+            .filter(|p| is_empty_pull(reported, p.from_tokens, self.fetch_planned))
     }
 
     /// Searches one more chunk.
@@ -179,6 +210,9 @@ impl Receipt {
             .inc_by(self.predicted.min(reported));
         m.error_tokens
             .observe(reported as f64 - self.predicted as f64);
+        if let Some(p) = self.offered_pull_empty(reported) {
+            node.note_empty_pull(&p.holder);
+        }
     }
 }
 
@@ -200,6 +234,23 @@ mod tests {
         assert_eq!((r.predicted, r.fetch_planned), (64, 0));
         let r = r.fetching(192);
         assert_eq!((r.predicted, r.fetch_planned), (256, 192));
+    }
+
+    #[test]
+    fn an_offered_pull_that_brought_less_than_half_its_plan_is_empty() {
+        let pull = OfferedPull {
+            holder: Arc::from("http://10.0.0.7:8000"),
+            from_tokens: 64,
+        };
+        let r = Receipt::new(Api::Chat, None, 64)
+            .fetching(8192)
+            .offered(Some(pull.clone()));
+        assert_eq!(r.offered_pull_empty(64), Some(&pull));
+        assert_eq!(r.offered_pull_empty(64 + 4095), Some(&pull));
+        assert_eq!(r.offered_pull_empty(64 + 4096), None);
+        // A pull from a replica in the view is not judged here.
+        let r = Receipt::new(Api::Chat, None, 64).fetching(8192);
+        assert_eq!(r.offered_pull_empty(0), None);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tracing::Span;
 
-use super::receipts::Receipt;
+use super::receipts::{OfferedPull, Receipt};
 use super::resume::{Recovery, StreamGuard};
 use crate::core::dialect::Api;
 use crate::core::keys::BlockKey;
@@ -35,6 +35,8 @@ pub(crate) struct Relay {
     /// Prompt tokens the replica was told to pull from another (a KV-fetch hint), for the
     /// receipt.
     fetch_tokens: u64,
+    /// The pull's source when another region's offer named it, for the receipt to judge.
+    offered: Option<OfferedPull>,
 }
 
 impl Relay {
@@ -48,6 +50,7 @@ impl Relay {
             span,
             guard: None,
             fetch_tokens: 0,
+            offered: None,
         }
     }
 
@@ -55,6 +58,12 @@ impl Relay {
     /// apart).
     pub fn fetch(mut self, tokens: u64) -> Self {
         self.fetch_tokens = tokens;
+        self
+    }
+
+    /// The pull's source is a holder another region's offer named (receipts judge the pull).
+    pub fn offered(mut self, pull: Option<OfferedPull>) -> Self {
+        self.offered = pull;
         self
     }
 
@@ -129,7 +138,9 @@ pub(super) fn respond(
     let status = resp.status();
     let hit_blocks = relay.hit_blocks;
     let receipt = status.is_success().then(|| {
-        Receipt::new(relay.api, relay.branch, ticket.hit_tokens()).fetching(relay.fetch_tokens)
+        Receipt::new(relay.api, relay.branch, ticket.hit_tokens())
+            .fetching(relay.fetch_tokens)
+            .offered(relay.offered)
     });
     if !status.is_success() {
         keys = Vec::new();

@@ -343,20 +343,19 @@ impl StaticEntry {
     /// What is remembered of facts `info` for `asked`: this entry's answer when it is for those
     /// very facts and this generation (two compares, inline), else answered afresh and kept.
     #[inline(always)]
-    fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> &Known {
-        if self.addr != Arc::as_ptr(info) as usize || self.generation != asked.generation {
-            self.remember(info, asked);
+    fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> Known {
+        if self.addr == Arc::as_ptr(info) as usize && self.generation == asked.generation {
+            self.known
+        } else {
+            self.remember(info, asked)
         }
-        // A reference, not a copy: the loop reads each field where it needs it, from the
-        // entry, rather than keeping a copy on the stack.
-        &self.known
     }
 
     /// [`StaticEntry::known`] for facts not remembered for this generation: answers, and
     /// remembers the answer.
     #[cold]
     #[inline(never)]
-    fn remember(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) {
+    fn remember(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> Known {
         let known = Known {
             flags: StaticFacts::answer(info, &asked.model, &asked.region),
             max_in_flight: info.max_in_flight,
@@ -368,6 +367,7 @@ impl StaticEntry {
         }
         self.generation = asked.generation;
         self.known = known;
+        known
     }
 }
 

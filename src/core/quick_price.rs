@@ -60,7 +60,7 @@ impl QuickPrice {
         let credited_blocks = run as f64 * self.w_gpu;
         let outstanding = r.load.outstanding();
         // `CostModel::prefill_queue_s` and `queue_s`.
-        let prefill_queue_s = tokens_as_f64(r.load.queued_prefill_tokens) / price.tokens_per_s;
+        let prefill_queue_s = r.load.queued_prefill_tokens as f64 / price.tokens_per_s;
         let queue_s = prefill_queue_s + self.w_load_s * outstanding as f64;
         // `CostModel::prefill_s`.
         let cached = (credited_blocks * self.tokens_per_block).max(0.0);
@@ -78,18 +78,6 @@ impl QuickPrice {
             prefill_s,
             cache_fill: cache_fill(r),
         }
-    }
-}
-
-/// `tokens as f64`, to the bit, in one signed conversion where `tokens` fits an `i64` (always,
-/// for a token count): x86-64 has no unsigned conversion below AVX-512, so `as f64` on a `u64`
-/// is five instructions, a signed one is one. Both round the same integer to the nearest
-/// double, so they agree wherever the signed one applies.
-#[inline(always)]
-fn tokens_as_f64(tokens: u64) -> f64 {
-    match i64::try_from(tokens) {
-        Ok(signed) => signed as f64,
-        Err(_) => tokens as f64,
     }
 }
 
@@ -114,22 +102,6 @@ fn work_after_s(price: PrefillPrice, cached: f64, uncached: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    proptest::proptest! {
-        /// The signed conversion is `as f64` to the bit on every `u64`: small, around 2⁵³ (where
-        /// doubles stop being exact), around 2⁶³ (where the signed one stops applying), and any.
-        #[test]
-        fn tokens_as_f64_is_as_f64_to_the_bit(
-            tokens in proptest::prop_oneof![
-                0u64..1_000_000,
-                (1u64 << 53) - 8..(1u64 << 53) + 8,
-                (1u64 << 63) - 1024..=(1u64 << 63) + 1024,
-                u64::MAX - 8..=u64::MAX,
-                proptest::prelude::any::<u64>()],
-        ) {
-            proptest::prop_assert_eq!(tokens_as_f64(tokens).to_bits(), (tokens as f64).to_bits());
-        }
-    }
 
     proptest::proptest! {
         /// The quick prefill price is `PrefillPrice::work_s` to the bit on every number the

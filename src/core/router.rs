@@ -305,22 +305,70 @@ pub enum Decision {
 /// the replica still has those very facts and the model and region are the ones asked.
 #[derive(Debug, Default)]
 struct StaticFacts {
+    /// What the current generation answers for.
+    asked: Asked,
+    /// By replica index (at least as many as the last view had replicas).
+    entries: Vec<StaticEntry>,
+}
+
+/// The model and local region remembered facts answer for, and their generation.
+#[derive(Debug, Default)]
+struct Asked {
     /// The model and local region the current generation answers for.
     model: String,
     region: String,
     /// Bumped when the model or region asked changes; an entry's answers count only for the
     /// current one (so a change costs no `Arc` traffic).
     generation: u64,
-    /// By replica index.
-    entries: Vec<Option<StaticEntry>>,
 }
 
-#[derive(Debug)]
+/// One replica's remembered facts. An entry is checked by the address of the facts it answered
+/// for (one compare, where an `Option<Arc>` compared by `Arc::ptr_eq` was six instructions a
+/// replica); the `Arc` is held apart, so the allocation cannot be reused by other facts while
+/// the address names it.
+#[derive(Debug, Default)]
 struct StaticEntry {
-    info: Arc<ReplicaInfo>,
+    /// `Arc::as_ptr` of the facts answered for, as an address (0: none; compared, never read
+    /// through).
+    addr: usize,
+    /// Those very facts, held so that `addr` cannot name others.
+    info: Option<Arc<ReplicaInfo>>,
+    /// The [`Asked::generation`] the answer is for.
     generation: u64,
     /// What the decision reads of these facts.
     known: Known,
+}
+
+impl StaticEntry {
+    /// What is remembered of facts `info` for `asked`: this entry's answer when it is for those
+    /// very facts and this generation (two compares, inline), else answered afresh and kept.
+    #[inline(always)]
+    fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> Known {
+        if self.addr == Arc::as_ptr(info) as usize && self.generation == asked.generation {
+            self.known
+        } else {
+            self.remember(info, asked)
+        }
+    }
+
+    /// [`StaticEntry::known`] for facts not remembered for this generation: answers, and
+    /// remembers the answer.
+    #[cold]
+    #[inline(never)]
+    fn remember(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> Known {
+        let known = Known {
+            flags: StaticFacts::answer(info, &asked.model, &asked.region),
+            max_in_flight: info.max_in_flight,
+            price: PrefillPrice::of(info),
+        };
+        if self.addr != Arc::as_ptr(info) as usize {
+            self.info = Some(Arc::clone(info));
+            self.addr = Arc::as_ptr(info) as usize;
+        }
+        self.generation = asked.generation;
+        self.known = known;
+        known
+    }
 }
 
 /// What a decision reads of a replica's static facts, remembered with them ([`StaticFacts`]):
@@ -333,6 +381,20 @@ struct Known {
     max_in_flight: u32,
     /// Its prefill price (`PrefillPrice::of` its facts).
     price: PrefillPrice,
+}
+
+impl Default for Known {
+    /// An entry not yet answered: nothing (never read; an entry's address is 0 until it is).
+    fn default() -> Self {
+        Known {
+            flags: 0,
+            max_in_flight: 0,
+            price: PrefillPrice {
+                tokens_per_s: 1.0,
+                attention_s_per_pair: 0.0,
+            },
+        }
+    }
 }
 
 /// The bits of a replica's remembered static facts ([`StaticFacts::get`]).
@@ -371,65 +433,29 @@ mod facts {
 
 impl StaticFacts {
     /// Starts a decision for `model` in a view of local region `region` with `replicas`
-    /// replicas.
+    /// replicas: at least that many entries, for the current model and region.
     fn begin(&mut self, model: &str, region: &str, replicas: usize) {
-        if self.model != model || self.region != region {
-            self.generation += 1;
-            self.model.clear();
-            self.model.push_str(model);
-            self.region.clear();
-            self.region.push_str(region);
+        let asked = &mut self.asked;
+        if asked.model != model || asked.region != region {
+            asked.generation += 1;
+            asked.model.clear();
+            asked.model.push_str(model);
+            asked.region.clear();
+            asked.region.push_str(region);
         }
         if self.entries.len() < replicas {
-            self.entries.resize_with(replicas, || None);
+            self.entries.resize_with(replicas, StaticEntry::default);
         }
     }
 
-    /// The [`facts`] bits of replica `i` with facts `info`: the remembered answer (inline, a
-    /// pointer and a generation compared), else [`StaticFacts::remember`].
+    /// The [`facts`] bits of replica `i` with facts `info` ([`StaticEntry::known`]; answered
+    /// afresh, and not kept, past the entries [`StaticFacts::begin`] made).
     #[inline(always)]
     fn get(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> u8 {
-        self.known(i, info).flags
-    }
-
-    /// All that is remembered of replica `i` with facts `info` ([`StaticFacts::get`]'s bits
-    /// among it).
-    #[inline(always)]
-    fn known(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> Known {
-        match self.entries.get(i) {
-            Some(Some(e)) if Arc::ptr_eq(&e.info, info) && e.generation == self.generation => {
-                e.known
-            }
-            _ => self.remember(i, info),
-        }
-    }
-
-    /// [`StaticFacts::get`] for facts not remembered for this generation: answers, and
-    /// remembers the answer.
-    #[cold]
-    #[inline(never)]
-    fn remember(&mut self, i: usize, info: &Arc<ReplicaInfo>) -> Known {
-        let generation = self.generation;
-        let known = Known {
-            flags: Self::answer(info, &self.model, &self.region),
-            max_in_flight: info.max_in_flight,
-            price: PrefillPrice::of(info),
-        };
         match self.entries.get_mut(i) {
-            Some(Some(e)) if Arc::ptr_eq(&e.info, info) => {
-                e.known = known;
-                e.generation = generation;
-            }
-            Some(slot) => {
-                *slot = Some(StaticEntry {
-                    info: Arc::clone(info),
-                    generation,
-                    known,
-                });
-            }
-            None => {}
+            Some(e) => e.known(info, &self.asked).flags,
+            None => Self::answer(info, &self.asked.model, &self.asked.region),
         }
-        known
     }
 
     /// Marks in `local` the replicas that serve the model, take `leg`, are healthy, in the local
@@ -858,14 +884,21 @@ impl Router {
         self.facts
             .begin(req.model, &view.local_region, view.replicas().len());
         self.candidates.reserve(view.replicas().len());
-        for (i, r) in view.replicas().iter().enumerate() {
-            let known = self.facts.known(i, &r.info);
+        // `begin` made an entry for every replica: zipped, neither is bounds-checked.
+        let (asked, entries) = (&self.facts.asked, &mut self.facts.entries);
+        // Most requests exclude nothing (only a retry after a failure does).
+        let excludes = !req.exclude.is_empty();
+        for ((i, r), entry) in view.replicas().iter().enumerate().zip(entries.iter_mut()) {
+            let known = entry.known(&r.info, asked);
             if known.flags & facts::SERVES == 0 {
                 continue;
             }
             reach.model_known = true;
             reach.cluster_slots += u64::from(known.max_in_flight);
-            if !is_local(known.flags, leg, r, req, i) {
+            if known.flags & facts::local(leg) != facts::local(leg)
+                || r.health != Health::Healthy
+                || (excludes && req.exclude.contains(&i))
+            {
                 continue;
             }
             reach.local_usable = true;

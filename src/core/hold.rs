@@ -7,7 +7,7 @@
 //! the first, so both finish late. Held at the node until the first copy's first byte, it finds
 //! the whole prompt cached and answers at once. Agentic sessions send exactly this: one
 //! session's 110k-token turns, cut at the context cap, arrive every ~2 s while the first copy
-//! computes for ~7 s (docs/mesh.md, "Holding a repeated prompt").
+//! computes for ~7 s (docs/operations.md, "Bursts of one prompt").
 //!
 //! [`PrefillBook`] lists, per replica, the long prefills this node sent that have no first byte
 //! yet ([`Prefilling`]: their keys and the hit they were credited with), and counts the

@@ -1,5 +1,5 @@
 //! `[hold]`: holding a request at the node while the replica it goes to still computes the
-//! prompt it was credited with (`core::hold`; docs/mesh.md, "Holding a repeated prompt").
+//! prompt it was credited with (`core::hold`; docs/operations.md, "Bursts of one prompt").
 //!
 //! On by default. Each key is bounded here, and an error names it.
 

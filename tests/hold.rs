@@ -142,7 +142,10 @@ async fn without_the_hold_a_copy_sent_during_the_prefill_recomputes_it() {
         .is_some());
         let (status, cached) = complete(&c, &n, &prompt).await.unwrap();
         assert_eq!(status, 200);
-        assert_eq!(cached, 0, "the engine found none of the prompt in the middle of its prefill");
+        assert_eq!(
+            cached, 0,
+            "the engine found none of the prompt in the middle of its prefill"
+        );
         assert!(first.await.unwrap().is_some());
         n.shutdown().await;
     })
@@ -225,7 +228,10 @@ async fn a_held_request_goes_at_its_deadline_past_the_cap_at_once_and_a_leaving_
             "the leaving client's slot is given back"
         );
         let m = metrics(&c, &n).await;
-        assert_eq!(metric(&m, "kvmesh_requests_held_total{outcome=\"full\"}"), 1.0);
+        assert_eq!(
+            metric(&m, "kvmesh_requests_held_total{outcome=\"full\"}"),
+            1.0
+        );
         assert_eq!(
             metric(&m, "kvmesh_requests_held_total{outcome=\"client_gone\"}"),
             1.0

@@ -317,7 +317,10 @@ mod tests {
         let mut book = PrefillBook::default();
         let k = chain(1, 1000);
         book.started(&rule, 0, &k, 0, S, 100 * S).unwrap();
-        assert_eq!(book.plan(&rule, 0, &k, 1000, 3 * S).unwrap().deadline, 5 * S);
+        assert_eq!(
+            book.plan(&rule, 0, &k, 1000, 3 * S).unwrap().deadline,
+            5 * S
+        );
     }
 
     #[test]
@@ -334,7 +337,10 @@ mod tests {
             min_share: 0.2,
             ..rule
         };
-        assert_eq!(book.plan(&low, 0, &k, 800, 2 * S).unwrap().riding_blocks, 200);
+        assert_eq!(
+            book.plan(&low, 0, &k, 800, 2 * S).unwrap().riding_blocks,
+            200
+        );
     }
 
     #[test]

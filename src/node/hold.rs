@@ -141,10 +141,7 @@ impl Drop for Slot<'_> {
             .wait_seconds
             .observe(self.started.elapsed().as_secs_f64());
         if !self.ended {
-            self.holds
-                .held
-                .with_label_values(&["client_gone"])
-                .inc();
+            self.holds.held.with_label_values(&["client_gone"]).inc();
         }
     }
 }
@@ -153,7 +150,12 @@ impl Node {
     /// Waits, if the rule says so, until the prefill a request routed to replica `i` with
     /// `hit_blocks` of `keys` rides on has its first byte, or its deadline. Returns at once for
     /// a request that does not qualify (no allocation, one short lock).
-    pub async fn hold_before_send(&self, i: usize, keys: &[BlockKey], hit_blocks: u32) -> HoldOutcome {
+    pub async fn hold_before_send(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        hit_blocks: u32,
+    ) -> HoldOutcome {
         let holds = &self.holds;
         if !holds.rule.enabled || hit_blocks == 0 {
             return HoldOutcome::NotHeld;
@@ -177,7 +179,10 @@ impl Node {
             started: std::time::Instant::now(),
         };
         tracing::debug!(
-            replica = i, riding_blocks = plan.riding_blocks, on = plan.on, "held"
+            replica = i,
+            riding_blocks = plan.riding_blocks,
+            on = plan.on,
+            "held"
         );
         let outcome = loop {
             let unlisted = holds.unlisted.notified();
@@ -187,7 +192,10 @@ impl Node {
             if !holds.book().computing(i, plan.on) {
                 break HoldOutcome::Released;
             }
-            let Some(left) = plan.deadline.checked_sub(self.now()).filter(|d| !d.is_zero())
+            let Some(left) = plan
+                .deadline
+                .checked_sub(self.now())
+                .filter(|d| !d.is_zero())
             else {
                 break HoldOutcome::Deadline;
             };

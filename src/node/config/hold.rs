@@ -71,7 +71,10 @@ impl HoldSection {
         if self.margin_ms > MAX_WAIT_LIMIT_MS {
             return Err(invalid(
                 "hold.margin_ms",
-                format!("must be at most {MAX_WAIT_LIMIT_MS}, got {}", self.margin_ms),
+                format!(
+                    "must be at most {MAX_WAIT_LIMIT_MS}, got {}",
+                    self.margin_ms
+                ),
             ));
         }
         if !(1..=MAX_WAIT_LIMIT_MS).contains(&self.max_wait_ms) {

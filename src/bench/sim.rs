@@ -74,7 +74,6 @@ use super::workload::WorkloadRequest;
 use crate::core::admission::{AdmissionQueue, RejectReason as QueueReject};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
 use crate::core::dp_rank::MAX_RANKS;
-use crate::core::hold::PrefillBook;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmScope, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
 use crate::core::pd::{self, PdChoice, WholeReason};
@@ -121,19 +120,6 @@ enum Event {
     QueueDeadline(usize),
     /// A pair's KV has crossed the link: the request enters its decode engine.
     Transfer(usize),
-    /// A request held at its node (`core::hold`) reaches its deadline.
-    HoldDeadline(usize),
-}
-
-/// A request held at its node until the prefill it rides on has its first token
-/// (`core::hold`).
-struct HeldRequest {
-    /// The request.
-    i: usize,
-    /// The prefill it waits for (its id in the node's book).
-    on: u64,
-    /// What goes to the engine when it is released.
-    request: Request,
 }
 
 /// One replica's load as its home scrapes and publishes it.
@@ -327,7 +313,6 @@ pub fn run(workload: &[WorkloadRequest], cfg: &SimConfig) -> Result<SimReport, S
             Event::Rehome(n) => sim.rehome(n)?,
             Event::QueueDeadline(n) => sim.queue_deadline(n, now),
             Event::Transfer(i) => sim.transferred(i, now),
-            Event::HoldDeadline(i) => sim.hold_deadline(i, now),
         }
     }
     if cfg.progress && shown < 100 {
@@ -414,16 +399,6 @@ struct Sim<'a> {
     refused: Vec<Option<QueueReject>>,
     /// Block keys of each request until its first token, when they join the home's cache model.
     routed_keys: Vec<Vec<BlockKey>>,
-    /// Each node's long prefills without a first token yet and requests held on them
-    /// (`core::hold`, as `node/hold.rs` keeps them).
-    holds: Vec<PrefillBook>,
-    /// Per request: its id in its node's book, until its first token.
-    prefill_ids: Vec<Option<u64>>,
-    /// Requests held at their node: the engine request, sent at its prefill's first token or
-    /// its deadline.
-    held: Vec<HeldRequest>,
-    /// Requests held, and of them gone at their deadline.
-    hold_stats: (u64, u64),
     ttft: Vec<f64>,
     /// Per request: (time to first token or NaN, prompt tokens, cached tokens), for the tenant
     /// split.
@@ -626,10 +601,6 @@ impl<'a> Sim<'a> {
             arrived: vec![Duration::ZERO; reqs.len()],
             refused: vec![None; reqs.len()],
             routed_keys: vec![Vec::new(); reqs.len()],
-            holds: (0..cfg.nodes).map(|_| PrefillBook::default()).collect(),
-            prefill_ids: vec![None; reqs.len()],
-            held: Vec::new(),
-            hold_stats: (0, 0),
             ttft: Vec::with_capacity(reqs.len()),
             per_request: vec![(f64::NAN, 0, 0); reqs.len()],
             latency: Vec::with_capacity(reqs.len()),
@@ -740,7 +711,6 @@ impl<'a> Sim<'a> {
         let client_region = self.nodes[client].region;
 
         let mut decode = None;
-        let mut hit = 0;
         let (node, r, uncached, mut extra) = if self.cfg.oracle {
             let (r, uncached) = self.oracle_pick(&prompt, client_region);
             (client, r, uncached, Duration::ZERO)
@@ -764,7 +734,6 @@ impl<'a> Sim<'a> {
                         return;
                     }
                 };
-            hit = hit_blocks;
             let hit_tokens = u64::from(hit_blocks) * u64::from(self.tokens_per_block);
             (
                 node,
@@ -793,7 +762,7 @@ impl<'a> Sim<'a> {
             self.cross_region += 1;
         }
         let cached = (prompt.len() as u64).saturating_sub(uncached);
-        let ready_in = self.book_at_node(node, r, decode, cached, uncached, now);
+        self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -810,6 +779,8 @@ impl<'a> Sim<'a> {
             leg: decode.map_or(Leg::Whole, |decode| Leg::Prefill { decode }),
             ttft_s: f64::NAN,
         };
+        let hashes =
+            (!self.exact.is_empty()).then(|| block_hashes(&prompt, self.cfg.engine.block_tokens));
         if decode.is_some() {
             self.pd_prompts.insert(i, prompt.clone());
         }
@@ -824,119 +795,20 @@ impl<'a> Sim<'a> {
             },
             cache_salt: None,
         };
-        if pulled.is_none() && decode.is_none() && !self.cfg.oracle {
-            if let Some(request) = self.hold_or_list(i, node, r, hit, request, now, ready_in) {
-                self.submit(i, request, pulled, now);
-            }
-            return;
-        }
-        self.submit(i, request, pulled, now);
-    }
-
-    /// Sends request `i`, routed and booked, to its engine (a pulled prefix with it).
-    fn submit(
-        &mut self,
-        i: usize,
-        request: Request,
-        pulled: Option<crate::engine_sim::Fetched>,
-        now: Duration,
-    ) {
-        let f = self.flights[i];
-        let (node, r) = (f.node, f.replica);
-        let decode = match f.leg {
-            Leg::Prefill { decode } => Some(decode),
-            _ => None,
-        };
-        let hashes = (!self.exact.is_empty())
-            .then(|| block_hashes(&request.prompt, self.cfg.engine.block_tokens));
         let submitted = match pulled {
             Some(f) => self.engines[r].submit_fetched(request, now, f),
             None => self.engines[r].submit(request, now),
         };
         if submitted.is_err() {
-            self.dispatch_failed(i, node, r, decode, f.uncached_tokens, now);
+            self.dispatch_failed(i, node, r, decode, uncached, now);
             return;
         }
         self.flights[i].active = true;
         if let (Some(feed), Some(h)) = (self.exact.get_mut(r), hashes) {
-            feed.learn(&h, &self.routed_keys[i]);
+            feed.learn(&h, &self.keys);
         }
         self.per_replica[r] += 1;
         self.schedule(r);
-    }
-
-    /// The hold (`core::hold`), as the live node applies it between decision and send: request
-    /// `i`, routed by `node` to replica `r` credited with `hit_blocks`, waits if a prefill that
-    /// node sent there still computes its credited blocks (`None`: held); its own prefill is
-    /// listed if long enough. The node's book and rule, the node's code path.
-    #[allow(clippy::too_many_arguments)]
-    fn hold_or_list(
-        &mut self,
-        i: usize,
-        node: usize,
-        r: usize,
-        hit_blocks: u32,
-        request: Request,
-        now: Duration,
-        ready_in: Duration,
-    ) -> Option<Request> {
-        let rule = self.cfg.hold;
-        if !rule.enabled {
-            return Some(request);
-        }
-        let book = &mut self.holds[node];
-        let plan = if hit_blocks > 0 {
-            book.plan(&rule, r, &self.keys, hit_blocks, now)
-        } else {
-            None
-        };
-        self.prefill_ids[i] = book.started(&rule, r, &self.keys, hit_blocks, now, ready_in);
-        let plan = plan.filter(|_| book.hold(&rule, r).is_ok())?;
-        self.held.push(HeldRequest {
-            i,
-            on: plan.on,
-            request,
-        });
-        self.hold_stats.0 += 1;
-        self.push(plan.deadline, Event::HoldDeadline(i));
-        None
-    }
-
-    /// Request `i`'s prefill had its first token or ended: unlisted from its node's book, and
-    /// the requests held on it go.
-    fn prefill_over(&mut self, i: usize, now: Duration) {
-        let Some(id) = self.prefill_ids[i].take() else {
-            return;
-        };
-        let (node, r) = (self.flights[i].node, self.flights[i].replica);
-        if !self.holds[node].done(r, id) {
-            return;
-        }
-        let mut k = 0;
-        while k < self.held.len() {
-            if self.held[k].on == id && self.flights[self.held[k].i].node == node {
-                let h = self.held.swap_remove(k);
-                self.release_held(h, now);
-            } else {
-                k += 1;
-            }
-        }
-    }
-
-    /// A held request's deadline: it goes if still held.
-    fn hold_deadline(&mut self, i: usize, now: Duration) {
-        if let Some(k) = self.held.iter().position(|h| h.i == i) {
-            let h = self.held.swap_remove(k);
-            self.hold_stats.1 += 1;
-            self.release_held(h, now);
-        }
-    }
-
-    /// Sends a held request now.
-    fn release_held(&mut self, h: HeldRequest, now: Duration) {
-        let f = self.flights[h.i];
-        self.holds[f.node].unhold(f.replica);
-        self.submit(h.i, h.request, None, now);
     }
 
     /// Books the `uncached` tokens just sent to replica `r` (a pull's counted as recomputed) in
@@ -952,8 +824,7 @@ impl<'a> Sim<'a> {
         cached: u64,
         uncached: u64,
         now: Duration,
-    ) -> Duration {
-        let mut predicted = Duration::ZERO;
+    ) {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
@@ -965,7 +836,6 @@ impl<'a> Sim<'a> {
             let ready_in =
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
-            predicted = ready_in;
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens += uncached;
             }
@@ -993,7 +863,6 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
-        predicted
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
@@ -1007,7 +876,6 @@ impl<'a> Sim<'a> {
         uncached: u64,
         now: Duration,
     ) {
-        self.prefill_over(i, now);
         self.pd_prompts.remove(&i);
         if let Some(d) = decode {
             self.decode_gone(node, d, now);
@@ -1395,8 +1263,6 @@ impl<'a> Sim<'a> {
     /// TTFT, the cache model's record of its blocks and the node's overlay and load, as the live
     /// node updates them at the first byte.
     fn first_token(&mut self, r: usize, id: u64, p: usize, c: usize, now: Duration) {
-        // Requests held on its prefill go now: its blocks are in the engine's cache.
-        self.prefill_over(id as usize, now);
         let f = self.flights[id as usize];
         // A pair's keys serve twice: the prefill's cache, then the decode's.
         let keys = if matches!(f.leg, Leg::Prefill { .. }) {
@@ -1469,7 +1335,6 @@ impl<'a> Sim<'a> {
     /// Request `id` finished on replica `r`: its latency and ITL, and the node's view and
     /// admission queue (`freed` collects nodes with a slot back).
     fn request_finished(&mut self, r: usize, id: u64, now: Duration, freed: &mut Vec<usize>) {
-        self.prefill_over(id as usize, now);
         let f = self.flights[id as usize];
         if let Leg::Prefill { decode } = f.leg {
             self.prefill_leg_done(id as usize, r, decode, now);
@@ -2147,7 +2012,6 @@ impl<'a> Sim<'a> {
             kv_steered: self.kv_steered,
             kv_overflowed: self.kv_overflowed,
             kv_fetch: self.kv_fetch,
-            held: self.hold_stats,
             tenant_split,
             policy: if self.cfg.oracle {
                 CENTRAL_GREEDY.into()

@@ -126,10 +126,6 @@ pub struct SimArgs {
     /// Any mode but `off` makes every replica take `vllm-envelope` hints.
     #[arg(long, value_delimiter = ',', default_value = "off")]
     pub kv_fetch: Vec<crate::core::kv_fetch::FetchMode>,
-    /// Holding a request while its replica still computes the prompt it rides on (the node's
-    /// `[hold]`, its defaults), one run each: `off`, `on`. Default off (the node's is on).
-    #[arg(long, value_delimiter = ',', default_value = "off")]
-    pub hold: Vec<OnOff>,
     /// The rate of the link between replicas, GB/s (`[kv_fetch] links.same_region`: simulated
     /// replicas share a region but no zone or host). Default: the node's, 12.5 (100 Gb/s).
     #[arg(long)]
@@ -321,9 +317,6 @@ fn base_config(
             cost
         },
         window: args.hot.window_s,
-        // The node's `[hold]` defaults, its tokens in the sim's blocks; on per run (`--hold`).
-        hold: crate::node::config::hold::HoldSection::default()
-            .rule((args.block_bytes as u32 / super::trace::BYTES_PER_TOKEN as u32).max(1)),
         forward_by: args.forward_by,
         entry_weights: args.entry_weights.clone(),
         ..Default::default()
@@ -410,32 +403,20 @@ fn plan_runs(
                     };
                     let mut cost = base.cost;
                     cost.fetch.mode = fetch;
-                    for hold in &args.hold {
-                        let on = *hold == OnOff::On;
-                        let hold_label = if on { " hold" } else { "" };
-                        runs.push((
-                            SimConfig {
-                                policy: *p,
-                                replicas,
-                                pd: pd.clone(),
-                                hot_prefix: mode
-                                    .clone()
-                                    .unwrap_or_else(|| base.hot_prefix.clone()),
-                                dp_rank_named: *n,
-                                gossip_layout: layout,
-                                cost,
-                                remote_prefix: remote,
-                                hold: crate::core::hold::HoldRule {
-                                    enabled: on,
-                                    ..base.hold
-                                },
-                                ..base.clone()
-                            },
-                            format!(
-                                "{layout_label}{shape}{hot}{rank}{fetch_label}{remote_label}{hold_label}"
-                            ),
-                        ));
-                    }
+                    runs.push((
+                        SimConfig {
+                            policy: *p,
+                            replicas,
+                            pd: pd.clone(),
+                            hot_prefix: mode.clone().unwrap_or_else(|| base.hot_prefix.clone()),
+                            dp_rank_named: *n,
+                            gossip_layout: layout,
+                            cost,
+                            remote_prefix: remote,
+                            ..base.clone()
+                        },
+                        format!("{layout_label}{shape}{hot}{rank}{fetch_label}{remote_label}"),
+                    ));
                 }
             }
         }
@@ -530,14 +511,6 @@ fn extras_markdown(base: &SimConfig, reports: &[SimReport], names: &[String]) ->
     }
     if reports.iter().any(|r| r.kv_fetch.planned > 0) {
         table.push_str(&pulls_line(reports, names));
-    }
-    if reports.iter().any(|r| r.held.0 > 0) {
-        let held: Vec<String> = reports
-            .iter()
-            .zip(names)
-            .map(|(r, name)| format!("{name}: {} ({} to the deadline)", r.held.0, r.held.1))
-            .collect();
-        table.push_str(&format!("\nRequests held: {}\n", held.join("; ")));
     }
     if reports.iter().any(|r| r.cpu_hit_tokens > 0) {
         let cpu: Vec<String> = reports
@@ -760,13 +733,4 @@ pub fn pd_markdown(reports: &[(String, &SimReport)]) -> String {
         ));
     }
     s
-}
-
-/// `--hold`'s values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnOff {
-    /// Off.
-    Off,
-    /// On.
-    On,
 }

@@ -130,10 +130,6 @@ pub struct SimConfig {
     /// unless `enabled`. Warm-ups go to the engines as prefill-only requests; the rendezvous
     /// owner of a prefix among its region's live nodes sends them. Default off.
     pub hot_prefix: HotPrefixConfig,
-    /// Holding a request while its replica still computes the prompt it rides on (`[hold]`,
-    /// `core::hold`), with `min_blocks` in the sim's blocks. Default off here (the node's is
-    /// on), so other screens' figures stay comparable: `kvmesh sim --hold on`.
-    pub hold: crate::core::hold::HoldRule,
     /// Report the TTFT of the requests arriving in this window of workload time, `(start s,
     /// length s)`, apart (e.g. the first 10 s of a burst). Default none.
     pub window: Option<(f64, f64)>,
@@ -195,10 +191,6 @@ impl Default for SimConfig {
             tenants: HashMap::new(),
             split_tenant: None,
             hot_prefix: HotPrefixConfig::default(),
-            hold: crate::core::hold::HoldRule {
-                enabled: false,
-                ..crate::core::hold::HoldRule::default()
-            },
             window: None,
             dp_ranks: 1,
             dp_rank_named: true,
@@ -339,9 +331,6 @@ pub struct SimReport {
     pub kv_overflowed: usize,
     /// KV pulls the decisions planned (`[kv_fetch]`), and what they moved.
     pub kv_fetch: FetchStats,
-    /// Requests held at their node (`SimConfig::hold`), and how many of them went at their
-    /// deadline rather than at their prefill's first token.
-    pub held: (u64, u64),
     /// `split_tenant`'s requests and every other tenant's, apart (when it was set).
     pub tenant_split: Option<TenantSplit>,
     /// Time to first token of the requests arriving in `SimConfig::window` (when it was set).

@@ -3,17 +3,16 @@
 //! The rule and the book are the core's (`core::hold`); this file gives them a lock, a wake-up
 //! and metrics. A routed prefill long enough to ride on is listed by `Node::book`
 //! (`routing.rs`) and unlisted at its `Ticket`'s first byte or drop, which wakes the requests
-//! held on it. The proxy calls [`Node::hold_before_send`] between the decision and the send.
+//! held on it. The proxy calls [`Holds::before_send`] between the decision and the send.
 //! A held request keeps its `Ticket` (its booking stands: in flight, the overlay), so the next
 //! decisions see it. A client that leaves drops the wait: its slot is given back, counted as
 //! `client_gone`.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 
-use super::state::Node;
 use crate::core::hold::{HoldRule, PrefillBook};
 use crate::core::keys::BlockKey;
 
@@ -21,6 +20,8 @@ use crate::core::keys::BlockKey;
 pub struct Holds {
     /// The rule, from `[hold]`.
     rule: HoldRule,
+    /// Time zero of the node's core clock (`Node::now`): deadlines are in its time.
+    start: Instant,
     /// Listed prefills and held counts. Taken alone or inside the core's lock, never around it.
     book: Mutex<PrefillBook>,
     /// Woken whenever a listed prefill is unlisted.
@@ -57,8 +58,9 @@ impl HoldOutcome {
 }
 
 impl Holds {
-    /// Hold state under `rule`, its metrics registered in `registry`.
-    pub fn new(rule: HoldRule, registry: &Registry) -> prometheus::Result<Holds> {
+    /// Hold state under `rule`, on the node clock started at `start`, its metrics registered in
+    /// `registry`.
+    pub fn new(rule: HoldRule, start: Instant, registry: &Registry) -> prometheus::Result<Holds> {
         let held = IntCounterVec::new(
             Opts::new(
                 "kvmesh_requests_held_total",
@@ -77,6 +79,7 @@ impl Holds {
         registry.register(Box::new(wait_seconds.clone()))?;
         Ok(Holds {
             rule,
+            start,
             book: Mutex::new(PrefillBook::default()),
             unlisted: tokio::sync::Notify::new(),
             held,
@@ -146,23 +149,19 @@ impl Drop for Slot<'_> {
     }
 }
 
-impl Node {
+impl Holds {
     /// Waits, if the rule says so, until the prefill a request routed to replica `i` with
     /// `hit_blocks` of `keys` rides on has its first byte, or its deadline. Returns at once for
     /// a request that does not qualify (no allocation, one short lock).
-    pub async fn hold_before_send(
-        &self,
-        i: usize,
-        keys: &[BlockKey],
-        hit_blocks: u32,
-    ) -> HoldOutcome {
-        let holds = &self.holds;
+    pub async fn before_send(&self, i: usize, keys: &[BlockKey], hit_blocks: u32) -> HoldOutcome {
+        let holds = self;
         if !holds.rule.enabled || hit_blocks == 0 {
             return HoldOutcome::NotHeld;
         }
         let plan = {
             let mut book = holds.book();
-            let Some(plan) = book.plan(&holds.rule, i, keys, hit_blocks, self.now()) else {
+            let Some(plan) = book.plan(&holds.rule, i, keys, hit_blocks, self.start.elapsed())
+            else {
                 return HoldOutcome::NotHeld;
             };
             if book.hold(&holds.rule, i).is_err() {
@@ -194,7 +193,7 @@ impl Node {
             }
             let Some(left) = plan
                 .deadline
-                .checked_sub(self.now())
+                .checked_sub(self.start.elapsed())
                 .filter(|d| !d.is_zero())
             else {
                 break HoldOutcome::Deadline;

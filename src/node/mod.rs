@@ -19,7 +19,7 @@
 //! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
-//! - `hold.rs`: [`Node::hold_before_send`] — a request waits for the first byte of the prefill
+//! - `hold.rs`: [`Holds::before_send`] — a request waits for the first byte of the prefill
 //!   it rides on at its replica (`core::hold`), so the engine finds the prompt cached.
 //! - `kv_shares.rs`: tenants' KV shares in a mesh — the home publishes its estimate, the other
 //!   nodes steer on it.

@@ -409,7 +409,9 @@ impl Node {
         let metrics = Metrics::new()?;
         let kv_metrics = KvMetrics::new(&metrics.registry)?;
         let queue_metrics = super::admission_queue::QueueMetrics::new(&metrics.registry)?;
-        let holds = super::hold::Holds::new(cfg.hold.rule(tokens_per_block), &metrics.registry)?;
+        let start = Instant::now();
+        let holds =
+            super::hold::Holds::new(cfg.hold.rule(tokens_per_block), start, &metrics.registry)?;
         let secrets = cfg.auth.load(cfg.admin_token.as_deref(), cfg.listen)?;
         let body_kib = usize::try_from(cfg.server.max_buffered_body_bytes >> 10)
             .unwrap_or(usize::MAX)
@@ -439,7 +441,7 @@ impl Node {
                     .as_ref()
                     .map(|p| AdmissionQueue::new(p.classes.clone())),
             }),
-            start: Instant::now(),
+            start,
             tenant_cfgs: RwLock::new(cfg.tenants.clone()),
             default_tenant: RwLock::new(cfg.default_tenant.clone()),
             summary_cfg,

@@ -424,7 +424,8 @@ impl Attempt<'_, '_> {
         let r = &target.routed;
         self.d
             .node
-            .hold_before_send(r.replica, keys, r.hit_blocks)
+            .holds
+            .before_send(r.replica, keys, r.hit_blocks)
             .await;
         let sent_at = Instant::now();
         let answer = self

@@ -122,7 +122,7 @@ pub fn common_prefix(a: &[BlockKey], b: &[BlockKey]) -> usize {
     let (mut lo, mut hi) = (0, a.len().min(b.len()));
     // Invariant: a[..lo] == b[..lo]; a[..=hi] != b[..=hi] unless hi is the shorter length.
     while lo < hi {
-        let mid = lo + (hi - lo + 1) / 2;
+        let mid = lo + (hi - lo).div_ceil(2);
         if a[mid - 1] == b[mid - 1] {
             lo = mid;
         } else {

@@ -24,6 +24,7 @@
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers;
 //!   [`tenant_salt`]: the engine's `cache_salt` of an authenticated tenant.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
+//! - [`hold`]: holding a request while its replica still computes the prompt it rides on.
 //! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
 //!   requests wait when no replica has room.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
@@ -38,6 +39,7 @@ pub mod dialect_chat;
 pub mod dp_rank;
 pub mod empty_holders;
 pub mod fetch_plan;
+pub mod hold;
 pub mod hot_prefix;
 pub mod hot_sketch;
 pub mod keys;

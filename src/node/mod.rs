@@ -19,6 +19,8 @@
 //! - `learned.rs`: replicas learned from gossip — the home rule, allow-list, caps and expiry.
 //! - `routing.rs`: [`Node::route`], token-mode keys, and the [`Ticket`] that releases a routed
 //!   request's accounting exactly once.
+//! - `hold.rs`: [`Holds::before_send`] — a request waits for the first byte of the prefill
+//!   it rides on at its replica (`core::hold`), so the engine finds the prompt cached.
 //! - `kv_shares.rs`: tenants' KV shares in a mesh — the home publishes its estimate, the other
 //!   nodes steer on it.
 //! - `admission.rs`: [`Node::route_fair`] — with `[priorities]`, requests wait for a slot in a
@@ -41,6 +43,7 @@ mod admission;
 mod admission_queue;
 pub mod config;
 mod feedback;
+mod hold;
 mod hot_prefix;
 mod kv_gossip;
 mod kv_shares;
@@ -61,6 +64,7 @@ pub(crate) mod watchers;
 
 pub use admin::{AdminError, AdminOutcome, AdminReplica};
 pub use admission_queue::{refusal_label, QueueMetrics, Refused};
+pub use hold::{HoldOutcome, Holds};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};
 pub use pd_routing::PdRoute;

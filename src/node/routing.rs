@@ -300,6 +300,9 @@ impl Node {
             ready_in,
         } = leg;
         core.view.record_routed_ready(i, keys, now, ready_in);
+        // A long prefill is listed for requests that ride on it to wait for (`hold.rs`).
+        let hit_blocks = u32::try_from(keys.len().saturating_sub(new_blocks)).unwrap_or(u32::MAX);
+        let prefilling = self.holds.started(i, keys, hit_blocks, now, ready_in);
         // The region's other nodes learn this prefix with the next load update, with the rank
         // named, so that they name it for its follow-ups too.
         let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
@@ -349,6 +352,7 @@ impl Node {
             hit_tokens: cached,
             started: false,
             rank: target,
+            prefilling,
         }
     }
 
@@ -442,6 +446,9 @@ pub struct Ticket {
     started: bool,
     /// The data-parallel rank named, if any (its load is released with the ticket's).
     rank: Option<RankTarget>,
+    /// Its id in the node's list of long prefills (`hold.rs`), unlisted at the first byte or
+    /// the drop.
+    prefilling: Option<u64>,
 }
 
 impl Ticket {
@@ -476,6 +483,10 @@ impl Ticket {
     pub fn first_byte(&mut self, keys: &[BlockKey]) {
         if std::mem::replace(&mut self.started, true) {
             return;
+        }
+        // Requests held on this prefill go now: its blocks are in the engine's cache.
+        if let Some(id) = self.prefilling.take() {
+            self.node.holds.done(self.replica, id);
         }
         let tokens = std::mem::take(&mut self.pending_tokens);
         let now = self.node.now();
@@ -559,6 +570,9 @@ fn release_pending(
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        if let Some(id) = self.prefilling.take() {
+            self.node.holds.done(self.replica, id);
+        }
         let now = self.node.now();
         let mut guard = self.node.lock();
         let core = &mut *guard;

@@ -292,6 +292,8 @@ pub struct Node {
     pub tokenizer: Option<TokenMode>,
     /// Everything routing reads and writes; take it with [`Node::lock`].
     pub(super) core: Mutex<Core>,
+    /// Long prefills in flight and the requests held on them (`[hold]`, `hold.rs`).
+    pub holds: super::hold::Holds,
     /// Time zero of the core's clock ([`Node::now`]).
     pub(super) start: Instant,
     /// Tenants by name (isolation and quotas), as configured.
@@ -426,6 +428,9 @@ impl Node {
         let metrics = Metrics::new()?;
         let kv_metrics = KvMetrics::new(&metrics.registry)?;
         let queue_metrics = super::admission_queue::QueueMetrics::new(&metrics.registry)?;
+        let start = Instant::now();
+        let holds =
+            super::hold::Holds::new(cfg.hold.rule(tokens_per_block), start, &metrics.registry)?;
         let secrets = cfg.auth.load(cfg.admin_token.as_deref(), cfg.listen)?;
         let body_kib = usize::try_from(cfg.server.max_buffered_body_bytes >> 10)
             .unwrap_or(usize::MAX)
@@ -437,6 +442,7 @@ impl Node {
             metrics,
             kv_metrics,
             queue_metrics,
+            holds,
             tokenizer,
             core: Mutex::new(Core {
                 view,
@@ -455,7 +461,7 @@ impl Node {
                     .as_ref()
                     .map(|p| AdmissionQueue::new(p.classes.clone())),
             }),
-            start: Instant::now(),
+            start,
             tenant_cfgs: RwLock::new(cfg.tenants.clone()),
             default_tenant: RwLock::new(cfg.default_tenant.clone()),
             summary_cfg,

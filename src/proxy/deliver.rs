@@ -418,6 +418,15 @@ impl Attempt<'_, '_> {
         let hinted =
             super::kv_hint::hinted_body(self.d.node, target.routed.fetch.as_ref(), &self.d.u.body);
         let body = hinted.as_ref().unwrap_or(&self.d.u.body);
+        // While the replica still computes the prompt this request was credited with, the
+        // request waits for that prefill's first byte: sent now, the engine would recompute it
+        // in parallel (`node/hold.rs`).
+        let r = &target.routed;
+        self.d
+            .node
+            .holds
+            .before_send(r.replica, keys, r.hit_blocks)
+            .await;
         let sent_at = Instant::now();
         let answer = self
             .send_hedged(&mut target, headers, body, keys, &mut p.tried)

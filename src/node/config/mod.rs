@@ -23,6 +23,7 @@ use crate::tokenize::TokenizerConfig;
 
 mod env;
 pub mod error;
+pub mod hold;
 pub mod mesh;
 pub mod otel;
 pub mod pd;
@@ -186,6 +187,9 @@ pub struct NodeConfig {
     /// The Gateway API endpoint picker (`[picker]`: an Envoy ext_proc gRPC listener). Default
     /// off.
     pub picker: PickerSection,
+    /// Holding a request while its replica still computes the prompt it rides on (`[hold]`).
+    /// Default on.
+    pub hold: hold::HoldSection,
 }
 
 impl Default for NodeConfig {
@@ -245,6 +249,7 @@ impl Default for NodeConfig {
             drop_departed_after_s: DEFAULT_DROP_DEPARTED_AFTER_S,
             priorities: None,
             picker: PickerSection::default(),
+            hold: hold::HoldSection::default(),
         }
     }
 }
@@ -429,6 +434,7 @@ impl NodeConfig {
             m.validate()?;
         }
         self.tracing.validate()?;
+        self.hold.validate()?;
         self.validate_upkeep()?;
         self.hot_prefix
             .validate()

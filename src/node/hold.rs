@@ -1,0 +1,210 @@
+//! Holding a request at the node until the prefill it rides on has its first byte.
+//!
+//! The rule and the book are the core's (`core::hold`); this file gives them a lock, a wake-up
+//! and metrics. A routed prefill long enough to ride on is listed by `Node::book`
+//! (`routing.rs`) and unlisted at its `Ticket`'s first byte or drop, which wakes the requests
+//! held on it. The proxy calls [`Holds::before_send`] between the decision and the send.
+//! A held request keeps its `Ticket` (its booking stands: in flight, the overlay), so the next
+//! decisions see it. A client that leaves drops the wait: its slot is given back, counted as
+//! `client_gone`.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+
+use crate::core::hold::{HoldRule, PrefillBook};
+use crate::core::keys::BlockKey;
+
+/// The node's hold state: the book, the rule, the wake-up, the metrics.
+pub struct Holds {
+    /// The rule, from `[hold]`.
+    rule: HoldRule,
+    /// Time zero of the node's core clock (`Node::now`): deadlines are in its time.
+    start: Instant,
+    /// Listed prefills and held counts. Taken alone or inside the core's lock, never around it.
+    book: Mutex<PrefillBook>,
+    /// Woken whenever a listed prefill is unlisted.
+    unlisted: tokio::sync::Notify,
+    /// `kvmesh_requests_held_total{outcome}`: `released` (the prefill's first byte, or its end),
+    /// `deadline`, `full` (qualified, no slot: sent at once), `client_gone`.
+    held: IntCounterVec,
+    /// `kvmesh_request_hold_seconds`: how long each held request waited.
+    wait_seconds: Histogram,
+}
+
+/// How a held request's wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldOutcome {
+    /// Not held: nothing it rides on, or the rule is off.
+    NotHeld,
+    /// The prefill it rode on sent its first byte (or ended).
+    Released,
+    /// Its deadline passed first.
+    Deadline,
+    /// It qualified but the caps were reached: sent at once.
+    Full,
+}
+
+impl HoldOutcome {
+    fn label(self) -> &'static str {
+        match self {
+            HoldOutcome::NotHeld => "not_held",
+            HoldOutcome::Released => "released",
+            HoldOutcome::Deadline => "deadline",
+            HoldOutcome::Full => "full",
+        }
+    }
+}
+
+impl Holds {
+    /// Hold state under `rule`, on the node clock started at `start`, its metrics registered in
+    /// `registry`.
+    pub fn new(rule: HoldRule, start: Instant, registry: &Registry) -> prometheus::Result<Holds> {
+        let held = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_requests_held_total",
+                "Requests held until the prefill they ride on at their replica had its first byte, by outcome",
+            ),
+            &["outcome"],
+        )?;
+        let wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_request_hold_seconds",
+                "Time a held request waited before it was sent",
+            )
+            .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
+        )?;
+        registry.register(Box::new(held.clone()))?;
+        registry.register(Box::new(wait_seconds.clone()))?;
+        Ok(Holds {
+            rule,
+            start,
+            book: Mutex::new(PrefillBook::default()),
+            unlisted: tokio::sync::Notify::new(),
+            held,
+            wait_seconds,
+        })
+    }
+
+    /// The book, locked (a poisoned lock is recovered: the book is counts and lists).
+    fn book(&self) -> std::sync::MutexGuard<'_, PrefillBook> {
+        self.book
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Lists a prefill routed to replica `i` (see `PrefillBook::started`).
+    pub(super) fn started(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        hit_blocks: u32,
+        now: Duration,
+        ready_in: Duration,
+    ) -> Option<u64> {
+        if !self.rule.enabled {
+            return None;
+        }
+        self.book()
+            .started(&self.rule, i, keys, hit_blocks, now, ready_in)
+    }
+
+    /// Prefill `id` at replica `i` had its first byte or ended: unlisted, its riders woken.
+    pub(super) fn done(&self, i: usize, id: u64) {
+        if self.book().done(i, id) {
+            self.unlisted.notify_waiters();
+        }
+    }
+
+    /// Requests held now.
+    pub fn held_now(&self) -> u32 {
+        self.book().held()
+    }
+
+    /// Prefills listed at replica `i` now.
+    pub fn prefilling(&self, i: usize) -> usize {
+        self.book().prefilling(i)
+    }
+}
+
+/// Gives a held slot back however the wait ends (a client that leaves drops the future).
+struct Slot<'a> {
+    holds: &'a Holds,
+    replica: usize,
+    /// Set when the wait ended on its own; unset at drop means the client left.
+    ended: bool,
+    started: std::time::Instant,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.holds.book().unhold(self.replica);
+        self.holds
+            .wait_seconds
+            .observe(self.started.elapsed().as_secs_f64());
+        if !self.ended {
+            self.holds.held.with_label_values(&["client_gone"]).inc();
+        }
+    }
+}
+
+impl Holds {
+    /// Waits, if the rule says so, until the prefill a request routed to replica `i` with
+    /// `hit_blocks` of `keys` rides on has its first byte, or its deadline. Returns at once for
+    /// a request that does not qualify (no allocation, one short lock).
+    pub async fn before_send(&self, i: usize, keys: &[BlockKey], hit_blocks: u32) -> HoldOutcome {
+        let holds = self;
+        if !holds.rule.enabled || hit_blocks == 0 {
+            return HoldOutcome::NotHeld;
+        }
+        let plan = {
+            let mut book = holds.book();
+            let Some(plan) = book.plan(&holds.rule, i, keys, hit_blocks, self.start.elapsed())
+            else {
+                return HoldOutcome::NotHeld;
+            };
+            if book.hold(&holds.rule, i).is_err() {
+                drop(book);
+                holds.held.with_label_values(&["full"]).inc();
+                return HoldOutcome::Full;
+            }
+            plan
+        };
+        let mut slot = Slot {
+            holds,
+            replica: i,
+            ended: false,
+            started: std::time::Instant::now(),
+        };
+        tracing::debug!(
+            replica = i,
+            riding_blocks = plan.riding_blocks,
+            on = plan.on,
+            "held"
+        );
+        let outcome = loop {
+            let unlisted = holds.unlisted.notified();
+            tokio::pin!(unlisted);
+            // Registered before the check, so an unlisting between the two is not missed.
+            unlisted.as_mut().enable();
+            if !holds.book().computing(i, plan.on) {
+                break HoldOutcome::Released;
+            }
+            let Some(left) = plan
+                .deadline
+                .checked_sub(self.start.elapsed())
+                .filter(|d| !d.is_zero())
+            else {
+                break HoldOutcome::Deadline;
+            };
+            tokio::select! {
+                _ = &mut unlisted => {}
+                _ = tokio::time::sleep(left) => {}
+            }
+        };
+        slot.ended = true;
+        holds.held.with_label_values(&[outcome.label()]).inc();
+        outcome
+    }
+}

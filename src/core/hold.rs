@@ -132,6 +132,34 @@ pub fn common_prefix(a: &[BlockKey], b: &[BlockKey]) -> usize {
     lo
 }
 
+/// Blocks of a `prompt_blocks`-block prompt a request must ride on to be held: at least
+/// `rule.min_share` of them, and at least one.
+pub fn riding_needed(rule: &HoldRule, prompt_blocks: usize) -> usize {
+    (rule.min_share * prompt_blocks as f64).ceil().max(1.0) as usize
+}
+
+/// The rule for a prefill *another node* of the region sent to the request's replica, known
+/// only by its tips (`core::peer_tips`): a request credited with `hit_blocks` of a `prompt_blocks`
+/// prompt rides on the peer's `peer_blocks`-block prefill, not answered yet, if the credited
+/// blocks it shares are at least `rule.min_share` of its prompt. It waits until the peer's
+/// first-byte tip, or the returned deadline: `rule.max_wait` from `now` (the peer's routing
+/// time is not known here, so no late bound from it; its tip's own lifetime ends the wait
+/// sooner). Unlike [`PrefillBook::plan`] the part the peer found cached is not known: a
+/// prompt of fewer than [`HoldRule::min_blocks`] is not waited for, but a long prompt's short
+/// uncached tail can hold a request too; the deadline bounds that.
+pub fn peer_plan(
+    rule: &HoldRule,
+    prompt_blocks: usize,
+    hit_blocks: u32,
+    peer_blocks: u32,
+    now: Duration,
+) -> Option<Duration> {
+    let riding = peer_blocks.min(hit_blocks) as usize;
+    let long = peer_blocks >= rule.min_blocks.max(1);
+    (rule.enabled && long && prompt_blocks > 0 && riding >= riding_needed(rule, prompt_blocks))
+        .then(|| now.saturating_add(rule.max_wait))
+}
+
 impl PrefillBook {
     /// Lists a prefill of `keys` sent to replica `i`, credited with `hit_blocks`, predicted done
     /// `ready_in` after `now`, if it is long enough to ride on; returns its id.
@@ -217,7 +245,7 @@ impl PrefillBook {
             return None;
         }
         let credited = &keys[..(hit_blocks as usize).min(keys.len())];
-        let need = (rule.min_share * keys.len() as f64).ceil().max(1.0) as usize;
+        let need = riding_needed(rule, keys.len());
         let r = self.replicas.get(i)?;
         let best = r
             .prefilling
@@ -272,6 +300,32 @@ mod tests {
     }
 
     const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_peers_long_prefill_holds_a_request_riding_on_most_of_it_until_max_wait() {
+        let rule = HoldRule::default();
+        let now = 3 * S;
+        // Credited with 900 of 1,000 blocks, 800 of them from a peer's 800-block prefill.
+        assert_eq!(
+            peer_plan(&rule, 1000, 900, 800, now),
+            Some(now + rule.max_wait)
+        );
+        // Under half the prompt rides on it: sent at once.
+        assert_eq!(peer_plan(&rule, 1000, 900, 400, now), None);
+        assert_eq!(peer_plan(&rule, 1000, 400, 800, now), None);
+        // A peer's prompt shorter than `min_blocks` ends before holding could pay.
+        let short = HoldRule {
+            min_blocks: 801,
+            ..rule
+        };
+        assert_eq!(peer_plan(&short, 1000, 900, 800, now), None);
+        let off = HoldRule {
+            enabled: false,
+            ..rule
+        };
+        assert_eq!(peer_plan(&off, 1000, 900, 800, now), None);
+        assert_eq!(peer_plan(&rule, 0, 0, 800, now), None);
+    }
 
     #[test]
     fn the_common_prefix_is_the_first_differing_key() {

@@ -336,6 +336,34 @@ impl PeerTips {
             }
         }
     }
+
+    /// The longest prefix of `keys`, of at least `min_blocks` blocks, that a peer sent to
+    /// replica `i` and whose prefill has not answered yet (as [`PeerTips::in_prefill`], for one
+    /// replica). Looks up only the keys from `min_blocks` on, longest first, and stops at the
+    /// first found: the per-request check of a hold on a peer's prefill (`core::hold`).
+    pub fn in_prefill_at(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        min_blocks: usize,
+        now: Duration,
+    ) -> Option<PeerPrefill> {
+        if self.is_empty() {
+            return None;
+        }
+        let from = min_blocks.max(1) - 1;
+        (from..keys.len()).rev().find_map(|j| {
+            self.by_key.get(&keys[j].0)?.iter().find_map(|h| {
+                let t = &h.tip;
+                (!h.first_byte && t.replica == i && t.blocks as usize == j + 1 && t.until > now)
+                    .then_some(PeerPrefill {
+                        replica: t.replica,
+                        blocks: t.blocks,
+                        ready: t.ready,
+                    })
+            })
+        })
+    }
 }
 
 /// A prefix a peer sent to a replica whose prefill has not answered yet
@@ -424,6 +452,28 @@ mod tests {
         // Another prompt never matches.
         t.hits(&keys(12, 2), 2 * S, &mut out);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn the_longest_unanswered_peer_prefill_at_one_replica_of_at_least_a_length() {
+        let mut t = PeerTips::default();
+        let parent = keys(8, 1);
+        assert!(t.insert(parent[7], tip(3, 8)));
+        assert!(t.insert(parent[3], tip(3, 4)));
+        assert!(t.insert(parent[5], tip(1, 6)));
+        let next = keys(12, 1);
+        let at = |t: &PeerTips, i, min| t.in_prefill_at(i, &next, min, 2 * S).map(|p| p.blocks);
+        assert_eq!(at(&t, 3, 1), Some(8));
+        assert_eq!(at(&t, 3, 8), Some(8));
+        assert_eq!(at(&t, 3, 9), None);
+        assert_eq!(at(&t, 1, 4), Some(6));
+        assert_eq!(at(&t, 2, 1), None);
+        // The whole prompt answered: the rung still under way, if long enough.
+        assert!(t.insert_first_byte(parent[7], tip(3, 8)));
+        assert_eq!(at(&t, 3, 1), Some(4));
+        assert_eq!(at(&t, 3, 5), None);
+        // Expired tips are not under way.
+        assert_eq!(t.in_prefill_at(1, &next, 1, 10 * S), None);
     }
 
     #[test]

@@ -129,12 +129,31 @@ impl Holds {
 }
 
 /// Gives a held slot back however the wait ends (a client that leaves drops the future).
-struct Slot<'a> {
+pub struct Slot<'a> {
     holds: &'a Holds,
     replica: usize,
     /// Set when the wait ended on its own; unset at drop means the client left.
     ended: bool,
     started: std::time::Instant,
+}
+
+impl<'a> Slot<'a> {
+    /// A slot [`PrefillBook::hold`] just took for replica `i`.
+    fn taken(holds: &'a Holds, i: usize) -> Slot<'a> {
+        Slot {
+            holds,
+            replica: i,
+            ended: false,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// The wait ended on its own with `outcome`: counted; the slot is given back.
+    pub fn end(mut self, outcome: HoldOutcome) -> HoldOutcome {
+        self.ended = true;
+        self.holds.held.with_label_values(&[outcome.label()]).inc();
+        outcome
+    }
 }
 
 impl Drop for Slot<'_> {
@@ -171,12 +190,7 @@ impl Holds {
             }
             plan
         };
-        let mut slot = Slot {
-            holds,
-            replica: i,
-            ended: false,
-            started: std::time::Instant::now(),
-        };
+        let slot = Slot::taken(holds, i);
         tracing::debug!(
             replica = i,
             riding_blocks = plan.riding_blocks,
@@ -203,8 +217,22 @@ impl Holds {
                 _ = tokio::time::sleep(left) => {}
             }
         };
-        slot.ended = true;
-        holds.held.with_label_values(&[outcome.label()]).inc();
-        outcome
+        slot.end(outcome)
+    }
+
+    /// A held slot for replica `i` under the rule's caps, for a request held on a region
+    /// peer's prefill (`Node::hold_on_peer_prefill`); `None`, counted `full`, when the caps
+    /// are reached.
+    pub fn take_slot(&self, i: usize) -> Option<Slot<'_>> {
+        if self.book().hold(&self.rule, i).is_err() {
+            self.held.with_label_values(&["full"]).inc();
+            return None;
+        }
+        Some(Slot::taken(self, i))
+    }
+
+    /// The rule, from `[hold]`.
+    pub fn rule(&self) -> &HoldRule {
+        &self.rule
     }
 }

@@ -26,8 +26,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::hold::HoldOutcome;
 use super::state::{Core, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::dp_rank::MAX_RANKS;
+use crate::core::hold;
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::Tip;
 use crate::core::view::ReplicaState;
@@ -274,14 +276,58 @@ impl Node {
         }
     }
 
+    /// Holds a request routed to replica `i`, credited with `hit_blocks` of `keys`, while a
+    /// prefill another node of the region sent there still computes most of them (the rule:
+    /// `core::hold::peer_plan`), until that peer's first-byte tip, its tip's end, or the
+    /// deadline. The region-wide half of the node's own hold (`Holds::before_send`): behind a
+    /// balancer a turn's predecessor was routed by another node two times in three
+    /// (docs/mesh.md). Returns at once, without the node's lock, where nothing can qualify.
+    pub async fn hold_on_peer_prefill(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        hit_blocks: u32,
+    ) -> HoldOutcome {
+        let rule = *self.holds.rule();
+        let need = hold::riding_needed(&rule, keys.len());
+        if !rule.enabled || self.cfg.mesh.is_none() || (hit_blocks as usize) < need {
+            return HoldOutcome::NotHeld;
+        }
+        let credited = &keys[..(hit_blocks as usize).min(keys.len())];
+        let now = self.now();
+        let under_way = self
+            .lock()
+            .view
+            .peer_tips
+            .in_prefill_at(i, credited, need, now);
+        let Some(deadline) =
+            under_way.and_then(|p| hold::peer_plan(&rule, keys.len(), hit_blocks, p.blocks, now))
+        else {
+            return HoldOutcome::NotHeld;
+        };
+        let Some(slot) = self.holds.take_slot(i) else {
+            return HoldOutcome::Full;
+        };
+        tracing::debug!(replica = i, hit_blocks, "held on a peer's prefill");
+        let released = self
+            .wait_for_peer_prefill(i, credited, need as u32, deadline)
+            .await;
+        slot.end(if released {
+            HoldOutcome::Released
+        } else {
+            HoldOutcome::Deadline
+        })
+    }
+
     /// Waits until no prefill a peer sent to replica `i` of at least `blocks` leading blocks of
-    /// `keys` is under way as far as its tips say ([`PeerTips::in_prefill`]: its first-byte tip
-    /// came, or its tip expired), or until `deadline` (this node's clock, [`Node::now`]). True
-    /// when nothing names it under way any more, false at the deadline. For a request held to
-    /// ride on another node's prefill: this node sees its own prefills' first bytes first-hand,
-    /// a peer's only by its tip (docs/mesh.md). Woken by each update carrying a first-byte tip.
+    /// `keys` is under way as far as its tips say ([`PeerTips::in_prefill_at`]: its first-byte
+    /// tip came, or its tip expired), or until `deadline` (this node's clock, [`Node::now`]).
+    /// True when nothing names it under way any more, false at the deadline. For a request
+    /// held to ride on another node's prefill: this node sees its own prefills' first bytes
+    /// first-hand, a peer's only by its tip (docs/mesh.md). Woken by each update carrying a
+    /// first-byte tip.
     ///
-    /// [`PeerTips::in_prefill`]: crate::core::peer_tips::PeerTips::in_prefill
+    /// [`PeerTips::in_prefill_at`]: crate::core::peer_tips::PeerTips::in_prefill_at
     pub async fn wait_for_peer_prefill(
         &self,
         i: usize,
@@ -289,21 +335,18 @@ impl Node {
         blocks: u32,
         deadline: Duration,
     ) -> bool {
-        let mut under_way = Vec::new();
         loop {
             // Registered before the check, so an answer arriving between the two still wakes it.
             let answered = self.mesh_slot().peer_answered.notified();
             tokio::pin!(answered);
             answered.as_mut().enable();
             let now = self.now();
-            self.lock()
+            let under_way = self
+                .lock()
                 .view
                 .peer_tips
-                .in_prefill(keys, now, &mut under_way);
-            if !under_way
-                .iter()
-                .any(|p| p.replica == i && p.blocks >= blocks)
-            {
+                .in_prefill_at(i, keys, blocks as usize, now);
+            if under_way.is_none() {
                 return true;
             }
             let Some(left) = deadline.checked_sub(now).filter(|d| !d.is_zero()) else {
@@ -787,9 +830,10 @@ mod tests {
     }
 
     /// A request held at B to ride on A's prefill wakes when A's first-byte tip arrives in a
-    /// load update, not at its deadline; with no answer it gives up at the deadline.
+    /// load update, not at its deadline; with no answer it gives up at the deadline. One that
+    /// rides on too little of it is not held.
     #[tokio::test]
-    async fn a_wait_on_a_peers_prefill_ends_at_its_first_byte_update() {
+    async fn a_request_held_on_a_peers_prefill_goes_at_its_first_byte_update() {
         use crate::core::router::{Decision, RouteRequest};
         use crate::core::view::Health;
         use crate::node::config::{MeshSection, NodeConfig};
@@ -812,6 +856,11 @@ mod tests {
                 certs_dir: Some(certs.path().to_owned()),
                 ..MeshSection::default()
             }),
+            // Prompts of a few blocks here: any prefill is long enough to hold on.
+            hold: crate::node::config::hold::HoldSection {
+                min_prefill_tokens: 16,
+                ..Default::default()
+            },
             ..NodeConfig::default()
         };
         for id in ["a", "b"] {
@@ -857,14 +906,15 @@ mod tests {
         // No answer: the wait gives up at its deadline.
         let soon = b.now() + Duration::from_millis(50);
         assert!(!b.wait_for_peer_prefill(0, &follow_up, 6, soon).await);
-        // The answer comes while B waits (deadline far off): B wakes at once.
+        // Credited with 2 of 9 blocks: too little rides on A's prefill to wait for it.
+        let not_held = b.hold_on_peer_prefill(0, &follow_up, 2).await;
+        assert_eq!(not_held, HoldOutcome::NotHeld);
+        // Credited with A's 6 of 9: held; the answer comes while B waits (deadline 20 s off),
+        // and B sends it at once.
         let waiter = {
             let b = b.clone();
             let keys = follow_up.clone();
-            tokio::spawn(async move {
-                let deadline = b.now() + Duration::from_secs(60);
-                b.wait_for_peer_prefill(0, &keys, 6, deadline).await
-            })
+            tokio::spawn(async move { b.hold_on_peer_prefill(0, &keys, 6).await })
         };
         // One thread (`tokio::test`): yielding runs the waiter until it parks on the wake-up.
         for _ in 0..4 {
@@ -874,7 +924,8 @@ mod tests {
         ticket.first_byte(&parent);
         b.apply_load_update(from, send(&a));
         let woke = tokio::time::timeout(Duration::from_secs(10), waiter).await;
-        assert!(matches!(woke, Ok(Ok(true))), "{woke:?}");
+        assert!(matches!(woke, Ok(Ok(HoldOutcome::Released))), "{woke:?}");
+        assert_eq!(b.holds.held_now(), 0, "its slot is given back");
     }
 
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a

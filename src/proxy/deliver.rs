@@ -30,7 +30,7 @@ use super::understand::Understood;
 use crate::core::keys::BlockKey;
 use crate::core::pd::PdPair;
 use crate::core::router::{Decision, RouteRequest, Routed};
-use crate::node::{Endpoint, Node, Ticket};
+use crate::node::{Endpoint, HoldOutcome, Node, Ticket};
 
 /// A body at least this big that every replica tried cut off mid-upload is answered with 413:
 /// over someone's size limit is the likeliest reason.
@@ -420,13 +420,13 @@ impl Attempt<'_, '_> {
         let body = hinted.as_ref().unwrap_or(&self.d.u.body);
         // While the replica still computes the prompt this request was credited with, the
         // request waits for that prefill's first byte: sent now, the engine would recompute it
-        // in parallel (`node/hold.rs`).
-        let r = &target.routed;
-        self.d
-            .node
-            .holds
-            .before_send(r.replica, keys, r.hit_blocks)
-            .await;
+        // in parallel (`node/hold.rs`). This node's own prefills first, then the region's
+        // other nodes' (known by their tips).
+        let (node, r) = (self.d.node, &target.routed);
+        if node.holds.before_send(r.replica, keys, r.hit_blocks).await == HoldOutcome::NotHeld {
+            node.hold_on_peer_prefill(r.replica, keys, r.hit_blocks)
+                .await;
+        }
         let sent_at = Instant::now();
         let answer = self
             .send_hedged(&mut target, headers, body, keys, &mut p.tried)

@@ -496,6 +496,44 @@ mod tests {
     use super::*;
     use crate::core::view::{ReplicaInfo, View};
 
+    /// Two meshed nodes, A and B, of one region over one healthy replica `r0` predicted to
+    /// prefill `prefill_tokens_per_s`, holding by `hold`; their certificates in `certs`.
+    fn two_meshed_nodes(
+        certs: &tempfile::TempDir,
+        prefill_tokens_per_s: f64,
+        hold: crate::node::config::hold::HoldSection,
+    ) -> (Arc<Node>, Arc<Node>) {
+        use crate::core::view::Health;
+        use crate::node::config::{MeshSection, NodeConfig};
+        use crate::replicas::entry::ReplicaConfig;
+
+        crate::proxy::install_crypto_provider();
+        crate::mesh::certs::init_dir(certs.path()).unwrap();
+        let cfg = |id: &str| NodeConfig {
+            replicas: vec![ReplicaConfig {
+                id: Some("r0".into()),
+                models: vec!["m".into()],
+                prefill_tokens_per_s,
+                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
+            }],
+            mesh: Some(MeshSection {
+                node_id: id.into(),
+                certs_dir: Some(certs.path().to_owned()),
+                ..MeshSection::default()
+            }),
+            hold: hold.clone(),
+            ..NodeConfig::default()
+        };
+        for id in ["a", "b"] {
+            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
+        }
+        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
+        for n in [&a, &b] {
+            n.lock().view.set_health(0, Health::Healthy);
+        }
+        (a, b)
+    }
+
     #[test]
     fn a_routed_prompt_is_named_with_its_ladder_and_a_shared_prefix_once() {
         // Two questions under one 32-block system prompt, routed to replica 0 between two
@@ -659,37 +697,11 @@ mod tests {
     #[test]
     fn a_first_byte_tells_the_peers_the_prompt_is_cached_now() {
         use crate::core::router::{Decision, RouteRequest};
-        use crate::core::view::Health;
-        use crate::node::config::{MeshSection, NodeConfig};
-        use crate::replicas::entry::ReplicaConfig;
 
-        crate::proxy::install_crypto_provider();
-        let replica = || ReplicaConfig {
-            id: Some("r0".into()),
-            models: vec!["m".into()],
-            // Predicted far slower than it runs: a 96-token prompt's prefill is predicted
-            // to take ~96 s.
-            prefill_tokens_per_s: 1.0,
-            ..ReplicaConfig::from_url("http://10.0.0.1:8000")
-        };
+        // Predicted far slower than it runs: a 96-token prompt's prefill is predicted to take
+        // ~96 s.
         let certs = tempfile::tempdir().unwrap();
-        crate::mesh::certs::init_dir(certs.path()).unwrap();
-        let cfg = |id: &str| NodeConfig {
-            replicas: vec![replica()],
-            mesh: Some(MeshSection {
-                node_id: id.into(),
-                certs_dir: Some(certs.path().to_owned()),
-                ..MeshSection::default()
-            }),
-            ..NodeConfig::default()
-        };
-        for id in ["a", "b"] {
-            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
-        }
-        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
-        for n in [&a, &b] {
-            n.lock().view.set_health(0, Health::Healthy);
-        }
+        let (a, b) = two_meshed_nodes(&certs, 1.0, Default::default());
         let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
         let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
         let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
@@ -738,33 +750,12 @@ mod tests {
     fn a_peers_prefill_is_under_way_at_this_node_until_its_first_byte_tip() {
         use crate::core::peer_tips::PeerPrefill;
         use crate::core::router::{Decision, RouteRequest};
-        use crate::core::view::Health;
-        use crate::node::config::{MeshSection, NodeConfig};
-        use crate::replicas::entry::ReplicaConfig;
 
-        crate::proxy::install_crypto_provider();
+        // The replica's default prefill rate: its predicted end passes while the test runs.
+        let default_rate =
+            crate::replicas::entry::ReplicaConfig::from_url("http://r").prefill_tokens_per_s;
         let certs = tempfile::tempdir().unwrap();
-        crate::mesh::certs::init_dir(certs.path()).unwrap();
-        let cfg = |id: &str| NodeConfig {
-            replicas: vec![ReplicaConfig {
-                id: Some("r0".into()),
-                models: vec!["m".into()],
-                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
-            }],
-            mesh: Some(MeshSection {
-                node_id: id.into(),
-                certs_dir: Some(certs.path().to_owned()),
-                ..MeshSection::default()
-            }),
-            ..NodeConfig::default()
-        };
-        for id in ["a", "b"] {
-            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
-        }
-        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
-        for n in [&a, &b] {
-            n.lock().view.set_health(0, Health::Healthy);
-        }
+        let (a, b) = two_meshed_nodes(&certs, default_rate, Default::default());
         let flush = |n: &Arc<Node>| {
             let now = n.now();
             let mut core = n.lock();
@@ -835,41 +826,19 @@ mod tests {
     #[tokio::test]
     async fn a_request_held_on_a_peers_prefill_goes_at_its_first_byte_update() {
         use crate::core::router::{Decision, RouteRequest};
-        use crate::core::view::Health;
-        use crate::node::config::{MeshSection, NodeConfig};
         use crate::node::mesh_state::Peer;
-        use crate::replicas::entry::ReplicaConfig;
 
-        crate::proxy::install_crypto_provider();
+        // A 96-token prompt predicted to take ~96 s: a first byte is the only news; prompts of
+        // a few blocks here, so any prefill is long enough to hold on.
         let certs = tempfile::tempdir().unwrap();
-        crate::mesh::certs::init_dir(certs.path()).unwrap();
-        let cfg = |id: &str| NodeConfig {
-            replicas: vec![ReplicaConfig {
-                id: Some("r0".into()),
-                models: vec!["m".into()],
-                // A 96-token prompt predicted to take ~96 s: a first byte is the only news.
-                prefill_tokens_per_s: 1.0,
-                ..ReplicaConfig::from_url("http://10.0.0.1:8000")
-            }],
-            mesh: Some(MeshSection {
-                node_id: id.into(),
-                certs_dir: Some(certs.path().to_owned()),
-                ..MeshSection::default()
-            }),
-            // Prompts of a few blocks here: any prefill is long enough to hold on.
-            hold: crate::node::config::hold::HoldSection {
+        let (a, b) = two_meshed_nodes(
+            &certs,
+            1.0,
+            crate::node::config::hold::HoldSection {
                 min_prefill_tokens: 16,
                 ..Default::default()
             },
-            ..NodeConfig::default()
-        };
-        for id in ["a", "b"] {
-            crate::mesh::certs::issue_in_dir(certs.path(), id).unwrap();
-        }
-        let (a, b) = (Node::new(cfg("a")).unwrap(), Node::new(cfg("b")).unwrap());
-        for n in [&a, &b] {
-            n.lock().view.set_health(0, Health::Healthy);
-        }
+        );
         let from: SocketAddr = "127.0.0.1:7001".parse().unwrap();
         b.status().peers.push(Peer {
             node_id: "a".into(),

@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use super::keys::BlockKey;
+use super::keys::{shared_blocks, BlockKey};
 
 /// Most prefills listed per replica: beyond it a new one is not listed (nothing rides on it).
 pub const MAX_PREFILLING_PER_REPLICA: usize = 64;
@@ -114,22 +114,6 @@ struct PerReplica {
     prefilling: Vec<Prefilling>,
     /// Requests held for it.
     held: u32,
-}
-
-/// Leading blocks `a` and `b` share. Key *i* depends on blocks 0..=i, so prefixes are equal
-/// exactly up to the first differing key, and equality is monotone: a binary search.
-pub fn common_prefix(a: &[BlockKey], b: &[BlockKey]) -> usize {
-    let (mut lo, mut hi) = (0, a.len().min(b.len()));
-    // Invariant: a[..lo] == b[..lo]; a[..=hi] != b[..=hi] unless hi is the shorter length.
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if a[mid - 1] == b[mid - 1] {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    lo
 }
 
 /// Blocks of a `prompt_blocks`-block prompt a request must ride on to be held: at least
@@ -252,7 +236,7 @@ impl PrefillBook {
             .iter()
             .filter(|p| p.deadline > now)
             .map(|p| {
-                let shared = common_prefix(credited, &p.keys);
+                let shared = shared_blocks(credited, &p.keys);
                 (p, shared.saturating_sub(p.hit_blocks as usize))
             })
             .filter(|&(_, riding)| riding >= need)
@@ -325,20 +309,6 @@ mod tests {
         };
         assert_eq!(peer_plan(&off, 1000, 900, 800, now), None);
         assert_eq!(peer_plan(&rule, 0, 0, 800, now), None);
-    }
-
-    #[test]
-    fn the_common_prefix_is_the_first_differing_key() {
-        let a = chain(1, 100);
-        let mut b = a.clone();
-        assert_eq!(common_prefix(&a, &b), 100);
-        assert_eq!(common_prefix(&a, &b[..40]), 40);
-        b[57] = BlockKey(9);
-        b.truncate(58);
-        // Chained keys differ from the first differing block on.
-        assert_eq!(common_prefix(&a, &b), 57);
-        assert_eq!(common_prefix(&a, &chain(2, 10)), 0);
-        assert_eq!(common_prefix(&[], &a), 0);
     }
 
     #[test]

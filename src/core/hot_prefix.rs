@@ -52,7 +52,7 @@ use serde::Deserialize;
 
 use super::cost::CostModel;
 use super::hot_sketch::{HotSketch, MAX_COUNTERS};
-use super::keys::BlockKey;
+use super::keys::{shared_blocks, BlockKey};
 use super::tenants::Tenants;
 use super::view::{Health, View};
 
@@ -425,7 +425,7 @@ impl HotPrefixes {
         self.onset.add(key, now);
         if let Some(c) = self.candidates.iter_mut().find(|c| c.key == key) {
             c.seen = c.seen.saturating_add(1);
-            c.lcp = common_blocks(&c.chain[..c.lcp], req.keys);
+            c.lcp = shared_blocks(&c.chain[..c.lcp], req.keys);
             return;
         }
         let Some(text) = req.text else {
@@ -766,22 +766,6 @@ fn warm_by_pull(
         predicted_s,
         format: t.info.kv_load.map(|l| l.hints).unwrap_or_default(),
     })
-}
-
-/// Leading blocks `a` and `b` share. Keys are chained (key `j` names blocks `0..=j`), so
-/// "equal at `j`" is monotone in `j` and a binary search finds the run.
-fn common_blocks(a: &[BlockKey], b: &[BlockKey]) -> usize {
-    let n = a.len().min(b.len());
-    let (mut lo, mut hi) = (0, n);
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if a[mid - 1] == b[mid - 1] {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    lo
 }
 
 /// The largest char boundary of `s` at or below `i`.
@@ -1435,16 +1419,5 @@ mod tests {
         h.gossip_top(ms(1000), &mut top);
         assert_eq!(top.len(), 1, "one-off suffixes share the hot first-k key");
         assert!(top[0].1 > 5.0);
-    }
-
-    #[test]
-    fn common_blocks_is_the_shared_run() {
-        let (_, a) = prompt("0123456789abcdef", 1);
-        let (_, b) = prompt("0123456789abcdef", 2);
-        assert_eq!(common_blocks(&a, &b), 8);
-        assert_eq!(common_blocks(&a, &a), a.len());
-        assert_eq!(common_blocks(&a[..3], &b), 3);
-        assert_eq!(common_blocks(&[], &b), 0);
-        assert_eq!(floor_char_boundary("aé", 2), 1);
     }
 }

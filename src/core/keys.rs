@@ -115,10 +115,42 @@ pub fn chain_tokens(parent: u64, block: &[u32]) -> u64 {
     xxh3_64_with_seed(&buf, parent)
 }
 
+/// Leading blocks two prompts' keys share. Keys are chained (key `i` names blocks `0..=i`), so
+/// prompts are equal exactly up to their first differing key and "equal at `i`" is monotone in
+/// `i`: a binary search, `O(log n)` compares.
+pub fn shared_blocks(a: &[BlockKey], b: &[BlockKey]) -> usize {
+    let (mut lo, mut hi) = (0, a.len().min(b.len()));
+    // Invariant: a[..lo] == b[..lo], and the keys differ at some index below `hi` unless `hi` is
+    // the shorter length.
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if a[mid - 1] == b[mid - 1] {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_shared_run_is_up_to_the_first_differing_key() {
+        let a = (0..100).map(|i| BlockKey(1 << 32 | i)).collect::<Vec<_>>();
+        let mut b = a.clone();
+        assert_eq!(shared_blocks(&a, &b), 100);
+        assert_eq!(shared_blocks(&a, &b[..40]), 40);
+        b[57] = BlockKey(9);
+        b.truncate(58);
+        // Chained keys differ from the first differing block on.
+        assert_eq!(shared_blocks(&a, &b), 57);
+        assert_eq!(shared_blocks(&a, &[BlockKey(2 << 32)]), 0);
+        assert_eq!(shared_blocks(&[], &a), 0);
+    }
 
     fn keys(ns: Namespace, text: &[u8], bb: usize) -> Vec<BlockKey> {
         let mut v = Vec::new();

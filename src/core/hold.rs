@@ -64,6 +64,15 @@ impl Default for HoldRule {
     }
 }
 
+impl HoldRule {
+    /// Whether a prefill of a `prompt_blocks` prompt credited with `hit_blocks` is long enough
+    /// to be listed for requests to ride on ([`HoldRule::min_blocks`] computed, the rule on).
+    pub fn lists(&self, prompt_blocks: usize, hit_blocks: u32) -> bool {
+        let computes = prompt_blocks.saturating_sub(hit_blocks as usize);
+        self.enabled && computes >= self.min_blocks.max(1) as usize
+    }
+}
+
 /// One long prefill this node sent to a replica, with no first byte yet.
 #[derive(Clone, Debug)]
 pub struct Prefilling {
@@ -156,8 +165,7 @@ impl PrefillBook {
         now: Duration,
         ready_in: Duration,
     ) -> Option<u64> {
-        let computes = keys.len().saturating_sub(hit_blocks as usize);
-        if !rule.enabled || computes < rule.min_blocks.max(1) as usize {
+        if !rule.lists(keys.len(), hit_blocks) {
             return None;
         }
         if self.replicas.len() <= i {

@@ -8,6 +8,7 @@
 //! decisions see it. A client that leaves drops the wait: its slot is given back, counted as
 //! `client_gone`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,8 @@ pub struct Holds {
     start: Instant,
     /// Listed prefills and held counts. Taken alone or inside the core's lock, never around it.
     book: Mutex<PrefillBook>,
+    /// Prefills listed in `book`, all replicas: with none, a request skips the book's lock.
+    listed: AtomicUsize,
     /// Woken whenever a listed prefill is unlisted.
     unlisted: tokio::sync::Notify,
     /// `kvmesh_requests_held_total{outcome}`: `released` (the prefill's first byte, or its end),
@@ -81,6 +84,7 @@ impl Holds {
             rule,
             start,
             book: Mutex::new(PrefillBook::default()),
+            listed: AtomicUsize::new(0),
             unlisted: tokio::sync::Notify::new(),
             held,
             wait_seconds,
@@ -103,16 +107,21 @@ impl Holds {
         now: Duration,
         ready_in: Duration,
     ) -> Option<u64> {
-        if !self.rule.enabled {
+        // Most prompts are too short to ride on: no lock for them.
+        if !self.rule.lists(keys.len(), hit_blocks) {
             return None;
         }
-        self.book()
-            .started(&self.rule, i, keys, hit_blocks, now, ready_in)
+        let id = self
+            .book()
+            .started(&self.rule, i, keys, hit_blocks, now, ready_in)?;
+        self.listed.fetch_add(1, Ordering::Relaxed);
+        Some(id)
     }
 
     /// Prefill `id` at replica `i` had its first byte or ended: unlisted, its riders woken.
     pub(super) fn done(&self, i: usize, id: u64) {
         if self.book().done(i, id) {
+            self.listed.fetch_sub(1, Ordering::Relaxed);
             self.unlisted.notify_waiters();
         }
     }
@@ -174,7 +183,8 @@ impl Holds {
     /// a request that does not qualify (no allocation, one short lock).
     pub async fn before_send(&self, i: usize, keys: &[BlockKey], hit_blocks: u32) -> HoldOutcome {
         let holds = self;
-        if !holds.rule.enabled || hit_blocks == 0 {
+        // No long prefill listed anywhere (the common case): nothing to ride on, no lock.
+        if !holds.rule.enabled || hit_blocks == 0 || holds.listed.load(Ordering::Relaxed) == 0 {
             return HoldOutcome::NotHeld;
         }
         let plan = {

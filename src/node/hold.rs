@@ -14,8 +14,13 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 
+use std::net::SocketAddr;
+
+use crate::core::empty_holders::Noted;
 use crate::core::hold::{HoldRule, PrefillBook};
 use crate::core::keys::BlockKey;
+use crate::core::peer_tips::PeerPrefill;
+use crate::core::unanswered_claims::{engine_denies, UnansweredClaims, UNANSWERED_TO_BAR};
 
 /// The node's hold state: the book, the rule, the wake-up, the metrics.
 pub struct Holds {
@@ -29,8 +34,12 @@ pub struct Holds {
     listed: AtomicUsize,
     /// Woken whenever a listed prefill is unlisted.
     unlisted: tokio::sync::Notify,
+    /// Region peers whose claimed prefills went unanswered, and their bars. Taken alone or
+    /// inside the core's lock, never around it.
+    claims: Mutex<UnansweredClaims>,
     /// `kvmesh_requests_held_total{outcome}`: `released` (the prefill's first byte, or its end),
-    /// `deadline`, `full` (qualified, no slot: sent at once), `client_gone`.
+    /// `deadline`, `full` (qualified, no slot: sent at once), `client_gone`, `distrusted` (a
+    /// region peer's claim it would have ridden on was not trusted: `core::unanswered_claims`).
     held: IntCounterVec,
     /// `kvmesh_request_hold_seconds`: how long each held request waited.
     wait_seconds: Histogram,
@@ -86,6 +95,7 @@ impl Holds {
             book: Mutex::new(PrefillBook::default()),
             listed: AtomicUsize::new(0),
             unlisted: tokio::sync::Notify::new(),
+            claims: Mutex::new(UnansweredClaims::new()),
             held,
             wait_seconds,
         })
@@ -244,5 +254,47 @@ impl Holds {
     /// The rule, from `[hold]`.
     pub fn rule(&self) -> &HoldRule {
         &self.rule
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, UnansweredClaims> {
+        self.claims
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a region peer's claimed prefill `p` may hold a request at `now`: its peer is
+    /// not barred, and the replica's engine, reporting `engine` = (its requests, this node's
+    /// own there), does not contradict it (`core::unanswered_claims`). A claim with no sender
+    /// (not from a load update) is trusted.
+    pub fn trusts(&self, p: &PeerPrefill, now: Duration, engine: (u32, u32)) -> bool {
+        let Some(c) = p.claim else {
+            return true;
+        };
+        !engine_denies(c.at, now, engine.0, engine.1) && !self.claims().is_barred(c.from, now)
+    }
+
+    /// A request qualified to ride on a region peer's claim this node does not trust: sent at
+    /// once, counted `distrusted`.
+    pub fn count_distrusted(&self) {
+        self.held.with_label_values(&["distrusted"]).inc();
+    }
+
+    /// A hold on the claim of the peer at `from` ending in `claim` ended at `now`, `answered`
+    /// by its first byte or not: evidence for or against the peer. The bar is logged once.
+    pub fn judge(&self, from: SocketAddr, claim: BlockKey, answered: bool, now: Duration) {
+        let mut claims = self.claims();
+        if answered {
+            claims.note_answered(from, claim);
+            return;
+        }
+        if let Noted::Barred(until) = claims.note_unanswered(from, claim, now) {
+            drop(claims);
+            tracing::warn!(
+                peer = %from,
+                unanswered = UNANSWERED_TO_BAR,
+                barred_for_s = until.saturating_sub(now).as_secs(),
+                "a region peer's claimed prefills went unanswered: not holding on its claims"
+            );
+        }
     }
 }

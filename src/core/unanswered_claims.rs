@@ -245,7 +245,7 @@ mod tests {
     }
 
     #[test]
-    fn the_map_is_capped_idle_peers_go_first_and_a_bar_survives_churn() {
+    fn the_map_is_capped_and_a_bar_survives_churn() {
         let mut u = UnansweredClaims::new();
         let a = peer(1);
         for k in 0..3 {

@@ -298,3 +298,46 @@ impl Holds {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::peer_tips::Claim;
+
+    fn s(secs: u64) -> Duration {
+        Duration::from_secs(secs)
+    }
+
+    /// The node's side of `core::unanswered_claims`: a claim the engine does not show past its
+    /// lag, or from a barred peer, holds nothing; the bar comes from judged outcomes.
+    #[test]
+    fn a_claim_holds_unless_its_engine_shows_nothing_or_its_peer_is_barred() {
+        let registry = Registry::new();
+        let holds = Holds::new(HoldRule::default(), Instant::now(), &registry).unwrap();
+        let from: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let p = PeerPrefill {
+            replica: 0,
+            blocks: 8,
+            ready: s(10),
+            claim: Some(Claim { from, at: s(10) }),
+        };
+        assert!(holds.trusts(&p, s(11), (0, 0)), "within the engine's lag");
+        assert!(
+            !holds.trusts(&p, s(14), (2, 2)),
+            "only this node's own there"
+        );
+        assert!(holds.trusts(&p, s(14), (3, 2)));
+        // Answers offset strikes; three unanswered claims within the minute bar the peer.
+        holds.judge(from, BlockKey(1), false, s(14));
+        holds.judge(from, BlockKey(2), false, s(15));
+        holds.judge(from, BlockKey(9), true, s(16));
+        holds.judge(from, BlockKey(3), false, s(17));
+        assert!(holds.trusts(&p, s(17), (3, 2)), "two strikes stand");
+        holds.judge(from, BlockKey(4), false, s(18));
+        assert!(!holds.trusts(&p, s(18), (3, 2)), "barred");
+        assert!(holds.trusts(&p, s(318), (3, 2)), "the bar lifts");
+        // A tip from no load update (the simulator's) is not judged.
+        let unclaimed = PeerPrefill { claim: None, ..p };
+        assert!(holds.trusts(&unclaimed, s(18), (0, 0)));
+    }
+}

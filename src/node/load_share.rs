@@ -875,6 +875,18 @@ mod tests {
         assert!(learn(&both, &other).is_empty());
     }
 
+    /// [`two_meshed_nodes`] holding on any prefill, for at most `max_wait_ms`: a 96-token
+    /// prompt is predicted to take ~96 s, so a first byte is the only news, and prompts of a
+    /// few blocks are long enough to hold on.
+    fn two_holding_nodes(certs: &tempfile::TempDir, max_wait_ms: u64) -> (Arc<Node>, Arc<Node>) {
+        let hold = crate::node::config::hold::HoldSection {
+            min_prefill_tokens: 16,
+            max_wait_ms,
+            ..Default::default()
+        };
+        two_meshed_nodes(certs, 1.0, hold)
+    }
+
     /// Makes A (at [`PEER`]) a live region peer of B; returns A's next load update to B, with
     /// the tips of what A routed since the last one.
     fn a_heard_by(a: &Arc<Node>, b: &Arc<Node>) -> impl FnMut() -> LoadUpdate {
@@ -913,17 +925,8 @@ mod tests {
     async fn a_request_held_on_a_peers_prefill_goes_at_its_first_byte_update() {
         use crate::core::router::{Decision, RouteRequest};
 
-        // A 96-token prompt predicted to take ~96 s: a first byte is the only news; prompts of
-        // a few blocks here, so any prefill is long enough to hold on.
         let certs = tempfile::tempdir().unwrap();
-        let (a, b) = two_meshed_nodes(
-            &certs,
-            1.0,
-            crate::node::config::hold::HoldSection {
-                min_prefill_tokens: 16,
-                ..Default::default()
-            },
-        );
+        let (a, b) = two_holding_nodes(&certs, 20_000);
         let from = PEER;
         let mut send = a_heard_by(&a, &b);
         let parent: Vec<BlockKey> = (0..6).map(BlockKey).collect();
@@ -967,15 +970,7 @@ mod tests {
         use crate::core::router::{Decision, RouteRequest};
 
         let certs = tempfile::tempdir().unwrap();
-        let (a, b) = two_meshed_nodes(
-            &certs,
-            1.0,
-            crate::node::config::hold::HoldSection {
-                min_prefill_tokens: 16,
-                max_wait_ms: 50,
-                ..Default::default()
-            },
-        );
+        let (a, b) = two_holding_nodes(&certs, 50);
         let mut send = a_heard_by(&a, &b);
         // A's tickets are kept, never answered: its prefills stay claimed under way.
         let mut claims = Vec::new();

@@ -24,7 +24,8 @@
 //! - [`regions`], [`affinity`], [`tenants`]: where, for whom, and which replica a session prefers;
 //!   [`tenant_salt`]: the engine's `cache_salt` of an authenticated tenant.
 //! - [`role`]: a replica's part in prefill/decode disaggregation; [`pd`]: the pair choice.
-//! - [`hold`]: holding a request while its replica still computes the prompt it rides on.
+//! - [`hold`]: holding a request while its replica still computes the prompt it rides on;
+//!   [`unanswered_claims`]: region peers whose claimed prefills never answer, not held on.
 //! - [`priority`], [`admission`]: priority classes, and the fair queue with deadlines where
 //!   requests wait when no replica has room.
 //! - [`router`]: one decision, from request and view to route, forward or reject.
@@ -65,4 +66,5 @@ pub mod summary;
 pub mod summary_slices;
 pub mod tenant_salt;
 pub mod tenants;
+pub mod unanswered_claims;
 pub mod view;

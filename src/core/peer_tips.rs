@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::keys::BlockKey;
@@ -159,6 +160,18 @@ struct Held {
     /// A tip sent at the prefill's first byte ([`PeerTips::insert_first_byte`]) arrived: the
     /// blocks are computed, not only predicted.
     first_byte: bool,
+    /// Who first claimed it under way, and when ([`PeerTips::insert_claim`]): a hold on it
+    /// that ends without its first byte counts against that peer (`core::unanswered_claims`).
+    claim: Option<Claim>,
+}
+
+/// A peer's claim that a prefill is under way: its sender and when it arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The region peer whose load update named it.
+    pub from: SocketAddr,
+    /// When this node received it (core time).
+    pub at: Duration,
 }
 
 /// Peer tips by tip key, bounded.
@@ -203,16 +216,22 @@ impl PeerTips {
     /// Records that a peer routed `blocks` blocks ending in `key` to `tip.replica`. Returns false
     /// when the store is full (the tip is dropped: the summary round will carry it).
     pub fn insert(&mut self, key: BlockKey, tip: Tip) -> bool {
-        self.put(key, tip, false)
+        self.put(key, tip, false, None)
+    }
+
+    /// [`PeerTips::insert`] for a tip a region peer sent, remembering its [`Claim`] (the first
+    /// claimer's, where several name one prefill): what a hold on it weighs.
+    pub fn insert_claim(&mut self, key: BlockKey, tip: Tip, claim: Claim) -> bool {
+        self.put(key, tip, false, Some(claim))
     }
 
     /// [`PeerTips::insert`] for a tip a peer sent at the prefill's first byte: the blocks are
     /// computed now, and the prefill no longer counts as under way ([`PeerTips::in_prefill`]).
     pub fn insert_first_byte(&mut self, key: BlockKey, tip: Tip) -> bool {
-        self.put(key, tip, true)
+        self.put(key, tip, true, None)
     }
 
-    fn put(&mut self, key: BlockKey, tip: Tip, first_byte: bool) -> bool {
+    fn put(&mut self, key: BlockKey, tip: Tip, first_byte: bool, claim: Option<Claim>) -> bool {
         if tip.blocks == 0 {
             return false;
         }
@@ -224,6 +243,7 @@ impl PeerTips {
             h.tip.ready = h.tip.ready.min(tip.ready);
             h.tip.until = h.tip.until.max(tip.until);
             h.first_byte |= first_byte;
+            h.claim = h.claim.or(claim);
             return true;
         }
         if self.len >= self.cap {
@@ -232,7 +252,11 @@ impl PeerTips {
             }
             return false;
         }
-        tips.push(Held { tip, first_byte });
+        tips.push(Held {
+            tip,
+            first_byte,
+            claim,
+        });
         self.len += 1;
         true
     }
@@ -327,6 +351,7 @@ impl PeerTips {
                     replica: t.replica,
                     blocks: t.blocks,
                     ready: t.ready,
+                    claim: h.claim,
                 };
                 match out.iter_mut().find(|e| e.replica == t.replica) {
                     Some(e) if e.blocks < p.blocks => *e = p,
@@ -339,14 +364,17 @@ impl PeerTips {
 
     /// The longest prefix of `keys`, of at least `min_blocks` blocks, that a peer sent to
     /// replica `i` and whose prefill has not answered yet (as [`PeerTips::in_prefill`], for one
-    /// replica). Looks up only the keys from `min_blocks` on, longest first, and stops at the
-    /// first found: the per-request check of a hold on a peer's prefill (`core::hold`).
+    /// replica) for which `counts` holds (the node leaves out claims it distrusts:
+    /// `core::unanswered_claims`). Looks up only the keys from `min_blocks` on, longest first,
+    /// and stops at the first found: the per-request check of a hold on a peer's prefill
+    /// (`core::hold`).
     pub fn in_prefill_at(
         &self,
         i: usize,
         keys: &[BlockKey],
         min_blocks: usize,
         now: Duration,
+        counts: impl Fn(&PeerPrefill) -> bool,
     ) -> Option<PeerPrefill> {
         if self.is_empty() {
             return None;
@@ -360,7 +388,20 @@ impl PeerTips {
                         replica: t.replica,
                         blocks: t.blocks,
                         ready: t.ready,
+                        claim: h.claim,
                     })
+                    .filter(|p| counts(p))
+            })
+        })
+    }
+
+    /// Whether a first-byte tip came for the `blocks`-block prefix ending in `key` at replica
+    /// `i` and still counts at `now`: a hold released on it was released by an answer, not by
+    /// the claim's expiry.
+    pub fn answered(&self, i: usize, key: BlockKey, blocks: u32, now: Duration) -> bool {
+        self.by_key.get(&key.0).is_some_and(|tips| {
+            tips.iter().any(|h| {
+                h.first_byte && h.tip.replica == i && h.tip.blocks == blocks && h.tip.until > now
             })
         })
     }
@@ -376,6 +417,8 @@ pub struct PeerPrefill {
     pub blocks: u32,
     /// When the peer predicted it done (may have passed: predictions of long prefills run early).
     pub ready: Duration,
+    /// Who claimed it, when (`None` for a tip not from a load update: the simulator's).
+    pub claim: Option<Claim>,
 }
 
 #[cfg(test)]
@@ -462,7 +505,10 @@ mod tests {
         assert!(t.insert(parent[3], tip(3, 4)));
         assert!(t.insert(parent[5], tip(1, 6)));
         let next = keys(12, 1);
-        let at = |t: &PeerTips, i, min| t.in_prefill_at(i, &next, min, 2 * S).map(|p| p.blocks);
+        let at = |t: &PeerTips, i, min| {
+            t.in_prefill_at(i, &next, min, 2 * S, |_| true)
+                .map(|p| p.blocks)
+        };
         assert_eq!(at(&t, 3, 1), Some(8));
         assert_eq!(at(&t, 3, 8), Some(8));
         assert_eq!(at(&t, 3, 9), None);
@@ -473,7 +519,35 @@ mod tests {
         assert_eq!(at(&t, 3, 1), Some(4));
         assert_eq!(at(&t, 3, 5), None);
         // Expired tips are not under way.
-        assert_eq!(t.in_prefill_at(1, &next, 1, 10 * S), None);
+        assert_eq!(t.in_prefill_at(1, &next, 1, 10 * S, |_| true), None);
+    }
+
+    #[test]
+    fn a_claim_names_its_first_sender_and_a_distrusted_one_is_passed_over_for_a_shorter() {
+        let mut t = PeerTips::default();
+        let parent = keys(8, 1);
+        let (a, b) = (
+            "10.0.0.1:7000".parse().unwrap(),
+            "10.0.0.2:7000".parse().unwrap(),
+        );
+        let claim = |from, at| Claim { from, at };
+        assert!(t.insert_claim(parent[7], tip(3, 8), claim(a, S)));
+        assert!(t.insert_claim(parent[7], tip(3, 8), claim(b, 2 * S)));
+        assert!(t.insert_claim(parent[3], tip(3, 4), claim(b, 2 * S)));
+        let next = keys(12, 1);
+        let found = t.in_prefill_at(3, &next, 1, 2 * S, |_| true).unwrap();
+        assert_eq!((found.blocks, found.claim), (8, Some(claim(a, S))));
+        // A's claims left out: B's shorter one.
+        let not_a = |p: &PeerPrefill| p.claim.is_some_and(|c| c.from != a);
+        let found = t.in_prefill_at(3, &next, 1, 2 * S, not_a).unwrap();
+        assert_eq!((found.blocks, found.claim), (4, Some(claim(b, 2 * S))));
+        // Answered: by a first-byte tip only, while it counts.
+        assert!(!t.answered(3, parent[7], 8, 2 * S));
+        assert!(t.insert_first_byte(parent[7], tip(3, 8)));
+        assert!(t.answered(3, parent[7], 8, 2 * S));
+        assert!(!t.answered(3, parent[7], 8, 10 * S), "expired");
+        assert!(!t.answered(2, parent[7], 8, 2 * S), "another replica");
+        assert!(!t.answered(3, parent[3], 4, 2 * S), "the rung is not");
     }
 
     #[test]
@@ -489,6 +563,7 @@ mod tests {
             replica: 3,
             blocks: 8,
             ready: S,
+            claim: None,
         }];
         t.in_prefill(&next, S / 2, &mut out);
         assert_eq!(out, under_way);
@@ -510,7 +585,8 @@ mod tests {
             vec![PeerPrefill {
                 replica: 3,
                 blocks: 4,
-                ready: S
+                ready: S,
+                claim: None,
             }]
         );
         assert!(t.insert_first_byte(

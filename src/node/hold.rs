@@ -14,8 +14,13 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 
+use std::net::SocketAddr;
+
+use crate::core::empty_holders::Noted;
 use crate::core::hold::{HoldRule, PrefillBook};
 use crate::core::keys::BlockKey;
+use crate::core::peer_tips::PeerPrefill;
+use crate::core::unanswered_claims::{engine_denies, UnansweredClaims, UNANSWERED_TO_BAR};
 
 /// The node's hold state: the book, the rule, the wake-up, the metrics.
 pub struct Holds {
@@ -29,8 +34,12 @@ pub struct Holds {
     listed: AtomicUsize,
     /// Woken whenever a listed prefill is unlisted.
     unlisted: tokio::sync::Notify,
+    /// Region peers whose claimed prefills went unanswered, and their bars. Taken alone or
+    /// inside the core's lock, never around it.
+    claims: Mutex<UnansweredClaims>,
     /// `kvmesh_requests_held_total{outcome}`: `released` (the prefill's first byte, or its end),
-    /// `deadline`, `full` (qualified, no slot: sent at once), `client_gone`.
+    /// `deadline`, `full` (qualified, no slot: sent at once), `client_gone`, `distrusted` (a
+    /// region peer's claim it would have ridden on was not trusted: `core::unanswered_claims`).
     held: IntCounterVec,
     /// `kvmesh_request_hold_seconds`: how long each held request waited.
     wait_seconds: Histogram,
@@ -86,6 +95,7 @@ impl Holds {
             book: Mutex::new(PrefillBook::default()),
             listed: AtomicUsize::new(0),
             unlisted: tokio::sync::Notify::new(),
+            claims: Mutex::new(UnansweredClaims::new()),
             held,
             wait_seconds,
         })
@@ -244,5 +254,90 @@ impl Holds {
     /// The rule, from `[hold]`.
     pub fn rule(&self) -> &HoldRule {
         &self.rule
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, UnansweredClaims> {
+        self.claims
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a region peer's claimed prefill `p` may hold a request at `now`: its peer is
+    /// not barred, and the replica's engine, reporting `engine` = (its requests, this node's
+    /// own there), does not contradict it (`core::unanswered_claims`). A claim with no sender
+    /// (not from a load update) is trusted.
+    pub fn trusts(&self, p: &PeerPrefill, now: Duration, engine: (u32, u32)) -> bool {
+        let Some(c) = p.claim else {
+            return true;
+        };
+        !engine_denies(c.at, now, engine.0, engine.1) && !self.claims().is_barred(c.from, now)
+    }
+
+    /// A request qualified to ride on a region peer's claim this node does not trust: sent at
+    /// once, counted `distrusted`.
+    pub fn count_distrusted(&self) {
+        self.held.with_label_values(&["distrusted"]).inc();
+    }
+
+    /// A hold on the claim of the peer at `from` ending in `claim` ended at `now`, `answered`
+    /// by its first byte or not: evidence for or against the peer. The bar is logged once.
+    pub fn judge(&self, from: SocketAddr, claim: BlockKey, answered: bool, now: Duration) {
+        let mut claims = self.claims();
+        if answered {
+            claims.note_answered(from, claim);
+            return;
+        }
+        if let Noted::Barred(until) = claims.note_unanswered(from, claim, now) {
+            drop(claims);
+            tracing::warn!(
+                peer = %from,
+                unanswered = UNANSWERED_TO_BAR,
+                barred_for_s = until.saturating_sub(now).as_secs(),
+                "a region peer's claimed prefills went unanswered: not holding on its claims"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::peer_tips::Claim;
+
+    fn s(secs: u64) -> Duration {
+        Duration::from_secs(secs)
+    }
+
+    /// The node's side of `core::unanswered_claims`: a claim the engine does not show past its
+    /// lag, or from a barred peer, holds nothing; the bar comes from judged outcomes.
+    #[test]
+    fn a_claim_holds_unless_its_engine_shows_nothing_or_its_peer_is_barred() {
+        let registry = Registry::new();
+        let holds = Holds::new(HoldRule::default(), Instant::now(), &registry).unwrap();
+        let from: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let p = PeerPrefill {
+            replica: 0,
+            blocks: 8,
+            ready: s(10),
+            claim: Some(Claim { from, at: s(10) }),
+        };
+        assert!(holds.trusts(&p, s(11), (0, 0)), "within the engine's lag");
+        assert!(
+            !holds.trusts(&p, s(14), (2, 2)),
+            "only this node's own there"
+        );
+        assert!(holds.trusts(&p, s(14), (3, 2)));
+        // Answers offset strikes; three unanswered claims within the minute bar the peer.
+        holds.judge(from, BlockKey(1), false, s(14));
+        holds.judge(from, BlockKey(2), false, s(15));
+        holds.judge(from, BlockKey(9), true, s(16));
+        holds.judge(from, BlockKey(3), false, s(17));
+        assert!(holds.trusts(&p, s(17), (3, 2)), "two strikes stand");
+        holds.judge(from, BlockKey(4), false, s(18));
+        assert!(!holds.trusts(&p, s(18), (3, 2)), "barred");
+        assert!(holds.trusts(&p, s(318), (3, 2)), "the bar lifts");
+        // A tip from no load update (the simulator's) is not judged.
+        let unclaimed = PeerPrefill { claim: None, ..p };
+        assert!(holds.trusts(&unclaimed, s(18), (0, 0)));
     }
 }

@@ -31,7 +31,7 @@ use super::state::{Core, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hold;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::Tip;
+use crate::core::peer_tips::{Claim, PeerPrefill, Tip};
 use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
     LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
@@ -124,7 +124,13 @@ const MAX_TIP_BLOCKS: u32 = 1 << 20;
 /// Puts a peer's routed prefixes into the view, for replicas of `region` it knows, and the ranks
 /// it named into those replicas' rank hints (a rank past the replica's ranks is dropped, the tip
 /// kept); returns how many it dropped (unknown replica, out of bounds, store full).
-fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) -> usize {
+fn learn_tips(
+    core: &mut Core,
+    tips: &[RoutedTip],
+    region: &str,
+    from: SocketAddr,
+    now: Duration,
+) -> usize {
     let view = &mut core.view;
     let mut dropped = 0;
     for t in tips {
@@ -154,7 +160,8 @@ fn learn_tips(core: &mut Core, tips: &[RoutedTip], region: &str, now: Duration) 
         let held = if t.first_byte {
             view.peer_tips.insert_first_byte(BlockKey(t.key), tip)
         } else {
-            view.peer_tips.insert(BlockKey(t.key), tip)
+            let claim = Claim { from, at: now };
+            view.peer_tips.insert_claim(BlockKey(t.key), tip, claim)
         };
         if !held {
             dropped += 1;
@@ -248,7 +255,7 @@ impl Node {
         match applied {
             Ok(a) => {
                 // Tips only from a datagram that was not stale (a late one's prefixes are old).
-                let dropped_tips = learn_tips(core, &tips, region, now);
+                let dropped_tips = learn_tips(core, &tips, region, from, now);
                 for id in &a.changed {
                     if let Some(i) = core.view.index_of(id) {
                         refresh_shared_load(core, i, cfg.max_tokens_per_request, now);
@@ -281,7 +288,10 @@ impl Node {
     /// `core::hold::peer_plan`), until that peer's first-byte tip, its tip's end, or the
     /// deadline. The region-wide half of the node's own hold (`Holds::before_send`): behind a
     /// balancer a turn's predecessor was routed by another node two times in three
-    /// (docs/mesh.md). Returns at once, without the node's lock, where nothing can qualify.
+    /// (docs/mesh.md). Only on claims this node trusts (`Holds::trusts`: the peer not barred
+    /// for unanswered claims, the engine not contradicting it); how the wait ends is evidence
+    /// for or against the claiming peer (`Holds::judge`). Returns at once, without the node's
+    /// lock, where nothing can qualify.
     pub async fn hold_on_peer_prefill(
         &self,
         i: usize,
@@ -295,14 +305,28 @@ impl Node {
         }
         let credited = &keys[..(hit_blocks as usize).min(keys.len())];
         let now = self.now();
-        let under_way = self
-            .lock()
-            .view
-            .peer_tips
-            .in_prefill_at(i, credited, need, now);
-        let Some(deadline) =
-            under_way.and_then(|p| hold::peer_plan(&rule, keys.len(), hit_blocks, p.blocks, now))
-        else {
+        let distrusted = std::cell::Cell::new(false);
+        let under_way = {
+            let core = self.lock();
+            let engine = core.view.replica(i).map_or((0, 0), |r| {
+                let l = &r.load;
+                (l.waiting.saturating_add(l.running), l.in_flight)
+            });
+            core.view
+                .peer_tips
+                .in_prefill_at(i, credited, need, now, |p| {
+                    let trusted = self.holds.trusts(p, now, engine);
+                    distrusted.set(distrusted.get() || !trusted);
+                    trusted
+                })
+        };
+        let plan = under_way.and_then(|p| {
+            hold::peer_plan(&rule, keys.len(), hit_blocks, p.blocks, now).map(|d| (p, d))
+        });
+        let Some((claimed, deadline)) = plan else {
+            if distrusted.get() {
+                self.holds.count_distrusted();
+            }
             return HoldOutcome::NotHeld;
         };
         let Some(slot) = self.holds.take_slot(i) else {
@@ -312,11 +336,30 @@ impl Node {
         let released = self
             .wait_for_peer_prefill(i, credited, need as u32, deadline)
             .await;
+        self.judge_claim(i, credited, &claimed, released);
         slot.end(if released {
             HoldOutcome::Released
         } else {
             HoldOutcome::Deadline
         })
+    }
+
+    /// Counts how a hold on the peer's `claimed` prefill of `keys` at replica `i` ended: for
+    /// the peer where its first-byte tip came, against it where the wait ended without one
+    /// (`released` false: the deadline; or the claim expired unanswered).
+    fn judge_claim(&self, i: usize, keys: &[BlockKey], claimed: &PeerPrefill, released: bool) {
+        let tip = (claimed.blocks as usize).checked_sub(1);
+        let (Some(claim), Some(&key)) = (claimed.claim, tip.and_then(|j| keys.get(j))) else {
+            return;
+        };
+        let now = self.now();
+        let answered = released
+            && self
+                .lock()
+                .view
+                .peer_tips
+                .answered(i, key, claimed.blocks, now);
+        self.holds.judge(claim.from, key, answered, now);
     }
 
     /// Waits until no prefill a peer sent to replica `i` of at least `blocks` leading blocks of
@@ -341,11 +384,11 @@ impl Node {
             tokio::pin!(answered);
             answered.as_mut().enable();
             let now = self.now();
-            let under_way = self
-                .lock()
-                .view
-                .peer_tips
-                .in_prefill_at(i, keys, blocks as usize, now);
+            let under_way =
+                self.lock()
+                    .view
+                    .peer_tips
+                    .in_prefill_at(i, keys, blocks as usize, now, |_| true);
             if under_way.is_none() {
                 return true;
             }
@@ -495,6 +538,12 @@ pub(super) async fn share_load(
 mod tests {
     use super::*;
     use crate::core::view::{ReplicaInfo, View};
+
+    /// The region peer A's address, as B's load updates come from it.
+    const PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::new(127, 0, 0, 1),
+        7001,
+    ));
 
     /// Two meshed nodes, A and B, of one region over one healthy replica `r0` predicted to
     /// prefill `prefill_tokens_per_s`, holding by `hold`; their certificates in `certs`.
@@ -676,7 +725,13 @@ mod tests {
                 rank: Some(rank),
                 first_byte: false,
             };
-            let dropped = learn_tips(&mut core, &[tip(3, 4, 2), tip(77, 1, 9)], &region, now);
+            let dropped = learn_tips(
+                &mut core,
+                &[tip(3, 4, 2), tip(77, 1, 9)],
+                &region,
+                PEER,
+                now,
+            );
             assert_eq!(dropped, 0);
             assert_eq!(core.replicas[0].rank_hints.len(), 1);
         }
@@ -724,7 +779,7 @@ mod tests {
             let now = b.now();
             let mut core = b.lock();
             let region = core.view.local_region.clone();
-            assert_eq!(learn_tips(&mut core, tips, &region, now), 0);
+            assert_eq!(learn_tips(&mut core, tips, &region, PEER, now), 0);
             let mut hits = Vec::new();
             core.view.peer_tips.hits(&keys, now, &mut hits);
             hits
@@ -773,7 +828,7 @@ mod tests {
             let now = b.now();
             let mut core = b.lock();
             let region = core.view.local_region.clone();
-            assert_eq!(learn_tips(&mut core, tips, &region, now), 0);
+            assert_eq!(learn_tips(&mut core, tips, &region, PEER, now), 0);
             let mut out = Vec::new();
             core.view.peer_tips.in_prefill(follow_up, now, &mut out);
             out.iter()
@@ -820,36 +875,32 @@ mod tests {
         assert!(learn(&both, &other).is_empty());
     }
 
-    /// A request held at B to ride on A's prefill wakes when A's first-byte tip arrives in a
-    /// load update, not at its deadline; with no answer it gives up at the deadline. One that
-    /// rides on too little of it is not held.
-    #[tokio::test]
-    async fn a_request_held_on_a_peers_prefill_goes_at_its_first_byte_update() {
-        use crate::core::router::{Decision, RouteRequest};
-        use crate::node::mesh_state::Peer;
+    /// [`two_meshed_nodes`] holding on any prefill, for at most `max_wait_ms`: a 96-token
+    /// prompt is predicted to take ~96 s, so a first byte is the only news, and prompts of a
+    /// few blocks are long enough to hold on.
+    fn two_holding_nodes(certs: &tempfile::TempDir, max_wait_ms: u64) -> (Arc<Node>, Arc<Node>) {
+        let hold = crate::node::config::hold::HoldSection {
+            min_prefill_tokens: 16,
+            max_wait_ms,
+            ..Default::default()
+        };
+        two_meshed_nodes(certs, 1.0, hold)
+    }
 
-        // A 96-token prompt predicted to take ~96 s: a first byte is the only news; prompts of
-        // a few blocks here, so any prefill is long enough to hold on.
-        let certs = tempfile::tempdir().unwrap();
-        let (a, b) = two_meshed_nodes(
-            &certs,
-            1.0,
-            crate::node::config::hold::HoldSection {
-                min_prefill_tokens: 16,
-                ..Default::default()
-            },
-        );
-        let from: SocketAddr = "127.0.0.1:7001".parse().unwrap();
-        b.status().peers.push(Peer {
+    /// Makes A (at [`PEER`]) a live region peer of B; returns A's next load update to B, with
+    /// the tips of what A routed since the last one.
+    fn a_heard_by(a: &Arc<Node>, b: &Arc<Node>) -> impl FnMut() -> LoadUpdate {
+        b.status().peers.push(crate::node::mesh_state::Peer {
             node_id: "a".into(),
             region: b.cfg.region.clone(),
             http_url: "http://127.0.0.1:7000".into(),
-            quic_addr: from,
+            quic_addr: PEER,
         });
+        let a = a.clone();
         let mut seq = 0;
-        let mut send = |n: &Arc<Node>| {
-            let now = n.now();
-            let mut core = n.lock();
+        move || {
+            let now = a.now();
+            let mut core = a.lock();
             let core = &mut *core;
             let tips = routed_tips(
                 &core.pending_tips,
@@ -864,14 +915,27 @@ mod tests {
                 entries: Vec::new(),
                 tips,
             }
-        };
+        }
+    }
+
+    /// A request held at B to ride on A's prefill wakes when A's first-byte tip arrives in a
+    /// load update, not at its deadline; with no answer it gives up at the deadline. One that
+    /// rides on too little of it is not held.
+    #[tokio::test]
+    async fn a_request_held_on_a_peers_prefill_goes_at_its_first_byte_update() {
+        use crate::core::router::{Decision, RouteRequest};
+
+        let certs = tempfile::tempdir().unwrap();
+        let (a, b) = two_holding_nodes(&certs, 20_000);
+        let from = PEER;
+        let mut send = a_heard_by(&a, &b);
         let parent: Vec<BlockKey> = (0..6).map(BlockKey).collect();
         let follow_up: Vec<BlockKey> = (0..9).map(BlockKey).collect();
         let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
         let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
             panic!("A routes to r0");
         };
-        b.apply_load_update(from, send(&a));
+        b.apply_load_update(from, send());
         // No answer: the wait gives up at its deadline.
         let soon = b.now() + Duration::from_millis(50);
         assert!(!b.wait_for_peer_prefill(0, &follow_up, 6, soon).await);
@@ -891,10 +955,41 @@ mod tests {
         }
         assert!(!waiter.is_finished(), "still under way");
         ticket.first_byte(&parent);
-        b.apply_load_update(from, send(&a));
+        b.apply_load_update(from, send());
         let woke = tokio::time::timeout(Duration::from_secs(10), waiter).await;
         assert!(matches!(woke, Ok(Ok(HoldOutcome::Released))), "{woke:?}");
         assert_eq!(b.holds.held_now(), 0, "its slot is given back");
+    }
+
+    /// A member whose tips claim long prefills that never answer (or whose first-byte tips
+    /// never come): B holds a request on each of three such claims until its deadline, then
+    /// holds on none of A's claims (`core::unanswered_claims`): the request riding on the
+    /// fourth goes at once.
+    #[tokio::test]
+    async fn a_peers_claims_that_never_answer_hold_three_requests_then_none() {
+        use crate::core::router::{Decision, RouteRequest};
+
+        let certs = tempfile::tempdir().unwrap();
+        let (a, b) = two_holding_nodes(&certs, 50);
+        let mut send = a_heard_by(&a, &b);
+        // A's tickets are kept, never answered: its prefills stay claimed under way.
+        let mut claims = Vec::new();
+        let mut outcomes = Vec::new();
+        for claim in 0..4u64 {
+            let prompt =
+                |n: u64| -> Vec<BlockKey> { (0..n).map(|j| BlockKey(claim << 32 | j)).collect() };
+            let parent = prompt(6);
+            let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
+            let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
+                panic!("A routes to r0");
+            };
+            claims.push(ticket);
+            b.apply_load_update(PEER, send());
+            outcomes.push(b.hold_on_peer_prefill(0, &prompt(9), 6).await);
+        }
+        use HoldOutcome::{Deadline, NotHeld};
+        assert_eq!(outcomes, [Deadline, Deadline, Deadline, NotHeld]);
+        assert_eq!(b.holds.held_now(), 0);
     }
 
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a

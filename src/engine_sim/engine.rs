@@ -824,14 +824,22 @@ mod tests {
         })
     }
 
-    #[test]
-    fn a_copy_arriving_mid_prefill_hits_the_chunks_scheduled_so_far() {
+    /// A [`chunked`] engine in the second step of an 8192-token prompt (request 1): its first
+    /// two chunks (128 blocks) are scheduled. Returns the engine, the prompt and the first
+    /// step's end.
+    fn in_the_second_chunk() -> (Engine, Vec<TokenId>, Duration) {
         let mut e = chunked();
         let prompt: Vec<TokenId> = (0..8192).collect();
         e.submit(req(1, prompt.clone(), 1), Duration::ZERO).unwrap();
         e.advance(Duration::ZERO);
         let first_end = e.next_event_time().unwrap();
         e.advance(first_end);
+        (e, prompt, first_end)
+    }
+
+    #[test]
+    fn a_copy_arriving_mid_prefill_hits_the_chunks_scheduled_so_far() {
+        let (mut e, prompt, first_end) = in_the_second_chunk();
         // Mid-way through the second chunk: admitted when the third is scheduled, before it.
         let second_end = e.next_event_time().unwrap();
         e.submit(req(2, prompt.clone(), 1), (first_end + second_end) / 2)
@@ -874,12 +882,7 @@ mod tests {
 
     #[test]
     fn cancel_mid_prefill_keeps_the_scheduled_chunks_cached_and_unpinned() {
-        let mut e = chunked();
-        let prompt: Vec<TokenId> = (0..8192).collect();
-        e.submit(req(1, prompt.clone(), 1), Duration::ZERO).unwrap();
-        e.advance(Duration::ZERO);
-        let first_end = e.next_event_time().unwrap();
-        e.advance(first_end);
+        let (mut e, prompt, _) = in_the_second_chunk();
         e.cancel(1);
         // vLLM's `free`: the blocks cached so far stay, evictable; nothing is held.
         let s = e.stats();

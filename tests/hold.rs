@@ -108,10 +108,11 @@ async fn first_copy_computing(
     first
 }
 
-/// The mechanism, without the hold: a copy sent while the first computes matches nothing at
-/// the engine and recomputes the whole prompt.
+/// The mechanism, without the hold: a copy sent while the first computes matches only the
+/// chunks the engine has scheduled so far (it caches per chunk, as vLLM v1) and recomputes the
+/// rest of the prompt, clearly less than the held copy's ≥ 90 %.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_the_hold_a_copy_sent_during_the_prefill_recomputes_it() {
+async fn without_the_hold_a_copy_sent_during_the_prefill_recomputes_most_of_it() {
     bounded(60, async {
         let off = HoldSection {
             enabled: false,
@@ -142,9 +143,10 @@ async fn without_the_hold_a_copy_sent_during_the_prefill_recomputes_it() {
         .is_some());
         let (status, cached) = complete(&c, &n, &prompt).await.unwrap();
         assert_eq!(status, 200);
-        assert_eq!(
-            cached, 0,
-            "the engine found none of the prompt in the middle of its prefill"
+        let tokens = prompt.len() as u64 / 4;
+        assert!(
+            cached * 10 < tokens * 9,
+            "in the middle of its prefill the engine held only the chunks so far: {cached} of ~{tokens}"
         );
         assert!(first.await.unwrap().is_some());
         n.shutdown().await;

@@ -8,12 +8,31 @@
 //! KV for a request (prompt + `max_tokens`) is reserved at admission, which replaces vLLM's
 //! preemption: a request that is running never runs out of blocks.
 //!
+//! A prompt's blocks enter the prefix cache chunk by chunk, as in vLLM v1: when a step schedules
+//! a prefill chunk, the full blocks within the tokens computed up to the end of that chunk are
+//! cached and pinned for the request (`vllm/v1/core/kv_cache_manager.py`, `allocate_slots` →
+//! `coordinator.cache_blocks(request, min(total_computed + num_new_tokens, num_tokens))`; the
+//! block pool's `cache_full_blocks` emits one `BlockStored` per call, so each chunk's blocks go out
+//! as one chained store event with that step's batch). vLLM's scheduler runs the running requests
+//! before the waiting ones, so a request admitted in the same step already matches the chunk
+//! scheduled there (their KV is written layer by layer before attention reads it); here likewise
+//! the running requests' chunks are scheduled before admission. A copy arriving while the first
+//! is mid-prefill therefore hits every block scheduled so far, shares them (a block cached by
+//! both is one block, pinned twice) and computes only the rest. SGLang is one chunk later: its
+//! scheduler inserts the chunked request into the radix tree (`cache_unfinished_req(chunked_req)`
+//! in `get_next_batch_to_run` / `get_new_batch_prefill`, `python/sglang/srt/managers/scheduler.py`)
+//! after the chunk ran, before the next batch is formed. A cancelled request's blocks are freed as
+//! vLLM's `free` does: the ones cached so far stay cached, unpinned and evictable (tails first);
+//! the rest of its reservation is released. The model never preempts, so vLLM's preemption
+//! (which also frees and keeps the cached blocks) has no counterpart.
+//!
 //! With a CPU tier (`cpu_capacity_tokens`, `cpu_tier.rs`) a request whose prefix continues in
 //! host memory past its GPU hit has those blocks loaded instead of recomputed: it is admitted
 //! with them counted as in KV, but takes no step until the load over the link completes
 //! (`kv_bytes_per_token × tokens / cpu_gb_per_s`, queued behind earlier loads); the loaded
-//! blocks are cached on GPU with its own once its prefill ends. Every computed block is written
-//! through to the CPU tier, as vLLM's offloading connector does.
+//! blocks are cached on GPU with its first chunk, once the load is done (vLLM delays caching
+//! blocks still in flight: `delay_cache_blocks`). Every computed block is written through to the
+//! CPU tier at the end of the chunk that computed it, as vLLM's offloading connector does.
 //!
 //! The caller owns time. A real-time driver calls [`Engine::advance`] when the wall clock reaches
 //! [`Engine::next_event_time`] or after [`Engine::submit`]; a discrete-event simulator does the same
@@ -139,6 +158,9 @@ struct Seq {
     hashes: Vec<BlockHash>,
     max_tokens: u32,
     hit_blocks: usize,
+    /// Leading prompt blocks in the prefix cache, pinned for it: its hits, then every full block
+    /// of each chunk once the chunk is scheduled (vLLM's `num_cached_block`).
+    committed_blocks: usize,
     /// Prompt tokens in KV (cached prefix + computed chunks).
     prefilled: usize,
     generated: u32,
@@ -254,7 +276,7 @@ impl Engine {
 
     /// Queues a request with part of its prompt's KV pulled from another replica (`fetch`):
     /// the blocks that continue this engine's cached run count as cached, enter the prefix
-    /// cache with their store events when its prefill commits, and are ready `fetch.transfer`
+    /// cache with their store events with its first chunk, and are ready `fetch.transfer`
     /// after admission; the rest is computed as usual.
     pub fn submit_fetched(
         &mut self,
@@ -313,6 +335,7 @@ impl Engine {
                 hashes,
                 max_tokens: req.max_tokens,
                 hit_blocks: 0,
+                committed_blocks: 0,
                 prefilled: 0,
                 generated: 0,
                 private_blocks: 0,
@@ -497,6 +520,7 @@ impl Engine {
                 break;
             };
             seq.hit_blocks = hits;
+            seq.committed_blocks = hits;
             // A handed-over prompt computes only its last token, but reports only what this
             // engine's own cache held as cached.
             seq.cached_tokens = (hits + loaded) * bs;
@@ -527,7 +551,6 @@ impl Engine {
     }
 
     fn start_step(&mut self, at: Duration) {
-        self.admit(at);
         let mut work = Vec::new();
         let mut decode_context = 0;
         for id in &self.order {
@@ -539,21 +562,12 @@ impl Engine {
         let decodes = work.len();
         let mut budget = self.cfg.max_num_batched_tokens.saturating_sub(decodes);
         let mut chunks = Vec::new();
-        for id in &self.order {
-            if budget == 0 {
-                break;
-            }
-            if let Some(seq) = self
-                .running
-                .get(id)
-                .filter(|s| !s.decoding() && s.ready_at <= at)
-            {
-                let chunk = (seq.prompt.len() - seq.prefilled).min(budget);
-                budget -= chunk;
-                chunks.push((chunk, seq.prefilled));
-                work.push((*id, Work::Prefill(chunk)));
-            }
-        }
+        // As vLLM's scheduler does: the running requests' chunks first (each caching its blocks
+        // as it is scheduled), then the waiting ones, whose prefix match sees those blocks.
+        let admitted_before = self.order.len();
+        self.schedule_chunks(0, at, &mut budget, &mut chunks, &mut work);
+        self.admit(at);
+        self.schedule_chunks(admitted_before, at, &mut budget, &mut chunks, &mut work);
         if work.is_empty() {
             // Only loads in progress: wake when the first completes.
             self.wake = self
@@ -577,6 +591,57 @@ impl Engine {
         });
     }
 
+    /// Grants prefill chunks, first come first served, to the running requests from admission
+    /// position `from` on, and caches the full blocks each chunk completes (see the module docs).
+    fn schedule_chunks(
+        &mut self,
+        from: usize,
+        at: Duration,
+        budget: &mut usize,
+        chunks: &mut Vec<(usize, usize)>,
+        work: &mut Vec<(u64, Work)>,
+    ) {
+        for i in from..self.order.len() {
+            if *budget == 0 {
+                break;
+            }
+            let id = self.order[i];
+            let Some(seq) = self
+                .running
+                .get_mut(&id)
+                .filter(|s| !s.decoding() && s.ready_at <= at)
+            else {
+                continue;
+            };
+            let chunk = (seq.prompt.len() - seq.prefilled).min(*budget);
+            *budget -= chunk;
+            chunks.push((chunk, seq.prefilled));
+            work.push((id, Work::Prefill(chunk)));
+            Self::cache_blocks(&mut self.cache, seq, seq.prefilled + chunk);
+        }
+    }
+
+    /// vLLM's `cache_blocks(request, num_computed_tokens)`: moves the full prompt blocks within
+    /// the first `computed` tokens that are not cached for `seq` yet into the prefix cache,
+    /// pinned for it (a block another request cached meanwhile is shared), with their store events.
+    fn cache_blocks(cache: &mut PrefixCache, seq: &mut Seq, computed: usize) {
+        let bs = cache.block_tokens();
+        let full = (computed / bs).min(seq.hashes.len());
+        let from = seq.committed_blocks;
+        if full <= from {
+            return;
+        }
+        let parent = from.checked_sub(1).map(|i| seq.hashes[i]);
+        cache.commit(
+            parent,
+            &seq.hashes[from..full],
+            &seq.prompt[from * bs..full * bs],
+            seq.cache_salt.as_deref(),
+        );
+        seq.private_blocks -= full - from;
+        seq.committed_blocks = full;
+    }
+
     fn complete_step(&mut self, outputs: &mut Vec<Output>) {
         let Some(step) = self.step.take() else {
             return;
@@ -591,21 +656,10 @@ impl Engine {
             match work {
                 Work::Prefill(chunk) => {
                     seq.prefilled += chunk;
-                    if !seq.decoding() {
-                        continue;
-                    }
-                    let hits = seq.hit_blocks;
-                    let full = seq.hashes.len();
-                    let parent = hits.checked_sub(1).map(|i| seq.hashes[i]);
-                    self.cache.commit(
-                        parent,
-                        &seq.hashes[hits..],
-                        &seq.prompt[hits * bs..full * bs],
-                        seq.cache_salt.as_deref(),
-                    );
-                    seq.private_blocks -= full - hits;
+                    // Every computed block is written through to CPU memory as its chunk ends.
                     if let Some(cpu) = &mut self.cpu {
-                        let out = cpu.store(&seq.hashes[..full]);
+                        let done = (seq.prefilled / bs).min(seq.hashes.len());
+                        let out = cpu.store(&seq.hashes[..done]);
                         if !out.stored.is_empty() {
                             self.cache
                                 .push_event(CacheEvent::Offloaded { hashes: out.stored });
@@ -615,6 +669,9 @@ impl Engine {
                                 hashes: out.evicted,
                             });
                         }
+                    }
+                    if !seq.decoding() {
+                        continue;
                     }
                     seq.generated = 1;
                     outputs.push(Output::FirstToken {
@@ -653,14 +710,11 @@ impl Engine {
     }
 
     fn release(&mut self, seq: &Seq) {
-        // Only blocks that were pinned for this sequence: its hits, plus its own prompt blocks once
-        // its prefill completed and committed them.
-        let pinned = if seq.decoding() {
-            &seq.hashes[..]
-        } else {
-            &seq.hashes[..seq.hit_blocks]
-        };
-        self.cache.release(pinned, seq.private_blocks);
+        // Only the blocks cached for this sequence are pinned: its hits and the full blocks of
+        // every chunk scheduled so far. vLLM's `free` keeps them cached (evictable), also when
+        // the request was cancelled mid-prefill.
+        self.cache
+            .release(&seq.hashes[..seq.committed_blocks], seq.private_blocks);
     }
 }
 
@@ -759,6 +813,84 @@ mod tests {
         e.submit_fetched(req(2, prompt, 1), Duration::ZERO, gap)
             .unwrap();
         assert_eq!(first_token_at(&run(&mut e), 2).1, 0);
+    }
+
+    /// An engine whose steps take at most 1024 prompt tokens (64 blocks of 16), with KV events.
+    fn chunked() -> Engine {
+        engine(EngineConfig {
+            max_num_batched_tokens: 1024,
+            record_kv_events: true,
+            ..Preset::Llama8bH100.config()
+        })
+    }
+
+    /// A [`chunked`] engine in the second step of an 8192-token prompt (request 1): its first
+    /// two chunks (128 blocks) are scheduled. Returns the engine, the prompt and the first
+    /// step's end.
+    fn in_the_second_chunk() -> (Engine, Vec<TokenId>, Duration) {
+        let mut e = chunked();
+        let prompt: Vec<TokenId> = (0..8192).collect();
+        e.submit(req(1, prompt.clone(), 1), Duration::ZERO).unwrap();
+        e.advance(Duration::ZERO);
+        let first_end = e.next_event_time().unwrap();
+        e.advance(first_end);
+        (e, prompt, first_end)
+    }
+
+    #[test]
+    fn a_copy_arriving_mid_prefill_hits_the_chunks_scheduled_so_far() {
+        let (mut e, prompt, first_end) = in_the_second_chunk();
+        // Mid-way through the second chunk: admitted when the third is scheduled, before it.
+        let second_end = e.next_event_time().unwrap();
+        e.submit(req(2, prompt.clone(), 1), (first_end + second_end) / 2)
+            .unwrap();
+        assert_eq!(e.cached_prefix_tokens(&block_hashes(&prompt, 16)), 2048);
+        let out = run(&mut e);
+        assert_eq!(first_token_at(&out, 2).1, 3 * 1024);
+        assert_eq!(first_token_at(&out, 1).1, 0);
+        assert_eq!(e.stats().prefix_hit_tokens, 3 * 1024);
+    }
+
+    #[test]
+    fn each_chunk_stores_its_full_blocks_in_one_chained_event() {
+        let mut e = chunked();
+        // 4000 tokens: chunks of 1024, 1024, 1024, 928; 250 full blocks, a partial tail.
+        let prompt: Vec<TokenId> = (0..4000).collect();
+        let hashes = block_hashes(&prompt, 16);
+        e.submit(req(1, prompt, 1), Duration::ZERO).unwrap();
+        run(&mut e);
+        let stored: Vec<(Option<BlockHash>, Vec<BlockHash>)> = e
+            .take_kv_batches()
+            .into_iter()
+            .map(|b| match &b.events[..] {
+                [CacheEvent::Stored {
+                    parent, hashes: h, ..
+                }] => (*parent, h.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let bounds: [usize; 5] = [0, 64, 128, 192, 250];
+        let expected: Vec<_> = bounds
+            .windows(2)
+            .map(|w| {
+                let parent = w[0].checked_sub(1).map(|i| hashes[i]);
+                (parent, hashes[w[0]..w[1]].to_vec())
+            })
+            .collect();
+        assert_eq!(stored, expected);
+    }
+
+    #[test]
+    fn cancel_mid_prefill_keeps_the_scheduled_chunks_cached_and_unpinned() {
+        let (mut e, prompt, _) = in_the_second_chunk();
+        e.cancel(1);
+        // vLLM's `free`: the blocks cached so far stay, evictable; nothing is held.
+        let s = e.stats();
+        assert_eq!((s.cached_blocks, s.kv_usage), (128, 0.0));
+        assert_eq!(e.cached_prefix_tokens(&block_hashes(&prompt, 16)), 2048);
+        assert!(run(&mut e).is_empty());
+        e.submit(req(2, prompt, 1), Duration::from_secs(1)).unwrap();
+        assert_eq!(first_token_at(&run(&mut e), 2).1, 2048);
     }
 
     #[test]

@@ -253,6 +253,18 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
     if let Some(plan) = &w.fetch {
         add_fetch_hint(&node, plan, &mut body);
     }
+    // The warm-up's timeline (issue #37: when a copy was started after the prefix turned hot,
+    // how long its pull and prefill took against the prediction).
+    let sent_at = node.now();
+    tracing::debug!(
+        key = format_args!("{:016x}", w.key),
+        replica = %ticket.endpoint().id,
+        source = ?w.fetch.as_ref().and_then(|p| node.endpoint(p.source)).map(|e| e.id.to_string()),
+        predicted_ms = w.fetch.as_ref().map(|p| p.predicted_s * 1000.0),
+        tokens = w.tokens,
+        at_s = sent_at.as_secs_f64(),
+        "warm-up sent"
+    );
     let url = format!("{}/v1/completions", ticket.endpoint().base);
     let mut req = node
         .client
@@ -279,6 +291,13 @@ async fn warm_up(node: Arc<Node>, w: WarmUp) {
             false
         }
     };
+    tracing::debug!(
+        key = format_args!("{:016x}", w.key),
+        replica = w.replica,
+        ok,
+        took_ms = node.now().saturating_sub(sent_at).as_secs_f64() * 1000.0,
+        "warm-up done"
+    );
     node.hot_done(w.key, w.replica, ok);
 }
 

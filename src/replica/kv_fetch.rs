@@ -134,7 +134,17 @@ pub async fn pull(
         return None;
     }
     let asked = &hashes[from..to.min(from + MAX_ASK_BLOCKS)];
-    match ask(s, &hint.source_url, asked).await {
+    let started = std::time::Instant::now();
+    let answer = ask(s, &hint.source_url, asked).await;
+    tracing::debug!(
+        replica = %s.id,
+        source = %hint.source_url,
+        asked = asked.len(),
+        held = ?answer.as_ref().ok(),
+        took_ms = started.elapsed().as_secs_f64() * 1000.0,
+        "kv pull"
+    );
+    match answer {
         Ok(held) if held > 0 => Some(Fetched {
             from_block: from,
             to_block: from + held.min(asked.len()),

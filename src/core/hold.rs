@@ -2,10 +2,11 @@
 //!
 //! The router counts a prompt still being prefilled at a replica as cached there (the overlay,
 //! `view.rs`: a burst of one prompt rides on its first copy). But an engine finds a prompt's
-//! blocks only once they are computed: a second copy sent while the first is in prefill matches
-//! little or nothing, recomputes the prompt in parallel, and shares the step's token budget with
-//! the first, so both finish late. Held at the node until the first copy's first byte, it finds
-//! the whole prompt cached and answers at once. Agentic sessions send exactly this: one
+//! blocks only as its chunks are scheduled: a second copy (or a next turn extending it) sent
+//! while the first is in prefill matches the chunks scheduled so far, recomputes the rest in
+//! parallel, and shares the step's token budget with the first, so both finish late. Held at
+//! the node until the first copy's first byte, it finds the whole prompt cached and answers at
+//! once. Agentic sessions send exactly this: one
 //! session's 110k-token turns, cut at the context cap, arrive every ~2 s while the first copy
 //! computes for ~7 s (docs/operations.md, "Bursts of one prompt").
 //!

@@ -579,7 +579,7 @@ pub struct Router {
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
     /// Replicas a peer just routed this very prompt to, still computing it, and when it will
-    /// be done (reused buffer; see [`Router::burst_wait_s`]).
+    /// be done (reused buffer; see `ride_on`).
     pending_tips: Vec<(usize, Duration)>,
     /// The tenant's KV share at each candidate and the share this request's new blocks would
     /// add there, aligned with `candidates`; (-1, 0) where the request brings no block (reused
@@ -1091,19 +1091,20 @@ impl Router {
         } else {
             (0, 0.0)
         };
-        // A burst of one prompt: the whole prompt is being computed there right now (only
-        // where an overlay or a peer's tip could say so: most replicas are looked up no
-        // further).
-        let burst_wait_s = if uses_cache
+        // A prompt this request repeats or extends is being computed there right now (a burst
+        // of one prompt, or an agent's next turn sent before its last one's first byte): it
+        // rides on that computation. Only where an overlay or a peer's tip could say so: most
+        // replicas are looked up no further.
+        let ride = if uses_cache
             && (hit_blocks as usize) < req.keys.len()
             && (r.has_overlay() || !w.pending_tips.is_empty())
         {
-            burst_wait_s(w.pending_tips, view, i, req.keys, now)
+            ride_on(w.pending_tips, view, i, req.keys, hit_blocks as usize, now)
         } else {
             None
         };
-        if burst_wait_s.is_some() {
-            hit_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+        if let Some((blocks, _)) = ride {
+            hit_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
             credited_blocks = f64::from(hit_blocks);
         }
         if let Some(slot) = kv_slot {
@@ -1121,9 +1122,9 @@ impl Router {
         let queue_s = prefill_queue_s + cost.w_load_s * outstanding as f64;
         let prefill_s = cost.prefill_s(r, req.prompt_tokens, credited_blocks * tpb as f64);
         let mut cost_s = queue_s + prefill_s;
-        if let Some(wait_s) = burst_wait_s {
-            // It starts once the prompt is computed, not behind the whole queued prefill
-            // (which counts that very computation from its start).
+        if let Some((_, wait_s)) = ride {
+            // It starts once the prompt it rides on is computed, not behind the whole queued
+            // prefill (which counts that very computation from its start).
             let ride_s = wait_s + cost.w_load_s * f64::from(outstanding) + prefill_s;
             cost_s = cost_s.min(ride_s);
         }
@@ -1365,34 +1366,45 @@ struct CandidateWork<'a> {
     kv_shares: &'a mut Vec<(f32, f32)>,
 }
 
-/// Seconds until replica `i` holds the request's whole prompt, when a request routed there
-/// is computing that very prompt (or a longer one it begins) at `now`: this node's overlay
-/// holds its last key from a predicted time still ahead, or a peer's load-sharing tip names
-/// it. Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts)
-/// ride on the first, which computes the prompt once, instead of each landing on an idle
-/// replica that computes it again. Until the first's prefill ends neither the summary nor
-/// the counting overlay holds the prompt, and the replica's queue counts that prefill in
-/// full, so without this every follower looks dearer there than on an idle replica by the
-/// prefill itself. Only the whole prompt rides: a request that shares just a prefix with a
-/// computation under way would still compute its own part alongside it.
-fn burst_wait_s(
+/// The prompt `keys` ride on at replica `i`, if one is being computed there now: its length in
+/// blocks and the seconds until its prefill is done. This node's own routing (a prompt it sent
+/// there that `keys` repeat or extend, past the `from` blocks already counting), or a peer's
+/// tip of the whole prompt (`pending_tips`); the longer, then the sooner.
+///
+/// Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts) ride on
+/// the first, which computes the prompt once, instead of each landing on an idle replica that
+/// computes it again. An agent's next turn, sent before its last turn's first byte, rides the
+/// same way on the part it repeats. Until the first's prefill ends neither the summary nor the
+/// counting overlay holds the prompt, and the replica's queue counts that prefill in full, so
+/// without this every follower looks dearer there than on an idle replica by the prefill
+/// itself. The node's hold (`core::hold`) then keeps a rider back until that prefill's first
+/// byte, so it finds the whole ridden part cached; without the hold an engine caching chunk
+/// by chunk (vLLM v1, SGLang) gives it what is scheduled so far, and it computes the rest
+/// alongside.
+fn ride_on(
     pending_tips: &[(usize, Duration)],
     view: &View,
     i: usize,
     keys: &[BlockKey],
+    from: usize,
     now: Duration,
-) -> Option<f64> {
-    let last = *keys.last()?;
-    let own = view.pending_ready(i, last, now);
+) -> Option<(usize, f64)> {
+    let own = view.pending_run(i, keys, from, now);
     let peer = pending_tips
         .iter()
         .find(|(r, _)| *r == i)
-        .map(|(_, ready)| *ready);
-    let ready = match (own, peer) {
-        (Some(a), Some(b)) => a.min(b),
+        .map(|&(_, ready)| (keys.len(), ready));
+    let (blocks, ready) = match (own, peer) {
+        (Some(a), Some(b)) => {
+            if a.0 != b.0 {
+                a.max(b)
+            } else {
+                (a.0, a.1.min(b.1))
+            }
+        }
         (a, b) => a.or(b)?,
     };
-    Some(ready.saturating_sub(now).as_secs_f64())
+    Some((blocks, ready.saturating_sub(now).as_secs_f64()))
 }
 
 #[cfg(test)]
@@ -1831,6 +1843,48 @@ mod tests {
             let distinct: HashSet<usize> = routes.iter().copied().collect();
             assert_eq!(distinct.len(), 1, "{nodes} node(s): {routes:?}");
         }
+    }
+
+    /// An agent's next turn sent before its last turn's first byte: it repeats that turn's
+    /// whole prompt and adds a little. It rides on the computation under way, credited with the
+    /// part it repeats, instead of recomputing all of it on an idle replica.
+    #[test]
+    fn a_turn_extending_a_prompt_still_computing_rides_on_it() {
+        let mut v = View::new("eu", 64);
+        for i in 0..8 {
+            v.upsert(info(&format!("r{i}"), "eu"));
+        }
+        let cost = CostModel::default();
+        let turn = |blocks: usize| -> Vec<BlockKey> {
+            prompt_keys("an agent's long session ")
+                .into_iter()
+                .cycle()
+                .enumerate()
+                .map(|(j, k)| BlockKey(k.0 ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+                .take(blocks)
+                .collect()
+        };
+        // Turn one: 1,600 blocks (~100k tokens), seconds of prefill on an idle replica.
+        let (first, next) = (turn(1600), turn(1610));
+        let mut r = router(PolicyKind::P2cCache);
+        let d = routed(r.route(&v, &req(&first), NOW));
+        let uncached = first.len() as u64 * 64;
+        let ready_in = v.replica(d.replica).map_or(Duration::ZERO, |x| {
+            Duration::from_secs_f64(cost.prefill_done_s(x, uncached))
+        });
+        assert!(ready_in > Duration::from_secs(1), "{ready_in:?}");
+        v.record_routed_ready(d.replica, &first, NOW, ready_in);
+        v.set_shared_load(d.replica, 0, uncached);
+        // Turn two, a second later: the first is still computing.
+        let later = NOW + Duration::from_secs(1);
+        let two = routed(r.route(&v, &req(&next), later));
+        assert_eq!(two.replica, d.replica);
+        assert_eq!(two.hit_blocks, 1600, "credited with the part it repeats");
+        // Once the first's prefill is done, the part counts as a plain hit.
+        let done = NOW + ready_in + Duration::from_millis(1);
+        v.set_shared_load(d.replica, 0, 0);
+        let three = routed(r.route(&v, &req(&next), done));
+        assert_eq!((three.replica, three.hit_blocks), (d.replica, 1600));
     }
 
     #[test]

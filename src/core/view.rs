@@ -9,9 +9,11 @@
 //! first one's blocks became visible.
 //!
 //! An overlay entry only counts once the blocks can really be there: a routed request's blocks
-//! exist in the engine's prefix cache after *its* prefill, not when it is sent. Engines look up
-//! the prefix cache when they admit a request, so a follow-up that reaches a replica while its
-//! predecessor is still queued there is admitted next to it and recomputes the whole prefix.
+//! exist in the engine's prefix cache as *its* prefill schedules them, not when it is sent.
+//! Engines look up the prefix cache when they admit a request, so a follow-up that reaches a
+//! replica while its predecessor is still queued there is admitted next to it and recomputes the
+//! whole prefix (one arriving mid-prefill finds the chunks scheduled so far: vLLM v1 and SGLang
+//! cache chunk by chunk).
 //! Under sustained overload (queues of seconds) crediting such *promised* blocks steered every
 //! step of an agent run onto one replica, where the steps serialised and missed each other: the
 //! simulator measured 42% of the predicted hit tokens realised, and p2c-cache behind round-robin.
@@ -20,6 +22,8 @@
 //! ([`View::record_routed`] = ready at once), or from when the prefill is known done if that is
 //! earlier ([`View::prefill_done`]: the live node's first byte). It stops counting `overlay_ttl`
 //! after the predicted start; a key already counting keeps its earlier start.
+//! A request that repeats or extends a prompt still being computed rides on it instead, paying
+//! the wait for it ([`View::pending_run`]; the router's `ride_on`, then the node's hold).
 //!
 //! A replica's hit ([`View::hit_tiers`]) is the leading run of the request's keys held in its
 //! summary or in ready, unexpired overlay entries, split by tier: `gpu` (plain keys or overlay),
@@ -508,17 +512,42 @@ impl View {
         }
     }
 
-    /// When replica `i`'s overlay says `key` will be held, if that is still ahead at `now`: a
-    /// request this node routed there is computing it.
-    pub fn pending_ready(&self, i: usize, key: BlockKey, now: Duration) -> Option<Duration> {
+    /// The longest prompt this node routed to replica `i` that `keys` repeat or extend and that is
+    /// still being computed there: its length in blocks and when its prefill is predicted done.
+    /// `from` is the run already counting (the request's hit); the ride starts there, so
+    /// `keys[from]` must be one the overlay holds.
+    ///
+    /// A routed prompt's keys join the overlay whole, and a key depends on every block before
+    /// it, so the keys the overlay holds (counting or still ahead) are prefix-closed along
+    /// `keys`: the run's end is found by bisection, a few lookups however long the prompt. Its
+    /// last key's `ready` is the prefill's end (the block computed last).
+    pub fn pending_run(
+        &self,
+        i: usize,
+        keys: &[BlockKey],
+        from: usize,
+        now: Duration,
+    ) -> Option<(usize, Duration)> {
         let r = self.replicas.get(i)?;
         if r.overlay.is_empty() {
             return None;
         }
-        r.overlay
-            .get(&key.0)
-            .filter(|e| e.ready > now && now < e.until)
-            .map(|e| e.ready)
+        let held = |j: usize| r.overlay.get(&keys[j].0).is_some_and(|e| now < e.until);
+        if from >= keys.len() || !held(from) {
+            return None;
+        }
+        // `held(end - 1)` holds; the largest such `end` in `from + 1 ..= keys.len()`.
+        let (mut end, mut past) = (from + 1, keys.len());
+        while end < past {
+            let mid = end + (past - end).div_ceil(2);
+            if held(mid - 1) {
+                end = mid;
+            } else {
+                past = mid - 1;
+            }
+        }
+        let ready = r.overlay.get(&keys[end - 1].0)?.ready;
+        (ready > now).then_some((end, ready))
     }
 
     /// Leading `keys` replica `i` holds on GPU *now* as far as this node knows for certain: in

@@ -8,7 +8,7 @@
 //! over `link_gbps`, divided by the time scale): the bytes are "on the wire" until then, so a
 //! source that dies or is stopped mid-transfer is a failed pull. The target then submits the
 //! request with the blocks that arrived ([`crate::engine_sim::Engine::submit_fetched`]): they
-//! count as cached, enter its prefix cache with KV store events when its prefill commits, and
+//! count as cached, enter its prefix cache with KV store events with its first chunk, and
 //! the rest is recomputed. A failed pull (dead source, refused, timed out, or holding nothing)
 //! recomputes everything: the request never fails for its hint.
 

@@ -404,6 +404,8 @@ impl Node {
                 remote_prefix: cfg.remote_prefix,
                 recompute_charge_per_s: cfg.recompute_charge_per_s,
                 evict_charge: cfg.evict_charge,
+                // Riders on a prompt they extend are held until its first byte (`hold.rs`).
+                ride_extensions: cfg.hold.enabled,
                 shared_load: cfg
                     .mesh
                     .as_ref()

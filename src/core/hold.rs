@@ -217,6 +217,11 @@ impl PrefillBook {
         self.replicas.get(i).map_or(0, |r| r.prefilling.len())
     }
 
+    /// Requests held for replica `i` now.
+    pub fn held_at(&self, i: usize) -> u32 {
+        self.replicas.get(i).map_or(0, |r| r.held)
+    }
+
     /// Requests held now, all replicas.
     pub fn held(&self) -> u32 {
         self.held

@@ -272,28 +272,38 @@ impl PeerTips {
         self.len = len;
     }
 
-    /// Replicas a peer routed this very prompt to (a tip on its last key naming all its blocks)
-    /// whose prefill is still under way at `now`, with when it is predicted done: appends
-    /// `(replica, ready)` to `out` (cleared first). A burst of one prompt rides on the first
-    /// (`Router`'s burst co-location).
-    pub fn pending_whole(
+    /// Replicas a peer sent a prompt to that is still being computed there (its predicted end
+    /// ahead of `now`, no first-byte tip yet) and that `keys` repeat whole or, with
+    /// `extensions`, begin with: appends `(replica, its blocks, its predicted end)` to `out`
+    /// (cleared first; one per replica, the longest, then the soonest). What a request rides on
+    /// (the router's `ride_on`). The whole prompt is one lookup; a prompt `keys` extend is found
+    /// by its own last key, so every key of `keys` is looked up (as [`PeerTips::hits`] does).
+    pub fn pending(
         &self,
         keys: &[BlockKey],
+        extensions: bool,
         now: Duration,
-        out: &mut Vec<(usize, Duration)>,
+        out: &mut Vec<(usize, u32, Duration)>,
     ) {
         out.clear();
-        let Some(last) = keys.last() else {
+        if self.is_empty() || keys.is_empty() {
             return;
-        };
-        let Some(tips) = self.by_key.get(&last.0) else {
-            return;
-        };
-        for t in tips.iter().map(|h| &h.tip) {
-            if t.blocks as usize == keys.len() && t.ready > now && t.until > now {
-                match out.iter_mut().find(|(r, _)| *r == t.replica) {
-                    Some(e) => e.1 = e.1.min(t.ready),
-                    None => out.push((t.replica, t.ready)),
+        }
+        let from = if extensions { 0 } else { keys.len() - 1 };
+        for (j, k) in keys.iter().enumerate().skip(from) {
+            let Some(tips) = self.by_key.get(&k.0) else {
+                continue;
+            };
+            for h in tips {
+                let t = &h.tip;
+                if h.first_byte || t.blocks as usize != j + 1 || t.ready <= now || t.until <= now {
+                    continue;
+                }
+                match out.iter_mut().find(|e| e.0 == t.replica) {
+                    Some(e) if e.1 < t.blocks => *e = (t.replica, t.blocks, t.ready),
+                    Some(e) if e.1 == t.blocks => e.2 = e.2.min(t.ready),
+                    Some(_) => {}
+                    None => out.push((t.replica, t.blocks, t.ready)),
                 }
             }
         }
@@ -520,6 +530,28 @@ mod tests {
         assert_eq!(at(&t, 3, 5), None);
         // Expired tips are not under way.
         assert_eq!(t.in_prefill_at(1, &next, 1, 10 * S, |_| true), None);
+    }
+
+    #[test]
+    fn a_prompt_under_way_is_pending_for_its_repeats_and_with_extensions_for_what_extends_it() {
+        let mut t = PeerTips::default();
+        let parent = keys(8, 1);
+        assert!(t.insert(parent[7], tip(3, 8)));
+        assert!(t.insert(parent[3], tip(3, 4)));
+        let (next, mut out) = (keys(12, 1), Vec::new());
+        let (ready, early) = (tip(3, 8).ready, S / 2);
+        t.pending(&parent, false, early, &mut out);
+        assert_eq!(out, vec![(3, 8, ready)], "the very prompt");
+        t.pending(&next, false, early, &mut out);
+        assert!(out.is_empty(), "an extension, not asked for");
+        t.pending(&next, true, early, &mut out);
+        assert_eq!(out, vec![(3, 8, ready)], "the longest it extends");
+        // Computed (its predicted end passed, or its first byte came): nothing to ride on.
+        t.pending(&next, true, ready, &mut out);
+        assert!(out.is_empty());
+        assert!(t.insert_first_byte(parent[7], tip(3, 8)));
+        t.pending(&next, true, early, &mut out);
+        assert_eq!(out, vec![(3, 4, ready)], "the rung still under way");
     }
 
     #[test]

@@ -587,9 +587,10 @@ pub struct Router {
     scratch: HitScratch,
     /// This request's hits through peers' tips, by replica (reused buffer).
     tip_hits: Vec<(usize, u32)>,
-    /// Replicas a peer just routed this very prompt to, still computing it, and when it will
-    /// be done (reused buffer; see `ride_on`).
-    pending_tips: Vec<(usize, Duration)>,
+    /// Replicas a peer just routed this very prompt (or, with `ride_extensions`, one it
+    /// extends) to, still computing it: the prompt's blocks and when it will be done (reused
+    /// buffer; see `ride_on`).
+    pending_tips: Vec<(usize, u32, Duration)>,
     /// The tenant's KV share at each candidate and the share this request's new blocks would
     /// add there, aligned with `candidates`; (-1, 0) where the request brings no block (reused
     /// buffer; filled only for a tenant with a KV quota).
@@ -958,8 +959,12 @@ impl Router {
         self.scratch.reset(req.keys.len());
         if self.policy.uses_cache() {
             view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
-            view.peer_tips
-                .pending_whole(req.keys, now, &mut self.pending_tips);
+            view.peer_tips.pending(
+                req.keys,
+                self.cfg.ride_extensions,
+                now,
+                &mut self.pending_tips,
+            );
             Some(view.search_slices(req.keys, &mut self.scratch))
         } else {
             self.tip_hits.clear();
@@ -1382,7 +1387,7 @@ struct CandidateWork<'a> {
     /// This request's slice search ([`View::search_slices`]), when the policy reads caches.
     searched: Option<SlicesSearched>,
     tip_hits: &'a [(usize, u32)],
-    pending_tips: &'a [(usize, Duration)],
+    pending_tips: &'a [(usize, u32, Duration)],
     /// [`RouterConfig::ride_extensions`].
     ride_extensions: bool,
     kv_shares: &'a mut Vec<(f32, f32)>,
@@ -1391,8 +1396,9 @@ struct CandidateWork<'a> {
 /// The prompt `keys` ride on at replica `i`, if one is being computed there now: its length in
 /// blocks and the seconds until its prefill is done. This node's own routing (a prompt it sent
 /// there that `keys` repeat or extend, past the `from` blocks already counting), or a peer's
-/// tip of the whole prompt (`pending_tips`); the longer, then the sooner. A prompt it only
-/// extends counts where `extensions` ([`RouterConfig::ride_extensions`]).
+/// tip of one (`pending_tips`, [`crate::core::peer_tips::PeerTips::pending`]); the longer,
+/// then the sooner. A prompt it only extends counts where `extensions`
+/// ([`RouterConfig::ride_extensions`]; the peers' tips were gathered the same way).
 ///
 /// Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts) ride on
 /// the first, which computes the prompt once, instead of each landing on an idle replica that
@@ -1405,7 +1411,7 @@ struct CandidateWork<'a> {
 /// by chunk (vLLM v1, SGLang) gives it what is scheduled so far, and it computes the rest
 /// alongside.
 fn ride_on(
-    pending_tips: &[(usize, Duration)],
+    pending_tips: &[(usize, u32, Duration)],
     extensions: bool,
     view: &View,
     i: usize,
@@ -1418,8 +1424,8 @@ fn ride_on(
         .filter(|&(blocks, _)| extensions || blocks == keys.len());
     let peer = pending_tips
         .iter()
-        .find(|(r, _)| *r == i)
-        .map(|&(_, ready)| (keys.len(), ready));
+        .find(|(r, ..)| *r == i)
+        .map(|&(_, blocks, ready)| (blocks as usize, ready));
     let (blocks, ready) = match (own, peer) {
         (Some(a), Some(b)) => {
             if a.0 != b.0 {
@@ -1915,6 +1921,25 @@ mod tests {
         // Where riders are not held (`ride_extensions` off), it only repeats nothing whole.
         let mut unheld = router(PolicyKind::P2cCache);
         assert_eq!(routed(unheld.route(&v, &req(&next), later)).hit_blocks, 0);
+        // Another node of the region knows turn one only by its peer's tip: the same.
+        let mut other = View::new("eu", 64);
+        for i in 0..8 {
+            other.upsert(info(&format!("r{i}"), "eu"));
+        }
+        other.set_shared_load(d.replica, 1, uncached);
+        let tip = crate::core::peer_tips::Tip {
+            replica: d.replica,
+            blocks: 1600,
+            ready: NOW + ready_in,
+            until: NOW + ready_in + Duration::from_secs(10),
+        };
+        assert!(other.peer_tips.insert(first[1599], tip));
+        let by_tip = routed(r.route(&other, &req(&next), later));
+        assert_eq!((by_tip.replica, by_tip.hit_blocks), (d.replica, 1600));
+        assert_ne!(
+            routed(unheld.route(&other, &req(&next), later)).hit_blocks,
+            1600
+        );
         // Once the first's prefill is done, the part counts as a plain hit.
         let done = NOW + ready_in + Duration::from_millis(1);
         v.set_shared_load(d.replica, 0, 0);

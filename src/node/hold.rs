@@ -141,6 +141,11 @@ impl Holds {
         self.book().held()
     }
 
+    /// Requests held for replica `i` now: booked there (in flight), not sent yet.
+    pub fn held_at(&self, i: usize) -> u32 {
+        self.book().held_at(i)
+    }
+
     /// Prefills listed at replica `i` now.
     pub fn prefilling(&self, i: usize) -> usize {
         self.book().prefilling(i)

@@ -308,9 +308,15 @@ impl Node {
         let distrusted = std::cell::Cell::new(false);
         let under_way = {
             let core = self.lock();
+            // This node's requests the engine can have: its in flight there, less those it
+            // holds (booked, not sent), this one among them.
+            let unsent = self.holds.held_at(i).saturating_add(1);
             let engine = core.view.replica(i).map_or((0, 0), |r| {
                 let l = &r.load;
-                (l.waiting.saturating_add(l.running), l.in_flight)
+                (
+                    l.waiting.saturating_add(l.running),
+                    l.in_flight.saturating_sub(unsent),
+                )
             });
             core.view
                 .peer_tips

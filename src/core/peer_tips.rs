@@ -272,38 +272,47 @@ impl PeerTips {
         self.len = len;
     }
 
-    /// Replicas a peer sent a prompt to that is still being computed there (its predicted end
-    /// ahead of `now`, no first-byte tip yet) and that `keys` repeat whole or, with
-    /// `extensions`, begin with: appends `(replica, its blocks, its predicted end)` to `out`
-    /// (cleared first; one per replica, the longest, then the soonest). What a request rides on
-    /// (the router's `ride_on`). The whole prompt is one lookup; a prompt `keys` extend is found
-    /// by its own last key, so every key of `keys` is looked up (as [`PeerTips::hits`] does).
-    pub fn pending(
+    /// [`PeerTips::hits`] and, in the same pass over `keys`, the replicas a peer sent a prompt
+    /// to that is still being computed there (its predicted end ahead of `now`, no first-byte tip
+    /// yet) and that `keys` repeat whole or, with `extensions`, begin with: `pending` gets
+    /// `(replica, its blocks, its predicted end)` (cleared first; one per replica, the longest,
+    /// then the soonest). What a request rides on (the router's `ride_on`). A prompt `keys`
+    /// extend is found by its own last key, so every key is looked up once, for both.
+    pub fn hits_and_pending(
         &self,
         keys: &[BlockKey],
         extensions: bool,
         now: Duration,
-        out: &mut Vec<(usize, u32, Duration)>,
+        hits: &mut Vec<(usize, u32)>,
+        pending: &mut Vec<(usize, u32, Duration)>,
     ) {
-        out.clear();
-        if self.is_empty() || keys.is_empty() {
+        hits.clear();
+        pending.clear();
+        if self.is_empty() {
             return;
         }
-        let from = if extensions { 0 } else { keys.len() - 1 };
-        for (j, k) in keys.iter().enumerate().skip(from) {
+        let last = keys.len().saturating_sub(1);
+        for (j, k) in keys.iter().enumerate() {
             let Some(tips) = self.by_key.get(&k.0) else {
                 continue;
             };
             for h in tips {
                 let t = &h.tip;
-                if h.first_byte || t.blocks as usize != j + 1 || t.ready <= now || t.until <= now {
+                if t.blocks as usize != j + 1 || t.until <= now {
                     continue;
                 }
-                match out.iter_mut().find(|e| e.0 == t.replica) {
-                    Some(e) if e.1 < t.blocks => *e = (t.replica, t.blocks, t.ready),
-                    Some(e) if e.1 == t.blocks => e.2 = e.2.min(t.ready),
-                    Some(_) => {}
-                    None => out.push((t.replica, t.blocks, t.ready)),
+                if t.ready <= now {
+                    match hits.iter_mut().find(|(r, _)| *r == t.replica) {
+                        Some(e) => e.1 = e.1.max(t.blocks),
+                        None => hits.push((t.replica, t.blocks)),
+                    }
+                } else if !h.first_byte && (extensions || j == last) {
+                    match pending.iter_mut().find(|e| e.0 == t.replica) {
+                        Some(e) if e.1 < t.blocks => *e = (t.replica, t.blocks, t.ready),
+                        Some(e) if e.1 == t.blocks => e.2 = e.2.min(t.ready),
+                        Some(_) => {}
+                        None => pending.push((t.replica, t.blocks, t.ready)),
+                    }
                 }
             }
         }
@@ -533,24 +542,30 @@ mod tests {
     }
 
     #[test]
-    fn a_prompt_under_way_is_pending_for_its_repeats_and_with_extensions_for_what_extends_it() {
+    fn a_prompt_under_way_is_pending_for_its_repeats_and_with_extensions_for_what_extends_it_and_a_hit_once_computed(
+    ) {
         let mut t = PeerTips::default();
         let parent = keys(8, 1);
         assert!(t.insert(parent[7], tip(3, 8)));
         assert!(t.insert(parent[3], tip(3, 4)));
-        let (next, mut out) = (keys(12, 1), Vec::new());
+        let (next, mut out, mut hits) = (keys(12, 1), Vec::new(), Vec::new());
         let (ready, early) = (tip(3, 8).ready, S / 2);
-        t.pending(&parent, false, early, &mut out);
+        t.hits_and_pending(&parent, false, early, &mut hits, &mut out);
         assert_eq!(out, vec![(3, 8, ready)], "the very prompt");
-        t.pending(&next, false, early, &mut out);
+        t.hits_and_pending(&next, false, early, &mut hits, &mut out);
         assert!(out.is_empty(), "an extension, not asked for");
-        t.pending(&next, true, early, &mut out);
+        t.hits_and_pending(&next, true, early, &mut hits, &mut out);
         assert_eq!(out, vec![(3, 8, ready)], "the longest it extends");
         // Computed (its predicted end passed, or its first byte came): nothing to ride on.
-        t.pending(&next, true, ready, &mut out);
+        t.hits_and_pending(&next, true, ready, &mut hits, &mut out);
         assert!(out.is_empty());
+        assert_eq!(
+            hits,
+            vec![(3, 8)],
+            "computed by then: a hit, from the same pass"
+        );
         assert!(t.insert_first_byte(parent[7], tip(3, 8)));
-        t.pending(&next, true, early, &mut out);
+        t.hits_and_pending(&next, true, early, &mut hits, &mut out);
         assert_eq!(out, vec![(3, 4, ready)], "the rung still under way");
     }
 

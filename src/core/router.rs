@@ -958,11 +958,11 @@ impl Router {
         self.kv_shares.clear();
         self.scratch.reset(req.keys.len());
         if self.policy.uses_cache() {
-            view.peer_tips.hits(req.keys, now, &mut self.tip_hits);
-            view.peer_tips.pending(
+            view.peer_tips.hits_and_pending(
                 req.keys,
                 self.cfg.ride_extensions,
                 now,
+                &mut self.tip_hits,
                 &mut self.pending_tips,
             );
             Some(view.search_slices(req.keys, &mut self.scratch))
@@ -1396,7 +1396,7 @@ struct CandidateWork<'a> {
 /// The prompt `keys` ride on at replica `i`, if one is being computed there now: its length in
 /// blocks and the seconds until its prefill is done. This node's own routing (a prompt it sent
 /// there that `keys` repeat or extend, past the `from` blocks already counting), or a peer's
-/// tip of one (`pending_tips`, [`crate::core::peer_tips::PeerTips::pending`]); the longer,
+/// tip of one (`pending_tips`, [`crate::core::peer_tips::PeerTips::hits_and_pending`]); the longer,
 /// then the sooner. A prompt it only extends counts where `extensions`
 /// ([`RouterConfig::ride_extensions`]; the peers' tips were gathered the same way).
 ///

@@ -278,6 +278,13 @@ impl Holds {
         !engine_denies(c.at, now, engine.0, engine.1) && !self.claims().is_barred(c.from, now)
     }
 
+    /// Whether the region peer at `from` is barred at `now` for claims that went unanswered.
+    /// What such a peer says it routed is not believed either: its tips are dropped
+    /// (`apply_load_update`), so its claims neither hold requests nor count as cache hits.
+    pub fn is_barred(&self, from: SocketAddr, now: Duration) -> bool {
+        self.claims().is_barred(from, now)
+    }
+
     /// A request qualified to ride on a region peer's claim this node does not trust: sent at
     /// once, counted `distrusted`.
     pub fn count_distrusted(&self) {

@@ -254,15 +254,22 @@ impl Node {
         });
         match applied {
             Ok(a) => {
-                // Tips only from a datagram that was not stale (a late one's prefixes are old).
-                let dropped_tips = learn_tips(core, &tips, region, from, now);
+                // Tips only from a datagram that was not stale (a late one's prefixes are old),
+                // and not from a peer barred for claims that went unanswered: a member that lied
+                // about what it computes is not believed about what it routed either.
+                let barred = self.holds.is_barred(from, now);
+                let (dropped_tips, barred_tips) = if barred {
+                    (0, tips.len())
+                } else {
+                    (learn_tips(core, &tips, region, from, now), 0)
+                };
                 for id in &a.changed {
                     if let Some(i) = core.view.index_of(id) {
                         refresh_shared_load(core, i, cfg.max_tokens_per_request, now);
                     }
                 }
                 drop(guard);
-                if tips.iter().any(|t| t.first_byte) {
+                if !barred && tips.iter().any(|t| t.first_byte) {
                     self.mesh_slot().peer_answered.notify_waiters();
                 }
                 if let Some(m) = self.mesh_slot().metrics.get() {
@@ -270,6 +277,7 @@ impl Node {
                         ("unknown_replica", a.unknown),
                         ("clamped", a.clamped),
                         ("tip_dropped", dropped_tips),
+                        ("tip_from_barred_peer", barred_tips),
                     ] {
                         if n > 0 {
                             m.load_refused.with_label_values(&[reason]).inc_by(n as u64);
@@ -970,9 +978,10 @@ mod tests {
     /// A member whose tips claim long prefills that never answer (or whose first-byte tips
     /// never come): B holds a request on each of three such claims until its deadline, then
     /// holds on none of A's claims (`core::unanswered_claims`): the request riding on the
-    /// fourth goes at once.
+    /// fourth goes at once, and A's later tips are not learned.
     #[tokio::test]
-    async fn a_peers_claims_that_never_answer_hold_three_requests_then_none() {
+    async fn a_peers_claims_that_never_answer_hold_three_requests_then_none_nor_are_its_tips_learned(
+    ) {
         use crate::core::router::{Decision, RouteRequest};
 
         let certs = tempfile::tempdir().unwrap();
@@ -996,6 +1005,20 @@ mod tests {
         use HoldOutcome::{Deadline, NotHeld};
         assert_eq!(outcomes, [Deadline, Deadline, Deadline, NotHeld]);
         assert_eq!(b.holds.held_now(), 0);
+        // Nor is what A says it routed believed any more: its next prompt's tip is dropped,
+        // where before the bar each one reached B's view (it held the requests above).
+        let prompt: Vec<BlockKey> = (0..6).map(|j| BlockKey(9 << 32 | j)).collect();
+        let req = RouteRequest::plain("m", &prompt, 16 * prompt.len() as u64);
+        let (Decision::Route(_), Some(_ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        b.apply_load_update(PEER, send());
+        let mut under_way = Vec::new();
+        b.lock()
+            .view
+            .peer_tips
+            .in_prefill(&prompt, b.now(), &mut under_way);
+        assert!(under_way.is_empty(), "a barred peer's tip was learned");
     }
 
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a

@@ -436,7 +436,8 @@ pub struct MeshMetrics {
     /// `kvmesh_mesh_load_claims_refused_total{reason}`: peers' load claims ignored or cut:
     /// `stale`, `not_a_region_peer`, `too_many_peers`, `malformed`, `unknown_replica`,
     /// `clamped`, `tip_dropped` (a routed prefix for an unknown replica, out of bounds, or with
-    /// the tip store full).
+    /// the tip store full), `tip_from_barred_peer` (every tip of a peer barred for claims that
+    /// went unanswered, `core::unanswered_claims`).
     pub load_refused: IntCounterVec,
     /// `kvmesh_mesh_records_ignored_total{reason}`: peers' `replica:` records not learned or
     /// not applied, once per (replica, publisher, reason): `not_home` (the publisher is not

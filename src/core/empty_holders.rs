@@ -11,10 +11,13 @@
 //! recomputes per holder per five minutes, each one the replica would have done anyway.
 //!
 //! Keyed by the holder's URL (what the hint names, and what a replica connects to), at most
-//! [`MAX_HOLDERS`] of them: the URL comes from outside. Sans-IO: time is an argument.
+//! [`MAX_HOLDERS`] of them: the URL comes from outside. The strikes and bars are
+//! `core::strike_book`'s, as for region peers' unanswered claims. Sans-IO: time is an argument.
 
-use std::collections::HashMap;
 use std::time::Duration;
+
+pub use super::strike_book::Noted;
+use super::strike_book::{BarRule, StrikeBook};
 
 /// Empty pulls within [`EMPTY_WINDOW`] that leave a holder out.
 pub const EMPTY_PULLS_TO_BAR: usize = 3;
@@ -40,45 +43,26 @@ pub fn is_empty_pull(reported_cached: u64, from_tokens: u64, planned: u64) -> bo
     planned > 0 && reported_cached < from_tokens.saturating_add(planned / 2)
 }
 
-/// What noting an empty pull did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Noted {
-    /// Counted; the holder is still offered.
-    Counted,
-    /// This pull was the holder's last allowed one: it is left out until the returned time.
-    Barred(Duration),
-    /// The holder was already left out (a pull planned before the bar, answered after).
-    AlreadyBarred,
-}
-
-/// One holder's recent empty pulls and its bar.
-#[derive(Clone, Debug, Default)]
-struct Holder {
-    /// When its empty pulls within the window came, oldest first (at most
-    /// [`EMPTY_PULLS_TO_BAR`]).
-    empties: Vec<Duration>,
-    /// Left out until then, if barred.
-    barred_until: Option<Duration>,
-    /// Its last empty pull: the eviction order.
-    last: Duration,
-}
-
-impl Holder {
-    /// Whether it is left out at `now`.
-    fn barred(&self, now: Duration) -> bool {
-        self.barred_until.is_some_and(|t| now < t)
-    }
-
-    /// Whether forgetting it changes nothing: not barred, no empty pull within the window.
-    fn idle(&self, now: Duration) -> bool {
-        !self.barred(now) && now.saturating_sub(self.last) >= EMPTY_WINDOW
-    }
-}
+/// The offered holders' empty pulls and bars: the strike book's rule with the numbers above.
+pub const RULE: BarRule = BarRule {
+    strikes_to_bar: EMPTY_PULLS_TO_BAR,
+    window: EMPTY_WINDOW,
+    barred_for: BARRED_FOR,
+    max_members: MAX_HOLDERS,
+};
 
 /// The per-holder counts of empty pulls and the bars (see the module doc).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EmptyHolders {
-    holders: HashMap<String, Holder>,
+    holders: StrikeBook<String>,
+}
+
+impl Default for EmptyHolders {
+    fn default() -> Self {
+        EmptyHolders {
+            holders: StrikeBook::new(RULE),
+        }
+    }
 }
 
 impl EmptyHolders {
@@ -99,50 +83,12 @@ impl EmptyHolders {
 
     /// Whether the holder at `url` is left out at `now`.
     pub fn is_barred(&self, url: &str, now: Duration) -> bool {
-        !self.holders.is_empty() && self.holders.get(key(url)).is_some_and(|h| h.barred(now))
+        self.holders.is_barred(key(url), now)
     }
 
-    /// A pull from the holder at `url` came back empty at `now`.
+    /// A pull from the holder at `url` came back empty at `now`: every empty pull is a strike.
     pub fn note_empty(&mut self, url: &str, now: Duration) -> Noted {
-        let url = key(url);
-        if !self.holders.contains_key(url) {
-            self.make_room(now);
-        }
-        let h = self.holders.entry(url.to_owned()).or_default();
-        h.last = now;
-        if h.barred(now) {
-            return Noted::AlreadyBarred;
-        }
-        h.empties.retain(|&t| now.saturating_sub(t) < EMPTY_WINDOW);
-        h.empties.push(now);
-        if h.empties.len() < EMPTY_PULLS_TO_BAR {
-            return Noted::Counted;
-        }
-        // Barred: it starts counting afresh when the bar ends.
-        h.empties.clear();
-        let until = now + BARRED_FOR;
-        h.barred_until = Some(until);
-        Noted::Barred(until)
-    }
-
-    /// Below [`MAX_HOLDERS`] before a new holder: the idle ones go first, then the stalest
-    /// unbarred one (a member churning URLs cannot lift a bar), then the stalest.
-    fn make_room(&mut self, now: Duration) {
-        if self.holders.len() < MAX_HOLDERS {
-            return;
-        }
-        self.holders.retain(|_, h| !h.idle(now));
-        while self.holders.len() >= MAX_HOLDERS {
-            let Some(stalest) = self
-                .holders
-                .iter()
-                .min_by_key(|(_, h)| (h.barred(now), h.last))
-                .map(|(u, _)| u.clone())
-            else {
-                return;
-            };
-            self.holders.remove(&stalest);
-        }
+        self.holders.strike(key(url), None, now)
     }
 }
 
@@ -222,10 +168,10 @@ mod tests {
             "the idle went first, not the barred"
         );
         // With nothing idle, the stalest goes: the oldest churned URL, not the newest.
-        assert!(!e.holders.contains_key("http://churn-0"));
+        assert!(!e.holders.remembers("http://churn-0"));
         assert!(e
             .holders
-            .contains_key(&format!("http://churn-{}", 2 * MAX_HOLDERS - 1)));
+            .remembers(format!("http://churn-{}", 2 * MAX_HOLDERS - 1).as_str()));
     }
 
     #[test]

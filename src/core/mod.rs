@@ -62,6 +62,7 @@ pub mod remote_prefix;
 pub mod role;
 pub mod router;
 pub mod stream_resume;
+pub mod strike_book;
 pub mod summary;
 pub mod summary_slices;
 pub mod tenant_salt;

@@ -19,15 +19,15 @@
 //! checks load claims: a claim older than [`ENGINE_LAG`] at a replica whose engine reports
 //! nothing beyond this node's own requests is not held on.
 //!
-//! Keyed by the peer's address (who sent the load update), at most [`MAX_PEERS`]. Sans-IO:
-//! time is an argument.
+//! Keyed by the peer's address (who sent the load update), at most [`MAX_PEERS`]. The strikes
+//! and bars are `core::strike_book`'s. Sans-IO: time is an argument.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::empty_holders::Noted;
 use super::keys::BlockKey;
+pub use super::strike_book::Noted;
+use super::strike_book::{BarRule, StrikeBook};
 
 /// Distinct unanswered claims within [`UNANSWERED_WINDOW`] that bar a peer. Three, as for
 /// empty pulls: one or two can be an honest prefill past `max_wait_ms` (20 s by default, three
@@ -61,36 +61,26 @@ pub fn engine_denies(
     now.saturating_sub(claimed_at) >= ENGINE_LAG && engine_requests <= own_in_flight
 }
 
-/// One peer's recent unanswered claims and its bar.
-#[derive(Clone, Debug, Default)]
-struct Peer {
-    /// When its distinct unanswered claims within the window came, with their tip keys, oldest
-    /// first (at most [`UNANSWERED_TO_BAR`]).
-    unanswered: Vec<(Duration, BlockKey)>,
-    /// The last claim whose answer took a strike back: one claim, one strike, however many
-    /// requests rode on it.
-    last_answered: Option<BlockKey>,
-    /// Not held on until then, if barred.
-    barred_until: Option<Duration>,
-    /// Its last outcome: the eviction order.
-    last: Duration,
-}
-
-impl Peer {
-    fn barred(&self, now: Duration) -> bool {
-        self.barred_until.is_some_and(|t| now < t)
-    }
-
-    /// Whether forgetting it changes nothing: not barred, no strike within the window.
-    fn idle(&self, now: Duration) -> bool {
-        !self.barred(now) && now.saturating_sub(self.last) >= UNANSWERED_WINDOW
-    }
-}
+/// The region peers' unanswered claims and bars: the strike book's rule with the numbers above.
+pub const RULE: BarRule = BarRule {
+    strikes_to_bar: UNANSWERED_TO_BAR,
+    window: UNANSWERED_WINDOW,
+    barred_for: BARRED_FOR,
+    max_members: MAX_PEERS,
+};
 
 /// The per-peer strikes and bars (see the module doc).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct UnansweredClaims {
-    peers: HashMap<SocketAddr, Peer>,
+    peers: StrikeBook<SocketAddr>,
+}
+
+impl Default for UnansweredClaims {
+    fn default() -> Self {
+        UnansweredClaims {
+            peers: StrikeBook::new(RULE),
+        }
+    }
 }
 
 impl UnansweredClaims {
@@ -111,66 +101,20 @@ impl UnansweredClaims {
 
     /// Whether the claims of the peer at `from` hold nothing at `now`.
     pub fn is_barred(&self, from: SocketAddr, now: Duration) -> bool {
-        !self.peers.is_empty() && self.peers.get(&from).is_some_and(|p| p.barred(now))
+        self.peers.is_barred(&from, now)
     }
 
     /// A hold on `from`'s claim of the prefix ending in `claim` ended at `now` without its
     /// first byte. A claim already counted within the window is not counted again (many
     /// requests may ride on one).
     pub fn note_unanswered(&mut self, from: SocketAddr, claim: BlockKey, now: Duration) -> Noted {
-        if !self.peers.contains_key(&from) {
-            self.make_room(now);
-        }
-        let p = self.peers.entry(from).or_default();
-        p.last = now;
-        if p.barred(now) {
-            return Noted::AlreadyBarred;
-        }
-        p.unanswered
-            .retain(|&(t, _)| now.saturating_sub(t) < UNANSWERED_WINDOW);
-        if !p.unanswered.iter().any(|&(_, k)| k == claim) {
-            p.unanswered.push((now, claim));
-        }
-        if p.unanswered.len() < UNANSWERED_TO_BAR {
-            return Noted::Counted;
-        }
-        // Barred: it starts counting afresh when the bar ends.
-        p.unanswered.clear();
-        let until = now.saturating_add(BARRED_FOR);
-        p.barred_until = Some(until);
-        Noted::Barred(until)
+        self.peers.strike(&from, Some(claim), now)
     }
 
     /// A hold on `from`'s claim ending in `claim` was released by its first byte: the oldest
     /// strike is taken back, once per claim. A bar stands.
     pub fn note_answered(&mut self, from: SocketAddr, claim: BlockKey) {
-        let Some(p) = self.peers.get_mut(&from) else {
-            return;
-        };
-        if p.last_answered != Some(claim) && !p.unanswered.is_empty() {
-            p.unanswered.remove(0);
-        }
-        p.last_answered = Some(claim);
-    }
-
-    /// Below [`MAX_PEERS`] before a new peer: the idle ones go first, then the stalest unbarred
-    /// one, then the stalest.
-    fn make_room(&mut self, now: Duration) {
-        if self.peers.len() < MAX_PEERS {
-            return;
-        }
-        self.peers.retain(|_, p| !p.idle(now));
-        while self.peers.len() >= MAX_PEERS {
-            let Some(stalest) = self
-                .peers
-                .iter()
-                .min_by_key(|(_, p)| (p.barred(now), p.last))
-                .map(|(a, _)| *a)
-            else {
-                return;
-            };
-            self.peers.remove(&stalest);
-        }
+        self.peers.forgive(&from, claim);
     }
 }
 

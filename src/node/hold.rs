@@ -16,10 +16,10 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 
 use std::net::SocketAddr;
 
-use crate::core::empty_holders::Noted;
 use crate::core::hold::{HoldRule, PrefillBook};
 use crate::core::keys::BlockKey;
 use crate::core::peer_tips::PeerPrefill;
+use crate::core::unanswered_claims::Noted;
 use crate::core::unanswered_claims::{engine_denies, UnansweredClaims, UNANSWERED_TO_BAR};
 
 /// The node's hold state: the book, the rule, the wake-up, the metrics.

@@ -73,7 +73,6 @@ use super::trace::BYTES_PER_TOKEN;
 use super::workload::WorkloadRequest;
 use crate::core::admission::{AdmissionQueue, RejectReason as QueueReject};
 use crate::core::cache_model::{CacheModel, CacheModelConfig, CacheSource};
-use crate::core::cost::queued_tokens;
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hot_prefix::{Action, HotPrefixes, Observed, WarmScope, WarmUp};
 use crate::core::keys::{text_block_keys, BlockKey, Namespace};
@@ -201,8 +200,6 @@ struct WarmFlight {
     replica: usize,
     keys: Vec<BlockKey>,
     uncached: u64,
-    /// What it added to its node's view of the replica's queued prefill (`InFlight`'s).
-    queued: u64,
     /// Not finished and not cancelled.
     live: bool,
 }
@@ -216,9 +213,6 @@ struct InFlight {
     node: usize,
     replica: usize,
     uncached_tokens: u64,
-    /// What it added to its node's view of the replica's queued prefill
-    /// (`core::cost::queued_tokens`: its work, attention included), taken back at its first byte.
-    queued_tokens: u64,
     /// Round trips added on the way (cross-region forward or replica).
     extra: Duration,
     /// Submitted to an engine and not finished.
@@ -768,7 +762,7 @@ impl<'a> Sim<'a> {
             self.cross_region += 1;
         }
         let cached = (prompt.len() as u64).saturating_sub(uncached);
-        let queued = self.book_at_node(node, r, decode, cached, uncached, now);
+        self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -779,7 +773,6 @@ impl<'a> Sim<'a> {
             node,
             replica: r,
             uncached_tokens: uncached,
-            queued_tokens: queued,
             extra,
             lost: false,
             active: false,
@@ -822,8 +815,7 @@ impl<'a> Sim<'a> {
     /// the routing node's view as the live node does (`node::routing`): the overlay from the
     /// prefill's predicted end (after the `cached` tokens it reuses), the queued prefill,
     /// hot-prefix counts, the load shared with the
-    /// region's peers, and a P/D pair's decode leg. Returns the queued prefill it booked
-    /// (`core::cost::queued_tokens`).
+    /// region's peers, and a P/D pair's decode leg.
     fn book_at_node(
         &mut self,
         node: usize,
@@ -832,8 +824,7 @@ impl<'a> Sim<'a> {
         cached: u64,
         uncached: u64,
         now: Duration,
-    ) -> u64 {
-        let mut queued = uncached;
+    ) {
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
@@ -846,9 +837,7 @@ impl<'a> Sim<'a> {
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
-                queued = queued_tokens(&rep.info, cached, uncached);
-                rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_add(queued);
+                rep.load.queued_prefill_tokens += uncached;
             }
             if let Some(h) = nr.hot.as_mut() {
                 let req = Observed {
@@ -861,7 +850,7 @@ impl<'a> Sim<'a> {
                 h.observe(req, now);
                 h.credit(uncached);
             }
-            self.share(now, node, r, 1, i64::try_from(queued).unwrap_or(i64::MAX));
+            self.share(now, node, r, 1, uncached as i64);
             if let Some(s) = self.shares.back_mut() {
                 s.set_tip(&self.keys, now + ready_in);
             }
@@ -874,7 +863,6 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
-        queued
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
@@ -893,14 +881,13 @@ impl<'a> Sim<'a> {
             self.decode_gone(node, d, now);
         }
         self.fail_early();
-        let queued = self.flights[i].queued_tokens;
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             nr.view.finished(r);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(queued);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
-            self.share(now, node, r, -1, -i64::try_from(queued).unwrap_or(i64::MAX));
+            self.share(now, node, r, -1, -(uncached as i64));
         }
         self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
     }
@@ -1339,15 +1326,9 @@ impl<'a> Sim<'a> {
                 rep.load.queued_prefill_tokens = rep
                     .load
                     .queued_prefill_tokens
-                    .saturating_sub(f.queued_tokens);
+                    .saturating_sub(f.uncached_tokens);
             }
-            self.share(
-                now,
-                f.node,
-                r,
-                0,
-                -i64::try_from(f.queued_tokens).unwrap_or(i64::MAX),
-            );
+            self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
         }
     }
 
@@ -1797,12 +1778,10 @@ impl<'a> Sim<'a> {
         });
         let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
-        let mut queued = uncached;
         if let Some(rep) = nr.view.replica_mut(r) {
-            queued = queued_tokens(&rep.info, 0, uncached);
-            rep.load.queued_prefill_tokens = rep.load.queued_prefill_tokens.saturating_add(queued);
+            rep.load.queued_prefill_tokens += uncached;
         }
-        self.share(now, n, r, 1, i64::try_from(queued).unwrap_or(i64::MAX));
+        self.share(now, n, r, 1, uncached as i64);
         if let Some(s) = self.shares.back_mut() {
             s.set_tip(&w.keys, now + ready_in);
         }
@@ -1813,7 +1792,6 @@ impl<'a> Sim<'a> {
             replica: r,
             keys: w.keys,
             uncached,
-            queued,
             live: true,
         });
         self.schedule(r);
@@ -1832,23 +1810,17 @@ impl<'a> Sim<'a> {
         self.warms[i].live = false;
         self.warmups_cancelled += 1;
         self.engines[replica].cancel((self.reqs.len() + i) as u64);
-        let (uncached, queued) = (self.warms[i].uncached, self.warms[i].queued);
+        let uncached = self.warms[i].uncached;
         self.pending_prefill[replica] = self.pending_prefill[replica].saturating_sub(uncached);
         if let Some(nr) = self.nodes[n].routing.as_mut() {
             nr.view.routed_failed(replica, &self.warms[i].keys, now);
             nr.view.finished(replica);
             if let Some(rep) = nr.view.replica_mut(replica) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(queued);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
         }
-        self.share(
-            now,
-            n,
-            replica,
-            -1,
-            -i64::try_from(queued).unwrap_or(i64::MAX),
-        );
+        self.share(now, n, replica, -1, -(uncached as i64));
         self.schedule(replica);
     }
 
@@ -1856,7 +1828,7 @@ impl<'a> Sim<'a> {
     /// a routed request's, and its node's planner hears it.
     fn warm_first_token(&mut self, i: usize, prompt: usize, cached: usize, now: Duration) {
         let w = &mut self.warms[i];
-        let (n, r, key, uncached, queued) = (w.node, w.replica, w.key, w.uncached, w.queued);
+        let (n, r, key, uncached) = (w.node, w.replica, w.key, w.uncached);
         let keys = std::mem::take(&mut w.keys);
         self.warmup_tokens += prompt.saturating_sub(cached) as u64;
         if !self.orphaned[r] {
@@ -1867,13 +1839,13 @@ impl<'a> Sim<'a> {
             nr.view.prefill_done(r, &keys, now);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(queued);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
             if let Some(h) = nr.hot.as_mut() {
                 h.warm_done(key, r, true);
             }
         }
-        self.share(now, n, r, 0, -i64::try_from(queued).unwrap_or(i64::MAX));
+        self.share(now, n, r, 0, -(uncached as i64));
     }
 
     /// Warm-up `i` ended (its one token).

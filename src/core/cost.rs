@@ -189,28 +189,6 @@ pub fn prefill_work_s(info: &ReplicaInfo, cached: f64, uncached: f64) -> f64 {
     PrefillPrice::of(info).work_s(cached, uncached)
 }
 
-/// The tokens a prefill adds to replica `info`'s queue (`queued_prefill_tokens`): its work
-/// ([`prefill_work_s`], attention over its whole context included) at the replica's per-token
-/// rate, so that the queue divided by that rate ([`CostModel::prefill_queue_s`]) is the seconds
-/// its prefills take, not their token count. At least `uncached`; equal to it without attention.
-///
-/// Why (issue #38): counted in plain tokens, two cold 105,000-token prompts queued on one replica
-/// read as 4.2 s of prefill where the engine spends ~11.5 s (each ~5.7 s, three fifths of it
-/// attention), while the price of the request being placed already counted its own attention. On
-/// the Mooncake window's bursts of long cold prompts the node stacked a third one behind two
-/// (10.7 s, 9.2 s and 6.2 s first tokens: the run's p99); a follow-up's holder with such a queue
-/// also looked nearer than it was. Saturates rather than overflows.
-#[inline]
-pub fn queued_tokens(info: &ReplicaInfo, cached: u64, uncached: u64) -> u64 {
-    if uncached == 0 {
-        return 0;
-    }
-    let price = PrefillPrice::of(info);
-    let work = price.work_s(cached as f64, uncached as f64) * price.tokens_per_s;
-    // `as` saturates at u64::MAX (and takes NaN to 0, which `max` then lifts to `uncached`).
-    (work.ceil() as u64).max(uncached)
-}
-
 /// A replica's prefill price constants, as [`prefill_work_s`] derives them from its facts: worked
 /// out once per replica and kept by the router (`router.rs`'s remembered facts), so the
 /// per-decision price is the same operations on the same numbers, without re-deriving them.
@@ -268,26 +246,6 @@ fn credit(h: TierHit, w: &TierWeights) -> f64 {
 mod tests {
     use super::super::view::testing::info;
     use super::*;
-
-    #[test]
-    fn a_queued_prefill_counts_its_attention_in_tokens() {
-        let r = info("r", "eu");
-        // A cold 100,000-token prompt: 5.75 s of work, 287,500 tokens at 50,000 tokens/s.
-        assert_eq!(queued_tokens(&r, 0, 100_000), 287_500);
-        // Extending a 99,000-token cached prefix by 1,000: 94.6 ms of work.
-        assert_eq!(queued_tokens(&r, 99_000, 1_000), 4_732);
-        // Nothing new: nothing; without attention: its tokens; never less than its tokens (a
-        // fraction of a token rounds up).
-        assert_eq!(queued_tokens(&r, 5_000, 0), 0);
-        let linear = ReplicaInfo {
-            prefill_attention_ms_per_pair: 0.0,
-            ..info("r", "eu")
-        };
-        assert_eq!(queued_tokens(&linear, 99_000, 1_000), 1_000);
-        assert_eq!(queued_tokens(&r, 0, 1), 2, "rounded up");
-        // Out of range saturates.
-        assert_eq!(queued_tokens(&r, u64::MAX, u64::MAX), u64::MAX);
-    }
 
     #[test]
     fn a_prefill_pays_attention_over_its_whole_context() {

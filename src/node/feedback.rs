@@ -584,29 +584,4 @@ mod tests {
             "a request ending unanswered is not progress"
         );
     }
-
-    /// Issue #38: a routed prompt queues at its replica as the seconds of work it is, attention
-    /// included (`core::cost::queued_tokens`), and the whole of it goes at the first byte.
-    #[test]
-    fn a_long_prompt_queues_its_attention_too() {
-        let node = one_replica();
-        let queued = || {
-            let guard = node.lock();
-            let r = guard.view.replica(0).unwrap();
-            (
-                r.load.queued_prefill_tokens,
-                guard.router.config().cost.prefill_queue_s(r),
-            )
-        };
-        let req = crate::core::router::RouteRequest::plain("m", &[], 100_000);
-        let (_, ticket) = node.route(&req);
-        let mut ticket = ticket.unwrap();
-        // 100,000 cold tokens on the 8B defaults: 2 s at 50,000 tokens/s plus 3.75 s of
-        // attention, not the 2 s the token count alone reads as.
-        let (tokens, seconds) = queued();
-        assert_eq!(tokens, 287_500);
-        assert!((seconds - 5.75).abs() < 1e-9, "{seconds}");
-        ticket.first_byte(&[]);
-        assert_eq!(queued().0, 0, "released whole at the first byte");
-    }
 }

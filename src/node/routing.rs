@@ -32,7 +32,6 @@ use bytes::Bytes;
 
 use super::state::{Core, Endpoint, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::cache_model::CacheSource;
-use crate::core::cost::queued_tokens;
 use crate::core::dp_rank::{pick_rank, RankLoad, MAX_RANKS};
 use crate::core::keys::BlockKey;
 use crate::core::router::{Decision, RejectReason, RouteRequest, Routed};
@@ -318,15 +317,10 @@ impl Node {
                 core.pending_tips.push(tip);
             }
         }
-        // Queued as the seconds of work it is (attention included), in the queue's tokens.
-        let queued = core
-            .view
-            .replica(i)
-            .map_or(uncached, |r| queued_tokens(&r.info, cached, uncached));
         if let Some(rt) = core.replicas.get_mut(i) {
-            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(queued);
+            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
             if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
-                l.pending_tokens = l.pending_tokens.saturating_add(queued);
+                l.pending_tokens = l.pending_tokens.saturating_add(uncached);
                 l.in_flight = l.in_flight.saturating_add(1);
             }
             let pending = rt.queued_estimate();
@@ -354,7 +348,7 @@ impl Node {
             endpoint,
             tenant: tenant.map(str::to_owned),
             kv_slot,
-            pending_tokens: queued,
+            pending_tokens: uncached,
             hit_tokens: cached,
             started: false,
             rank: target,

@@ -11,6 +11,19 @@ then, with OUT the trace's directory (e.g. target/peer-bench/agentic):
     scripts/peer_bench/requests.py compare OUT/kvmesh-run1 OUT/kvmesh3-run1   # hits lost / gained
     scripts/peer_bench/requests.py slowest OUT/kvmesh3-run1 [N]               # who sets the p99
     scripts/peer_bench/requests.py collisions OUT/kvmesh3-run1 [MS]           # same replica, two nodes
+    scripts/peer_bench/requests.py floor OUT/kvmesh-run1 OUT/sglang-run1 ...  # TTFT alone, its hits
+
+    scripts/peer_bench/requests.py capacity OUT/trace.jsonl                   # hits KV allows
+
+`capacity` replays the trace without timing into 8 LRU caches of 450k tokens (the replicas'),
+each request's hash blocks (512 tokens) in order, a follow-up (sharing ≥ 30 % of its blocks with
+what some replica was sent: sglang-router's threshold) to that replica, a new one by each rule
+(sglang-router's smallest tree, random, the replica whose LRU tail is oldest, fewest tokens
+written), and into one LRU of the fleet's size: the hit ratio capacity leaves to placement.
+`floor` needs `--per-request` (each run's requests.jsonl): the TTFT each request would have had
+alone on an idle replica with the hit it really got (the `8b-h100` preset's step model: 7.5 ms a
+step, 0.019 ms a token, 7.5e-7 ms a query-key pair, 8,192-token chunks), its mean and p99 as
+report.py takes them: what no placement of that run could have beaten.
 
 Each aiperf record (`profile_export.jsonl`: start, TTFT, prompt and cached tokens the replica
 reported) is joined with the first `routed` line logged after its start (replica, hit blocks the
@@ -21,6 +34,7 @@ earlier request sharing the longest hash-id prefix: the previous turn of its con
 import datetime
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -154,11 +168,89 @@ def collisions(work, ms):
           f"to the same replica: {same}")
 
 
+def alone_ms(uncached, cached):
+    """Prefill of `uncached` tokens after `cached` on an idle 8b-h100 replica, in 8,192-token
+    chunks (`engine_sim/config.rs`, `Engine::step_ms`)."""
+    t, done = 0.0, cached
+    while uncached > 0:
+        n = min(8192, uncached)
+        t += 7.5 + 0.019 * n + 7.5e-7 * n * (done + n / 2)
+        done, uncached = done + n, uncached - n
+    return t
+
+
+def floor(works):
+    """Mean and p99 TTFT of each run's requests alone on an idle replica with their own hits."""
+    for work in works:
+        with open(os.path.join(work, "requests.jsonl")) as f:
+            rs = [json.loads(line) for line in f]
+        t = sorted(alone_ms(max(0, r.get("prompt", 0) - r.get("cached", 0)), r.get("cached", 0))
+                   for r in rs if not r.get("error"))
+        if not t:
+            continue
+        p99 = t[min(len(t) - 1, max(0, math.ceil(0.99 * len(t)) - 1))]
+        print(f"{work}: alone on an idle replica with its own hits, {len(t)} requests: "
+              f"mean {sum(t) / len(t):.0f} ms, p99 {p99:.0f} ms")
+
+
+def capacity(trace_path, replicas=8, kv_tokens=450_000, block=512):
+    """Hit ratio of each new-conversation rule, and of one fleet-wide LRU (`capacity` above)."""
+    import collections
+    import random
+    with open(trace_path) as f:
+        rows = [json.loads(line) for line in f]
+    cap = kv_tokens // block
+
+    def replay(rule, n):
+        caches = [collections.OrderedDict() for _ in range(n)]
+        sent = [set() for _ in range(n)]
+        written, rng, hit, total = [0] * n, random.Random(1), 0, 0
+        for t, r in enumerate(rows):
+            keys = [tuple(r["hash_ids"][:k + 1]) for k in range(len(r["hash_ids"]))]
+            run = lambda held: next((k for k, x in enumerate(keys) if x not in held), len(keys))  # noqa: E731
+            told = [run(x) for x in sent]
+            best = max(told)
+            if n == 1:
+                i = 0
+            elif keys and best / len(keys) >= 0.3:
+                i = told.index(best)
+            elif rule == "smallest tree":
+                i = min(range(n), key=lambda j: len(sent[j]))
+            elif rule == "random":
+                i = rng.randrange(n)
+            elif rule == "oldest LRU tail":
+                i = min(range(n), key=lambda j: next(iter(caches[j].values()))
+                        if len(caches[j]) >= cap else -1 - cap + len(caches[j]))
+            else:
+                i = min(range(n), key=lambda j: written[j])
+            c = caches[i]
+            hit += min(run(c) * block, r["input_length"])
+            total += r["input_length"]
+            for k in keys:
+                if k in c:
+                    c.move_to_end(k)
+                else:
+                    written[i] += 1
+                    if len(c) >= cap * (replicas if n == 1 else 1):
+                        c.popitem(last=False)
+                c[k] = t
+                sent[i].add(k)
+        return hit / total if total else math.nan
+
+    for rule in ("smallest tree", "random", "oldest LRU tail", "fewest written"):
+        print(f"{replicas} LRUs, new conversations by {rule}: hit {replay(rule, replicas):.4f}")
+    print(f"one LRU of the fleet's size: hit {replay('', 1):.4f}")
+
+
 def main(argv):
     if len(argv) >= 3 and argv[0] == "compare":
         compare(argv[1], argv[2])
     elif len(argv) >= 2 and argv[0] == "slowest":
         slowest(argv[1], int(argv[2]) if len(argv) > 2 else 6)
+    elif len(argv) >= 2 and argv[0] == "capacity":
+        capacity(argv[1])
+    elif len(argv) >= 2 and argv[0] == "floor":
+        floor(argv[1:])
     elif len(argv) >= 2 and argv[0] == "collisions":
         collisions(argv[1], float(argv[2]) if len(argv) > 2 else 5.0)
     else:

@@ -7,7 +7,8 @@
 #   scripts/kv-fetch-sim.sh [KVMESH_BINARY] [GB_PER_S] [SEEDS] [noise]
 #
 # Defaults: target/release/kvmesh, the node's same-region link (12.5 GB/s), seeds "1 2 3 4 5".
-# Prints markdown; each run's reports go under target/kv-fetch-sim/.
+# Prints markdown; each run's reports go under target/kv-fetch-sim/ (or $KV_FETCH_SIM_OUT: two
+# links run side by side each need their own, since the run directories are named by workload and seed).
 #
 # With `noise`: the noise band instead (docs/kv-transfer.md, "Tied"). Each workload runs every
 # seed under three timings (as given; gossip 101 ms instead of 100; scrape 1,001 ms instead of
@@ -19,7 +20,7 @@ set -euo pipefail
 B=${1:-target/release/kvmesh}
 GB=${2:-12.5}
 SEEDS=${3:-1 2 3 4 5}
-OUT=target/kv-fetch-sim
+OUT=${KV_FETCH_SIM_OUT:-target/kv-fetch-sim}
 mkdir -p "$OUT"
 common=(--policy p2c-cache --central false --kv-fetch-gb-s "$GB")
 

@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use super::cost::PrefillPrice;
 use super::keys::BlockKey;
 use super::kv_fetch::{longest_holder, KvFetchConfig, KvFetchPlan, PullSource};
 use super::policy::Candidate;
@@ -90,8 +91,14 @@ pub fn price(
         let Some(transfer_s) = cfg.transfer_from(&target.info, &from, moved) else {
             continue;
         };
-        let rate = target.info.prefill_tokens_per_s.max(1.0);
-        let prefill_s = prompt_tokens.saturating_sub(source_tokens) as f64 / rate;
+        // The rest is computed after the pulled context and pays attention over it, as every
+        // candidate's own prefill is priced (`cost::PrefillPrice`): priced per token alone, a
+        // pull under a long prompt looked a second cheaper than the holder serving it (agentic,
+        // 57k tokens pulled, 22k computed: predicted 0.99 s, took 2.18; the holder 1.58).
+        let prefill_s = PrefillPrice::of(&target.info).work_s(
+            source_tokens as f64,
+            prompt_tokens.saturating_sub(source_tokens) as f64,
+        );
         // Against the candidate's own prefill (its hit credited by tier, so an offloaded hit
         // the fetch would supersede is compared at its load-time worth).
         if prefill_s + transfer_s >= c.prefill_s {
@@ -306,5 +313,85 @@ mod tests {
         price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
         assert_eq!(plans[1].map(|p| p.source), Some(0));
         assert!(c[1].cost_s < 0.08, "priced with the pull: {}", c[1].cost_s);
+    }
+
+    /// A pull under a long prompt: the holder has 57,344 tokens of a 79,344-token prompt, the
+    /// idle neighbour nothing. The 22,000 tokens left are computed after the pulled context and
+    /// pay attention over it (1.57 s at the default price, 0.44 s per token alone), wherever
+    /// they are computed. So the pull (0.15 s at 50 GB/s) is sooner only where the holder's
+    /// queue is longer than it: with 0.05 s queued the neighbour stays priced as recomputing
+    /// (per token alone the pull read 0.59 s against the holder's 1.62 and drew the request);
+    /// with 1 s queued it pulls, priced with the attention.
+    #[test]
+    fn the_rest_after_a_pull_pays_attention_over_the_pulled_context() {
+        let cfg = KvFetchConfig {
+            mode: FetchMode::Priced,
+            ..KvFetchConfig::default()
+        };
+        let (mut v, _, _) = fleet();
+        let held = 3_584u32;
+        let keys: Vec<BlockKey> = (1..=u64::from(held)).map(BlockKey).collect();
+        v.record_routed_ready(
+            0,
+            &keys,
+            NOW - Duration::from_secs(2),
+            Duration::from_secs(1),
+        );
+        v.prefill_done(0, &keys, NOW - Duration::from_millis(500));
+        let (cached, prompt) = (u64::from(held) * 16, u64::from(held) * 16 + 22_000);
+        let price_of = PrefillPrice::of(v.replica(0).map(|r| &r.info).unwrap());
+        let rest_s = price_of.work_s(cached as f64, 22_000.0);
+        let whole_s = price_of.work_s(0.0, prompt as f64);
+        assert!(rest_s > 1.5 && whole_s > 3.0, "{rest_s} {whole_s}");
+        let fleet_at = |holder_queue_s: f64| {
+            let holder = Candidate {
+                replica: 0,
+                seed: 0,
+                hit_blocks: held,
+                credited_blocks: f64::from(held),
+                outstanding: 1,
+                in_flight: 1,
+                queue_s: holder_queue_s,
+                prefill_queue_s: holder_queue_s,
+                cost_s: holder_queue_s + rest_s,
+                prefill_s: rest_s,
+                cache_fill: 0.0,
+            };
+            let idle = Candidate {
+                replica: 1,
+                seed: 1,
+                hit_blocks: 0,
+                credited_blocks: 0.0,
+                outstanding: 0,
+                in_flight: 0,
+                queue_s: 0.0,
+                prefill_queue_s: 0.0,
+                cost_s: whole_s,
+                prefill_s: whole_s,
+                cache_fill: 0.0,
+            };
+            vec![holder, idle]
+        };
+        let mut plans = Vec::new();
+        let mut c = fleet_at(0.05);
+        price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
+        assert_eq!(
+            c[1].cost_s, whole_s,
+            "the holder answers sooner than the pull"
+        );
+        assert_eq!(
+            plans[1].map(|p| p.source),
+            Some(0),
+            "picked for load, it pulls"
+        );
+        let mut c = fleet_at(1.0);
+        price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
+        let transfer_s = plans[1].map_or(f64::NAN, |p| p.predicted_s);
+        assert!(transfer_s > 0.1 && transfer_s < 0.2, "{transfer_s}");
+        assert!(
+            (c[1].cost_s - (transfer_s + rest_s)).abs() < 1e-9,
+            "{}",
+            c[1].cost_s
+        );
     }
 }

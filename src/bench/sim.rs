@@ -1570,17 +1570,12 @@ impl<'a> Sim<'a> {
                 if m == s.origin || !node.live || node.region != g {
                     continue;
                 }
-                let Some(nr) = node.routing.as_mut() else {
+                let Some(view) = node.routing.as_mut().map(|nr| &mut nr.view) else {
                     continue;
                 };
-                let view = &mut nr.view;
                 if let Some((key, blocks, ready, ladder)) = &s.tip {
                     let until = *ready + view.overlay_ttl;
                     for (key, blocks) in std::iter::once((*key, *blocks)).chain(ladder.prefixes()) {
-                        // As the live node counts a peer's routed request (`learn_tips`).
-                        if let Some(h) = nr.hot.as_mut() {
-                            h.observe_peer(key.0, blocks, false, s.at);
-                        }
                         let tip = Tip {
                             replica: s.replica,
                             blocks,

@@ -10,11 +10,9 @@
 //!
 //! - Detection: every routed request's first-`prefix_blocks` key goes into a decayed
 //!   space-saving sketch ([`HotSketch`]), and into an onset sketch decaying 8× faster (a
-//!   burst's start is seen ~0.2 s sooner), which also counts the requests the region's peers
-//!   route, named by their load updates' tips ([`HotPrefixes::observe_peer`]: behind a
-//!   balancer a prefix's owner sees only its share of them); a node's heaviest keys reach the
-//!   region's other nodes (gossip, [`HotPrefixes::gossip_top`]) and are added to its slow rate
-//!   (the mesh-wide rate is the higher of that sum and the onset rate)
+//!   burst's start is seen ~0.2 s sooner; a node's own rate is the higher of the two); a node's
+//!   heaviest keys reach the region's other nodes (gossip, [`HotPrefixes::gossip_top`]) and are
+//!   added to its own rates
 //!   ([`HotPrefixes::apply_peer`]: at most [`MAX_GOSSIP_ENTRIES`] per peer, rates clamped to
 //!   [`MAX_PEER_RATE`], [`MAX_PEERS`] peers). A key whose mesh-wide rate passes `min_rate` is a
 //!   *candidate* (at most [`MAX_CANDIDATES`]): it keeps one sample prompt, and the longest
@@ -388,35 +386,20 @@ impl HotPrefixes {
         keys.get(self.cfg.prefix_blocks as usize - 1).map(|k| k.0)
     }
 
-    /// `key`'s mesh-wide rate at `now`: the higher of this node's slow rate plus its peers'
-    /// gossiped claims, and the onset rate, which counts this node's requests and those its
-    /// region peers' load updates named ([`Self::observe_peer`]), a round trip after they were
-    /// routed rather than a gossip round. (Peers' claims are not added to the onset rate: it
-    /// already holds the requests they stand for.)
+    /// `key`'s mesh-wide rate at `now`: this node's guaranteed rate (the higher of the slow
+    /// and the onset estimate) plus its peers' claims.
     pub fn rate(&self, key: u64, now: Duration) -> f64 {
-        let claims = self
+        let own = self
+            .sketch
+            .rate(key, now)
+            .0
+            .max(self.onset.rate(key, now).0);
+        own + self
             .peers
             .iter()
             .filter(|p| now.saturating_sub(p.at) < PEER_TTL)
             .filter_map(|p| p.entries.iter().find(|e| e.0 == key).map(|e| e.1))
-            .sum::<f64>();
-        (self.sketch.rate(key, now).0 + claims).max(self.onset.rate(key, now).0)
-    }
-
-    /// Counts a request a region peer routed, named by its load update (a tip of
-    /// `prefix_blocks` blocks whose last key is `key`), in the onset rate only: the slow rate
-    /// is this node's own, gossiped to the peers, which must not count it twice. Why: behind
-    /// a balancer that spreads clients, the node that owns a prefix sees only its share of the
-    /// requests, and the peers' gossiped rates reach it a round (200 ms) later; at a burst's
-    /// onset it saw the heat ~2 of its own requests late (issue #37: the burst's first 0.3 s
-    /// set its p99). A tip of another length, or one sent at a prefill's first byte (the
-    /// same request again), is not a count; tips name a prompt's prefixes of 4, 8, 16, … blocks
-    /// (`peer_tips::ladder`), so a `prefix_blocks` off that ladder gets no counts, and a load
-    /// update names a prefix routed to one replica once, so this undercounts, never over.
-    pub fn observe_peer(&mut self, key: u64, blocks: u32, first_byte: bool, now: Duration) {
-        if self.cfg.enabled && !first_byte && blocks == self.cfg.prefix_blocks {
-            self.onset.add(key, now);
-        }
+            .sum::<f64>()
     }
 
     /// Earns warm-up credit for `prefill_tokens` a request routed by this node recomputes
@@ -635,7 +618,8 @@ impl HotPrefixes {
             cost,
             pools,
             now,
-            (&mut self.tips, &mut self.tips_soon),
+            &mut self.tips,
+            &mut self.tips_soon,
         );
         // No holder yet: the first routed request makes one. Enough of them: done.
         if ready == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
@@ -744,7 +728,7 @@ struct Holders {
 }
 
 /// [`Holders`] of candidate `c` among the local region's healthy replicas serving its model in
-/// `pools` (all, if empty); `tips` are scratch for the peers' tips now and within
+/// `pools` (all, if empty); `tips_now` and `tips_soon` are scratch for the peers' tips now and within
 /// [`PENDING_HORIZON`].
 fn holders_of(
     c: &Candidate,
@@ -752,7 +736,8 @@ fn holders_of(
     cost: &CostModel,
     pools: &[String],
     now: Duration,
-    (tips_now, tips_soon): (&mut Vec<(usize, u32)>, &mut Vec<(usize, u32)>),
+    tips_now: &mut Vec<(usize, u32)>,
+    tips_soon: &mut Vec<(usize, u32)>,
 ) -> Holders {
     let keys = &c.chain[..c.lcp];
     let soon = now + PENDING_HORIZON;
@@ -1268,48 +1253,6 @@ mod tests {
             "the slow rate alone is not hot"
         );
         assert_eq!(h.hot_count(ms(10_050)), 1);
-    }
-
-    /// Behind a balancer the owner sees a third of a burst: its first request of the prefix
-    /// alone reads 4 requests/s (under `min_rate`), but with the two its peers routed just
-    /// before (named by their load updates) it is a candidate at once, sampled from that
-    /// request, and planned on the next (issue #37: the owner saw the onset ~2 of its own
-    /// requests late). Tips of another length, or at a first byte, are no count; peers'
-    /// gossiped claims are not added on top of the requests the onset rate already holds.
-    #[test]
-    fn peers_routed_requests_make_the_owner_see_a_burst_sooner() {
-        let (text, k) = prompt("0123456789abcdef", 0);
-        let key = HotPrefixes::new(on()).key_of(&k).unwrap();
-        let blocks = on().prefix_blocks;
-        let owner_sees = |peer_tips: &[(u32, bool)]| {
-            let mut h = HotPrefixes::new(on());
-            for (i, &(b, first_byte)) in peer_tips.iter().enumerate() {
-                h.observe_peer(key, b, first_byte, ms(990 + i as u64));
-            }
-            let req = Observed {
-                model: "m",
-                keys: &k,
-                text: Some(&text),
-                block_bytes: BB,
-                scope: WarmScope::default(),
-            };
-            h.observe(req, ms(1000));
-            h.hot_count(ms(1000))
-        };
-        assert_eq!(owner_sees(&[]), 0, "its own one request is not hot");
-        assert_eq!(owner_sees(&[(blocks, false), (blocks, false)]), 1);
-        assert_eq!(
-            owner_sees(&[(blocks, true), (blocks, true)]),
-            0,
-            "first bytes"
-        );
-        assert_eq!(owner_sees(&[(blocks + 1, false), (blocks + 1, false)]), 0);
-        // Steady: a peer claims 100/s by gossip; its tips of the last 10 ms are the same requests.
-        let mut h = HotPrefixes::new(on());
-        h.apply_peer("b", &[(key, 100.0)], ms(900));
-        h.observe_peer(key, blocks, false, ms(995));
-        let r = h.rate(key, ms(1000));
-        assert!((100.0..104.0).contains(&r), "{r}");
     }
 
     #[test]

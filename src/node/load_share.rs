@@ -144,8 +144,6 @@ fn learn_tips(
             dropped += 1;
             continue;
         };
-        // A request routed by the peer: the hot-prefix detector's onset rate counts it.
-        core.hot.observe_peer(t.key, t.blocks, t.first_byte, now);
         if let (Some(rank), Some(rt)) = (t.rank, core.replicas.get_mut(replica)) {
             let ranks = rt.kv_source.as_ref().map_or(0, |k| usize::from(k.dp_ranks));
             if usize::from(rank) < ranks.min(MAX_RANKS) {

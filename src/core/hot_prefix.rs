@@ -447,6 +447,12 @@ impl HotPrefixes {
                 None => return,
             }
         }
+        tracing::debug!(
+            key = format_args!("{key:016x}"),
+            at_s = now.as_secs_f64(),
+            rate = self.rate(key, now),
+            "hot candidate"
+        );
         let blocks = req.keys.len().min(self.cfg.max_warm_blocks as usize);
         let block_bytes = req.block_bytes.max(1);
         let end = floor_char_boundary(text, blocks.saturating_mul(block_bytes));
@@ -600,46 +606,21 @@ impl HotPrefixes {
         if c.warming.len() >= self.cfg.max_warming as usize {
             return None;
         }
-        let keys = &c.chain[..c.lcp];
-        let soon = now + PENDING_HORIZON;
-        view.peer_tips.hits(keys, now, &mut self.tips);
-        view.peer_tips.hits(keys, soon, &mut self.tips_soon);
-        let tip = |tips: &[(usize, u32)], r: usize| {
-            tips.iter().find(|t| t.0 == r).map_or(0, |t| t.1 as usize)
-        };
-        let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
-        let mut target: Option<(usize, f64)> = None;
-        // The least busy replica known to hold it now (not one still computing it, nor one a
-        // peer's tip only predicts: a pull from either finds no blocks): a pull's source.
-        let mut source: Option<(usize, f64)> = None;
-        for (r, rep) in view.replicas().iter().enumerate() {
-            if rep.health != Health::Healthy
-                || rep.info.region != view.local_region
-                || !rep.info.models.contains(&c.model)
-                || !(pools.is_empty() || pools.contains(&rep.info.pool))
-            {
-                continue;
-            }
-            let holds =
-                |at, tips: &[(usize, u32)]| view.hit(r, keys, at).max(tip(tips, r)) + 1 >= c.lcp;
-            let queue = cost.queue_s(rep);
-            let holds_now = holds(now, &self.tips);
-            // A replica whose routed requests are computing the prefix right now holds it
-            // soon: warming it too would queue a second copy behind the first.
-            if holds_now
-                && source.is_none_or(|(_, q)| queue < q)
-                && view.hit_settled(r, keys, now) + 1 >= c.lcp
-            {
-                source = Some((r, queue));
-            }
-            if holds_now || holds(soon, &self.tips_soon) {
-                ready += u32::from(holds_now);
-                holders += 1;
-                min_queue = min_queue.min(queue);
-            } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
-                target = Some((r, queue));
-            }
-        }
+        let Holders {
+            ready,
+            holders,
+            min_queue,
+            target,
+            source,
+        } = holders_of(
+            c,
+            view,
+            cost,
+            pools,
+            now,
+            &mut self.tips,
+            &mut self.tips_soon,
+        );
         // No holder yet: the first routed request makes one. Enough of them: done.
         if ready == 0 || holders + c.warming.len() as u32 >= self.cfg.max_holders {
             return None;
@@ -648,6 +629,20 @@ impl HotPrefixes {
         let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
         let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
         let gate = warm_gate_s(self.cfg.min_queue_s, fetch.as_ref());
+        // The planner's inputs, for the burst's timeline (`RUST_LOG=kvmesh::core::hot_prefix=debug`):
+        // when a warm-up is late, whether the heat, the holders' queue or the gate held it back.
+        tracing::debug!(
+            key = format_args!("{:016x}", c.key),
+            at_s = now.as_secs_f64(),
+            seen = c.seen,
+            ready,
+            holders,
+            warming = c.warming.len(),
+            min_queue_ms = min_queue * 1e3,
+            gate_ms = gate * 1e3,
+            target_queue_ms = queue * 1e3,
+            "hot plan"
+        );
         if min_queue <= gate {
             return None;
         }
@@ -718,6 +713,78 @@ impl HotPrefixes {
             self.stats.failed += 1;
         }
         true
+    }
+}
+
+/// What the planner knows of a candidate's replicas: holders (`ready` of them hold it now, the
+/// rest are computing it), the least queue among them, the least busy other replica (a warm-up's
+/// target) and the least busy settled holder (a pull's source), each with its queue (s).
+struct Holders {
+    ready: u32,
+    holders: u32,
+    min_queue: f64,
+    target: Option<(usize, f64)>,
+    source: Option<(usize, f64)>,
+}
+
+/// [`Holders`] of candidate `c` among the local region's healthy replicas serving its model in
+/// `pools` (all, if empty); `tips_now` and `tips_soon` are scratch for the peers' tips now and within
+/// [`PENDING_HORIZON`].
+fn holders_of(
+    c: &Candidate,
+    view: &View,
+    cost: &CostModel,
+    pools: &[String],
+    now: Duration,
+    tips_now: &mut Vec<(usize, u32)>,
+    tips_soon: &mut Vec<(usize, u32)>,
+) -> Holders {
+    let keys = &c.chain[..c.lcp];
+    let soon = now + PENDING_HORIZON;
+    view.peer_tips.hits(keys, now, tips_now);
+    view.peer_tips.hits(keys, soon, tips_soon);
+    let tip = |tips: &[(usize, u32)], r: usize| {
+        tips.iter().find(|t| t.0 == r).map_or(0, |t| t.1 as usize)
+    };
+    let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
+    let mut target: Option<(usize, f64)> = None;
+    // The least busy replica known to hold it now (not one still computing it, nor one a
+    // peer's tip only predicts: a pull from either finds no blocks): a pull's source.
+    let mut source: Option<(usize, f64)> = None;
+    for (r, rep) in view.replicas().iter().enumerate() {
+        if rep.health != Health::Healthy
+            || rep.info.region != view.local_region
+            || !rep.info.models.contains(&c.model)
+            || !(pools.is_empty() || pools.contains(&rep.info.pool))
+        {
+            continue;
+        }
+        let holds =
+            |at, tips: &[(usize, u32)]| view.hit(r, keys, at).max(tip(tips, r)) + 1 >= c.lcp;
+        let queue = cost.queue_s(rep);
+        let holds_now = holds(now, &tips_now[..]);
+        // A replica whose routed requests are computing the prefix right now holds it
+        // soon: warming it too would queue a second copy behind the first.
+        if holds_now
+            && source.is_none_or(|(_, q)| queue < q)
+            && view.hit_settled(r, keys, now) + 1 >= c.lcp
+        {
+            source = Some((r, queue));
+        }
+        if holds_now || holds(soon, &tips_soon[..]) {
+            ready += u32::from(holds_now);
+            holders += 1;
+            min_queue = min_queue.min(queue);
+        } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
+            target = Some((r, queue));
+        }
+    }
+    Holders {
+        ready,
+        holders,
+        min_queue,
+        target,
+        source,
     }
 }
 

@@ -351,8 +351,8 @@ struct StaticEntry {
 impl StaticEntry {
     /// What is remembered of facts `info` for `asked`: this entry's answer when it is for those
     /// very facts and this generation (two compares, inline), else answered afresh and kept.
-    /// Answered by reference: read in place, its prices and bounds are not copied aside per
-    /// replica (four instructions each of the gathering loop's 512 at 512 replicas).
+    /// Answered by reference, so the gathering loop reads the price and bounds in place: a
+    /// copy returned by value went through the stack, four more instructions a replica.
     #[inline(always)]
     fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> &Known {
         if self.addr == Arc::as_ptr(info) as usize && self.generation == asked.generation {

@@ -60,7 +60,7 @@ impl QuickPrice {
         let credited_blocks = run as f64 * self.w_gpu;
         let outstanding = r.load.outstanding();
         // `CostModel::prefill_queue_s` and `queue_s`.
-        let prefill_queue_s = r.load.queued_prefill_tokens as f64 / price.tokens_per_s;
+        let prefill_queue_s = tokens_as_f64(r.load.queued_prefill_tokens) / price.tokens_per_s;
         let queue_s = prefill_queue_s + self.w_load_s * outstanding as f64;
         // `CostModel::prefill_s`.
         let cached = (credited_blocks * self.tokens_per_block).max(0.0);
@@ -79,6 +79,26 @@ impl QuickPrice {
             cache_fill: cache_fill(r),
         }
     }
+}
+
+/// `tokens as f64`, the same double, in one signed conversion for any count below 2⁶³ (every
+/// real one): x86-64 has no unsigned one before AVX-512, so `u64 as f64` is a six-instruction
+/// sequence, once per replica and decision here (`scripts/decision-instructions.sh`). Both
+/// conversions round the same integer to nearest. The rest go through a call: with `as f64`
+/// inline in both arms the compiler saw one unsigned conversion and emitted the sequence.
+#[inline(always)]
+fn tokens_as_f64(tokens: u64) -> f64 {
+    match i64::try_from(tokens) {
+        Ok(signed) => signed as f64,
+        Err(_) => huge_tokens_as_f64(tokens),
+    }
+}
+
+/// [`tokens_as_f64`] past `i64::MAX`, out of line (never, for a real queue).
+#[cold]
+#[inline(never)]
+fn huge_tokens_as_f64(tokens: u64) -> f64 {
+    tokens as f64
 }
 
 /// [`PrefillPrice::work_s`] for the quick candidate's numbers: `cached` is the result of
@@ -102,6 +122,22 @@ fn work_after_s(price: PrefillPrice, cached: f64, uncached: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The one-conversion path is `as f64` to the bit, at the edges (0, 2⁵³ ± 1 where
+        /// doubles stop being exact, 2⁶³ ± 1 where the signed path ends, `u64::MAX`) and
+        /// anywhere between.
+        #[test]
+        fn tokens_as_f64_is_as_f64_to_the_bit(
+            tokens in proptest::prop_oneof![
+                proptest::strategy::Just(0u64), proptest::strategy::Just((1u64 << 53) - 1),
+                proptest::strategy::Just((1u64 << 53) + 1), proptest::strategy::Just(i64::MAX as u64),
+                proptest::strategy::Just(1u64 << 63), proptest::strategy::Just((1u64 << 63) + 1),
+                proptest::strategy::Just(u64::MAX), proptest::prelude::any::<u64>(), 0u64..1_000_000_000],
+        ) {
+            proptest::prop_assert_eq!(tokens_as_f64(tokens).to_bits(), (tokens as f64).to_bits());
+        }
+    }
 
     proptest::proptest! {
         /// The quick prefill price is `PrefillPrice::work_s` to the bit on every number the

@@ -956,6 +956,63 @@ pub struct HitScratch {
     tier_hashed: bool,
     /// GPU runs found by slice searches (`summary_slices.rs`) for the current request.
     slice_runs: SliceRuns,
+    /// Keys' filter hashes from earlier requests ([`RecentKeyHashes`]).
+    recent: RecentKeyHashes,
+}
+
+/// The filter hashes of keys hashed for earlier requests, kept across requests (the stamped
+/// `HitScratch::hashes` serve one request): a direct-mapped table of [`RecentKeyHashes::SLOTS`]
+/// entries, each (seed fingerprint, key, hashes), so a key hashed before under the same seed
+/// costs a few loads and compares instead of two SipHash rounds (~440 instructions). Why:
+/// consecutive requests share their prefixes (a conversation's turns, a system prompt, the
+/// siblings of a rollout), so the keys a decision's slice search probes were mostly hashed
+/// by an earlier decision; at 64 and 512 replicas the 13 keys the benchmark's search probes
+/// were ~5.7k instructions of every decision (`scripts/decision-instructions.sh`). A key not
+/// seen before pays the lookup and the store, ~15 instructions on top of its hashes. Fixed
+/// size (40 KiB, allocated on first use), whatever keys the requests bring; a slot another
+/// key took is a miss, never a wrong answer: the key and the seed are compared in full.
+#[derive(Debug, Default)]
+struct RecentKeyHashes {
+    /// `SLOTS` entries once used (empty before); `None` until a key is stored there.
+    slots: Vec<Option<RecentKeyHash>>,
+}
+
+/// One [`RecentKeyHashes`] entry.
+#[derive(Clone, Copy, Debug)]
+struct RecentKeyHash {
+    /// [`KeyHasher::seed_id`] of the hasher that hashed it.
+    seed_id: u64,
+    key: BlockKey,
+    hashes: KeyHashes,
+}
+
+impl RecentKeyHashes {
+    /// Entries (a power of two: the slot is the key's low bits, keys being hashes already).
+    const SLOTS: usize = 1024;
+
+    /// `hasher.hash(key)`, from the table when the key was hashed with that seed before.
+    #[inline]
+    fn hash(&mut self, hasher: &KeyHasher, key: BlockKey) -> KeyHashes {
+        let seed_id = hasher.seed_id();
+        let at = key.0 as usize & (Self::SLOTS - 1);
+        if let Some(Some(e)) = self.slots.get(at) {
+            if e.key == key && e.seed_id == seed_id {
+                return e.hashes;
+            }
+        }
+        let hashes = hasher.hash(key);
+        if self.slots.is_empty() {
+            self.slots.resize(Self::SLOTS, None);
+        }
+        if let Some(slot) = self.slots.get_mut(at) {
+            *slot = Some(RecentKeyHash {
+                seed_id,
+                key,
+                hashes,
+            });
+        }
+        hashes
+    }
 }
 
 /// Probe positions of one request's keys in filters of one geometry.
@@ -1053,6 +1110,7 @@ impl HitScratch {
             stamp,
             hasher: self.hasher.as_ref(),
             hashes: &mut self.hashes,
+            recent: &mut self.recent,
             memo,
             tier_hashed: &mut self.tier_hashed,
         }
@@ -1139,6 +1197,8 @@ struct Prober<'a> {
     stamp: u32,
     hasher: Option<&'a KeyHasher>,
     hashes: &'a mut [(u32, KeyHashes)],
+    /// Hashes of earlier requests' keys, consulted before hashing one afresh.
+    recent: &'a mut RecentKeyHashes,
     /// The geometry's memo ([`GeometryMemo::slots`]); empty when the geometry has none.
     memo: &'a mut [u32],
     tier_hashed: &'a mut bool,
@@ -1183,7 +1243,7 @@ impl Prober<'_> {
             Some(&(s, h)) if s == self.stamp => h,
             _ => {
                 let h = match self.hasher {
-                    Some(hasher) => hasher.hash(key),
+                    Some(hasher) => self.recent.hash(hasher, key),
                     None => self.summary.key_hasher().hash(key),
                 };
                 *self.hashes.get_mut(j)? = (self.stamp, h);
@@ -1213,7 +1273,7 @@ impl Prober<'_> {
             _ => {
                 let key = tier.summary_key(key);
                 let h = match self.hasher {
-                    Some(hasher) => hasher.hash(key),
+                    Some(hasher) => self.recent.hash(hasher, key),
                     None => self.summary.key_hasher().hash(key),
                 };
                 if let Some(e) = self.hashes.get_mut(slot) {
@@ -1783,6 +1843,29 @@ mod tests {
                 // The same request again, the view changed under it; then a new request.
                 check(&v, &mut scratch, keys, false).map_err(TestCaseError::fail)?;
                 check(&v, &mut scratch, keys, true).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+
+    proptest! {
+        /// The recent keys' table answers what the hasher does, for keys met again, keys that
+        /// share a slot (the same low bits) and the same keys under another seed, in any order.
+        #[test]
+        fn recent_key_hashes_are_the_hashers(
+            picks in proptest::collection::vec((0usize..6, any::<bool>()), 1..200),
+            high in any::<u64>(),
+        ) {
+            let seeds = [[1u8; 32], [2u8; 32]];
+            let hashers = seeds.map(|s| KeyHasher::new(&s));
+            // Three keys of one slot, three of others.
+            let slot_mask = RecentKeyHashes::SLOTS as u64 - 1;
+            let keys: Vec<BlockKey> = (0..6u64)
+                .map(|k| BlockKey((high & !slot_mask).wrapping_add(k << 40) | (k / 3)))
+                .collect();
+            let mut recent = RecentKeyHashes::default();
+            for (k, second_seed) in picks {
+                let hasher = &hashers[usize::from(second_seed)];
+                prop_assert_eq!(recent.hash(hasher, keys[k]), hasher.hash(keys[k]));
             }
         }
     }

@@ -36,7 +36,7 @@
 
 use std::time::Duration;
 
-use super::cost::{CostModel, PrefillPrice};
+use super::cost::CostModel;
 use super::keys::BlockKey;
 use super::kv_fetch::{KvFetchPlan, LinkSpec, PullSource, OFFERED_SOURCE};
 use super::policy::Candidate;
@@ -455,12 +455,8 @@ fn price_pulls(
         };
         let moved = (source_tokens - own_tokens) as f64;
         let transfer_s = pull_s(link, step_s, moved, load.bytes_per_token);
-        // The rest pays attention over the pulled context, as the candidate's own prefill in
-        // `c.cost_s` does (`fetch_plan::price` prices a same-region pull the same way).
-        let prefill_s = PrefillPrice::of(&target.info).work_s(
-            source_tokens as f64,
-            prompt_tokens.saturating_sub(source_tokens) as f64,
-        );
+        let rate = target.info.prefill_tokens_per_s.max(1.0);
+        let prefill_s = prompt_tokens.saturating_sub(source_tokens) as f64 / rate;
         let pulled_s = c.queue_s + transfer_s + prefill_s;
         if pulled_s >= c.cost_s {
             continue;

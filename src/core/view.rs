@@ -970,7 +970,8 @@ pub struct HitScratch {
 /// were ~5.7k instructions of every decision (`scripts/decision-instructions.sh`). A key not
 /// seen before pays the lookup and the store, ~15 instructions on top of its hashes. Fixed
 /// size (40 KiB, allocated on first use), whatever keys the requests bring; a slot another
-/// key took is a miss, never a wrong answer: the key and the seed are compared in full.
+/// key took is a miss, never a wrong answer: the key is compared in full and the seed by the
+/// fingerprint summaries are already matched by (`KeyHasher::seed_id`).
 #[derive(Debug, Default)]
 struct RecentKeyHashes {
     /// `SLOTS` entries once used (empty before); `None` until a key is stored there.

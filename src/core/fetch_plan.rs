@@ -182,6 +182,30 @@ mod tests {
 
     const NOW: Duration = Duration::from_secs(100);
 
+    /// A candidate at `replica` holding `hit_blocks`, with `in_flight` requests outstanding,
+    /// queued `(queue_s, prefill_queue_s)` and its own prefill `prefill_s`, priced as the sum.
+    fn candidate(
+        replica: usize,
+        hit_blocks: u32,
+        in_flight: u32,
+        (queue_s, prefill_queue_s): (f64, f64),
+        prefill_s: f64,
+    ) -> Candidate {
+        Candidate {
+            replica,
+            seed: replica as u64,
+            hit_blocks,
+            credited_blocks: f64::from(hit_blocks),
+            outstanding: in_flight,
+            in_flight,
+            queue_s,
+            prefill_queue_s,
+            cost_s: queue_s + prefill_s,
+            prefill_s,
+            cache_fill: 0.0,
+        }
+    }
+
     /// An 8,192-token prompt; replica `h` was routed it (its overlay predicts the blocks ready
     /// a second ago) and queues 10 s (decoding: its steps are short); `n` is idle, in the same
     /// zone, taking hints.
@@ -207,23 +231,11 @@ mod tests {
             Duration::from_secs(1),
         );
         let rate = 50_000.0;
-        let candidate = |replica, hit_blocks: u32, queue_s: f64| {
+        let at = |replica, hit_blocks: u32, queue_s: f64| {
             let prefill_s = (8192.0 - f64::from(hit_blocks) * 16.0) / rate;
-            Candidate {
-                replica,
-                seed: replica as u64,
-                hit_blocks,
-                credited_blocks: f64::from(hit_blocks),
-                outstanding: 1,
-                in_flight: 1,
-                queue_s,
-                prefill_queue_s: queue_s,
-                cost_s: queue_s + prefill_s,
-                prefill_s,
-                cache_fill: 0.0,
-            }
+            candidate(replica, hit_blocks, 1, (queue_s, queue_s), prefill_s)
         };
-        let c = vec![candidate(h, 512, 10.0), candidate(n, 0, 0.0)];
+        let c = vec![at(h, 512, 10.0), at(n, 0, 0.0)];
         (v, keys, c)
     }
 
@@ -269,33 +281,9 @@ mod tests {
         let decoding = |queued_s: f64| {
             let prefill_s = (prompt - 8191) as f64 / rate;
             let queue_s = queued_s + 0.005 * 7.0;
-            Candidate {
-                replica: 0,
-                seed: 0,
-                hit_blocks: 512,
-                credited_blocks: 512.0,
-                outstanding: 7,
-                in_flight: 7,
-                queue_s,
-                prefill_queue_s: queued_s,
-                cost_s: queue_s + prefill_s,
-                prefill_s,
-                cache_fill: 0.0,
-            }
+            candidate(0, 512, 7, (queue_s, queued_s), prefill_s)
         };
-        let idle = Candidate {
-            replica: 1,
-            seed: 1,
-            hit_blocks: 0,
-            credited_blocks: 0.0,
-            outstanding: 0,
-            in_flight: 0,
-            queue_s: 0.0,
-            prefill_queue_s: 0.0,
-            cost_s: prompt as f64 / rate,
-            prefill_s: prompt as f64 / rate,
-            cache_fill: 0.0,
-        };
+        let idle = candidate(1, 0, 0, (0.0, 0.0), prompt as f64 / rate);
         let mut plans = Vec::new();
         let mut c = vec![decoding(0.0), idle];
         price(&cfg, &v, &mut c, &mut plans, (&keys, prompt, NOW));
@@ -344,33 +332,8 @@ mod tests {
         let whole_s = price_of.work_s(0.0, prompt as f64);
         assert!(rest_s > 1.5 && whole_s > 3.0, "{rest_s} {whole_s}");
         let fleet_at = |holder_queue_s: f64| {
-            let holder = Candidate {
-                replica: 0,
-                seed: 0,
-                hit_blocks: held,
-                credited_blocks: f64::from(held),
-                outstanding: 1,
-                in_flight: 1,
-                queue_s: holder_queue_s,
-                prefill_queue_s: holder_queue_s,
-                cost_s: holder_queue_s + rest_s,
-                prefill_s: rest_s,
-                cache_fill: 0.0,
-            };
-            let idle = Candidate {
-                replica: 1,
-                seed: 1,
-                hit_blocks: 0,
-                credited_blocks: 0.0,
-                outstanding: 0,
-                in_flight: 0,
-                queue_s: 0.0,
-                prefill_queue_s: 0.0,
-                cost_s: whole_s,
-                prefill_s: whole_s,
-                cache_fill: 0.0,
-            };
-            vec![holder, idle]
+            let holder = candidate(0, held, 1, (holder_queue_s, holder_queue_s), rest_s);
+            vec![holder, candidate(1, 0, 0, (0.0, 0.0), whole_s)]
         };
         let mut plans = Vec::new();
         let mut c = fleet_at(0.05);

@@ -101,6 +101,13 @@ pub struct RouterConfig {
     /// the first (the simulator, which does not hold: its small tenants' hits fell 0.417 → 0.372
     /// of alone in `a_kv_quota_on_a_100x_tenant_…` with it on).
     pub ride_extensions: bool,
+    /// With `ride_extensions`, the shortest prompt under way (tokens) a request rides on that it
+    /// extends rather than repeats. Default 0; the node sets the hold's `min_prefill_tokens`:
+    /// a ride is credited only where the rider will be held until that prefill's first byte.
+    /// Credited on a shorter one (a hot prefix's 8,192-token warm-up), riders were sent to the
+    /// replica being warmed and waited behind it (the live hot burst's window p99 0.058 →
+    /// 0.201 s, docs/kv-transfer.md "Hot burst, live").
+    pub ride_extension_min_tokens: u64,
 }
 
 impl Default for RouterConfig {
@@ -116,6 +123,7 @@ impl Default for RouterConfig {
             evict_charge: super::policy::DEFAULT_EVICT_CHARGE,
             remote_prefix: RemotePrefixMode::Local,
             ride_extensions: false,
+            ride_extension_min_tokens: 0,
         }
     }
 }
@@ -856,6 +864,7 @@ impl Router {
                 tip_hits: &self.tip_hits,
                 pending_tips: &self.pending_tips,
                 ride_extensions: self.cfg.ride_extensions,
+                ride_min_tokens: self.cfg.ride_extension_min_tokens,
                 kv_shares: &mut self.kv_shares,
             };
             let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
@@ -932,6 +941,7 @@ impl Router {
                         tip_hits: &self.tip_hits,
                         pending_tips: &self.pending_tips,
                         ride_extensions: self.cfg.ride_extensions,
+                        ride_min_tokens: self.cfg.ride_extension_min_tokens,
                         kv_shares: &mut self.kv_shares,
                     };
                     Self::candidate(work, view, req, now, (i, r), kv_slot)
@@ -1117,7 +1127,7 @@ impl Router {
             && (hit_blocks as usize) < req.keys.len()
             && (r.has_overlay() || !w.pending_tips.is_empty())
         {
-            let extensions = w.ride_extensions;
+            let extensions = w.ride_extensions.then_some(w.ride_min_tokens);
             ride_on(
                 w.pending_tips,
                 extensions,
@@ -1392,6 +1402,8 @@ struct CandidateWork<'a> {
     pending_tips: &'a [(usize, u32, Duration)],
     /// [`RouterConfig::ride_extensions`].
     ride_extensions: bool,
+    /// [`RouterConfig::ride_extension_min_tokens`].
+    ride_min_tokens: u64,
     kv_shares: &'a mut Vec<(f32, f32)>,
 }
 
@@ -1399,8 +1411,9 @@ struct CandidateWork<'a> {
 /// blocks and the seconds until its prefill is done. This node's own routing (a prompt it sent
 /// there that `keys` repeat or extend, past the `from` blocks already counting), or a peer's
 /// tip of one (`pending_tips`, [`crate::core::peer_tips::PeerTips::hits_and_pending`]); the longer,
-/// then the sooner. A prompt it only extends counts where `extensions`
-/// ([`RouterConfig::ride_extensions`]; the peers' tips were gathered the same way).
+/// then the sooner. A prompt it only extends counts where `extensions` is the shortest such
+/// prompt in tokens ([`RouterConfig::ride_extensions`], `ride_extension_min_tokens`; the peers'
+/// tips were gathered the same way).
 ///
 /// Burst co-location: `n` identical prompts within a prefill (RL `n`-sample rollouts) ride on
 /// the first, which computes the prompt once, instead of each landing on an idle replica that
@@ -1414,20 +1427,25 @@ struct CandidateWork<'a> {
 /// alongside.
 fn ride_on(
     pending_tips: &[(usize, u32, Duration)],
-    extensions: bool,
+    extensions: Option<u64>,
     view: &View,
     i: usize,
     keys: &[BlockKey],
     from: usize,
     now: Duration,
 ) -> Option<(usize, f64)> {
+    let tpb = u64::from(view.tokens_per_block);
+    let rides = |blocks: usize| {
+        blocks == keys.len() || extensions.is_some_and(|min| blocks as u64 * tpb >= min)
+    };
     let own = view
         .pending_run(i, keys, from, now)
-        .filter(|&(blocks, _)| extensions || blocks == keys.len());
+        .filter(|&(blocks, _)| rides(blocks));
     let peer = pending_tips
         .iter()
         .find(|(r, ..)| *r == i)
-        .map(|&(_, blocks, ready)| (blocks as usize, ready));
+        .map(|&(_, blocks, ready)| (blocks as usize, ready))
+        .filter(|&(blocks, _)| rides(blocks));
     let (blocks, ready) = match (own, peer) {
         (Some(a), Some(b)) => {
             if a.0 != b.0 {
@@ -1923,6 +1941,19 @@ mod tests {
         // Where riders are not held (`ride_extensions` off), it only repeats nothing whole.
         let mut unheld = router(PolicyKind::P2cCache);
         assert_eq!(routed(unheld.route(&v, &req(&next), later)).hit_blocks, 0);
+        // Nor on a prompt shorter than the hold holds on (1,600 blocks are 102,400 tokens).
+        let mut short_only = Router::new(
+            RouterConfig {
+                ride_extensions: true,
+                ride_extension_min_tokens: 1600 * 64 + 1,
+                ..Default::default()
+            },
+            Tenants::default(),
+        );
+        assert_eq!(
+            routed(short_only.route(&v, &req(&next), later)).hit_blocks,
+            0
+        );
         // Another node of the region knows turn one only by its peer's tip: the same.
         let mut other = View::new("eu", 64);
         for i in 0..8 {
@@ -1940,6 +1971,10 @@ mod tests {
         assert_eq!((by_tip.replica, by_tip.hit_blocks), (d.replica, 1600));
         assert_ne!(
             routed(unheld.route(&other, &req(&next), later)).hit_blocks,
+            1600
+        );
+        assert_ne!(
+            routed(short_only.route(&other, &req(&next), later)).hit_blocks,
             1600
         );
         // Once the first's prefill is done, the part counts as a plain hit.

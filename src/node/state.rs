@@ -406,6 +406,7 @@ impl Node {
                 evict_charge: cfg.evict_charge,
                 // Riders on a prompt they extend are held until its first byte (`hold.rs`).
                 ride_extensions: cfg.hold.enabled,
+                ride_extension_min_tokens: cfg.hold.min_prefill_tokens,
                 shared_load: cfg
                     .mesh
                     .as_ref()

@@ -114,9 +114,13 @@ impl<K: Hash + Eq + Clone> StrikeBook<K> {
     {
         if !self.members.contains_key(who) {
             self.make_room(now);
+            // The key is copied only for a new member, not on every strike.
+            self.members.insert(who.to_owned(), Record::default());
         }
         let rule = self.rule;
-        let r = self.members.entry(who.to_owned()).or_default();
+        let Some(r) = self.members.get_mut(who) else {
+            return Noted::Counted;
+        };
         r.last = now;
         if r.barred(now) {
             return Noted::AlreadyBarred;

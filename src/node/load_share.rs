@@ -243,6 +243,8 @@ impl Node {
         let cfg = LoadShareConfig::default();
         let now = self.now();
         let tips = std::mem::take(&mut update.tips);
+        // Asked before the node's lock: the bars' own lock is not nested inside it.
+        let barred = self.holds.is_barred(from, now);
         let mut guard = self.lock();
         let core = &mut *guard;
         let view = &core.view;
@@ -257,7 +259,6 @@ impl Node {
                 // Tips only from a datagram that was not stale (a late one's prefixes are old),
                 // and not from a peer barred for claims that went unanswered: a member that lied
                 // about what it computes is not believed about what it routed either.
-                let barred = self.holds.is_barred(from, now);
                 let (dropped_tips, barred_tips) = if barred {
                     (0, tips.len())
                 } else {

@@ -378,8 +378,12 @@ async fn failover_hides_a_killed_replica_and_a_failing_one() {
         let mut urls: Vec<String> = reps.iter().map(|r| r.base_url()).collect();
         urls.push(format!("http://{bad}"));
         let mut cfg = node_config(&urls);
-        // Passive detection only: the dead replica must be found by requests, not checks.
+        // Passive detection only: the dead replica must be found by requests, not checks. A long
+        // interval is not enough: the watcher checks once at spawn and then on a grid whose phase
+        // is random, so two failed checks could mark r1 down before its third failed request
+        // ejects it (seen on a busy box: unhealthy, two failures, not ejected).
         cfg.health.interval_ms = 60_000;
+        cfg.health.unhealthy_after = u32::MAX;
         cfg.replicas[3].models = vec![MODEL.into()];
         // Rotation makes every replica, bad ones included, get picked within a few requests.
         cfg.policy = "round-robin".into();

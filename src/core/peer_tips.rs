@@ -163,6 +163,23 @@ struct Held {
     /// Who first claimed it under way, and when ([`PeerTips::insert_claim`]): a hold on it
     /// that ends without its first byte counts against that peer (`core::unanswered_claims`).
     claim: Option<Claim>,
+    /// The first-byte tip came from the claimer itself ([`PeerTips::insert_first_byte_from`]):
+    /// only that answer speaks for the claim ([`Answer::ByClaimer`]).
+    claimer_answered: bool,
+}
+
+/// How a claimed prefill was answered, as far as the peers' tips say ([`PeerTips::answer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// No first-byte tip counts for it: the claim went unanswered.
+    Unanswered,
+    /// The peer that claimed it sent its first-byte tip: evidence for that peer.
+    ByClaimer,
+    /// Only another peer's first-byte tip (or one from no load update) came: the blocks are
+    /// computed, so a hold on it ends, but that speaks neither for nor against the claimer. A
+    /// peer is trusted only for what it owns: were any member's answer the claimer's, two
+    /// colluding members could take back each other's strikes (`core::unanswered_claims`).
+    ByAnother,
 }
 
 /// A peer's claim that a prefill is under way: its sender and when it arrived.
@@ -222,7 +239,7 @@ impl PeerTips {
     /// [`PeerTips::insert`] for a tip a region peer sent, remembering its [`Claim`] (the first
     /// claimer's, where several name one prefill): what a hold on it weighs.
     pub fn insert_claim(&mut self, key: BlockKey, tip: Tip, claim: Claim) -> bool {
-        self.put(key, tip, false, Some(claim))
+        self.put_claim(key, tip, claim)
     }
 
     /// [`PeerTips::insert`] for a tip a peer sent at the prefill's first byte: the blocks are
@@ -231,7 +248,35 @@ impl PeerTips {
         self.put(key, tip, true, None)
     }
 
-    fn put(&mut self, key: BlockKey, tip: Tip, first_byte: bool, claim: Option<Claim>) -> bool {
+    /// [`PeerTips::insert_first_byte`] for a tip the region peer at `from` sent: where `from`
+    /// is who claimed that prefill, its claim is answered ([`Answer::ByClaimer`]).
+    pub fn insert_first_byte_from(&mut self, key: BlockKey, tip: Tip, from: SocketAddr) -> bool {
+        self.put(key, tip, true, Some(from))
+    }
+
+    fn put_claim(&mut self, key: BlockKey, tip: Tip, claim: Claim) -> bool {
+        self.merge_or_push(key, tip, |h| h.claim = h.claim.or(Some(claim)))
+    }
+
+    /// A tip, at its first byte (`first_byte`) or not, sent by `answerer` (`None`: not from a
+    /// load update).
+    fn put(
+        &mut self,
+        key: BlockKey,
+        tip: Tip,
+        first_byte: bool,
+        answerer: Option<SocketAddr>,
+    ) -> bool {
+        self.merge_or_push(key, tip, |h| {
+            h.first_byte |= first_byte;
+            h.claimer_answered |=
+                first_byte && answerer.is_some_and(|from| h.claim.is_some_and(|c| c.from == from));
+        })
+    }
+
+    /// Merges `tip` into the held one of the same replica and length (the earliest ready, the
+    /// latest until), or holds a new one while the store has room; then `mark`s it.
+    fn merge_or_push(&mut self, key: BlockKey, tip: Tip, mark: impl FnOnce(&mut Held)) -> bool {
         if tip.blocks == 0 {
             return false;
         }
@@ -242,8 +287,7 @@ impl PeerTips {
         {
             h.tip.ready = h.tip.ready.min(tip.ready);
             h.tip.until = h.tip.until.max(tip.until);
-            h.first_byte |= first_byte;
-            h.claim = h.claim.or(claim);
+            mark(h);
             return true;
         }
         if self.len >= self.cap {
@@ -252,11 +296,14 @@ impl PeerTips {
             }
             return false;
         }
-        tips.push(Held {
+        let mut held = Held {
             tip,
-            first_byte,
-            claim,
-        });
+            first_byte: false,
+            claim: None,
+            claimer_answered: false,
+        };
+        mark(&mut held);
+        tips.push(held);
         self.len += 1;
         true
     }
@@ -414,15 +461,21 @@ impl PeerTips {
         })
     }
 
-    /// Whether a first-byte tip came for the `blocks`-block prefix ending in `key` at replica
-    /// `i` and still counts at `now`: a hold released on it was released by an answer, not by
-    /// the claim's expiry.
-    pub fn answered(&self, i: usize, key: BlockKey, blocks: u32, now: Duration) -> bool {
-        self.by_key.get(&key.0).is_some_and(|tips| {
-            tips.iter().any(|h| {
+    /// How the `blocks`-block prefix ending in `key` at replica `i` was answered, by a
+    /// first-byte tip that still counts at `now` ([`Answer`]): a hold released on it was
+    /// released by an answer, not by the claim's expiry, and only its claimer's answer speaks
+    /// for the claim.
+    pub fn answer(&self, i: usize, key: BlockKey, blocks: u32, now: Duration) -> Answer {
+        let held = self.by_key.get(&key.0).and_then(|tips| {
+            tips.iter().find(|h| {
                 h.first_byte && h.tip.replica == i && h.tip.blocks == blocks && h.tip.until > now
             })
-        })
+        });
+        match held {
+            None => Answer::Unanswered,
+            Some(h) if h.claimer_answered => Answer::ByClaimer,
+            Some(_) => Answer::ByAnother,
+        }
     }
 }
 
@@ -588,13 +641,39 @@ mod tests {
         let not_a = |p: &PeerPrefill| p.claim.is_some_and(|c| c.from != a);
         let found = t.in_prefill_at(3, &next, 1, 2 * S, not_a).unwrap();
         assert_eq!((found.blocks, found.claim), (4, Some(claim(b, 2 * S))));
-        // Answered: by a first-byte tip only, while it counts.
-        assert!(!t.answered(3, parent[7], 8, 2 * S));
+        // Answered: by a first-byte tip only, while it counts; for the claim, only by its
+        // claimer's (A's), not by B's, who claimed it second, nor by a tip from no update.
+        let answer = |t: &PeerTips, key, blocks, now| t.answer(3, key, blocks, now);
+        assert_eq!(answer(&t, parent[7], 8, 2 * S), Answer::Unanswered);
+        assert!(t.insert_first_byte_from(parent[7], tip(3, 8), b));
         assert!(t.insert_first_byte(parent[7], tip(3, 8)));
-        assert!(t.answered(3, parent[7], 8, 2 * S));
-        assert!(!t.answered(3, parent[7], 8, 10 * S), "expired");
-        assert!(!t.answered(2, parent[7], 8, 2 * S), "another replica");
-        assert!(!t.answered(3, parent[3], 4, 2 * S), "the rung is not");
+        assert_eq!(answer(&t, parent[7], 8, 2 * S), Answer::ByAnother);
+        assert!(
+            t.in_prefill_at(3, &next, 8, 2 * S, |_| true).is_none(),
+            "any answer ends the prefill: its blocks are computed"
+        );
+        assert!(t.insert_first_byte_from(parent[7], tip(3, 8), a));
+        assert_eq!(answer(&t, parent[7], 8, 2 * S), Answer::ByClaimer);
+        assert_eq!(
+            answer(&t, parent[7], 8, 10 * S),
+            Answer::Unanswered,
+            "expired"
+        );
+        assert_eq!(
+            t.answer(2, parent[7], 8, 2 * S),
+            Answer::Unanswered,
+            "another replica"
+        );
+        assert_eq!(
+            answer(&t, parent[3], 4, 2 * S),
+            Answer::Unanswered,
+            "the rung is not"
+        );
+        // An answer before any claim is nobody's claim's.
+        let mut t = PeerTips::default();
+        assert!(t.insert_first_byte_from(parent[7], tip(3, 8), a));
+        assert!(t.insert_claim(parent[7], tip(3, 8), claim(a, S)));
+        assert_eq!(answer(&t, parent[7], 8, 2 * S), Answer::ByAnother);
     }
 
     #[test]

@@ -10,9 +10,10 @@
 //! without the claimed prefill's first-byte tip (its deadline passed, or the claim expired
 //! unanswered) is an *unanswered claim*; [`UNANSWERED_TO_BAR`] distinct ones from one peer
 //! within [`UNANSWERED_WINDOW`] and the node holds on none of that peer's claims for
-//! [`BARRED_FOR`]. A claim answered by its first byte takes one strike back (once per claim):
-//! an honest peer whose engine was slow once is not barred by two more slow answers among
-//! many good ones. A lying member then costs each other node at most three waits of
+//! [`BARRED_FOR`]. A claim answered by its claimer's own first-byte tip takes one strike back
+//! (once per claim; another member's answer releases the hold but counts neither way,
+//! `core::peer_tips::Answer`): an honest peer whose engine was slow once is not barred by two
+//! more slow answers among many good ones. A lying member then costs each other node at most three waits of
 //! `max_wait_ms` (for the requests held on them at once) per five minutes.
 //!
 //! The engine's own figures check a claim up front ([`engine_denies`]), as `PeerLoads::weigh`

@@ -31,7 +31,7 @@ use super::state::{Core, Node, PendingTip, MAX_PENDING_TIPS};
 use crate::core::dp_rank::MAX_RANKS;
 use crate::core::hold;
 use crate::core::keys::BlockKey;
-use crate::core::peer_tips::{Claim, PeerPrefill, Tip};
+use crate::core::peer_tips::{Answer, Claim, PeerPrefill, Tip};
 use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
     LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
@@ -158,7 +158,8 @@ fn learn_tips(
             until: ready + view.overlay_ttl,
         };
         let held = if t.first_byte {
-            view.peer_tips.insert_first_byte(BlockKey(t.key), tip)
+            view.peer_tips
+                .insert_first_byte_from(BlockKey(t.key), tip, from)
         } else {
             let claim = Claim { from, at: now };
             view.peer_tips.insert_claim(BlockKey(t.key), tip, claim)
@@ -360,21 +361,26 @@ impl Node {
     }
 
     /// Counts how a hold on the peer's `claimed` prefill of `keys` at replica `i` ended: for
-    /// the peer where its first-byte tip came, against it where the wait ended without one
-    /// (`released` false: the deadline; or the claim expired unanswered).
+    /// the peer where its own first-byte tip came, against it where the wait ended without any
+    /// (`released` false: the deadline; or the claim expired unanswered), neither where only
+    /// another peer answered ([`Answer::ByAnother`]: it vouches for nobody but itself).
     fn judge_claim(&self, i: usize, keys: &[BlockKey], claimed: &PeerPrefill, released: bool) {
         let tip = (claimed.blocks as usize).checked_sub(1);
         let (Some(claim), Some(&key)) = (claimed.claim, tip.and_then(|j| keys.get(j))) else {
             return;
         };
         let now = self.now();
-        let answered = released
-            && self
-                .lock()
-                .view
-                .peer_tips
-                .answered(i, key, claimed.blocks, now);
-        self.holds.judge(claim.from, key, answered, now);
+        let answer = if released {
+            let core = self.lock();
+            core.view.peer_tips.answer(i, key, claimed.blocks, now)
+        } else {
+            Answer::Unanswered
+        };
+        match answer {
+            Answer::ByClaimer => self.holds.judge(claim.from, key, true, now),
+            Answer::Unanswered => self.holds.judge(claim.from, key, false, now),
+            Answer::ByAnother => {}
+        }
     }
 
     /// Waits until no prefill a peer sent to replica `i` of at least `blocks` leading blocks of
@@ -933,6 +939,28 @@ mod tests {
         }
     }
 
+    /// A's `n`-th claim: A routes a 6-block prompt to r0 and B hears of it. Returns A's ticket
+    /// (kept unanswered, its prefill stays claimed under way), the prompt, and a 9-block
+    /// follow-up that rides on it.
+    fn a_claims(
+        a: &Arc<Node>,
+        b: &Node,
+        send: &mut impl FnMut() -> LoadUpdate,
+        n: u64,
+    ) -> (crate::node::routing::Ticket, Vec<BlockKey>, Vec<BlockKey>) {
+        use crate::core::router::{Decision, RouteRequest};
+
+        let prompt =
+            |len: u64| -> Vec<BlockKey> { (0..len).map(|j| BlockKey(n << 32 | j)).collect() };
+        let parent = prompt(6);
+        let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
+        let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        b.apply_load_update(PEER, send());
+        (ticket, parent, prompt(9))
+    }
+
     /// A request held at B to ride on A's prefill wakes when A's first-byte tip arrives in a
     /// load update, not at its deadline; with no answer it gives up at the deadline. One that
     /// rides on too little of it is not held.
@@ -991,17 +1019,10 @@ mod tests {
         // A's tickets are kept, never answered: its prefills stay claimed under way.
         let mut claims = Vec::new();
         let mut outcomes = Vec::new();
-        for claim in 0..4u64 {
-            let prompt =
-                |n: u64| -> Vec<BlockKey> { (0..n).map(|j| BlockKey(claim << 32 | j)).collect() };
-            let parent = prompt(6);
-            let req = RouteRequest::plain("m", &parent, 16 * parent.len() as u64);
-            let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
-                panic!("A routes to r0");
-            };
+        for n in 0..4 {
+            let (ticket, _, follow_up) = a_claims(&a, &b, &mut send, n);
             claims.push(ticket);
-            b.apply_load_update(PEER, send());
-            outcomes.push(b.hold_on_peer_prefill(0, &prompt(9), 6).await);
+            outcomes.push(b.hold_on_peer_prefill(0, &follow_up, 6).await);
         }
         use HoldOutcome::{Deadline, NotHeld};
         assert_eq!(outcomes, [Deadline, Deadline, Deadline, NotHeld]);
@@ -1020,6 +1041,62 @@ mod tests {
             .peer_tips
             .in_prefill(&prompt, b.now(), &mut under_way);
         assert!(under_way.is_empty(), "a barred peer's tip was learned");
+    }
+
+    /// A peer is trusted only for what it owns: another member's first-byte tip for A's
+    /// claimed prefill releases the requests held on it (the blocks are computed) but does not
+    /// take back a strike of A's, as A's own answer would. Two unanswered claims of A's, one
+    /// answered only by C, one more unanswered: A is barred. Were C's answer A's, A would stand
+    /// at two strikes and the fifth request would be held again.
+    #[tokio::test]
+    async fn only_the_claimers_own_answer_takes_back_its_strike() {
+        use crate::mesh::load_share::RoutedTip;
+
+        let certs = tempfile::tempdir().unwrap();
+        let (a, b) = two_holding_nodes(&certs, 50);
+        let mut send = a_heard_by(&a, &b);
+        let c: SocketAddr = "127.0.0.1:7002".parse().unwrap();
+        b.status().peers.push(crate::node::mesh_state::Peer {
+            node_id: "c".into(),
+            region: b.cfg.region.clone(),
+            http_url: "http://127.0.0.1:7003".into(),
+            quic_addr: c,
+        });
+        let mut claims = Vec::new();
+        let mut outcomes = Vec::new();
+        for n in 0..5 {
+            let (ticket, parent, follow_up) = a_claims(&a, &b, &mut send, n);
+            claims.push(ticket);
+            let held = {
+                let b = b.clone();
+                tokio::spawn(async move { b.hold_on_peer_prefill(0, &follow_up, 6).await })
+            };
+            if n == 2 {
+                // One thread (`tokio::test`): yielding runs the hold until it parks.
+                for _ in 0..4 {
+                    tokio::task::yield_now().await;
+                }
+                let answer = RoutedTip {
+                    replica: "r0".into(),
+                    key: parent[5].0,
+                    blocks: 6,
+                    ready_ms: 0,
+                    rank: None,
+                    first_byte: true,
+                };
+                let update = LoadUpdate {
+                    origin: 3,
+                    seq: 1,
+                    entries: Vec::new(),
+                    tips: vec![answer],
+                };
+                b.apply_load_update(c, update);
+            }
+            let outcome = tokio::time::timeout(Duration::from_secs(10), held).await;
+            outcomes.push(outcome.expect("bounded by the hold's deadline").unwrap());
+        }
+        use HoldOutcome::{Deadline, NotHeld, Released};
+        assert_eq!(outcomes, [Deadline, Deadline, Released, Deadline, NotHeld]);
     }
 
     /// Issue #35: datagrams claiming `u32::MAX` in flight and `u64::MAX` pending tokens at a

@@ -24,7 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::client::TlsStream;
 
 mod common;
-use common::{bounded, wait_for};
+use common::{bounded, live_members, mesh_addr, wait_for};
 
 fn init() {
     common::init_logs();
@@ -191,25 +191,6 @@ fn mesh_files(dir: &Path, name: &str) -> [PathBuf; 3] {
         certs::issue_in_dir(dir, name).unwrap();
     }
     [dir.join("ca.pem"), cert, dir.join(format!("{name}.key"))]
-}
-
-fn mesh_addr(n: &RunningNode) -> SocketAddr {
-    n.node.mesh().unwrap().addr()
-}
-
-fn live_members(n: &RunningNode) -> Vec<String> {
-    let mut live: Vec<String> = n
-        .node
-        .state()
-        .mesh
-        .map(|m| m.members)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|m| m.live)
-        .map(|m| m.node_id)
-        .collect();
-    live.sort();
-    live
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,10 +6,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::NodeConfig;
 use kvmesh::proxy::{self, RunningNode};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
+use common::node_config;
 
 const LIMIT: Duration = Duration::from_secs(30);
 const MODEL: &str = "sim-llama-8b";
@@ -27,29 +30,6 @@ fn client() -> reqwest::Client {
         .try_init();
     proxy::install_crypto_provider();
     reqwest::Client::builder().build().unwrap()
-}
-
-fn node_config(urls: &[String]) -> NodeConfig {
-    let mut cfg = NodeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        drain_s: 5,
-        debug_headers: true,
-        ..NodeConfig::default()
-    };
-    cfg.health.interval_ms = 100;
-    cfg.health.timeout_ms = 500;
-    cfg.scrape.interval_ms = 100;
-    cfg.timeouts.first_byte_ms = 5_000;
-    cfg.timeouts.connect_ms = 500;
-    cfg.replicas = urls
-        .iter()
-        .enumerate()
-        .map(|(i, u)| NodeReplica {
-            id: Some(format!("r{i}")),
-            ..NodeReplica::from_url(u.clone())
-        })
-        .collect();
-    cfg
 }
 
 fn url(node: &RunningNode, path: &str) -> String {

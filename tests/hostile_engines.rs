@@ -17,6 +17,9 @@ use kvmesh::replicas::kv_events::KvEventsSource;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+mod common;
+use common::dns::fake_dns;
+
 const LIMIT: Duration = Duration::from_secs(30);
 const MODEL: &str = "m";
 
@@ -266,75 +269,6 @@ async fn a_replay_endpoint_declaring_a_huge_frame_fails_the_replay_only() {
         assert!(node.shutdown().await);
     })
     .await;
-}
-
-/// A minimal authoritative DNS server on loopback UDP: SRV answers from `srv` (target, port),
-/// A answers 127.0.0.1 for any other name, TTL 1 s.
-async fn fake_dns(srv: Arc<std::sync::Mutex<Vec<(String, u16)>>>) -> SocketAddr {
-    fn put_name(out: &mut Vec<u8>, name: &str) {
-        for label in name.trim_end_matches('.').split('.') {
-            out.push(label.len() as u8);
-            out.extend_from_slice(label.as_bytes());
-        }
-        out.push(0);
-    }
-    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = sock.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 1500];
-        loop {
-            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
-                return;
-            };
-            let q = &buf[..n];
-            if n < 12 {
-                continue;
-            }
-            let mut p = 12;
-            while p < n && q[p] != 0 {
-                p += q[p] as usize + 1;
-            }
-            let qend = p + 5;
-            if qend > n {
-                continue;
-            }
-            let qtype = u16::from_be_bytes([q[p + 1], q[p + 2]]);
-            let rr = |kind: u16, rdata: Vec<u8>| {
-                let mut a = vec![0xc0, 0x0c];
-                a.extend_from_slice(&kind.to_be_bytes());
-                a.extend_from_slice(&1u16.to_be_bytes());
-                a.extend_from_slice(&1u32.to_be_bytes());
-                a.extend_from_slice(&(rdata.len() as u16).to_be_bytes());
-                a.extend_from_slice(&rdata);
-                a
-            };
-            let mut answers: Vec<Vec<u8>> = Vec::new();
-            match qtype {
-                33 => {
-                    for (target, port) in srv.lock().unwrap().iter() {
-                        let mut rd = vec![0, 10, 0, 10];
-                        rd.extend_from_slice(&port.to_be_bytes());
-                        put_name(&mut rd, target);
-                        answers.push(rr(33, rd));
-                    }
-                }
-                1 => answers.push(rr(1, vec![127, 0, 0, 1])),
-                _ => {}
-            }
-            let mut resp = Vec::with_capacity(512);
-            resp.extend_from_slice(&q[..2]);
-            resp.extend_from_slice(&[0x85, 0x80]);
-            resp.extend_from_slice(&1u16.to_be_bytes());
-            resp.extend_from_slice(&(answers.len() as u16).to_be_bytes());
-            resp.extend_from_slice(&[0, 0, 0, 0]);
-            resp.extend_from_slice(&q[12..qend]);
-            for a in answers {
-                resp.extend_from_slice(&a);
-            }
-            let _ = sock.send_to(&resp, peer).await;
-        }
-    });
-    addr
 }
 
 /// Before: `[[dns]] kv_events` built an event source per address found, but only static

@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use kvmesh::mesh::certs::NodeIdentity;
 use kvmesh::mesh::MeshConfig;
+use kvmesh::node::config::{NodeConfig, ReplicaConfig as NodeReplica};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 
+pub mod dns;
 pub mod k8s;
 
 /// Runs `f`, failing the test if it takes more than `secs` seconds.
@@ -101,19 +103,47 @@ pub fn cluster_ca() -> tempfile::TempDir {
     dir
 }
 
+/// A node on loopback in front of `urls` (replicas `r0`, `r1`, …), with debug headers, quick
+/// health checks and scrapes (100 ms), and short connect and first-byte timeouts: what the
+/// single-node tests start from.
+pub fn node_config(urls: &[String]) -> NodeConfig {
+    let mut cfg = NodeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        drain_s: 5,
+        debug_headers: true,
+        ..NodeConfig::default()
+    };
+    cfg.health.interval_ms = 100;
+    cfg.health.timeout_ms = 500;
+    cfg.scrape.interval_ms = 100;
+    cfg.timeouts.first_byte_ms = 5_000;
+    cfg.timeouts.connect_ms = 500;
+    cfg.replicas = urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| NodeReplica {
+            id: Some(format!("r{i}")),
+            ..NodeReplica::from_url(u.clone())
+        })
+        .collect();
+    cfg
+}
+
 /// The QUIC address of a running node's mesh.
 pub fn mesh_addr(n: &kvmesh::proxy::RunningNode) -> std::net::SocketAddr {
     n.node.mesh().unwrap().addr()
 }
 
-/// The ids of the members `n` sees live.
+/// The ids of the members `n` sees live, sorted.
 pub fn live_members(n: &kvmesh::proxy::RunningNode) -> Vec<String> {
     let members = n.node.state().mesh.map(|m| m.members).unwrap_or_default();
-    members
+    let mut live: Vec<String> = members
         .into_iter()
         .filter(|m| m.live)
         .map(|m| m.node_id)
-        .collect()
+        .collect();
+    live.sort();
+    live
 }
 
 /// A rogue member: a plain `Mesh` with a valid certificate for `name` in cluster `cluster`,

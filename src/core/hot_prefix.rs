@@ -611,7 +611,8 @@ impl HotPrefixes {
         let Holders {
             ready,
             holders,
-            holders_queue,
+            ready_queue,
+            pending_queue,
             target,
             source,
         } = holders_of(
@@ -636,8 +637,11 @@ impl HotPrefixes {
         // theirs, and a gate on the least queue waited for routing to refill it before each
         // further copy (~0.2 s a step in the live hot burst, issue #37). Their combined queue
         // is the load the prefix puts on its holders (Little's law: arrival rate × time in
-        // the engine), whichever of them it sits on now.
-        let mean_queue = holders_queue / f64::from(holders);
+        // the engine), whichever of them it sits on now. Only the ready holders': one still
+        // computing the prefix queues behind its own prefill of it, which is no load the
+        // prefix puts on holders (counted, it read 115 ms at a lead's second request in the
+        // simulator and spent the credit on three recomputed warm-ups long before the burst).
+        let mean_queue = ready_queue / f64::from(ready);
         // The planner's inputs, for the burst's timeline (`RUST_LOG=kvmesh::core::hot_prefix=debug`):
         // when a warm-up is late, whether the heat, the holders' queue or the gate held it back.
         tracing::debug!(
@@ -656,16 +660,17 @@ impl HotPrefixes {
             return None;
         }
         // Holders wanted: the holders' combined queue spread until each one's share is back at
-        // the gate (queue time grows with load: `holders_queue ÷ gate`). At a burst's onset one
+        // the gate (queue time grows with load: `ready_queue ÷ gate`). At a burst's onset one
         // holder is far past it, and the holders it needs are warmed at once rather than one
         // per plan (a hot burst's first 0.2 s set its p99, issue #37); the replicas already
         // warming, or computing the prefix for a routed request, count as holders.
-        let wanted = (holders_queue / gate).ceil();
+        let wanted = (ready_queue / gate).ceil();
         if f64::from(holders.max(ready + c.warming.len() as u32)) >= wanted {
             return None;
         }
-        // A target no less busy than the holders' mean would not take a share of their load.
-        if queue >= mean_queue {
+        // A target no less busy than the holders' mean would not take a share of their load,
+        // nor one busier than a replica computing the prefix (that one holds it sooner).
+        if queue >= mean_queue.min(pending_queue) {
             return None;
         }
         // A prefix the target recomputes within `min_queue_s` is spread by routing at little
@@ -726,12 +731,14 @@ impl HotPrefixes {
 }
 
 /// What the planner knows of a candidate's replicas: holders (`ready` of them hold it now, the
-/// rest are computing it), the sum of their queues, the least busy other replica (a warm-up's
-/// target) and the least busy settled holder (a pull's source), each with its queue (s).
+/// rest are computing it), the sum of the ready ones' queues, the least queue of the rest
+/// (infinite if none), the least busy other replica (a warm-up's target) and the least busy
+/// settled holder (a pull's source), each with its queue (s).
 struct Holders {
     ready: u32,
     holders: u32,
-    holders_queue: f64,
+    ready_queue: f64,
+    pending_queue: f64,
     target: Option<(usize, f64)>,
     source: Option<(usize, f64)>,
 }
@@ -755,7 +762,8 @@ fn holders_of(
     let tip = |tips: &[(usize, u32)], r: usize| {
         tips.iter().find(|t| t.0 == r).map_or(0, |t| t.1 as usize)
     };
-    let (mut ready, mut holders, mut holders_queue) = (0u32, 0u32, 0.0);
+    let (mut ready, mut holders) = (0u32, 0u32);
+    let (mut ready_queue, mut pending_queue) = (0.0, f64::INFINITY);
     let mut target: Option<(usize, f64)> = None;
     // The least busy replica known to hold it now (not one still computing it, nor one a
     // peer's tip only predicts: a pull from either finds no blocks): a pull's source.
@@ -781,9 +789,13 @@ fn holders_of(
             source = Some((r, queue));
         }
         if holds_now || holds(soon, &tips_soon[..]) {
-            ready += u32::from(holds_now);
             holders += 1;
-            holders_queue += queue;
+            if holds_now {
+                ready += 1;
+                ready_queue += queue;
+            } else {
+                pending_queue = pending_queue.min(queue);
+            }
         } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
             target = Some((r, queue));
         }
@@ -791,7 +803,8 @@ fn holders_of(
     Holders {
         ready,
         holders,
-        holders_queue,
+        ready_queue,
+        pending_queue,
         target,
         source,
     }

@@ -1302,6 +1302,24 @@ mod tests {
         assert_eq!(plan([40, 0]), Vec::<usize>::new());
     }
 
+    /// A replica computing the prefix for a routed request queues behind its own prefill of
+    /// it: that is no load on the holders, and does not count in their mean (counted, a
+    /// lead's second request read 115 ms and three recomputed warm-ups spent the credit long
+    /// before the burst, simulator seed 5).
+    #[test]
+    fn a_holder_still_computing_the_prefix_does_not_count_in_the_mean() {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
+        // r0 holds it with 0.02 s of queue; r1 computes it, 20 s of prefill queued.
+        let mut v = view(&keys[..8], 10);
+        v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
+        v.replica_mut(1).unwrap().load.queued_prefill_tokens = 10_000;
+        let mut out = Vec::new();
+        plan_at(&mut h, &v, ms(1000), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+
     #[test]
     fn a_replica_already_computing_the_prefix_is_not_warmed_again() {
         let plan = |queued: [u64; 3]| {

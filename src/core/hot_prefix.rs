@@ -1277,6 +1277,25 @@ mod tests {
         assert_eq!(h.hot_count(ms(10_050)), 1);
     }
 
+    /// Warm-ups planned (their replicas) for a swamping prefix held by r0 with `queued[0]`
+    /// prefill tokens and by r1 with `queued[1]`: r1 settled, or still `computing` it for a
+    /// routed request (ready in 0.3 s); r2 and r3 idle.
+    fn plan_with_second_holder(queued: [u64; 2], computing: bool) -> Vec<usize> {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
+        let mut v = view(&keys[..8], queued[0]);
+        if computing {
+            v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
+        } else {
+            v.record_routed(1, &keys[..8], ms(0));
+        }
+        v.replica_mut(1).unwrap().load.queued_prefill_tokens = queued[1];
+        let mut out = Vec::new();
+        plan_at(&mut h, &v, ms(1000), &mut out);
+        warm_ups(&out).iter().map(|w| w.replica).collect()
+    }
+
     /// A fresh copy does not hide its peers' queue (issue #37): routing sends the prefix to
     /// the least busy holder, so one copy just made reads an empty queue while the first holder
     /// still has 0.2 s. Gated on the least queue, the next copy waited ~0.2 s live for routing
@@ -1284,22 +1303,11 @@ mod tests {
     /// are warmed now. Holders whose mean is under the gate still get none.
     #[test]
     fn a_fresh_copy_with_an_empty_queue_does_not_hold_back_the_next() {
-        let plan = |queued: [u64; 2]| {
-            let mut h = HotPrefixes::new(on());
-            let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
-            h.credit(10_000);
-            let mut v = view(&keys[..8], queued[0]);
-            v.record_routed(1, &keys[..8], ms(0));
-            v.replica_mut(1).unwrap().load.queued_prefill_tokens = queued[1];
-            let mut out = Vec::new();
-            plan_at(&mut h, &v, ms(1000), &mut out);
-            warm_ups(&out).iter().map(|w| w.replica).collect::<Vec<_>>()
-        };
         // r0 0.2 s of queue, r1 (the fresh copy) none: r2 and r3 warmed.
-        assert_eq!(plan([100, 0]), [2, 3]);
+        assert_eq!(plan_with_second_holder([100, 0], false), [2, 3]);
         // Both at 0.02 s (mean 0.02 s, under the 0.05 s gate), or 0.08 and 0 (mean 0.04 s).
-        assert_eq!(plan([10, 10]), Vec::<usize>::new());
-        assert_eq!(plan([40, 0]), Vec::<usize>::new());
+        assert!(plan_with_second_holder([10, 10], false).is_empty());
+        assert!(plan_with_second_holder([40, 0], false).is_empty());
     }
 
     /// A replica computing the prefix for a routed request queues behind its own prefill of
@@ -1308,16 +1316,8 @@ mod tests {
     /// before the burst, simulator seed 5).
     #[test]
     fn a_holder_still_computing_the_prefix_does_not_count_in_the_mean() {
-        let mut h = HotPrefixes::new(on());
-        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
-        h.credit(10_000);
         // r0 holds it with 0.02 s of queue; r1 computes it, 20 s of prefill queued.
-        let mut v = view(&keys[..8], 10);
-        v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
-        v.replica_mut(1).unwrap().load.queued_prefill_tokens = 10_000;
-        let mut out = Vec::new();
-        plan_at(&mut h, &v, ms(1000), &mut out);
-        assert!(out.is_empty(), "{out:?}");
+        assert!(plan_with_second_holder([10, 10_000], true).is_empty());
     }
 
     #[test]

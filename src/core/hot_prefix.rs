@@ -19,10 +19,10 @@
 //!   prefix every request seen since shares with it (`lcp`, in blocks) — the part worth warming.
 //! - Warm-up ([`HotPrefixes::plan`], called on a timer, not per request): for a candidate this
 //!   node *owns* (the caller says which: the rendezvous owner of the key among the region's live
-//!   nodes, so two nodes never warm the same prefix), if every holder's predicted queue exceeds
-//!   `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
+//!   nodes, so two nodes never warm the same prefix), if its holders' mean predicted queue
+//!   exceeds `min_queue_s` and the prefix takes longer than that to recompute (a shorter one is
 //!   spread by routing at little cost), more replicas get a warm-up — as many as the holders'
-//!   load calls for (`ready × min_queue ÷ min_queue_s` holders in all), each the idlest that
+//!   load calls for (their combined queue ÷ `min_queue_s` holders in all), each the idlest that
 //!   neither holds the prefix nor is computing it for a routed request (predicted to hold it within
 //!   [`PENDING_HORIZON`]; a warm-up there would queue a second copy behind the first, which
 //!   made a new prefix's burst slower in the simulator) — at most one in flight per (prefix,
@@ -109,7 +109,9 @@ pub struct HotPrefixConfig {
     pub tau_ms: u64,
     /// Mesh-wide requests/s over which a prefix is hot (> 0, ≤ 1,000,000). Default 5.
     pub min_rate: f64,
-    /// Warm when every holder's predicted queue exceeds this many seconds (0..=60). Default 0.05.
+    /// Warm when the holders' mean predicted queue exceeds this many seconds (0..=60). Default
+    /// 0.05. The mean, not the least busy holder's: a fresh copy reads an empty queue while the
+    /// prefix's load still sits on the others.
     /// A warm-up by pull is sent once the queue exceeds the pull's predicted time instead,
     /// where that is shorter (never below a quarter of this): it costs the target no prefill.
     pub min_queue_s: f64,
@@ -609,7 +611,8 @@ impl HotPrefixes {
         let Holders {
             ready,
             holders,
-            min_queue,
+            ready_queue,
+            pending_queue,
             target,
             source,
         } = holders_of(
@@ -629,6 +632,16 @@ impl HotPrefixes {
         let tokens = c.lcp as u64 * u64::from(view.tokens_per_block);
         let fetch = source.and_then(|(s, _)| warm_by_pull(view, cost, replica, s, tokens));
         let gate = warm_gate_s(self.cfg.min_queue_s, fetch.as_ref());
+        // The holders' mean queue, not the least busy one's: routing sends the prefix to the
+        // least busy holder, so a fresh copy reads an empty queue while the others still hold
+        // theirs, and a gate on the least queue waited for routing to refill it before each
+        // further copy (~0.2 s a step in the live hot burst, issue #37). Their combined queue
+        // is the load the prefix puts on its holders (Little's law: arrival rate × time in
+        // the engine), whichever of them it sits on now. Only the ready holders': one still
+        // computing the prefix queues behind its own prefill of it, which is no load the
+        // prefix puts on holders (counted, it read 115 ms at a lead's second request in the
+        // simulator and spent the credit on three recomputed warm-ups long before the burst).
+        let mean_queue = ready_queue / f64::from(ready);
         // The planner's inputs, for the burst's timeline (`RUST_LOG=kvmesh::core::hot_prefix=debug`):
         // when a warm-up is late, whether the heat, the holders' queue or the gate held it back.
         tracing::debug!(
@@ -638,25 +651,26 @@ impl HotPrefixes {
             ready,
             holders,
             warming = c.warming.len(),
-            min_queue_ms = min_queue * 1e3,
+            mean_queue_ms = mean_queue * 1e3,
             gate_ms = gate * 1e3,
             target_queue_ms = queue * 1e3,
             "hot plan"
         );
-        if min_queue <= gate {
+        if mean_queue <= gate {
             return None;
         }
-        // Holders wanted: the holders' load spread until the least busy one's queue is back at
-        // the gate (queue time grows with load: `ready × min_queue ÷ gate`). At a burst's onset
-        // one holder is far past it, and the holders it needs are warmed at once rather than
-        // one per plan (a hot burst's first 0.2 s set its p99, issue #37); the replicas
-        // already warming count as holders.
-        let wanted = (f64::from(ready) * min_queue / gate).ceil();
+        // Holders wanted: the holders' combined queue spread until each one's share is back at
+        // the gate (queue time grows with load: `ready_queue ÷ gate`). At a burst's onset one
+        // holder is far past it, and the holders it needs are warmed at once rather than one
+        // per plan (a hot burst's first 0.2 s set its p99, issue #37); the replicas already
+        // warming, or computing the prefix for a routed request, count as holders.
+        let wanted = (ready_queue / gate).ceil();
         if f64::from(holders.max(ready + c.warming.len() as u32)) >= wanted {
             return None;
         }
-        // A target no less busy than the holders would not help.
-        if queue >= min_queue {
+        // A target no less busy than the holders' mean would not take a share of their load,
+        // nor one busier than a replica computing the prefix (that one holds it sooner).
+        if queue >= mean_queue.min(pending_queue) {
             return None;
         }
         // A prefix the target recomputes within `min_queue_s` is spread by routing at little
@@ -717,12 +731,14 @@ impl HotPrefixes {
 }
 
 /// What the planner knows of a candidate's replicas: holders (`ready` of them hold it now, the
-/// rest are computing it), the least queue among them, the least busy other replica (a warm-up's
-/// target) and the least busy settled holder (a pull's source), each with its queue (s).
+/// rest are computing it), the sum of the ready ones' queues, the least queue of the rest
+/// (infinite if none), the least busy other replica (a warm-up's target) and the least busy
+/// settled holder (a pull's source), each with its queue (s).
 struct Holders {
     ready: u32,
     holders: u32,
-    min_queue: f64,
+    ready_queue: f64,
+    pending_queue: f64,
     target: Option<(usize, f64)>,
     source: Option<(usize, f64)>,
 }
@@ -746,7 +762,8 @@ fn holders_of(
     let tip = |tips: &[(usize, u32)], r: usize| {
         tips.iter().find(|t| t.0 == r).map_or(0, |t| t.1 as usize)
     };
-    let (mut ready, mut holders, mut min_queue) = (0u32, 0u32, f64::INFINITY);
+    let (mut ready, mut holders) = (0u32, 0u32);
+    let (mut ready_queue, mut pending_queue) = (0.0, f64::INFINITY);
     let mut target: Option<(usize, f64)> = None;
     // The least busy replica known to hold it now (not one still computing it, nor one a
     // peer's tip only predicts: a pull from either finds no blocks): a pull's source.
@@ -772,9 +789,13 @@ fn holders_of(
             source = Some((r, queue));
         }
         if holds_now || holds(soon, &tips_soon[..]) {
-            ready += u32::from(holds_now);
             holders += 1;
-            min_queue = min_queue.min(queue);
+            if holds_now {
+                ready += 1;
+                ready_queue += queue;
+            } else {
+                pending_queue = pending_queue.min(queue);
+            }
         } else if !c.warming.iter().any(|w| w.0 == r) && target.is_none_or(|(_, q)| queue < q) {
             target = Some((r, queue));
         }
@@ -782,7 +803,8 @@ fn holders_of(
     Holders {
         ready,
         holders,
-        min_queue,
+        ready_queue,
+        pending_queue,
         target,
         source,
     }
@@ -1253,6 +1275,49 @@ mod tests {
             "the slow rate alone is not hot"
         );
         assert_eq!(h.hot_count(ms(10_050)), 1);
+    }
+
+    /// Warm-ups planned (their replicas) for a swamping prefix held by r0 with `queued[0]`
+    /// prefill tokens and by r1 with `queued[1]`: r1 settled, or still `computing` it for a
+    /// routed request (ready in 0.3 s); r2 and r3 idle.
+    fn plan_with_second_holder(queued: [u64; 2], computing: bool) -> Vec<usize> {
+        let mut h = HotPrefixes::new(on());
+        let keys = observe_n(&mut h, "0123456789abcdef", 50, 20);
+        h.credit(10_000);
+        let mut v = view(&keys[..8], queued[0]);
+        if computing {
+            v.record_routed_ready(1, &keys[..8], ms(1000), ms(300));
+        } else {
+            v.record_routed(1, &keys[..8], ms(0));
+        }
+        v.replica_mut(1).unwrap().load.queued_prefill_tokens = queued[1];
+        let mut out = Vec::new();
+        plan_at(&mut h, &v, ms(1000), &mut out);
+        warm_ups(&out).iter().map(|w| w.replica).collect()
+    }
+
+    /// A fresh copy does not hide its peers' queue (issue #37): routing sends the prefix to
+    /// the least busy holder, so one copy just made reads an empty queue while the first holder
+    /// still has 0.2 s. Gated on the least queue, the next copy waited ~0.2 s live for routing
+    /// to refill the fresh one; on the holders' mean (0.1 s) the two they need (0.2 s ÷ 0.05)
+    /// are warmed now. Holders whose mean is under the gate still get none.
+    #[test]
+    fn a_fresh_copy_with_an_empty_queue_does_not_hold_back_the_next() {
+        // r0 0.2 s of queue, r1 (the fresh copy) none: r2 and r3 warmed.
+        assert_eq!(plan_with_second_holder([100, 0], false), [2, 3]);
+        // Both at 0.02 s (mean 0.02 s, under the 0.05 s gate), or 0.08 and 0 (mean 0.04 s).
+        assert!(plan_with_second_holder([10, 10], false).is_empty());
+        assert!(plan_with_second_holder([40, 0], false).is_empty());
+    }
+
+    /// A replica computing the prefix for a routed request queues behind its own prefill of
+    /// it: that is no load on the holders, and does not count in their mean (counted, a
+    /// lead's second request read 115 ms and three recomputed warm-ups spent the credit long
+    /// before the burst, simulator seed 5).
+    #[test]
+    fn a_holder_still_computing_the_prefix_does_not_count_in_the_mean() {
+        // r0 holds it with 0.02 s of queue; r1 computes it, 20 s of prefill queued.
+        assert!(plan_with_second_holder([10, 10_000], true).is_empty());
     }
 
     #[test]

@@ -322,55 +322,55 @@ pub enum Decision {
 /// the replica still has those very facts and the model and region are the ones asked.
 #[derive(Debug, Default)]
 struct StaticFacts {
-    /// What the current generation answers for.
+    /// What the entries' answers are for.
     asked: Asked,
     /// By replica index (at least as many as the last view had replicas).
     entries: Vec<StaticEntry>,
 }
 
-/// The model and local region remembered facts answer for, and their generation.
+/// The model and local region remembered facts answer for.
 #[derive(Debug, Default)]
 struct Asked {
-    /// The model and local region the current generation answers for.
+    /// The model and local region the entries' answers are for.
     model: String,
     region: String,
-    /// Bumped when the model or region asked changes; an entry's answers count only for the
-    /// current one (so a change costs no `Arc` traffic).
-    generation: u64,
 }
 
 /// One replica's remembered facts. An entry is checked by the address of the facts it answered
 /// for (one compare, where an `Option<Arc>` compared by `Arc::ptr_eq` was six instructions a
 /// replica); the `Arc` is held apart, so the allocation cannot be reused by other facts while
-/// the address names it.
+/// the address names it. A change of the model or region asked clears every address
+/// ([`StaticFacts::begin`]), so the address alone says the answer is current: a generation
+/// compared per replica was four more instructions a replica and decision, to spare a pass
+/// that a change (rare: one model per router in practice) follows with an answer afresh for
+/// every replica anyway.
 #[derive(Debug, Default)]
 struct StaticEntry {
-    /// `Arc::as_ptr` of the facts answered for, as an address (0: none; compared, never read
-    /// through).
+    /// `Arc::as_ptr` of the facts answered for, as an address (0: none, or answered for
+    /// another model or region; compared, never read through).
     addr: usize,
-    /// Those very facts, held so that `addr` cannot name others.
+    /// The facts last answered for, held so that `addr` cannot name others (kept when `addr` is
+    /// cleared: answering the same facts again then costs no `Arc` traffic).
     info: Option<Arc<ReplicaInfo>>,
-    /// The [`Asked::generation`] the answer is for.
-    generation: u64,
     /// What the decision reads of these facts.
     known: Known,
 }
 
 impl StaticEntry {
     /// What is remembered of facts `info` for `asked`: this entry's answer when it is for those
-    /// very facts and this generation (two compares, inline), else answered afresh and kept.
-    /// Answered by reference, so the gathering loop reads the price and bounds in place: a
-    /// copy returned by value went through the stack, four more instructions a replica.
+    /// very facts (one compare, inline), else answered afresh and kept. Answered by reference,
+    /// so the gathering loop reads the price and bounds in place: a copy returned by value
+    /// went through the stack, four more instructions a replica.
     #[inline(always)]
     fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> &Known {
-        if self.addr == Arc::as_ptr(info) as usize && self.generation == asked.generation {
+        if self.addr == Arc::as_ptr(info) as usize {
             &self.known
         } else {
             self.remember(info, asked)
         }
     }
 
-    /// [`StaticEntry::known`] for facts not remembered for this generation: answers, and
+    /// [`StaticEntry::known`] for facts not remembered for the current question: answers, and
     /// remembers the answer.
     #[cold]
     #[inline(never)]
@@ -380,11 +380,14 @@ impl StaticEntry {
             max_in_flight: info.max_in_flight,
             price: PrefillPrice::of(info),
         };
-        if self.addr != Arc::as_ptr(info) as usize {
+        if !self
+            .info
+            .as_ref()
+            .is_some_and(|held| Arc::ptr_eq(held, info))
+        {
             self.info = Some(Arc::clone(info));
-            self.addr = Arc::as_ptr(info) as usize;
         }
-        self.generation = asked.generation;
+        self.addr = Arc::as_ptr(info) as usize;
         self.known = known;
         &self.known
     }
@@ -456,11 +459,14 @@ impl StaticFacts {
     fn begin(&mut self, model: &str, region: &str, replicas: usize) {
         let asked = &mut self.asked;
         if asked.model != model || asked.region != region {
-            asked.generation += 1;
             asked.model.clear();
             asked.model.push_str(model);
             asked.region.clear();
             asked.region.push_str(region);
+            // Every answer was for the old question.
+            for e in &mut self.entries {
+                e.addr = 0;
+            }
         }
         if self.entries.len() < replicas {
             self.entries.resize_with(replicas, StaticEntry::default);
@@ -908,8 +914,10 @@ impl Router {
         self.candidates.reserve(view.replicas().len());
         // `begin` made an entry for every replica: zipped, neither is bounds-checked.
         let (asked, entries) = (&self.facts.asked, &mut self.facts.entries);
-        // Most requests exclude nothing (only a retry after a failure does).
+        // Most requests exclude nothing (only a retry after a failure does) and most tenants
+        // have no per-replica cap: one test a replica for both.
         let excludes = !req.exclude.is_empty();
+        let screened = excludes || scope.per_replica_cap;
         for ((i, r), entry) in view.replicas().iter().enumerate().zip(entries.iter_mut()) {
             let known = entry.known(&r.info, asked);
             if known.flags & facts::SERVES == 0 {
@@ -917,17 +925,20 @@ impl Router {
             }
             reach.model_known = true;
             reach.cluster_slots += u64::from(known.max_in_flight);
-            if known.flags & facts::local(leg) != facts::local(leg)
-                || r.health != Health::Healthy
-                || (excludes && req.exclude.contains(&i))
-            {
+            if known.flags & facts::local(leg) != facts::local(leg) || r.health != Health::Healthy {
                 continue;
+            }
+            if screened {
+                if excludes && req.exclude.contains(&i) {
+                    continue;
+                }
+                reach.local_usable = true;
+                if scope.per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
+                    quota_blocked = true;
+                    continue;
+                }
             }
             reach.local_usable = true;
-            if scope.per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
-                quota_blocked = true;
-                continue;
-            }
             let quick_run =
                 quick_search.and_then(|searched| view.sliced_hit(i, r, &self.scratch, searched));
             let c = match quick_run {

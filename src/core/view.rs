@@ -707,6 +707,28 @@ impl View {
         self.slices.holds(i, s).then_some(run)
     }
 
+    /// The runs [`View::search_slices`] found (`searched` is its answer, for the same scratch
+    /// and view), for one pass over every replica in order ([`SlicedHits`]); `None` when the
+    /// search has no run entry for some replica (never, after `search_slices`: the pass then
+    /// asks each replica apart).
+    #[inline]
+    pub fn sliced_hits<'a>(
+        &'a self,
+        scratch: &'a HitScratch,
+        searched: SlicesSearched,
+    ) -> Option<SlicedHits<'a>> {
+        debug_assert!(
+            scratch.n == searched.n && scratch.slice_runs.is_on(&self.slices),
+            "sliced_hits needs this request's search_slices on this view"
+        );
+        let (runs, stamp) = scratch.slice_runs.current();
+        (runs.len() >= self.replicas.len()).then_some(SlicedHits {
+            view: self,
+            runs,
+            stamp,
+        })
+    }
+
     /// Replica `i`'s GPU run as this request's search of its slice found it, when that is its
     /// whole hit and still good: no overlay, no lower tiers, its summary the one searched, the
     /// scratch on this request (`n` keys) and this very state of the view.
@@ -852,6 +874,44 @@ impl View {
 pub struct SlicesSearched {
     /// The request's keys.
     n: usize,
+}
+
+/// [`View::search_slices`]'s runs for a pass over every replica of the view in order: the
+/// run entries walked alongside the replicas ([`SlicedHits::found`]), so a replica's run is a
+/// load and a compare, and [`SlicedHits::hit`] makes [`View::sliced_hit`]'s checks on it. For
+/// the view and scratch it was made from, until either changes.
+#[derive(Clone, Copy, Debug)]
+pub struct SlicedHits<'a> {
+    view: &'a View,
+    /// Per replica (at least as many as the view has): the stamp of the request its run was
+    /// found for, and the run.
+    runs: &'a [(u32, u32)],
+    /// The current request's stamp.
+    stamp: u32,
+}
+
+impl<'a> SlicedHits<'a> {
+    /// Per replica of the view, in order (and past them, more): the run its slice's search
+    /// found for this request, if it found one.
+    #[inline]
+    pub fn found(&self) -> impl Iterator<Item = Option<u32>> + 'a {
+        let stamp = self.stamp;
+        self.runs
+            .iter()
+            .map(move |&(s, run)| (s == stamp).then_some(run))
+    }
+
+    /// Replica `i`'s (state `r`) hit from `found`, its entry of [`SlicedHits::found`], when
+    /// that is its whole hit: [`View::sliced_hit`]'s answer.
+    #[inline(always)]
+    pub fn hit(&self, i: usize, r: &ReplicaState, found: Option<u32>) -> Option<usize> {
+        let run = found?;
+        let s = r.summary.as_deref()?;
+        if !r.overlay.is_empty() || s.has_lower_tiers() {
+            return None;
+        }
+        self.view.slices.holds(i, s).then_some(run as usize)
+    }
 }
 
 /// The members of a slice's `mask`, by position in the slice.

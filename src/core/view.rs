@@ -1045,7 +1045,15 @@ struct RecentKeyHash {
     seed_id: u64,
     key: BlockKey,
     hashes: KeyHashes,
+    /// Its GPU probe positions in the filters of one geometry, the last it was memoised for
+    /// ([`RecentKeyHashes::positions`]); `None` until then, or when that geometry has more
+    /// hashes than [`RECENT_POSITIONS`].
+    positions: Option<(FilterGeometry, [u32; RECENT_POSITIONS])>,
 }
+
+/// Probe positions a [`RecentKeyHashes`] entry keeps: enough for a false-positive rate of 0.1 %
+/// (10 hashes; 1 %, the default, has 7). A geometry with more is memoised afresh each request.
+const RECENT_POSITIONS: usize = 10;
 
 impl RecentKeyHashes {
     /// Entries (a power of two: the slot is the key's low bits, keys being hashes already).
@@ -1070,9 +1078,47 @@ impl RecentKeyHashes {
                 seed_id,
                 key,
                 hashes,
+                positions: None,
             });
         }
         hashes
+    }
+
+    /// The GPU probe positions of `key` (hashed with `seed_id`) in filters of `geometry`, when
+    /// an earlier request memoised them here ([`RecentKeyHashes::keep_positions`]).
+    #[inline]
+    fn positions(&self, seed_id: u64, key: BlockKey, geometry: FilterGeometry) -> Option<&[u32]> {
+        let at = key.0 as usize & (Self::SLOTS - 1);
+        let e = self.slots.get(at)?.as_ref()?;
+        if e.key != key || e.seed_id != seed_id {
+            return None;
+        }
+        let (kept, positions) = e.positions.as_ref()?;
+        if *kept != geometry {
+            return None;
+        }
+        positions.get(..geometry.hashes() as usize)
+    }
+
+    /// Keeps `positions`, `key`'s (hashed with `seed_id`) GPU probe positions in filters of
+    /// `geometry`, with its entry, if the entry is still that key's and they fit.
+    fn keep_positions(
+        &mut self,
+        seed_id: u64,
+        key: BlockKey,
+        geometry: FilterGeometry,
+        positions: &[u32],
+    ) {
+        let at = key.0 as usize & (Self::SLOTS - 1);
+        let Some(Some(e)) = self.slots.get_mut(at) else {
+            return;
+        };
+        if e.key != key || e.seed_id != seed_id || positions.len() > RECENT_POSITIONS {
+            return;
+        }
+        let mut kept = [0; RECENT_POSITIONS];
+        kept[..positions.len()].copy_from_slice(positions);
+        e.positions = Some((geometry, kept));
     }
 }
 
@@ -1296,10 +1342,28 @@ impl Prober<'_> {
         self.memo.get(at + 1..at + self.stride)
     }
 
-    /// Hashes key `j` (unless already hashed for this request) and memoises its GPU positions.
+    /// Memoises key `j`'s GPU positions: as an earlier request found them for this geometry
+    /// ([`RecentKeyHashes::positions`]), else from its hashes (hashed unless already hashed for
+    /// this request), and then kept for the next request. Why keep them: a key's positions are
+    /// a 64-bit division or two per hash (~250 instructions a key at 7 hashes), and a request's
+    /// slice search probes the same ~13 keys as the one before whenever they share a prefix
+    /// (`scripts/decision-instructions.sh`: ~2.5k instructions of a decision at any fleet size).
     #[cold]
     fn memoise(&mut self, j: usize) -> Option<()> {
         let key = *self.keys.get(j)?;
+        let geometry = self.summary.geometry();
+        let at = j * self.stride;
+        let [stamp, positions @ ..] = self.memo.get_mut(at..at + self.stride)? else {
+            return None;
+        };
+        let seed_id = self.hasher.map(KeyHasher::seed_id);
+        if let Some(kept) = seed_id.and_then(|seed| self.recent.positions(seed, key, geometry)) {
+            if kept.len() == positions.len() {
+                positions.copy_from_slice(kept);
+                *stamp = self.stamp;
+                return Some(());
+            }
+        }
         let h = match self.hashes.get(j) {
             Some(&(s, h)) if s == self.stamp => h,
             _ => {
@@ -1311,12 +1375,11 @@ impl Prober<'_> {
                 h
             }
         };
-        let at = j * self.stride;
-        let [stamp, positions @ ..] = self.memo.get_mut(at..at + self.stride)? else {
+        if !geometry.probe_positions(h, positions) {
             return None;
-        };
-        if !self.summary.geometry().probe_positions(h, positions) {
-            return None;
+        }
+        if let Some(seed) = seed_id {
+            self.recent.keep_positions(seed, key, geometry, positions);
         }
         *stamp = self.stamp;
         Some(())

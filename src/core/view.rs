@@ -1992,6 +1992,48 @@ mod tests {
                 prop_assert_eq!(recent.hash(hasher, keys[k]), hasher.hash(keys[k]));
             }
         }
+
+        /// The positions a recent key keeps are the ones its hashes give in the geometry
+        /// asked, whatever was kept before: keys of one slot, two seeds, geometries of other
+        /// sizes and hash counts (one past what an entry keeps), in any order.
+        #[test]
+        fn recent_key_positions_are_the_geometrys(
+            picks in proptest::collection::vec((0usize..6, any::<bool>(), 0usize..4), 1..200),
+            high in any::<u64>(),
+        ) {
+            let cluster = SummaryConfig::for_cluster("c");
+            let seeds = [cluster.seed, [2u8; 32]];
+            // 1 % and 0.1 % false positives (7 and 10 hashes) at two sizes, and 30 hashes.
+            let geometries: Vec<FilterGeometry> = [(1_000, 0.01), (5_000, 0.01), (1_000, 0.001), (1_000, 1e-9)]
+                .iter()
+                .map(|&(capacity, fp_rate)| {
+                    let cfg = SummaryConfig { fp_rate, ..SummaryConfig::for_cluster("c") };
+                    ReplicaSummary::new(1, capacity, &cfg).unwrap().geometry()
+                })
+                .collect();
+            prop_assert!(geometries[3].hashes() as usize > RECENT_POSITIONS);
+            let slot_mask = RecentKeyHashes::SLOTS as u64 - 1;
+            let keys: Vec<BlockKey> = (0..6u64)
+                .map(|k| BlockKey((high & !slot_mask).wrapping_add(k << 40) | (k / 3)))
+                .collect();
+            let mut recent = RecentKeyHashes::default();
+            for (k, second_seed, g) in picks {
+                let hasher = KeyHasher::new(&seeds[usize::from(second_seed)]);
+                let (key, geometry) = (keys[k], geometries[g]);
+                let h = recent.hash(&hasher, key);
+                let mut want = vec![0u32; geometry.hashes() as usize];
+                prop_assert!(geometry.probe_positions(hasher.hash(key), &mut want));
+                if let Some(kept) = recent.positions(hasher.seed_id(), key, geometry) {
+                    prop_assert_eq!(kept, &want[..]);
+                }
+                let mut fresh = vec![0u32; geometry.hashes() as usize];
+                prop_assert!(geometry.probe_positions(h, &mut fresh));
+                recent.keep_positions(hasher.seed_id(), key, geometry, &fresh);
+                if fresh.len() <= RECENT_POSITIONS {
+                    prop_assert_eq!(recent.positions(hasher.seed_id(), key, geometry), Some(&want[..]));
+                }
+            }
+        }
     }
 
     #[test]

@@ -2725,7 +2725,9 @@ mod tests {
         /// leg, exclusions and a per-replica cap. And each candidate's hit, read from the
         /// up-front slice search (`View::search_slices`), is the per-replica search's. Replicas
         /// of the quick candidate's case (`quick_price.rs`: no overlay, no lower tier, no peer
-        /// tip) on several prices, interleaved, test its remembered price against the general one.
+        /// tip) on several prices, interleaved, test its remembered price against the general one;
+        /// without a tip the pass is the sliced one (`SlicedPass::gather`), whose other replicas'
+        /// candidates are made afterwards in their places (`price_deferred`).
         #[test]
         fn the_one_pass_survey_equals_scope_then_gather(
             specs in proptest::collection::vec(survey_spec(), 1..140),

@@ -2036,6 +2036,13 @@ mod tests {
         }
     }
 
+    /// The recent keys' table stays at the size its doc gives, positions and all.
+    #[test]
+    fn recent_key_hashes_take_96_kib() {
+        let bytes = std::mem::size_of::<Option<RecentKeyHash>>() * RecentKeyHashes::SLOTS;
+        assert!(bytes <= 96 * 1024, "{bytes} bytes");
+    }
+
     #[test]
     fn a_large_fleet_of_one_filter_kind_is_searched_by_slices() {
         let chain: Vec<BlockKey> = (0..50).map(|j| chain_key(7, j)).collect();

@@ -868,17 +868,7 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                searched,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                ride_extensions: self.cfg.ride_extensions,
-                ride_min_tokens: self.cfg.ride_extension_min_tokens,
-                kv_shares: &mut self.kv_shares,
-            };
+            let work = candidate_work!(self, uses_cache, searched);
             let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
             self.candidates.push(c);
             gathered.add(
@@ -959,17 +949,7 @@ impl Router {
             let Some(r) = view.replica(i) else {
                 continue;
             };
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                searched,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                ride_extensions: self.cfg.ride_extensions,
-                ride_min_tokens: self.cfg.ride_extension_min_tokens,
-                kv_shares: &mut self.kv_shares,
-            };
+            let work = candidate_work!(self, uses_cache, searched);
             let c = Self::candidate(work, view, req, now, (i, r), None);
             if let Some(slot) = self.candidates.get_mut(at) {
                 *slot = c;
@@ -1011,17 +991,7 @@ impl Router {
             ) else {
                 continue;
             };
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                searched,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                ride_extensions: self.cfg.ride_extensions,
-                ride_min_tokens: self.cfg.ride_extension_min_tokens,
-                kv_shares: &mut self.kv_shares,
-            };
+            let work = candidate_work!(self, uses_cache, searched);
             let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
             self.candidates.push(c);
             gathered.add(
@@ -1601,6 +1571,25 @@ fn placeholder(i: usize) -> Candidate {
         cache_fill: 0.0,
     }
 }
+
+/// The router's [`CandidateWork`] for a candidate of this decision, its fields borrowed one by
+/// one (a method would borrow the whole router, which the gathering loops hold parts of).
+macro_rules! candidate_work {
+    ($router:ident, $uses_cache:expr, $searched:expr) => {
+        CandidateWork {
+            uses_cache: $uses_cache,
+            cost: &$router.cfg.cost,
+            scratch: &mut $router.scratch,
+            searched: $searched,
+            tip_hits: &$router.tip_hits,
+            pending_tips: &$router.pending_tips,
+            ride_extensions: $router.cfg.ride_extensions,
+            ride_min_tokens: $router.cfg.ride_extension_min_tokens,
+            kv_shares: &mut $router.kv_shares,
+        }
+    };
+}
+use candidate_work;
 
 /// What making one candidate reads and writes of the router, borrowed field by field so that
 /// the tenant's pools (borrowed from the router too) stay readable across the candidate loop.

@@ -42,7 +42,9 @@ use super::region_choice::{choose_region, ForwardChoice, RegionAsk};
 use super::remote_prefix::{self, RemoteAsk, RemotePrefixMode, RemoteWay};
 use super::role::Leg;
 use super::tenants::Tenants;
-use super::view::{Health, HitScratch, ReplicaInfo, ReplicaState, SlicesSearched, TierHit, View};
+use super::view::{
+    Health, HitScratch, ReplicaInfo, ReplicaState, SlicedHits, SlicesSearched, TierHit, View,
+};
 
 /// When a tenant is over its KV share on every candidate, the candidates whose share is within
 /// this of its largest stay (its de-facto pool); a wider margin spreads its surplus over more
@@ -322,55 +324,55 @@ pub enum Decision {
 /// the replica still has those very facts and the model and region are the ones asked.
 #[derive(Debug, Default)]
 struct StaticFacts {
-    /// What the current generation answers for.
+    /// What the entries' answers are for.
     asked: Asked,
     /// By replica index (at least as many as the last view had replicas).
     entries: Vec<StaticEntry>,
 }
 
-/// The model and local region remembered facts answer for, and their generation.
+/// The model and local region remembered facts answer for.
 #[derive(Debug, Default)]
 struct Asked {
-    /// The model and local region the current generation answers for.
+    /// The model and local region the entries' answers are for.
     model: String,
     region: String,
-    /// Bumped when the model or region asked changes; an entry's answers count only for the
-    /// current one (so a change costs no `Arc` traffic).
-    generation: u64,
 }
 
 /// One replica's remembered facts. An entry is checked by the address of the facts it answered
 /// for (one compare, where an `Option<Arc>` compared by `Arc::ptr_eq` was six instructions a
 /// replica); the `Arc` is held apart, so the allocation cannot be reused by other facts while
-/// the address names it.
+/// the address names it. A change of the model or region asked clears every address
+/// ([`StaticFacts::begin`]), so the address alone says the answer is current: a generation
+/// compared per replica was four more instructions a replica and decision, to spare a pass
+/// that a change (rare: one model per router in practice) follows with an answer afresh for
+/// every replica anyway.
 #[derive(Debug, Default)]
 struct StaticEntry {
-    /// `Arc::as_ptr` of the facts answered for, as an address (0: none; compared, never read
-    /// through).
+    /// `Arc::as_ptr` of the facts answered for, as an address (0: none, or answered for
+    /// another model or region; compared, never read through).
     addr: usize,
-    /// Those very facts, held so that `addr` cannot name others.
+    /// The facts last answered for, held so that `addr` cannot name others (kept when `addr` is
+    /// cleared: answering the same facts again then costs no `Arc` traffic).
     info: Option<Arc<ReplicaInfo>>,
-    /// The [`Asked::generation`] the answer is for.
-    generation: u64,
     /// What the decision reads of these facts.
     known: Known,
 }
 
 impl StaticEntry {
     /// What is remembered of facts `info` for `asked`: this entry's answer when it is for those
-    /// very facts and this generation (two compares, inline), else answered afresh and kept.
-    /// Answered by reference, so the gathering loop reads the price and bounds in place: a
-    /// copy returned by value went through the stack, four more instructions a replica.
+    /// very facts (one compare, inline), else answered afresh and kept. Answered by reference,
+    /// so the gathering loop reads the price and bounds in place: a copy returned by value
+    /// went through the stack, four more instructions a replica.
     #[inline(always)]
     fn known(&mut self, info: &Arc<ReplicaInfo>, asked: &Asked) -> &Known {
-        if self.addr == Arc::as_ptr(info) as usize && self.generation == asked.generation {
+        if self.addr == Arc::as_ptr(info) as usize {
             &self.known
         } else {
             self.remember(info, asked)
         }
     }
 
-    /// [`StaticEntry::known`] for facts not remembered for this generation: answers, and
+    /// [`StaticEntry::known`] for facts not remembered for the current question: answers, and
     /// remembers the answer.
     #[cold]
     #[inline(never)]
@@ -380,11 +382,14 @@ impl StaticEntry {
             max_in_flight: info.max_in_flight,
             price: PrefillPrice::of(info),
         };
-        if self.addr != Arc::as_ptr(info) as usize {
+        if !self
+            .info
+            .as_ref()
+            .is_some_and(|held| Arc::ptr_eq(held, info))
+        {
             self.info = Some(Arc::clone(info));
-            self.addr = Arc::as_ptr(info) as usize;
         }
-        self.generation = asked.generation;
+        self.addr = Arc::as_ptr(info) as usize;
         self.known = known;
         &self.known
     }
@@ -456,11 +461,14 @@ impl StaticFacts {
     fn begin(&mut self, model: &str, region: &str, replicas: usize) {
         let asked = &mut self.asked;
         if asked.model != model || asked.region != region {
-            asked.generation += 1;
             asked.model.clear();
             asked.model.push_str(model);
             asked.region.clear();
             asked.region.push_str(region);
+            // Every answer was for the old question.
+            for e in &mut self.entries {
+                e.addr = 0;
+            }
         }
         if self.entries.len() < replicas {
             self.entries.resize_with(replicas, StaticEntry::default);
@@ -614,6 +622,9 @@ pub struct Router {
     fetch_plans: Vec<Option<KvFetchPlan>>,
     /// `fetch_plans` were filled for this decision's candidates.
     plans_live: bool,
+    /// Positions in `candidates` whose general candidate is still to be made
+    /// ([`SlicedPass::gather`]; reused buffer).
+    deferred: Vec<usize>,
 }
 
 impl Router {
@@ -636,6 +647,7 @@ impl Router {
             facts: StaticFacts::default(),
             fetch_plans: Vec::new(),
             plans_live: false,
+            deferred: Vec::new(),
             cfg,
         }
     }
@@ -856,17 +868,7 @@ impl Router {
                 quota_blocked = true;
                 continue;
             }
-            let work = CandidateWork {
-                uses_cache,
-                cost: &self.cfg.cost,
-                scratch: &mut self.scratch,
-                searched,
-                tip_hits: &self.tip_hits,
-                pending_tips: &self.pending_tips,
-                ride_extensions: self.cfg.ride_extensions,
-                ride_min_tokens: self.cfg.ride_extension_min_tokens,
-                kv_shares: &mut self.kv_shares,
-            };
+            let work = candidate_work!(self, uses_cache, searched);
             let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
             self.candidates.push(c);
             gathered.add(
@@ -883,6 +885,9 @@ impl Router {
     /// candidate. Returns what the pass found of the fleet (for [`Router::check_reach`]), the
     /// candidates' totals and whether a cap left some replica out. At 512 replicas this pass is
     /// most of a decision's instructions (`scripts/decision-instructions.sh`): keep it lean.
+    /// Where the decision has the quick candidate's case ([`SlicedPass::gather`]) the pass
+    /// prices from the slice search's runs; otherwise each replica in full
+    /// ([`Router::gather_each`]).
     fn gather_unpooled(
         &mut self,
         view: &View,
@@ -892,61 +897,102 @@ impl Router {
         scope: &Scope,
     ) -> (Reach, CandidateTotals, bool) {
         let searched = self.begin_gather(view, req, now);
-        let uses_cache = self.policy.uses_cache();
-        let mut reach = Reach::default();
-        let mut gathered = CandidateTotals::default();
-        let mut quota_blocked = false;
         let kv_slot = scope.kv_quota.map(|(slot, _)| slot);
         // The quick candidate's search, where this decision has its common case (no peer tip
         // on the prompt, no KV quota: `quick_price.rs`); each replica still qualifies apart.
         let quick_search = searched.filter(|_| {
             kv_slot.is_none() && self.tip_hits.is_empty() && self.pending_tips.is_empty()
         });
-        let quick = QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens);
         self.facts
             .begin(req.model, &view.local_region, view.replicas().len());
         self.candidates.reserve(view.replicas().len());
+        let gate = Gate {
+            local: facts::local(leg),
+            excludes: !req.exclude.is_empty(),
+            per_replica_cap: scope.per_replica_cap,
+        };
+        let sliced = quick_search.and_then(|searched| view.sliced_hits(&self.scratch, searched));
+        let Some(hits) = sliced else {
+            return self.gather_each(view, req, now, gate, searched, kv_slot);
+        };
+        let pass = SlicedPass {
+            quick: QuickPrice::new(&self.cfg.cost, view.tokens_per_block, req.prompt_tokens),
+            facts: &mut self.facts,
+            tenants: &self.tenants,
+            candidates: &mut self.candidates,
+            deferred: &mut self.deferred,
+        };
+        let (reach, quick_totals, quota_blocked) = pass.gather(view, req, gate, &hits);
+        let gathered = self.price_deferred(view, req, now, searched, quick_totals);
+        (reach, gathered, quota_blocked)
+    }
+
+    /// The general candidates [`SlicedPass::gather`] left placeholders for, made in their
+    /// places; returns the totals of every candidate (`gathered`: the quick ones'). The same
+    /// candidates as pricing each in its turn: a candidate reads nothing of the others, the
+    /// hit scratch answers alike in any order of replicas, and the totals are a minimum, a
+    /// conjunction and a maximum. No KV quota here (the quick case has none), so no share is
+    /// recorded out of turn.
+    fn price_deferred(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        searched: Option<SlicesSearched>,
+        mut gathered: CandidateTotals,
+    ) -> CandidateTotals {
+        let uses_cache = self.policy.uses_cache();
+        for &at in &self.deferred {
+            let Some(i) = self.candidates.get(at).map(|c| c.replica) else {
+                continue;
+            };
+            let Some(r) = view.replica(i) else {
+                continue;
+            };
+            let work = candidate_work!(self, uses_cache, searched);
+            let c = Self::candidate(work, view, req, now, (i, r), None);
+            if let Some(slot) = self.candidates.get_mut(at) {
+                *slot = c;
+            }
+            gathered.add(
+                c.queue_s,
+                c.outstanding >= r.info.max_in_flight,
+                c.hit_blocks,
+            );
+        }
+        gathered
+    }
+
+    /// [`Router::gather_unpooled`]'s pass for any other decision: every candidate made in full,
+    /// in turn.
+    fn gather_each(
+        &mut self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        gate: Gate,
+        searched: Option<SlicesSearched>,
+        kv_slot: Option<u8>,
+    ) -> (Reach, CandidateTotals, bool) {
+        let uses_cache = self.policy.uses_cache();
+        let mut reach = Reach::default();
+        let mut gathered = CandidateTotals::default();
+        let mut quota_blocked = false;
         // `begin` made an entry for every replica: zipped, neither is bounds-checked.
         let (asked, entries) = (&self.facts.asked, &mut self.facts.entries);
-        // Most requests exclude nothing (only a retry after a failure does).
-        let excludes = !req.exclude.is_empty();
         for ((i, r), entry) in view.replicas().iter().enumerate().zip(entries.iter_mut()) {
-            let known = entry.known(&r.info, asked);
-            if known.flags & facts::SERVES == 0 {
+            let Some(known) = gate.screen(
+                entry.known(&r.info, asked),
+                (i, r),
+                req,
+                &self.tenants,
+                &mut reach,
+                &mut quota_blocked,
+            ) else {
                 continue;
-            }
-            reach.model_known = true;
-            reach.cluster_slots += u64::from(known.max_in_flight);
-            if known.flags & facts::local(leg) != facts::local(leg)
-                || r.health != Health::Healthy
-                || (excludes && req.exclude.contains(&i))
-            {
-                continue;
-            }
-            reach.local_usable = true;
-            if scope.per_replica_cap && !self.tenants.replica_allows(req.tenant, i) {
-                quota_blocked = true;
-                continue;
-            }
-            let quick_run =
-                quick_search.and_then(|searched| view.sliced_hit(i, r, &self.scratch, searched));
-            let c = match quick_run {
-                Some(run) => quick.candidate(i, r, run, known.price),
-                None => {
-                    let work = CandidateWork {
-                        uses_cache,
-                        cost: &self.cfg.cost,
-                        scratch: &mut self.scratch,
-                        searched,
-                        tip_hits: &self.tip_hits,
-                        pending_tips: &self.pending_tips,
-                        ride_extensions: self.cfg.ride_extensions,
-                        ride_min_tokens: self.cfg.ride_extension_min_tokens,
-                        kv_shares: &mut self.kv_shares,
-                    };
-                    Self::candidate(work, view, req, now, (i, r), kv_slot)
-                }
             };
+            let work = candidate_work!(self, uses_cache, searched);
+            let c = Self::candidate(work, view, req, now, (i, r), kv_slot);
             self.candidates.push(c);
             gathered.add(
                 c.queue_s,
@@ -1389,6 +1435,161 @@ impl Router {
         choose_region(view, &self.cfg.cost, &ask, now)
     }
 }
+
+/// What one decision asks of every replica before it is a candidate, beyond its remembered
+/// facts: the bits a local replica has for the leg, and whether the request excludes replicas
+/// or the tenant has a per-replica cap (most do neither: then one test a replica for both).
+#[derive(Clone, Copy, Debug)]
+struct Gate {
+    /// [`facts::local`] of the leg.
+    local: u8,
+    /// The request excludes some replicas (a failover's retry).
+    excludes: bool,
+    /// The tenant has a per-replica in-flight cap.
+    per_replica_cap: bool,
+}
+
+impl Gate {
+    /// Replica `i`'s (state `r`, remembered facts `known`) facts when it is a candidate: serves
+    /// the model, takes the leg, healthy, in the local region, not excluded, under the tenant's
+    /// cap. Counts it in `reach` (and a cap's refusal in `quota_blocked`) as it goes.
+    #[inline(always)]
+    fn screen<'k>(
+        self,
+        known: &'k Known,
+        (i, r): (usize, &ReplicaState),
+        req: &RouteRequest<'_>,
+        tenants: &Tenants,
+        reach: &mut Reach,
+        quota_blocked: &mut bool,
+    ) -> Option<&'k Known> {
+        if known.flags & facts::SERVES == 0 {
+            return None;
+        }
+        reach.model_known = true;
+        reach.cluster_slots += u64::from(known.max_in_flight);
+        if known.flags & self.local != self.local || r.health != Health::Healthy {
+            return None;
+        }
+        if self.excludes || self.per_replica_cap {
+            if self.excludes && req.exclude.contains(&i) {
+                return None;
+            }
+            reach.local_usable = true;
+            if self.per_replica_cap && !tenants.replica_allows(req.tenant, i) {
+                *quota_blocked = true;
+                return None;
+            }
+        }
+        reach.local_usable = true;
+        Some(known)
+    }
+}
+
+/// [`Router::gather_unpooled`]'s pass where the decision has the quick candidate's case, with
+/// the router's fields it uses borrowed apart (the slice runs it reads are in the router's hit
+/// scratch, borrowed for the pass).
+struct SlicedPass<'a> {
+    quick: QuickPrice,
+    facts: &'a mut StaticFacts,
+    tenants: &'a Tenants,
+    candidates: &'a mut Vec<Candidate>,
+    deferred: &'a mut Vec<usize>,
+}
+
+impl SlicedPass<'_> {
+    /// Each replica whose hit is its slice's run (`hits`) priced at once, any other (an
+    /// overlay, lower tiers, a filter not sliced) left a placeholder and its position in
+    /// `deferred`, for [`Router::price_deferred`]. The pass makes no general candidate (which
+    /// needs the hit scratch mutably), so it walks the runs zipped with the replicas and their
+    /// remembered facts (no bounds check, no reload of the router's fields for each replica),
+    /// and its registers hold little more than the quick candidate's numbers. Returns what the
+    /// pass found of the fleet, the quick candidates' totals and whether a cap left some
+    /// replica out.
+    fn gather(
+        self,
+        view: &View,
+        req: &RouteRequest<'_>,
+        gate: Gate,
+        hits: &SlicedHits<'_>,
+    ) -> (Reach, CandidateTotals, bool) {
+        let mut reach = Reach::default();
+        let mut gathered = CandidateTotals::default();
+        let mut quota_blocked = false;
+        self.deferred.clear();
+        // `begin` made an entry for every replica, and the search a run for every replica
+        // (`sliced_hits`): zipped, none is bounds-checked.
+        let (asked, entries) = (&self.facts.asked, &mut self.facts.entries);
+        let replicas = view.replicas().iter().enumerate().zip(entries.iter_mut());
+        for (((i, r), entry), found) in replicas.zip(hits.found()) {
+            let known = entry.known(&r.info, asked);
+            let screened = gate.screen(
+                known,
+                (i, r),
+                req,
+                self.tenants,
+                &mut reach,
+                &mut quota_blocked,
+            );
+            let Some(known) = screened else {
+                continue;
+            };
+            match hits.hit(i, r, found) {
+                Some(run) => {
+                    let c = self.quick.candidate(i, r, run, known.price);
+                    self.candidates.push(c);
+                    gathered.add(
+                        c.queue_s,
+                        c.outstanding >= known.max_in_flight,
+                        c.hit_blocks,
+                    );
+                }
+                None => {
+                    self.deferred.push(self.candidates.len());
+                    self.candidates.push(placeholder(i));
+                }
+            }
+        }
+        (reach, gathered, quota_blocked)
+    }
+}
+
+/// A candidate's place in the candidates, held for replica `i` until its general candidate is
+/// made ([`Router::price_deferred`]); never read as a candidate.
+fn placeholder(i: usize) -> Candidate {
+    Candidate {
+        replica: i,
+        seed: 0,
+        hit_blocks: 0,
+        credited_blocks: 0.0,
+        outstanding: 0,
+        in_flight: 0,
+        queue_s: 0.0,
+        prefill_queue_s: 0.0,
+        cost_s: 0.0,
+        prefill_s: 0.0,
+        cache_fill: 0.0,
+    }
+}
+
+/// The router's [`CandidateWork`] for a candidate of this decision, its fields borrowed one by
+/// one (a method would borrow the whole router, which the gathering loops hold parts of).
+macro_rules! candidate_work {
+    ($router:ident, $uses_cache:expr, $searched:expr) => {
+        CandidateWork {
+            uses_cache: $uses_cache,
+            cost: &$router.cfg.cost,
+            scratch: &mut $router.scratch,
+            searched: $searched,
+            tip_hits: &$router.tip_hits,
+            pending_tips: &$router.pending_tips,
+            ride_extensions: $router.cfg.ride_extensions,
+            ride_min_tokens: $router.cfg.ride_extension_min_tokens,
+            kv_shares: &mut $router.kv_shares,
+        }
+    };
+}
+use candidate_work;
 
 /// What making one candidate reads and writes of the router, borrowed field by field so that
 /// the tenant's pools (borrowed from the router too) stay readable across the candidate loop.
@@ -2513,7 +2714,9 @@ mod tests {
         /// leg, exclusions and a per-replica cap. And each candidate's hit, read from the
         /// up-front slice search (`View::search_slices`), is the per-replica search's. Replicas
         /// of the quick candidate's case (`quick_price.rs`: no overlay, no lower tier, no peer
-        /// tip) on several prices, interleaved, test its remembered price against the general one.
+        /// tip) on several prices, interleaved, test its remembered price against the general one;
+        /// without a tip the pass is the sliced one (`SlicedPass::gather`), whose other replicas'
+        /// candidates are made afterwards in their places (`price_deferred`).
         #[test]
         fn the_one_pass_survey_equals_scope_then_gather(
             specs in proptest::collection::vec(survey_spec(), 1..140),

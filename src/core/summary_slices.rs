@@ -532,6 +532,14 @@ impl SliceRuns {
         self.run(i)
     }
 
+    /// The per-replica entries (stamp, run) and the current stamp: an entry is a run found
+    /// for the current stamp when its stamp is that one ([`SliceRuns::run`] for every replica
+    /// in one pass).
+    #[inline]
+    pub fn current(&self) -> (&[(u32, u32)], u32) {
+        (&self.runs, self.stamp)
+    }
+
     /// Whether the current stamp stands for this very state of `slices`.
     pub fn is_on(&self, slices: &SummarySlices) -> bool {
         (self.key.0, self.key.1) == (slices.id, slices.version)

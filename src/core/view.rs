@@ -707,6 +707,28 @@ impl View {
         self.slices.holds(i, s).then_some(run)
     }
 
+    /// The runs [`View::search_slices`] found (`searched` is its answer, for the same scratch
+    /// and view), for one pass over every replica in order ([`SlicedHits`]); `None` when the
+    /// search has no run entry for some replica (never, after `search_slices`: the pass then
+    /// asks each replica apart).
+    #[inline]
+    pub fn sliced_hits<'a>(
+        &'a self,
+        scratch: &'a HitScratch,
+        searched: SlicesSearched,
+    ) -> Option<SlicedHits<'a>> {
+        debug_assert!(
+            scratch.n == searched.n && scratch.slice_runs.is_on(&self.slices),
+            "sliced_hits needs this request's search_slices on this view"
+        );
+        let (runs, stamp) = scratch.slice_runs.current();
+        (runs.len() >= self.replicas.len()).then_some(SlicedHits {
+            view: self,
+            runs,
+            stamp,
+        })
+    }
+
     /// Replica `i`'s GPU run as this request's search of its slice found it, when that is its
     /// whole hit and still good: no overlay, no lower tiers, its summary the one searched, the
     /// scratch on this request (`n` keys) and this very state of the view.
@@ -854,6 +876,44 @@ pub struct SlicesSearched {
     n: usize,
 }
 
+/// [`View::search_slices`]'s runs for a pass over every replica of the view in order: the
+/// run entries walked alongside the replicas ([`SlicedHits::found`]), so a replica's run is a
+/// load and a compare, and [`SlicedHits::hit`] makes [`View::sliced_hit`]'s checks on it. For
+/// the view and scratch it was made from, until either changes.
+#[derive(Clone, Copy, Debug)]
+pub struct SlicedHits<'a> {
+    view: &'a View,
+    /// Per replica (at least as many as the view has): the stamp of the request its run was
+    /// found for, and the run.
+    runs: &'a [(u32, u32)],
+    /// The current request's stamp.
+    stamp: u32,
+}
+
+impl<'a> SlicedHits<'a> {
+    /// Per replica of the view, in order (and past them, more): the run its slice's search
+    /// found for this request, if it found one.
+    #[inline]
+    pub fn found(&self) -> impl Iterator<Item = Option<u32>> + 'a {
+        let stamp = self.stamp;
+        self.runs
+            .iter()
+            .map(move |&(s, run)| (s == stamp).then_some(run))
+    }
+
+    /// Replica `i`'s (state `r`) hit from `found`, its entry of [`SlicedHits::found`], when
+    /// that is its whole hit: [`View::sliced_hit`]'s answer.
+    #[inline(always)]
+    pub fn hit(&self, i: usize, r: &ReplicaState, found: Option<u32>) -> Option<usize> {
+        let run = found?;
+        let s = r.summary.as_deref()?;
+        if !r.overlay.is_empty() || s.has_lower_tiers() {
+            return None;
+        }
+        self.view.slices.holds(i, s).then_some(run as usize)
+    }
+}
+
 /// The members of a slice's `mask`, by position in the slice.
 fn slice_members(mut mask: u64) -> impl Iterator<Item = usize> {
     std::iter::from_fn(move || {
@@ -985,7 +1045,15 @@ struct RecentKeyHash {
     seed_id: u64,
     key: BlockKey,
     hashes: KeyHashes,
+    /// Its GPU probe positions in the filters of one geometry, the last it was memoised for
+    /// ([`RecentKeyHashes::positions`]); `None` until then, or when that geometry has more
+    /// hashes than [`RECENT_POSITIONS`].
+    positions: Option<(FilterGeometry, [u32; RECENT_POSITIONS])>,
 }
+
+/// Probe positions a [`RecentKeyHashes`] entry keeps: enough for a false-positive rate of 0.1 %
+/// (10 hashes; 1 %, the default, has 7). A geometry with more is memoised afresh each request.
+const RECENT_POSITIONS: usize = 10;
 
 impl RecentKeyHashes {
     /// Entries (a power of two: the slot is the key's low bits, keys being hashes already).
@@ -1010,9 +1078,47 @@ impl RecentKeyHashes {
                 seed_id,
                 key,
                 hashes,
+                positions: None,
             });
         }
         hashes
+    }
+
+    /// The GPU probe positions of `key` (hashed with `seed_id`) in filters of `geometry`, when
+    /// an earlier request memoised them here ([`RecentKeyHashes::keep_positions`]).
+    #[inline]
+    fn positions(&self, seed_id: u64, key: BlockKey, geometry: FilterGeometry) -> Option<&[u32]> {
+        let at = key.0 as usize & (Self::SLOTS - 1);
+        let e = self.slots.get(at)?.as_ref()?;
+        if e.key != key || e.seed_id != seed_id {
+            return None;
+        }
+        let (kept, positions) = e.positions.as_ref()?;
+        if *kept != geometry {
+            return None;
+        }
+        positions.get(..geometry.hashes() as usize)
+    }
+
+    /// Keeps `positions`, `key`'s (hashed with `seed_id`) GPU probe positions in filters of
+    /// `geometry`, with its entry, if the entry is still that key's and they fit.
+    fn keep_positions(
+        &mut self,
+        seed_id: u64,
+        key: BlockKey,
+        geometry: FilterGeometry,
+        positions: &[u32],
+    ) {
+        let at = key.0 as usize & (Self::SLOTS - 1);
+        let Some(Some(e)) = self.slots.get_mut(at) else {
+            return;
+        };
+        if e.key != key || e.seed_id != seed_id || positions.len() > RECENT_POSITIONS {
+            return;
+        }
+        let mut kept = [0; RECENT_POSITIONS];
+        kept[..positions.len()].copy_from_slice(positions);
+        e.positions = Some((geometry, kept));
     }
 }
 
@@ -1236,10 +1342,28 @@ impl Prober<'_> {
         self.memo.get(at + 1..at + self.stride)
     }
 
-    /// Hashes key `j` (unless already hashed for this request) and memoises its GPU positions.
+    /// Memoises key `j`'s GPU positions: as an earlier request found them for this geometry
+    /// ([`RecentKeyHashes::positions`]), else from its hashes (hashed unless already hashed for
+    /// this request), and then kept for the next request. Why keep them: a key's positions are
+    /// a 64-bit division or two per hash (~250 instructions a key at 7 hashes), and a request's
+    /// slice search probes the same ~13 keys as the one before whenever they share a prefix
+    /// (`scripts/decision-instructions.sh`: ~2.5k instructions of a decision at any fleet size).
     #[cold]
     fn memoise(&mut self, j: usize) -> Option<()> {
         let key = *self.keys.get(j)?;
+        let geometry = self.summary.geometry();
+        let at = j * self.stride;
+        let [stamp, positions @ ..] = self.memo.get_mut(at..at + self.stride)? else {
+            return None;
+        };
+        let seed_id = self.hasher.map(KeyHasher::seed_id);
+        if let Some(kept) = seed_id.and_then(|seed| self.recent.positions(seed, key, geometry)) {
+            if kept.len() == positions.len() {
+                positions.copy_from_slice(kept);
+                *stamp = self.stamp;
+                return Some(());
+            }
+        }
         let h = match self.hashes.get(j) {
             Some(&(s, h)) if s == self.stamp => h,
             _ => {
@@ -1251,12 +1375,11 @@ impl Prober<'_> {
                 h
             }
         };
-        let at = j * self.stride;
-        let [stamp, positions @ ..] = self.memo.get_mut(at..at + self.stride)? else {
+        if !geometry.probe_positions(h, positions) {
             return None;
-        };
-        if !self.summary.geometry().probe_positions(h, positions) {
-            return None;
+        }
+        if let Some(seed) = seed_id {
+            self.recent.keep_positions(seed, key, geometry, positions);
         }
         *stamp = self.stamp;
         Some(())
@@ -1869,6 +1992,55 @@ mod tests {
                 prop_assert_eq!(recent.hash(hasher, keys[k]), hasher.hash(keys[k]));
             }
         }
+
+        /// The positions a recent key keeps are the ones its hashes give in the geometry
+        /// asked, whatever was kept before: keys of one slot, two seeds, geometries of other
+        /// sizes and hash counts (one past what an entry keeps), in any order.
+        #[test]
+        fn recent_key_positions_are_the_geometrys(
+            picks in proptest::collection::vec((0usize..6, any::<bool>(), 0usize..4), 1..200),
+            high in any::<u64>(),
+        ) {
+            let cluster = SummaryConfig::for_cluster("c");
+            let seeds = [cluster.seed, [2u8; 32]];
+            // 1 % and 0.1 % false positives (7 and 10 hashes) at two sizes, and 30 hashes.
+            let geometries: Vec<FilterGeometry> = [(1_000, 0.01), (5_000, 0.01), (1_000, 0.001), (1_000, 1e-9)]
+                .iter()
+                .map(|&(capacity, fp_rate)| {
+                    let cfg = SummaryConfig { fp_rate, ..SummaryConfig::for_cluster("c") };
+                    ReplicaSummary::new(1, capacity, &cfg).unwrap().geometry()
+                })
+                .collect();
+            prop_assert!(geometries[3].hashes() as usize > RECENT_POSITIONS);
+            let slot_mask = RecentKeyHashes::SLOTS as u64 - 1;
+            let keys: Vec<BlockKey> = (0..6u64)
+                .map(|k| BlockKey((high & !slot_mask).wrapping_add(k << 40) | (k / 3)))
+                .collect();
+            let mut recent = RecentKeyHashes::default();
+            for (k, second_seed, g) in picks {
+                let hasher = KeyHasher::new(&seeds[usize::from(second_seed)]);
+                let (key, geometry) = (keys[k], geometries[g]);
+                let h = recent.hash(&hasher, key);
+                let mut want = vec![0u32; geometry.hashes() as usize];
+                prop_assert!(geometry.probe_positions(hasher.hash(key), &mut want));
+                if let Some(kept) = recent.positions(hasher.seed_id(), key, geometry) {
+                    prop_assert_eq!(kept, &want[..]);
+                }
+                let mut fresh = vec![0u32; geometry.hashes() as usize];
+                prop_assert!(geometry.probe_positions(h, &mut fresh));
+                recent.keep_positions(hasher.seed_id(), key, geometry, &fresh);
+                if fresh.len() <= RECENT_POSITIONS {
+                    prop_assert_eq!(recent.positions(hasher.seed_id(), key, geometry), Some(&want[..]));
+                }
+            }
+        }
+    }
+
+    /// The recent keys' table stays at the size its doc gives, positions and all.
+    #[test]
+    fn recent_key_hashes_take_96_kib() {
+        let bytes = std::mem::size_of::<Option<RecentKeyHash>>() * RecentKeyHashes::SLOTS;
+        assert!(bytes <= 96 * 1024, "{bytes} bytes");
     }
 
     #[test]

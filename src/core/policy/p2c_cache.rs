@@ -54,7 +54,7 @@ use rand::Rng;
 
 use super::kind::PolicyKind;
 use super::pick::{
-    draw_from_total, draw_toward_low_cost, low_cost_weight, Candidate, Pick, Policy, PolicyInput,
+    draw_from_weights, draw_toward_low_cost, low_cost_weight, Candidate, Pick, Policy, PolicyInput,
     Reason,
 };
 
@@ -140,6 +140,12 @@ pub struct P2cCache {
     /// How many times the candidates' mean outstanding every holder of a prefix must have for it
     /// to count as hot (`hot_copy_share`). Default [`DEFAULT_HOT_LOAD_RATIO`].
     pub hot_load_ratio: f64,
+    /// The draw's weights ([`low_cost_weight`]) of the current pick's candidates, by position
+    /// (a reused buffer, not a setting): worked out in one pass of their own, which the
+    /// compiler does two candidates an instruction, then read by the escape scan and the
+    /// draw's walk, each of which worked every weight out again (a division among five
+    /// instructions a candidate; `scripts/decision-instructions.sh`).
+    pub(super) draw_weights: Vec<f64>,
 }
 
 /// [`P2cCache::hot_copy_share`]'s default.
@@ -162,6 +168,7 @@ impl Default for P2cCache {
             evict_charge: DEFAULT_EVICT_CHARGE,
             hot_copy_share: DEFAULT_HOT_COPY_SHARE,
             hot_load_ratio: DEFAULT_HOT_LOAD_RATIO,
+            draw_weights: Vec::new(),
         }
     }
 }
@@ -204,8 +211,14 @@ impl P2cCache {
     /// queued prefill. Also the total of the draw's weights without A
     /// ([`draw_toward_low_cost`]), summed on the same pass, for the draw when there is no escape
     /// (at 512 candidates a pass is about 8k instructions of a decision's ~100k).
-    fn escape(&self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> (Option<usize>, f64) {
-        let scan = cheapest_but(c, a, rng);
+    fn escape(
+        &self,
+        c: &[Candidate],
+        weights: &[f64],
+        a: usize,
+        rng: &mut SmallRng,
+    ) -> (Option<usize>, f64) {
+        let scan = cheapest_but(c, weights, a, rng);
         let b = scan.b;
         let escaped = b != a
             && c[a].cost_s - c[b].cost_s > self.escape_margin_s
@@ -215,14 +228,19 @@ impl P2cCache {
 
     /// B, weighed against A (`c[a]`): the escape's, else a draw toward low cost without A;
     /// `None` when nothing is left to draw.
-    fn second_choice(&self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> Option<usize> {
+    fn second_choice(&mut self, c: &[Candidate], a: usize, rng: &mut SmallRng) -> Option<usize> {
         if !self.escape_margin_s.is_finite() {
             return draw_toward_low_cost(c, Some(a), rng);
         }
-        match self.escape(c, a, rng) {
+        let mut weights = std::mem::take(&mut self.draw_weights);
+        weights.clear();
+        weights.extend(c.iter().map(low_cost_weight));
+        let b = match self.escape(c, &weights, a, rng) {
             (Some(b), _) => Some(b),
-            (None, total) => draw_from_total(c, Some(a), total, rng),
-        }
+            (None, total) => draw_from_weights(&weights, Some(a), total, rng),
+        };
+        self.draw_weights = weights;
+        b
     }
 
     /// B's cost as weighed against A's (`c[b]`, `c[a]`): its predicted cost plus the charge for
@@ -304,9 +322,10 @@ impl P2cCache {
 }
 
 /// The cheapest candidate but A (`c[a]`), random among equal costs, and the sum of the draw's
-/// weights without A: [`P2cCache::escape`]'s one pass.
-fn cheapest_but(c: &[Candidate], a: usize, rng: &mut SmallRng) -> EscapeScan {
-    let n = c.len();
+/// weights (`weights`, by position) without A: [`P2cCache::escape`]'s one pass.
+fn cheapest_but(c: &[Candidate], weights: &[f64], a: usize, rng: &mut SmallRng) -> EscapeScan {
+    let n = c.len().min(weights.len());
+    let (c, weights) = (&c[..n], &weights[..n]);
     if n == 0 {
         return EscapeScan {
             b: 0,
@@ -319,7 +338,7 @@ fn cheapest_but(c: &[Candidate], a: usize, rng: &mut SmallRng) -> EscapeScan {
     // so A is its position: its key infinite, its weight 0), and the draw's sum as
     // `Iterator::sum` makes it (from -0.0, in position order). A is visited in its place
     // rather than tested for at every position: the runs before and after it are plain.
-    let weight0 = if a == 0 { 0.0 } else { low_cost_weight(&c[0]) };
+    let weight0 = if a == 0 { 0.0 } else { weights[0] };
     let key0 = if a == 0 { f64::INFINITY } else { c[0].cost_s };
     let mut scan = EscapeScan {
         b: 0,
@@ -329,12 +348,12 @@ fn cheapest_but(c: &[Candidate], a: usize, rng: &mut SmallRng) -> EscapeScan {
     };
     // The first candidate started the argmin; then up to A, A itself, and the rest.
     let cut = a.clamp(1, n);
-    scan.run(&c[1..cut], 1, rng);
+    scan.run(&c[1..cut], &weights[1..cut], 1, rng);
     if (1..n).contains(&a) {
         scan.visit(a, f64::INFINITY, 0.0, rng);
     }
     let rest = if a < n { (a + 1).max(1) } else { n };
-    scan.run(&c[rest..], rest, rng);
+    scan.run(&c[rest..], &weights[rest..], rest, rng);
     scan
 }
 
@@ -371,11 +390,12 @@ impl EscapeScan {
         }
     }
 
-    /// Visits `run`, the candidates from position `first` on, none of them A.
+    /// Visits `run`, the candidates from position `first` on, none of them A, with their
+    /// draw's weights `weights`.
     #[inline(always)]
-    fn run(&mut self, run: &[Candidate], first: usize, rng: &mut SmallRng) {
-        for (k, x) in run.iter().enumerate() {
-            self.visit(first + k, x.cost_s, low_cost_weight(x), rng);
+    fn run(&mut self, run: &[Candidate], weights: &[f64], first: usize, rng: &mut SmallRng) {
+        for (k, (x, &w)) in run.iter().zip(weights).enumerate() {
+            self.visit(first + k, x.cost_s, w, rng);
         }
     }
 }
@@ -941,7 +961,7 @@ mod tests {
                 .map(|(i, &(hit, out))| cand(i, hit * 40, out))
                 .collect();
             let a = a % c.len();
-            let p = P2cCache { escape_margin_s: margin, ..P2cCache::default() };
+            let mut p = P2cCache { escape_margin_s: margin, ..P2cCache::default() };
             let (mut one, mut two) = (SmallRng::seed_from_u64(seed), SmallRng::seed_from_u64(seed));
             proptest::prop_assert_eq!(
                 p.second_choice(&c, a, &mut one),
@@ -967,7 +987,8 @@ mod tests {
                 .map(|(i, &(hit, out))| cand(i, hit * 40, out))
                 .collect();
             let (mut one, mut two) = (SmallRng::seed_from_u64(seed), SmallRng::seed_from_u64(seed));
-            let scan = cheapest_but(&c, a, &mut one);
+            let weights: Vec<f64> = c.iter().map(low_cost_weight).collect();
+            let scan = cheapest_but(&c, &weights, a, &mut one);
             let b = super::super::pick::argmin_random_tie(&c, &mut two, |x| {
                 if x.replica == a { f64::INFINITY } else { x.cost_s }
             });

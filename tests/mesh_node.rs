@@ -857,19 +857,26 @@ async fn a_forward_that_fails_at_one_node_goes_to_another_of_the_region() {
         .await
         .expect("a1 measures its RTT to both of b's nodes");
         let http = client();
-        for k in 0..16 {
-            let (status, h) = complete(&http, a1.addr, &text(&format!("fo{k}"), 1024), &[]).await;
-            assert_eq!(status, 200, "request {k}");
-            assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "b2");
-        }
         let m = a1.node.mesh_slot().metrics.get().unwrap();
+        let retried = || m.forwards.with_label_values(&["b", "retry"]).get();
+        // Nodes within one 5 ms step of RTT are tried in random order, so b1 comes first some
+        // of the time; on a loaded machine their RTTs can sit a step apart for a while (then
+        // the nearer one always goes first), so send until a forward met b1 first, at most 64.
+        let mut sent = 0;
+        while sent < 16 || (retried() == 0 && sent < 64) {
+            let prompt = text(&format!("fo{sent}"), 1024);
+            let (status, h) = complete(&http, a1.addr, &prompt, &[]).await;
+            assert_eq!(status, 200, "request {sent}");
+            assert_eq!(header(&h, "x-kvmesh-forwarded-to"), "b2");
+            sent += 1;
+        }
         let ok = m.forwards.with_label_values(&["b", "ok"]).get();
-        let retried = m.forwards.with_label_values(&["b", "retry"]).get();
-        println!("16 forwards: {ok} ok, {retried} after a failed node");
-        assert_eq!(ok, 16);
-        // Equally near nodes are tried in random order: b1 came first some of the time
-        // (all 16 on b2 first has probability 2^-16).
-        assert!(retried > 0);
+        println!(
+            "{sent} forwards: {ok} ok, {} after a failed node",
+            retried()
+        );
+        assert_eq!(ok, sent);
+        assert!(retried() > 0, "no forward met b1 first in {sent}");
         for n in [a1, b1, b2] {
             n.shutdown().await;
         }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::{live_members, mesh_addr};
 use kvmesh::bench::delay_line::DelayLine;
 use kvmesh::mesh::replica_load::RecordChange;
-use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::{MeshSection, NodeConfig};
 use kvmesh::node::NodeState;
 use kvmesh::proxy::warm_peers::warmups;
 use kvmesh::proxy::{self, RunningNode};
@@ -101,26 +101,10 @@ fn mesh_config(
     if !certs.join(format!("{name}.pem")).exists() {
         kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
     }
-    let mut cfg = NodeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        debug_headers: true,
-        region: region.into(),
-        cluster_id: "mesh-node-test".into(),
-        drain_s: 2,
-        ..NodeConfig::default()
-    };
-    cfg.health.interval_ms = 100;
-    cfg.health.timeout_ms = 500;
-    cfg.scrape.interval_ms = 100;
-    cfg.timeouts.first_byte_ms = 5_000;
-    cfg.timeouts.connect_ms = 500;
-    cfg.replicas = replicas
-        .iter()
-        .map(|(id, url)| NodeReplica {
-            id: Some(id.clone()),
-            ..NodeReplica::from_url(url.clone())
-        })
-        .collect();
+    let mut cfg = common::named_node_config(replicas);
+    cfg.region = region.into();
+    cfg.cluster_id = "mesh-node-test".into();
+    cfg.drain_s = 2;
     cfg.mesh = Some(MeshSection {
         node_id: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),

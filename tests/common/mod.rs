@@ -103,10 +103,20 @@ pub fn cluster_ca() -> tempfile::TempDir {
     dir
 }
 
-/// A node on loopback in front of `urls` (replicas `r0`, `r1`, …), with debug headers, quick
-/// health checks and scrapes (100 ms), and short connect and first-byte timeouts: what the
-/// single-node tests start from.
+/// A node on loopback in front of `urls` (replicas `r0`, `r1`, …): [`named_node_config`].
 pub fn node_config(urls: &[String]) -> NodeConfig {
+    let named: Vec<(String, String)> = urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (format!("r{i}"), u.clone()))
+        .collect();
+    named_node_config(&named)
+}
+
+/// A node on loopback in front of `replicas` (id, URL), with debug headers, quick health
+/// checks and scrapes (100 ms), and short connect and first-byte timeouts: what the node tests
+/// start from, single or meshed.
+pub fn named_node_config(replicas: &[(String, String)]) -> NodeConfig {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_s: 5,
@@ -118,12 +128,11 @@ pub fn node_config(urls: &[String]) -> NodeConfig {
     cfg.scrape.interval_ms = 100;
     cfg.timeouts.first_byte_ms = 5_000;
     cfg.timeouts.connect_ms = 500;
-    cfg.replicas = urls
+    cfg.replicas = replicas
         .iter()
-        .enumerate()
-        .map(|(i, u)| NodeReplica {
-            id: Some(format!("r{i}")),
-            ..NodeReplica::from_url(u.clone())
+        .map(|(id, url)| NodeReplica {
+            id: Some(id.clone()),
+            ..NodeReplica::from_url(url.clone())
         })
         .collect();
     cfg

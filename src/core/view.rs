@@ -119,15 +119,28 @@ pub struct ReplicaLoad {
     /// Prompt tokens queued for prefill at the replica, as best known (uncached part): this
     /// node's own, plus the other nodes'.
     pub queued_prefill_tokens: u64,
+    /// What the engine's figures (`waiting + running`) counted beyond the region's routers'
+    /// own requests when they were read ([`View::set_engine_load`]): requests that reached the
+    /// replica some other way (a client calling it directly, a router that restarted). `None`
+    /// where the figures came without the routers' count beside them (another region's
+    /// replica, a figure set by hand).
+    pub engine_excess: Option<u32>,
 }
 
 impl ReplicaLoad {
-    /// Outstanding requests: the engine's count, or the region's routers' own when that is
-    /// larger (the engine's figure lags a scrape; the routers' is fresh).
+    /// Outstanding requests: the region's routers' own count (fresh) plus what the engine
+    /// counted beyond it at its last read. Not the larger of the engine's figure and the
+    /// routers': a figure read before a burst of completions kept the replica looking busy
+    /// until the next scrape, and when the scrape came it looked idle to every node at once,
+    /// which sent it a herd (simulator, hot burst seed 3: fifteen requests in 60 ms to the one
+    /// replica that had sat idle for a scrape interval). Without the excess, the larger of the two.
+    #[inline]
     pub fn outstanding(&self) -> u32 {
-        self.in_flight
-            .saturating_add(self.peer_in_flight)
-            .max(self.waiting.saturating_add(self.running))
+        let routers = self.in_flight.saturating_add(self.peer_in_flight);
+        match self.engine_excess {
+            Some(excess) => routers.saturating_add(excess),
+            None => routers.max(self.waiting.saturating_add(self.running)),
+        }
     }
 }
 
@@ -358,7 +371,8 @@ impl View {
         }
     }
 
-    /// Replaces a replica's load figures, keeping this node's own in-flight count.
+    /// Replaces a replica's engine figures, keeping this node's own in-flight count; what they
+    /// count beyond the region's routers' requests now is kept as [`ReplicaLoad::engine_excess`].
     pub fn set_engine_load(
         &mut self,
         i: usize,
@@ -368,10 +382,12 @@ impl View {
         queued_prefill_tokens: u64,
     ) {
         if let Some(r) = self.replicas.get_mut(i) {
+            let routers = r.load.in_flight.saturating_add(r.load.peer_in_flight);
             r.load.waiting = waiting;
             r.load.running = running;
             r.load.kv_usage = kv_usage;
             r.load.queued_prefill_tokens = queued_prefill_tokens;
+            r.load.engine_excess = Some(waiting.saturating_add(running).saturating_sub(routers));
         }
     }
 
@@ -1469,6 +1485,45 @@ mod tests {
         v.routed_failed(i, &mine, t1 + Duration::from_millis(100));
         assert_eq!(v.hit(i, &mine, t1 + Duration::from_secs(3)), 2);
         assert_eq!(v.overlay_len(i), 2);
+    }
+
+    /// The engine's figures are read once a scrape interval; the routers see each request
+    /// finish. A figure read while the routers' requests ran must not keep the replica busy
+    /// after they finished (then look idle to every node at once when the next scrape comes):
+    /// only what the engine counted beyond the routers' requests stays until the next read.
+    #[test]
+    fn an_engine_figure_counts_only_what_the_routers_did_not_send() {
+        let mut v = View::new("eu", 64);
+        let i = v.upsert(info("r0", "eu"));
+        let t0 = Duration::from_secs(100);
+        let load = |v: &View| v.replica(i).unwrap().load.outstanding();
+        for _ in 0..10 {
+            v.record_routed(i, &[], t0);
+        }
+        // Read while this node's ten run, plus two requests that reached the engine directly.
+        v.set_engine_load(i, 0, 12, 0.5, 0);
+        assert_eq!(load(&v), 12);
+        for _ in 0..8 {
+            v.finished(i);
+        }
+        assert_eq!(
+            load(&v),
+            4,
+            "two of this node's, two that bypassed the routers"
+        );
+        // The region's other routers' requests, shared a moment later, count at once.
+        v.set_shared_load(i, 5, 0);
+        assert_eq!(load(&v), 9);
+        // The next read: the engine counts fewer than the routers (requests in transit).
+        v.set_engine_load(i, 0, 3, 0.5, 0);
+        assert_eq!(load(&v), 7, "the routers' fresh count, nothing added");
+        // Figures set without the routers' count beside them: the larger of the two.
+        v.replica_mut(i).unwrap().load = ReplicaLoad {
+            running: 20,
+            in_flight: 2,
+            ..ReplicaLoad::default()
+        };
+        assert_eq!(load(&v), 20);
     }
 
     #[test]

@@ -260,7 +260,8 @@ impl Node {
                 queued = r.load.queued_prefill_tokens, own = rt.pending_prefill_tokens,
                 peers = rt.peer_pending_tokens, home = rt.mesh.remote_queued,
                 in_flight = r.load.in_flight, peer_in_flight = r.load.peer_in_flight,
-                waiting = r.load.waiting, running = r.load.running, "booked"
+                waiting = r.load.waiting, running = r.load.running,
+                engine_excess = ?r.load.engine_excess, "booked"
             );
         }
         // The tenant's request counts once, on the leg that prefills.

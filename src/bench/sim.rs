@@ -2297,13 +2297,6 @@ mod tests {
             big_absent: absent,
             ..Default::default()
         };
-        let gen = workload::GenParams {
-            rate: 8.0,
-            requests: 3000,
-            seed: 1,
-        };
-        let with_big = workload::tenants(&params(false), &gen).unwrap();
-        let without_big = workload::tenants(&params(true), &gen).unwrap();
         let cfg = |quota: Option<f64>| {
             let mut cfg = SimConfig {
                 replicas: 8,
@@ -2322,32 +2315,41 @@ mod tests {
             }
             cfg
         };
-        let small = |w: &[WorkloadRequest], quota| {
-            let r = run(w, &cfg(quota)).unwrap();
-            assert_eq!(r.errors, 0, "a quota never rejects");
-            (r.tenant_split.unwrap().others, r.kv_steered)
+        // The small tenants' hit ratio and the requests the quota steered, each arm over three
+        // seeds: one seed's hit ratio moves ±8 % with the path its routing happens to take
+        // (seed 1 read 0.348 without a quota where seeds 2 and 3 read 0.397 and 0.403, and the
+        // build before read 0.350 on seed 6), more than the tenth this test allows.
+        const SEEDS: [u64; 3] = [1, 2, 3];
+        let small = |absent: bool, quota: Option<f64>| {
+            let (mut hit, mut requests, mut steered) = (0.0, 0, 0);
+            for seed in SEEDS {
+                let gen = workload::GenParams {
+                    rate: 8.0,
+                    requests: 3000,
+                    seed,
+                };
+                let w = workload::tenants(&params(absent), &gen).unwrap();
+                let r = run(&w, &cfg(quota)).unwrap();
+                assert_eq!(r.errors, 0, "a quota never rejects");
+                let others = r.tenant_split.unwrap().others;
+                hit += others.hit_token_ratio / SEEDS.len() as f64;
+                requests += others.requests;
+                steered += r.kv_steered;
+            }
+            (hit, requests, steered)
         };
-        let (alone, _) = small(&without_big, None);
-        let (without, steered_off) = small(&with_big, None);
-        let (quota, steered) = small(&with_big, Some(0.1));
+        let (alone, alone_requests, _) = small(true, None);
+        let (without, _, steered_off) = small(false, None);
+        let (quota, quota_requests, steered) = small(false, Some(0.1));
         assert_eq!(steered_off, 0);
         assert!(steered > 0, "the quota steers the big tenant");
-        assert_eq!(alone.requests, quota.requests);
-        for (arm, got) in [("with the quota", &quota), ("without", &without)] {
-            assert!(
-                got.hit_token_ratio >= 0.9 * alone.hit_token_ratio,
-                "{arm}: {} vs {} alone",
-                got.hit_token_ratio,
-                alone.hit_token_ratio
-            );
+        assert_eq!(alone_requests, quota_requests);
+        for (arm, got) in [("with the quota", quota), ("without", without)] {
+            assert!(got >= 0.9 * alone, "{arm}: {got} vs {alone} alone");
         }
         assert!(
-            quota.hit_token_ratio > without.hit_token_ratio
-                && quota.hit_token_ratio >= 0.96 * alone.hit_token_ratio,
-            "the quota gives the small tenants their hits back: {} with it, {} without, {} alone",
-            quota.hit_token_ratio,
-            without.hit_token_ratio,
-            alone.hit_token_ratio
+            quota > without && quota >= 0.96 * alone,
+            "the quota gives the small tenants their hits back: {quota} with it, {without} without, {alone} alone"
         );
     }
 
@@ -2821,44 +2823,50 @@ mod tests {
             lead_rate: 1.0,
             ..BurstParams::default()
         };
-        let gen = GenParams {
-            rate: 20.0,
-            requests: 4000,
-            seed: 1,
-        };
-        let w = burst(&p, &gen).unwrap();
-        let cfg = SimConfig {
-            window: Some((20.0, 10.0)),
-            ..Default::default()
-        };
-        let off = run(&w, &cfg).unwrap();
-        let on = run(
-            &w,
-            &SimConfig {
-                hot_prefix: HotPrefixConfig {
-                    enabled: true,
-                    ..HotPrefixConfig::default()
+        // The window's p99 over three seeds: one seed's moves ±15 % with its routing's path
+        // (seed 1 read 0.057 s with warm-ups and 0.055 without, seed 3 0.059 and 0.105).
+        const SEEDS: [u64; 3] = [1, 2, 3];
+        let (mut with, mut without) = (0.0, 0.0);
+        for seed in SEEDS {
+            let gen = GenParams {
+                rate: 20.0,
+                requests: 4000,
+                seed,
+            };
+            let w = burst(&p, &gen).unwrap();
+            let cfg = SimConfig {
+                window: Some((20.0, 10.0)),
+                ..Default::default()
+            };
+            let off = run(&w, &cfg).unwrap();
+            let on = run(
+                &w,
+                &SimConfig {
+                    hot_prefix: HotPrefixConfig {
+                        enabled: true,
+                        ..HotPrefixConfig::default()
+                    },
+                    ..cfg.clone()
                 },
-                ..cfg.clone()
-            },
-        )
-        .unwrap();
-        assert_eq!((off.warmups, off.warmup_prefill_tokens), (0, 0));
-        assert!(on.warmups > 0 && on.hot_prefixes_max >= 1, "{}", on.warmups);
-        // The budget is 5% of the region's prefill capacity over 10 s; measured against the
-        // prefill actually done, a short run lands near it.
+            )
+            .unwrap();
+            assert_eq!((off.warmups, off.warmup_prefill_tokens), (0, 0));
+            assert!(on.warmups > 0 && on.hot_prefixes_max >= 1, "{}", on.warmups);
+            // The budget is 5% of the region's prefill capacity over 10 s; measured against
+            // the prefill actually done, a short run lands near it.
+            assert!(
+                on.warmup_prefill_share < 0.06,
+                "{}",
+                on.warmup_prefill_share
+            );
+            let (a, b) = (off.window_ttft.unwrap(), on.window_ttft.unwrap());
+            assert_eq!(a.count, b.count);
+            without += a.p99 / SEEDS.len() as f64;
+            with += b.p99 / SEEDS.len() as f64;
+        }
         assert!(
-            on.warmup_prefill_share < 0.06,
-            "{}",
-            on.warmup_prefill_share
-        );
-        let (a, b) = (off.window_ttft.unwrap(), on.window_ttft.unwrap());
-        assert_eq!(a.count, b.count);
-        assert!(
-            b.p99 <= a.p99,
-            "burst p99 {} with vs {} without",
-            b.p99,
-            a.p99
+            with <= without,
+            "burst p99 {with} with vs {without} without, the mean of three seeds"
         );
     }
 }

@@ -1123,7 +1123,7 @@ mod tests {
             // 8 blocks of 1,024 tokens: 0.16 s to recompute at 50,000 tokens/s, a 0.03 s pull
             // (1 ms + a 7.5 ms step + 1.07 GB at 50 GB/s) within one zone.
             let mut v = hint_fleet(1024, &keys[..8], true);
-            v.replica_mut(0).unwrap().load.running = running;
+            v.set_engine_load(0, 0, running, 0.0, 0);
             let cost = CostModel {
                 fetch: KvFetchConfig {
                     mode,

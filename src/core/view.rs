@@ -121,10 +121,9 @@ pub struct ReplicaLoad {
     pub queued_prefill_tokens: u64,
     /// What the engine's figures (`waiting + running`) counted beyond the region's routers'
     /// own requests when they were read ([`View::set_engine_load`]): requests that reached the
-    /// replica some other way (a client calling it directly, a router that restarted). `None`
-    /// where the figures came without the routers' count beside them (another region's
-    /// replica, a figure set by hand).
-    pub engine_excess: Option<u32>,
+    /// replica some other way (a client calling it directly, a router that restarted, another
+    /// region's routers).
+    pub engine_excess: u32,
 }
 
 impl ReplicaLoad {
@@ -133,14 +132,12 @@ impl ReplicaLoad {
     /// routers': a figure read before a burst of completions kept the replica looking busy
     /// until the next scrape, and when the scrape came it looked idle to every node at once,
     /// which sent it a herd (simulator, hot burst seed 3: fifteen requests in 60 ms to the one
-    /// replica that had sat idle for a scrape interval). Without the excess, the larger of the two.
+    /// replica that had sat idle for a scrape interval).
     #[inline]
     pub fn outstanding(&self) -> u32 {
-        let routers = self.in_flight.saturating_add(self.peer_in_flight);
-        match self.engine_excess {
-            Some(excess) => routers.saturating_add(excess),
-            None => routers.max(self.waiting.saturating_add(self.running)),
-        }
+        self.in_flight
+            .saturating_add(self.peer_in_flight)
+            .saturating_add(self.engine_excess)
     }
 }
 
@@ -387,7 +384,7 @@ impl View {
             r.load.running = running;
             r.load.kv_usage = kv_usage;
             r.load.queued_prefill_tokens = queued_prefill_tokens;
-            r.load.engine_excess = Some(waiting.saturating_add(running).saturating_sub(routers));
+            r.load.engine_excess = waiting.saturating_add(running).saturating_sub(routers);
         }
     }
 
@@ -1517,13 +1514,6 @@ mod tests {
         // The next read: the engine counts fewer than the routers (requests in transit).
         v.set_engine_load(i, 0, 3, 0.5, 0);
         assert_eq!(load(&v), 7, "the routers' fresh count, nothing added");
-        // Figures set without the routers' count beside them: the larger of the two.
-        v.replica_mut(i).unwrap().load = ReplicaLoad {
-            running: 20,
-            in_flight: 2,
-            ..ReplicaLoad::default()
-        };
-        assert_eq!(load(&v), 20);
     }
 
     #[test]

@@ -262,8 +262,10 @@ impl WireLoad {
             in_flight,
             peer_in_flight: 0,
             queued_prefill_tokens: self.queued_prefill_tokens,
-            // Another region's replica: its routers' count is not shared here.
-            engine_excess: None,
+            engine_excess: self
+                .waiting
+                .saturating_add(self.running)
+                .saturating_sub(in_flight),
         }
     }
 }

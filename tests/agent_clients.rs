@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::{MeshSection, NodeConfig};
 use kvmesh::proxy::{self, RunningNode};
 
 mod common;
@@ -32,22 +32,14 @@ fn mesh_config(
     replicas: &[(String, String)],
 ) -> NodeConfig {
     kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
-    let mut cfg = NodeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        region: "eu".into(),
-        cluster_id: "agent-clients".into(),
-        drain_s: 2,
-        ..NodeConfig::default()
-    };
-    cfg.health.interval_ms = 100;
-    cfg.scrape.interval_ms = 100;
-    cfg.replicas = replicas
-        .iter()
-        .map(|(id, url)| NodeReplica {
-            id: Some(id.clone()),
-            ..NodeReplica::from_url(url.clone())
-        })
-        .collect();
+    let mut cfg = common::named_node_config(replicas);
+    cfg.region = "eu".into();
+    cfg.cluster_id = "agent-clients".into();
+    cfg.drain_s = 2;
+    cfg.debug_headers = false;
+    // The clients' own waits, not the shared config's short ones.
+    cfg.health.timeout_ms = NodeConfig::default().health.timeout_ms;
+    cfg.timeouts = NodeConfig::default().timeouts;
     cfg.mesh = Some(MeshSection {
         node_id: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),

@@ -6,6 +6,8 @@
 //!
 //! Run with `-- --nocapture` for the table of each phase.
 
+mod common;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -14,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use kvmesh::node::config::{MeshSection, NodeConfig, ReplicaConfig as NodeReplica};
+use kvmesh::node::config::MeshSection;
 use kvmesh::proxy::{self, RunningNode};
 use kvmesh::replica::{self, ReplicaConfig, ReplicaHandle};
 use serde_json::json;
@@ -48,26 +50,19 @@ async fn node(
     if !certs.join(format!("{name}.pem")).exists() {
         kvmesh::mesh::certs::issue_in_dir(certs, name).unwrap();
     }
-    let mut cfg = NodeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        region: "eu".into(),
-        cluster_id: "faults".into(),
-        drain_s: 2,
-        ..NodeConfig::default()
-    };
+    // The shared node, with this test's own timings: faults must be noticed within a few
+    // hundred milliseconds, not the shared config's 5 s first byte.
+    let mut cfg = common::named_node_config(replicas);
+    cfg.region = "eu".into();
+    cfg.cluster_id = "faults".into();
+    cfg.drain_s = 2;
+    cfg.debug_headers = false;
     cfg.health.interval_ms = 200;
     cfg.health.timeout_ms = 300;
     cfg.scrape.interval_ms = 200;
     cfg.timeouts.connect_ms = 300;
     cfg.timeouts.first_byte_ms = 2_000;
     cfg.timeouts.stream_first_byte_ms = 300;
-    cfg.replicas = replicas
-        .iter()
-        .map(|(id, url)| NodeReplica {
-            id: Some(id.clone()),
-            ..NodeReplica::from_url(url.clone())
-        })
-        .collect();
     cfg.mesh = Some(MeshSection {
         node_id: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),

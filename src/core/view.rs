@@ -127,6 +127,13 @@ pub struct ReplicaLoad {
 }
 
 impl ReplicaLoad {
+    /// What an engine reporting `waiting + running` counts beyond the `routers`' own requests
+    /// there ([`Self::engine_excess`]).
+    #[inline]
+    pub fn excess_of(waiting: u32, running: u32, routers: u32) -> u32 {
+        waiting.saturating_add(running).saturating_sub(routers)
+    }
+
     /// Outstanding requests: the region's routers' own count (fresh) plus what the engine
     /// counted beyond it at its last read. Not the larger of the engine's figure and the
     /// routers': a figure read before a burst of completions kept the replica looking busy
@@ -384,7 +391,7 @@ impl View {
             r.load.running = running;
             r.load.kv_usage = kv_usage;
             r.load.queued_prefill_tokens = queued_prefill_tokens;
-            r.load.engine_excess = waiting.saturating_add(running).saturating_sub(routers);
+            r.load.engine_excess = ReplicaLoad::excess_of(waiting, running, routers);
         }
     }
 

@@ -262,10 +262,7 @@ impl WireLoad {
             in_flight,
             peer_in_flight: 0,
             queued_prefill_tokens: self.queued_prefill_tokens,
-            engine_excess: self
-                .waiting
-                .saturating_add(self.running)
-                .saturating_sub(in_flight),
+            engine_excess: ReplicaLoad::excess_of(self.waiting, self.running, in_flight),
         }
     }
 }

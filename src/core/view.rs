@@ -124,6 +124,13 @@ pub struct ReplicaLoad {
     /// replica some other way (a client calling it directly, a router that restarted, another
     /// region's routers).
     pub engine_excess: u32,
+    /// What the engine's figures counted beyond *this node's* requests when they were read:
+    /// the most the other nodes' claims can be backed by (`node/load_share.rs`). Taken at the
+    /// read, not worked out from today's own count against the old figure: that shrank as this
+    /// node sent a replica more, so the more it sent there the fewer of its peers' requests it
+    /// counted, and it kept sending (three nodes' hot burst, issue #37: runs of requests to one
+    /// replica, its own count up 5 → 11 while the peers' it counted fell 5 → 1).
+    pub engine_others: u32,
 }
 
 impl ReplicaLoad {
@@ -376,7 +383,8 @@ impl View {
     }
 
     /// Replaces a replica's engine figures, keeping this node's own in-flight count; what they
-    /// count beyond the region's routers' requests now is kept as [`ReplicaLoad::engine_excess`].
+    /// count beyond the region's routers' requests now is kept as [`ReplicaLoad::engine_excess`],
+    /// beyond this node's as [`ReplicaLoad::engine_others`].
     pub fn set_engine_load(
         &mut self,
         i: usize,
@@ -392,6 +400,7 @@ impl View {
             r.load.kv_usage = kv_usage;
             r.load.queued_prefill_tokens = queued_prefill_tokens;
             r.load.engine_excess = ReplicaLoad::excess_of(waiting, running, routers);
+            r.load.engine_others = ReplicaLoad::excess_of(waiting, running, r.load.in_flight);
         }
     }
 

@@ -33,9 +33,11 @@
 //! request; claims for replicas this node does not know are ignored; at most
 //! [`LoadShareConfig::max_peers`] peers and [`LoadShareConfig::max_entries_per_peer`] entries a
 //! peer are kept. The node weighs the sum over peers against the engine's own figures
-//! ([`PeerLoads::weigh`], `node/load_share.rs`): claims the engine does not confirm count for
-//! a few seconds (its scrape's lag) and then not at all, and tokens per request are bounded by
-//! the replica's KV capacity, so lying peers add only a small phantom load, briefly.
+//! ([`PeerLoads::judge`] at each figure the engine reports, [`PeerLoads::weigh`] in between,
+//! `node/load_share.rs`): claims ahead of a fresh figure count for a few seconds and then only
+//! as far as the engine backs them, and tokens per request are bounded by the replica's KV
+//! capacity, so lying peers add only a small phantom load, briefly (or, timed to be within each
+//! figure as it arrives, at most the slack: `max(16, max_in_flight / 8)` requests).
 //!
 //! Sans-IO: [`LoadPublisher`] decides what to send and [`PeerLoads`] merges what arrives; time is
 //! an argument. The transport carries the bytes, the node drives both.
@@ -349,9 +351,19 @@ pub struct Applied {
     pub clamped: usize,
 }
 
+/// How far the claims at a replica with `slack` (see [`PeerLoads::weigh`]) may run ahead of a
+/// fresh figure and still be backed: a quarter of the slack, at least 2 requests. It covers
+/// requests sent and not yet counted by the engine, and a figure gossip brought a moment after
+/// its home read it; a member may add that much phantom load for as long as it likes.
+pub fn judge_tolerance(slack: u32) -> u32 {
+    (slack / 4).max(2)
+}
+
 /// How the peers' claims for one replica stand against what its engine reports.
 #[derive(Clone, Copy, Debug, Default)]
 struct Backing {
+    /// When the claims were last judged against a figure.
+    judged_at: Duration,
     /// Since when the claims have run ahead of the engine (kept through short backed spells).
     unbacked_since: Option<Duration>,
     /// Since when they have stayed within the engine's figures, while `unbacked_since` is set.
@@ -363,7 +375,7 @@ struct Backing {
 pub struct PeerLoads {
     cfg: LoadShareConfig,
     peers: HashMap<SocketAddr, PeerTable>,
-    /// Replicas whose claims ran ahead of their engine lately (at most `max_entries_per_peer`).
+    /// Replicas whose claims were judged against their engine (at most `max_entries_per_peer`).
     backing: HashMap<String, Backing>,
 }
 
@@ -377,12 +389,55 @@ impl PeerLoads {
         }
     }
 
+    /// Judges the peers' `claimed` requests at `replica` against a figure its engine has just
+    /// reported: `backed` requests beyond this node's own, read at the same moment. Called when
+    /// a figure arrives, so that claim and figure are like for like: judged against an older
+    /// figure, honest claims run ahead of it by everything routed since, and a region whose
+    /// load rose for three seconds lost its peers' claims for the next thirty (three nodes'
+    /// hot burst, issue #37: each node saw every replica at its last scrape plus its own
+    /// requests, 40 % under their real count, and sent runs of requests to one of them).
+    /// `tolerance` covers requests sent but not yet counted by the engine, and a figure that
+    /// came by gossip, a moment old.
+    pub fn judge(
+        &mut self,
+        replica: &str,
+        claimed: u32,
+        backed: u32,
+        tolerance: u32,
+        now: Duration,
+    ) {
+        if !self.backing.contains_key(replica) {
+            if self.backing.len() >= self.cfg.max_entries_per_peer {
+                return;
+            }
+            self.backing.insert(replica.to_owned(), Backing::default());
+        }
+        let Some(b) = self.backing.get_mut(replica) else {
+            return;
+        };
+        b.judged_at = now;
+        if claimed <= backed.saturating_add(tolerance) {
+            if b.unbacked_since.is_some() {
+                let since = *b.backed_since.get_or_insert(now);
+                if now.saturating_sub(since) >= self.cfg.trust_after {
+                    b.unbacked_since = None;
+                    b.backed_since = None;
+                }
+            }
+        } else {
+            b.backed_since = None;
+            b.unbacked_since.get_or_insert(now);
+        }
+    }
+
     /// How many of the peers' `claimed` requests at `replica` count, given that its engine
     /// last reported `backed` requests beyond this node's own. What the engine backs counts.
-    /// Up to `slack` more count while the claims have run ahead of the engine for less than
-    /// `unbacked_grace` (a burst the scrape has not seen yet); past it, only what the engine
-    /// backs, until the claims have stayed within it for `trust_after`. So a member claiming
-    /// what no engine confirms steers traffic for seconds, not for as long as it likes.
+    /// Up to `slack` more count while the claims are trusted: at every figure since `trust_after`
+    /// ago they were within it ([`Self::judge`]), or they ran ahead for less than
+    /// `unbacked_grace`. Past it, only what the engine backs, until they have stayed within the
+    /// figures for `trust_after`. So a member claiming what no engine confirms steers traffic
+    /// for seconds, not for as long as it likes. With no figure judged for `unbacked_grace`
+    /// (none arrives), the claims are judged here against the last one.
     pub fn weigh(
         &mut self,
         replica: &str,
@@ -392,33 +447,33 @@ impl PeerLoads {
         now: Duration,
     ) -> u32 {
         if claimed <= backed {
-            if let Some(b) = self.backing.get_mut(replica) {
-                let since = *b.backed_since.get_or_insert(now);
-                if now.saturating_sub(since) >= self.cfg.trust_after {
-                    self.backing.remove(replica);
-                }
-            }
             return claimed;
         }
-        if !self.backing.contains_key(replica)
-            && self.backing.len() >= self.cfg.max_entries_per_peer
-        {
-            return backed;
+        let stale = self
+            .backing
+            .get(replica)
+            .is_none_or(|b| now.saturating_sub(b.judged_at) >= self.cfg.unbacked_grace);
+        if stale {
+            self.judge(replica, claimed, backed, judge_tolerance(slack), now);
         }
-        let b = self.backing.entry(replica.to_owned()).or_default();
-        b.backed_since = None;
-        let since = *b.unbacked_since.get_or_insert(now);
-        let excess = if now.saturating_sub(since) < self.cfg.unbacked_grace {
-            slack
-        } else {
-            0
+        let Some(b) = self.backing.get(replica) else {
+            // The table is full: nothing is trusted beyond the engine.
+            return backed;
+        };
+        let excess = match b.unbacked_since {
+            Some(since) if now.saturating_sub(since) >= self.cfg.unbacked_grace => 0,
+            _ => slack,
         };
         claimed.min(backed.saturating_add(excess))
     }
 
     /// Replicas whose claims ran ahead of their engine lately: to weigh again as time passes.
     pub fn unbacked(&self) -> Vec<String> {
-        self.backing.keys().cloned().collect()
+        self.backing
+            .iter()
+            .filter(|(_, b)| b.unbacked_since.is_some())
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     /// Applies `update` from the peer at `from`. `max_in_flight(id)` is the replica's bound on
@@ -660,14 +715,69 @@ mod tests {
             assert_eq!(p.weigh("r", 0, 8, 16, s(t)), 0);
             assert_eq!(p.weigh("r", 40, 8, 16, s(t)), 8, "at {t} s");
         }
-        // ...only staying within the engine's figures for `trust_after` does.
-        assert_eq!(p.weigh("r", 3, 8, 16, s(30)), 3);
-        assert_eq!(p.weigh("r", 3, 8, 16, s(30) + cfg.trust_after), 3);
+        // ...nor does being within the figures when one arrives, once...
+        p.judge("r", 3, 8, 4, s(30));
+        assert_eq!(p.weigh("r", 40, 8, 16, s(31)), 8);
+        // ...only staying within them at every figure for `trust_after` does.
+        for t in 31..=(31 + cfg.trust_after.as_secs()) {
+            p.judge("r", 3, 8, 4, s(t));
+        }
         assert!(p.unbacked().is_empty());
-        assert_eq!(p.weigh("r", 40, 8, 16, s(61)), 24);
-        assert_eq!(p.unbacked(), vec!["r".to_owned()]);
+        assert_eq!(p.weigh("r", 40, 8, 16, s(62)), 24);
         // Another replica is weighed on its own.
-        assert_eq!(p.weigh("q", 2, 0, 16, s(61)), 2);
+        assert_eq!(p.weigh("q", 2, 0, 16, s(62)), 2);
+        assert!(
+            p.unbacked().is_empty(),
+            "2 unbacked requests are within the tolerance"
+        );
+    }
+
+    /// Issue #37: three honest nodes in a rising burst. Each figure the engine reports is
+    /// judged against the claims at that moment; in between, the claims run ahead of it by what
+    /// the region sent since, and count. Judged against the last figure at every update, they
+    /// lost their weight three seconds in, and every node saw every replica at its last read
+    /// plus its own requests (40 % under their real count).
+    #[test]
+    fn honest_claims_ahead_of_a_figure_read_before_the_rise_keep_their_weight() {
+        let cfg = LoadShareConfig::default();
+        let mut p = PeerLoads::new(cfg);
+        let mut backed = 0;
+        // 20 s: the region's requests there rise by one every 100 ms, this node's a third of
+        // them; each second the engine's figure arrives, one request short of the routers'.
+        for step in 0..200u32 {
+            let now = Duration::from_millis(100 * u64::from(step));
+            let routers = 1 + step / 2;
+            let own = routers / 3;
+            let claimed = routers - own;
+            if step % 10 == 0 {
+                backed = claimed.saturating_sub(1);
+                p.judge("r", claimed, backed, judge_tolerance(16), now);
+            }
+            assert_eq!(
+                p.weigh("r", claimed, backed, 16, now),
+                claimed,
+                "at {now:?}"
+            );
+        }
+        assert!(p.unbacked().is_empty());
+    }
+
+    /// The price of judging only at the figures: claims timed to be within each figure as it
+    /// arrives and ahead of it in between count up to the slack. Claims ahead of a figure even
+    /// by a little more than the tolerance are caught at it.
+    #[test]
+    fn claims_ahead_of_a_fresh_figure_by_more_than_the_tolerance_lose_the_slack_after_the_grace() {
+        let cfg = LoadShareConfig::default();
+        let mut p = PeerLoads::new(cfg);
+        let tolerance = judge_tolerance(16);
+        let mut weighed = 0;
+        for t in 0..10 {
+            let now = Duration::from_secs(t);
+            p.judge("r", 8 + tolerance + 1, 8, tolerance, now);
+            weighed = p.weigh("r", 8 + tolerance + 1, 8, 16, now);
+        }
+        assert_eq!(weighed, 8, "only what the engine backs");
+        assert_eq!(p.unbacked(), vec!["r".to_owned()]);
     }
 
     #[test]

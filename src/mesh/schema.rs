@@ -263,6 +263,7 @@ impl WireLoad {
             peer_in_flight: 0,
             queued_prefill_tokens: self.queued_prefill_tokens,
             engine_excess: ReplicaLoad::excess_of(self.waiting, self.running, in_flight),
+            engine_others: ReplicaLoad::excess_of(self.waiting, self.running, in_flight),
         }
     }
 }

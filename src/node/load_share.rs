@@ -14,10 +14,11 @@
 //! join the view's `peer_tips` for the replicas of this region this node knows, bounded in
 //! length and wait ([`MAX_TIP_BLOCKS`], [`MAX_TIP_READY_MS`]) and in number (the store's cap). Received updates go through [`Node::apply_load_update`]: only from live
 //! members of this node's region, bounded per claim by the mesh layer, then bounded again in sum
-//! by the engine's own figures here ([`peer_cap`], [`refresh_shared_load`]), so peers can add
-//! at most a small phantom load (at most `max(16, max_in_flight / 8)` requests above what the
-//! engine last reported, for at most `unbacked_grace`, then none) of at most the replica's KV
-//! capacity in tokens.
+//! by the engine's own figures here ([`peer_cap`], [`refresh_shared_load`]; judged at each
+//! figure, [`reweigh_claims`]), so peers can add at most a small phantom load (at most
+//! `max(16, max_in_flight / 8)` requests above what the engine last reported, for at most
+//! `unbacked_grace` once a figure shows them, then none) of at most the replica's KV capacity
+//! in tokens.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -34,7 +35,7 @@ use crate::core::keys::BlockKey;
 use crate::core::peer_tips::{Answer, Claim, PeerPrefill, Tip};
 use crate::core::view::ReplicaState;
 use crate::mesh::load_share::{
-    LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
+    judge_tolerance, LoadPublisher, LoadShareConfig, LoadShareError, LoadUpdate, RoutedTip,
 };
 use crate::mesh::Mesh;
 use crate::shutdown::stopped;
@@ -68,12 +69,9 @@ pub(super) fn refresh_shared_load(
         return;
     };
     let (n, p) = core.peer_loads.totals(&r.info.id);
-    // What the engine reports beyond this node's own requests there: the peers' at most.
-    let backed = r
-        .load
-        .waiting
-        .saturating_add(r.load.running)
-        .saturating_sub(r.load.in_flight);
+    // What the engine reported beyond this node's own requests there when read: the peers'
+    // at most.
+    let backed = r.load.engine_others;
     let n = core
         .peer_loads
         .weigh(&r.info.id, n.min(peer_cap(r)), backed, peer_slack(r), now);
@@ -103,14 +101,23 @@ pub(super) fn refresh_shared_load(
     core.view.set_shared_load(i, n, queued);
 }
 
-/// Weighs the peers' claims at replica `i` again against its engine's new figures (after a
-/// scrape): what the engine no longer confirms stops counting now, not at the next update.
+/// Judges the peers' claims at replica `i` against its engine's figures just read (a scrape, or
+/// its home's record), then weighs them again: what the engine no longer confirms stops
+/// counting now, not at the next update.
 pub(super) fn reweigh_claims(core: &mut Core, i: usize, now: Duration) {
-    let claimed = core
-        .view
-        .replica(i)
-        .is_some_and(|r| core.peer_loads.totals(&r.info.id) != (0, 0));
-    if claimed {
+    let Some(r) = core.view.replica(i) else {
+        return;
+    };
+    let (n, p) = core.peer_loads.totals(&r.info.id);
+    let backed = r.load.engine_others;
+    core.peer_loads.judge(
+        &r.info.id,
+        n.min(peer_cap(r)),
+        backed,
+        judge_tolerance(peer_slack(r)),
+        now,
+    );
+    if (n, p) != (0, 0) {
         let max_tokens = LoadShareConfig::default().max_tokens_per_request;
         refresh_shared_load(core, i, max_tokens, now);
     }

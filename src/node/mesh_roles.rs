@@ -822,6 +822,11 @@ fn follow_home(
                     core.view.upsert(fresh);
                 }
             }
+            // A new figure (the home's next scrape) judges the peers' claims; the same one
+            // again, gossiped each round, says nothing new.
+            let fresh = core.view.replica(i).is_some_and(|r| {
+                (r.load.waiting, r.load.running) != (rec.load.waiting, rec.load.running)
+            });
             core.view.set_engine_load(
                 i,
                 rec.load.waiting,
@@ -829,6 +834,9 @@ fn follow_home(
                 rec.load.kv_usage.clamp(0.0, 1.0),
                 queued,
             );
+            if fresh {
+                super::load_share::reweigh_claims(core, i, round.now);
+            }
         }
         None => {
             // Nobody else publishes it: a replica known only from gossip has no one

@@ -261,7 +261,7 @@ impl Node {
                 peers = rt.peer_pending_tokens, home = rt.mesh.remote_queued,
                 in_flight = r.load.in_flight, peer_in_flight = r.load.peer_in_flight,
                 waiting = r.load.waiting, running = r.load.running,
-                engine_excess = r.load.engine_excess, "booked"
+                engine_excess = r.load.engine_excess, engine_others = r.load.engine_others, "booked"
             );
         }
         // The tenant's request counts once, on the leg that prefills.

@@ -762,7 +762,7 @@ impl<'a> Sim<'a> {
             self.cross_region += 1;
         }
         let cached = (prompt.len() as u64).saturating_sub(uncached);
-        self.book_at_node(node, r, decode, cached, uncached, now);
+        let plan_now = self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -809,13 +809,18 @@ impl<'a> Sim<'a> {
         }
         self.per_replica[r] += 1;
         self.schedule(r);
+        if plan_now {
+            // As the live node: a candidate just became plannable, plan at once.
+            self.plan_hot(node, now);
+        }
     }
 
     /// Books the `uncached` tokens just sent to replica `r` (a pull's counted as recomputed) in
     /// the routing node's view as the live node does (`node::routing`): the overlay from the
     /// prefill's predicted end (after the `cached` tokens it reuses), the queued prefill,
     /// hot-prefix counts, the load shared with the
-    /// region's peers, and a P/D pair's decode leg.
+    /// region's peers, and a P/D pair's decode leg. True when the request made a hot-prefix
+    /// candidate plannable ([`HotPrefixes::observe`]).
     fn book_at_node(
         &mut self,
         node: usize,
@@ -824,7 +829,8 @@ impl<'a> Sim<'a> {
         cached: u64,
         uncached: u64,
         now: Duration,
-    ) {
+    ) -> bool {
+        let mut plannable = false;
         if let Some(nr) = self.nodes[node].routing.as_mut() {
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
@@ -847,7 +853,7 @@ impl<'a> Sim<'a> {
                     block_bytes: self.cfg.block_bytes,
                     scope: WarmScope::default(),
                 };
-                h.observe(req, now);
+                plannable = h.observe(req, now);
                 h.credit(uncached);
             }
             self.share(now, node, r, 1, uncached as i64);
@@ -863,6 +869,7 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
+        plannable
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
@@ -1692,42 +1699,47 @@ impl<'a> Sim<'a> {
             }
             self.hot_tops.publish(now, Arc::new(tops), horizon);
         }
-        let mut actions = Vec::new();
         for n in self.live.clone() {
-            self.sync_view(n, now);
-            let region = self.nodes[n].region;
-            let ids: Vec<String> = self
-                .live
-                .iter()
-                .filter(|m| self.nodes[**m].region == region)
-                .map(|m| format!("node-{m}"))
-                .collect();
-            let me = format!("node-{n}");
-            let Some(nr) = self.nodes[n].routing.as_mut() else {
-                continue;
-            };
-            let Some(h) = nr.hot.as_mut() else {
-                continue;
-            };
-            let cost = nr.router.config().cost;
-            let owns = |key: u64| {
-                home_node(&format!("{key:016x}"), ids.iter().map(String::as_str)) == Some(&me)
-            };
-            h.plan(
-                &nr.view,
-                &cost,
-                &nr.router.tenants,
-                now,
-                ids.len(),
-                owns,
-                &mut actions,
-            );
-            self.hot_max = self.hot_max.max(h.hot_count(now));
-            for a in actions.drain(..) {
-                match a {
-                    Action::WarmUp(w) => self.start_warm(n, *w, now),
-                    Action::Cancel { key, replica } => self.cancel_warm(n, key, replica, now),
-                }
+            self.plan_hot(n, now);
+        }
+    }
+
+    /// Node `n` plans warm-ups for the hot prefixes it owns, and starts or cancels them.
+    fn plan_hot(&mut self, n: usize, now: Duration) {
+        let mut actions = Vec::new();
+        self.sync_view(n, now);
+        let region = self.nodes[n].region;
+        let ids: Vec<String> = self
+            .live
+            .iter()
+            .filter(|m| self.nodes[**m].region == region)
+            .map(|m| format!("node-{m}"))
+            .collect();
+        let me = format!("node-{n}");
+        let Some(nr) = self.nodes[n].routing.as_mut() else {
+            return;
+        };
+        let Some(h) = nr.hot.as_mut() else {
+            return;
+        };
+        let cost = nr.router.config().cost;
+        let owns = |key: u64| {
+            home_node(&format!("{key:016x}"), ids.iter().map(String::as_str)) == Some(&me)
+        };
+        h.plan(
+            &nr.view,
+            &cost,
+            &nr.router.tenants,
+            now,
+            ids.len(),
+            owns,
+            &mut actions,
+        );
+        self.hot_max = self.hot_max.max(h.hot_count(now));
+        for a in actions.drain(..) {
+            match a {
+                Action::WarmUp(w) => self.start_warm(n, *w, now),
+                Action::Cancel { key, replica } => self.cancel_warm(n, key, replica, now),
             }
         }
     }

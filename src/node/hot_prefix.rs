@@ -8,7 +8,7 @@
 //!   this node's own is built ([`Node::hot_gossip`]); the round also names the region's live
 //!   nodes, among which a prefix's rendezvous owner (`mesh::home::home_node` on the key) is the
 //!   only node that warms it. A node alone owns every prefix.
-//! - A task plans every [`PLAN_EVERY`]: with `[hot_prefix] enabled`, each warm-up is a
+//! - A task plans every [`PLAN_EVERY`], and at once when a candidate becomes plannable: with `[hot_prefix] enabled`, each warm-up is a
 //!   `/v1/completions` request (`max_tokens: 1`, with the LoRA `lora_path`, `cache_salt` and
 //!   tenant of the request that made the prefix hot, to that tenant's pools only) accounted as
 //!   a routed request (a
@@ -130,7 +130,10 @@ impl Node {
             block_bytes: self.cfg.block_bytes,
             scope,
         };
-        self.lock().hot.observe(req, now);
+        let plannable = self.lock().hot.observe(req, now);
+        if plannable {
+            self.hot_plan_now.notify_one();
+        }
     }
 
     /// Merges the region's live peers' `hot` records, remembers the region's live nodes (the
@@ -212,6 +215,7 @@ pub fn spawn_hot_prefix(node: &Arc<Node>, stop: &watch::Receiver<bool>) {
         loop {
             tokio::select! {
                 _ = every.tick() => {}
+                _ = node.hot_plan_now.notified() => {}
                 _ = stopped(&mut stop) => break,
             }
             running.retain(|_, h| !h.is_finished());

@@ -310,6 +310,9 @@ pub struct Node {
     pub(super) mesh: NodeMesh,
     /// Tokens and API keys read at start (`[auth]`).
     pub secrets: Secrets,
+    /// Woken when a hot-prefix candidate becomes plannable, so the planner runs at once rather
+    /// than at its next tick (`hot_prefix.rs`).
+    pub(super) hot_plan_now: tokio::sync::Notify,
     /// Request bodies held at once, in KiB permits (`server.max_buffered_body_bytes`).
     pub body_budget: tokio::sync::Semaphore,
     /// The first `server.body_fair_share_bytes` of every body, in KiB permits: a quarter of
@@ -471,6 +474,7 @@ impl Node {
             epoch_base,
             mesh: NodeMesh::default(),
             secrets,
+            hot_plan_now: tokio::sync::Notify::new(),
             body_budget: tokio::sync::Semaphore::new(body_kib),
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
             hedges_in_flight: std::sync::atomic::AtomicI64::new(0),

@@ -545,7 +545,9 @@ impl PeerLoads {
         Ok(applied)
     }
 
-    /// Drops claims not refreshed within `stale_after`; returns the replicas they were for.
+    /// Drops claims not refreshed within `stale_after`, and the judgements of replicas no
+    /// figure has come for since (a replica gone, an engine silent) unless they found the
+    /// claims unbacked; returns the replicas whose claims were dropped.
     pub fn expire(&mut self, now: Duration) -> Vec<String> {
         let stale_after = self.cfg.stale_after;
         let mut changed = Vec::new();
@@ -559,6 +561,9 @@ impl PeerLoads {
             });
         }
         self.peers.retain(|_, t| !t.claims.is_empty());
+        self.backing.retain(|_, b| {
+            b.unbacked_since.is_some() || now.saturating_sub(b.judged_at) < stale_after
+        });
         changed
     }
 
@@ -760,6 +765,10 @@ mod tests {
             );
         }
         assert!(p.unbacked().is_empty());
+        // A replica no figure comes for any more is forgotten.
+        assert_eq!(p.backing.len(), 1);
+        p.expire(Duration::from_secs(30));
+        assert!(p.backing.is_empty());
     }
 
     /// The price of judging only at the figures: claims timed to be within each figure as it

@@ -498,6 +498,7 @@ fn node_routing(
         forward_by: cfg.forward_by,
         remote_prefix: cfg.remote_prefix,
         shared_load: cfg.load_share_delay.is_some() || cfg.nodes <= 1,
+        evict_charge: cfg.evict_charge,
         ..Default::default()
     };
     NodeRouting {

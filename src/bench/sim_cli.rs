@@ -113,6 +113,10 @@ pub struct SimArgs {
     /// node's `affinity_credit_s`). Default: the node's default.
     #[arg(long)]
     pub affinity_credit_ms: Option<u64>,
+    /// `p2c-cache`'s eviction charge (the node's `evict_charge`, 0..=1000). Default: the node's
+    /// default.
+    #[arg(long, value_parser = parse_evict_charge)]
+    pub evict_charge: Option<f64>,
     /// Share of the arrivals each region's nodes take, as `w0,w1,…` by region index (clients
     /// near some regions only); default: every node alike.
     #[arg(long, value_delimiter = ',')]
@@ -318,9 +322,20 @@ fn base_config(
         },
         window: args.hot.window_s,
         forward_by: args.forward_by,
+        evict_charge: args
+            .evict_charge
+            .unwrap_or(crate::core::policy::DEFAULT_EVICT_CHARGE),
         entry_weights: args.entry_weights.clone(),
         ..Default::default()
     })
+}
+
+/// `--evict-charge`: a number in 0..=1000, as the node's key.
+fn parse_evict_charge(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1000.0).contains(&v) => Ok(v),
+        _ => Err(format!("expected a number in 0..=1000, got {s:?}")),
+    }
 }
 
 /// `--dp-rank-routing` as "the router names the rank" per run (`true` for `header`); one run
@@ -733,4 +748,19 @@ pub fn pd_markdown(reports: &[(String, &SimReport)]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--evict-charge` takes what the node's `evict_charge` key takes.
+    #[test]
+    fn an_evict_charge_outside_the_nodes_bounds_is_refused() {
+        assert_eq!(parse_evict_charge("64"), Ok(64.0));
+        assert_eq!(parse_evict_charge("0"), Ok(0.0));
+        for bad in ["-1", "1001", "NaN", "lots"] {
+            assert!(parse_evict_charge(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -72,6 +72,8 @@ pub struct SimConfig {
     pub cost: CostModel,
     /// How a forwarded request's region is chosen (the nodes' `forward_by`). Default by cost.
     pub forward_by: ForwardChoice,
+    /// `p2c-cache`'s eviction charge (the nodes' `evict_charge`). Default: the core's.
+    pub evict_charge: f64,
     /// A prompt whose longest prefix another region holds (the nodes' `remote_prefix`):
     /// recompute here (default), or weigh forwarding, or pulling too. In the flat layout a node
     /// then also holds other regions' replicas' summaries, as a live node does.
@@ -170,6 +172,7 @@ impl Default for SimConfig {
             policy: PolicyKind::P2cCache,
             cost: CostModel::default(),
             forward_by: ForwardChoice::Cost,
+            evict_charge: crate::core::policy::DEFAULT_EVICT_CHARGE,
             remote_prefix: crate::core::remote_prefix::RemotePrefixMode::Local,
             entry_weights: Vec::new(),
             seed: 1,

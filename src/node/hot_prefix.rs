@@ -8,10 +8,10 @@
 //!   this node's own is built ([`Node::hot_gossip`]); the round also names the region's live
 //!   nodes, among which a prefix's rendezvous owner (`mesh::home::home_node` on the key) is the
 //!   only node that warms it. A node alone owns every prefix.
-//! - A task plans every [`PLAN_EVERY`], and at once when a candidate becomes plannable: with `[hot_prefix] enabled`, each warm-up is a
-//!   `/v1/completions` request (`max_tokens: 1`, with the LoRA `lora_path`, `cache_salt` and
-//!   tenant of the request that made the prefix hot, to that tenant's pools only) accounted as
-//!   a routed request (a
+//! - A task plans every [`PLAN_EVERY`], and at once when a candidate becomes plannable: with
+//!   `[hot_prefix] enabled`, each warm-up is a `/v1/completions` request (`max_tokens: 1`,
+//!   with the LoRA `lora_path`, `cache_salt` and tenant of the request that made the prefix
+//!   hot, to that tenant's pools only) accounted as a routed request (a
 //!   [`super::routing::Ticket`] from [`Node::route_to`]), so its first byte puts the blocks in
 //!   the overlay, the cache model and the home's block reports, like any request's; a cancel
 //!   aborts it, which drops its ticket. It also keeps the metrics current.

@@ -40,6 +40,7 @@ use crate::mesh::hot_record::HotRecord;
 use crate::mesh::schema::{HomesRecord, InflightRecord};
 use crate::mesh::transport::{StatsSnapshot, WARN_EVERY};
 use crate::mesh::{Member, Mesh, ReplicaEntry};
+use crate::replicas::entry::ReplicaConfig;
 use crate::shutdown::stopped;
 
 /// The running mesh side of a node.
@@ -233,7 +234,15 @@ fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, fold: &OfferFo
 
 /// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
 /// per `WARN_EVERY`.
-fn note_ignored(st: &mut LoopState, metrics: &MeshMetrics, publisher: &str, err: &LearnError) {
+/// `expected`: a record that is normal while memberships settle (see [`stand_in_of_own`]):
+/// counted like any other, logged at debug only.
+fn note_ignored(
+    st: &mut LoopState,
+    metrics: &MeshMetrics,
+    publisher: &str,
+    err: &LearnError,
+    expected: bool,
+) {
     if !st.ignored.first(publisher, err) {
         return;
     }
@@ -241,7 +250,9 @@ fn note_ignored(st: &mut LoopState, metrics: &MeshMetrics, publisher: &str, err:
         .records_ignored
         .with_label_values(&[err.reason()])
         .inc();
-    if st.ignore_warn.elapsed() >= WARN_EVERY {
+    if expected {
+        tracing::debug!(from = %publisher, error = %err, "replica record ignored (a stand-in)");
+    } else if st.ignore_warn.elapsed() >= WARN_EVERY {
         st.ignore_warn = Instant::now();
         tracing::warn!(from = %publisher, error = %err, "replica record ignored (more within {WARN_EVERY:?} are only counted)");
     } else {
@@ -288,7 +299,7 @@ async fn sync_once(
         }
     }
     let self_id = mesh.node_id();
-    count_records_not_from_homes(st, metrics, &live, &homes, self_id);
+    count_records_not_from_homes(st, metrics, &live, &homes, self_id, &node.cfg.replicas);
     learn_replicas(node, stop, st, metrics, &live, &homes, &records, self_id);
     sync_admin(node, mesh, &live, st).await;
 
@@ -355,6 +366,16 @@ async fn live_members(
     live
 }
 
+/// Whether a record not from its replica's home is a peer's stand-in for a replica this node
+/// has in its own configuration too, at the same URL: a node publishes one for a configured
+/// replica no live peer publishes yet (`mesh_roles.rs`), so that its home learns it, and the
+/// region's third nodes ignore it, as they should, until the home publishes. Normal at every
+/// start of a mesh whose nodes share a replica list (each of three `kvmesh bench` nodes warned
+/// of the others' stand-ins).
+fn stand_in_of_own(own: &[ReplicaConfig], id: &str, url: &str) -> bool {
+    own.iter().any(|c| c.url == url && c.effective_id() == id)
+}
+
 /// Records of live members that are not the replica's home (and not a stand-in for this
 /// node, its home): kept out of the view, counted once each.
 fn count_records_not_from_homes(
@@ -363,6 +384,7 @@ fn count_records_not_from_homes(
     live: &[Member],
     homes: &LiveHomes<'_>,
     self_id: &str,
+    own: &[ReplicaConfig],
 ) {
     let mut published: HashSet<(String, String)> = HashSet::new();
     for m in live.iter().filter(|m| !m.is_self) {
@@ -374,7 +396,8 @@ fn count_records_not_from_homes(
                     id: id.clone(),
                     publisher: m.node_id.clone(),
                 };
-                note_ignored(st, metrics, &m.node_id, &err);
+                let expected = stand_in_of_own(own, id, &r.url);
+                note_ignored(st, metrics, &m.node_id, &err, expected);
             }
         }
     }
@@ -412,7 +435,9 @@ fn learn_replicas(
         },
     );
     for (e, err) in refused {
-        note_ignored(st, metrics, &e.publisher, &err);
+        let expected = matches!(err, LearnError::NotHome { .. })
+            && stand_in_of_own(&node.cfg.replicas, &e.id, &e.record.url);
+        note_ignored(st, metrics, &e.publisher, &err, expected);
     }
 }
 
@@ -600,5 +625,24 @@ fn mark_warm(
             behind = behind,
             "node warm"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's stand-in for a replica this node has configured too is expected while the mesh
+    /// settles; a record naming another id or another URL is not.
+    #[test]
+    fn a_stand_in_is_a_record_of_a_replica_this_node_has_configured_at_that_url() {
+        let own = vec![ReplicaConfig {
+            id: Some("replica-4".into()),
+            ..ReplicaConfig::from_url("http://127.0.0.1:8004")
+        }];
+        assert!(stand_in_of_own(&own, "replica-4", "http://127.0.0.1:8004"));
+        assert!(!stand_in_of_own(&own, "replica-4", "http://10.9.9.9:8004"));
+        assert!(!stand_in_of_own(&own, "replica-5", "http://127.0.0.1:8004"));
+        assert!(!stand_in_of_own(&[], "replica-4", "http://127.0.0.1:8004"));
     }
 }

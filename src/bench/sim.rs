@@ -637,15 +637,18 @@ impl<'a> Sim<'a> {
         self.queue.push(Reverse((t, self.order, e)));
     }
 
-    /// The rendezvous home of replica `r` among its region's live nodes.
-    fn home_of(&self, r: usize) -> Option<usize> {
-        let g = self.replica_region[r];
-        let ids: Vec<String> = self
-            .live
+    /// The names of region `g`'s live nodes, as the rendezvous hash takes them (`node-N`).
+    fn region_node_ids(&self, g: usize) -> Vec<String> {
+        self.live
             .iter()
             .filter(|n| self.nodes[**n].region == g)
             .map(|n| format!("node-{n}"))
-            .collect();
+            .collect()
+    }
+
+    /// The rendezvous home of replica `r` among its region's live nodes.
+    fn home_of(&self, r: usize) -> Option<usize> {
+        let ids = self.region_node_ids(self.replica_region[r]);
         let home = home_node(&self.infos[r].id, ids.iter().map(String::as_str))?;
         home.strip_prefix("node-")?.parse().ok()
     }
@@ -1709,13 +1712,7 @@ impl<'a> Sim<'a> {
     fn plan_hot(&mut self, n: usize, now: Duration) {
         let mut actions = Vec::new();
         self.sync_view(n, now);
-        let region = self.nodes[n].region;
-        let ids: Vec<String> = self
-            .live
-            .iter()
-            .filter(|m| self.nodes[**m].region == region)
-            .map(|m| format!("node-{m}"))
-            .collect();
+        let ids = self.region_node_ids(self.nodes[n].region);
         let me = format!("node-{n}");
         let Some(nr) = self.nodes[n].routing.as_mut() else {
             return;

@@ -962,21 +962,31 @@ mod tests {
         v
     }
 
+    /// Observes request `i` of `prefix` at `at`; what `observe` said, and the request's keys.
+    fn observe_one(
+        h: &mut HotPrefixes,
+        prefix: &str,
+        i: u64,
+        at: Duration,
+    ) -> (bool, Vec<BlockKey>) {
+        let (text, keys) = prompt(prefix, i);
+        let plannable = h.observe(
+            Observed {
+                model: "m",
+                keys: &keys,
+                text: Some(&text),
+                block_bytes: BB,
+                scope: WarmScope::default(),
+            },
+            at,
+        );
+        (plannable, keys)
+    }
+
     fn observe_n(h: &mut HotPrefixes, prefix: &str, n: u64, every_ms: u64) -> Vec<BlockKey> {
         let mut keys = Vec::new();
         for i in 0..n {
-            let (text, k) = prompt(prefix, i);
-            h.observe(
-                Observed {
-                    model: "m",
-                    keys: &k,
-                    text: Some(&text),
-                    block_bytes: BB,
-                    scope: WarmScope::default(),
-                },
-                ms(i * every_ms),
-            );
-            keys = k;
+            keys = observe_one(h, prefix, i, ms(i * every_ms)).1;
         }
         keys
     }
@@ -987,20 +997,9 @@ mod tests {
     #[test]
     fn observing_says_when_a_candidate_can_first_be_planned() {
         let mut h = HotPrefixes::new(on());
+        let prefix = "a shared instruction block, long enough to be a prefix";
         let said: Vec<bool> = (0..40)
-            .map(|i| {
-                let (text, k) = prompt("a shared instruction block, long enough to be a prefix", i);
-                h.observe(
-                    Observed {
-                        model: "m",
-                        keys: &k,
-                        text: Some(&text),
-                        block_bytes: BB,
-                        scope: WarmScope::default(),
-                    },
-                    ms(i * 10),
-                )
-            })
+            .map(|i| observe_one(&mut h, prefix, i, ms(i * 10)).0)
             .collect();
         let first = said
             .iter()

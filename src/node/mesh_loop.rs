@@ -234,14 +234,15 @@ fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, fold: &OfferFo
 
 /// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
 /// per `WARN_EVERY`.
-/// `expected`: a record that is normal while memberships settle (see [`stand_in_of_own`]):
-/// counted like any other, logged at debug only.
+/// `expected`: whether the record is normal while memberships settle (see
+/// [`stand_in_of_own`]): counted like any other, logged at debug only. Asked only the first
+/// time a (publisher, reason) is seen, not every round.
 fn note_ignored(
     st: &mut LoopState,
     metrics: &MeshMetrics,
     publisher: &str,
     err: &LearnError,
-    expected: bool,
+    expected: impl FnOnce() -> bool,
 ) {
     if !st.ignored.first(publisher, err) {
         return;
@@ -250,7 +251,7 @@ fn note_ignored(
         .records_ignored
         .with_label_values(&[err.reason()])
         .inc();
-    if expected {
+    if expected() {
         tracing::debug!(from = %publisher, error = %err, "replica record ignored (a stand-in)");
     } else if st.ignore_warn.elapsed() >= WARN_EVERY {
         st.ignore_warn = Instant::now();
@@ -396,7 +397,7 @@ fn count_records_not_from_homes(
                     id: id.clone(),
                     publisher: m.node_id.clone(),
                 };
-                let expected = stand_in_of_own(own, id, &r.url);
+                let expected = || stand_in_of_own(own, id, &r.url);
                 note_ignored(st, metrics, &m.node_id, &err, expected);
             }
         }
@@ -435,8 +436,8 @@ fn learn_replicas(
         },
     );
     for (e, err) in refused {
-        let expected = matches!(err, LearnError::NotHome { .. })
-            && stand_in_of_own(&node.cfg.replicas, &e.id, &e.record.url);
+        let not_home = matches!(err, LearnError::NotHome { .. });
+        let expected = || not_home && stand_in_of_own(&node.cfg.replicas, &e.id, &e.record.url);
         note_ignored(st, metrics, &e.publisher, &err, expected);
     }
 }

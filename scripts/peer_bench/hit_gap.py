@@ -198,8 +198,8 @@ KV_TOKENS = 450_000
 def replica_lru(trace, reqs, row, holder):
     """Whether `holder` still held row's shared prefix when row started: the holder's LRU of
     trace blocks replayed from this run's placements (each request writes its hash ids at its
-    first byte, each id worth `prompt / len(hash_ids)` of the replica's tokens), capacity
-    `KV_TOKENS`. An estimate: the replica's pinned blocks and partial last block are not modelled."""
+    first byte, each id worth `prompt / len(hash_ids)` of the replica's tokens, chains evicted
+    from their tails), capacity `KV_TOKENS`. An estimate: the replica's pinned blocks and partial last block are not modelled."""
     r = reqs[row]
     t0 = r["start_ns"]
     events = sorted((x["start_ns"] + x.get("ttft_ns", 0), j) for j, x in reqs.items()
@@ -210,9 +210,13 @@ def replica_lru(trace, reqs, row, holder):
             break
         ids = trace[j]["hash_ids"]
         per = reqs[j]["prompt"] / max(len(ids), 1)
-        key = None
+        keys, key = [], None
         for h in ids:
             key = hash((key, h))
+            keys.append(key)
+        # Touched tail first, so a chain's head is the most recent: the replica (as vLLM)
+        # evicts a chain from its tail, and a shortened chain still serves its head.
+        for key in reversed(keys):
             if key in lru:
                 lru[key] = lru.pop(key)
             else:
@@ -333,14 +337,15 @@ def why(out, name, other):
         rt = r.get("routed", {})
         still = held >= 2
         key = (still, rt.get("reason", "?"))
-        n, lost = agg.get(key, (0, 0))
-        agg[key] = (n + 1, lost + max(a["could"] - a["cached"], 0))
+        n, lost, other_hit = agg.get(key, (0, 0, 0))
+        agg[key] = (n + 1, lost + max(a["could"] - a["cached"], 0), other_hit + b["cached"])
         print(f"| {row} | {a['blocks']} | {held} | {rt.get('hit', '?')} | {rt.get('reason', '?')}"
               f" | {hn} / {hq} | {cn} / {cq} | {r['cached']} | {r['ttft_ns'] / 1e6:.0f} |")
-    print("\n| holder still held ≥ 2 blocks | reason | follow-ups | tokens lost (share of queries) |")
-    print("|---|---|---:|---:|")
-    for (still, reason), (n, lost) in sorted(agg.items()):
-        print(f"| {still} | {reason} | {n} | {lost / total_q:.4f} |")
+    print(f"\n| holder still held ≥ 2 blocks | reason | follow-ups | tokens lost (share of queries) "
+          f"| {other} hit on them |")
+    print("|---|---|---:|---:|---:|")
+    for (still, reason), (n, lost, other_hit) in sorted(agg.items()):
+        print(f"| {still} | {reason} | {n} | {lost / total_q:.4f} | {other_hit / total_q:.4f} |")
 
 
 def load_run(out, name):

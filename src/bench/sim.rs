@@ -200,6 +200,8 @@ struct WarmFlight {
     replica: usize,
     keys: Vec<BlockKey>,
     uncached: u64,
+    /// The prefill work its node booked in its view's queue (`cost::prefill_work_tokens`).
+    booked: u64,
     /// Not finished and not cancelled.
     live: bool,
 }
@@ -213,6 +215,9 @@ struct InFlight {
     node: usize,
     replica: usize,
     uncached_tokens: u64,
+    /// The prefill work its node booked in its view's queue (`cost::prefill_work_tokens`),
+    /// released at its first byte.
+    booked_tokens: u64,
     /// Round trips added on the way (cross-region forward or replica).
     extra: Duration,
     /// Submitted to an engine and not finished.
@@ -766,7 +771,7 @@ impl<'a> Sim<'a> {
             self.cross_region += 1;
         }
         let cached = (prompt.len() as u64).saturating_sub(uncached);
-        let plan_now = self.book_at_node(node, r, decode, cached, uncached, now);
+        let (plan_now, booked) = self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -777,6 +782,7 @@ impl<'a> Sim<'a> {
             node,
             replica: r,
             uncached_tokens: uncached,
+            booked_tokens: booked,
             extra,
             lost: false,
             active: false,
@@ -804,7 +810,7 @@ impl<'a> Sim<'a> {
             None => self.engines[r].submit(request, now),
         };
         if submitted.is_err() {
-            self.dispatch_failed(i, node, r, decode, uncached, now);
+            self.dispatch_failed(i, node, r, decode, (uncached, booked), now);
             return;
         }
         self.flights[i].active = true;
@@ -823,8 +829,10 @@ impl<'a> Sim<'a> {
     /// the routing node's view as the live node does (`node::routing`): the overlay from the
     /// prefill's predicted end (after the `cached` tokens it reuses), the queued prefill,
     /// hot-prefix counts, the load shared with the
-    /// region's peers, and a P/D pair's decode leg. True when the request made a hot-prefix
-    /// candidate plannable ([`HotPrefixes::observe`]).
+    /// region's peers, and a P/D pair's decode leg. Returns whether the request made a hot-prefix
+    /// candidate plannable ([`HotPrefixes::observe`]), and the prefill work booked in the queue
+    /// (`cost::prefill_work_tokens`: its tokens and their attention), which its first byte
+    /// releases.
     fn book_at_node(
         &mut self,
         node: usize,
@@ -833,9 +841,14 @@ impl<'a> Sim<'a> {
         cached: u64,
         uncached: u64,
         now: Duration,
-    ) -> bool {
+    ) -> (bool, u64) {
         let mut plannable = false;
+        let mut booked = uncached;
         if let Some(nr) = self.nodes[node].routing.as_mut() {
+            // Queued as the engine will run it, attention included (as `node::routing`).
+            if let Some(rep) = nr.view.replica(r) {
+                booked = crate::core::cost::prefill_work_tokens(&rep.info, cached, uncached);
+            }
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
                 nr.router
@@ -847,7 +860,7 @@ impl<'a> Sim<'a> {
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
-                rep.load.queued_prefill_tokens += uncached;
+                rep.load.queued_prefill_tokens += booked;
             }
             if let Some(h) = nr.hot.as_mut() {
                 let req = Observed {
@@ -860,7 +873,7 @@ impl<'a> Sim<'a> {
                 plannable = h.observe(req, now);
                 h.credit(uncached);
             }
-            self.share(now, node, r, 1, uncached as i64);
+            self.share(now, node, r, 1, booked as i64);
             if let Some(s) = self.shares.back_mut() {
                 s.set_tip(&self.keys, now + ready_in);
             }
@@ -873,18 +886,19 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
-        plannable
+        (plannable, booked)
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
     /// view and shared load, the pending prefill, a P/D pair's decode leg) and count it failed.
+    /// `uncached`: its uncached tokens; `booked`: the work [`Sim::book_at_node`] queued.
     fn dispatch_failed(
         &mut self,
         i: usize,
         node: usize,
         r: usize,
         decode: Option<usize>,
-        uncached: u64,
+        (uncached, booked): (u64, u64),
         now: Duration,
     ) {
         self.pd_prompts.remove(&i);
@@ -896,9 +910,9 @@ impl<'a> Sim<'a> {
             nr.view.finished(r);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+                    rep.load.queued_prefill_tokens.saturating_sub(booked);
             }
-            self.share(now, node, r, -1, -(uncached as i64));
+            self.share(now, node, r, -1, -(booked as i64));
         }
         self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
     }
@@ -1337,9 +1351,9 @@ impl<'a> Sim<'a> {
                 rep.load.queued_prefill_tokens = rep
                     .load
                     .queued_prefill_tokens
-                    .saturating_sub(f.uncached_tokens);
+                    .saturating_sub(f.booked_tokens);
             }
-            self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
+            self.share(now, f.node, r, 0, -(f.booked_tokens as i64));
         }
     }
 
@@ -1788,10 +1802,13 @@ impl<'a> Sim<'a> {
         });
         let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
+        let booked = nr.view.replica(r).map_or(uncached, |rep| {
+            crate::core::cost::prefill_work_tokens(&rep.info, 0, uncached)
+        });
         if let Some(rep) = nr.view.replica_mut(r) {
-            rep.load.queued_prefill_tokens += uncached;
+            rep.load.queued_prefill_tokens += booked;
         }
-        self.share(now, n, r, 1, uncached as i64);
+        self.share(now, n, r, 1, booked as i64);
         if let Some(s) = self.shares.back_mut() {
             s.set_tip(&w.keys, now + ready_in);
         }
@@ -1802,6 +1819,7 @@ impl<'a> Sim<'a> {
             replica: r,
             keys: w.keys,
             uncached,
+            booked,
             live: true,
         });
         self.schedule(r);
@@ -1820,17 +1838,17 @@ impl<'a> Sim<'a> {
         self.warms[i].live = false;
         self.warmups_cancelled += 1;
         self.engines[replica].cancel((self.reqs.len() + i) as u64);
-        let uncached = self.warms[i].uncached;
+        let (uncached, booked) = (self.warms[i].uncached, self.warms[i].booked);
         self.pending_prefill[replica] = self.pending_prefill[replica].saturating_sub(uncached);
         if let Some(nr) = self.nodes[n].routing.as_mut() {
             nr.view.routed_failed(replica, &self.warms[i].keys, now);
             nr.view.finished(replica);
             if let Some(rep) = nr.view.replica_mut(replica) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+                    rep.load.queued_prefill_tokens.saturating_sub(booked);
             }
         }
-        self.share(now, n, replica, -1, -(uncached as i64));
+        self.share(now, n, replica, -1, -(booked as i64));
         self.schedule(replica);
     }
 
@@ -1838,7 +1856,7 @@ impl<'a> Sim<'a> {
     /// a routed request's, and its node's planner hears it.
     fn warm_first_token(&mut self, i: usize, prompt: usize, cached: usize, now: Duration) {
         let w = &mut self.warms[i];
-        let (n, r, key, uncached) = (w.node, w.replica, w.key, w.uncached);
+        let (n, r, key, uncached, booked) = (w.node, w.replica, w.key, w.uncached, w.booked);
         let keys = std::mem::take(&mut w.keys);
         self.warmup_tokens += prompt.saturating_sub(cached) as u64;
         if !self.orphaned[r] {
@@ -1849,13 +1867,13 @@ impl<'a> Sim<'a> {
             nr.view.prefill_done(r, &keys, now);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
+                    rep.load.queued_prefill_tokens.saturating_sub(booked);
             }
             if let Some(h) = nr.hot.as_mut() {
                 h.warm_done(key, r, true);
             }
         }
-        self.share(now, n, r, 0, -(uncached as i64));
+        self.share(now, n, r, 0, -(booked as i64));
     }
 
     /// Warm-up `i` ended (its one token).

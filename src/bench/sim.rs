@@ -200,8 +200,6 @@ struct WarmFlight {
     replica: usize,
     keys: Vec<BlockKey>,
     uncached: u64,
-    /// The prefill work its node booked in its view's queue (`cost::prefill_work_tokens`).
-    booked: u64,
     /// Not finished and not cancelled.
     live: bool,
 }
@@ -215,9 +213,6 @@ struct InFlight {
     node: usize,
     replica: usize,
     uncached_tokens: u64,
-    /// The prefill work its node booked in its view's queue (`cost::prefill_work_tokens`),
-    /// released at its first byte.
-    booked_tokens: u64,
     /// Round trips added on the way (cross-region forward or replica).
     extra: Duration,
     /// Submitted to an engine and not finished.
@@ -771,7 +766,7 @@ impl<'a> Sim<'a> {
             self.cross_region += 1;
         }
         let cached = (prompt.len() as u64).saturating_sub(uncached);
-        let (plan_now, booked) = self.book_at_node(node, r, decode, cached, uncached, now);
+        let plan_now = self.book_at_node(node, r, decode, cached, uncached, now);
         if let Some(counts) = self.head_counts.get_mut(replica_region) {
             counts.record(&self.keys);
         }
@@ -782,7 +777,6 @@ impl<'a> Sim<'a> {
             node,
             replica: r,
             uncached_tokens: uncached,
-            booked_tokens: booked,
             extra,
             lost: false,
             active: false,
@@ -810,7 +804,7 @@ impl<'a> Sim<'a> {
             None => self.engines[r].submit(request, now),
         };
         if submitted.is_err() {
-            self.dispatch_failed(i, node, r, decode, (uncached, booked), now);
+            self.dispatch_failed(i, node, r, decode, uncached, now);
             return;
         }
         self.flights[i].active = true;
@@ -829,10 +823,8 @@ impl<'a> Sim<'a> {
     /// the routing node's view as the live node does (`node::routing`): the overlay from the
     /// prefill's predicted end (after the `cached` tokens it reuses), the queued prefill,
     /// hot-prefix counts, the load shared with the
-    /// region's peers, and a P/D pair's decode leg. Returns whether the request made a hot-prefix
-    /// candidate plannable ([`HotPrefixes::observe`]), and the prefill work booked in the queue
-    /// (`cost::prefill_work_tokens`: its tokens and their attention), which its first byte
-    /// releases.
+    /// region's peers, and a P/D pair's decode leg. True when the request made a hot-prefix
+    /// candidate plannable ([`HotPrefixes::observe`]).
     fn book_at_node(
         &mut self,
         node: usize,
@@ -841,14 +833,9 @@ impl<'a> Sim<'a> {
         cached: u64,
         uncached: u64,
         now: Duration,
-    ) -> (bool, u64) {
+    ) -> bool {
         let mut plannable = false;
-        let mut booked = uncached;
         if let Some(nr) = self.nodes[node].routing.as_mut() {
-            // Queued as the engine will run it, attention included (as `node::routing`).
-            if let Some(rep) = nr.view.replica(r) {
-                booked = crate::core::cost::prefill_work_tokens(&rep.info, cached, uncached);
-            }
             // Its blocks count in this node's overlay once its prefill is predicted done.
             let ready_in = nr.view.replica(r).map_or(0.0, |rep| {
                 nr.router
@@ -860,7 +847,7 @@ impl<'a> Sim<'a> {
                 Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
             nr.view.record_routed_ready(r, &self.keys, now, ready_in);
             if let Some(rep) = nr.view.replica_mut(r) {
-                rep.load.queued_prefill_tokens += booked;
+                rep.load.queued_prefill_tokens += uncached;
             }
             if let Some(h) = nr.hot.as_mut() {
                 let req = Observed {
@@ -873,7 +860,7 @@ impl<'a> Sim<'a> {
                 plannable = h.observe(req, now);
                 h.credit(uncached);
             }
-            self.share(now, node, r, 1, booked as i64);
+            self.share(now, node, r, 1, uncached as i64);
             if let Some(s) = self.shares.back_mut() {
                 s.set_tip(&self.keys, now + ready_in);
             }
@@ -886,19 +873,18 @@ impl<'a> Sim<'a> {
                 self.share(now, node, d, 1, 0);
             }
         }
-        (plannable, booked)
+        plannable
     }
 
     /// The engine refused request `i` at replica `r`: undo what `dispatch` booked (the node's
     /// view and shared load, the pending prefill, a P/D pair's decode leg) and count it failed.
-    /// `uncached`: its uncached tokens; `booked`: the work [`Sim::book_at_node`] queued.
     fn dispatch_failed(
         &mut self,
         i: usize,
         node: usize,
         r: usize,
         decode: Option<usize>,
-        (uncached, booked): (u64, u64),
+        uncached: u64,
         now: Duration,
     ) {
         self.pd_prompts.remove(&i);
@@ -910,9 +896,9 @@ impl<'a> Sim<'a> {
             nr.view.finished(r);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(booked);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
-            self.share(now, node, r, -1, -(booked as i64));
+            self.share(now, node, r, -1, -(uncached as i64));
         }
         self.pending_prefill[r] = self.pending_prefill[r].saturating_sub(uncached);
     }
@@ -1351,9 +1337,9 @@ impl<'a> Sim<'a> {
                 rep.load.queued_prefill_tokens = rep
                     .load
                     .queued_prefill_tokens
-                    .saturating_sub(f.booked_tokens);
+                    .saturating_sub(f.uncached_tokens);
             }
-            self.share(now, f.node, r, 0, -(f.booked_tokens as i64));
+            self.share(now, f.node, r, 0, -(f.uncached_tokens as i64));
         }
     }
 
@@ -1802,13 +1788,10 @@ impl<'a> Sim<'a> {
         });
         let ready_in = Duration::try_from_secs_f64(ready_in.clamp(0.0, 3600.0)).unwrap_or_default();
         nr.view.record_routed_ready(r, &w.keys, now, ready_in);
-        let booked = nr.view.replica(r).map_or(uncached, |rep| {
-            crate::core::cost::prefill_work_tokens(&rep.info, 0, uncached)
-        });
         if let Some(rep) = nr.view.replica_mut(r) {
-            rep.load.queued_prefill_tokens += booked;
+            rep.load.queued_prefill_tokens += uncached;
         }
-        self.share(now, n, r, 1, booked as i64);
+        self.share(now, n, r, 1, uncached as i64);
         if let Some(s) = self.shares.back_mut() {
             s.set_tip(&w.keys, now + ready_in);
         }
@@ -1819,7 +1802,6 @@ impl<'a> Sim<'a> {
             replica: r,
             keys: w.keys,
             uncached,
-            booked,
             live: true,
         });
         self.schedule(r);
@@ -1838,17 +1820,17 @@ impl<'a> Sim<'a> {
         self.warms[i].live = false;
         self.warmups_cancelled += 1;
         self.engines[replica].cancel((self.reqs.len() + i) as u64);
-        let (uncached, booked) = (self.warms[i].uncached, self.warms[i].booked);
+        let uncached = self.warms[i].uncached;
         self.pending_prefill[replica] = self.pending_prefill[replica].saturating_sub(uncached);
         if let Some(nr) = self.nodes[n].routing.as_mut() {
             nr.view.routed_failed(replica, &self.warms[i].keys, now);
             nr.view.finished(replica);
             if let Some(rep) = nr.view.replica_mut(replica) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(booked);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
         }
-        self.share(now, n, replica, -1, -(booked as i64));
+        self.share(now, n, replica, -1, -(uncached as i64));
         self.schedule(replica);
     }
 
@@ -1856,7 +1838,7 @@ impl<'a> Sim<'a> {
     /// a routed request's, and its node's planner hears it.
     fn warm_first_token(&mut self, i: usize, prompt: usize, cached: usize, now: Duration) {
         let w = &mut self.warms[i];
-        let (n, r, key, uncached, booked) = (w.node, w.replica, w.key, w.uncached, w.booked);
+        let (n, r, key, uncached) = (w.node, w.replica, w.key, w.uncached);
         let keys = std::mem::take(&mut w.keys);
         self.warmup_tokens += prompt.saturating_sub(cached) as u64;
         if !self.orphaned[r] {
@@ -1867,13 +1849,13 @@ impl<'a> Sim<'a> {
             nr.view.prefill_done(r, &keys, now);
             if let Some(rep) = nr.view.replica_mut(r) {
                 rep.load.queued_prefill_tokens =
-                    rep.load.queued_prefill_tokens.saturating_sub(booked);
+                    rep.load.queued_prefill_tokens.saturating_sub(uncached);
             }
             if let Some(h) = nr.hot.as_mut() {
                 h.warm_done(key, r, true);
             }
         }
-        self.share(now, n, r, 0, -(booked as i64));
+        self.share(now, n, r, 0, -(uncached as i64));
     }
 
     /// Warm-up `i` ended (its one token).

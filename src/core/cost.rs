@@ -2,7 +2,6 @@
 //!
 //! ```text
 //! queue_s       = queued_prefill_tokens / prefill_rate  +  w_load × outstanding
-//!                 (each queued request booked as prefill_s × prefill_rate: its attention too)
 //! cached_tokens = (gpu·w_gpu + (cpu − gpu)·w_cpu + (any − cpu)·w_disk) × tokens_per_block
 //! C             = max(0, prompt_tokens − cached_tokens)            (the uncached tokens)
 //! prefill_s     = C / prefill_rate  +  e · C · (cached_tokens + C/2)
@@ -21,12 +20,12 @@
 //! replica's `prefill_attention_ms_per_pair` (default 7.5e-7: the 8B preset; 0 prices by tokens
 //! alone, as before).
 //!
-//! `queued_prefill_tokens` is the prompt work already waiting at the replica, as best known, in
-//! tokens at its linear rate: each routed request adds its `prefill_s × prefill_rate`
-//! ([`prefill_work_tokens`]) until its first byte, so a queue of long-context prefills is priced
-//! as the engine will run it. Counted by uncached tokens alone, a replica holding several
-//! agents' 100k-token conversations read 7–10 s of queue where its requests waited 17–20 s, and
-//! kept taking their turns (issue #38; `kvmesh sim --workload agentic`, seed 5). `outstanding` the requests there (engine figure or this node's own, the larger);
+//! `queued_prefill_tokens` is the uncached prompt work already waiting at the replica, as best
+//! known, by tokens alone: a queued long-context prefill's attention is not in it, so a replica
+//! queueing several 100k-token turns reads shorter than it is. Booking each request's whole
+//! `prefill_s` there instead was measured (issue #38, docs/peer-bench.md, "Pricing the queue
+//! with attention"): faster in the simulator, but live it moved more Mooncake follow-ups off
+//! their holders for load and lost hits, so it is not done. `outstanding` the requests there (engine figure or this node's own, the larger);
 //! `w_load` the time one more running request adds (a decode step's share plus scheduling,
 //! default 5 ms — the per-step cost of an 8B model on an H100, see the engine-timing reference);
 //! `gpu ≤ cpu ≤ any` are the leading blocks held on GPU, on GPU or in CPU memory, and in any
@@ -194,23 +193,6 @@ pub fn prefill_work_s(info: &ReplicaInfo, cached: f64, uncached: f64) -> f64 {
     PrefillPrice::of(info).work_s(cached, uncached)
 }
 
-/// The queued prefill a request adds to replica `info` ([`ReplicaLoad::queued_prefill_tokens`]):
-/// [`prefill_work_s`] in tokens at the replica's linear rate, so that `queued / rate` is the
-/// seconds the engine will spend, attention included. Equal to `uncached` on a replica priced by
-/// tokens alone.
-///
-/// [`ReplicaLoad::queued_prefill_tokens`]: super::view::ReplicaLoad::queued_prefill_tokens
-#[inline]
-pub fn prefill_work_tokens(info: &ReplicaInfo, cached: u64, uncached: u64) -> u64 {
-    if uncached == 0 {
-        return 0;
-    }
-    let price = PrefillPrice::of(info);
-    let tokens = price.work_s(cached as f64, uncached as f64) * price.tokens_per_s;
-    // A float-to-int cast saturates; never less than the tokens themselves.
-    (tokens.round() as u64).max(uncached)
-}
-
 /// A replica's prefill price constants, as [`prefill_work_s`] derives them from its facts: worked
 /// out once per replica and kept by the router (`router.rs`'s remembered facts), so the
 /// per-decision price is the same operations on the same numbers, without re-deriving them.
@@ -268,24 +250,6 @@ fn credit(h: TierHit, w: &TierWeights) -> f64 {
 mod tests {
     use super::super::view::testing::info;
     use super::*;
-
-    #[test]
-    fn a_queued_prefill_is_booked_as_the_seconds_the_engine_spends_on_it() {
-        let r = info("r", "eu");
-        // A 100,000-token recompute takes 5.75 s: 287,500 tokens at 50,000 a second.
-        assert_eq!(prefill_work_tokens(&r, 0, 100_000), 287_500);
-        // A short one is nearly its tokens; nothing new adds nothing.
-        assert_eq!(prefill_work_tokens(&r, 0, 1_000), 1_019);
-        assert_eq!(prefill_work_tokens(&r, 99_000, 0), 0);
-        // Priced by tokens alone, the tokens themselves.
-        let linear = ReplicaInfo {
-            prefill_attention_ms_per_pair: 0.0,
-            ..r.clone()
-        };
-        assert_eq!(prefill_work_tokens(&linear, 99_000, 1_000), 1_000);
-        // An absurd context cannot overflow the count.
-        assert!(prefill_work_tokens(&r, u64::MAX, u64::MAX) >= u64::MAX / 2);
-    }
 
     #[test]
     fn a_prefill_pays_attention_over_its_whole_context() {

@@ -116,9 +116,8 @@ pub struct ReplicaLoad {
     /// Requests the other nodes of the region have in flight there, as their load updates said
     /// a moment ago (`mesh/load_share.rs`; bounded by the node).
     pub peer_in_flight: u32,
-    /// Prefill work queued at the replica, as best known, in tokens at its linear rate (each
-    /// request's uncached tokens plus their attention over its context: `prefill_work_tokens`
-    /// in `cost.rs`): this node's own, plus the other nodes'.
+    /// Prompt tokens queued for prefill at the replica, as best known (uncached part): this
+    /// node's own, plus the other nodes'.
     pub queued_prefill_tokens: u64,
     /// What the engine's figures (`waiting + running`) counted beyond the region's routers'
     /// own requests when they were read ([`View::set_engine_load`]): requests that reached the

@@ -248,8 +248,7 @@ pub struct WireLoad {
     pub running: u32,
     /// KV cache usage, 0..1.
     pub kv_usage: f32,
-    /// Prefill work queued by the home node's routes, in tokens at the replica's linear rate
-    /// (attention included: `core::cost::prefill_work_tokens`).
+    /// Prompt tokens queued for prefill.
     pub queued_prefill_tokens: u64,
 }
 

@@ -138,10 +138,8 @@ pub enum Booking {
 
 /// What [`Node::book`] decided for one leg, for [`Node::record_leg`] to record.
 struct Leg<'a> {
-    /// The prefill work it queues there until its first byte, in tokens at the replica's
-    /// linear rate ([`crate::core::cost::prefill_work_tokens`]: attention included; 0 for a
-    /// decode leg).
-    queued_work: u64,
+    /// Prefill tokens it queues at the replica (0 for a decode leg).
+    uncached: u64,
     /// Prompt tokens it finds cached there (0 for a decode leg).
     cached: u64,
     /// Blocks it brings to the replica's cache (counted against the tenant's KV share).
@@ -266,12 +264,9 @@ impl Node {
                 engine_excess = r.load.engine_excess, engine_others = r.load.engine_others, "booked"
             );
         }
-        let queued_work = core.view.replica(i).map_or(uncached, |r| {
-            crate::core::cost::prefill_work_tokens(&r.info, cached, uncached)
-        });
         // The tenant's request counts once, on the leg that prefills.
         let leg = Leg {
-            queued_work,
+            uncached,
             cached: if prefills { cached } else { 0 },
             new_blocks: if prefills {
                 req.keys.len().saturating_sub(d.hit_blocks as usize)
@@ -297,7 +292,7 @@ impl Node {
         now: Duration,
     ) -> Ticket {
         let Leg {
-            queued_work,
+            uncached,
             cached,
             new_blocks,
             tenant,
@@ -324,9 +319,9 @@ impl Node {
             }
         }
         if let Some(rt) = core.replicas.get_mut(i) {
-            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(queued_work);
+            rt.pending_prefill_tokens = rt.pending_prefill_tokens.saturating_add(uncached);
             if let Some(l) = target.and_then(|t| rt.rank_loads.get_mut(usize::from(t.rank))) {
-                l.pending_tokens = l.pending_tokens.saturating_add(queued_work);
+                l.pending_tokens = l.pending_tokens.saturating_add(uncached);
                 l.in_flight = l.in_flight.saturating_add(1);
             }
             let pending = rt.queued_estimate();
@@ -354,7 +349,7 @@ impl Node {
             endpoint,
             tenant: tenant.map(str::to_owned),
             kv_slot,
-            pending_tokens: queued_work,
+            pending_tokens: uncached,
             hit_tokens: cached,
             started: false,
             rank: target,
@@ -385,11 +380,8 @@ impl Node {
                 .view
                 .replica(i)
                 .map_or(0.0, |r| core.router.config().cost.prefill_done_s(r, tokens));
-            let queued_work = core.view.replica(i).map_or(tokens, |r| {
-                crate::core::cost::prefill_work_tokens(&r.info, 0, tokens)
-            });
             let leg = Leg {
-                queued_work,
+                uncached: tokens,
                 cached: 0,
                 new_blocks: keys.len(),
                 tenant,

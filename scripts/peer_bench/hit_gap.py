@@ -20,7 +20,8 @@ reads OUT/mooncake/trace.jsonl and each run's requests.jsonl (`scripts/peer-benc
 theirs, and for each says whether that holder still held the prefix (its LRU replayed from the
 run's own placements at the replicas' KV capacity) and what the node believed (its routing
 line: the hit it saw at the replica it chose, and the policy's reason), with the holder's and the
-chosen replica's requests in flight and uncached tokens still before their first byte. Run
+chosen replica's requests in flight and uncached tokens still before their first byte; its
+summary adds what the second router hit on the same follow-ups. Run
 peer-bench with `RUST_LOG=info,kvmesh::proxy::deliver=debug` for the routing lines.
 
 `mesh` takes one or more kvmesh runs and splits each one's follow-ups by what their parent (the
@@ -199,7 +200,8 @@ def replica_lru(trace, reqs, row, holder):
     """Whether `holder` still held row's shared prefix when row started: the holder's LRU of
     trace blocks replayed from this run's placements (each request writes its hash ids at its
     first byte, each id worth `prompt / len(hash_ids)` of the replica's tokens, chains evicted
-    from their tails), capacity `KV_TOKENS`. An estimate: the replica's pinned blocks and partial last block are not modelled."""
+    from their tails), capacity `KV_TOKENS`. An estimate: the replica's pinned blocks and
+    partial last block are not modelled."""
     r = reqs[row]
     t0 = r["start_ns"]
     events = sorted((x["start_ns"] + x.get("ttft_ns", 0), j) for j, x in reqs.items()

@@ -25,7 +25,8 @@
 //! queueing several 100k-token turns reads shorter than it is. Booking each request's whole
 //! `prefill_s` there instead was measured (issue #38, docs/peer-bench.md, "Pricing the queue
 //! with attention"): faster in the simulator, but live it moved more Mooncake follow-ups off
-//! their holders for load and lost hits, so it is not done. `outstanding` the requests there (engine figure or this node's own, the larger);
+//! their holders for load and lost hits, so it is not done. `outstanding` the requests there
+//! (engine figure or this node's own, the larger);
 //! `w_load` the time one more running request adds (a decode step's share plus scheduling,
 //! default 5 ms — the per-step cost of an 8B model on an H100, see the engine-timing reference);
 //! `gpu ≤ cpu ≤ any` are the leading blocks held on GPU, on GPU or in CPU memory, and in any

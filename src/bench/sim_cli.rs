@@ -25,6 +25,7 @@ use crate::core::cost::CostModel;
 use crate::core::kv_load::KvLoad;
 use crate::core::policy::PolicyKind;
 use crate::engine_sim::{EngineConfig, Preset};
+use crate::node::config::MAX_RECOMPUTE_CHARGE_PER_S;
 
 /// Arguments of `kvmesh sim`.
 #[derive(Debug, Args)]
@@ -113,8 +114,8 @@ pub struct SimArgs {
     /// node's `affinity_credit_s`). Default: the node's default.
     #[arg(long)]
     pub affinity_credit_ms: Option<u64>,
-    /// `p2c-cache`'s eviction charge (the node's `evict_charge`, 0..=1000). Default: the node's
-    /// default.
+    /// `p2c-cache`'s eviction charge (the node's `evict_charge`, 0..=1000, the same bound).
+    /// Default: the node's default.
     #[arg(long, value_parser = parse_evict_charge)]
     pub evict_charge: Option<f64>,
     /// Share of the arrivals each region's nodes take, as `w0,w1,…` by region index (clients
@@ -330,11 +331,13 @@ fn base_config(
     })
 }
 
-/// `--evict-charge`: a number in 0..=1000, as the node's key.
+/// `--evict-charge`: a number in 0..=[`MAX_RECOMPUTE_CHARGE_PER_S`], the node key's bounds.
 fn parse_evict_charge(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if (0.0..=1000.0).contains(&v) => Ok(v),
-        _ => Err(format!("expected a number in 0..=1000, got {s:?}")),
+        Ok(v) if (0.0..=MAX_RECOMPUTE_CHARGE_PER_S).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "expected a number in 0..={MAX_RECOMPUTE_CHARGE_PER_S}, got {s:?}"
+        )),
     }
 }
 

@@ -234,6 +234,7 @@ fn note_refused_offers(st: &mut LoopState, metrics: &MeshMetrics, fold: &OfferFo
 
 /// Counts and logs an ignored record, once per (replica, publisher, reason); warns at most once
 /// per `WARN_EVERY`.
+///
 /// `expected`: whether the record is normal while memberships settle (see
 /// [`stand_in_of_own`]): counted like any other, logged at debug only. Asked only the first
 /// time a (publisher, reason) is seen, not every round.

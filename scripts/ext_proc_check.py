@@ -11,6 +11,7 @@ import json
 import queue
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -293,6 +294,28 @@ def case_dialects_and_bodyless():
     s, p = request("/v1/models", None)
     check(p.primary in replicas.values() and p.content_length is None, f"a bodyless request is picked by load: {p.endpoints}")
     s.close()
+    # A stored response (made through the node's HTTP front): its retrieve and cancel go to the
+    # replica that stores it; an unknown id gets a 404 in the Responses shape.
+    made = json.dumps({"model": model, "input": "Store me.", "max_output_tokens": 4, "store": True}).encode()
+    req = urllib.request.Request(f"{node_url}/v1/responses", data=made, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        rid = json.loads(r.read())["id"]
+    holders = []
+    for addr in replicas.values():
+        try:
+            with urllib.request.urlopen(f"http://{addr}/v1/responses/{rid}", timeout=10) as r:
+                if r.status == 200:
+                    holders.append(addr)
+        except urllib.error.HTTPError:
+            pass
+    check(len(holders) == 1, f"one replica stores {rid}: {holders}")
+    for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"):
+        s, p = request(path, None)
+        check(p.primary == holders[0], f"{path} goes to the replica that stores it: {p.endpoints}, not {holders[0]}")
+        s.close()
+    _, imm = request("/v1/responses/resp_nobody_has", None)
+    check(imm is not None and imm.status.code == 404 and json.loads(imm.body)["error"]["code"] == "response_not_found",
+          f"an unknown stored response: 404, got {imm}")
 
 
 def case_dp_ranks_as_ports():

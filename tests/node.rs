@@ -476,6 +476,16 @@ async fn malformed_requests_get_openai_errors_and_the_node_keeps_serving() {
             assert!(v["error"]["message"].as_str().unwrap().len() > 5, "{v}");
             assert!(v["error"].get("code").is_some() && v["error"].get("param").is_some(), "{v}");
         }
+        // A wrong method, in each API's shape.
+        let resp = c.get(url(&node, "/v1/chat/completions")).send().await.unwrap();
+        assert_eq!(resp.status(), 405);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+        let resp = c.get(url(&node, "/v1/messages")).send().await.unwrap();
+        assert_eq!(resp.status(), 405);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
         // Still serving.
         let resp = post(br#"{"model":"sim-llama-8b","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#.to_vec())
             .await

@@ -26,6 +26,14 @@ const MODEL: &str = "sim-llama-8b";
 
 /// A node over replicas `(id, url)`, with `b` drained, a short stream idle deadline.
 async fn node(replicas: &[(&str, String)]) -> RunningNode {
+    node_with(replicas, |_| {}).await
+}
+
+/// [`node`], its config changed by `tweak` first.
+async fn node_with(
+    replicas: &[(&str, String)],
+    tweak: impl FnOnce(&mut NodeConfig),
+) -> RunningNode {
     let mut cfg = NodeConfig {
         listen: "127.0.0.1:0".parse().expect("address"),
         drain_s: 2,
@@ -38,6 +46,7 @@ async fn node(replicas: &[(&str, String)]) -> RunningNode {
     cfg.timeouts.stream_first_byte_ms = 5_000;
     cfg.timeouts.stream_idle_ms = 500;
     cfg.replicas = replicas.iter().map(|(id, url)| spec(id, url)).collect();
+    tweak(&mut cfg);
     let n = proxy::spawn(cfg).await.expect("node");
     let healthy = wait_for(Duration::from_secs(10), || {
         n.node
@@ -259,6 +268,18 @@ async fn kill_9_of_a_replica_serving_20_streams_loses_none() {
         );
         assert_eq!(open_at_kill, 20, "the kill came after a stream ended");
         assert_eq!(resumed, 20);
+        // Every kept body's budget came back with its stream.
+        let budget = &n.node.resume_body_budget;
+        let full = (NodeConfig::default().server.max_buffered_body_bytes >> 10) as usize / 4;
+        let back = wait_for(Duration::from_secs(10), || {
+            budget.available_permits() == full
+        })
+        .await;
+        assert!(
+            back.is_some(),
+            "{} of {full} KiB",
+            budget.available_permits()
+        );
         n.shutdown().await;
         b.shutdown().await;
     })
@@ -350,6 +371,47 @@ async fn a_stream_that_cannot_continue_ends_with_its_apis_error_event() {
         assert!(last.contains("\"sequence_number\":"), "{last}");
         assert_eq!(resumes(&c, &n, "messages", "error_event").await, 1);
         assert_eq!(resumes(&c, &n, "responses", "error_event").await, 1);
+        n.shutdown().await;
+        a.shutdown().await;
+        b.shutdown().await;
+    })
+    .await;
+}
+
+/// A chat stream whose body the node cannot keep (past a quarter of its body budget, the share
+/// resumable streams may hold) is relayed without resumes: its replica failing ends it with the
+/// error event, as for an API that cannot continue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_body_is_past_the_resume_budget_ends_with_the_error_event() {
+    bounded(60, async {
+        let a = sim_replica("a", |cfg| cfg.faults.cut_stream_after = Some(3)).await;
+        let b = sim_replica("b", |_| {}).await;
+        let c = client();
+        let n = node_with(&[("a", a.base_url()), ("b", b.base_url())], |cfg| {
+            cfg.max_body_bytes = 1 << 20;
+            cfg.server.max_buffered_body_bytes = 1 << 20;
+            cfg.server.body_fair_share_bytes = 64 << 10;
+        })
+        .await;
+        // 300 KiB of prompt: past the 256 KiB the node keeps for resumes.
+        let long = "word ".repeat(60_000);
+        let chat = json!({"model": MODEL, "max_tokens": 50, "stream": true,
+            "messages": [{"role": "user", "content": long}]});
+        let text = c
+            .post(format!("http://{}/v1/chat/completions", n.addr))
+            .json(&chat)
+            .send()
+            .await
+            .expect("chat")
+            .text()
+            .await
+            .expect("a clean end");
+        assert!(
+            text.ends_with("data: [DONE]\n\n") && text.contains("data: {\"error\":"),
+            "{text}"
+        );
+        assert_eq!(resumes(&c, &n, "chat", "error_event").await, 1);
+        assert_eq!(resumes(&c, &n, "chat", "resumed").await, 0);
         n.shutdown().await;
         a.shutdown().await;
         b.shutdown().await;

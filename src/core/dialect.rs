@@ -300,12 +300,15 @@ pub enum Fields {
 
 impl Fields {
     /// Parses the routing fields of a body sent to `api`.
+    /// Every list in it counts against one budget ([`super::prompt_de::MAX_ELEMENTS`]).
     pub fn parse(api: Api, body: &[u8]) -> Result<Self, serde_json::Error> {
-        Ok(match api {
-            Api::Completions | Api::Chat => Fields::OpenAi(RoutingFields::parse(body)?),
-            Api::Messages | Api::CountTokens => Fields::Messages(serde_json::from_slice(body)?),
-            Api::Responses => Fields::Responses(serde_json::from_slice(body)?),
-            Api::Pooling => Fields::Pooling(serde_json::from_slice(body)?),
+        super::prompt_de::within_element_budget(|| {
+            Ok(match api {
+                Api::Completions | Api::Chat => Fields::OpenAi(serde_json::from_slice(body)?),
+                Api::Messages | Api::CountTokens => Fields::Messages(serde_json::from_slice(body)?),
+                Api::Responses => Fields::Responses(serde_json::from_slice(body)?),
+                Api::Pooling => Fields::Pooling(serde_json::from_slice(body)?),
+            })
         })
     }
 
@@ -480,5 +483,32 @@ mod tests {
         assert!(p.render(&mut s).is_ok() && s.is_empty());
         assert!(Fields::parse(Api::Messages, br#"{"messages":"x"}"#).is_err());
         assert!(Fields::parse(Api::Messages, br#"{"messages":7}"#).is_err());
+    }
+
+    /// `n` messages of 4,096 content parts each (every list within its own cap), in `api`'s shape.
+    fn many_parts(api: Api, n: usize) -> String {
+        let part = if api == Api::Chat { "{}" } else { "1" };
+        let msg = format!(
+            r#"{{"role":"user","content":[{}]}}"#,
+            vec![part; 4096].join(",")
+        );
+        format!(
+            r#"{{"model":"m","messages":[{}]}}"#,
+            vec![msg.as_str(); n].join(",")
+        )
+    }
+
+    #[test]
+    fn a_body_is_refused_past_its_element_budget_whatever_lists_hold_them() {
+        for api in [Api::Chat, Api::Messages] {
+            // 70 × 4,097 elements: over the body's 256 Ki, though each list is within its cap.
+            let e = Fields::parse(api, many_parts(api, 70).as_bytes()).unwrap_err();
+            assert!(e.to_string().contains("in all"), "{api:?}: {e}");
+            // 60 × 4,097 are within it, and the refused parse left no debt behind.
+            assert!(
+                Fields::parse(api, many_parts(api, 60).as_bytes()).is_ok(),
+                "{api:?}"
+            );
+        }
     }
 }

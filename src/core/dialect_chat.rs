@@ -42,9 +42,28 @@ fn text_parts(blocks: &Blocks) -> Option<Vec<Value>> {
     }
 }
 
-/// Chat function tools from Anthropic's (`input_schema`) or Responses' (flat) definitions.
-fn tools(raw: Option<&serde_json::value::RawValue>) -> Option<Value> {
-    let list: Vec<Map<String, Value>> = serde_json::from_str(raw?.get()).ok()?;
+/// The most tool definitions converted to chat form (OpenAI's API takes 128): past it the
+/// request is keyed by text.
+const MAX_TOOLS: usize = 1 << 10;
+/// The longest tool list (its JSON text) converted to chat form: each definition is parsed as a
+/// tree and copied into the chat body, many times its text (an empty `{}` becomes ~1.4 KB), so
+/// a 32 MiB list of them would take gigabytes. Past it the request is keyed by text.
+const MAX_TOOLS_BYTES: usize = 1 << 20;
+
+/// Chat function tools from Anthropic's (`input_schema`) or Responses' (flat) definitions:
+/// `Some(None)` without tools, `None` when the list has no chat form (not a list of objects,
+/// or past [`MAX_TOOLS`] or [`MAX_TOOLS_BYTES`]).
+fn tools(raw: Option<&serde_json::value::RawValue>) -> Option<Option<Value>> {
+    let Some(raw) = raw else {
+        return Some(None);
+    };
+    if raw.get().len() > MAX_TOOLS_BYTES {
+        return None;
+    }
+    let list: Vec<Map<String, Value>> = serde_json::from_str(raw.get()).ok()?;
+    if list.len() > MAX_TOOLS {
+        return None;
+    }
     let converted: Vec<Value> = list
         .into_iter()
         .map(|t| {
@@ -54,7 +73,7 @@ fn tools(raw: Option<&serde_json::value::RawValue>) -> Option<Value> {
             }})
         })
         .collect();
-    Some(Value::Array(converted))
+    Some(Some(Value::Array(converted)))
 }
 
 fn with_tools(messages: Vec<Value>, tools: Option<Value>) -> Value {
@@ -72,7 +91,8 @@ fn messages_body(f: &MessagesFields) -> Option<Value> {
     for m in f.messages.as_ref()? {
         anthropic_message(m, &mut out)?;
     }
-    Some(with_tools(out, tools(f.tools.as_deref())))
+    let tools = tools(f.tools.as_deref())?;
+    Some(with_tools(out, tools))
 }
 
 /// One Anthropic message: its text, its tool calls, and each tool result as a `tool` message.
@@ -137,7 +157,8 @@ fn responses_body(f: &ResponsesFields) -> Option<Value> {
             }
         }
     }
-    Some(with_tools(out, tools(f.tools.as_deref())))
+    let tools = tools(f.tools.as_deref())?;
+    Some(with_tools(out, tools))
 }
 
 /// One Responses input item as a chat message.
@@ -212,5 +233,28 @@ mod tests {
         )
         .is_none());
         assert!(body(Api::Chat, r#"{"messages":[]}"#).is_none());
+    }
+
+    #[test]
+    fn a_tool_list_too_long_to_convert_keys_the_request_by_text() {
+        let with = |tools: &str| {
+            body(
+                Api::Messages,
+                &format!(r#"{{"model":"m","messages":[],"tools":{tools}}}"#),
+            )
+        };
+        let list = |n: usize| format!("[{}]", vec![r#"{"name":"f"}"#; n].join(","));
+        assert!(with(&list(MAX_TOOLS)).is_some());
+        // One more, or a list whose text is past the bound, or no list at all: text keys.
+        assert!(with(&list(MAX_TOOLS + 1)).is_none());
+        let long = format!(
+            r#"[{{"name":"f","description":"{}"}}]"#,
+            "d".repeat(MAX_TOOLS_BYTES)
+        );
+        assert!(with(&long).is_none());
+        assert!(with(r#"{"name":"f"}"#).is_none());
+        // Without tools the chat body has none.
+        assert!(body(Api::Messages, r#"{"model":"m","messages":[]}"#)
+            .is_some_and(|b| b.get("tools").is_none()));
     }
 }

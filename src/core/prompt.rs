@@ -93,7 +93,7 @@ pub enum PromptError {
 impl RoutingFields {
     /// Parses the routing fields of a JSON body.
     pub fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
-        serde_json::from_slice(body)
+        super::prompt_de::within_element_budget(|| serde_json::from_slice(body))
     }
 
     /// Renders the routing text into `out` (cleared first, so one buffer serves many requests).

@@ -8,6 +8,7 @@
 //! [`MAX_PROMPT_TOKENS`] ids, [`MAX_MESSAGES`] messages or [`MAX_PARTS`] parts, so a parse takes
 //! at most a small multiple of the body, and never more than the caps allow, whatever its shape.
 
+use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -22,6 +23,43 @@ pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
 pub const MAX_MESSAGES: usize = 1 << 16;
 /// The most content parts one message may hold.
 pub const MAX_PARTS: usize = 1 << 12;
+/// The most list elements (messages, content parts, raw blocks or items) one whole body may
+/// hold, whatever lists they are in (256 Ki): the per-list caps alone let 2,700 messages of
+/// 4,096 `{}` parts each, 80 bytes parsed for 3 sent, take ~0.9 GB from one 32 MiB body. At
+/// 256 Ki elements a parse takes at most ~40 MiB of them; a long agent conversation holds a
+/// few thousand.
+pub const MAX_ELEMENTS: usize = 1 << 18;
+
+thread_local! {
+    /// Elements the parse running on this thread may still read; `None` outside
+    /// [`within_element_budget`]. A parse is synchronous, so one thread runs it whole.
+    static ELEMENTS_LEFT: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Runs `parse` (one body's deserialization) with at most [`MAX_ELEMENTS`] list elements in all.
+pub fn within_element_budget<T>(parse: impl FnOnce() -> T) -> T {
+    /// Puts back what was there before, even if the parse unwinds.
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ELEMENTS_LEFT.set(self.0);
+        }
+    }
+    let _restore = Restore(ELEMENTS_LEFT.replace(Some(MAX_ELEMENTS)));
+    parse()
+}
+
+/// Takes one element from the running parse's budget; false when it is spent.
+fn take_element() -> bool {
+    match ELEMENTS_LEFT.get() {
+        None => true,
+        Some(0) => false,
+        Some(n) => {
+            ELEMENTS_LEFT.set(Some(n - 1));
+            true
+        }
+    }
+}
 
 /// A completions prompt in any of its four shapes.
 ///
@@ -78,6 +116,11 @@ where
     while let Some(item) = seq.next_element::<T>()? {
         if out.len() == cap {
             return Err(de::Error::custom(format!("more than {cap} {what}")));
+        }
+        if !take_element() {
+            return Err(de::Error::custom(format!(
+                "the body holds more than {MAX_ELEMENTS} messages, parts and items in all"
+            )));
         }
         out.push(item);
     }

@@ -67,14 +67,27 @@ pub enum MsgpackError {
     /// Bytes after the top-level value.
     #[error("{0} trailing bytes after the msgpack value")]
     Trailing(usize),
+    /// More than [`MAX_VALUES`] values in one message.
+    #[error("more than {MAX_VALUES} msgpack values in one message")]
+    TooMany,
 }
 
 /// Deepest nesting accepted; KV events need 5.
 pub const MAX_DEPTH: usize = 32;
 
+/// Most values decoded from one input (1 Mi): a one-byte value takes a
+/// `size_of::<Value>()`-byte slot in the tree, so without it a 4 MiB message of small ints
+/// would take ~128 MiB. A batch storing a 128k-token prompt's blocks with their token ids holds
+/// ~140k values.
+pub const MAX_VALUES: usize = 1 << 20;
+
 /// Decodes exactly one value spanning all of `input`.
 pub fn decode(input: &[u8]) -> Result<Value, MsgpackError> {
-    let mut r = Reader { buf: input, pos: 0 };
+    let mut r = Reader {
+        buf: input,
+        pos: 0,
+        values_left: MAX_VALUES,
+    };
     let v = r.value(0)?;
     if r.pos != input.len() {
         return Err(MsgpackError::Trailing(input.len() - r.pos));
@@ -85,6 +98,8 @@ pub fn decode(input: &[u8]) -> Result<Value, MsgpackError> {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Values still allowed ([`MAX_VALUES`] at the start).
+    values_left: usize,
 }
 
 impl Reader<'_> {
@@ -129,7 +144,8 @@ impl Reader<'_> {
 
     fn array(&mut self, n: usize, depth: usize) -> Result<Value, MsgpackError> {
         let n = self.count(n, 1)?;
-        let mut items = Vec::with_capacity(n);
+        // No more room than the values still allowed: the count is the sender's word.
+        let mut items = Vec::with_capacity(n.min(self.values_left));
         for _ in 0..n {
             items.push(self.value(depth + 1)?);
         }
@@ -138,7 +154,7 @@ impl Reader<'_> {
 
     fn map(&mut self, n: usize, depth: usize) -> Result<Value, MsgpackError> {
         let n = self.count(n, 2)?;
-        let mut items = Vec::with_capacity(n);
+        let mut items = Vec::with_capacity(n.min(self.values_left / 2));
         for _ in 0..n {
             let k = self.value(depth + 1)?;
             let v = self.value(depth + 1)?;
@@ -156,6 +172,10 @@ impl Reader<'_> {
         if depth > MAX_DEPTH {
             return Err(MsgpackError::TooDeep);
         }
+        self.values_left = self
+            .values_left
+            .checked_sub(1)
+            .ok_or(MsgpackError::TooMany)?;
         let at = self.pos;
         let m = self.be::<1>()?[0];
         Ok(match m {
@@ -387,5 +407,19 @@ mod tests {
         assert!(matches!(decode(&[0x91]), Err(MsgpackError::TooLong(..))));
         let deep = vec![0x91u8; 100];
         assert_eq!(decode(&deep), Err(MsgpackError::TooDeep));
+    }
+
+    #[test]
+    fn a_message_holds_at_most_max_values() {
+        // An array32 of `n` one-byte ints.
+        let ints = |n: usize| {
+            let mut b = vec![0xdd];
+            b.extend_from_slice(&(n as u32).to_be_bytes());
+            b.resize(5 + n, 0x01);
+            b
+        };
+        // The array itself is one value.
+        assert!(decode(&ints(MAX_VALUES - 1)).is_ok());
+        assert_eq!(decode(&ints(MAX_VALUES)), Err(MsgpackError::TooMany));
     }
 }

@@ -24,9 +24,16 @@
 //!
 //! Each (publisher, key, version, value) is verified once: a bounded set of what passed.
 //!
-//! What a relay can still do: withhold (drop or delay) another member's state, as it always
-//! could; the node delta's unsigned bookkeeping (last GC version) can at worst make a receiver
-//! skip a withdrawal, i.e. withhold it. The region layer's messages (`KIND_REGIONS_Z`) are not
+//! A node delta's bookkeeping (last GC version, from version) is unsigned. A delta from version 0
+//! whose last GC version is past what the receiver knows is chitchat's *reset*: the receiver
+//! forgets the member's state and keeps only what the delta carries. Relayed, that would let
+//! any member erase another's records (a reset carrying one genuine value) or, with a huge last
+//! GC version, make every later withdrawal look already collected. So a reset counts only from
+//! the member itself (the sender's certificate names it): a relay's has its last GC version
+//! set to 0 (`reset_refused`), which makes it a plain delta from version 0 — the values the
+//! receiver lacks, nothing forgotten. A receiver that fell behind a member's GC then keeps a
+//! withdrawn key until the member itself gossips with it. What a relay can still do: withhold
+//! (drop or delay) another member's state, as it always could. The region layer's messages (`KIND_REGIONS_Z`) are not
 //! checked here: a `region` record counts only for its publisher's region, as before.
 
 use std::collections::hash_map::RandomState;
@@ -68,6 +75,9 @@ pub struct GuardStats {
     pub authority_refused: AtomicU64,
     /// New keys past [`MAX_KEYS_PER_MEMBER`].
     pub key_cap_refused: AtomicU64,
+    /// Resets (deltas from version 0 past the receiver's GC) of one member relayed by another,
+    /// made plain deltas.
+    pub reset_refused: AtomicU64,
     /// Signatures verified (each value once).
     pub verified: AtomicU64,
 }
@@ -113,7 +123,13 @@ impl std::fmt::Debug for Guard {
 /// One operation of a delta and where its bytes are.
 #[derive(Debug)]
 enum Op<'a> {
-    Node(ChitchatId),
+    Node {
+        id: ChitchatId,
+        last_gc_version: u64,
+        from_version: u64,
+        /// Where `last_gc_version`'s eight bytes are in the delta.
+        last_gc_at: usize,
+    },
     Kv {
         key: &'a str,
         value: &'a str,
@@ -142,12 +158,13 @@ impl Guard {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Checks the delta of a serialized chitchat message (already known to decode).
-    pub fn filter(&self, body: &[u8]) -> Filtered {
+    /// Checks the delta of a serialized chitchat message (already known to decode) from a
+    /// sender whose certificate names `sender` (its node ids).
+    pub fn filter(&self, body: &[u8], sender: &[String]) -> Filtered {
         let Some(at) = delta_offset(body) else {
             return Filtered::Unchanged;
         };
-        let raw = match decompress(&body[at..]) {
+        let mut raw = match decompress(&body[at..]) {
             Ok(r) => r,
             Err(e) => return Filtered::Malformed(e),
         };
@@ -157,18 +174,26 @@ impl Guard {
         };
         let mut kept: Vec<Range<usize>> = Vec::with_capacity(ops.len());
         let mut changed = false;
+        let mut relayed_resets = Vec::new();
         let mut i = 0;
         while i < ops.len() {
             let end = ops[i..]
                 .iter()
                 .skip(1)
-                .position(|(op, _)| matches!(op, Op::Node(_)))
+                .position(|(op, _)| matches!(op, Op::Node { .. }))
                 .map_or(ops.len(), |p| i + 1 + p);
+            if let Some(at) = relayed_reset(&ops[i].0, sender) {
+                relayed_resets.push(at);
+            }
             changed |= self.node_delta(&ops[i..end], &mut kept);
             i = end;
         }
-        if !changed {
+        if !changed && relayed_resets.is_empty() {
             return Filtered::Unchanged;
+        }
+        for at in relayed_resets {
+            self.stats.reset_refused.fetch_add(1, Ordering::Relaxed);
+            raw[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
         }
         let mut out = Vec::with_capacity(body.len() + 16);
         out.extend_from_slice(&body[..at]);
@@ -188,7 +213,7 @@ impl Guard {
     /// One node delta (`ops[0]` is its node op): pushes the ranges kept; true when anything
     /// was refused.
     fn node_delta(&self, ops: &[(Op<'_>, Range<usize>)], kept: &mut Vec<Range<usize>>) -> bool {
-        let Some((Op::Node(id), node_range)) = ops.first() else {
+        let Some((Op::Node { id, .. }, node_range)) = ops.first() else {
             return true;
         };
         let kvs = &ops[1..];
@@ -312,8 +337,15 @@ impl Guard {
         let now = Instant::now();
         let mut st = self.lock();
         let book_key = (Arc::clone(&id.node_id), id.generation_id);
-        if !st.keys.contains_key(&book_key) && st.keys.len() >= MAX_SIGNERS * GENERATIONS_KEPT {
-            st.keys.retain(|k, _| k.0 != id.node_id);
+        if !st.keys.contains_key(&book_key) && !make_room_for_book(&mut st.keys, id) {
+            let values = kvs
+                .iter()
+                .filter(|(op, _)| matches!(op, Op::Kv { .. }))
+                .count();
+            self.stats
+                .key_cap_refused
+                .fetch_add(values as u64, Ordering::Relaxed);
+            return;
         }
         let book = st.keys.entry(book_key).or_default();
         for (op, range) in kvs {
@@ -363,6 +395,29 @@ impl Guard {
     }
 }
 
+/// Makes room for a new key book of member `id`: a node id keeps books for its
+/// [`GENERATIONS_KEPT`] newest generations only (the oldest goes), else a member could multiply
+/// its key cap by inventing generations, each with its own signed `cert`; and at most
+/// [`MAX_SIGNERS`] node ids' worth in all. False: no room (an older generation than those kept,
+/// or the books are full).
+fn make_room_for_book(books: &mut HashMap<(Arc<str>, u64), KeyBook>, id: &ChitchatId) -> bool {
+    let (mut held, mut oldest) = (0, u64::MAX);
+    for (node, generation) in books.keys() {
+        if *node == id.node_id {
+            held += 1;
+            oldest = oldest.min(*generation);
+        }
+    }
+    if held >= GENERATIONS_KEPT {
+        if id.generation_id < oldest {
+            return false;
+        }
+        books.remove(&(Arc::clone(&id.node_id), oldest));
+        return true;
+    }
+    books.len() < MAX_SIGNERS * GENERATIONS_KEPT
+}
+
 /// Whether a publisher with `cert` may publish `value` under `key`: a `node` record only for
 /// the region its certificate binds, an `admin:` record only with the operator role.
 fn may_publish(cert: &PeerCert, key: &str, value: &str) -> bool {
@@ -379,6 +434,22 @@ fn may_publish(cert: &PeerCert, key: &str, value: &str) -> bool {
         return cert.roles.operator;
     }
     true
+}
+
+/// Where the last GC version of `op` is, when it is a reset of a member other than the sender:
+/// a delta from version 0 with a last GC version (see the module doc).
+fn relayed_reset(op: &Op<'_>, sender: &[String]) -> Option<usize> {
+    match op {
+        Op::Node {
+            id,
+            last_gc_version,
+            from_version: 0,
+            last_gc_at,
+        } if *last_gc_version > 0 && !sender.iter().any(|n| **n == *id.node_id) => {
+            Some(*last_gc_at)
+        }
+        _ => None,
+    }
 }
 
 /// Where the delta starts in a serialized message: after the 4-byte header of an Ack (type 2),
@@ -452,9 +523,15 @@ fn parse_ops(raw: &[u8]) -> Result<Vec<(Op<'_>, Range<usize>)>, String> {
         let op = match tag {
             0 => {
                 let id = ChitchatId::deserialize(&mut buf).map_err(|e| e.to_string())?;
-                read_u64(&mut buf)?;
-                read_u64(&mut buf)?;
-                Op::Node(id)
+                let last_gc_at = raw.len() - buf.len();
+                let last_gc_version = read_u64(&mut buf)?;
+                let from_version = read_u64(&mut buf)?;
+                Op::Node {
+                    id,
+                    last_gc_version,
+                    from_version,
+                    last_gc_at,
+                }
             }
             1 => {
                 let key = read_str(&mut buf)?;
@@ -475,7 +552,7 @@ fn parse_ops(raw: &[u8]) -> Result<Vec<(Op<'_>, Range<usize>)>, String> {
             }
             t => return Err(format!("unknown delta op {t}")),
         };
-        if ops.is_empty() && !matches!(op, Op::Node(_)) {
+        if ops.is_empty() && !matches!(op, Op::Node { .. }) {
             return Err("a value before any node".into());
         }
         ops.push((op, start..raw.len() - buf.len()));
@@ -525,11 +602,16 @@ mod tests {
     type Kv<'a> = (&'a str, String, u64, u8);
 
     fn ack(deltas: &[(&ChitchatId, Vec<Kv<'_>>)]) -> Vec<u8> {
+        ack_after_gc(deltas, 0)
+    }
+
+    /// [`ack`] whose node deltas all start from version 0 with last GC version `last_gc`.
+    fn ack_after_gc(deltas: &[(&ChitchatId, Vec<Kv<'_>>)], last_gc: u64) -> Vec<u8> {
         let mut ops = Vec::new();
         for (id, kvs) in deltas {
             ops.push(0u8);
             id.serialize(&mut ops);
-            0u64.serialize(&mut ops);
+            last_gc.serialize(&mut ops);
             0u64.serialize(&mut ops);
             for (k, v, version, status) in kvs {
                 ops.push(1);
@@ -557,7 +639,7 @@ mod tests {
 
     /// The (node id, keys) a filtered message hands chitchat.
     fn passed(g: &Guard, body: &[u8]) -> Vec<(String, Vec<String>)> {
-        let body = match g.filter(body) {
+        let body = match g.filter(body, &["relay".to_owned()]) {
             Filtered::Unchanged => body.to_vec(),
             Filtered::Rewritten(b) => b,
             Filtered::Malformed(e) => panic!("{e}"),
@@ -568,7 +650,7 @@ mod tests {
         let mut out: Vec<(String, Vec<String>)> = Vec::new();
         for (op, _) in parse_ops(&raw).unwrap() {
             match op {
-                Op::Node(id) => out.push((id.node_id.to_string(), Vec::new())),
+                Op::Node { id, .. } => out.push((id.node_id.to_string(), Vec::new())),
                 Op::Kv { key, .. } => out.last_mut().unwrap().1.push(key.to_owned()),
                 Op::SetMax => {}
             }
@@ -602,7 +684,7 @@ mod tests {
             (KEY_NODE, a.value(KEY_NODE, 2, &rec), 2, 0),
         ];
         let body = ack(&[(&a.id, honest.clone())]);
-        assert_eq!(g.filter(&body), Filtered::Unchanged);
+        assert_eq!(g.filter(&body, &[]), Filtered::Unchanged);
         // A relay's version of a's node record: signed by the relay, or a's signature moved
         // to another version: a's whole delta is dropped, the relay's own state passes.
         let forged_by_rogue = rogue.signer.seal(&Signed {
@@ -684,6 +766,101 @@ mod tests {
         assert_eq!(g.stats.authority_refused.load(Ordering::Relaxed), 2);
     }
 
+    /// The last GC version of each node delta `body` hands chitchat, by node id.
+    fn last_gc_versions(g: &Guard, body: &[u8], sender: &str) -> Vec<(String, u64)> {
+        let body = match g.filter(body, &[sender.to_owned()]) {
+            Filtered::Unchanged => body.to_vec(),
+            Filtered::Rewritten(b) => b,
+            Filtered::Malformed(e) => panic!("{e}"),
+        };
+        let raw = decompress(&body[4..]).unwrap();
+        let mut out = Vec::new();
+        for (op, _) in parse_ops(&raw).unwrap() {
+            if let Op::Node {
+                id,
+                last_gc_version,
+                ..
+            } = op
+            {
+                out.push((id.node_id.to_string(), last_gc_version));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_reset_counts_only_from_the_member_itself() {
+        let ca = ClusterCa::generate().unwrap();
+        let g = guard(&ca);
+        let a = node(&ca, "a", &CertRoles::default());
+        let rec = node_record("eu");
+        // a's newest genuine value alone, as a reset: received from a, chitchat resets a's
+        // state to it (a may say what it holds); relayed by anyone else, it is a plain delta.
+        let reset = ack_after_gc(
+            &[(
+                &a.id,
+                vec![
+                    (KEY_CERT, a.value(KEY_CERT, 1, ""), 1, 0),
+                    (KEY_NODE, a.value(KEY_NODE, 40, &rec), 40, 0),
+                ],
+            )],
+            u64::MAX,
+        );
+        assert_eq!(
+            last_gc_versions(&g, &reset, "a"),
+            vec![("a".to_owned(), u64::MAX)]
+        );
+        assert_eq!(g.stats.reset_refused.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            last_gc_versions(&g, &reset, "rogue"),
+            vec![("a".to_owned(), 0)]
+        );
+        assert_eq!(g.stats.reset_refused.load(Ordering::Relaxed), 1);
+        // What chitchat makes of the plain delta: a's values, nothing forgotten, no reset.
+        let body = match g.filter(&reset, &["rogue".to_owned()]) {
+            Filtered::Rewritten(b) => b,
+            other => panic!("{other:?}"),
+        };
+        let mut buf = body.as_slice();
+        assert!(matches!(
+            ChitchatMessage::deserialize(&mut buf),
+            Ok(ChitchatMessage::Ack { .. })
+        ));
+    }
+
+    #[test]
+    fn new_generations_do_not_multiply_a_members_key_cap() {
+        let ca = ClusterCa::generate().unwrap();
+        let g = guard(&ca);
+        let a = node(&ca, "a", &CertRoles::default());
+        for generation in 1..=5u64 {
+            let id = ChitchatId::new("a".to_owned(), generation, a.id.gossip_advertise_addr);
+            let signed = |key: &str, version: u64, payload: &str| {
+                a.signer.seal(&Signed {
+                    node_id: "a",
+                    generation,
+                    key,
+                    version,
+                    status: Status::Set,
+                    payload,
+                })
+            };
+            let kvs = vec![
+                (KEY_CERT, a.signer.cert_value(&id), 1, 0),
+                ("k", signed("k", 2, "x"), 2, 0),
+            ];
+            assert_eq!(
+                passed(&g, &ack(&[(&id, kvs)]))[0].1.len(),
+                2,
+                "gen {generation}"
+            );
+        }
+        let st = g.lock();
+        let mut books: Vec<u64> = st.keys.keys().map(|(_, generation)| *generation).collect();
+        books.sort_unstable();
+        assert_eq!(books, vec![4, 5], "the two newest generations' books");
+    }
+
     #[test]
     fn keys_per_member_are_capped() {
         let ca = ClusterCa::generate().unwrap();
@@ -761,10 +938,10 @@ mod tests {
         let z = |b: &[u8]| zstd::bulk::compress(b, 1).unwrap().len();
         let (p, s) = (as_ack(&plain[..]), as_ack(&signed[..]));
         let t = Instant::now();
-        assert_eq!(g.filter(&s), Filtered::Unchanged);
+        assert_eq!(g.filter(&s, &[]), Filtered::Unchanged);
         let verify_us = t.elapsed().as_secs_f64() * 1e6 / signed.len() as f64;
         let t = Instant::now();
-        assert_eq!(g.filter(&s), Filtered::Unchanged);
+        assert_eq!(g.filter(&s, &[]), Filtered::Unchanged);
         let again_us = t.elapsed().as_secs_f64() * 1e6 / signed.len() as f64;
         // One round's change: 32 `rload:` updates.
         let rl = |kvs: &[(String, String)]| -> Vec<(String, String)> {

@@ -32,6 +32,10 @@ pub const MAX_REGION_TARGETS: usize = 3;
 pub const MAX_REGION_NAME_BYTES: usize = 64;
 /// Longest URL or node id a target may carry.
 const MAX_TARGET_STR_BYTES: usize = 256;
+/// How far past this node's clock a record's `at_ms` may be (5 min: clock skew between honest
+/// regions, with room). Newest wins, so a record from further ahead would outrank its region's
+/// real ones until the clocks caught up: 24 h for a forged one before.
+pub const MAX_AT_LEAD_MS: u64 = 300_000;
 
 /// A node of the region that takes forwarded requests.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -149,7 +153,8 @@ impl RegionRecord {
         }
     }
 
-    /// Decodes a peer's value, refusing one over any bound.
+    /// Decodes a peer's value, refusing one over any bound (`at_ms` at most
+    /// [`MAX_AT_LEAD_MS`] past this node's clock).
     pub fn decode(s: &str) -> Result<Self, SchemaError> {
         let r: RegionRecord = decode("region", s)?;
         let w = "region";
@@ -160,7 +165,7 @@ impl RegionRecord {
             r.region.len() <= MAX_REGION_NAME_BYTES,
             r.region.len(),
         )?;
-        let lead = r.at_ms <= wall_ms().saturating_add(bounds::MAX_EPOCH_LEAD_MS);
+        let lead = r.at_ms <= wall_ms().saturating_add(MAX_AT_LEAD_MS);
         bound(w, "at_ms", lead, r.at_ms)?;
         bound(w, "nodes", r.nodes <= bounds::MAX_REQUESTS, r.nodes)?;
         bound(
@@ -340,6 +345,12 @@ mod tests {
         let mut bad = r.clone();
         bad.heads[0].1 = 0;
         assert!(RegionRecord::decode(&enc(&bad)).is_err(), "depth 0");
+        let mut bad = r.clone();
+        bad.at_ms = wall_ms() + MAX_AT_LEAD_MS + 60_000;
+        assert!(
+            RegionRecord::decode(&enc(&bad)).is_err(),
+            "from past the clock skew allowed"
+        );
         let mut bad = r.clone();
         bad.at_ms = u64::MAX;
         assert!(

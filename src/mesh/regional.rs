@@ -141,9 +141,10 @@ pub(super) async fn round(
     let representative = reps.contains(&self_id);
     let quic = |m: &Member| m.node.as_ref().map_or(m.gossip_addr, |n| n.quic_addr);
 
-    // Every other region's record as the region's representatives relay it (newest wins).
+    // Every other region's record as the region's representatives relay it (newest wins):
+    // only theirs, so a member that is not one cannot pass off a record of its own making.
     let mut records: BTreeMap<String, RegionRecord> = BTreeMap::new();
-    for m in &mine {
+    for m in mine.iter().filter(|m| reps.contains(&m.node_id.as_str())) {
         for (name, rec) in m.regions.iter() {
             if *name == rec.region {
                 take_newer(&mut records, rec, region);

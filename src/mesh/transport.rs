@@ -77,8 +77,12 @@ const PEER_IDLE: Duration = Duration::from_secs(30);
 pub const REFUSE_FOR: Duration = Duration::from_secs(60);
 /// Most refused addresses remembered (oldest forgotten first).
 const MAX_REFUSED: usize = 4096;
-/// Most verified chitchat ids remembered; `Mesh` prunes those chitchat forgot.
+/// Most node ids with verified chitchat ids remembered; `Mesh` prunes those chitchat forgot.
 const MAX_VERIFIED: usize = 65_536;
+/// Verified chitchat ids (generations) kept per node id, the newest: a node restarting has a
+/// new generation beside its old one until chitchat forgets that. A member inventing
+/// generations of its own name displaces only its own.
+const VERIFIED_GENERATIONS: usize = 2;
 
 /// Transport tuning.
 #[derive(Clone, Debug)]
@@ -269,6 +273,8 @@ pub struct StatsSnapshot {
     pub authority_refused: u64,
     /// New keys past a member's key cap.
     pub key_cap_refused: u64,
+    /// Resets of a member relayed by another, made plain deltas.
+    pub reset_refused: u64,
     /// Gossip value signatures verified.
     pub signatures_verified: u64,
     /// Every UDP byte the endpoint sent (see `udp_count`).
@@ -305,6 +311,7 @@ impl TransportStats {
             forged_refused: 0,
             authority_refused: 0,
             key_cap_refused: 0,
+            reset_refused: 0,
             signatures_verified: 0,
             udp_bytes_sent: 0,
             udp_bytes_received: 0,
@@ -382,7 +389,7 @@ struct Inner {
     /// Addresses refused for an identity mismatch, until when.
     refused: Mutex<HashMap<SocketAddr, Instant>>,
     /// Chitchat ids whose node proved its name on a direct connection (see the module doc).
-    verified: Mutex<HashSet<ChitchatId>>,
+    verified: Mutex<HashMap<Arc<str>, Vec<ChitchatId>>>,
     handler: RwLock<Option<Arc<dyn MeshHandler>>>,
     /// Checks every value of the region's gossip against its publisher (see `gossip_guard`);
     /// `None` until `Mesh` installs it (then for the transport's life).
@@ -458,7 +465,7 @@ impl QuicTransport {
             udp,
             blocked: Mutex::new(HashSet::new()),
             refused: Mutex::new(HashMap::new()),
-            verified: Mutex::new(HashSet::new()),
+            verified: Mutex::new(HashMap::new()),
             handler: RwLock::new(None),
             guard: RwLock::new(None),
             stats: TransportStats::default(),
@@ -486,6 +493,7 @@ impl QuicTransport {
             s.forged_refused = g.forged_refused.load(Ordering::Relaxed);
             s.authority_refused = g.authority_refused.load(Ordering::Relaxed);
             s.key_cap_refused = g.key_cap_refused.load(Ordering::Relaxed);
+            s.reset_refused = g.reset_refused.load(Ordering::Relaxed);
             s.signatures_verified = g.verified.load(Ordering::Relaxed);
         }
         s.udp_bytes_sent = self.inner.udp.sent.load(Ordering::Relaxed);
@@ -562,12 +570,17 @@ impl QuicTransport {
     /// Whether the node of `id` proved its name: a gossip message it sent from its advertised
     /// address, on a connection whose certificate names `id.node_id`.
     pub fn is_verified(&self, id: &ChitchatId) -> bool {
-        lock(&self.inner.verified).contains(id)
+        lock(&self.inner.verified)
+            .get(&id.node_id)
+            .is_some_and(|ids| ids.contains(id))
     }
 
     /// Forgets verified ids for which `keep` is false (chitchat forgot the node).
     pub fn retain_verified(&self, keep: impl Fn(&ChitchatId) -> bool) {
-        lock(&self.inner.verified).retain(|id| keep(id));
+        lock(&self.inner.verified).retain(|_, ids| {
+            ids.retain(|id| keep(id));
+            !ids.is_empty()
+        });
     }
 
     /// Whether `peer` is refused now for an identity mismatch.
@@ -710,10 +723,9 @@ impl Inner {
             Ok(named) => {
                 if !named.is_empty() {
                     let mut verified = lock(&self.verified);
-                    if verified.len() + named.len() > MAX_VERIFIED {
-                        verified.clear();
+                    for id in named {
+                        remember_verified(&mut verified, id);
                     }
-                    verified.extend(named);
                 }
                 true
             }
@@ -1026,6 +1038,24 @@ async fn accept_loop(inner: Arc<Inner>) {
     }
 }
 
+/// Adds `id` to the verified ids, keeping each node id's [`VERIFIED_GENERATIONS`] newest.
+fn remember_verified(verified: &mut HashMap<Arc<str>, Vec<ChitchatId>>, id: ChitchatId) {
+    if !verified.contains_key(&id.node_id) && verified.len() >= MAX_VERIFIED {
+        // Only as many node ids as the CA issued names can get here; past the cap (a CA that
+        // issued more), start over rather than grow.
+        verified.clear();
+    }
+    let ids = verified.entry(Arc::clone(&id.node_id)).or_default();
+    if ids.contains(&id) {
+        return;
+    }
+    ids.push(id);
+    if ids.len() > VERIFIED_GENERATIONS {
+        ids.sort_unstable_by_key(|i| std::cmp::Reverse(i.generation_id));
+        ids.truncate(VERIFIED_GENERATIONS);
+    }
+}
+
 /// The identity rule (module doc) for a message from `peer` whose certificate names `names` and
 /// whose digest lists `ids`: `Ok` with the ids it proves (advertised at `peer`, named by the
 /// certificate), or `Err` with what it claimed at `peer` when none of that is named.
@@ -1282,7 +1312,7 @@ fn read_gossip(inner: &Inner, conn: &quinn::Connection, names: &[String], kind: 
         inner.refuse(peer, conn);
         return;
     }
-    let Some(msg) = guarded(inner, peer, kind, &body, msg) else {
+    let Some(msg) = guarded(inner, peer, names, (kind, &body), msg) else {
         return;
     };
     bump(&inner.stats.gossip_received);
@@ -1308,8 +1338,8 @@ fn read_gossip(inner: &Inner, conn: &quinn::Connection, names: &[String], kind: 
 fn guarded(
     inner: &Inner,
     peer: SocketAddr,
-    kind: u8,
-    body: &[u8],
+    names: &[String],
+    (kind, body): (u8, &[u8]),
     msg: ChitchatMessage,
 ) -> Option<ChitchatMessage> {
     if kind == KIND_REGIONS_Z {
@@ -1323,13 +1353,13 @@ fn guarded(
     let Some(guard) = guard else {
         return Some(msg);
     };
-    match guard.filter(body) {
+    match guard.filter(body, names) {
         Filtered::Unchanged => Some(msg),
         Filtered::Rewritten(kept) => {
             inner.warn(
                 "gossip values",
                 peer,
-                &"unsigned, forged or unauthorised values (see kvmesh_mesh_dropped_total)",
+                &"unsigned, forged or unauthorised values, or a relayed reset (see kvmesh_mesh_dropped_total)",
             );
             let mut buf = kept.as_slice();
             match ChitchatMessage::deserialize(&mut buf) {
@@ -1573,6 +1603,20 @@ impl Socket for GossipSocket {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_node_id_keeps_its_newest_verified_generations_only() {
+        let mut v = HashMap::new();
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        remember_verified(&mut v, ChitchatId::new("b".to_owned(), 1, addr));
+        for generation in [3, 1, 5, 2, 4] {
+            remember_verified(&mut v, ChitchatId::new("m".to_owned(), generation, addr));
+        }
+        let gens: Vec<u64> = v["m"].iter().map(|i| i.generation_id).collect();
+        assert_eq!(gens, vec![5, 4]);
+        // Another node's proof stands.
+        assert_eq!(v["b"], vec![ChitchatId::new("b".to_owned(), 1, addr)]);
+    }
 
     fn bound(ca: &certs::ClusterCa, name: &str, cfg: TransportConfig) -> QuicTransport {
         let quic = ca

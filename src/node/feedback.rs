@@ -206,7 +206,10 @@ impl Node {
         // and a home (the node that scrapes) dropping it every scrape interval routed as if the
         // queue held only its own requests (the 3-node demo's late first tokens).
         let queued = rt.queued_estimate();
-        let to_u32 = |v: Option<f64>| v.map_or(0, |v| v.clamp(0.0, u32::MAX as f64) as u32);
+        // Clamped to what peers accept in a gossiped load record: an engine summing more would
+        // have its every record refused by the region (`schema::bounds::MAX_REQUESTS`).
+        let cap = f64::from(crate::mesh::schema::bounds::MAX_REQUESTS);
+        let to_u32 = |v: Option<f64>| v.map_or(0, |v| v.clamp(0.0, cap) as u32);
         core.view.set_engine_load(
             i,
             to_u32(load.waiting),

@@ -21,7 +21,7 @@ pub struct Metrics {
     /// Predicted against engine-reported cached tokens, per answered request.
     pub receipts: ReceiptMetrics,
     /// `kvmesh_response_lookups_total{outcome}`: stored responses looked for on the replicas
-    /// (`found`, `missing`).
+    /// (`found`, `missing`; `refused`: past `RESPONSE_LOOKUPS` under way).
     pub response_lookups: IntCounterVec,
     /// `kvmesh_requests_total{replica,policy,outcome}`.
     pub requests: IntCounterVec,
@@ -416,7 +416,8 @@ pub struct MeshMetrics {
     /// handshakes, gossip from a peer whose certificate does not name the node it claims
     /// (`identity_refused`), unsigned or forged gossip values (`forged_refused`), records
     /// a certificate does not allow (`authority_refused`), keys past a member's cap
-    /// (`key_cap_refused`).
+    /// (`key_cap_refused`), a member's reset relayed by another, made a plain delta
+    /// (`reset_refused`).
     pub dropped: IntCounterVec,
     /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
     pub pulls: IntCounterVec,
@@ -606,7 +607,7 @@ impl MeshMetrics {
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
         let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
-        let labelled: [(&IntCounterVec, &str, u64); 23] = [
+        let labelled: [(&IntCounterVec, &str, u64); 24] = [
             (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
             (&self.gossip_messages, "received", d(|s| s.gossip_received)),
             (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
@@ -641,6 +642,7 @@ impl MeshMetrics {
                 d(|s| s.authority_refused),
             ),
             (&self.dropped, "key_cap_refused", d(|s| s.key_cap_refused)),
+            (&self.dropped, "reset_refused", d(|s| s.reset_refused)),
             (
                 &self.dropped,
                 "bad_gossip_value",

@@ -39,6 +39,9 @@ pub const RESPONSE_HOMES: std::num::NonZeroUsize = match std::num::NonZeroUsize:
     Some(n) => n,
     None => unreachable!(),
 };
+/// Stored-response lookups a node runs at once (`Node::response_lookups`): 64 of up to 256
+/// replicas each, a few thousand short GETs in flight at most.
+pub const RESPONSE_LOOKUPS: usize = 64;
 /// Most a replica's observed first-byte lag scales a prediction (`ReplicaRuntime::first_byte_lag`):
 /// past it the engine is more likely stuck than slow.
 pub const MAX_FIRST_BYTE_LAG: f64 = 16.0;
@@ -319,6 +322,10 @@ pub struct Node {
     /// `max_buffered_body_bytes` more, kept apart so that bodies stalled after filling the main
     /// budget never make a small request wait (`proxy/body.rs`).
     pub body_budget_first: tokio::sync::Semaphore,
+    /// Bodies kept by resumable streams after their handler returned (`proxy/resume.rs`), in
+    /// KiB permits: a quarter of `max_buffered_body_bytes` more. Taken without waiting; a stream
+    /// that finds it spent is not resumable.
+    pub resume_body_budget: tokio::sync::Semaphore,
     /// Hedges in flight (`proxy/deliver.rs`): at most a fifth of the requests awaiting response
     /// headers (at least 3) may be hedged at once, so hedging cannot double the load of a fleet
     /// that is slow because it is overloaded.
@@ -334,6 +341,10 @@ pub struct Node {
     /// Stored responses (OpenAI Responses API) this node has located: response id → the id of
     /// the replica that stores it, at most [`RESPONSE_HOMES`] (`proxy/stored_responses.rs`).
     pub response_homes: Mutex<lru::LruCache<String, String>>,
+    /// Stored-response lookups under way (`proxy/stored_responses.rs`): each asks every replica
+    /// of the model, so a client naming ids nobody stores would turn one request into hundreds;
+    /// past [`RESPONSE_LOOKUPS`] at once a lookup is refused (503) instead.
+    pub response_lookups: tokio::sync::Semaphore,
     /// The `[[replicas]]` of the configuration last loaded (`reload.rs` diffs against it).
     pub(super) configured: Mutex<Vec<crate::replicas::entry::ReplicaConfig>>,
     /// Operator commands applied and to publish (`admin.rs`).
@@ -477,11 +488,13 @@ impl Node {
             hot_plan_now: tokio::sync::Notify::new(),
             body_budget: tokio::sync::Semaphore::new(body_kib),
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
+            resume_body_budget: tokio::sync::Semaphore::new(body_kib / 4),
             hedges_in_flight: std::sync::atomic::AtomicI64::new(0),
             peer_client: std::sync::OnceLock::new(),
             kv_watched: Mutex::new(HashMap::new()),
             registry_changed: tokio::sync::watch::Sender::new(0),
             response_homes: Mutex::new(lru::LruCache::new(RESPONSE_HOMES)),
+            response_lookups: tokio::sync::Semaphore::new(RESPONSE_LOOKUPS),
             configured: Mutex::new(cfg.replicas.clone()),
             admin: Mutex::new(super::admin_book::AdminBook::default()),
             stop_signal: std::sync::OnceLock::new(),

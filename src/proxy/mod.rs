@@ -83,7 +83,26 @@ pub fn app(node: Arc<Node>) -> axum::Router {
         .route("/admin/replicas/{id}", axum::routing::delete(admin::remove))
         .route("/admin/replicas/{id}/drain", post(admin::drain))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(node)
+}
+
+/// 405 in the shape of the API the path belongs to (Anthropic's for `/v1/messages…`).
+async fn method_not_allowed(uri: axum::http::Uri) -> axum::response::Response {
+    let e = ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} does not take this method", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: "method_not_allowed",
+        retry_after_s: None,
+    };
+    let shape = if uri.path().starts_with("/v1/messages") {
+        error::ErrorShape::Anthropic
+    } else {
+        error::ErrorShape::OpenAi
+    };
+    e.into_response_shaped(shape)
 }
 
 async fn not_found() -> ApiError {

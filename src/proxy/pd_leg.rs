@@ -118,12 +118,18 @@ pub(super) fn judged(
     }
 }
 
-/// Reads a leg's whole answer, at most [`MAX_PREFILL_ANSWER_BYTES`].
-pub(super) async fn read_answer(resp: reqwest::Response) -> Result<Bytes, String> {
+/// Reads a leg's whole answer, at most [`MAX_PREFILL_ANSWER_BYTES`], each chunk within `idle`
+/// of the one before (`timeouts.idle_ms`): a replica that sends its headers and then stalls
+/// would otherwise hold the read, and the leg's ticket with it, forever.
+pub(super) async fn read_answer(resp: reqwest::Response, idle: Duration) -> Result<Bytes, String> {
     let mut stream = resp.bytes_stream();
     let mut buf = BytesMut::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(upstream_cause)?;
+    loop {
+        let chunk = match tokio::time::timeout(idle, stream.next()).await {
+            Ok(Some(chunk)) => chunk.map_err(upstream_cause)?,
+            Ok(None) => break,
+            Err(_) => return Err(format!("no byte of the answer within {idle:?}")),
+        };
         if buf.len() + chunk.len() > MAX_PREFILL_ANSWER_BYTES {
             return Err(format!("answer over {MAX_PREFILL_ANSWER_BYTES} bytes"));
         }
@@ -132,16 +138,18 @@ pub(super) async fn read_answer(resp: reqwest::Response) -> Result<Bytes, String
     Ok(buf.freeze())
 }
 
-/// The prefill leg answered: read the rest of its answer in the background, then its blocks are
-/// in the prefill replica's cache and its accounting goes.
+/// The prefill leg answered: read the rest of its answer in the background (each chunk within
+/// `idle`), then its blocks are in the prefill replica's cache and its accounting goes (at once if the
+/// answer fails or stalls).
 pub(super) fn finish_prefill_later(
     resp: reqwest::Response,
     mut ticket: Ticket,
     keys: Vec<BlockKey>,
+    idle: Duration,
 ) {
     let ok = resp.status().is_success();
     tokio::spawn(async move {
-        let read = read_answer(resp).await;
+        let read = read_answer(resp, idle).await;
         if ok && read.is_ok() {
             ticket.first_byte(&keys);
         }

@@ -52,6 +52,7 @@ pub(super) async fn serve(
     let room = rand::rng().random_range(0..=MAX_ROOM);
     let body = edited(ctx.body, &bootstrap_fields(&host, port, room));
     let limit = ctx.first_byte;
+    let idle = std::time::Duration::from_millis(ctx.node.cfg.timeouts.idle_ms);
     let mut p_send = Box::pin(tokio::time::timeout(
         limit,
         send_leg(ctx, &p_end, &[], body.clone()),
@@ -69,7 +70,7 @@ pub(super) async fn serve(
                 match judged(p, pair.prefill.replica, "prefill", limit) {
                     Ok(resp) => {
                         if let Some(t) = ticket {
-                            finish_prefill_later(resp, t, keys.clone());
+                            finish_prefill_later(resp, t, keys.clone(), idle);
                         }
                     }
                     Err(f) => {
@@ -100,7 +101,7 @@ pub(super) async fn serve(
         tokio::spawn(async move {
             if let Ok(Ok(resp)) = p_send.await {
                 if !super::error::is_failure(resp.status()) {
-                    finish_prefill_later(resp, t, keys);
+                    finish_prefill_later(resp, t, keys, idle);
                 }
             }
         });

@@ -138,9 +138,12 @@ pub(super) async fn serve(
                 format!("the prefill replica answered {}", resp.status()),
             ));
         }
-        let bytes = read_answer(resp)
-            .await
-            .map_err(|e| prefill_fail(Failure::Transport, format!("prefill answer: {e}")))?;
+        let bytes = read_answer(
+            resp,
+            std::time::Duration::from_millis(ctx.node.cfg.timeouts.idle_ms),
+        )
+        .await
+        .map_err(|e| prefill_fail(Failure::Transport, format!("prefill answer: {e}")))?;
         serde_json::from_slice::<Map<String, Value>>(&bytes)
             .map_err(|e| prefill_fail(Failure::Status, format!("prefill answer is not JSON: {e}")))
     };

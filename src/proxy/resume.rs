@@ -47,6 +47,8 @@ struct Again {
     tried: Vec<usize>,
     /// Continuation attempts left (`retry.stream_resumes`).
     left: u32,
+    /// KiB of `Node::resume_body_budget` the kept body holds, given back when the guard goes.
+    budget_kib: u32,
 }
 
 /// Watches one streamed answer for its relay: whole events out, and a continuation when its
@@ -76,6 +78,27 @@ pub(crate) enum Recovery {
     End(Bytes),
 }
 
+/// Reserves `body`'s size in KiB of the node's budget for bodies kept by resumable streams,
+/// without waiting: `None` when it is spent. The body outlives the handler whose read budget
+/// held it (`body.rs`), for as long as the stream runs, so it is counted again here.
+fn keep_body(node: &Node, body: &Bytes) -> Option<u32> {
+    let kib = u32::try_from(body.len().div_ceil(1024)).ok()?;
+    let permit = node.resume_body_budget.try_acquire_many(kib).ok()?;
+    // Given back by the guard's drop, which outlives any borrow of the node here.
+    permit.forget();
+    Some(kib)
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if let Some(again) = &self.again {
+            self.node
+                .resume_body_budget
+                .add_permits(again.budget_kib as usize);
+        }
+    }
+}
+
 impl StreamGuard {
     /// A guard for `resp`, the answer to `u`, when it is a successful event stream of an API
     /// whose streams end with a marker (completions, chat, Messages, Responses).
@@ -100,15 +123,20 @@ impl StreamGuard {
             return None;
         }
         let resumes = node.cfg.retry.stream_resumes;
-        let again = (matches!(u.api, Api::Completions | Api::Chat) && resumes > 0).then(|| Again {
-            path: u.path,
-            headers: headers.clone(),
-            body: u.body.clone(),
-            tenant: tenant.map(str::to_owned),
-            class,
-            tried: Vec::new(),
-            left: resumes,
-        });
+        let resumable = matches!(u.api, Api::Completions | Api::Chat) && resumes > 0;
+        let again = resumable
+            .then(|| keep_body(node, &u.body))
+            .flatten()
+            .map(|budget_kib| Again {
+                path: u.path,
+                headers: headers.clone(),
+                body: u.body.clone(),
+                tenant: tenant.map(str::to_owned),
+                class,
+                tried: Vec::new(),
+                left: resumes,
+                budget_kib,
+            });
         Some(Box::new(StreamGuard {
             node: Arc::clone(node),
             api: u.api,

@@ -67,7 +67,7 @@ pub(crate) fn not_found(id: &str) -> ApiError {
 }
 
 /// 404 for a retrieve or cancel: no replica this node can reach stores `id`.
-fn retrieve_not_found(id: &str) -> ApiError {
+pub(crate) fn retrieve_not_found(id: &str) -> ApiError {
     ApiError {
         param: Some("response_id"),
         ..ApiError::not_found(
@@ -100,6 +100,16 @@ pub(crate) async fn locate(
             return Ok(Some(i));
         }
     }
+    // Held until the lookup ends (the asks are dropped with it).
+    let Ok(_lookup) = node.response_lookups.try_acquire() else {
+        node.metrics
+            .response_lookups
+            .with_label_values(&["refused"])
+            .inc();
+        return Err(ApiError::unavailable(
+            "too many stored-response lookups under way at this node",
+        ));
+    };
     let auth = replica_auth(node);
     let mut asks: FuturesUnordered<_> = candidates
         .iter()
@@ -181,7 +191,9 @@ async fn relay_to_holder(
         .await?
         .ok_or_else(|| retrieve_not_found(id))?;
     let endpoint = node.endpoint(i).ok_or_else(|| retrieve_not_found(id))?;
-    let url = format!("{}/v1/responses/{id}{suffix}", endpoint.base);
+    // The client's query (`stream`, `starting_after`, `include[]`) goes with it.
+    let query = req.uri().query().map_or(String::new(), |q| format!("?{q}"));
+    let url = format!("{}/v1/responses/{id}{suffix}{query}", endpoint.base);
     // As the request path sends them: the node's API key replaced by the replica token.
     let headers = super::auth::upstream_headers(node, req.headers());
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);

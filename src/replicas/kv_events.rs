@@ -653,6 +653,7 @@ pub async fn run(
         limits,
         last_warn: None,
         last_replay_warn: None,
+        last_clear_log: None,
         reported: Default::default(),
     };
     loop {
@@ -691,6 +692,9 @@ struct EventLoop {
     last_warn: Option<Instant>,
     /// When a failed replay was last logged.
     last_replay_warn: Option<Instant>,
+    /// When a clear of the event-fed blocks was last logged: an engine whose sequence jumps on
+    /// every message clears on every message, counted in `kvmesh_kv_events_clears_total`.
+    last_clear_log: Option<Instant>,
     /// Index counters already added to the metrics.
     reported: HashMap<&'static str, u64>,
 }
@@ -757,7 +761,11 @@ impl EventLoop {
                     Err(e) => self.malformed_payload(&e),
                 },
                 Action::Clear(reason) => {
-                    tracing::info!(replica = %self.id, rank, reason = reason.as_str(), "clearing the replica's event-fed blocks");
+                    let now = Instant::now();
+                    if self.last_clear_log.is_none_or(|t| now - t >= WARN_EVERY) {
+                        self.last_clear_log = Some(now);
+                        tracing::info!(replica = %self.id, rank, reason = reason.as_str(), "clearing the replica's event-fed blocks (further clears counted in kvmesh_kv_events_clears_total, logged at most every 10 s)");
+                    }
                     self.count_clear(reason.as_str());
                     self.index.clear_rank(rank, &mut ops);
                 }

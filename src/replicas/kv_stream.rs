@@ -158,7 +158,7 @@ impl SeqTracker {
             if buffered.len() >= MAX_BUFFERED || bytes > self.max_buffered_bytes {
                 // The replay is not keeping up; give it up and restart from the live stream.
                 self.mode = Mode::Live;
-                self.expect = Some(seq + 1);
+                self.expect = Some(seq.wrapping_add(1));
                 return vec![
                     Action::Clear(ClearReason::ReplayOverflow),
                     Action::Apply { seq, payload },

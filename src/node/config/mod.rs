@@ -309,7 +309,9 @@ pub struct RetryConfig {
     /// Times a streamed completions or chat answer whose replica fails (or goes silent past
     /// `timeouts.stream_idle_ms`) mid-stream is continued on another replica, from the text
     /// already sent; past it the stream ends with an error event. 0 = never. At most 16.
-    /// Default 2.
+    /// Default 2. A resumable stream keeps its request's body until it ends: such bodies take
+    /// at most a quarter of `server.max_buffered_body_bytes` at once, and a stream past that is
+    /// relayed without resumes.
     pub stream_resumes: u32,
     /// The same for a non-streamed request, whose answer comes only when done: a slow or stuck
     /// replica no longer holds it for `timeouts.first_byte_ms`, and a long completion still

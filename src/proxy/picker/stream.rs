@@ -34,6 +34,7 @@ use super::super::error::{ApiError, ErrorShape};
 use super::super::forward::{error_shape, pin_to_stored_response, route_request};
 use super::super::identify::{header_str, identify, Identity};
 use super::super::receipts::Receipt;
+use super::super::stored_responses;
 use super::super::understand::{understand, Understood};
 use super::accounting::Accounting;
 use super::ctx::PickerCtx;
@@ -135,13 +136,15 @@ async fn serve(ctx: &PickerCtx, inbound: &mut Streaming<ProcessingRequest>, out:
     let subset = wire::subset_hint(first.metadata_context.as_ref(), &ctx.cfg.subset_namespace);
     let (api, path) = api_for(&head.path);
     let shape = error_shape(api);
-    if h.end_of_stream {
-        return bodyless(ctx, inbound, out, subset.as_deref()).await;
-    }
+    // Before anything else, bodyless requests included: with API keys on, a retrieve or cancel
+    // of a stored response needs a key here as at the HTTP front.
     let who = match identify(node, &head.headers, false) {
         Ok(w) => w,
         Err(e) => return refuse(out, e, shape).await,
     };
+    if h.end_of_stream {
+        return bodyless(ctx, inbound, out, &head.path, subset.as_deref()).await;
+    }
     let (body, permit, trailers) = match read_body(ctx, inbound, &head.headers).await {
         Ok(b) => b,
         Err(BodyEnd::Refused(e)) => return refuse(out, e, shape).await,
@@ -352,6 +355,7 @@ async fn bodyless(
     ctx: &PickerCtx,
     inbound: &mut Streaming<ProcessingRequest>,
     out: &Out,
+    path: &str,
     subset: Option<&[String]>,
 ) -> Outcome {
     let node = &ctx.node;
@@ -360,6 +364,25 @@ async fn bodyless(
         .as_ref()
         .map(|s| pick::excluded_by(node, s, &ctx.cfg.rank_ports))
         .unwrap_or_default();
+    // A retrieve or cancel of a stored response goes to the replica that stores it, or nowhere.
+    if let Some(id) = stored_response_id(path) {
+        let held = match stored_responses::locate(node, None, id).await {
+            Ok(Some(i)) if excluded.binary_search(&i).is_err() => Some(i),
+            Ok(_) => None,
+            Err(e) => return refuse(out, e, ErrorShape::OpenAi).await,
+        };
+        let place =
+            held.and_then(|i| pick::place_of(node, i, None, subset.as_ref(), &ctx.cfg.rank_ports));
+        let Some(endpoint) = place else {
+            let e = stored_responses::retrieve_not_found(id);
+            return refuse(out, e, ErrorShape::OpenAi).await;
+        };
+        let reply = wire::pick_response(&endpoint, None, &ctx.cfg.metadata_namespace);
+        if out.send(Ok(reply)).await.is_ok() {
+            response_phase(ctx, inbound, out, None).await;
+        }
+        return Outcome::Picked;
+    }
     let best = {
         let core = node.lock();
         core.view
@@ -383,6 +406,13 @@ async fn bodyless(
         response_phase(ctx, inbound, out, None).await;
     }
     Outcome::Picked
+}
+
+/// The response id of `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`.
+fn stored_response_id(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/responses/")?;
+    let id = rest.strip_suffix("/cancel").unwrap_or(rest);
+    (!id.is_empty() && !id.contains('/')).then_some(id)
 }
 
 /// The response phase: every message answered in order, the books kept by `acct`, until the
@@ -463,6 +493,23 @@ mod tests {
     use std::net::SocketAddr;
     use std::sync::Arc;
     use tokio::sync::watch;
+
+    #[test]
+    fn stored_response_paths_name_their_id() {
+        assert_eq!(stored_response_id("/v1/responses/resp_1"), Some("resp_1"));
+        assert_eq!(
+            stored_response_id("/v1/responses/resp_1/cancel"),
+            Some("resp_1")
+        );
+        for path in [
+            "/v1/responses",
+            "/v1/responses/",
+            "/v1/responses/a/b",
+            "/v1/models",
+        ] {
+            assert_eq!(stored_response_id(path), None, "{path}");
+        }
+    }
 
     #[test]
     fn paths_name_the_front_routes_apis() {

@@ -4,7 +4,9 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh::core::region_offer::{OfferedModel, RegionHead, RegionOffer};
@@ -139,6 +141,31 @@ async fn regions_gossip_apart_and_learn_each_other_from_records() {
         assert_eq!(us.heads, vec![(42, 16)]);
         assert!(us.targets.iter().all(|t| t.node_id.starts_with('u')));
         assert!(!us.targets.is_empty());
+        // A member of eu that is not one of its representatives relays a record of us of its
+        // own making, newer than the real one, naming itself as us's target: not taken.
+        let mut liar = e3
+            .members()
+            .await
+            .into_iter()
+            .find(|m| m.node_id == "e1")
+            .expect("e1 as e3 sees it");
+        liar.node_id = (0..100)
+            .map(|i| format!("x{i}"))
+            .find(|x| !representatives(["e1", "e2", "e3", x.as_str()], 2).contains(&x.as_str()))
+            .expect("a name that is not a representative");
+        let mut forged = us.clone();
+        forged.at_ms += 60_000;
+        forged.targets[0].node_id = liar.node_id.clone();
+        liar.regions = Arc::new(BTreeMap::from([("us".to_owned(), forged)]));
+        let r = round_offering(&e3, offer("eu"), &[liar]).await;
+        assert!(
+            r.records["us"]
+                .targets
+                .iter()
+                .all(|t| t.node_id.starts_with('u')),
+            "{:?}",
+            r.records["us"]
+        );
         // Two representatives per region (of 3 in eu, 2 in us).
         let mut reps = 0;
         for m in all {

@@ -40,12 +40,11 @@ use super::region_layer::{LayerSettings, RegionLayer};
 use super::regional::{Regional, RegionalRound};
 use super::replica_load::{RecordChange, ReplicaLoadRecord};
 use super::schema::{
-    self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT,
-    KEY_NODE, KEY_RTT,
+    self, InflightRecord, NodeRecord, ReplicaRecord, RttRecord, SchemaError, KEY_INFLIGHT, KEY_RTT,
 };
 use super::schema::{HomesRecord, KEY_HOMES};
 use super::seeds::{self, SeedResolver};
-use super::signed::{CertCheck, LocalSigner, SignError, Signed, Status, KEY_CERT};
+use super::signed::{CertCheck, LocalSigner, SignError};
 use super::sync::{BlockReport, MeshHandler, SummaryRequest, MAX_REPORT_KEYS};
 use super::transport::{QuicTransport, StatsSnapshot, TransportConfig, TransportError};
 use crate::core::region_offer::RegionOffer;
@@ -262,23 +261,6 @@ fn trust_of(
     Ok((key, signer, check, operator))
 }
 
-/// A node's first values: its certificate (version 1), then its node record (version 2), both
-/// signed (see `signed`).
-fn initial_values(signer: &LocalSigner, id: &ChitchatId, node: &str) -> Vec<(String, String)> {
-    let node_signed = signer.seal(&Signed {
-        node_id: &id.node_id,
-        generation: id.generation_id,
-        key: KEY_NODE,
-        version: 2,
-        status: Status::Set,
-        payload: node,
-    });
-    vec![
-        (KEY_CERT.to_owned(), signer.cert_value(id)),
-        (KEY_NODE.to_owned(), node_signed),
-    ]
-}
-
 /// The failure detector for `cfg`. chitchat 0.11's phi is `silence / mean heartbeat interval`,
 /// and heartbeats arrive about once per gossip round, so a threshold of
 /// `failure_detection / gossip_interval` declares a node dead after about `failure_detection`.
@@ -319,7 +301,13 @@ impl Mesh {
             .identity
             .quic_configs_with(cfg.transport.idle_timeout, cert)?;
         let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
-        transport.set_guard(Guard::new(check, cfg.dead_node_grace_period));
+        // The region layer's gossip is checked as the region's is, by a gate of its own (its
+        // members are other regions' representatives, with their own incarnations).
+        let layer_check = CertCheck::new(&cfg.identity)?;
+        transport.set_guards(
+            Guard::new(check, cfg.dead_node_grace_period),
+            Guard::new(layer_check, cfg.dead_node_grace_period),
+        );
         let bound = transport.local_addr();
         let advertise = cfg.advertise_addr.unwrap_or(bound);
         let generation = now_ms();
@@ -341,7 +329,7 @@ impl Mesh {
                 return Err(e.into());
             }
         };
-        let initial = initial_values(&signer, &self_id, &node_value);
+        let initial = signer.initial_values(&self_id, &node_value);
         let handle = match spawn_chitchat(config, initial, &transport).await {
             Ok(h) => Arc::new(h),
             Err(e) => {
@@ -354,7 +342,13 @@ impl Mesh {
         let decoded = Arc::new(Mutex::new(MemberCache::default()));
         let reports = Arc::new(Mutex::new(ReportBatches::new()));
         let reports_queued = Arc::new(tokio::sync::Notify::new());
-        let regional = region_layer(&cfg, &transport, &self_id, node_value, &schema_errors);
+        let regional = region_layer(
+            &cfg,
+            &transport,
+            (&self_id, &signer),
+            node_value,
+            &schema_errors,
+        );
         let mut tasks = vec![
             tokio::spawn(rtt_loop(
                 handle.chitchat(),
@@ -1109,7 +1103,7 @@ fn chitchat_config(
 fn region_layer(
     cfg: &MeshConfig,
     transport: &QuicTransport,
-    self_id: &ChitchatId,
+    (self_id, signer): (&ChitchatId, &Arc<LocalSigner>),
     node_value: String,
     schema_errors: &Arc<AtomicU64>,
 ) -> Option<Arc<Regional>> {
@@ -1130,7 +1124,7 @@ fn region_layer(
             };
             let layer = RegionLayer::new(
                 transport.clone(),
-                self_id.clone(),
+                (self_id.clone(), Arc::clone(signer)),
                 settings,
                 node_value,
                 schema_errors.clone(),

@@ -14,8 +14,9 @@
 //!   (signed keys are withdrawn, never deleted), a value over its size cap, or a set-max-version
 //!   after values. Nothing of a forged delta is kept: a dropped value with the delta's max
 //!   version left would skip the owner's own update of that version.
-//! - **Refused one value** (valid signature, no authority; counted): a `node` record for
-//!   another region than the publisher's certificate binds (`authority_refused`), an `admin:`
+//! - **Refused one value** (valid signature, no authority; counted): a `node` record, or a
+//!   region layer's `region` record, for another region than the publisher's certificate binds
+//!   (`authority_refused`), an `admin:`
 //!   record from a publisher without the operator role (`authority_refused`), a new key past
 //!   [`MAX_KEYS_PER_MEMBER`] (`key_cap_refused`). The receiver's max version then stops at the
 //!   last value kept, so a refused last value is offered again (and refused again) later.
@@ -33,8 +34,8 @@
 //! set to 0 (`reset_refused`), which makes it a plain delta from version 0 — the values the
 //! receiver lacks, nothing forgotten. A receiver that fell behind a member's GC then keeps a
 //! withdrawn key until the member itself gossips with it. What a relay can still do: withhold
-//! (drop or delay) another member's state, as it always could. The region layer's messages (`KIND_REGIONS_Z`) are not
-//! checked here: a `region` record counts only for its publisher's region, as before.
+//! (drop or delay) another member's state, as it always could. The region layer's messages
+//! (`KIND_REGIONS_Z`) pass a gate of their own, by the same rules.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
@@ -47,6 +48,7 @@ use std::time::{Duration, Instant};
 use chitchat::{ChitchatId, Deserializable};
 
 use super::admin::ADMIN_PREFIX;
+use super::region_record::{RegionRecord, KEY_REGION};
 use super::schema::{self, NodeRecord, KEY_NODE};
 use super::signed::{
     CertCheck, Envelope, PeerCert, Signed, Status, KEY_CERT, MAX_CERT_VALUE_BYTES,
@@ -418,17 +420,22 @@ fn make_room_for_book(books: &mut HashMap<(Arc<str>, u64), KeyBook>, id: &Chitch
     books.len() < MAX_SIGNERS * GENERATIONS_KEPT
 }
 
-/// Whether a publisher with `cert` may publish `value` under `key`: a `node` record only for
-/// the region its certificate binds, an `admin:` record only with the operator role.
+/// Whether a publisher with `cert` may publish `value` under `key`: a `node` record, or (in the
+/// region layer) a `region` record, only for the region its certificate binds; an `admin:`
+/// record only with the operator role.
 fn may_publish(cert: &PeerCert, key: &str, value: &str) -> bool {
-    if key == KEY_NODE {
+    if key == KEY_NODE || key == KEY_REGION {
         let Some(region) = &cert.roles.region else {
             return true;
         };
         let Some(payload) = super::signed::payload(value) else {
             return true;
         };
-        return NodeRecord::decode(payload).is_ok_and(|r| r.region == *region);
+        return if key == KEY_NODE {
+            NodeRecord::decode(payload).is_ok_and(|r| r.region == *region)
+        } else {
+            RegionRecord::decode(payload).is_ok_and(|r| r.region == *region)
+        };
     }
     if key.starts_with(ADMIN_PREFIX) {
         return cert.roles.operator;
@@ -672,6 +679,17 @@ mod tests {
         .unwrap()
     }
 
+    /// A region layer `region` record for `region`.
+    fn region_record(region: &str) -> String {
+        RegionRecord {
+            region: region.into(),
+            at_ms: 1,
+            ..RegionRecord::default()
+        }
+        .encode_fit()
+        .unwrap()
+    }
+
     #[test]
     fn signed_state_passes_and_a_relayed_forgery_is_dropped_whole() {
         let ca = ClusterCa::generate().unwrap();
@@ -744,6 +762,12 @@ mod tests {
                     (KEY_NODE, a.value(KEY_NODE, 2, &node_record("us")), 2, 0),
                     ("admin:r1", a.value("admin:r1", 3, &admin), 3, 0),
                     ("hot", a.value("hot", 4, "h"), 4, 0),
+                    (
+                        KEY_REGION,
+                        a.value(KEY_REGION, 5, &region_record("us")),
+                        5,
+                        0,
+                    ),
                 ],
             ),
             (
@@ -752,6 +776,12 @@ mod tests {
                     (KEY_CERT, op.value(KEY_CERT, 1, ""), 1, 0),
                     (KEY_NODE, op.value(KEY_NODE, 2, &node_record("eu")), 2, 0),
                     ("admin:r1", op.value("admin:r1", 3, &admin), 3, 0),
+                    (
+                        KEY_REGION,
+                        op.value(KEY_REGION, 4, &region_record("eu")),
+                        4,
+                        0,
+                    ),
                 ],
             ),
         ]);
@@ -760,10 +790,13 @@ mod tests {
             passed(&g, &body),
             vec![
                 ("a".to_owned(), keys(&[KEY_CERT, "hot"])),
-                ("op".to_owned(), keys(&[KEY_CERT, KEY_NODE, "admin:r1"])),
+                (
+                    "op".to_owned(),
+                    keys(&[KEY_CERT, KEY_NODE, "admin:r1", KEY_REGION])
+                ),
             ]
         );
-        assert_eq!(g.stats.authority_refused.load(Ordering::Relaxed), 2);
+        assert_eq!(g.stats.authority_refused.load(Ordering::Relaxed), 3);
     }
 
     /// The last GC version of each node delta `body` hands chitchat, by node id.

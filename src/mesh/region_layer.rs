@@ -11,7 +11,10 @@
 //! membership, with no election, and a representative's death moves the role to the next node
 //! within a failure-detection time. A node runs the layer's chitchat only while it is one, on the
 //! same QUIC endpoint (stream kind `KIND_REGIONS_Z`), under the same certificate checks: the
-//! layer's digests prove node ids exactly as the regional cluster's do.
+//! layer's digests prove node ids exactly as the regional cluster's do, and its values are
+//! signed and checked as the region's are (`signed`, `gossip_guard`): a representative's
+//! `node` and `region` records count only for the region its certificate binds, whoever
+//! relays them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
@@ -24,6 +27,7 @@ use tracing::{debug, info};
 
 use super::region_record::{RegionRecord, KEY_REGION};
 use super::schema::{NodeRecord, KEY_NODE};
+use super::signed::{payload, LocalSigner};
 use super::transport::QuicTransport;
 use crate::core::affinity;
 
@@ -75,6 +79,8 @@ pub struct LayerSettings {
 pub struct RegionLayer {
     transport: QuicTransport,
     chitchat_id: ChitchatId,
+    /// Signs this node's values in the layer (the mesh's signer).
+    signer: Arc<LocalSigner>,
     cluster_id: String,
     region: String,
     node_value: String,
@@ -104,10 +110,11 @@ impl std::fmt::Debug for RegionLayer {
 }
 
 impl RegionLayer {
-    /// A layer for the node `chitchat_id`, whose `node` record encodes to `node_value`.
+    /// A layer for the node `chitchat_id`, signing with `signer`, whose `node` record encodes
+    /// to `node_value`.
     pub fn new(
         transport: QuicTransport,
-        chitchat_id: ChitchatId,
+        (chitchat_id, signer): (ChitchatId, Arc<LocalSigner>),
         settings: LayerSettings,
         node_value: String,
         errors: Arc<AtomicU64>,
@@ -115,6 +122,7 @@ impl RegionLayer {
         RegionLayer {
             transport,
             chitchat_id,
+            signer,
             cluster_id: settings.cluster_id,
             region: settings.region,
             node_value,
@@ -137,6 +145,7 @@ impl RegionLayer {
                 let mut chitchat_id = self.chitchat_id.clone();
                 let start = self.starts.fetch_add(1, Ordering::Relaxed);
                 chitchat_id.generation_id = chitchat_id.generation_id.saturating_add(start);
+                let initial = self.signer.initial_values(&chitchat_id, &self.node_value);
                 let config = ChitchatConfig {
                     chitchat_id,
                     cluster_id: self.cluster_id.clone(),
@@ -151,7 +160,6 @@ impl RegionLayer {
                     catchup_callback: None,
                     extra_liveness_predicate: None,
                 };
-                let initial = vec![(KEY_NODE.to_owned(), self.node_value.clone())];
                 let layer = self.transport.regions_layer();
                 match spawn_chitchat(config, initial, &layer).await {
                     Ok(h) => {
@@ -177,8 +185,12 @@ impl RegionLayer {
     /// Publishes this region's record (an encoded [`RegionRecord`]); no-op when inactive.
     pub async fn publish(&self, value: String) {
         if let Some(h) = self.handle.lock().await.as_ref() {
-            h.with_chitchat(|c| c.self_node_state().set(KEY_REGION, value.clone()))
-                .await;
+            let signer = &self.signer;
+            h.with_chitchat(|c| {
+                let id = c.self_chitchat_id().clone();
+                signer.publish(c.self_node_state(), &id, KEY_REGION, &value);
+            })
+            .await;
         }
     }
 
@@ -248,7 +260,8 @@ impl RegionLayer {
                 let Some(state) = c.node_state(&id) else {
                     continue;
                 };
-                let node = state.get(KEY_NODE).map(NodeRecord::decode);
+                // The gate checked each value's signature; the records are the payloads.
+                let node = state.get(KEY_NODE).and_then(payload).map(NodeRecord::decode);
                 let node = match node {
                     Some(Ok(n)) => n,
                     Some(Err(e)) => {
@@ -260,7 +273,7 @@ impl RegionLayer {
                 };
                 out.members
                     .push((id.gossip_advertise_addr, node.region.clone()));
-                let Some(value) = state.get(KEY_REGION) else {
+                let Some(value) = state.get(KEY_REGION).and_then(payload) else {
                     continue;
                 };
                 match RegionRecord::decode(value) {

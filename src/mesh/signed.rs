@@ -222,6 +222,23 @@ impl LocalSigner {
         })
     }
 
+    /// A node's first values in a cluster: its certificate (version 1), then its node record
+    /// `node` (version 2), both signed, for chitchat id `id`.
+    pub fn initial_values(&self, id: &ChitchatId, node: &str) -> Vec<(String, String)> {
+        let node_signed = self.seal(&Signed {
+            node_id: &id.node_id,
+            generation: id.generation_id,
+            key: super::schema::KEY_NODE,
+            version: 2,
+            status: Status::Set,
+            payload: node,
+        });
+        vec![
+            (KEY_CERT.to_owned(), self.cert_value(id)),
+            (super::schema::KEY_NODE.to_owned(), node_signed),
+        ]
+    }
+
     /// Publishes `payload` under `key` in this node's own `state` (chitchat id `id`), signed
     /// for the version chitchat gives it. Nothing changes when the live payload is the same.
     pub fn publish(&self, state: &mut NodeState, id: &ChitchatId, key: &str, payload: &str) {

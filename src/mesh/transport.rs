@@ -391,9 +391,10 @@ struct Inner {
     /// Chitchat ids whose node proved its name on a direct connection (see the module doc).
     verified: Mutex<HashMap<Arc<str>, Vec<ChitchatId>>>,
     handler: RwLock<Option<Arc<dyn MeshHandler>>>,
-    /// Checks every value of the region's gossip against its publisher (see `gossip_guard`);
-    /// `None` until `Mesh` installs it (then for the transport's life).
-    guard: RwLock<Option<Arc<Guard>>>,
+    /// Check every value of the region's gossip, and of the region layer's, against its
+    /// publisher (see `gossip_guard`); `None` until `Mesh` installs them (then for the
+    /// transport's life).
+    guards: RwLock<Option<Guards>>,
     stats: TransportStats,
     warn_gate: WarnGate,
 }
@@ -467,7 +468,7 @@ impl QuicTransport {
             refused: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashMap::new()),
             handler: RwLock::new(None),
-            guard: RwLock::new(None),
+            guards: RwLock::new(None),
             stats: TransportStats::default(),
             warn_gate: WarnGate::new(),
         });
@@ -488,13 +489,16 @@ impl QuicTransport {
     /// The counters now, the endpoint's UDP bytes included.
     pub fn snapshot(&self) -> StatsSnapshot {
         let mut s = self.inner.stats.snapshot();
-        if let Some(g) = &*self.inner.guard.read().unwrap_or_else(|e| e.into_inner()) {
-            let g = &g.stats;
-            s.forged_refused = g.forged_refused.load(Ordering::Relaxed);
-            s.authority_refused = g.authority_refused.load(Ordering::Relaxed);
-            s.key_cap_refused = g.key_cap_refused.load(Ordering::Relaxed);
-            s.reset_refused = g.reset_refused.load(Ordering::Relaxed);
-            s.signatures_verified = g.verified.load(Ordering::Relaxed);
+        if let Some(g) = &*self.inner.guards.read().unwrap_or_else(|e| e.into_inner()) {
+            let (r, l) = (&g.region.stats, &g.layer.stats);
+            let sum = |a: &AtomicU64, b: &AtomicU64| {
+                a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed)
+            };
+            s.forged_refused = sum(&r.forged_refused, &l.forged_refused);
+            s.authority_refused = sum(&r.authority_refused, &l.authority_refused);
+            s.key_cap_refused = sum(&r.key_cap_refused, &l.key_cap_refused);
+            s.reset_refused = sum(&r.reset_refused, &l.reset_refused);
+            s.signatures_verified = sum(&r.verified, &l.verified);
         }
         s.udp_bytes_sent = self.inner.udp.sent.load(Ordering::Relaxed);
         s.udp_bytes_received = self.inner.udp.received.load(Ordering::Relaxed);
@@ -550,10 +554,11 @@ impl QuicTransport {
             .unwrap_or_else(|e| e.into_inner()) = Some(handler);
     }
 
-    /// Installs the gate every gossip message's values pass before chitchat sees them (region
-    /// layer messages excepted; see `gossip_guard`).
-    pub fn set_guard(&self, guard: Arc<Guard>) {
-        *self.inner.guard.write().unwrap_or_else(|e| e.into_inner()) = Some(guard);
+    /// Installs the gates every gossip message's values pass before chitchat sees them: `region`
+    /// for the region's gossip, `layer` for the region layer's (see `gossip_guard`).
+    pub fn set_guards(&self, region: Arc<Guard>, layer: Arc<Guard>) {
+        *self.inner.guards.write().unwrap_or_else(|e| e.into_inner()) =
+            Some(Guards { region, layer });
     }
 
     /// Fault injection: drops all traffic to and from `peer` (gossip, reports, sync) until
@@ -1038,6 +1043,14 @@ async fn accept_loop(inner: Arc<Inner>) {
     }
 }
 
+/// The gossip gates: one per chitchat cluster a node takes part in.
+struct Guards {
+    /// The region's (or, flat, the mesh's) cluster.
+    region: Arc<Guard>,
+    /// The region layer's (representatives of every region).
+    layer: Arc<Guard>,
+}
+
 /// Adds `id` to the verified ids, keeping each node id's [`VERIFIED_GENERATIONS`] newest.
 fn remember_verified(verified: &mut HashMap<Arc<str>, Vec<ChitchatId>>, id: ChitchatId) {
     if !verified.contains_key(&id.node_id) && verified.len() >= MAX_VERIFIED {
@@ -1277,8 +1290,8 @@ async fn read_uni(
     }
 }
 
-/// A gossip message's body (kind byte read): unpacked, decoded, its sender's identity and
-/// (region gossip) its values checked, then handed to chitchat or the region layer.
+/// A gossip message's body (kind byte read): unpacked, decoded, its sender's identity and its
+/// values checked (by its cluster's gate), then handed to chitchat or the region layer.
 fn read_gossip(inner: &Inner, conn: &quinn::Connection, names: &[String], kind: u8, body: Vec<u8>) {
     let peer = conn.remote_address();
     let wire_len = body.len() as u64 + 1;
@@ -1333,8 +1346,8 @@ fn read_gossip(inner: &Inner, conn: &quinn::Connection, names: &[String], kind: 
     }
 }
 
-/// `msg` as chitchat may see it: its values checked by the guard (region gossip, once one is
-/// installed), rebuilt without what was refused. `None`: drop it.
+/// `msg` as chitchat may see it: its values checked by its cluster's gate (once installed),
+/// rebuilt without what was refused. `None`: drop it.
 fn guarded(
     inner: &Inner,
     peer: SocketAddr,
@@ -1342,14 +1355,18 @@ fn guarded(
     (kind, body): (u8, &[u8]),
     msg: ChitchatMessage,
 ) -> Option<ChitchatMessage> {
-    if kind == KIND_REGIONS_Z {
-        return Some(msg);
-    }
     let guard = inner
-        .guard
+        .guards
         .read()
         .unwrap_or_else(|e| e.into_inner())
-        .clone();
+        .as_ref()
+        .map(|g| {
+            if kind == KIND_REGIONS_Z {
+                Arc::clone(&g.layer)
+            } else {
+                Arc::clone(&g.region)
+            }
+        });
     let Some(guard) = guard else {
         return Some(msg);
     };

@@ -305,8 +305,8 @@ impl Mesh {
         // members are other regions' representatives, with their own incarnations).
         let layer_check = CertCheck::new(&cfg.identity)?;
         transport.set_guards(
-            Guard::new(check, cfg.dead_node_grace_period),
-            Guard::new(layer_check, cfg.dead_node_grace_period),
+            Guard::new(check, &cfg.node_id, cfg.dead_node_grace_period),
+            Guard::new(layer_check, &cfg.node_id, cfg.dead_node_grace_period),
         );
         let bound = transport.local_addr();
         let advertise = cfg.advertise_addr.unwrap_or(bound);

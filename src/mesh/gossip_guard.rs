@@ -25,6 +25,14 @@
 //!
 //! Each (publisher, key, version, value) is verified once: a bounded set of what passed.
 //!
+//! **Digests** (a Syn's or SynAck's list of members with their heartbeats) are unsigned too, and
+//! chitchat makes a member state and a failure-detector entry for every id a digest names. So a
+//! digest keeps only this node's own entries, the sender's own (at most [`GENERATIONS_KEPT`]),
+//! and incarnations whose signed `cert` this node has verified (`digest_unknown` counts the
+//! rest): invented ids make no state, and a new member is learned from its signed values, which
+//! carry its `cert`, as before. A relay can still repeat a known member's heartbeat higher than
+//! that member sent it, keeping it live while it is dead, until its state is forgotten.
+//!
 //! A node delta's bookkeeping (last GC version, from version) is unsigned. A delta from version 0
 //! whose last GC version is past what the receiver knows is chitchat's *reset*: the receiver
 //! forgets the member's state and keeps only what the delta carries. Relayed, that would let
@@ -71,6 +79,9 @@ const MAX_DELTA_BYTES: usize = 4 << 20;
 /// Counters of refusals (monotonic).
 #[derive(Debug, Default)]
 pub struct GuardStats {
+    /// Digest entries of members this node knows no certificate of, left out (see the module
+    /// doc): normal for a member that just joined, a flood from a member otherwise.
+    pub digest_unknown: AtomicU64,
     /// Node deltas dropped whole: unsigned, forged, unknown publisher, plain tombstone.
     pub forged_refused: AtomicU64,
     /// Validly signed values their publisher may not publish (region, operator role).
@@ -105,9 +116,11 @@ struct GuardState {
     keys: HashMap<(Arc<str>, u64), KeyBook>,
 }
 
-/// The gate (one per node, shared by its transport's readers).
+/// The gate (one per node and cluster, shared by its transport's readers).
 pub struct Guard {
     check: CertCheck,
+    /// This node's id: its own entries in a digest are always kept.
+    self_id: Arc<str>,
     /// How long a withdrawn key still counts (chitchat's tombstone grace period).
     withdrawn_hold: Duration,
     hasher: RandomState,
@@ -145,10 +158,12 @@ enum Op<'a> {
 struct Forged(String);
 
 impl Guard {
-    /// A gate trusting `check`'s CA; withdrawn keys count for `withdrawn_hold`.
-    pub fn new(check: CertCheck, withdrawn_hold: Duration) -> Arc<Self> {
+    /// The gate of node `self_id`, trusting `check`'s CA; withdrawn keys count for
+    /// `withdrawn_hold`.
+    pub fn new(check: CertCheck, self_id: &str, withdrawn_hold: Duration) -> Arc<Self> {
         Arc::new(Guard {
             check,
+            self_id: self_id.into(),
             withdrawn_hold,
             hasher: RandomState::new(),
             state: Mutex::new(GuardState::default()),
@@ -160,9 +175,79 @@ impl Guard {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Checks the delta of a serialized chitchat message (already known to decode) from a
-    /// sender whose certificate names `sender` (its node ids).
+    /// Checks the digest and the delta of a serialized chitchat message (already known to
+    /// decode) from a sender whose certificate names `sender` (its node ids).
     pub fn filter(&self, body: &[u8], sender: &[String]) -> Filtered {
+        let digest = match self.filter_digest(body, sender) {
+            Ok(d) => d,
+            Err(e) => return Filtered::Malformed(e),
+        };
+        match (
+            self.filter_delta(digest.as_deref().unwrap_or(body), sender),
+            digest,
+        ) {
+            (Filtered::Unchanged, Some(rewritten)) => Filtered::Rewritten(rewritten),
+            (filtered, _) => filtered,
+        }
+    }
+
+    /// The message without the digest entries of members this node knows no certificate of
+    /// (`None`: nothing left out). Kept: this node's own, the sender's own (at most
+    /// [`GENERATIONS_KEPT`] of them), and incarnations whose `cert` this node verified.
+    fn filter_digest(&self, body: &[u8], sender: &[String]) -> Result<Option<Vec<u8>>, String> {
+        if !matches!(body.get(3), Some(0 | 1)) {
+            return Ok(None);
+        }
+        let mut buf = &body[4..];
+        let n = u16::deserialize(&mut buf).map_err(|e| e.to_string())?;
+        let mut entries = Vec::with_capacity(usize::from(n).min(1024));
+        for _ in 0..n {
+            let start = body.len() - buf.len();
+            let id = ChitchatId::deserialize(&mut buf).map_err(|e| e.to_string())?;
+            for _ in 0..3 {
+                read_u64(&mut buf)?;
+            }
+            entries.push((id, start..body.len() - buf.len()));
+        }
+        let rest = body.len() - buf.len();
+        let keep: Vec<bool> = {
+            let st = self.lock();
+            let mut own = 0;
+            entries
+                .iter()
+                .map(|(id, _)| {
+                    if id.node_id == self.self_id {
+                        return true;
+                    }
+                    if sender.iter().any(|n| **n == *id.node_id) {
+                        own += 1;
+                        return own <= GENERATIONS_KEPT;
+                    }
+                    st.signers
+                        .get(&id.node_id)
+                        .is_some_and(|gens| gens.iter().any(|(g, _)| *g == id.generation_id))
+                })
+                .collect()
+        };
+        let kept = keep.iter().filter(|k| **k).count();
+        if kept == entries.len() {
+            return Ok(None);
+        }
+        self.stats
+            .digest_unknown
+            .fetch_add((entries.len() - kept) as u64, Ordering::Relaxed);
+        let mut out = Vec::with_capacity(body.len());
+        out.extend_from_slice(&body[..4]);
+        out.extend_from_slice(&(kept as u16).to_le_bytes());
+        for ((_, range), _) in entries.iter().zip(&keep).filter(|(_, k)| **k) {
+            out.extend_from_slice(&body[range.clone()]);
+        }
+        out.extend_from_slice(&body[rest..]);
+        Ok(Some(out))
+    }
+
+    /// Checks the delta of a serialized chitchat message (see the module doc).
+    fn filter_delta(&self, body: &[u8], sender: &[String]) -> Filtered {
         let Some(at) = delta_offset(body) else {
             return Filtered::Unchanged;
         };
@@ -641,7 +726,7 @@ mod tests {
 
     fn guard(ca: &ClusterCa) -> Arc<Guard> {
         let me = ca.issue("me").unwrap();
-        Guard::new(CertCheck::new(&me).unwrap(), Duration::from_secs(600))
+        Guard::new(CertCheck::new(&me).unwrap(), "me", Duration::from_secs(600))
     }
 
     /// The (node id, keys) a filtered message hands chitchat.
@@ -892,6 +977,68 @@ mod tests {
         let mut books: Vec<u64> = st.keys.keys().map(|(_, generation)| *generation).collect();
         books.sort_unstable();
         assert_eq!(books, vec![4, 5], "the two newest generations' books");
+    }
+
+    /// A Syn listing `ids` (heartbeat 5, last GC 0, max version 3 each).
+    fn syn(ids: &[ChitchatId]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        ChitchatMessage::BadCluster.serialize(&mut bytes);
+        bytes.truncate(3);
+        bytes.push(0);
+        (ids.len() as u16).serialize(&mut bytes);
+        for id in ids {
+            id.serialize(&mut bytes);
+            for v in [5u64, 0, 3] {
+                v.serialize(&mut bytes);
+            }
+        }
+        "c".to_owned().serialize(&mut bytes);
+        bytes
+    }
+
+    #[test]
+    fn a_digest_names_only_members_whose_certificate_was_seen() {
+        let ca = ClusterCa::generate().unwrap();
+        let g = guard(&ca);
+        let a = node(&ca, "a", &CertRoles::default());
+        let body = ack(&[(&a.id, vec![(KEY_CERT, a.value(KEY_CERT, 1, ""), 1, 0)])]);
+        assert_eq!(g.filter(&body, &[]), Filtered::Unchanged);
+        let at = |name: &str, generation: u64| {
+            ChitchatId::new(name.to_owned(), generation, "127.0.0.1:9".parse().unwrap())
+        };
+        let listed = [
+            at("me", 1),
+            at("relay", 1),
+            at("relay", 2),
+            at("relay", 3),
+            a.id.clone(),
+            at("a", 8),
+            at("ghost", 1),
+        ];
+        let body = match g.filter(&syn(&listed), &["relay".to_owned()]) {
+            Filtered::Rewritten(b) => b,
+            other => panic!("{other:?}"),
+        };
+        let mut buf = body.as_slice();
+        let Ok(ChitchatMessage::Syn { cluster_id, .. }) = ChitchatMessage::deserialize(&mut buf)
+        else {
+            panic!("not a Syn");
+        };
+        assert_eq!(cluster_id, "c");
+        // This node, the sender's first two incarnations, and a's verified one; not a's
+        // unknown incarnation nor a ghost.
+        let mut kept = &body[4..];
+        let n = u16::deserialize(&mut kept).unwrap();
+        let ids: Vec<ChitchatId> = (0..n)
+            .map(|_| {
+                let id = ChitchatId::deserialize(&mut kept).unwrap();
+                kept = &kept[24..];
+                id
+            })
+            .collect();
+        let want: Vec<ChitchatId> = [0, 1, 2, 4].iter().map(|&i| listed[i].clone()).collect();
+        assert_eq!(ids, want);
+        assert_eq!(g.stats.digest_unknown.load(Ordering::Relaxed), 3);
     }
 
     #[test]

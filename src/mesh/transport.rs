@@ -275,6 +275,8 @@ pub struct StatsSnapshot {
     pub key_cap_refused: u64,
     /// Resets of a member relayed by another, made plain deltas.
     pub reset_refused: u64,
+    /// Digest entries of members no certificate was seen of, left out.
+    pub digest_unknown: u64,
     /// Gossip value signatures verified.
     pub signatures_verified: u64,
     /// Every UDP byte the endpoint sent (see `udp_count`).
@@ -312,6 +314,7 @@ impl TransportStats {
             authority_refused: 0,
             key_cap_refused: 0,
             reset_refused: 0,
+            digest_unknown: 0,
             signatures_verified: 0,
             udp_bytes_sent: 0,
             udp_bytes_received: 0,
@@ -498,6 +501,7 @@ impl QuicTransport {
             s.authority_refused = sum(&r.authority_refused, &l.authority_refused);
             s.key_cap_refused = sum(&r.key_cap_refused, &l.key_cap_refused);
             s.reset_refused = sum(&r.reset_refused, &l.reset_refused);
+            s.digest_unknown = sum(&r.digest_unknown, &l.digest_unknown);
             s.signatures_verified = sum(&r.verified, &l.verified);
         }
         s.udp_bytes_sent = self.inner.udp.sent.load(Ordering::Relaxed);

@@ -417,7 +417,8 @@ pub struct MeshMetrics {
     /// (`identity_refused`), unsigned or forged gossip values (`forged_refused`), records
     /// a certificate does not allow (`authority_refused`), keys past a member's cap
     /// (`key_cap_refused`), a member's reset relayed by another, made a plain delta
-    /// (`reset_refused`).
+    /// (`reset_refused`), digest entries of members no certificate was seen of
+    /// (`digest_unknown`: a just-joined member's, or a flood).
     pub dropped: IntCounterVec,
     /// `kvmesh_mesh_summary_pulls_total{kind}`: delta, snapshot, ignored, error.
     pub pulls: IntCounterVec,
@@ -607,7 +608,7 @@ impl MeshMetrics {
     /// Adds what the transport counted since `prev`.
     pub(super) fn add_stats(&self, prev: &StatsSnapshot, now: &StatsSnapshot, schema: (u64, u64)) {
         let d = |f: fn(&StatsSnapshot) -> u64| f(now).saturating_sub(f(prev));
-        let labelled: [(&IntCounterVec, &str, u64); 24] = [
+        let labelled: [(&IntCounterVec, &str, u64); 25] = [
             (&self.gossip_messages, "sent", d(|s| s.gossip_sent)),
             (&self.gossip_messages, "received", d(|s| s.gossip_received)),
             (&self.gossip_bytes, "sent", d(|s| s.gossip_bytes_sent)),
@@ -643,6 +644,7 @@ impl MeshMetrics {
             ),
             (&self.dropped, "key_cap_refused", d(|s| s.key_cap_refused)),
             (&self.dropped, "reset_refused", d(|s| s.reset_refused)),
+            (&self.dropped, "digest_unknown", d(|s| s.digest_unknown)),
             (
                 &self.dropped,
                 "bad_gossip_value",

@@ -338,11 +338,12 @@ async fn a_rotated_mesh_certificate_is_used_by_every_new_mesh_handshake_and_the_
         incoming.close(0u32.into(), b"seen");
         let _ = dial.await;
 
-        // Client side, peer HTTPS: n1's forwarding client, against a member-like listener.
+        // Client side, peer HTTPS: n1's forwarding client (for the probe's node), against a
+        // member-like listener.
         let (server_tls, _) = kvmesh::mesh::peer_tls::https_configs(&probe).unwrap();
         let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("https://{}/health", tcp.local_addr().unwrap());
-        let client = n1.node.peer_client.get().unwrap().clone();
+        let client = n1.node.forward_clients.get("probe", "default").unwrap();
         let get = tokio::spawn(async move { client.get(url).send().await });
         let (sock, _) = tcp.accept().await.unwrap();
         let accepted = tokio_rustls::TlsAcceptor::from(Arc::new(server_tls))
@@ -366,14 +367,14 @@ async fn a_rotated_mesh_certificate_is_used_by_every_new_mesh_handshake_and_the_
         // The mesh stays up: n2 still sees n1, and forwards to it (n1 serves the new
         // certificate); n1 forwards to n2 with its new client certificate; a third node joins
         // through n1 (full handshakes with n1 both ways).
-        let to_n1 = n2.node.peer_client.get().unwrap();
+        let to_n1 = n2.node.forward_clients.get("n1", "default").unwrap();
         let resp = to_n1
             .get(format!("https://{peer_addr}/health"))
             .send()
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
-        let to_n2 = n1.node.peer_client.get().unwrap();
+        let to_n2 = n1.node.forward_clients.get("n2", "default").unwrap();
         let resp = to_n2
             .get(format!("https://{}/health", n2.peer_addr.unwrap()))
             .send()

@@ -28,6 +28,7 @@
 //!   `admission_queue.rs`: the queue's payload, metrics and refusals the state holds.
 //! - `feedback.rs`: checks, scrapes, request outcomes and KV events folded into health, load and
 //!   cache models; the periodic upkeep.
+//! - `forward_clients.rs`: the clients forwards to other regions go through, one per node named.
 //! - `hot_prefix.rs`: hot-prefix replication — counting, merging peers' heat, warm-ups.
 //! - `snapshot.rs`: `/ready`, `/v1/models`, `/admin/state`.
 //! - `watchers.rs`: the tasks that probe replicas, follow KV events and DNS.
@@ -43,6 +44,7 @@ mod admission;
 mod admission_queue;
 pub mod config;
 mod feedback;
+mod forward_clients;
 mod hold;
 mod hot_prefix;
 mod kv_gossip;
@@ -64,6 +66,7 @@ pub(crate) mod watchers;
 
 pub use admin::{AdminError, AdminOutcome, AdminReplica};
 pub use admission_queue::{refusal_label, QueueMetrics, Refused};
+pub use forward_clients::{ForwardClients, MakeClient};
 pub use hold::{HoldOutcome, Holds};
 pub use mesh_state::{MemberJson, MeshStateJson, Peer, ReplicaMeshJson};
 pub use metrics::{MeshMetrics, Metrics};

@@ -330,8 +330,9 @@ pub struct Node {
     /// headers (at least 3) may be hedged at once, so hedging cannot double the load of a fleet
     /// that is slow because it is overloaded.
     pub hedges_in_flight: std::sync::atomic::AtomicI64,
-    /// mTLS client for forwarding to other nodes' peer listeners (set when the mesh starts).
-    pub peer_client: std::sync::OnceLock<reqwest::Client>,
+    /// mTLS clients for forwarding to other nodes' peer listeners, one per node (made once the
+    /// mesh starts).
+    pub forward_clients: super::forward_clients::ForwardClients,
     /// Replicas with a KV-event supervisor (`watchers.rs`), so each gets one: index → the
     /// incarnation it serves (it ends when the replica is dropped or its slot reused).
     pub(super) kv_watched: Mutex<HashMap<usize, u64>>,
@@ -490,7 +491,7 @@ impl Node {
             body_budget_first: tokio::sync::Semaphore::new(body_kib / 4),
             resume_body_budget: tokio::sync::Semaphore::new(body_kib / 4),
             hedges_in_flight: std::sync::atomic::AtomicI64::new(0),
-            peer_client: std::sync::OnceLock::new(),
+            forward_clients: Default::default(),
             kv_watched: Mutex::new(HashMap::new()),
             registry_changed: tokio::sync::watch::Sender::new(0),
             response_homes: Mutex::new(lru::LruCache::new(RESPONSE_HOMES)),

@@ -389,27 +389,17 @@ async fn initial_sources(
     Ok((dns, kubernetes))
 }
 
-/// The peer listener, where forwarded requests arrive inside the cluster's mutual TLS, and the
-/// peer client the node forwards with; returns the listener and its URL.
-async fn peer_front(
-    node: &Arc<Node>,
-    cert: &tls::MeshCert,
-    listen: SocketAddr,
-    listener_cfg: &ListenerConfig,
-    stop_rx: &watch::Receiver<bool>,
-) -> anyhow::Result<(Option<Listener>, String)> {
-    let Some(section) = &node.cfg.mesh else {
-        return Ok((None, String::new()));
-    };
-    let (server_tls, client_tls) =
-        crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
-            .context("mesh certificates for the peer listener")?;
+/// An HTTP client over `tls` for forwards to one node (see `peer_front`).
+fn peer_client(
+    tls: rustls::ClientConfig,
+    connect_timeout: Duration,
+) -> anyhow::Result<reqwest::Client> {
     // Every peer listener speaks HTTP/2, so forwards to a peer share one connection: with ALPN
     // alone the pool cannot know that before the first handshake, and a burst of forwards to
     // another region opened one TLS connection (one more round trip across regions) per
     // request in flight.
-    let peer_client = reqwest::Client::builder()
-        .use_preconfigured_tls(client_tls)
+    reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
         .http2_prior_knowledge()
         // Only to servers that prove a cluster certificate: a peer's record naming a plain
         // `http://` URL (config refuses one; a rogue peer might not) gets nothing.
@@ -421,11 +411,49 @@ async fn peer_front(
         .http2_keep_alive_interval(PEER_KEEP_ALIVE)
         .http2_keep_alive_timeout(PEER_KEEP_ALIVE)
         .http2_keep_alive_while_idle(true)
-        .connect_timeout(node.cfg.connect_timeout())
+        .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .build()
-        .context("peer HTTPS client")?;
-    let _ = node.peer_client.set(peer_client);
+        .context("peer HTTPS client")
+}
+
+/// The peer listener, where forwarded requests arrive inside the cluster's mutual TLS, and the
+/// peer clients the node forwards with; returns the listener and its URL.
+async fn peer_front(
+    node: &Arc<Node>,
+    cert: &tls::MeshCert,
+    listen: SocketAddr,
+    listener_cfg: &ListenerConfig,
+    stop_rx: &watch::Receiver<bool>,
+) -> anyhow::Result<(Option<Listener>, String)> {
+    let Some(section) = &node.cfg.mesh else {
+        return Ok((None, String::new()));
+    };
+    let (server_tls, _) = crate::mesh::peer_tls::https_configs_with(cert.identity(), cert.live())
+        .context("mesh certificates for the peer listener")?;
+    // One forwarding client per node a record names, its handshake checking that node's
+    // certificate (`mesh::peer_tls`); made on first use.
+    let (identity, live) = (cert.identity().clone(), cert.live());
+    let connect_timeout = node.cfg.connect_timeout();
+    node.forward_clients
+        .set_maker(Box::new(move |node_id: &str, region: &str| {
+            let tls = crate::mesh::peer_tls::forward_client_config(
+                &identity,
+                Arc::clone(&live),
+                node_id,
+                region,
+            );
+            match tls
+                .map_err(anyhow::Error::from)
+                .and_then(|tls| peer_client(tls, connect_timeout))
+            {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(node = %node_id, error = %e, "no forwarding client");
+                    None
+                }
+            }
+        }));
     let bind = section
         .peer_listen
         .unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));

@@ -82,12 +82,12 @@ pub async fn forward(
         HeaderValue::from_static("1"),
     );
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
-    let Some(client) = node.peer_client.get() else {
+    if !node.forward_clients.ready() {
         count("unavailable");
         return Err(ForwardError::Unavailable(ApiError::unavailable(
             "no local replica can serve this request and this node cannot forward",
         )));
-    };
+    }
     let (started, budget) = (
         std::time::Instant::now(),
         Duration::from_millis(node.cfg.retry.budget_ms),
@@ -101,6 +101,11 @@ pub async fn forward(
             trace_span::inject(&span, &mut headers);
             span
         });
+        // Its handshake checks the node's certificate: a record naming another node's
+        // address, or a member of another region, gets no byte of the body.
+        let Some(client) = node.forward_clients.get(&peer.node_id, &peer.region) else {
+            continue;
+        };
         let send = client
             .post(format!("{}{path}", peer.http_url))
             .headers(headers.clone())
@@ -137,7 +142,14 @@ pub async fn forward(
                 ));
             }
             Ok(Ok(resp)) => format!("answered {}", resp.status()),
-            Ok(Err(e)) => format!("failed: {}", upstream_cause(e)),
+            Ok(Err(e)) => {
+                let cause = upstream_cause(e);
+                // The handshake found another node (or another region's) than the record says.
+                if cause.contains(crate::mesh::peer_tls::NOT_THE_NODE_MEANT) {
+                    count("misdirected");
+                }
+                format!("failed: {cause}")
+            }
             Err(_) => format!("sent nothing within {first_byte:?}"),
         };
         tracing::warn!(%region, peer = %peer.node_id, url = %peer.http_url, error = %last, "forward attempt failed");

@@ -11,7 +11,7 @@
 //! region in forwarding order (`region_forward::forward_order`: nearest first, so all of a
 //! region's nearest nodes unless more are equally near) and sends `GET /health` to each one
 //! not warmed within `mesh.warm_forward_interval_ms`. The answer leaves an HTTP/2 connection
-//! in the peer client's pool, which every forward to that node then shares; the peer listener
+//! in the pool of that node's forwarding client, which every forward to it then shares; the peer listener
 //! keeps a peer's idle connection for `listener::PEER_IDLE`, longer than the interval. A node
 //! that appears (a new record, a restart) is warmed within a second.
 //!
@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::error::upstream_cause;
 use super::region_forward::forward_order;
-use crate::node::Node;
+use crate::node::{Node, Peer};
 use crate::shutdown::stopped;
 
 /// Nodes of one region kept warm: the first in forwarding order.
@@ -54,17 +54,21 @@ async fn run(node: Arc<Node>, interval: Duration, mut stop: watch::Receiver<bool
             _ = stopped(&mut stop) => return,
         }
         let wanted = targets(&node);
-        warmed.retain(|url, _| wanted.contains(url));
+        warmed.retain(|url, _| wanted.iter().any(|p| p.http_url == *url));
         let now = Instant::now();
-        let due: Vec<String> = wanted
+        let due: Vec<Peer> = wanted
             .into_iter()
-            .filter(|url| warmed.get(url).is_none_or(|at| now >= *at + interval))
+            .filter(|p| {
+                warmed
+                    .get(&p.http_url)
+                    .is_none_or(|at| now >= *at + interval)
+            })
             .collect();
         if due.is_empty() {
             continue;
         }
-        for url in &due {
-            warmed.insert(url.clone(), now);
+        for p in &due {
+            warmed.insert(p.http_url.clone(), now);
         }
         tokio::select! {
             _ = warm(&node, &due) => {}
@@ -73,10 +77,10 @@ async fn run(node: Arc<Node>, interval: Duration, mut stop: watch::Receiver<bool
     }
 }
 
-/// The peer URLs to keep warm now: the first [`WARM_PER_REGION`] of each other region in
-/// forwarding order, [`MAX_WARM`] in all.
-pub fn targets(node: &Node) -> Vec<String> {
-    let mut urls: Vec<String> = node
+/// The peers to keep warm now: the first [`WARM_PER_REGION`] of each other region in
+/// forwarding order, [`MAX_WARM`] in all, each URL once.
+pub fn targets(node: &Node) -> Vec<Peer> {
+    let mut peers: Vec<Peer> = node
         .forward_regions()
         .iter()
         .flat_map(|region| {
@@ -84,31 +88,37 @@ pub fn targets(node: &Node) -> Vec<String> {
                 .into_iter()
                 .take(WARM_PER_REGION)
         })
-        .map(|p| p.http_url)
         .collect();
-    urls.sort_unstable();
-    urls.dedup();
-    urls.truncate(MAX_WARM);
-    urls
+    peers.sort_unstable_by(|a, b| a.http_url.cmp(&b.http_url));
+    peers.dedup_by(|a, b| a.http_url == b.http_url);
+    peers.truncate(MAX_WARM);
+    peers
 }
 
-/// Sends `GET /health` to each URL at once, each bounded by the first-byte timeout.
-async fn warm(node: &Node, urls: &[String]) {
-    let Some(client) = node.peer_client.get() else {
-        return;
-    };
+/// Sends `GET /health` to each peer at once, through its forwarding client, each bounded by the
+/// first-byte timeout.
+async fn warm(node: &Node, peers: &[Peer]) {
     let limit = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
-    let answers = futures::future::join_all(urls.iter().map(|url| {
-        let send = client.get(format!("{url}/health")).send();
-        tokio::time::timeout(limit, send)
+    let answers = futures::future::join_all(peers.iter().map(|p| {
+        let client = node.forward_clients.get(&p.node_id, &p.region);
+        let url = &p.http_url;
+        async move {
+            let Some(client) = client else {
+                return Ok(Err("no forwarding client".to_owned()));
+            };
+            let send = client.get(format!("{url}/health")).send();
+            tokio::time::timeout(limit, send)
+                .await
+                .map(|r| r.map_err(upstream_cause))
+        }
     }))
     .await;
     let metrics = node.mesh_slot().metrics.get();
-    for (url, answer) in urls.iter().zip(answers) {
+    for (url, answer) in peers.iter().map(|p| &p.http_url).zip(answers) {
         let failure = match answer {
             Ok(Ok(resp)) if resp.status().is_success() => None,
             Ok(Ok(resp)) => Some(format!("answered {}", resp.status())),
-            Ok(Err(e)) => Some(upstream_cause(e)),
+            Ok(Err(e)) => Some(e),
             Err(_) => Some(format!("no answer within {limit:?}")),
         };
         if let Some(error) = &failure {

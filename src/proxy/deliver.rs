@@ -81,11 +81,10 @@ pub(crate) async fn deliver(
         ..Progress::default()
     };
     let pinned = !route_req.exclude.is_empty();
-    // Under `[pd]` the body is rewritten per leg: parsed once, here.
-    let pd_map = match super::decide::pd_protocol(node).filter(|_| pd_capable(d.u)) {
-        Some(_) => Some(pd::json_object(&d.u.body).ok_or_else(pd::not_an_object)?),
-        None => None,
-    };
+    // Under `[pd]` a pair's body is rewritten per leg: parsed as a tree (many times its size)
+    // once the router names a pair, and only then.
+    let pd_wanted = super::decide::pd_protocol(node).is_some() && pd_capable(d.u);
+    let mut pd_map = None;
     for attempt in 0..node.cfg.retry.max_attempts {
         if attempt > 0 && started.elapsed() >= budget {
             break;
@@ -98,7 +97,7 @@ pub(crate) async fn deliver(
         let ctx = AttemptCtx {
             attempt,
             class: d.class,
-            pd: pd_map.is_some(),
+            pd: pd_wanted,
         };
         match decide(node, &attempt_req, ctx).await {
             Decided::Refuse(e) => return Err(e),
@@ -120,6 +119,9 @@ pub(crate) async fn deliver(
                 prefill,
                 decode,
             } => {
+                if pd_map.is_none() {
+                    pd_map = Some(pd::json_object(&d.u.body).ok_or_else(pd::not_an_object)?);
+                }
                 let map = pd_map.as_ref().ok_or_else(pd::not_an_object)?;
                 let served = serve_pair(&d, map, attempt, pair, prefill, decode, &keys).await;
                 match served {

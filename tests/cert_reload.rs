@@ -106,7 +106,12 @@ async fn tls_connect(
 
 /// One `GET /health` over HTTP/1.1 on an open connection; returns the response.
 async fn health<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> String {
-    s.write_all(b"GET /health HTTP/1.1\r\nhost: kvmesh\r\n\r\n")
+    get_path(s, "/health").await
+}
+
+/// `GET path` over `s` (HTTP/1.1, kept open); the answer, whose JSON body ends in `}`.
+async fn get_path<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, path: &str) -> String {
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: kvmesh\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut buf = Vec::new();
@@ -326,6 +331,10 @@ async fn a_rotated_mesh_certificate_is_used_by_every_new_mesh_handshake_and_the_
         let (mut https_after, seen) = tls_connect(peer_addr, member_client(&probe)).await;
         assert_eq!(seen, new, "peer HTTPS server side");
         assert!(health(&mut https_after).await.starts_with("HTTP/1.1 200"));
+        // A member's certificate reaches the APIs there, not the operator's routes (this node
+        // has no admin token: its front listens on loopback).
+        let admin = get_path(&mut https_after, "/admin/state").await;
+        assert!(admin.starts_with("HTTP/1.1 404"), "{admin}");
 
         // Client side, QUIC: n1 dials a member-like endpoint, which reads n1's certificate.
         let server = probe.quic_configs(Duration::from_secs(10)).unwrap().server;

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -24,6 +24,9 @@ use crate::mesh::admin::AdminOp;
 use crate::node::watchers::check_all;
 use crate::node::{AdminError, AdminOutcome, AdminReplica, Node};
 use crate::replicas::entry::ReplicaConfig;
+
+/// The largest replica description `POST /admin/replicas` reads (a few hundred bytes in use).
+const MAX_ADMIN_BODY_BYTES: usize = 64 << 10;
 
 /// Longest `wait_s` a drain may ask for.
 pub const MAX_WAIT_S: u64 = 600;
@@ -77,13 +80,27 @@ pub async fn list(
     Ok(Json(node.admin_replicas()))
 }
 
-/// `POST /admin/replicas`.
+/// `POST /admin/replicas`. The token is checked before a byte of the body is read; the body is
+/// read within [`MAX_ADMIN_BODY_BYTES`] and `server.body_read_timeout_ms`.
 pub async fn add(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<(StatusCode, Json<CommandAnswer>), ApiError> {
     authorized(&headers, node.secrets.admin_token.as_deref())?;
+    let limit = Duration::from_millis(node.cfg.server.body_read_timeout_ms);
+    let body = match tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_ADMIN_BODY_BYTES))
+        .await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(ApiError::bad_request(
+            format!(
+                "cannot read the replica description (at most {MAX_ADMIN_BODY_BYTES} bytes): {e}"
+            ),
+            None,
+        )),
+        Err(_) => return Err(ApiError::body_timeout(limit)),
+    };
     let spec: ReplicaConfig = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("not a replica description: {e}"), None))?;
     let id = spec.effective_id();

@@ -60,8 +60,30 @@ use listener::{Listener, ListenerConfig};
 /// for the answer before dropping the connection.
 const PEER_KEEP_ALIVE: Duration = Duration::from_secs(10);
 
-/// The node's HTTP routes.
+/// The node's HTTP routes: the APIs, and the operator's `/admin` routes.
 pub fn app(node: Arc<Node>) -> axum::Router {
+    api_routes()
+        .route("/admin/state", get(admin_state))
+        .route("/admin/replicas", get(admin::list).post(admin::add))
+        .route("/admin/replicas/{id}", axum::routing::delete(admin::remove))
+        .route("/admin/replicas/{id}/drain", post(admin::drain))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(node)
+}
+
+/// The peer listener's routes: the APIs only. A mesh certificate lets a peer forward requests,
+/// not command this node: with no admin token (a loopback front needs none), `/admin` there
+/// would be open to every member, whatever its certificate's roles.
+pub fn peer_app(node: Arc<Node>) -> axum::Router {
+    api_routes()
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(node)
+}
+
+/// The routes every front serves.
+fn api_routes() -> axum::Router<Arc<Node>> {
     axum::Router::new()
         .route("/v1/completions", post(forward::completions))
         .route("/v1/chat/completions", post(forward::chat_completions))
@@ -78,13 +100,6 @@ pub fn app(node: Arc<Node>) -> axum::Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .route("/admin/state", get(admin_state))
-        .route("/admin/replicas", get(admin::list).post(admin::add))
-        .route("/admin/replicas/{id}", axum::routing::delete(admin::remove))
-        .route("/admin/replicas/{id}/drain", post(admin::drain))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(node)
 }
 
 /// 405 in the shape of the API the path belongs to (Anthropic's for `/v1/messages…`).
@@ -462,7 +477,7 @@ async fn peer_front(
         .with_context(|| format!("cannot listen on {bind} (mesh.peer_listen)"))?;
     let peer = Listener::serve(
         tcp,
-        app(Arc::clone(node)),
+        peer_app(Arc::clone(node)),
         ListenerConfig {
             tls: Some(Arc::new(server_tls)),
             peer: true,

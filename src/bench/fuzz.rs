@@ -660,6 +660,7 @@ fn seeds_load_update() -> Vec<Vec<u8>> {
             ready_ms: 30,
             rank: Some(3),
             first_byte: false,
+            withdrawn: false,
         }],
     }
     .encode()

@@ -166,6 +166,10 @@ struct Held {
     /// The first-byte tip came from the claimer itself ([`PeerTips::insert_first_byte_from`]):
     /// only that answer speaks for the claim ([`Answer::ByClaimer`]).
     claimer_answered: bool,
+    /// The claimer withdrew it ([`PeerTips::withdraw_from`]: the request failed or was cancelled
+    /// before its first byte): answered, so nothing waits on it, but its blocks were never
+    /// computed, so it counts as no hit. A new claim of the prefix starts it afresh.
+    withdrawn: bool,
 }
 
 /// How a claimed prefill was answered, as far as the peers' tips say ([`PeerTips::answer`]).
@@ -254,8 +258,42 @@ impl PeerTips {
         self.put(key, tip, true, Some(from))
     }
 
+    /// The region peer at `from` withdraws its claim of the prefill of `tip.blocks` blocks ending
+    /// in `key` at `tip.replica` (its request failed or was cancelled before its first byte):
+    /// nothing waits on it any more, its hold is answered by the claimer (no strike), and its
+    /// blocks never count as a hit. Only the claimer's withdrawal counts, and not once the
+    /// prefill answered. Returns whether a claim was withdrawn.
+    pub fn withdraw_from(&mut self, key: BlockKey, tip: Tip, from: SocketAddr) -> bool {
+        let Some(h) = self.by_key.get_mut(&key.0).and_then(|tips| {
+            tips.iter_mut()
+                .find(|h| h.tip.replica == tip.replica && h.tip.blocks == tip.blocks)
+        }) else {
+            return false;
+        };
+        if h.first_byte || h.claim.is_none_or(|c| c.from != from) {
+            return false;
+        }
+        h.first_byte = true;
+        h.claimer_answered = true;
+        h.withdrawn = true;
+        true
+    }
+
     fn put_claim(&mut self, key: BlockKey, tip: Tip, claim: Claim) -> bool {
-        self.merge_or_push(key, tip, |h| h.claim = h.claim.or(Some(claim)))
+        self.merge_or_push(key, tip, |h| {
+            if h.withdrawn {
+                // The prefix is sent again: a new prefill, under way from its own predicted end.
+                *h = Held {
+                    tip,
+                    first_byte: false,
+                    claim: Some(claim),
+                    claimer_answered: false,
+                    withdrawn: false,
+                };
+            } else {
+                h.claim = h.claim.or(Some(claim));
+            }
+        })
     }
 
     /// A tip, at its first byte (`first_byte`) or not, sent by `answerer` (`None`: not from a
@@ -271,6 +309,10 @@ impl PeerTips {
             h.first_byte |= first_byte;
             h.claimer_answered |=
                 first_byte && answerer.is_some_and(|from| h.claim.is_some_and(|c| c.from == from));
+            // Computed after all: another request of the prompt answered.
+            if first_byte {
+                h.withdrawn = false;
+            }
         })
     }
 
@@ -301,11 +343,23 @@ impl PeerTips {
             first_byte: false,
             claim: None,
             claimer_answered: false,
+            withdrawn: false,
         };
         mark(&mut held);
         tips.push(held);
         self.len += 1;
         true
+    }
+
+    /// Drops every tip of replica `i` (its view slot was given to another replica).
+    pub fn forget_replica(&mut self, i: usize) {
+        let mut len = 0;
+        self.by_key.retain(|_, tips| {
+            tips.retain(|h| h.tip.replica != i);
+            len += tips.len();
+            !tips.is_empty()
+        });
+        self.len = len;
     }
 
     /// Drops tips that stopped counting.
@@ -345,7 +399,7 @@ impl PeerTips {
             };
             for h in tips {
                 let t = &h.tip;
-                if t.blocks as usize != j + 1 || t.until <= now {
+                if h.withdrawn || t.blocks as usize != j + 1 || t.until <= now {
                     continue;
                 }
                 if t.ready <= now {
@@ -376,7 +430,7 @@ impl PeerTips {
             let Some(tips) = self.by_key.get(&k.0) else {
                 continue;
             };
-            for t in tips.iter().map(|h| &h.tip) {
+            for t in tips.iter().filter(|h| !h.withdrawn).map(|h| &h.tip) {
                 if t.blocks as usize != j + 1 || t.ready > now || t.until <= now {
                     continue;
                 }
@@ -620,6 +674,39 @@ mod tests {
         assert!(t.insert_first_byte(parent[7], tip(3, 8)));
         t.hits_and_pending(&next, true, early, &mut hits, &mut out);
         assert_eq!(out, vec![(3, 4, ready)], "the rung still under way");
+    }
+
+    #[test]
+    fn only_the_claimer_withdraws_an_unanswered_claim_and_a_new_claim_starts_afresh() {
+        let mut t = PeerTips::default();
+        let parent = keys(8, 1);
+        let (a, b) = (
+            "10.0.0.1:7000".parse().unwrap(),
+            "10.0.0.2:7000".parse().unwrap(),
+        );
+        let claim = |from| Claim { from, at: S };
+        let under_way = |t: &PeerTips| t.in_prefill_at(3, &parent, 1, S / 2, |_| true).is_some();
+        assert!(t.insert_claim(parent[7], tip(3, 8), claim(a)));
+        assert!(!t.withdraw_from(parent[7], tip(3, 8), b), "not b's claim");
+        assert!(under_way(&t));
+        assert!(t.withdraw_from(parent[7], tip(3, 8), a));
+        assert!(!under_way(&t));
+        assert_eq!(t.answer(3, parent[7], 8, S), Answer::ByClaimer);
+        let mut hits = Vec::new();
+        t.hits(&parent, 2 * S, &mut hits);
+        assert!(hits.is_empty(), "never computed");
+        // Sent again (by b): a new prefill, under way and b's claim.
+        assert!(t.insert_claim(parent[7], tip(3, 8), claim(b)));
+        assert!(under_way(&t));
+        assert_eq!(t.answer(3, parent[7], 8, S), Answer::Unanswered);
+        // Answered, then withdrawn by a request that failed: the blocks stand.
+        assert!(t.insert_first_byte_from(parent[7], tip(3, 8), b));
+        assert!(!t.withdraw_from(parent[7], tip(3, 8), b));
+        t.hits(&parent, 2 * S, &mut hits);
+        assert_eq!(hits, vec![(3, 8)]);
+        // The replica's slot given to another: its tips go.
+        t.forget_replica(3);
+        assert!(t.is_empty());
     }
 
     #[test]

@@ -342,6 +342,8 @@ impl View {
         }
         self.index.insert(info.id.clone(), i);
         self.slices.set(i, None);
+        // Peers' tips name the slot, not the replica: the old one's prefixes are not the new one's.
+        self.peer_tips.forget_replica(i);
         self.replicas[i] = ReplicaState {
             seed: super::affinity::replica_seed(&info.id),
             info,

@@ -129,6 +129,13 @@ pub struct RoutedTip {
     /// `rank` (positional; a sender without it reads as false).
     #[serde(default)]
     pub first_byte: bool,
+    /// Sent when the prompt's request failed or was cancelled before its first byte: the
+    /// sender withdraws its claim that the prefill is under way (nothing waits on it; its blocks
+    /// never count). Only the claimer's withdrawal counts
+    /// (`core::peer_tips::PeerTips::withdraw_from`). Added after `first_byte` (positional; a
+    /// sender without it reads as false).
+    #[serde(default)]
+    pub withdrawn: bool,
 }
 
 /// One datagram: the sender's incarnation, a sequence number, changed entries and the prefixes
@@ -911,12 +918,16 @@ mod tests {
             }],
         };
         let u = LoadUpdate::decode(&rmp_serde::to_vec(&old).unwrap()).unwrap();
-        assert!(!u.tips[0].first_byte);
+        assert!(!u.tips[0].first_byte && !u.tips[0].withdrawn);
         assert_eq!((u.tips[0].key, u.tips[0].blocks), (7, 12));
         let mut answered = u.clone();
         answered.tips[0].first_byte = true;
         let back = LoadUpdate::decode(&answered.encode().unwrap()).unwrap();
         assert_eq!(back, answered);
+        let mut withdrawn = u.clone();
+        withdrawn.tips[0].withdrawn = true;
+        let back = LoadUpdate::decode(&withdrawn.encode().unwrap()).unwrap();
+        assert_eq!(back, withdrawn);
     }
 
     #[test]
@@ -937,6 +948,7 @@ mod tests {
                 ready_ms: u32::MAX,
                 rank: Some(u16::MAX),
                 first_byte: true,
+                withdrawn: true,
             })
             .collect();
         let out = LoadUpdate::split(1, &mut seq, entries, tips);

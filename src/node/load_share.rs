@@ -167,6 +167,10 @@ fn learn_tips(
         let held = if t.first_byte {
             view.peer_tips
                 .insert_first_byte_from(BlockKey(t.key), tip, from)
+        } else if t.withdrawn {
+            // A withdrawal of a claim this node never held is no news.
+            view.peer_tips.withdraw_from(BlockKey(t.key), tip, from);
+            true
         } else {
             let claim = Claim { from, at: now };
             view.peer_tips.insert_claim(BlockKey(t.key), tip, claim)
@@ -209,6 +213,8 @@ fn routed_tips<'a>(
         {
             tip.ready_ms = tip.ready_ms.min(ready_ms);
             tip.first_byte |= t.first_byte;
+            // Withdrawn only if every request of it named in this update ended unanswered.
+            tip.withdrawn &= t.withdrawn && !tip.first_byte;
             return;
         }
         if out.len() < MAX_TIPS_PER_UPDATE {
@@ -220,6 +226,7 @@ fn routed_tips<'a>(
                 ready_ms,
                 rank,
                 first_byte: t.first_byte,
+                withdrawn: t.withdrawn,
             });
         }
     };
@@ -278,7 +285,7 @@ impl Node {
                     }
                 }
                 drop(guard);
-                if !barred && tips.iter().any(|t| t.first_byte) {
+                if !barred && tips.iter().any(|t| t.first_byte || t.withdrawn) {
                     self.mesh_slot().peer_answered.notify_waiters();
                 }
                 if let Some(m) = self.mesh_slot().metrics.get() {
@@ -752,6 +759,7 @@ mod tests {
                 ready_ms: 0,
                 rank: Some(rank),
                 first_byte: false,
+                withdrawn: false,
             };
             let dropped = learn_tips(
                 &mut core,
@@ -823,6 +831,70 @@ mod tests {
             "the first byte goes out as a tip ready now: {answered:?}"
         );
         assert_eq!(learn(&answered), vec![(0, 6)], "B counts it from now");
+    }
+
+    /// A request that ends without its first byte (a failed attempt, a cancelled client)
+    /// withdraws its claim: B waits on it no longer, takes a hold on it as answered by its
+    /// claimer (no strike), and never counts its blocks. A withdrawal from another peer than
+    /// the claimer is no news.
+    #[test]
+    fn a_request_ended_without_its_first_byte_withdraws_its_claim() {
+        use crate::core::peer_tips::Answer;
+        use crate::core::router::{Decision, RouteRequest};
+
+        // Predicted far slower than it runs: the claim would stand for ~96 s.
+        let certs = tempfile::tempdir().unwrap();
+        let (a, b) = two_meshed_nodes(&certs, 1.0, Default::default());
+        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
+        let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        let flush = || {
+            let now = a.now();
+            let mut core = a.lock();
+            let core = &mut *core;
+            let tips = routed_tips(
+                &core.pending_tips,
+                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+                now,
+            );
+            core.pending_tips.clear();
+            tips
+        };
+        // B learns `tips` from `from`; then what it holds under way for `keys`.
+        let learn = |tips: &[RoutedTip], from: SocketAddr| {
+            let now = b.now();
+            let mut core = b.lock();
+            let region = core.view.local_region.clone();
+            assert_eq!(learn_tips(&mut core, tips, &region, from, now), 0);
+            let mut out = Vec::new();
+            core.view.peer_tips.in_prefill(&keys, now, &mut out);
+            out.len()
+        };
+        assert_eq!(learn(&flush(), PEER), 1, "under way");
+        drop(ticket);
+        let withdrawn = flush();
+        assert!(
+            withdrawn
+                .iter()
+                .any(|t| t.blocks == 6 && t.withdrawn && !t.first_byte),
+            "{withdrawn:?}"
+        );
+        let stranger: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        assert_eq!(learn(&withdrawn, stranger), 1, "only the claimer withdraws");
+        assert_eq!(learn(&withdrawn, PEER), 0, "withdrawn");
+        let now = b.now();
+        let core = b.lock();
+        assert_eq!(
+            core.view.peer_tips.answer(0, keys[5], 6, now),
+            Answer::ByClaimer
+        );
+        let mut hits = Vec::new();
+        core.view
+            .peer_tips
+            .hits(&keys, now + Duration::from_secs(100), &mut hits);
+        assert!(hits.is_empty(), "never computed: {hits:?}");
     }
 
     /// A follow-up routed at B while A's parent prompt still prefills at r0 can ride on it
@@ -1090,6 +1162,7 @@ mod tests {
                     ready_ms: 0,
                     rank: None,
                     first_byte: true,
+                    withdrawn: false,
                 };
                 let update = LoadUpdate {
                     origin: 3,

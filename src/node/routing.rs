@@ -313,9 +313,11 @@ impl Node {
                 rt.rank_hints.insert(*last, blocks, rank, now);
             }
         }
+        let mut claim = None;
         if self.cfg.mesh.is_some() && core.pending_tips.len() < MAX_PENDING_TIPS {
             if let Some(tip) = PendingTip::new(i, keys, now + ready_in, rank) {
                 core.pending_tips.push(tip);
+                claim = Some(Box::new(tip));
             }
         }
         if let Some(rt) = core.replicas.get_mut(i) {
@@ -354,6 +356,7 @@ impl Node {
             started: false,
             rank: target,
             prefilling,
+            claim,
         }
     }
 
@@ -450,6 +453,11 @@ pub struct Ticket {
     /// Its id in the node's list of long prefills (`hold.rs`), unlisted at the first byte or
     /// the drop.
     prefilling: Option<u64>,
+    /// The tip that told the region's other nodes its prefill is under way: withdrawn when the
+    /// ticket drops without a first byte (a failure, a cancelled client), so that nothing of
+    /// theirs keeps waiting on it, nor counts its blocks, nor strikes this node for it. Boxed:
+    /// a ticket moves through the request path, and the tip's ladder is most of its size.
+    claim: Option<Box<PendingTip>>,
 }
 
 impl Ticket {
@@ -578,6 +586,11 @@ impl Drop for Ticket {
         let mut guard = self.node.lock();
         let core = &mut *guard;
         release_pending(core, self.replica, self.pending_tokens, self.rank, true);
+        if let (false, Some(tip)) = (self.started, self.claim.take()) {
+            if core.pending_tips.len() < MAX_PENDING_TIPS {
+                core.pending_tips.push(tip.withdrawn());
+            }
+        }
         if let (true, Some(rt)) = (self.started, core.replicas.get_mut(self.replica)) {
             // It answered and ended: the engine is stepping.
             rt.progress = rt.progress.wrapping_add(1);

@@ -230,6 +230,9 @@ pub struct PendingTip {
     pub ladder: Ladder,
     /// Sent at its first byte: its prefill has answered (`RoutedTip::first_byte`).
     pub first_byte: bool,
+    /// Sent when its request ended without a first byte: the claim is withdrawn
+    /// (`RoutedTip::withdrawn`).
+    pub withdrawn: bool,
 }
 
 impl PendingTip {
@@ -248,7 +251,17 @@ impl PendingTip {
             rank,
             ladder: Ladder::of(keys),
             first_byte: false,
+            withdrawn: false,
         })
+    }
+
+    /// This tip withdrawn: its request ended without a first byte.
+    pub fn withdrawn(self) -> Self {
+        PendingTip {
+            withdrawn: true,
+            first_byte: false,
+            ..self
+        }
     }
 
     /// The tip sent again at the prompt's first byte, ready `now`: its prefill has answered.

@@ -89,18 +89,19 @@ pub async fn add(
 ) -> Result<(StatusCode, Json<CommandAnswer>), ApiError> {
     authorized(&headers, node.secrets.admin_token.as_deref())?;
     let limit = Duration::from_millis(node.cfg.server.body_read_timeout_ms);
-    let body = match tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_ADMIN_BODY_BYTES))
-        .await
-    {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => return Err(ApiError::bad_request(
-            format!(
+    let body =
+        match tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_ADMIN_BODY_BYTES)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                return Err(ApiError::bad_request(
+                    format!(
                 "cannot read the replica description (at most {MAX_ADMIN_BODY_BYTES} bytes): {e}"
             ),
-            None,
-        )),
-        Err(_) => return Err(ApiError::body_timeout(limit)),
-    };
+                    None,
+                ))
+            }
+            Err(_) => return Err(ApiError::body_timeout(limit)),
+        };
     let spec: ReplicaConfig = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("not a replica description: {e}"), None))?;
     let id = spec.effective_id();

@@ -780,6 +780,20 @@ mod tests {
         assert_eq!(route(&longer), Some(first));
     }
 
+    /// `n`'s next load update's tips (a flush): its pending tips as peers receive them.
+    fn flush(n: &Arc<Node>) -> Vec<RoutedTip> {
+        let now = n.now();
+        let mut core = n.lock();
+        let core = &mut *core;
+        let tips = routed_tips(
+            &core.pending_tips,
+            |i| core.view.replica(i).map(|r| r.info.id.as_str()),
+            now,
+        );
+        core.pending_tips.clear();
+        tips
+    }
+
     /// Issue #38 (three nodes behind a balancer): a peer's tip counted only from the routing
     /// node's *predicted* prefill end, while that node's own overlay counts from the first byte.
     /// A replica faster than predicted had the blocks long before the region's other nodes
@@ -799,18 +813,6 @@ mod tests {
             panic!("A routes to r0");
         };
         // A's next load update (a flush): B learns the prefix, ready at the predicted end.
-        let flush = |n: &Arc<Node>| {
-            let now = n.now();
-            let mut core = n.lock();
-            let core = &mut *core;
-            let tips = routed_tips(
-                &core.pending_tips,
-                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
-                now,
-            );
-            core.pending_tips.clear();
-            tips
-        };
         let learn = |tips: &[RoutedTip]| {
             let now = b.now();
             let mut core = b.lock();
@@ -850,18 +852,6 @@ mod tests {
         let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
             panic!("A routes to r0");
         };
-        let flush = || {
-            let now = a.now();
-            let mut core = a.lock();
-            let core = &mut *core;
-            let tips = routed_tips(
-                &core.pending_tips,
-                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
-                now,
-            );
-            core.pending_tips.clear();
-            tips
-        };
         // B learns `tips` from `from`; then what it holds under way for `keys`.
         let learn = |tips: &[RoutedTip], from: SocketAddr| {
             let now = b.now();
@@ -872,9 +862,9 @@ mod tests {
             core.view.peer_tips.in_prefill(&keys, now, &mut out);
             out.len()
         };
-        assert_eq!(learn(&flush(), PEER), 1, "under way");
+        assert_eq!(learn(&flush(&a), PEER), 1, "under way");
         drop(ticket);
-        let withdrawn = flush();
+        let withdrawn = flush(&a);
         assert!(
             withdrawn
                 .iter()
@@ -911,18 +901,6 @@ mod tests {
             crate::replicas::entry::ReplicaConfig::from_url("http://r").prefill_tokens_per_s;
         let certs = tempfile::tempdir().unwrap();
         let (a, b) = two_meshed_nodes(&certs, default_rate, Default::default());
-        let flush = |n: &Arc<Node>| {
-            let now = n.now();
-            let mut core = n.lock();
-            let core = &mut *core;
-            let tips = routed_tips(
-                &core.pending_tips,
-                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
-                now,
-            );
-            core.pending_tips.clear();
-            tips
-        };
         // What B believes under way for a follow-up of `keys` after learning `tips`.
         let learn = |tips: &[RoutedTip], follow_up: &[BlockKey]| {
             let now = b.now();
@@ -999,15 +977,7 @@ mod tests {
         let a = a.clone();
         let mut seq = 0;
         move || {
-            let now = a.now();
-            let mut core = a.lock();
-            let core = &mut *core;
-            let tips = routed_tips(
-                &core.pending_tips,
-                |i| core.view.replica(i).map(|r| r.info.id.as_str()),
-                now,
-            );
-            core.pending_tips.clear();
+            let tips = flush(&a);
             seq += 1;
             LoadUpdate {
                 origin: 9,

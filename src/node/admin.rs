@@ -195,16 +195,15 @@ impl Node {
             (AdminOp::Add, Some(r)) => {
                 let mut r = r.clone();
                 r.id = Some(id.to_owned());
+                // Configured here now: it no longer expires with a peer.
                 let (i, new) = self
-                    .add_replica(&r)
+                    .add_configured_replica(&r)
                     .map_err(|e| AdminError::Invalid(format!("{e:#}")))?;
                 {
                     let mut core = self.lock();
                     if let Some(rt) = core.replicas.get_mut(i) {
                         rt.admin_drained = false;
                         rt.admin_drained_by = None;
-                        // Configured here now: it no longer expires with a peer.
-                        rt.mesh.learned = false;
                         let h = rt.effective_health();
                         core.view.set_health(i, h);
                     }

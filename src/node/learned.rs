@@ -563,6 +563,32 @@ mod tests {
     }
 
     #[test]
+    fn a_learned_replica_this_node_then_configures_is_its_own() {
+        let n = node("127.0.0.1:7946");
+        let policy = LearnPolicy::of(&n);
+        let (i, _) = n
+            .learn_replica(
+                &entry("one", "p", "http://127.0.0.1:8001", true),
+                false,
+                &policy,
+            )
+            .unwrap();
+        let learned = |n: &Node| {
+            let core = n.lock();
+            let m = &core.replicas[i].mesh;
+            (m.learned, m.learned_from.is_some(), m.origin.is_some())
+        };
+        assert_eq!(learned(&n), (true, true, true));
+        // A reload, DNS or Kubernetes names it too: no longer the peer's to expire.
+        let spec = ReplicaConfig {
+            id: Some("one".into()),
+            ..ReplicaConfig::from_url("http://127.0.0.1:8001".to_owned())
+        };
+        assert_eq!(n.add_configured_replica(&spec).unwrap(), (i, false));
+        assert_eq!(learned(&n), (false, false, false));
+    }
+
+    #[test]
     fn loopback_is_allowed_on_a_loopback_mesh() {
         let n = node("127.0.0.1:7946");
         let policy = LearnPolicy::of(&n);

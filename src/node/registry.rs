@@ -46,6 +46,19 @@ impl Node {
         Ok(node)
     }
 
+    /// [`Node::add_replica`] for a replica this node's own sources name (its config, a reload,
+    /// DNS, Kubernetes, an operator's `add`): one it had learned from a peer is its own now,
+    /// and no longer expires with that peer or its record (`learned.rs`).
+    pub fn add_configured_replica(&self, r: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
+        let (i, new) = self.add_replica(r)?;
+        if let Some(rt) = self.lock().replicas.get_mut(i) {
+            rt.mesh.learned = false;
+            rt.mesh.learned_from = None;
+            rt.mesh.origin = None;
+        }
+        Ok((i, new))
+    }
+
     /// Registers a replica, or updates one with the same id (a removed one comes back).
     /// Returns its index and whether it is new to this node.
     pub fn add_replica(&self, r: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
@@ -402,7 +415,7 @@ pub fn scrape_lease(interval_ms: u64) -> Duration {
 // What a DNS or Kubernetes source needs of the node (`replicas::dns`, `replicas::k8s`).
 impl ReplicaRegistry for Node {
     fn add_replica(&self, spec: &ReplicaConfig) -> anyhow::Result<(usize, bool)> {
-        Node::add_replica(self, spec)
+        Node::add_configured_replica(self, spec)
     }
 
     fn remove_replica(&self, i: usize) {

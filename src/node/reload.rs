@@ -78,11 +78,11 @@ impl Node {
             match old.get(&id) {
                 Some(o) if same_replica(o, r) => {}
                 Some(_) => {
-                    self.add_replica(r)?;
+                    self.add_configured_replica(r)?;
                     report.updated.push(id);
                 }
                 None => {
-                    let (i, started) = self.add_replica(r)?;
+                    let (i, started) = self.add_configured_replica(r)?;
                     if started {
                         fresh.push(i);
                     }

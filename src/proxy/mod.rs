@@ -309,7 +309,7 @@ pub async fn spawn(cfg: NodeConfig) -> anyhow::Result<RunningNode> {
         .cfg
         .mesh
         .as_ref()
-        .map(tls::MeshCert::load)
+        .map(|m| tls::MeshCert::load(m, &node.cfg.region))
         .transpose()?;
     let (peer_server, peer_url) = match &mesh_cert {
         Some(cert) => peer_front(&node, cert, listen, &listener_cfg, &stop_rx).await?,

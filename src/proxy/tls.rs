@@ -103,13 +103,15 @@ pub(super) struct MeshCert {
     /// The identity loaded at start: its CA is the one every verifier of this node trusts, so a
     /// new certificate is checked against it, not against whatever the CA file says now.
     started: NodeIdentity,
+    /// The node's region: a new certificate must fit it, as the first had to (`verify_region`).
+    region: String,
     /// What the QUIC endpoint, the peer listener and the peer client present.
     live: Arc<ReloadableCert>,
 }
 
 impl MeshCert {
-    /// Loads the mesh identity of `section` and validates it as the node's.
-    pub(super) fn load(section: &MeshSection) -> anyhow::Result<Self> {
+    /// Loads the mesh identity of `section` and validates it as the node's, in `region`.
+    pub(super) fn load(section: &MeshSection, region: &str) -> anyhow::Result<Self> {
         let started = section.identity()?;
         let key = started
             .validated_key(&section.node_id)
@@ -117,6 +119,7 @@ impl MeshCert {
         Ok(MeshCert {
             section: section.clone(),
             started,
+            region: region.to_owned(),
             live: ReloadableCert::new(key),
         })
     }
@@ -136,10 +139,10 @@ impl MeshCert {
         if fresh.ca_pem != self.started.ca_pem {
             tracing::warn!("the mesh CA file changed on disk; the CA is not reloaded (restart the node to trust a new CA bundle)");
         }
-        let key = self
-            .started
-            .with_leaf_of(&fresh)
-            .validated_key(&self.section.node_id)?;
+        let renewed = self.started.with_leaf_of(&fresh);
+        // As at start: a certificate binding another region would be refused by every peer.
+        renewed.verify_region(&self.region)?;
+        let key = renewed.validated_key(&self.section.node_id)?;
         Ok(Swap::of(&self.live, key))
     }
 }

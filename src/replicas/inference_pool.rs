@@ -286,7 +286,7 @@ impl PodSet {
                 ports.iter().zip(0u16..).map(move |(&port, i)| {
                     let addr = SocketAddr::new(ip, port);
                     Found {
-                        id: format!("{name}@{addr}"),
+                        id: super::k8s_config::pod_replica_id(name, addr),
                         addr,
                         zone: None,
                         port_index: i,

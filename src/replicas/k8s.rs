@@ -185,7 +185,7 @@ pub fn slice_endpoints(
             continue;
         }
         let id = match pod {
-            Some(name) => format!("{name}@{addr}"),
+            Some(name) => super::k8s_config::pod_replica_id(name, addr),
             None => addr.to_string(),
         };
         let zone = ep

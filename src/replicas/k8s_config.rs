@@ -380,6 +380,24 @@ pub fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty() && s.len() <= MAX_NAME_BYTES && s.split('.').all(is_dns_label)
 }
 
+/// The replica id of pod `name` at `addr`: `name@addr`, the name shortened to fit the mesh's
+/// 128-byte ids (its first bytes, `~`, and a hash of the whole name, the same at every node).
+/// A pod name may take 253 bytes; a longer id would route here but never reach the peers.
+pub fn pod_replica_id(name: &str, addr: std::net::SocketAddr) -> String {
+    let addr = addr.to_string();
+    let max = crate::mesh::schema::MAX_REPLICA_ID_BYTES;
+    if name.len() + 1 + addr.len() <= max {
+        return format!("{name}@{addr}");
+    }
+    let keep = max.saturating_sub(addr.len() + 1 + 17);
+    let cut = (0..=keep.min(name.len()))
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    let hash = crate::core::affinity::replica_seed(name);
+    format!("{}~{hash:016x}@{addr}", &name[..cut])
+}
+
 /// A routable endpoint: the replica it becomes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Found {

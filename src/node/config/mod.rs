@@ -892,6 +892,18 @@ pub fn validate_replica(prefix: &str, r: &ReplicaConfig) -> Result<(), ConfigErr
     if r.id.as_deref() == Some("") {
         return Err(invalid(key("id"), "must not be empty (omit it instead)"));
     }
+    let id = r.effective_id();
+    let max = crate::mesh::schema::MAX_REPLICA_ID_BYTES;
+    if id.len() > max {
+        // It would route here, but its records, summaries and tips would never reach a peer.
+        return Err(invalid(
+            key("id"),
+            format!(
+                "'{id}' is {} bytes, over the {max} a mesh carries: set a shorter id",
+                id.len()
+            ),
+        ));
+    }
     if r.region.as_deref() == Some("") {
         return Err(invalid(
             key("region"),
@@ -1001,6 +1013,35 @@ mod tests {
             let e = NodeConfig::from_toml(text).unwrap_err().to_string();
             assert!(e.contains(key), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn a_replica_id_longer_than_a_mesh_carries_is_refused() {
+        let long = "r".repeat(129);
+        let text = format!("[[replicas]]\nurl = \"http://a:1\"\nid = \"{long}\"\n");
+        let e = NodeConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(e.contains("replicas[0].id") && e.contains("128"), "{e}");
+        let ok = format!(
+            "[[replicas]]\nurl = \"http://a:1\"\nid = \"{}\"\n",
+            &long[..128]
+        );
+        assert!(NodeConfig::from_toml(&ok).is_ok());
+    }
+
+    #[test]
+    fn a_long_pod_name_is_shortened_to_an_id_the_same_at_every_node() {
+        use crate::replicas::k8s_config::pod_replica_id;
+        let addr: std::net::SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(pod_replica_id("vllm-0", addr), "vllm-0@10.0.0.1:8000");
+        let long = "p".repeat(253);
+        let id = pod_replica_id(&long, addr);
+        assert!(
+            id.len() <= crate::mesh::schema::MAX_REPLICA_ID_BYTES,
+            "{id}"
+        );
+        assert!(id.ends_with("@10.0.0.1:8000"), "{id}");
+        assert_eq!(id, pod_replica_id(&long, addr));
+        assert_ne!(id, pod_replica_id(&"p".repeat(252), addr));
     }
 
     #[test]

@@ -245,9 +245,17 @@ fn read_secret_file(key: &str, path: &Path) -> Result<String, ConfigError> {
     let file = std::fs::File::open(path)
         .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
     let mut text = String::new();
-    file.take(MAX_SECRET_FILE_BYTES)
+    // One byte more than allowed, to tell a file at the bound from one past it: cut short, its
+    // last key would be another key, and the rest would be lost without a word.
+    file.take(MAX_SECRET_FILE_BYTES + 1)
         .read_to_string(&mut text)
         .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    if text.len() as u64 > MAX_SECRET_FILE_BYTES {
+        return Err(invalid(
+            key,
+            format!("{} is over {MAX_SECRET_FILE_BYTES} bytes", path.display()),
+        ));
+    }
     Ok(text)
 }
 
@@ -423,6 +431,22 @@ fn parse_api_keys(text: &str) -> Result<HashMap<[u8; 32], String>, ConfigError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_file_past_its_bound_is_refused_not_cut_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        std::fs::write(&path, vec![b'k'; MAX_SECRET_FILE_BYTES as usize + 1]).unwrap();
+        let e = read_secret_file("auth.api_keys_file", &path)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("auth.api_keys_file") && e.contains("over"),
+            "{e}"
+        );
+        std::fs::write(&path, vec![b'k'; MAX_SECRET_FILE_BYTES as usize]).unwrap();
+        assert!(read_secret_file("auth.api_keys_file", &path).is_ok());
+    }
 
     #[test]
     fn api_keys_map_to_tenants_and_bad_lines_name_their_number() {

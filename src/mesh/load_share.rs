@@ -601,6 +601,16 @@ impl PeerLoads {
             })
     }
 
+    /// The requests the peer at `peer` claims in flight at this region's replicas, in all (0
+    /// for a peer with no claims).
+    pub fn in_flight_of(&self, peer: &SocketAddr) -> u32 {
+        self.peers.get(peer).map_or(0, |t| {
+            t.claims
+                .values()
+                .fold(0u32, |n, c| n.saturating_add(c.in_flight))
+        })
+    }
+
     /// Peers with at least one claim.
     pub fn peers(&self) -> usize {
         self.peers.len()
@@ -653,6 +663,12 @@ mod tests {
             .apply(addr(1), update(7, 2, &[("r0", 0, 0)]), T0, known)
             .unwrap();
         assert_eq!(loads.totals("r0"), (1, 100));
+        // Per peer, over its replicas: what bounds its word on its tenants' requests.
+        loads
+            .apply(addr(2), update(8, 2, &[("r1", 4, 0)]), T0, known)
+            .unwrap();
+        assert_eq!(loads.in_flight_of(&addr(2)), 5);
+        assert_eq!(loads.in_flight_of(&addr(1)), 0);
     }
 
     #[test]

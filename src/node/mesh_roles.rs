@@ -422,16 +422,38 @@ impl Node {
     }
 
     /// The other live nodes' in-flight requests per tenant (their `inflight` records), so a
-    /// tenant's cluster share holds across nodes.
+    /// tenant's cluster share holds across nodes. A region peer's count is taken at most as the
+    /// requests it claims in flight by load sharing: a member's record is its own word, and a
+    /// count of a million would refuse the tenant at every node.
     pub(super) fn set_peer_tenant_usage(&self, live: &[Member]) {
+        let sharing = self
+            .cfg
+            .mesh
+            .as_ref()
+            .is_some_and(|m| m.load_share_interval_ms > 0);
+        let peers: Vec<&Member> = live.iter().filter(|m| !m.is_self).collect();
+        // One lock at a time (the request path reads the tenants apart from the core lock).
+        let claims: Vec<Option<u32>> = {
+            let core = self.lock();
+            peers
+                .iter()
+                .map(|m| {
+                    m.node
+                        .as_ref()
+                        .filter(|n| sharing && n.region == self.cfg.region)
+                        .map(|n| core.peer_loads.in_flight_of(&n.quic_addr))
+                })
+                .collect()
+        };
         let mut usage: HashMap<String, u32> = HashMap::new();
         let configured = self.tenant_cfgs.read().unwrap_or_else(|p| p.into_inner());
-        for m in live.iter().filter(|m| !m.is_self) {
+        for (m, claimed) in peers.iter().zip(claims) {
             for (t, c) in &m.inflight.tenants {
                 // Only configured tenants: names a peer sends cannot grow this map.
                 if configured.contains_key(t) {
+                    let c = claimed.map_or(*c, |n| (*c).min(n));
                     let e = usage.entry(t.clone()).or_default();
-                    *e = e.saturating_add(*c);
+                    *e = e.saturating_add(c);
                 }
             }
         }

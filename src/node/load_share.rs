@@ -182,14 +182,14 @@ fn learn_tips(
     dropped
 }
 
-/// Most tips one load update carries: every pending prompt's own (at most
-/// `MAX_PENDING_TIPS`), then ladder tips up to this many in all. A prompt of 32k tokens names 8
+/// Most tips one load update carries: every answer's (with its ladder), every pending prompt's
+/// own (at most `MAX_PENDING_TIPS`), then ladder tips up to this many in all. A prompt of 32k tokens names 8
 /// shorter prefixes, so a full queue of them would otherwise be ~9,000 tips (~350 KB) to each
 /// peer in one flush; what is left out arrives with the next summary round, as before tips.
 const MAX_TIPS_PER_UPDATE: usize = 2 * MAX_PENDING_TIPS;
 
-/// The tips of `pending` as peers receive them: each prompt's own, then the shorter prefixes its
-/// ladder names (each a plain tip of its own length, so that nodes of every version read them),
+/// The tips of `pending` as peers receive them: answers first (first bytes and withdrawals, each
+/// with its ladder), then each claimed prompt's own, then the shorter prefixes its ladder names (each a plain tip of its own length, so that nodes of every version read them),
 /// each (replica, key, blocks) once per update — a system prompt routed a hundred times between
 /// two updates is named once, as soon as any of them is ready, and as answered if any of them
 /// got its first byte (a prompt routed and answered between two updates is news of both) — and
@@ -230,10 +230,20 @@ fn routed_tips<'a>(
             });
         }
     };
-    for t in pending {
+    // Answers first, whole (their ladders too: a peer may hold on any rung of a claim), then
+    // the claims' own tips, then their ladders: what the cap leaves out is news, not an answer
+    // a peer's hold waits for.
+    for t in pending.iter().filter(|t| t.is_answer()) {
+        add(t, t.key, t.blocks, t.rank);
+        for (key, blocks) in t.ladder.prefixes() {
+            add(t, key, blocks, None);
+        }
+    }
+    let claims = || pending.iter().filter(|t| !t.is_answer());
+    for t in claims() {
         add(t, t.key, t.blocks, t.rank);
     }
-    for t in pending {
+    for t in claims() {
         for (key, blocks) in t.ladder.prefixes() {
             add(t, key, blocks, None);
         }
@@ -665,6 +675,25 @@ mod tests {
             tips.iter().filter(|t| t.blocks == 512).count(),
             MAX_PENDING_TIPS
         );
+        // Answers queued after a full queue of claims still go, ladders and all, first.
+        let mut pending = long;
+        for q in 0..8u64 {
+            let keys: Vec<BlockKey> = (0..512)
+                .map(|i| BlockKey((1 << 40) | q << 20 | i))
+                .collect();
+            if let Some(t) = PendingTip::at_first_byte(0, &keys, now, None) {
+                t.queue_answer(&mut pending);
+            }
+        }
+        assert_eq!(pending.len(), MAX_PENDING_TIPS + 8);
+        let tips = routed_tips(&pending, |_| Some("r0"), now);
+        let answered = tips.iter().filter(|t| t.first_byte).count();
+        assert_eq!(
+            answered,
+            8 * 8,
+            "each answer's own tip and its 7 rungs: {answered}"
+        );
+        assert!(tips[..answered].iter().all(|t| t.first_byte));
     }
 
     fn view(max_in_flight: u32) -> View {

@@ -516,10 +516,10 @@ impl Ticket {
         // `overlay_ttl` more (a late one, whose first tip may have run out before the home's
         // summary has the blocks), marked as the first byte: a request riding on this prefill
         // at a peer waits no longer. Only this node's own request: a peer reports only its own.
-        if self.node.cfg.mesh.is_some() && core.pending_tips.len() < MAX_PENDING_TIPS {
+        if self.node.cfg.mesh.is_some() {
             let rank = self.rank.map(|t| t.rank);
             if let Some(tip) = PendingTip::at_first_byte(self.replica, keys, now, rank) {
-                core.pending_tips.push(tip);
+                tip.queue_answer(&mut core.pending_tips);
             }
         }
         let Some(rt) = core.replicas.get_mut(self.replica) else {
@@ -587,9 +587,7 @@ impl Drop for Ticket {
         let core = &mut *guard;
         release_pending(core, self.replica, self.pending_tokens, self.rank, true);
         if let (false, Some(tip)) = (self.started, self.claim.take()) {
-            if core.pending_tips.len() < MAX_PENDING_TIPS {
-                core.pending_tips.push(tip.withdrawn());
-            }
+            tip.withdrawn().queue_answer(&mut core.pending_tips);
         }
         if let (true, Some(rt)) = (self.started, core.replicas.get_mut(self.replica)) {
             // It answered and ended: the engine is stepping.

@@ -184,8 +184,10 @@ pub struct Core {
     /// This node's id in the mesh (empty without one).
     pub hot_self: String,
     /// Prefixes routed since the last load update (mesh only), for the region's other nodes.
-    /// At most `MAX_PENDING_TIPS` (1,024); more between two flushes are dropped (the summary
-    /// round has them).
+    /// Claims up to `MAX_PENDING_TIPS` (1,024; more between two flushes are dropped: the summary
+    /// round has them), answers (first bytes, withdrawals) up to twice that
+    /// ([`PendingTip::queue_answer`]): an answer dropped leaves a peer's hold on its claim
+    /// unanswered, and strikes this node.
     pub pending_tips: Vec<PendingTip>,
     /// Requests waiting for a slot (`admission.rs`), with `[priorities]` set.
     pub admission: Option<super::admission_queue::NodeQueue>,
@@ -209,7 +211,7 @@ pub const MAX_RECLAIMED_DRAINS: std::num::NonZeroUsize = match std::num::NonZero
     None => unreachable!(),
 };
 
-/// Most routed prefixes kept for the next load update.
+/// Most routed prefixes kept for the next load update (answers to them have as much again).
 pub const MAX_PENDING_TIPS: usize = 1024;
 
 /// A prefix this node routed, until the next load update tells the region's other nodes
@@ -253,6 +255,20 @@ impl PendingTip {
             first_byte: false,
             withdrawn: false,
         })
+    }
+
+    /// Queues this answer (a first-byte or withdrawn tip) in `pending`: within twice
+    /// [`MAX_PENDING_TIPS`], so that claims filling their share never crowd out the answers to
+    /// claims already sent.
+    pub fn queue_answer(self, pending: &mut Vec<PendingTip>) {
+        if pending.len() < 2 * MAX_PENDING_TIPS {
+            pending.push(self);
+        }
+    }
+
+    /// Whether it answers a claim (first byte or withdrawal).
+    pub fn is_answer(&self) -> bool {
+        self.first_byte || self.withdrawn
     }
 
     /// This tip withdrawn: its request ended without a first byte.

@@ -170,6 +170,9 @@ struct Held {
     /// before its first byte): answered, so nothing waits on it, but its blocks were never
     /// computed, so it counts as no hit. A new claim of the prefix starts it afresh.
     withdrawn: bool,
+    /// The region peer whose tip made the entry (`None`: not from a load update): what it counts
+    /// against in the per-peer quota.
+    creator: Option<SocketAddr>,
 }
 
 /// How a claimed prefill was answered, as far as the peers' tips say ([`PeerTips::answer`]).
@@ -195,12 +198,18 @@ pub struct Claim {
     pub at: Duration,
 }
 
-/// Peer tips by tip key, bounded.
+/// Peer tips by tip key, bounded in all and per peer.
 #[derive(Debug)]
 pub struct PeerTips {
     by_key: HashMap<u64, Vec<Held>, SeededKeyHash>,
     len: usize,
     cap: usize,
+    /// Entries each region peer made (keyed by the live region peers a caller admits).
+    by_peer: HashMap<SocketAddr, usize>,
+    /// Most entries one peer may make ([`PeerTips::set_peer_quota`]): tips with keys no request
+    /// ever matches hold nobody, so no strike catches a peer that sends them, and without a
+    /// quota one member could fill the store and crowd out every other peer's tips.
+    peer_quota: usize,
 }
 
 impl Default for PeerTips {
@@ -216,7 +225,15 @@ impl PeerTips {
             by_key: HashMap::with_hasher(SeededKeyHash::new(seed)),
             len: 0,
             cap,
+            by_peer: HashMap::new(),
+            peer_quota: cap,
         }
+    }
+
+    /// Sets the most entries one peer may make (the store's cap shared among the region's
+    /// peers); entries already held stay until they expire.
+    pub fn set_peer_quota(&mut self, quota: usize) {
+        self.peer_quota = quota.clamp(1, self.cap.max(1));
     }
 
     /// Most tips held.
@@ -280,7 +297,7 @@ impl PeerTips {
     }
 
     fn put_claim(&mut self, key: BlockKey, tip: Tip, claim: Claim) -> bool {
-        self.merge_or_push(key, tip, |h| {
+        self.merge_or_push(key, tip, Some(claim.from), |h| {
             if h.withdrawn {
                 // The prefix is sent again: a new prefill, under way from its own predicted end.
                 *h = Held {
@@ -289,6 +306,7 @@ impl PeerTips {
                     claim: Some(claim),
                     claimer_answered: false,
                     withdrawn: false,
+                    creator: h.creator,
                 };
             } else {
                 h.claim = h.claim.or(Some(claim));
@@ -305,7 +323,7 @@ impl PeerTips {
         first_byte: bool,
         answerer: Option<SocketAddr>,
     ) -> bool {
-        self.merge_or_push(key, tip, |h| {
+        self.merge_or_push(key, tip, answerer, |h| {
             h.first_byte |= first_byte;
             h.claimer_answered |=
                 first_byte && answerer.is_some_and(|from| h.claim.is_some_and(|c| c.from == from));
@@ -317,8 +335,15 @@ impl PeerTips {
     }
 
     /// Merges `tip` into the held one of the same replica and length (the earliest ready, the
-    /// latest until), or holds a new one while the store has room; then `mark`s it.
-    fn merge_or_push(&mut self, key: BlockKey, tip: Tip, mark: impl FnOnce(&mut Held)) -> bool {
+    /// latest until), or holds a new one while the store, and `creator`'s quota, have room; then
+    /// `mark`s it.
+    fn merge_or_push(
+        &mut self,
+        key: BlockKey,
+        tip: Tip,
+        creator: Option<SocketAddr>,
+        mark: impl FnOnce(&mut Held),
+    ) -> bool {
         if tip.blocks == 0 {
             return false;
         }
@@ -332,7 +357,8 @@ impl PeerTips {
             mark(h);
             return true;
         }
-        if self.len >= self.cap {
+        let made = creator.map_or(0, |p| self.by_peer.get(&p).copied().unwrap_or(0));
+        if self.len >= self.cap || made >= self.peer_quota {
             if tips.is_empty() {
                 self.by_key.remove(&key.0);
             }
@@ -344,33 +370,42 @@ impl PeerTips {
             claim: None,
             claimer_answered: false,
             withdrawn: false,
+            creator,
         };
         mark(&mut held);
         tips.push(held);
         self.len += 1;
+        if let Some(p) = creator {
+            *self.by_peer.entry(p).or_default() += 1;
+        }
         true
+    }
+
+    /// Keeps the entries `keep` holds, and the counts that follow from them.
+    fn retain(&mut self, keep: impl Fn(&Held) -> bool) {
+        let (mut len, mut by_peer) = (0, HashMap::new());
+        self.by_key.retain(|_, tips| {
+            tips.retain(&keep);
+            for h in tips.iter() {
+                if let Some(p) = h.creator {
+                    *by_peer.entry(p).or_default() += 1;
+                }
+            }
+            len += tips.len();
+            !tips.is_empty()
+        });
+        self.len = len;
+        self.by_peer = by_peer;
     }
 
     /// Drops every tip of replica `i` (its view slot was given to another replica).
     pub fn forget_replica(&mut self, i: usize) {
-        let mut len = 0;
-        self.by_key.retain(|_, tips| {
-            tips.retain(|h| h.tip.replica != i);
-            len += tips.len();
-            !tips.is_empty()
-        });
-        self.len = len;
+        self.retain(|h| h.tip.replica != i);
     }
 
     /// Drops tips that stopped counting.
     pub fn expire(&mut self, now: Duration) {
-        let mut len = 0;
-        self.by_key.retain(|_, tips| {
-            tips.retain(|h| h.tip.until > now);
-            len += tips.len();
-            !tips.is_empty()
-        });
-        self.len = len;
+        self.retain(|h| h.tip.until > now);
     }
 
     /// [`PeerTips::hits`] and, in the same pass over `keys`, the replicas a peer sent a prompt
@@ -674,6 +709,30 @@ mod tests {
         assert!(t.insert_first_byte(parent[7], tip(3, 8)));
         t.hits_and_pending(&next, true, early, &mut hits, &mut out);
         assert_eq!(out, vec![(3, 4, ready)], "the rung still under way");
+    }
+
+    #[test]
+    fn one_peer_makes_at_most_its_quota_of_the_store() {
+        let mut t = PeerTips::with_cap(8, 0);
+        t.set_peer_quota(4);
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:7000".parse().unwrap(),
+            "10.0.0.2:7000".parse().unwrap(),
+        );
+        let claim = |from| Claim { from, at: S };
+        let junk = keys(10, 7);
+        let held = (0..10)
+            .filter(|&k| t.insert_claim(junk[k], tip(3, 1 + k as u32), claim(a)))
+            .count();
+        assert_eq!(held, 4, "a's quota");
+        assert!(
+            t.insert_first_byte_from(keys(1, 9)[0], tip(3, 1), b),
+            "b's own share"
+        );
+        // Expired, a's entries no longer count against it.
+        t.expire(100 * S);
+        assert!(t.is_empty());
+        assert!(t.insert_claim(junk[0], tip(3, 1), claim(a)));
     }
 
     #[test]

@@ -123,8 +123,10 @@ pub(super) fn reweigh_claims(core: &mut Core, i: usize, now: Duration) {
     }
 }
 
-/// Longest wait a peer may announce before a routed prefix counts (an hour, as the overlay's).
-const MAX_TIP_READY_MS: u32 = 3_600_000;
+/// Longest wait a peer may announce before a routed prefix counts (10 minutes: a prefill
+/// predicted further off is a replica hopelessly queued). A tip lives its wait and the overlay's
+/// TTL; an hour let one member's junk keys stay that long.
+const MAX_TIP_READY_MS: u32 = 600_000;
 /// Longest prefix a tip may claim, in blocks (16M tokens at 16-token blocks: beyond any context).
 const MAX_TIP_BLOCKS: u32 = 1 << 20;
 
@@ -270,8 +272,18 @@ impl Node {
         let tips = std::mem::take(&mut update.tips);
         // Asked before the node's lock: the bars' own lock is not nested inside it.
         let barred = self.holds.is_barred(from, now);
+        // Each region peer may make its share of the peer-tip store, no more.
+        let peers = self
+            .status()
+            .peers
+            .iter()
+            .filter(|p| p.region == *region)
+            .count()
+            .max(1);
         let mut guard = self.lock();
         let core = &mut *guard;
+        let quota = core.view.peer_tips.cap() / peers;
+        core.view.peer_tips.set_peer_quota(quota);
         let view = &core.view;
         let applied = core.peer_loads.apply(from, update, now, |id| {
             view.index_of(id)

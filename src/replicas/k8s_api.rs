@@ -526,6 +526,8 @@ struct OpenWatch {
     response: reqwest::Response,
     lines: LineSplitter,
     deadline: tokio::time::Instant,
+    /// When it was opened: one that ends within a second of it is refused, not timed out.
+    opened: tokio::time::Instant,
 }
 
 /// One collection followed: LIST, then WATCH from the list's resourceVersion, reopened when the
@@ -757,6 +759,7 @@ impl ListWatch {
             deadline: tokio::time::Instant::now()
                 + Duration::from_secs(self.watch_timeout_s)
                 + self.request_timeout,
+            opened: tokio::time::Instant::now(),
         })
     }
 
@@ -811,6 +814,15 @@ impl ListWatch {
             let chunk = match tokio::time::timeout_at(watch.deadline, watch.response.chunk()).await
             {
                 Ok(Ok(Some(chunk))) => chunk,
+                Ok(Ok(None)) if watch.opened.elapsed() < Duration::from_secs(1) => {
+                    // Ended at once (a server or proxy that answers a watch with an empty body):
+                    // reopening at once would hammer it.
+                    self.watch = None;
+                    self.watch_failed();
+                    tracing::debug!(source = %self.name, resource = self.resource, "Kubernetes watch ended empty; reopening after a backoff");
+                    self.back_off().await;
+                    continue;
+                }
                 Ok(Ok(None)) | Err(_) => {
                     // The API server ended the watch (timeoutSeconds), or it outlived its
                     // deadline: reopen from the last resourceVersion.

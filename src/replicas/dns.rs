@@ -23,6 +23,13 @@ use super::entry::{default_max_in_flight, default_pool, default_prefill_rate, Re
 use super::kv_events::KvEventsSource;
 use crate::core::role::Role;
 
+/// Most replicas one DNS source registers (the first, by address): each becomes a cache model,
+/// watcher tasks and metric series, and an answer (over TCP) may list thousands.
+pub const MAX_DNS_REPLICAS: usize = 1024;
+/// Longest one resolution may take, SRV targets included (each resolved in turn, each up to the
+/// resolver's own timeout): past it the previous replicas stay, and a node's start goes on.
+const RESOLVE_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Which records a DNS source reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -297,7 +304,7 @@ impl DnsSource {
                     .await
                     .map_err(|e| err(&self.cfg.name, e))?;
                 let mut until = srv.valid_until();
-                for rec in srv.answers() {
+                for rec in srv.answers().iter().take(MAX_DNS_REPLICAS) {
                     let RData::SRV(s) = &rec.data else { continue };
                     let target = s.target.to_ascii();
                     match self.resolver.lookup_ip(target.as_str()).await {
@@ -316,6 +323,10 @@ impl DnsSource {
         };
         addrs.sort();
         addrs.dedup();
+        if addrs.len() > MAX_DNS_REPLICAS {
+            tracing::warn!(source = %self.cfg.name, found = addrs.len(), "DNS names more replicas than a source registers; the first {MAX_DNS_REPLICAS} by address are kept");
+            addrs.truncate(MAX_DNS_REPLICAS);
+        }
         Ok((addrs, until))
     }
 
@@ -324,10 +335,14 @@ impl DnsSource {
     pub async fn sync(&mut self, registry: &dyn ReplicaRegistry) -> (Vec<usize>, Duration) {
         let min = Duration::from_millis(self.cfg.min_refresh_ms);
         let max = Duration::from_millis(self.cfg.max_refresh_ms);
-        let (addrs, until) = match self.resolve().await {
-            Ok(r) => r,
-            Err(e) => {
+        let (addrs, until) = match tokio::time::timeout(RESOLVE_DEADLINE, self.resolve()).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "DNS resolution failed; keeping the previous replicas");
+                return (Vec::new(), min);
+            }
+            Err(_) => {
+                tracing::warn!(source = %self.cfg.name, "DNS resolution took over {RESOLVE_DEADLINE:?}; keeping the previous replicas");
                 return (Vec::new(), min);
             }
         };

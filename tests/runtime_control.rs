@@ -383,6 +383,15 @@ async fn commands_need_the_token_and_bad_ones_get_a_clear_4xx() {
                 call(reqwest::Method::DELETE, "/admin/replicas/r2?wait_s=100000"),
                 400,
             ),
+            // Not a number, and a body over the bound: the API's error shape too.
+            (
+                call(reqwest::Method::DELETE, "/admin/replicas/r2?wait_s=abc"),
+                400,
+            ),
+            (
+                call(reqwest::Method::POST, "/admin/replicas").body(vec![b' '; 100 << 10]),
+                400,
+            ),
         ];
         for (i, (req, want)) in cases.into_iter().enumerate() {
             let resp = req.send().await.unwrap();

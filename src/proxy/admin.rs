@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -127,34 +128,42 @@ pub async fn add(
     ))
 }
 
+/// The path's replica id and the `?wait_s=` query as extracted: read only once the token is
+/// checked, and refused in the API's error shape, not axum's plain text.
+type Asked = (
+    Result<Path<String>, PathRejection>,
+    Result<Query<WaitQuery>, QueryRejection>,
+);
+
 /// `POST /admin/replicas/{id}/drain`.
 pub async fn drain(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-    Query(q): Query<WaitQuery>,
+    id: Result<Path<String>, PathRejection>,
+    q: Result<Query<WaitQuery>, QueryRejection>,
 ) -> Result<Json<CommandAnswer>, ApiError> {
-    command(node, headers, AdminOp::Drain, id, q).await
+    command(node, headers, AdminOp::Drain, (id, q)).await
 }
 
 /// `DELETE /admin/replicas/{id}`.
 pub async fn remove(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-    Query(q): Query<WaitQuery>,
+    id: Result<Path<String>, PathRejection>,
+    q: Result<Query<WaitQuery>, QueryRejection>,
 ) -> Result<Json<CommandAnswer>, ApiError> {
-    command(node, headers, AdminOp::Remove, id, q).await
+    command(node, headers, AdminOp::Remove, (id, q)).await
 }
 
 async fn command(
     node: Arc<Node>,
     headers: HeaderMap,
     op: AdminOp,
-    id: String,
-    q: WaitQuery,
+    (id, q): Asked,
 ) -> Result<Json<CommandAnswer>, ApiError> {
     authorized(&headers, node.secrets.admin_token.as_deref())?;
+    let Path(id) = id.map_err(|e| ApiError::bad_request(e.body_text(), None))?;
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text(), Some("wait_s")))?;
     if q.wait_s > MAX_WAIT_S {
         return Err(ApiError::bad_request(
             format!("wait_s must be at most {MAX_WAIT_S}"),

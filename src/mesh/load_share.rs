@@ -133,8 +133,9 @@ pub struct RoutedTip {
     /// sender withdraws its claim that the prefill is under way (nothing waits on it; its blocks
     /// never count). Only the claimer's withdrawal counts
     /// (`core::peer_tips::PeerTips::withdraw_from`). Added after `first_byte` (positional; a
-    /// sender without it reads as false).
-    #[serde(default)]
+    /// sender without it reads as false) and written only when true: a node of the version
+    /// before refuses an array longer than it knows, so every other tip stays in its form.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub withdrawn: bool,
 }
 
@@ -944,6 +945,19 @@ mod tests {
         withdrawn.tips[0].withdrawn = true;
         let back = LoadUpdate::decode(&withdrawn.encode().unwrap()).unwrap();
         assert_eq!(back, withdrawn);
+        // A tip not withdrawn is written as the version before wrote it (six fields), so a node
+        // of that version still reads the update.
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
+        struct PrevTip(String, u64, u32, u32, Option<u16>, bool);
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
+        struct PrevUpdate(u64, u64, Vec<LoadEntry>, Vec<PrevTip>);
+        let bytes = rmp_serde::to_vec(&answered).unwrap();
+        assert!(rmp_serde::from_slice::<PrevUpdate>(&bytes).is_ok());
+        // A withdrawn one it cannot read (the update is refused there, as any it cannot read).
+        let bytes = rmp_serde::to_vec(&withdrawn).unwrap();
+        assert!(rmp_serde::from_slice::<PrevUpdate>(&bytes).is_err());
     }
 
     #[test]

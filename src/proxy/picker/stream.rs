@@ -136,15 +136,20 @@ async fn serve(ctx: &PickerCtx, inbound: &mut Streaming<ProcessingRequest>, out:
     let subset = wire::subset_hint(first.metadata_context.as_ref(), &ctx.cfg.subset_namespace);
     let (api, path) = api_for(&head.path);
     let shape = error_shape(api);
-    // Before anything else, bodyless requests included: with API keys on, a retrieve or cancel
-    // of a stored response needs a key here as at the HTTP front.
+    if h.end_of_stream {
+        // With API keys on, a retrieve or cancel of a stored response needs a key here as at
+        // the HTTP front (other bodyless requests, `/v1/models`, need none there either).
+        if stored_response_id(&head.path).is_some() {
+            if let Err(e) = identify(node, &head.headers, false) {
+                return refuse(out, e, shape).await;
+            }
+        }
+        return bodyless(ctx, inbound, out, &head.path, subset.as_deref()).await;
+    }
     let who = match identify(node, &head.headers, false) {
         Ok(w) => w,
         Err(e) => return refuse(out, e, shape).await,
     };
-    if h.end_of_stream {
-        return bodyless(ctx, inbound, out, &head.path, subset.as_deref()).await;
-    }
     let (body, permit, trailers) = match read_body(ctx, inbound, &head.headers).await {
         Ok(b) => b,
         Err(BodyEnd::Refused(e)) => return refuse(out, e, shape).await,

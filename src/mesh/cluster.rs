@@ -261,6 +261,22 @@ fn trust_of(
     Ok((key, signer, check, operator))
 }
 
+/// Installs the gates the region's gossip and the region layer's pass (`gossip_guard`): one
+/// each, as the layer's members are other regions' representatives, with their own incarnations.
+fn install_guards(
+    transport: &QuicTransport,
+    cfg: &MeshConfig,
+    check: CertCheck,
+) -> Result<(), MeshError> {
+    let layer_check = CertCheck::new(&cfg.identity)?;
+    let hold = cfg.dead_node_grace_period;
+    transport.set_guards(
+        Guard::new(check, &cfg.node_id, hold),
+        Guard::new(layer_check, &cfg.node_id, hold),
+    );
+    Ok(())
+}
+
 /// The failure detector for `cfg`. chitchat 0.11's phi is `silence / mean heartbeat interval`,
 /// and heartbeats arrive about once per gossip round, so a threshold of
 /// `failure_detection / gossip_interval` declares a node dead after about `failure_detection`.
@@ -301,13 +317,7 @@ impl Mesh {
             .identity
             .quic_configs_with(cfg.transport.idle_timeout, cert)?;
         let transport = QuicTransport::bind(cfg.listen_addr, quic, cfg.transport.clone())?;
-        // The region layer's gossip is checked as the region's is, by a gate of its own (its
-        // members are other regions' representatives, with their own incarnations).
-        let layer_check = CertCheck::new(&cfg.identity)?;
-        transport.set_guards(
-            Guard::new(check, &cfg.node_id, cfg.dead_node_grace_period),
-            Guard::new(layer_check, &cfg.node_id, cfg.dead_node_grace_period),
-        );
+        install_guards(&transport, &cfg, check)?;
         let bound = transport.local_addr();
         let advertise = cfg.advertise_addr.unwrap_or(bound);
         let generation = now_ms();

@@ -200,6 +200,23 @@ fn stream_back(
     debug: bool,
     span: Option<Span>,
 ) -> Response {
+    let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
+    let mut out = relay_answer(resp, idle, span, "no data from the forwarded node");
+    if let (true, Ok(v)) = (debug, HeaderValue::from_str(peer)) {
+        out.headers_mut()
+            .insert(HeaderName::from_static(FORWARDED_TO_HEADER), v);
+    }
+    out
+}
+
+/// An upstream answer relayed as it arrives: its status and headers (hop-by-hop ones left out),
+/// its body cut with an error (`cut`) when `idle` passes without a byte; `span` ends with it.
+pub(super) fn relay_answer(
+    resp: reqwest::Response,
+    idle: Duration,
+    span: Option<Span>,
+    cut: &'static str,
+) -> Response {
     let status = resp.status();
     let mut headers = HeaderMap::with_capacity(resp.headers().len() + 1);
     for (k, v) in resp.headers() {
@@ -210,10 +227,6 @@ fn stream_back(
             headers.append(k.clone(), v.clone());
         }
     }
-    if let (true, Ok(v)) = (debug, HeaderValue::from_str(peer)) {
-        headers.insert(HeaderName::from_static(FORWARDED_TO_HEADER), v);
-    }
-    let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
     let inner = Box::pin(resp.bytes_stream());
     let stream = futures::stream::unfold(
         (inner, false, span),
@@ -226,10 +239,7 @@ fn stream_back(
                 Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e)), (inner, true, span))),
                 Ok(None) => None,
                 Err(_) => Some((
-                    Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "no data from the forwarded node",
-                    )),
+                    Err(std::io::Error::new(std::io::ErrorKind::TimedOut, cut)),
                     (inner, true, span),
                 )),
             }

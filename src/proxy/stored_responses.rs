@@ -14,7 +14,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -197,25 +196,27 @@ async fn relay_to_holder(
     // As the request path sends them: the node's API key replaced by the replica token.
     let headers = super::auth::upstream_headers(node, req.headers());
     let first_byte = Duration::from_millis(node.cfg.timeouts.first_byte_ms);
-    let resp = node
-        .client
-        .request(method, url)
-        .headers(headers)
-        .timeout(first_byte)
-        .send()
-        .await
-        .map_err(|e| {
+    let send = node.client.request(method, url).headers(headers).send();
+    // Headers within the first-byte timeout; the body (a `?stream=true` retrieve runs as long
+    // as the response) then each chunk within the idle timeout.
+    let resp = match tokio::time::timeout(first_byte, send).await {
+        Ok(r) => r.map_err(|e| {
             ApiError::bad_gateway(format!(
                 "the replica failed: {}",
                 super::error::upstream_cause(e)
             ))
-        })?;
-    let status = resp.status();
-    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-    let mut out = Response::new(Body::from_stream(resp.bytes_stream()));
-    *out.status_mut() = status;
-    if let Some(ct) = content_type {
-        out.headers_mut().insert(header::CONTENT_TYPE, ct);
-    }
-    Ok(out)
+        })?,
+        Err(_) => {
+            return Err(ApiError::bad_gateway(format!(
+                "the replica sent nothing within {first_byte:?}"
+            )))
+        }
+    };
+    let idle = Duration::from_millis(node.cfg.timeouts.idle_ms);
+    Ok(super::region_forward::relay_answer(
+        resp,
+        idle,
+        None,
+        "no data from the replica",
+    ))
 }

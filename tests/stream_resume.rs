@@ -410,6 +410,7 @@ async fn a_stream_whose_body_is_past_the_resume_budget_ends_with_the_error_event
             text.ends_with("data: [DONE]\n\n") && text.contains("data: {\"error\":"),
             "{text}"
         );
+        assert_eq!(resumes(&c, &n, "chat", "body_not_kept").await, 1);
         assert_eq!(resumes(&c, &n, "chat", "error_event").await, 1);
         assert_eq!(resumes(&c, &n, "chat", "resumed").await, 0);
         n.shutdown().await;

@@ -498,6 +498,39 @@ mod tests {
         )
     }
 
+    /// The memory one crafted body's parse takes, measured: `cargo test --lib
+    /// crafted_body_parse_memory -- --ignored --nocapture`. A 32 MiB chat body of 2,700 messages
+    /// of 4,096 empty parts, parsed with the per-list caps alone (no budget scope: as before the
+    /// budget) and through [`Fields::parse`]; the process's peak resident set (`VmHWM`) grows by
+    /// what the first parse held at once.
+    #[test]
+    #[ignore]
+    fn crafted_body_parse_memory() {
+        let peak_kib = || -> u64 {
+            let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let body = many_parts(Api::Chat, 2700);
+        let base = peak_kib();
+        let t = std::time::Instant::now();
+        let refused = Fields::parse(Api::Chat, body.as_bytes()).is_err();
+        let (budget_ms, budget_peak) = (t.elapsed().as_millis(), peak_kib());
+        let t = std::time::Instant::now();
+        let caps_only = serde_json::from_slice::<RoutingFields>(body.as_bytes()).is_ok();
+        let (caps_ms, caps_peak) = (t.elapsed().as_millis(), peak_kib());
+        println!(
+            "body {} MiB: with the budget refused={refused} in {budget_ms} ms, peak +{} MiB; \
+             per-list caps alone parsed={caps_only} in {caps_ms} ms, peak +{} MiB",
+            body.len() >> 20,
+            budget_peak.saturating_sub(base) >> 10,
+            caps_peak.saturating_sub(base) >> 10
+        );
+    }
+
     #[test]
     fn a_body_is_refused_past_its_element_budget_whatever_lists_hold_them() {
         for api in [Api::Chat, Api::Messages] {

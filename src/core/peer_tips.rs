@@ -629,6 +629,14 @@ mod tests {
 
     const S: Duration = Duration::from_secs(1);
 
+    /// Two region peers' addresses.
+    fn two_peers() -> (SocketAddr, SocketAddr) {
+        (
+            "10.0.0.1:7000".parse().unwrap(),
+            "10.0.0.2:7000".parse().unwrap(),
+        )
+    }
+
     fn tip(replica: usize, blocks: u32) -> Tip {
         Tip {
             replica,
@@ -715,10 +723,7 @@ mod tests {
     fn one_peer_makes_at_most_its_quota_of_the_store() {
         let mut t = PeerTips::with_cap(8, 0);
         t.set_peer_quota(4);
-        let (a, b): (SocketAddr, SocketAddr) = (
-            "10.0.0.1:7000".parse().unwrap(),
-            "10.0.0.2:7000".parse().unwrap(),
-        );
+        let (a, b) = two_peers();
         let claim = |from| Claim { from, at: S };
         let junk = keys(10, 7);
         let held = (0..10)
@@ -739,10 +744,7 @@ mod tests {
     fn only_the_claimer_withdraws_an_unanswered_claim_and_a_new_claim_starts_afresh() {
         let mut t = PeerTips::default();
         let parent = keys(8, 1);
-        let (a, b) = (
-            "10.0.0.1:7000".parse().unwrap(),
-            "10.0.0.2:7000".parse().unwrap(),
-        );
+        let (a, b) = two_peers();
         let claim = |from| Claim { from, at: S };
         let under_way = |t: &PeerTips| t.in_prefill_at(3, &parent, 1, S / 2, |_| true).is_some();
         assert!(t.insert_claim(parent[7], tip(3, 8), claim(a)));
@@ -772,10 +774,7 @@ mod tests {
     fn a_claim_names_its_first_sender_and_a_distrusted_one_is_passed_over_for_a_shorter() {
         let mut t = PeerTips::default();
         let parent = keys(8, 1);
-        let (a, b) = (
-            "10.0.0.1:7000".parse().unwrap(),
-            "10.0.0.2:7000".parse().unwrap(),
-        );
+        let (a, b) = two_peers();
         let claim = |from, at| Claim { from, at };
         assert!(t.insert_claim(parent[7], tip(3, 8), claim(a, S)));
         assert!(t.insert_claim(parent[7], tip(3, 8), claim(b, 2 * S)));

@@ -729,16 +729,22 @@ mod tests {
         Guard::new(CertCheck::new(&me).unwrap(), "me", Duration::from_secs(600))
     }
 
-    /// The (node id, keys) a filtered message hands chitchat.
-    fn passed(g: &Guard, body: &[u8]) -> Vec<(String, Vec<String>)> {
-        let body = match g.filter(body, &["relay".to_owned()]) {
+    /// The delta of the Ack `body` as the guard hands it to chitchat, from `sender` (the message
+    /// checked to decode as chitchat's).
+    fn handed_over_delta(g: &Guard, body: &[u8], sender: &str) -> Vec<u8> {
+        let body = match g.filter(body, &[sender.to_owned()]) {
             Filtered::Unchanged => body.to_vec(),
             Filtered::Rewritten(b) => b,
             Filtered::Malformed(e) => panic!("{e}"),
         };
         let mut buf = body.as_slice();
         assert!(ChitchatMessage::deserialize(&mut buf).is_ok());
-        let raw = decompress(&body[4..]).unwrap();
+        decompress(&body[4..]).unwrap()
+    }
+
+    /// The (node id, keys) a filtered message hands chitchat.
+    fn passed(g: &Guard, body: &[u8]) -> Vec<(String, Vec<String>)> {
+        let raw = handed_over_delta(g, body, "relay");
         let mut out: Vec<(String, Vec<String>)> = Vec::new();
         for (op, _) in parse_ops(&raw).unwrap() {
             match op {
@@ -886,12 +892,7 @@ mod tests {
 
     /// The last GC version of each node delta `body` hands chitchat, by node id.
     fn last_gc_versions(g: &Guard, body: &[u8], sender: &str) -> Vec<(String, u64)> {
-        let body = match g.filter(body, &[sender.to_owned()]) {
-            Filtered::Unchanged => body.to_vec(),
-            Filtered::Rewritten(b) => b,
-            Filtered::Malformed(e) => panic!("{e}"),
-        };
-        let raw = decompress(&body[4..]).unwrap();
+        let raw = handed_over_delta(g, body, sender);
         let mut out = Vec::new();
         for (op, _) in parse_ops(&raw).unwrap() {
             if let Op::Node {

@@ -272,18 +272,8 @@ impl Node {
         let tips = std::mem::take(&mut update.tips);
         // Asked before the node's lock: the bars' own lock is not nested inside it.
         let barred = self.holds.is_barred(from, now);
-        // Each region peer may make its share of the peer-tip store, no more.
-        let peers = self
-            .status()
-            .peers
-            .iter()
-            .filter(|p| p.region == *region)
-            .count()
-            .max(1);
         let mut guard = self.lock();
         let core = &mut *guard;
-        let quota = core.view.peer_tips.cap() / peers;
-        core.view.peer_tips.set_peer_quota(quota);
         let view = &core.view;
         let applied = core.peer_loads.apply(from, update, now, |id| {
             view.index_of(id)
@@ -821,6 +811,34 @@ mod tests {
         assert_eq!(route(&longer), Some(first));
     }
 
+    /// Two meshed nodes whose replica's prefill is predicted far slower than it runs (a 96-token
+    /// prompt ~96 s), and the ticket of a 6-block prompt A routed there.
+    fn a_slow_prefill_routed_at_a() -> (
+        tempfile::TempDir,
+        Arc<Node>,
+        Arc<Node>,
+        Vec<BlockKey>,
+        crate::node::routing::Ticket,
+    ) {
+        use crate::core::router::{Decision, RouteRequest};
+        let certs = tempfile::tempdir().unwrap();
+        let (a, b) = two_meshed_nodes(&certs, 1.0, Default::default());
+        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
+        let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
+        let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
+            panic!("A routes to r0");
+        };
+        (certs, a, b, keys, ticket)
+    }
+
+    /// `n` learns `tips` from the region peer at `from`, every one of them kept.
+    fn learn_from(n: &Node, tips: &[RoutedTip], from: SocketAddr) {
+        let now = n.now();
+        let mut core = n.lock();
+        let region = core.view.local_region.clone();
+        assert_eq!(learn_tips(&mut core, tips, &region, from, now), 0);
+    }
+
     /// `n`'s next load update's tips (a flush): its pending tips as peers receive them.
     fn flush(n: &Arc<Node>) -> Vec<RoutedTip> {
         let now = n.now();
@@ -842,25 +860,12 @@ mod tests {
     /// tip at all until the home's summary round. The first byte is news for the peers too.
     #[test]
     fn a_first_byte_tells_the_peers_the_prompt_is_cached_now() {
-        use crate::core::router::{Decision, RouteRequest};
-
-        // Predicted far slower than it runs: a 96-token prompt's prefill is predicted to take
-        // ~96 s.
-        let certs = tempfile::tempdir().unwrap();
-        let (a, b) = two_meshed_nodes(&certs, 1.0, Default::default());
-        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
-        let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
-        let (Decision::Route(_), Some(mut ticket)) = a.route(&req) else {
-            panic!("A routes to r0");
-        };
+        let (_certs, a, b, keys, mut ticket) = a_slow_prefill_routed_at_a();
         // A's next load update (a flush): B learns the prefix, ready at the predicted end.
         let learn = |tips: &[RoutedTip]| {
-            let now = b.now();
-            let mut core = b.lock();
-            let region = core.view.local_region.clone();
-            assert_eq!(learn_tips(&mut core, tips, &region, PEER, now), 0);
+            learn_from(&b, tips, PEER);
             let mut hits = Vec::new();
-            core.view.peer_tips.hits(&keys, now, &mut hits);
+            b.lock().view.peer_tips.hits(&keys, b.now(), &mut hits);
             hits
         };
         let routed = flush(&a);
@@ -883,24 +888,14 @@ mod tests {
     #[test]
     fn a_request_ended_without_its_first_byte_withdraws_its_claim() {
         use crate::core::peer_tips::Answer;
-        use crate::core::router::{Decision, RouteRequest};
 
-        // Predicted far slower than it runs: the claim would stand for ~96 s.
-        let certs = tempfile::tempdir().unwrap();
-        let (a, b) = two_meshed_nodes(&certs, 1.0, Default::default());
-        let keys: Vec<BlockKey> = (0..6).map(BlockKey).collect();
-        let req = RouteRequest::plain("m", &keys, 16 * keys.len() as u64);
-        let (Decision::Route(_), Some(ticket)) = a.route(&req) else {
-            panic!("A routes to r0");
-        };
+        // The claim would stand for ~96 s.
+        let (_certs, a, b, keys, ticket) = a_slow_prefill_routed_at_a();
         // B learns `tips` from `from`; then what it holds under way for `keys`.
         let learn = |tips: &[RoutedTip], from: SocketAddr| {
-            let now = b.now();
-            let mut core = b.lock();
-            let region = core.view.local_region.clone();
-            assert_eq!(learn_tips(&mut core, tips, &region, from, now), 0);
+            learn_from(&b, tips, from);
             let mut out = Vec::new();
-            core.view.peer_tips.in_prefill(&keys, now, &mut out);
+            b.lock().view.peer_tips.in_prefill(&keys, b.now(), &mut out);
             out.len()
         };
         assert_eq!(learn(&flush(&a), PEER), 1, "under way");

@@ -195,6 +195,18 @@ impl Node {
                 Some((n.region.clone(), n.quic_addr))
             })
             .collect();
+        // Each region peer may make its share of the peer-tip store (`core::peer_tips`): set
+        // here, where the region's membership changes, not per load update.
+        let region_peers = members
+            .iter()
+            .filter(|m| m.live && !m.is_self && m.region() == Some(self.cfg.region.as_str()))
+            .count()
+            .max(1);
+        {
+            let mut core = self.lock();
+            let quota = core.view.peer_tips.cap() / region_peers;
+            core.view.peer_tips.set_peer_quota(quota);
+        }
         let mut st = self.status();
         st.members = json;
         st.peers = peers;

@@ -52,7 +52,8 @@ pub struct Metrics {
     /// `kvmesh_stream_resumes_total{api,outcome}`: streams whose replica failed mid-stream:
     /// `resumed` (continued on another replica), `failed` (a continuation attempt failed),
     /// `finished` (nothing was left to generate: ended cleanly), `error_event` (ended with the
-    /// API's error event: unresumable, or no continuation left).
+    /// API's error event: unresumable, or no continuation left); and `body_not_kept`: a
+    /// stream relayed without resumes because the node's budget for kept bodies was spent.
     pub stream_resumes: IntCounterVec,
     /// `kvmesh_pd_decisions_total{outcome}`: disaggregated requests, by how they ran: `pair`,
     /// or whole for a reason (`bypass`, `no_prefill`, `no_decode`, `same_replica`, `no_pair`).

@@ -124,19 +124,20 @@ impl StreamGuard {
         }
         let resumes = node.cfg.retry.stream_resumes;
         let resumable = matches!(u.api, Api::Completions | Api::Chat) && resumes > 0;
-        let again = resumable
-            .then(|| keep_body(node, &u.body))
-            .flatten()
-            .map(|budget_kib| Again {
-                path: u.path,
-                headers: headers.clone(),
-                body: u.body.clone(),
-                tenant: tenant.map(str::to_owned),
-                class,
-                tried: Vec::new(),
-                left: resumes,
-                budget_kib,
-            });
+        let kept = resumable.then(|| keep_body(node, &u.body)).flatten();
+        if resumable && kept.is_none() {
+            count(node, u.api, "body_not_kept");
+        }
+        let again = kept.map(|budget_kib| Again {
+            path: u.path,
+            headers: headers.clone(),
+            body: u.body.clone(),
+            tenant: tenant.map(str::to_owned),
+            class,
+            tried: Vec::new(),
+            left: resumes,
+            budget_kib,
+        });
         Some(Box::new(StreamGuard {
             node: Arc::clone(node),
             api: u.api,

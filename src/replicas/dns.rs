@@ -201,6 +201,8 @@ pub struct DnsSource {
     resolver: TokioResolver,
     /// Ids of replicas this source currently lists, with their indexes.
     members: HashSet<(String, usize)>,
+    /// The last resolution named more than [`MAX_DNS_REPLICAS`]: said once, not every refresh.
+    over_cap: bool,
 }
 
 /// Why a resolution failed.
@@ -253,6 +255,7 @@ impl DnsSource {
             cfg,
             resolver,
             members: HashSet::new(),
+            over_cap: false,
         })
     }
 
@@ -323,10 +326,6 @@ impl DnsSource {
         };
         addrs.sort();
         addrs.dedup();
-        if addrs.len() > MAX_DNS_REPLICAS {
-            tracing::warn!(source = %self.cfg.name, found = addrs.len(), "DNS names more replicas than a source registers; the first {MAX_DNS_REPLICAS} by address are kept");
-            addrs.truncate(MAX_DNS_REPLICAS);
-        }
         Ok((addrs, until))
     }
 
@@ -335,7 +334,8 @@ impl DnsSource {
     pub async fn sync(&mut self, registry: &dyn ReplicaRegistry) -> (Vec<usize>, Duration) {
         let min = Duration::from_millis(self.cfg.min_refresh_ms);
         let max = Duration::from_millis(self.cfg.max_refresh_ms);
-        let (addrs, until) = match tokio::time::timeout(RESOLVE_DEADLINE, self.resolve()).await {
+        let (mut addrs, until) = match tokio::time::timeout(RESOLVE_DEADLINE, self.resolve()).await
+        {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "DNS resolution failed; keeping the previous replicas");
@@ -346,6 +346,12 @@ impl DnsSource {
                 return (Vec::new(), min);
             }
         };
+        let over_cap = addrs.len() > MAX_DNS_REPLICAS;
+        if over_cap && !self.over_cap {
+            tracing::warn!(source = %self.cfg.name, found = addrs.len(), "DNS names more replicas than a source registers; the first {MAX_DNS_REPLICAS} by address are kept (said once while it lasts)");
+        }
+        self.over_cap = over_cap;
+        addrs.truncate(MAX_DNS_REPLICAS);
         let mut added = Vec::new();
         let mut now_members = HashSet::with_capacity(addrs.len());
         for addr in addrs {

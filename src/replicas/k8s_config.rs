@@ -416,3 +416,23 @@ pub struct Found {
     /// "ranks"`): its KV events' `dp_ranks`. 0: as configured.
     pub ranks: u16,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_pod_name_is_shortened_to_an_id_the_same_at_every_node() {
+        let addr: std::net::SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(pod_replica_id("vllm-0", addr), "vllm-0@10.0.0.1:8000");
+        let long = "p".repeat(253);
+        let id = pod_replica_id(&long, addr);
+        assert!(
+            id.len() <= crate::mesh::schema::MAX_REPLICA_ID_BYTES,
+            "{id}"
+        );
+        assert!(id.ends_with("@10.0.0.1:8000"), "{id}");
+        assert_eq!(id, pod_replica_id(&long, addr));
+        assert_ne!(id, pod_replica_id(&"p".repeat(252), addr));
+    }
+}

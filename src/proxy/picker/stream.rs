@@ -139,12 +139,13 @@ async fn serve(ctx: &PickerCtx, inbound: &mut Streaming<ProcessingRequest>, out:
     if h.end_of_stream {
         // With API keys on, a retrieve or cancel of a stored response needs a key here as at
         // the HTTP front (other bodyless requests, `/v1/models`, need none there either).
-        if stored_response_id(&head.path).is_some() {
+        let stored = stored_response_id(&head.path);
+        if stored.is_some() {
             if let Err(e) = identify(node, &head.headers, false) {
                 return refuse(out, e, shape).await;
             }
         }
-        return bodyless(ctx, inbound, out, &head.path, subset.as_deref()).await;
+        return bodyless(ctx, inbound, out, stored, subset.as_deref()).await;
     }
     let who = match identify(node, &head.headers, false) {
         Ok(w) => w,
@@ -355,12 +356,13 @@ async fn decide_pick(
 }
 
 /// A request without a body (`GET /v1/models`, say): the least loaded healthy replica the
-/// subset allows, booked nowhere (it costs an engine nothing to speak of).
+/// subset allows, booked nowhere (it costs an engine nothing to speak of); for a `stored`
+/// response's retrieve or cancel (its id), the replica that stores it.
 async fn bodyless(
     ctx: &PickerCtx,
     inbound: &mut Streaming<ProcessingRequest>,
     out: &Out,
-    path: &str,
+    stored: Option<&str>,
     subset: Option<&[String]>,
 ) -> Outcome {
     let node = &ctx.node;
@@ -370,7 +372,7 @@ async fn bodyless(
         .map(|s| pick::excluded_by(node, s, &ctx.cfg.rank_ports))
         .unwrap_or_default();
     // A retrieve or cancel of a stored response goes to the replica that stores it, or nowhere.
-    if let Some(id) = stored_response_id(path) {
+    if let Some(id) = stored {
         let held = match stored_responses::locate(node, None, id).await {
             Ok(Some(i)) if excluded.binary_search(&i).is_err() => Some(i),
             Ok(_) => None,
